@@ -1,0 +1,249 @@
+//! The worker registry: the one source of truth for which workers exist, where they listen and in which
+//! state they are.
+//!
+//! Writers (the registration server, the process manager) call [`Registry::register`] and
+//! [`Registry::deregister`]; every change publishes a new immutable [`Snapshot`] on a watch channel.
+//! Readers (xDS, status, later ORCA) only ever see whole snapshots.
+//!
+//! Invariant: nothing else in the supervisor stores endpoints; everything that needs them subscribes.
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use tokio::sync::watch;
+
+/// An application protocol a worker's listener speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    /// HTTP/1.1.
+    Http1,
+    /// HTTP/2 with prior knowledge (h2c).
+    Http2,
+}
+
+/// One concrete address a worker bound.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Address {
+    /// An IP socket.
+    Tcp(SocketAddr),
+    /// A Unix-domain stream socket.
+    Unix(PathBuf),
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Tcp(addr) => write!(f, "{addr}"),
+            Address::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// A worker's listener, as it registered it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listener {
+    /// The listener's name.
+    pub name: String,
+    /// `http` for now.
+    pub scheme: String,
+    /// Protocols spoken, without duplicates.
+    pub protocols: Vec<Protocol>,
+    /// Every address bound, in order of preference; never empty.
+    pub addresses: Vec<Address>,
+}
+
+/// Where a worker is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerState {
+    /// Registered and serving.
+    Ready,
+}
+
+/// A registered worker instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Worker {
+    /// Its service.
+    pub service: String,
+    /// Its slot in the service, `0..count`.
+    pub index: u32,
+    /// Its process id.
+    pub pid: u32,
+    /// A hostname unique to this instance (a restarted worker gets a new one); EDS publishes it and
+    /// ORCA tells workers apart by it.
+    pub hostname: String,
+    /// What it listens on.
+    pub listener: Listener,
+    /// Its state.
+    pub state: WorkerState,
+}
+
+/// One service in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ServiceView {
+    /// Registered workers by slot index.
+    pub workers: BTreeMap<u32, Worker>,
+}
+
+/// An immutable view of the registry at one revision.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Snapshot {
+    /// Increases by one with every change (not across supervisor restarts).
+    pub revision: u64,
+    /// Every configured service, by name (also those without workers).
+    pub services: BTreeMap<String, ServiceView>,
+}
+
+/// Why a registration was not recorded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// The service is not configured.
+    #[error("unknown service {0:?}")]
+    UnknownService(String),
+    /// The listener has no address.
+    #[error("listener has no address")]
+    NoAddress,
+}
+
+/// The registry. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct Registry {
+    state: Mutex<Snapshot>,
+    tx: watch::Sender<Arc<Snapshot>>,
+}
+
+/// The hostname published for a worker instance: unique per (service, slot, process).
+pub fn hostname_for(service: &str, index: u32, pid: u32) -> String {
+    format!("{service}-{index}-{pid}")
+}
+
+impl Registry {
+    /// A registry for the given services, with no workers yet.
+    pub fn new(services: impl IntoIterator<Item = String>) -> Self {
+        let snapshot = Snapshot {
+            revision: 0,
+            services: services
+                .into_iter()
+                .map(|s| (s, ServiceView::default()))
+                .collect(),
+        };
+        let (tx, _) = watch::channel(Arc::new(snapshot.clone()));
+        Registry {
+            state: Mutex::new(snapshot),
+            tx,
+        }
+    }
+
+    /// A receiver that sees every published snapshot (at least the latest).
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
+        self.tx.subscribe()
+    }
+
+    /// The current snapshot.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.tx.borrow().clone()
+    }
+
+    /// Records a worker (replacing any earlier instance in its slot) and publishes the change.
+    pub fn register(&self, worker: Worker) -> Result<(), RegistryError> {
+        if worker.listener.addresses.is_empty() {
+            return Err(RegistryError::NoAddress);
+        }
+        self.update(|state| {
+            let service = state
+                .services
+                .get_mut(&worker.service)
+                .ok_or_else(|| RegistryError::UnknownService(worker.service.clone()))?;
+            service.workers.insert(worker.index, worker);
+            Ok(true)
+        })
+        .map(drop)
+    }
+
+    /// Removes the worker in `service`'s slot `index` if it is still process `pid`; returns whether it
+    /// was removed.
+    pub fn deregister(&self, service: &str, index: u32, pid: u32) -> bool {
+        self.update(|state| {
+            let Some(view) = state.services.get_mut(service) else {
+                return Ok::<_, RegistryError>(false);
+            };
+            if view.workers.get(&index).is_some_and(|w| w.pid == pid) {
+                view.workers.remove(&index);
+                return Ok(true);
+            }
+            Ok(false)
+        })
+        .unwrap_or(false)
+    }
+
+    /// Applies `change` under the lock; publishes a new revision if it reports a change.
+    fn update<E>(&self, change: impl FnOnce(&mut Snapshot) -> Result<bool, E>) -> Result<bool, E> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let changed = change(&mut state)?;
+        if changed {
+            state.revision += 1;
+            self.tx.send_replace(Arc::new(state.clone()));
+        }
+        Ok(changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn worker(service: &str, index: u32, pid: u32) -> Worker {
+        Worker {
+            service: service.into(),
+            index,
+            pid,
+            hostname: hostname_for(service, index, pid),
+            listener: Listener {
+                name: service.into(),
+                scheme: "http".into(),
+                protocols: vec![Protocol::Http1],
+                addresses: vec![Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into())],
+            },
+            state: WorkerState::Ready,
+        }
+    }
+
+    #[test]
+    fn publishes_each_change_as_a_new_revision() {
+        let registry = Registry::new(["a".to_string()]);
+        let mut rx = registry.subscribe();
+        registry.register(worker("a", 0, 10)).unwrap();
+        assert!(rx.has_changed().unwrap());
+        let snap = rx.borrow_and_update().clone();
+        assert_eq!(snap.revision, 1);
+        assert_eq!(snap.services["a"].workers[&0].pid, 10);
+    }
+
+    #[test]
+    fn deregisters_only_the_same_instance() {
+        let registry = Registry::new(["a".to_string()]);
+        registry.register(worker("a", 0, 10)).unwrap();
+        registry.register(worker("a", 0, 11)).unwrap();
+        assert!(!registry.deregister("a", 0, 10), "an old instance must not remove its successor");
+        assert!(registry.deregister("a", 0, 11));
+        assert!(registry.snapshot().services["a"].workers.is_empty());
+        assert_eq!(registry.snapshot().revision, 3);
+    }
+
+    #[test]
+    fn refuses_unknown_services_and_empty_listeners() {
+        let registry = Registry::new(["a".to_string()]);
+        assert_eq!(
+            registry.register(worker("b", 0, 1)),
+            Err(RegistryError::UnknownService("b".into()))
+        );
+        let mut w = worker("a", 0, 1);
+        w.listener.addresses.clear();
+        assert_eq!(registry.register(w), Err(RegistryError::NoAddress));
+        assert_eq!(registry.snapshot().revision, 0);
+    }
+}
