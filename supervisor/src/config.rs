@@ -1,1 +1,651 @@
-//! (being written)
+//! `peregrine.toml`: parsed in one place, every problem reported with its key and line.
+//!
+//! Parsing has two layers. The raw layer ([`RawConfig`]) mirrors the file with serde (unknown keys are
+//! errors) and keeps the spans of the values that later checks may reject. [`Config::parse`] then checks
+//! every value, collects *all* problems (not just the first) and returns the typed [`Config`].
+//!
+//! Environment overrides (for paths and addresses that differ per machine): `PEREGRINE_BIND` replaces
+//! `supervisor.bind`, `PEREGRINE_CONTROL` replaces `supervisor.control`. Tests pass a map instead of
+//! touching the process environment.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    net::SocketAddr,
+    ops::Range,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use peregrine_worker::url::BindUrl;
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The default gRPC (xDS) address: loopback only.
+pub const DEFAULT_BIND: &str = "http://[::1]:18000";
+/// The default registration socket, relative to the config file's directory.
+pub const DEFAULT_CONTROL: &str = "peregrine.sock";
+/// The default bind url of a service's workers.
+pub const DEFAULT_URL: &str = "http://localhost:0";
+/// The placeholder replaced by the worker's index in a `unix://` url.
+pub const INDEX_PLACEHOLDER: &str = "{index}";
+
+/// A checked configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// `[supervisor]`.
+    pub supervisor: SupervisorConfig,
+    /// `[envoy]`: used only to write an Envoy bootstrap.
+    pub envoy: EnvoyConfig,
+    /// `[service.NAME]`, by name. Never empty.
+    pub services: BTreeMap<String, ServiceConfig>,
+}
+
+/// `[supervisor]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SupervisorConfig {
+    /// Where the gRPC server (xDS) listens.
+    pub bind: SocketAddr,
+    /// The registration socket's path (absolute).
+    pub control: PathBuf,
+    /// The name Envoy's bootstrap gives the cluster that reaches this supervisor.
+    pub xds_cluster: String,
+    /// How exited workers are restarted.
+    pub restart: RestartPolicy,
+}
+
+/// Exponential restart backoff.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RestartPolicy {
+    /// The first delay after an exit.
+    pub initial: Duration,
+    /// The largest delay.
+    pub max: Duration,
+    /// A worker that ran this long resets its delay to `initial`.
+    pub healthy_after: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(10),
+            healthy_after: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `[envoy]`: what `peregrine envoy-bootstrap` writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvoyConfig {
+    /// Envoy's node id (and node cluster).
+    pub node: String,
+    /// The address of Envoy's HTTP listener.
+    pub listen: SocketAddr,
+    /// The address of Envoy's admin interface.
+    pub admin: SocketAddr,
+}
+
+/// `[service.NAME]`: one Envoy cluster and its workers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceConfig {
+    /// The service (and Envoy cluster) name.
+    pub name: String,
+    /// How many workers to run.
+    pub count: u32,
+    /// Where each worker binds; a `unix://` url may hold [`INDEX_PLACEHOLDER`].
+    pub url: String,
+    /// The worker command; `None` runs the built-in hello worker (`peregrine worker`).
+    pub command: Option<Vec<String>>,
+    /// Extra environment for the workers.
+    pub env: BTreeMap<String, String>,
+    /// The route prefix in the generated Envoy bootstrap.
+    pub prefix: String,
+    /// The route's domains in the generated Envoy bootstrap.
+    pub domains: Vec<String>,
+}
+
+impl ServiceConfig {
+    /// The bind url of the worker in slot `index`.
+    pub fn url_for(&self, index: u32) -> BindUrl {
+        self.url
+            .replace(INDEX_PLACEHOLDER, &index.to_string())
+            .parse()
+            .expect("checked by Config::parse")
+    }
+}
+
+/// One problem in a configuration file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// The 1-based line, when known.
+    pub line: Option<usize>,
+    /// The dotted key, e.g. `service.cluster.count`.
+    pub key: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "line {line}: {}: {}", self.key, self.message),
+            None => write!(f, "{}: {}", self.key, self.message),
+        }
+    }
+}
+
+/// Why a configuration was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file has problems; each is reported on a line of its own.
+    #[error("{}", render(.path, .problems))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Every problem found.
+        problems: Vec<Problem>,
+    },
+}
+
+fn render(path: &Path, problems: &[Problem]) -> String {
+    let lines: Vec<String> = problems
+        .iter()
+        .map(|p| format!("{}: {p}", path.display()))
+        .collect();
+    lines.join("\n")
+}
+
+// === raw layer ===
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    supervisor: RawSupervisor,
+    #[serde(default)]
+    envoy: RawEnvoy,
+    #[serde(default)]
+    service: BTreeMap<String, RawService>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSupervisor {
+    bind: Option<Spanned<String>>,
+    control: Option<Spanned<String>>,
+    xds_cluster: Option<Spanned<String>>,
+    restart_delay_ms: Option<Spanned<u64>>,
+    restart_delay_max_ms: Option<Spanned<u64>>,
+    healthy_after_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEnvoy {
+    node: Option<Spanned<String>>,
+    listen: Option<Spanned<String>>,
+    admin: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawService {
+    count: Option<Spanned<i64>>,
+    url: Option<Spanned<String>>,
+    command: Option<Spanned<Vec<String>>>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    prefix: Option<Spanned<String>>,
+    domains: Option<Spanned<Vec<String>>>,
+}
+
+/// Collects problems with their lines.
+struct Checker<'a> {
+    source: &'a str,
+    problems: Vec<Problem>,
+}
+
+impl Checker<'_> {
+    fn line_of(&self, span: Range<usize>) -> usize {
+        let end = span.start.min(self.source.len());
+        self.source[..end].bytes().filter(|&b| b == b'\n').count() + 1
+    }
+
+    fn report(&mut self, span: Option<Range<usize>>, key: String, message: impl Into<String>) {
+        let line = span.map(|s| self.line_of(s));
+        self.problems.push(Problem {
+            line,
+            key,
+            message: message.into(),
+        });
+    }
+}
+
+impl Config {
+    /// Reads and checks a configuration file, with overrides from the process environment.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let source = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let base = std::path::absolute(base).unwrap_or_else(|_| base.to_owned());
+        let env = std::env::vars().collect();
+        Config::parse(&source, &base, &env).map_err(|problems| ConfigError::Invalid {
+            path: path.to_owned(),
+            problems,
+        })
+    }
+
+    /// Checks a configuration's text; relative paths are taken from `base`. Returns every problem.
+    pub fn parse(
+        source: &str,
+        base: &Path,
+        env: &HashMap<String, String>,
+    ) -> Result<Config, Vec<Problem>> {
+        let mut check = Checker {
+            source,
+            problems: Vec::new(),
+        };
+        let deserializer = match toml::de::Deserializer::parse(source) {
+            Ok(deserializer) => deserializer,
+            Err(err) => {
+                check.report(err.span(), "(syntax)".into(), err.message().trim());
+                return Err(check.problems);
+            }
+        };
+        let raw: RawConfig = match serde_path_to_error::deserialize(deserializer) {
+            Ok(raw) => raw,
+            Err(err) => {
+                let key = dotted_key(err.path());
+                let inner = err.into_inner();
+                check.report(inner.span(), key, inner.message().trim());
+                return Err(check.problems);
+            }
+        };
+
+        let supervisor = check.supervisor(raw.supervisor, base, env);
+        let envoy = check.envoy(raw.envoy);
+        if raw.service.is_empty() {
+            check.report(
+                None,
+                "service".into(),
+                "no services: add a [service.NAME] table with the workers to run",
+            );
+        }
+        let services = raw
+            .service
+            .into_iter()
+            .map(|(name, service)| (name.clone(), check.service(name, service)))
+            .collect();
+
+        if check.problems.is_empty() {
+            Ok(Config {
+                supervisor: supervisor.expect("no problems"),
+                envoy: envoy.expect("no problems"),
+                services,
+            })
+        } else {
+            Err(check.problems)
+        }
+    }
+}
+
+impl Checker<'_> {
+    fn supervisor(
+        &mut self,
+        raw: RawSupervisor,
+        base: &Path,
+        env: &HashMap<String, String>,
+    ) -> Option<SupervisorConfig> {
+        let bind = match env.get("PEREGRINE_BIND") {
+            Some(bind) => self.grpc_address(bind, None, "PEREGRINE_BIND (environment)"),
+            None => match &raw.bind {
+                Some(b) => self.grpc_address(b.get_ref(), Some(b.span()), "supervisor.bind"),
+                None => self.grpc_address(DEFAULT_BIND, None, "supervisor.bind"),
+            },
+        };
+        let control = match env.get("PEREGRINE_CONTROL") {
+            Some(c) => Some(c.clone()),
+            None => raw.control.map(|c| c.into_inner()),
+        }
+        .unwrap_or_else(|| DEFAULT_CONTROL.into());
+        let control = base.join(control);
+        let xds_cluster = match raw.xds_cluster {
+            Some(name) if !valid_name(name.get_ref()) => {
+                self.report(Some(name.span()), "supervisor.xds_cluster".into(), NAME_RULE);
+                String::new()
+            }
+            Some(name) => name.into_inner(),
+            None => "xds_cluster".into(),
+        };
+        let mut restart = RestartPolicy::default();
+        if let Some(ms) = raw.restart_delay_ms {
+            if *ms.get_ref() == 0 {
+                self.report(
+                    Some(ms.span()),
+                    "supervisor.restart_delay_ms".into(),
+                    "must be at least 1: a zero delay lets a crashing worker restart in a tight loop",
+                );
+            }
+            restart.initial = Duration::from_millis(*ms.get_ref());
+        }
+        if let Some(ms) = raw.restart_delay_max_ms {
+            if Duration::from_millis(*ms.get_ref()) < restart.initial {
+                self.report(
+                    Some(ms.span()),
+                    "supervisor.restart_delay_max_ms".into(),
+                    "must not be smaller than restart_delay_ms",
+                );
+            }
+            restart.max = Duration::from_millis(*ms.get_ref());
+        }
+        if let Some(ms) = raw.healthy_after_ms {
+            restart.healthy_after = Duration::from_millis(ms);
+        }
+        Some(SupervisorConfig {
+            bind: bind?,
+            control,
+            xds_cluster,
+            restart,
+        })
+    }
+
+    /// Parses `http://IP:PORT`.
+    fn grpc_address(&mut self, url: &str, span: Option<Range<usize>>, key: &str) -> Option<SocketAddr> {
+        let parsed = url
+            .strip_prefix("http://")
+            .map(|a| a.trim_end_matches('/'))
+            .and_then(|a| a.parse::<SocketAddr>().ok());
+        if parsed.is_none() {
+            self.report(
+                span,
+                key.into(),
+                format!("expected http://IP:PORT (e.g. {DEFAULT_BIND}), got {url:?}"),
+            );
+        }
+        parsed
+    }
+
+    fn socket_address(&mut self, raw: Option<Spanned<String>>, default: &str, key: &str) -> Option<SocketAddr> {
+        match raw {
+            None => Some(default.parse().expect("valid default")),
+            Some(value) => {
+                let parsed = value.get_ref().parse().ok();
+                if parsed.is_none() {
+                    self.report(
+                        Some(value.span()),
+                        key.into(),
+                        format!("expected IP:PORT (e.g. {default}), got {:?}", value.get_ref()),
+                    );
+                }
+                parsed
+            }
+        }
+    }
+
+    fn envoy(&mut self, raw: RawEnvoy) -> Option<EnvoyConfig> {
+        let node = match raw.node {
+            Some(node) if node.get_ref().is_empty() => {
+                self.report(Some(node.span()), "envoy.node".into(), "must not be empty");
+                String::new()
+            }
+            Some(node) => node.into_inner(),
+            None => "peregrine".into(),
+        };
+        let listen = self.socket_address(raw.listen, "0.0.0.0:10000", "envoy.listen");
+        let admin = self.socket_address(raw.admin, "127.0.0.1:9901", "envoy.admin");
+        Some(EnvoyConfig {
+            node,
+            listen: listen?,
+            admin: admin?,
+        })
+    }
+
+    fn service(&mut self, name: String, raw: RawService) -> ServiceConfig {
+        let key = |field: &str| format!("service.{name}.{field}");
+        if !valid_name(&name) {
+            let at = self.source.find(&format!("\"{name}\"")).map(|at| at..at);
+            self.report(at, format!("service.{name}"), NAME_RULE);
+        }
+        let count = match raw.count {
+            None => 1,
+            Some(count) => match u32::try_from(*count.get_ref()) {
+                Ok(n) if (1..=MAX_WORKERS).contains(&n) => n,
+                _ => {
+                    self.report(
+                        Some(count.span()),
+                        key("count"),
+                        format!("must be between 1 and {MAX_WORKERS}, got {}", count.get_ref()),
+                    );
+                    1
+                }
+            },
+        };
+        let (url, url_span) = match raw.url {
+            Some(url) => (url.get_ref().clone(), Some(url.span())),
+            None => (DEFAULT_URL.to_string(), None),
+        };
+        match url.replace(INDEX_PLACEHOLDER, "0").parse::<BindUrl>() {
+            Err(err) => self.report(url_span, key("url"), err.to_string()),
+            Ok(BindUrl::Tcp { .. }) if url.contains(INDEX_PLACEHOLDER) => self.report(
+                url_span,
+                key("url"),
+                format!("{INDEX_PLACEHOLDER} is only allowed in unix:// urls"),
+            ),
+            Ok(parsed) => {
+                if let Some(port) = parsed.fixed_port().filter(|_| count > 1) {
+                    self.report(
+                        url_span.clone(),
+                        key("url"),
+                        format!(
+                            "fixed port {port} cannot serve {count} workers: each worker binds its own \
+                             listener (no SO_REUSEPORT); use port 0 or count = 1"
+                        ),
+                    );
+                }
+                if matches!(parsed, BindUrl::Unix { .. }) && count > 1 && !url.contains(INDEX_PLACEHOLDER) {
+                    self.report(
+                        url_span,
+                        key("url"),
+                        format!(
+                            "one socket path cannot serve {count} workers: each worker binds its own \
+                             listener; put {INDEX_PLACEHOLDER} in the path (e.g. unix:///run/app-{INDEX_PLACEHOLDER}.sock)"
+                        ),
+                    );
+                }
+            }
+        }
+        let command = raw.command.and_then(|command| {
+            if command.get_ref().is_empty() || command.get_ref()[0].is_empty() {
+                self.report(
+                    Some(command.span()),
+                    key("command"),
+                    "must name a program, e.g. [\"/usr/bin/app\", \"--flag\"]",
+                );
+                None
+            } else {
+                Some(command.into_inner())
+            }
+        });
+        let prefix = match raw.prefix {
+            Some(prefix) if !prefix.get_ref().starts_with('/') => {
+                self.report(Some(prefix.span()), key("prefix"), "must start with /");
+                String::new()
+            }
+            Some(prefix) => prefix.into_inner(),
+            None => "/".into(),
+        };
+        let domains = match raw.domains {
+            Some(domains) if domains.get_ref().is_empty() => {
+                self.report(Some(domains.span()), key("domains"), "must name at least one domain (\"*\" for any)");
+                Vec::new()
+            }
+            Some(domains) => domains.into_inner(),
+            None => vec!["*".into()],
+        };
+        ServiceConfig {
+            name,
+            count,
+            url,
+            command,
+            env: raw.env,
+            prefix,
+            domains,
+        }
+    }
+}
+
+/// A serde path as the dotted key a user wrote, without serde's private wrapper segments.
+fn dotted_key(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut key = String::new();
+    for segment in path.iter() {
+        let part = match segment {
+            Segment::Map { key } if key.starts_with("$__") => continue,
+            Segment::Map { key } | Segment::Enum { variant: key } => key.clone(),
+            Segment::Seq { index } => index.to_string(),
+            Segment::Unknown => continue,
+        };
+        if !key.is_empty() {
+            key.push('.');
+        }
+        key.push_str(&part);
+    }
+    if key.is_empty() { "(top level)".into() } else { key }
+}
+
+/// The most workers a service may ask for.
+const MAX_WORKERS: u32 = 4096;
+
+const NAME_RULE: &str = "names may use only ASCII letters, digits, '-', '_' and '.'";
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(source: &str) -> Result<Config, Vec<Problem>> {
+        Config::parse(source, Path::new("/etc/peregrine"), &HashMap::new())
+    }
+
+    fn problems(source: &str) -> Vec<String> {
+        parse(source)
+            .expect_err("config should be rejected")
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn parses_the_documented_example() {
+        let config = parse(
+            r#"
+[supervisor]
+bind = "http://[::1]:18000"
+control = "peregrine.sock"
+
+[service.cluster]
+count = 2
+url = "http://localhost:0"
+command = ["peregrine", "worker"]
+"#,
+        )
+        .unwrap();
+        assert_eq!(config.supervisor.bind, "[::1]:18000".parse().unwrap());
+        assert_eq!(config.supervisor.control, Path::new("/etc/peregrine/peregrine.sock"));
+        let service = &config.services["cluster"];
+        assert_eq!(service.count, 2);
+        assert_eq!(service.command.as_deref().unwrap(), ["peregrine", "worker"]);
+        assert_eq!(service.url_for(1).to_string(), "http://localhost:0");
+    }
+
+    #[test]
+    fn defaults_are_loopback_and_built_in() {
+        let config = parse("[service.app]\n").unwrap();
+        assert!(config.supervisor.bind.ip().is_loopback());
+        assert!(config.envoy.admin.ip().is_loopback());
+        let app = &config.services["app"];
+        assert_eq!((app.count, app.command.as_ref()), (1, None));
+        assert_eq!(app.prefix, "/");
+    }
+
+    #[test]
+    fn a_type_error_names_the_key_and_line() {
+        let got = problems("[service.cluster]\ncount = \"two\"\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].starts_with("line 2: service.cluster.count: "), "{got:?}");
+        assert!(!got[0].contains('\n'), "one line: {got:?}");
+    }
+
+    #[test]
+    fn an_unknown_key_is_named() {
+        let got = problems("[service.cluster]\ncuont = 2\n");
+        assert!(got[0].contains("line 2") && got[0].contains("cuont"), "{got:?}");
+    }
+
+    #[test]
+    fn a_syntax_error_has_a_line() {
+        let got = problems("[service.cluster]\ncount = = 2\n");
+        assert!(got[0].starts_with("line 2: "), "{got:?}");
+    }
+
+    #[test]
+    fn reports_every_problem_not_just_the_first() {
+        let got = problems(
+            r#"[supervisor]
+bind = "localhost"
+[service.web]
+count = 3
+url = "http://127.0.0.1:8080"
+[service."bad name"]
+count = 0
+"#,
+        );
+        assert_eq!(got.len(), 4, "{got:#?}");
+        assert!(got[0].starts_with("line 2: supervisor.bind: expected http://IP:PORT"), "{got:?}");
+        assert!(got.iter().any(|p| p.starts_with("line 5: service.web.url: fixed port 8080")), "{got:?}");
+        assert!(got.iter().any(|p| p.contains("service.bad name.count: must be between 1")), "{got:?}");
+    }
+
+    #[test]
+    fn a_shared_unix_path_needs_the_index_placeholder() {
+        let got = problems("[service.a]\ncount = 2\nurl = \"unix:///run/a.sock\"\n");
+        assert!(got[0].contains("{index}"), "{got:?}");
+        let config = parse("[service.a]\ncount = 2\nurl = \"unix:///run/a-{index}.sock\"\n").unwrap();
+        assert_eq!(config.services["a"].url_for(1).to_string(), "unix:///run/a-1.sock");
+    }
+
+    #[test]
+    fn no_services_is_an_error() {
+        let got = problems("[supervisor]\n");
+        assert!(got[0].contains("no services"), "{got:?}");
+    }
+
+    #[test]
+    fn environment_overrides_bind_and_control() {
+        let env = HashMap::from([
+            ("PEREGRINE_BIND".to_string(), "http://127.0.0.1:1".to_string()),
+            ("PEREGRINE_CONTROL".to_string(), "/run/x.sock".to_string()),
+        ]);
+        let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();
+        assert_eq!(config.supervisor.bind.port(), 1);
+        assert_eq!(config.supervisor.control, Path::new("/run/x.sock"));
+    }
+}
