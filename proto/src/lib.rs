@@ -58,7 +58,9 @@ pub fn decode_frame<M: Message + Default>(buf: &mut BytesMut) -> Result<Option<M
     }
     buf.advance(prefix);
     let payload = buf.split_to(len);
-    M::decode(payload.freeze()).map(Some).map_err(FrameError::Invalid)
+    M::decode(payload.freeze())
+        .map(Some)
+        .map_err(FrameError::Invalid)
 }
 
 /// Reads a varint length prefix: `Ok(None)` if incomplete, else the value and the prefix's size.

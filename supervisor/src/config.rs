@@ -323,7 +323,11 @@ impl Checker<'_> {
         let control = base.join(control);
         let xds_cluster = match raw.xds_cluster {
             Some(name) if !valid_name(name.get_ref()) => {
-                self.report(Some(name.span()), "supervisor.xds_cluster".into(), NAME_RULE);
+                self.report(
+                    Some(name.span()),
+                    "supervisor.xds_cluster".into(),
+                    NAME_RULE,
+                );
                 String::new()
             }
             Some(name) => name.into_inner(),
@@ -362,7 +366,12 @@ impl Checker<'_> {
     }
 
     /// Parses `http://IP:PORT`.
-    fn grpc_address(&mut self, url: &str, span: Option<Range<usize>>, key: &str) -> Option<SocketAddr> {
+    fn grpc_address(
+        &mut self,
+        url: &str,
+        span: Option<Range<usize>>,
+        key: &str,
+    ) -> Option<SocketAddr> {
         let parsed = url
             .strip_prefix("http://")
             .map(|a| a.trim_end_matches('/'))
@@ -377,7 +386,12 @@ impl Checker<'_> {
         parsed
     }
 
-    fn socket_address(&mut self, raw: Option<Spanned<String>>, default: &str, key: &str) -> Option<SocketAddr> {
+    fn socket_address(
+        &mut self,
+        raw: Option<Spanned<String>>,
+        default: &str,
+        key: &str,
+    ) -> Option<SocketAddr> {
         match raw {
             None => Some(default.parse().expect("valid default")),
             Some(value) => {
@@ -386,7 +400,10 @@ impl Checker<'_> {
                     self.report(
                         Some(value.span()),
                         key.into(),
-                        format!("expected IP:PORT (e.g. {default}), got {:?}", value.get_ref()),
+                        format!(
+                            "expected IP:PORT (e.g. {default}), got {:?}",
+                            value.get_ref()
+                        ),
                     );
                 }
                 parsed
@@ -426,7 +443,10 @@ impl Checker<'_> {
                     self.report(
                         Some(count.span()),
                         key("count"),
-                        format!("must be between 1 and {MAX_WORKERS}, got {}", count.get_ref()),
+                        format!(
+                            "must be between 1 and {MAX_WORKERS}, got {}",
+                            count.get_ref()
+                        ),
                     );
                     1
                 }
@@ -454,7 +474,10 @@ impl Checker<'_> {
                         ),
                     );
                 }
-                if matches!(parsed, BindUrl::Unix { .. }) && count > 1 && !url.contains(INDEX_PLACEHOLDER) {
+                if matches!(parsed, BindUrl::Unix { .. })
+                    && count > 1
+                    && !url.contains(INDEX_PLACEHOLDER)
+                {
                     self.report(
                         url_span,
                         key("url"),
@@ -488,7 +511,11 @@ impl Checker<'_> {
         };
         let domains = match raw.domains {
             Some(domains) if domains.get_ref().is_empty() => {
-                self.report(Some(domains.span()), key("domains"), "must name at least one domain (\"*\" for any)");
+                self.report(
+                    Some(domains.span()),
+                    key("domains"),
+                    "must name at least one domain (\"*\" for any)",
+                );
                 Vec::new()
             }
             Some(domains) => domains.into_inner(),
@@ -522,7 +549,11 @@ fn dotted_key(path: &serde_path_to_error::Path) -> String {
         }
         key.push_str(&part);
     }
-    if key.is_empty() { "(top level)".into() } else { key }
+    if key.is_empty() {
+        "(top level)".into()
+    } else {
+        key
+    }
 }
 
 /// The most workers a service may ask for.
@@ -569,7 +600,10 @@ command = ["peregrine", "worker"]
         )
         .unwrap();
         assert_eq!(config.supervisor.bind, "[::1]:18000".parse().unwrap());
-        assert_eq!(config.supervisor.control, Path::new("/etc/peregrine/peregrine.sock"));
+        assert_eq!(
+            config.supervisor.control,
+            Path::new("/etc/peregrine/peregrine.sock")
+        );
         let service = &config.services["cluster"];
         assert_eq!(service.count, 2);
         assert_eq!(service.command.as_deref().unwrap(), ["peregrine", "worker"]);
@@ -590,14 +624,20 @@ command = ["peregrine", "worker"]
     fn a_type_error_names_the_key_and_line() {
         let got = problems("[service.cluster]\ncount = \"two\"\n");
         assert_eq!(got.len(), 1, "{got:?}");
-        assert!(got[0].starts_with("line 2: service.cluster.count: "), "{got:?}");
+        assert!(
+            got[0].starts_with("line 2: service.cluster.count: "),
+            "{got:?}"
+        );
         assert!(!got[0].contains('\n'), "one line: {got:?}");
     }
 
     #[test]
     fn an_unknown_key_is_named() {
         let got = problems("[service.cluster]\ncuont = 2\n");
-        assert!(got[0].contains("line 2") && got[0].contains("cuont"), "{got:?}");
+        assert!(
+            got[0].contains("line 2") && got[0].contains("cuont"),
+            "{got:?}"
+        );
     }
 
     #[test]
@@ -619,17 +659,32 @@ count = 0
 "#,
         );
         assert_eq!(got.len(), 4, "{got:#?}");
-        assert!(got[0].starts_with("line 2: supervisor.bind: expected http://IP:PORT"), "{got:?}");
-        assert!(got.iter().any(|p| p.starts_with("line 5: service.web.url: fixed port 8080")), "{got:?}");
-        assert!(got.iter().any(|p| p.contains("service.bad name.count: must be between 1")), "{got:?}");
+        assert!(
+            got[0].starts_with("line 2: supervisor.bind: expected http://IP:PORT"),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.starts_with("line 5: service.web.url: fixed port 8080")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.contains("service.bad name.count: must be between 1")),
+            "{got:?}"
+        );
     }
 
     #[test]
     fn a_shared_unix_path_needs_the_index_placeholder() {
         let got = problems("[service.a]\ncount = 2\nurl = \"unix:///run/a.sock\"\n");
         assert!(got[0].contains("{index}"), "{got:?}");
-        let config = parse("[service.a]\ncount = 2\nurl = \"unix:///run/a-{index}.sock\"\n").unwrap();
-        assert_eq!(config.services["a"].url_for(1).to_string(), "unix:///run/a-1.sock");
+        let config =
+            parse("[service.a]\ncount = 2\nurl = \"unix:///run/a-{index}.sock\"\n").unwrap();
+        assert_eq!(
+            config.services["a"].url_for(1).to_string(),
+            "unix:///run/a-1.sock"
+        );
     }
 
     #[test]
@@ -641,7 +696,10 @@ count = 0
     #[test]
     fn environment_overrides_bind_and_control() {
         let env = HashMap::from([
-            ("PEREGRINE_BIND".to_string(), "http://127.0.0.1:1".to_string()),
+            (
+                "PEREGRINE_BIND".to_string(),
+                "http://127.0.0.1:1".to_string(),
+            ),
             ("PEREGRINE_CONTROL".to_string(), "/run/x.sock".to_string()),
         ]);
         let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();

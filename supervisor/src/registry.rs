@@ -228,7 +228,10 @@ mod tests {
         let registry = Registry::new(["a".to_string()]);
         registry.register(worker("a", 0, 10)).unwrap();
         registry.register(worker("a", 0, 11)).unwrap();
-        assert!(!registry.deregister("a", 0, 10), "an old instance must not remove its successor");
+        assert!(
+            !registry.deregister("a", 0, 10),
+            "an old instance must not remove its successor"
+        );
         assert!(registry.deregister("a", 0, 11));
         assert!(registry.snapshot().services["a"].workers.is_empty());
         assert_eq!(registry.snapshot().revision, 3);
