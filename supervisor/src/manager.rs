@@ -54,6 +54,15 @@ impl Children {
         self.lock().get(&pid).cloned()
     }
 
+    #[cfg(test)]
+    pub(crate) fn insert_for_test(&self, pid: u32, service: &str, index: u32) {
+        let slot = Slot {
+            service: service.into(),
+            index,
+        };
+        self.lock().insert(pid, slot);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Slot>> {
         self.by_pid.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -1,1 +1,531 @@
-//! (being written)
+//! The registration server: workers announce their listeners over the supervisor's Unix socket.
+//!
+//! The socket is owner-only (mode 0600). For each connection the server reads the peer's credentials
+//! (SO_PEERCRED) and accepts a registration only from a live worker process the manager started, with
+//! the same user id, whose message names that worker's own pid, service and slot. Anything else gets a
+//! `Refused` answer, a log line, and a closed connection; nothing else is touched. A registered
+//! worker's connection stays open: its close deregisters the worker.
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+    os::unix::fs::{FileTypeExt, PermissionsExt},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use bytes::BytesMut;
+use peregrine_proto::{
+    FrameError, decode_frame, encode,
+    v1::{
+        self, Refused, Registered, SupervisorMessage, WorkerMessage, supervisor_message,
+        worker_message,
+    },
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{UnixListener, UnixStream},
+};
+use tracing::Instrument;
+
+use crate::{
+    manager::{Children, Slot},
+    registry::{self, Address, Listener, Protocol, Registry, Worker, WorkerState},
+};
+
+/// How long a new connection may take to send its registration.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the registration socket could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// Another process is serving on the socket.
+    #[error("{0} is in use by another running supervisor")]
+    InUse(PathBuf),
+    /// A file that is not a socket is in the way.
+    #[error("{0} exists and is not a socket; refusing to remove it")]
+    NotASocket(PathBuf),
+    /// Any other failure.
+    #[error("cannot bind the registration socket {path}")]
+    Io {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Binds the registration socket at `path`, owner-only, removing a stale socket left by a supervisor
+/// that died.
+pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
+    let io_err = |source| BindError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(BindError::NotASocket(path.to_owned()));
+        }
+        Ok(_) => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(BindError::InUse(path.to_owned()));
+            }
+            tracing::info!(path = %path.display(), "Removing stale registration socket");
+            std::fs::remove_file(path).map_err(io_err)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(e)),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(io_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
+    Ok(listener)
+}
+
+/// Accepts registrations until the task is dropped.
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>, children: Arc<Children>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let (registry, children) = (registry.clone(), children.clone());
+                let cred = stream.peer_cred().ok();
+                let span = tracing::info_span!(
+                    "registration",
+                    pid = cred.and_then(|c| c.pid()),
+                    uid = cred.map(|c| c.uid()),
+                );
+                tokio::spawn(
+                    async move {
+                        if let Err(reason) = handle(stream, &registry, &children).await {
+                            tracing::warn!(%reason, "Registration connection closed");
+                        }
+                    }
+                    .instrument(span),
+                );
+            }
+            Err(error) => {
+                // EMFILE and the like: log and keep accepting after a short pause.
+                tracing::error!(%error, "Cannot accept a registration connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Why a connection was closed.
+#[derive(Debug, thiserror::Error)]
+enum Closed {
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("malformed message: {0}")]
+    Malformed(#[source] FrameError),
+    #[error("unexpected message after registration")]
+    Unexpected,
+    #[error("no registration within {REGISTER_TIMEOUT:?}")]
+    Timeout,
+    #[error("connection closed before registering")]
+    EarlyEof,
+    #[error("i/o error")]
+    Io(#[from] io::Error),
+}
+
+async fn handle(
+    mut stream: UnixStream,
+    registry: &Registry,
+    children: &Children,
+) -> Result<(), Closed> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let message =
+        match tokio::time::timeout(REGISTER_TIMEOUT, read_message(&mut stream, &mut buf)).await {
+            Err(_) => return Err(Closed::Timeout),
+            Ok(Ok(Some(message))) => message,
+            Ok(Ok(None)) => return Err(Closed::EarlyEof),
+            Ok(Err(e)) => return Err(e),
+        };
+    let worker = match admit(&stream, message, children) {
+        Ok(worker) => worker,
+        Err(reason) => return Err(refuse(&mut stream, reason).await),
+    };
+    let (service, index, pid) = (worker.service.clone(), worker.index, worker.pid);
+    let hostname = worker.hostname.clone();
+    if let Err(e) = registry.register(worker) {
+        return Err(refuse(&mut stream, e.to_string()).await);
+    }
+    tracing::info!(%service, index, pid, %hostname, "Worker registered");
+    let answer = SupervisorMessage {
+        message: Some(supervisor_message::Message::Registered(Registered {
+            hostname,
+        })),
+    };
+    let result = async {
+        stream.write_all(&encode(&answer)).await?;
+        // The connection now only signals liveness: any message is unexpected, EOF deregisters.
+        match read_message(&mut stream, &mut buf).await? {
+            None => Ok(()),
+            Some(_) => Err(Closed::Unexpected),
+        }
+    }
+    .await;
+    if registry.deregister(&service, index, pid) {
+        tracing::info!(%service, index, pid, "Worker deregistered: its connection closed");
+    }
+    result
+}
+
+async fn refuse(stream: &mut UnixStream, reason: String) -> Closed {
+    let answer = SupervisorMessage {
+        message: Some(supervisor_message::Message::Refused(Refused {
+            reason: reason.clone(),
+        })),
+    };
+    // The peer may be gone already; the refusal is logged either way.
+    let _ = stream.write_all(&encode(&answer)).await;
+    Closed::Refused(reason)
+}
+
+/// Reads one message; `None` on a clean EOF between messages.
+async fn read_message(
+    stream: &mut UnixStream,
+    buf: &mut BytesMut,
+) -> Result<Option<WorkerMessage>, Closed> {
+    loop {
+        if let Some(message) = decode_frame::<WorkerMessage>(buf).map_err(Closed::Malformed)? {
+            return Ok(Some(message));
+        }
+        if stream.read_buf(buf).await? == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(Closed::Malformed(FrameError::BadLength))
+            };
+        }
+    }
+}
+
+/// Checks a registration against the peer's credentials and the manager's children.
+fn admit(
+    stream: &UnixStream,
+    message: WorkerMessage,
+    children: &Children,
+) -> Result<Worker, String> {
+    let cred = stream
+        .peer_cred()
+        .map_err(|e| format!("cannot read peer credentials: {e}"))?;
+    let our_uid = rustix::process::geteuid().as_raw();
+    if cred.uid() != our_uid {
+        return Err(format!(
+            "peer uid {} is not the supervisor's uid {our_uid}",
+            cred.uid()
+        ));
+    }
+    let peer_pid = cred
+        .pid()
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or("peer pid unknown")?;
+    let Some(slot) = children.slot_of(peer_pid) else {
+        return Err(format!(
+            "process {peer_pid} is not a worker of this supervisor"
+        ));
+    };
+    let Some(worker_message::Message::Register(register)) = message.message else {
+        return Err("expected a register message".into());
+    };
+    if register.pid != peer_pid {
+        return Err(format!(
+            "message claims pid {} but the peer is process {peer_pid}",
+            register.pid
+        ));
+    }
+    let claimed = Slot {
+        service: register.service.clone(),
+        index: register.index,
+    };
+    if claimed != slot {
+        return Err(format!(
+            "process {peer_pid} was started as {}[{}], not {}[{}]",
+            slot.service, slot.index, claimed.service, claimed.index
+        ));
+    }
+    let listener = listener_from(register.listener.ok_or("register has no listener")?)?;
+    Ok(Worker {
+        hostname: registry::hostname_for(&slot.service, slot.index, peer_pid),
+        service: slot.service,
+        index: slot.index,
+        pid: peer_pid,
+        listener,
+        state: WorkerState::Ready,
+    })
+}
+
+/// Converts and checks a listener from the wire.
+fn listener_from(listener: v1::Listener) -> Result<Listener, String> {
+    let mut protocols = Vec::new();
+    for p in &listener.protocols {
+        let protocol = match v1::Protocol::try_from(*p) {
+            Ok(v1::Protocol::Http1) => Protocol::Http1,
+            Ok(v1::Protocol::Http2) => Protocol::Http2,
+            _ => return Err(format!("unknown protocol {p}")),
+        };
+        if !protocols.contains(&protocol) {
+            protocols.push(protocol);
+        }
+    }
+    if protocols.is_empty() {
+        return Err("listener names no protocol".into());
+    }
+    let mut addresses = Vec::new();
+    for address in listener.addresses {
+        let address = match address.address {
+            Some(v1::address::Address::Socket(s)) => {
+                let ip: IpAddr =
+                    s.ip.parse()
+                        .map_err(|_| format!("invalid ip address {:?}", s.ip))?;
+                let port = u16::try_from(s.port)
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| format!("invalid port {}", s.port))?;
+                Address::Tcp(SocketAddr::new(ip, port))
+            }
+            Some(v1::address::Address::UnixPath(path)) if path.starts_with('/') => {
+                Address::Unix(path.into())
+            }
+            Some(v1::address::Address::UnixPath(path)) => {
+                return Err(format!("unix path {path:?} is not absolute"));
+            }
+            None => return Err("empty address".into()),
+        };
+        addresses.push(address);
+    }
+    if addresses.is_empty() {
+        return Err("listener has no address".into());
+    }
+    Ok(Listener {
+        name: listener.name,
+        scheme: listener.scheme,
+        protocols,
+        addresses,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register_message(service: &str, index: u32, pid: u32, port: u32) -> WorkerMessage {
+        WorkerMessage {
+            message: Some(worker_message::Message::Register(v1::Register {
+                service: service.into(),
+                index,
+                pid,
+                listener: Some(v1::Listener {
+                    name: service.into(),
+                    scheme: "http".into(),
+                    protocols: vec![v1::Protocol::Http1 as i32],
+                    addresses: vec![v1::Address {
+                        address: Some(v1::address::Address::Socket(v1::SocketAddress {
+                            ip: "::1".into(),
+                            port,
+                        })),
+                    }],
+                }),
+            })),
+        }
+    }
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+        registry: Arc<Registry>,
+        children: Arc<Children>,
+        server: tokio::task::JoinHandle<()>,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("control.sock");
+            let registry = Arc::new(Registry::new(["web".to_string()]));
+            let children = Arc::new(Children::default());
+            let server = tokio::spawn(serve(
+                bind(&path).unwrap(),
+                registry.clone(),
+                children.clone(),
+            ));
+            Fixture {
+                _dir: dir,
+                path,
+                registry,
+                children,
+                server,
+            }
+        }
+
+        async fn exchange(
+            &self,
+            message: &WorkerMessage,
+        ) -> (UnixStream, Option<SupervisorMessage>) {
+            let mut stream = UnixStream::connect(&self.path).await.unwrap();
+            stream.write_all(&encode(message)).await.unwrap();
+            let answer = read_answer(&mut stream).await;
+            (stream, answer)
+        }
+
+        async fn wait_for_revision(&self, revision: u64) {
+            let mut rx = self.registry.subscribe();
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                rx.wait_for(|s| s.revision >= revision),
+            )
+            .await
+            .expect("registry did not change in time")
+            .unwrap();
+        }
+    }
+
+    impl Drop for Fixture {
+        fn drop(&mut self) {
+            self.server.abort();
+        }
+    }
+
+    async fn read_answer(stream: &mut UnixStream) -> Option<SupervisorMessage> {
+        let mut buf = BytesMut::new();
+        loop {
+            if let Some(m) = decode_frame(&mut buf).unwrap() {
+                return Some(m);
+            }
+            let n = tokio::time::timeout(Duration::from_secs(5), stream.read_buf(&mut buf))
+                .await
+                .expect("no answer in time")
+                .unwrap();
+            if n == 0 {
+                return None;
+            }
+        }
+    }
+
+    fn own_pid() -> u32 {
+        std::process::id()
+    }
+
+    #[test]
+    fn the_socket_is_owner_only_and_a_stale_one_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let listener = bind(&path).expect("a stale socket is replaced");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(
+            matches!(bind(&path), Err(BindError::InUse(_))),
+            "a live socket is never stolen"
+        );
+        drop(listener);
+        let file = dir.path().join("file");
+        std::fs::write(&file, "x").unwrap();
+        assert!(matches!(bind(&file), Err(BindError::NotASocket(_))));
+    }
+
+    #[tokio::test]
+    async fn registers_a_worker_until_its_connection_closes() {
+        let fx = Fixture::new();
+        fx.children.insert_for_test(own_pid(), "web", 0);
+        let (stream, answer) = fx
+            .exchange(&register_message("web", 0, own_pid(), 8080))
+            .await;
+        let Some(SupervisorMessage {
+            message: Some(supervisor_message::Message::Registered(registered)),
+        }) = answer
+        else {
+            panic!("expected Registered, got {answer:?}");
+        };
+        assert_eq!(
+            registered.hostname,
+            registry::hostname_for("web", 0, own_pid())
+        );
+        let worker = &fx.registry.snapshot().services["web"].workers[&0];
+        assert_eq!(
+            worker.listener.addresses,
+            [Address::Tcp("[::1]:8080".parse().unwrap())]
+        );
+        drop(stream);
+        fx.wait_for_revision(2).await;
+        assert!(fx.registry.snapshot().services["web"].workers.is_empty());
+    }
+
+    #[tokio::test]
+    async fn refuses_a_process_that_is_not_a_worker() {
+        let fx = Fixture::new();
+        let (_stream, answer) = fx
+            .exchange(&register_message("web", 0, own_pid(), 8080))
+            .await;
+        let Some(SupervisorMessage {
+            message: Some(supervisor_message::Message::Refused(refused)),
+        }) = answer
+        else {
+            panic!("expected Refused, got {answer:?}");
+        };
+        assert!(
+            refused.reason.contains("is not a worker"),
+            "{}",
+            refused.reason
+        );
+        assert_eq!(fx.registry.snapshot().revision, 0);
+    }
+
+    #[tokio::test]
+    async fn refuses_claims_that_do_not_match_the_peer() {
+        let fx = Fixture::new();
+        fx.children.insert_for_test(own_pid(), "web", 0);
+        for (message, expected) in [
+            (
+                register_message("web", 0, own_pid() + 1, 8080),
+                "claims pid",
+            ),
+            (
+                register_message("web", 1, own_pid(), 8080),
+                "was started as web[0]",
+            ),
+            (register_message("web", 0, own_pid(), 0), "invalid port"),
+        ] {
+            let (_stream, answer) = fx.exchange(&message).await;
+            let reason = match answer.and_then(|a| a.message) {
+                Some(supervisor_message::Message::Refused(r)) => r.reason,
+                other => panic!("expected Refused, got {other:?}"),
+            };
+            assert!(reason.contains(expected), "{reason:?} lacks {expected:?}");
+        }
+        assert_eq!(fx.registry.snapshot().revision, 0);
+    }
+
+    #[tokio::test]
+    async fn a_malformed_message_closes_only_its_own_connection() {
+        let fx = Fixture::new();
+        fx.children.insert_for_test(own_pid(), "web", 0);
+        let (_registered, _) = fx
+            .exchange(&register_message("web", 0, own_pid(), 8080))
+            .await;
+        let mut bad = UnixStream::connect(&fx.path).await.unwrap();
+        bad.write_all(&[4, 0xff, 0xff, 0xff, 0xff]).await.unwrap();
+        assert!(
+            read_answer(&mut bad).await.is_none(),
+            "the malformed connection is closed"
+        );
+        let snapshot = fx.registry.snapshot();
+        assert_eq!(
+            snapshot.services["web"].workers.len(),
+            1,
+            "the other worker is untouched"
+        );
+        assert_eq!(snapshot.revision, 1);
+    }
+}
