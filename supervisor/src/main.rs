@@ -1,1 +1,115 @@
-fn main() {}
+//! `peregrine`: the supervisor's command line.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+use peregrine_supervisor::config::Config;
+
+/// A worker supervisor that feeds Envoy: per-worker listeners, live endpoints over xDS.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the supervisor: start the workers and serve xDS until SIGINT or SIGTERM.
+    Run {
+        /// The configuration file.
+        config: PathBuf,
+    },
+    /// Check a configuration file and exit.
+    Check {
+        /// The configuration file.
+        config: PathBuf,
+    },
+    /// Print an Envoy bootstrap (YAML) that routes to the configured services through this supervisor.
+    EnvoyBootstrap {
+        /// The configuration file.
+        config: PathBuf,
+    },
+    /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
+    Worker,
+}
+
+/// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
+const EXIT_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match cli.command {
+        Command::Check { config } => match Config::load(&config) {
+            Ok(c) => {
+                println!(
+                    "{}: ok ({} services, {} workers)",
+                    config.display(),
+                    c.services.len(),
+                    c.services.values().map(|s| s.count).sum::<u32>()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(error) => config_error(&error),
+        },
+        Command::EnvoyBootstrap { config } => match Config::load(&config) {
+            Ok(c) => {
+                print!("{}", peregrine_supervisor::envoy_bootstrap_for(&c));
+                ExitCode::SUCCESS
+            }
+            Err(error) => config_error(&error),
+        },
+        Command::Run { config } => {
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(error) => return config_error(&error),
+            };
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(error) => return fail(&anyhow::Error::new(error).context("cannot start the runtime")),
+            };
+            match runtime.block_on(peregrine_supervisor::run::run(config)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => fail(&error),
+            }
+        }
+        Command::Worker => match peregrine_worker::run_hello() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => fail(&anyhow::Error::new(error)),
+        },
+    }
+}
+
+fn config_error(error: &peregrine_supervisor::config::ConfigError) -> ExitCode {
+    eprintln!("error: {}", error_chain(error));
+    ExitCode::from(EXIT_USAGE)
+}
+
+fn fail(error: &anyhow::Error) -> ExitCode {
+    eprintln!("error: {error:#}");
+    ExitCode::FAILURE
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
+/// Logs go to stderr; `RUST_LOG` (or `PEREGRINE_LOG`) sets the filter, `info` by default.
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = std::env::var("PEREGRINE_LOG")
+        .ok()
+        .and_then(|f| EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
