@@ -2,6 +2,7 @@
 
 use std::{
     env,
+    io::Write,
     net::{Ipv4Addr, TcpListener},
     path::{Path, PathBuf},
     process::Command,
@@ -71,7 +72,9 @@ pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
                 "{test}: {reason} (PEREGRINE_REQUIRE_ENVOY is set, so this fails instead of skipping)"
             );
         }
-        eprintln!("skipping {test}: {reason}");
+        // Written to stderr directly, not with `eprintln!`, so the test runner does not capture it and the
+        // skip shows even when the test passes.
+        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
     }
     path
 }

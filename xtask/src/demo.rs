@@ -8,6 +8,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr},
+    path::Path,
     process::ExitCode,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -36,8 +37,20 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         [flag] if flag == "--keep-running" => true,
         _ => bail!("unexpected arguments {args:?}\n\n{USAGE}"),
     };
-    run_checked(cargo().args(["build", "-p", "peregrine-supervisor", "--bin", "peregrine"]))?;
-    let peregrine = target_dir().join("debug/peregrine");
+    // `PEREGRINE` names another build (or a stand-in) to demonstrate, as in the harness.
+    let peregrine = match std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
+        Some(path) => path.into(),
+        None => {
+            run_checked(cargo().args([
+                "build",
+                "-p",
+                "peregrine-supervisor",
+                "--bin",
+                "peregrine",
+            ]))?;
+            target_dir().join("debug/peregrine")
+        }
+    };
     let envoy_binary = envoy::install()?;
 
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
@@ -53,21 +66,34 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     );
 
     let mut supervisor = Supervisor::start_in(&peregrine, &dir, &config)?;
-    let bootstrap = supervisor.envoy_bootstrap()?;
-    let mut envoy = Envoy::start_in(&envoy_binary, &dir, &bootstrap)?;
-    let listener = SocketAddr::from((Ipv4Addr::LOCALHOST, listen));
-
-    let result = show(&mut supervisor, &mut envoy, listener, keep_running);
+    let result = with_envoy(&mut supervisor, &envoy_binary, &dir, listen, keep_running);
     if result.is_err() {
-        eprintln!("{}\n{}", supervisor.logs(), envoy.logs());
+        eprintln!("{}", supervisor.logs());
     }
-    // Envoy first, so it does not log the supervisor's departure; then the supervisor, gracefully.
-    drop(envoy);
     match supervisor.stop() {
         Ok(status) => println!("supervisor exited: {status}"),
         Err(error) => eprintln!("supervisor did not stop cleanly: {error:#}"),
     }
     result.map(|()| ExitCode::SUCCESS)
+}
+
+/// Starts Envoy on the supervisor's bootstrap and runs the show; Envoy is killed on return, before the
+/// supervisor stops, so it does not log the supervisor's departure.
+fn with_envoy(
+    supervisor: &mut Supervisor,
+    envoy_binary: &Path,
+    dir: &Path,
+    listen: u16,
+    keep_running: bool,
+) -> anyhow::Result<()> {
+    let bootstrap = supervisor.envoy_bootstrap()?;
+    let mut envoy = Envoy::start_in(envoy_binary, dir, &bootstrap)?;
+    let listener = SocketAddr::from((Ipv4Addr::LOCALHOST, listen));
+    let result = show(supervisor, &mut envoy, listener, keep_running);
+    if result.is_err() {
+        eprintln!("{}", envoy.logs());
+    }
+    result
 }
 
 fn show(

@@ -49,7 +49,7 @@ fn main() -> ExitCode {
         }
     };
     result.unwrap_or_else(|error| {
-        eprintln!("error: {error:?}");
+        eprintln!("error: {error:#}");
         ExitCode::FAILURE
     })
 }
