@@ -1,1 +1,33 @@
-//! Harness for end-to-end tests.
+//! Harness for Peregrine's end-to-end tests: it starts the real supervisor (`peregrine run`), its workers
+//! and a real Envoy, talks to them over plain HTTP/1.1 and waits for conditions with a deadline.
+//!
+//! Invariants: every process the harness starts lives in a [`ChildGuard`], whose `Drop` kills its whole
+//! process group (so workers die with their supervisor even when a test panics) and reaps it; nothing
+//! here sleeps for a fixed time, it polls with [`wait_until`]; stdout and stderr of every child go to log
+//! files in the test's temporary directory and are printed when a test panics.
+//!
+//! Binaries: Envoy is found through [`envoy_path`] (the `ENVOY` variable, else the copy that
+//! `cargo xtask envoy` installs) and `peregrine` through [`peregrine_path`] (the `PEREGRINE` variable,
+//! else built once per test process). A test that needs Envoy calls [`envoy_or_skip`], which prints why
+//! it skips when there is none, and fails instead when `PEREGRINE_REQUIRE_ENVOY` is set (as
+//! `cargo xtask test` does), so a missing Envoy is never silently skipped in CI.
+
+#![forbid(unsafe_code)]
+
+mod envoy;
+mod http;
+mod paths;
+mod process;
+mod supervisor;
+mod wait;
+
+pub use envoy::{Envoy, Host, hosts};
+pub use http::{http_get, worker_pid};
+pub use paths::{
+    envoy_or_skip, envoy_path, free_port, peregrine_path, target_dir, venv_envoy_binary,
+    workspace_root,
+};
+pub use process::ChildGuard;
+pub use supervisor::{Supervisor, sample_config};
+pub use tempfile::TempDir;
+pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

