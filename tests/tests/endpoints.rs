@@ -1,0 +1,177 @@
+//! The whole path with real processes: `peregrine run` starts hello workers, they register, the
+//! supervisor publishes them over CDS/EDS, and the real Envoy routes traffic to them.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread,
+    time::Duration,
+};
+
+use peregrine_e2e::{
+    Envoy, Host, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until,
+    worker_pid,
+};
+
+/// A supervisor with `workers` hello workers and an Envoy bootstrapped from it, both on free ports.
+struct Stack {
+    // Envoy first: it is killed before the supervisor when the stack is dropped.
+    envoy: Envoy,
+    supervisor: Supervisor,
+    listen: SocketAddr,
+}
+
+impl Stack {
+    fn start(workers: u32) -> Stack {
+        let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers);
+        let supervisor = Supervisor::start(&config);
+        let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
+        let envoy = Envoy::start(&bootstrap);
+        Stack {
+            envoy,
+            supervisor,
+            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        }
+    }
+
+    fn hosts(&self) -> Vec<Host> {
+        hosts(&self.envoy.clusters(), "cluster")
+    }
+
+    /// Waits until Envoy holds exactly `n` healthy hosts, and returns them.
+    fn wait_for_hosts(&self, n: usize) -> Vec<Host> {
+        wait_until(Duration::from_secs(30), &format!("{n} hosts in Envoy"), || {
+            let hosts = self.hosts();
+            (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(hosts)
+        })
+    }
+
+    /// Sends `n` requests through Envoy; returns how many each worker pid answered.
+    fn spread(&self, n: usize) -> BTreeMap<u32, usize> {
+        let mut answered = BTreeMap::new();
+        for i in 0..n {
+            let (status, body) = http_get(self.listen, "/")
+                .unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
+            assert_eq!(status, 200, "request {i}: {body}");
+            let pid = worker_pid(&body).unwrap_or_else(|| panic!("not a hello body: {body:?}"));
+            *answered.entry(pid).or_default() += 1;
+        }
+        answered
+    }
+}
+
+fn hostnames(hosts: &[Host]) -> BTreeSet<String> {
+    hosts.iter().map(|h| h.hostname.clone()).collect()
+}
+
+fn pid_in_hostname(hostname: &str) -> u32 {
+    hostname
+        .rsplit('-')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("hostname {hostname:?} does not end in a pid"))
+}
+
+#[test]
+fn two_workers_share_the_traffic_through_envoy() {
+    if envoy_or_skip("two_workers_share_the_traffic_through_envoy").is_none() {
+        return;
+    }
+    let mut stack = Stack::start(2);
+    let hosts = stack.wait_for_hosts(2);
+    let published: BTreeSet<u32> = hosts.iter().map(|h| pid_in_hostname(&h.hostname)).collect();
+
+    let answered = stack.spread(200);
+    let pids: BTreeSet<u32> = answered.keys().copied().collect();
+    assert_eq!(pids, published, "every published worker answers, and only they: {answered:?}");
+    assert_eq!(answered.values().sum::<usize>(), 200);
+
+    let status = stack.supervisor.stop().expect("the supervisor stops on SIGTERM");
+    assert!(status.success(), "SIGTERM exits 0, got {status}");
+    for pid in published {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "worker {pid} outlived its supervisor"
+        );
+    }
+}
+
+#[test]
+fn a_killed_worker_is_replaced_without_a_failed_request() {
+    if envoy_or_skip("a_killed_worker_is_replaced_without_a_failed_request").is_none() {
+        return;
+    }
+    let stack = Stack::start(2);
+    let before = stack.wait_for_hosts(2);
+
+    // A client loop runs throughout; Envoy retries connect failures and resets on another host.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let client = {
+        let (stop, ok, failed, listen) = (stop.clone(), ok.clone(), failed.clone(), stack.listen);
+        thread::spawn(move || {
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match http_get(listen, "/") {
+                    Ok((200, body)) if worker_pid(&body).is_some() => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    other => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        errors.push(format!("{other:?}"));
+                    }
+                }
+            }
+            errors
+        })
+    };
+    wait_until(Duration::from_secs(10), "traffic flowing", || {
+        (ok.load(Ordering::Relaxed) >= 20).then_some(())
+    });
+
+    let victim = pid_in_hostname(&before[0].hostname);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(victim as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the worker");
+
+    let after = wait_until(Duration::from_secs(30), "the replacement in Envoy", || {
+        let hosts = stack.hosts();
+        let names = hostnames(&hosts);
+        (hosts.len() == 2
+            && hosts.iter().all(|h| h.healthy)
+            && !names.contains(&before[0].hostname)
+            && names.contains(&before[1].hostname))
+        .then_some(hosts)
+    });
+    let replacement = after
+        .iter()
+        .map(|h| pid_in_hostname(&h.hostname))
+        .find(|pid| *pid != pid_in_hostname(&before[1].hostname))
+        .unwrap();
+    assert_ne!(replacement, victim);
+
+    // The replacement takes traffic, measured through Envoy while the client loop still runs.
+    wait_until(Duration::from_secs(10), "the replacement answering", || {
+        let (_, body) = http_get(stack.listen, "/").ok()?;
+        (worker_pid(&body) == Some(replacement)).then_some(())
+    });
+    let served_before_stop = ok.load(Ordering::Relaxed);
+    wait_until(Duration::from_secs(10), "more traffic after the restart", || {
+        (ok.load(Ordering::Relaxed) >= served_before_stop + 20).then_some(())
+    });
+    stop.store(true, Ordering::Relaxed);
+    let errors = client.join().unwrap();
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "failed requests while a worker was killed and replaced: {errors:?}"
+    );
+    assert!(stack.supervisor.logs().contains("Restarting worker"), "{}", stack.supervisor.logs());
+}
