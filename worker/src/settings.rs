@@ -54,7 +54,9 @@ impl Settings {
         let index = get(ENV_INDEX)?;
         Ok(Settings {
             service: get(ENV_SERVICE)?.clone(),
-            index: index.parse().map_err(|_| SettingsError::Index(index.clone()))?,
+            index: index
+                .parse()
+                .map_err(|_| SettingsError::Index(index.clone()))?,
             url: get(ENV_URL)?.parse().map_err(SettingsError::Url)?,
             control: get(ENV_CONTROL)?.into(),
         })

@@ -29,7 +29,9 @@ pub enum UrlError {
     #[error("unsupported scheme in {0:?}: expected http://HOST:PORT or unix:///PATH")]
     Scheme(String),
     /// The authority lacks a port or has an invalid one.
-    #[error("missing or invalid port in {0:?}: expected http://HOST:PORT (PORT 0 for an ephemeral port)")]
+    #[error(
+        "missing or invalid port in {0:?}: expected http://HOST:PORT (PORT 0 for an ephemeral port)"
+    )]
     Port(String),
     /// The host is empty or malformed.
     #[error("missing or invalid host in {0:?}")]
@@ -73,10 +75,16 @@ impl FromStr for BindUrl {
             return Err(UrlError::Path(s.into()));
         }
         let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
-            let (host, rest) = rest.split_once(']').ok_or_else(|| UrlError::Host(s.into()))?;
+            let (host, rest) = rest
+                .split_once(']')
+                .ok_or_else(|| UrlError::Host(s.into()))?;
             host.parse::<std::net::Ipv6Addr>()
                 .map_err(|_| UrlError::Host(s.into()))?;
-            (host, rest.strip_prefix(':').ok_or_else(|| UrlError::Port(s.into()))?)
+            (
+                host,
+                rest.strip_prefix(':')
+                    .ok_or_else(|| UrlError::Port(s.into()))?,
+            )
         } else {
             authority
                 .rsplit_once(':')
@@ -96,7 +104,9 @@ impl FromStr for BindUrl {
 impl fmt::Display for BindUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BindUrl::Tcp { host, port } if host.contains(':') => write!(f, "http://[{host}]:{port}"),
+            BindUrl::Tcp { host, port } if host.contains(':') => {
+                write!(f, "http://[{host}]:{port}")
+            }
             BindUrl::Tcp { host, port } => write!(f, "http://{host}:{port}"),
             BindUrl::Unix { path } => write!(f, "unix://{}", path.display()),
         }
@@ -135,21 +145,49 @@ mod tests {
 
     #[test]
     fn round_trips_through_display() {
-        for url in ["http://localhost:0", "http://[::1]:80", "unix:///tmp/x.sock"] {
+        for url in [
+            "http://localhost:0",
+            "http://[::1]:80",
+            "unix:///tmp/x.sock",
+        ] {
             assert_eq!(url.parse::<BindUrl>().unwrap().to_string(), url);
         }
     }
 
     #[test]
     fn rejects_bad_urls() {
-        assert!(matches!("https://x:1".parse::<BindUrl>(), Err(UrlError::Scheme(_))));
-        assert!(matches!("http://x".parse::<BindUrl>(), Err(UrlError::Port(_))));
-        assert!(matches!("http://x:99999".parse::<BindUrl>(), Err(UrlError::Port(_))));
-        assert!(matches!("http://:80".parse::<BindUrl>(), Err(UrlError::Host(_))));
-        assert!(matches!("http://[zz]:80".parse::<BindUrl>(), Err(UrlError::Host(_))));
-        assert!(matches!("http://x:80/a".parse::<BindUrl>(), Err(UrlError::Path(_))));
-        assert!(matches!("unix://a.sock".parse::<BindUrl>(), Err(UrlError::RelativeUnixPath(_))));
-        assert_eq!("http://x:1".parse::<BindUrl>().unwrap().fixed_port(), Some(1));
+        assert!(matches!(
+            "https://x:1".parse::<BindUrl>(),
+            Err(UrlError::Scheme(_))
+        ));
+        assert!(matches!(
+            "http://x".parse::<BindUrl>(),
+            Err(UrlError::Port(_))
+        ));
+        assert!(matches!(
+            "http://x:99999".parse::<BindUrl>(),
+            Err(UrlError::Port(_))
+        ));
+        assert!(matches!(
+            "http://:80".parse::<BindUrl>(),
+            Err(UrlError::Host(_))
+        ));
+        assert!(matches!(
+            "http://[zz]:80".parse::<BindUrl>(),
+            Err(UrlError::Host(_))
+        ));
+        assert!(matches!(
+            "http://x:80/a".parse::<BindUrl>(),
+            Err(UrlError::Path(_))
+        ));
+        assert!(matches!(
+            "unix://a.sock".parse::<BindUrl>(),
+            Err(UrlError::RelativeUnixPath(_))
+        ));
+        assert_eq!(
+            "http://x:1".parse::<BindUrl>().unwrap().fixed_port(),
+            Some(1)
+        );
         assert_eq!("http://x:0".parse::<BindUrl>().unwrap().fixed_port(), None);
     }
 }
