@@ -122,7 +122,10 @@ pub async fn register(
         let (result, _) = stream
             .write_all(encode(&register_message(announcement)))
             .await;
-        result.map_err(RegisterError::Io)?;
+        result.map_err(|e| match e.kind() {
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RegisterError::Closed,
+            _ => RegisterError::Io(e),
+        })?;
         let mut buf = BytesMut::new();
         let answer = read_message(&stream, &mut buf)
             .await?
@@ -159,7 +162,12 @@ async fn read_message(
         chunk.clear();
         let (result, read) = stream.read(chunk).await;
         chunk = read;
-        match result.map_err(RegisterError::Io)? {
+        // A peer that closes with our bytes unread resets the connection: that is a close too.
+        let n = match result {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => 0,
+            other => other.map_err(RegisterError::Io)?,
+        };
+        match n {
             0 if buf.is_empty() => return Ok(None),
             0 => return Err(RegisterError::Closed),
             _ => buf.extend_from_slice(&chunk),

@@ -21,6 +21,7 @@ use std::{
 use bytes::Bytes;
 use http::{Request, Response};
 use tokio::sync::{Notify, watch};
+use tokio_uring::buf::BoundedBuf;
 use tower::Service;
 use tracing::Instrument;
 
@@ -190,10 +191,16 @@ impl Acceptor {
 
 impl Io for Stream {
     async fn read(&self, buf: Vec<u8>) -> (io::Result<usize>, Vec<u8>) {
-        match self {
-            Stream::Tcp(s) => s.read(buf).await,
-            Stream::Unix(s) => s.read(buf).await,
-        }
+        // A read fills a buffer from its start; a slice over the spare capacity appends instead.
+        let spare = {
+            let len = buf.len();
+            buf.slice(len..)
+        };
+        let (result, spare) = match self {
+            Stream::Tcp(s) => s.read(spare).await,
+            Stream::Unix(s) => s.read(spare).await,
+        };
+        (result, spare.into_inner())
     }
 
     async fn write_all(&self, buf: Vec<u8>) -> (io::Result<()>, Vec<u8>) {
