@@ -28,6 +28,9 @@ use crate::BoxError;
 /// How many bytes a read asks for at least.
 const READ_CHUNK: usize = 16 * 1024;
 
+/// Header slots kept on the stack while parsing; a larger [`Limits::max_headers`] allocates.
+const STACK_HEADERS: usize = 128;
+
 /// The limits a connection enforces on requests.
 ///
 /// The defaults are: a 16 KiB request head, 100 header fields and a 1 MiB body.
@@ -97,8 +100,16 @@ impl Reject {
 
 /// Parses one request from the front of `buf`: `Ok(None)` when more bytes are needed.
 pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Option<Parsed>, Reject> {
-    let mut fields = vec![httparse::EMPTY_HEADER; limits.max_headers];
-    let mut req = httparse::Request::new(&mut fields);
+    // The usual limit fits on the stack: no allocation per request.
+    let mut stack = [httparse::EMPTY_HEADER; STACK_HEADERS];
+    let mut heap;
+    let fields = if limits.max_headers <= STACK_HEADERS {
+        &mut stack[..limits.max_headers]
+    } else {
+        heap = vec![httparse::EMPTY_HEADER; limits.max_headers];
+        &mut heap[..]
+    };
+    let mut req = httparse::Request::new(fields);
     let head_len = match req.parse(buf) {
         Ok(httparse::Status::Complete(n)) if n > limits.max_head_bytes => {
             return Err(Reject::HeadTooLarge);

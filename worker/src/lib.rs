@@ -8,6 +8,7 @@
 //! Invariants: the worker runs one thread and never shares a listener (no `SO_REUSEPORT`); the library
 //! never installs a `tracing` subscriber (the binary does); the worker knows nothing of Envoy or xDS.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod counter;
 pub mod hello;

@@ -6,7 +6,8 @@ use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
     os::unix::net::UnixStream,
-    sync::mpsc,
+    pin::Pin,
+    sync::{Arc, mpsc},
     task::{Context, Poll},
     thread,
     time::Duration,
@@ -53,6 +54,15 @@ struct TestServer {
 
 impl TestServer {
     fn start(url: &str) -> Self {
+        Self::start_with(url, || Echo)
+    }
+
+    fn start_with<F, S>(url: &str, make_service: F) -> Self
+    where
+        F: Fn() -> S + Send + 'static,
+        S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible> + 'static,
+        S::Future: 'static,
+    {
         let listeners = listen::bind(&url.parse().unwrap()).unwrap();
         let addrs = listeners.iter().map(|l| l.addr.clone()).collect();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -62,7 +72,7 @@ impl TestServer {
                 let shutdown = async {
                     let _ = stopped.await;
                 };
-                server::serve(listeners, || Echo, Config::default(), shutdown)
+                server::serve(listeners, make_service, Config::default(), shutdown)
                     .await
                     .unwrap();
             });
@@ -95,13 +105,20 @@ impl TestServer {
         }
     }
 
-    fn stop(&mut self) {
+    /// Asks the server to stop without waiting for it.
+    fn begin_stop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
+        }
+    }
+
+    fn stop(&mut self) {
+        self.begin_stop();
+        if let Some(thread) = self.thread.take() {
             self.done
                 .recv_timeout(STEP)
                 .expect("the server did not stop in time");
-            self.thread.take().unwrap().join().unwrap();
+            thread.join().unwrap();
         }
     }
 }
@@ -417,4 +434,58 @@ fn a_body_larger_than_one_read_is_read_whole() {
     assert_eq!(&res.body[..9], b"PUT /big ");
     assert!(res.body[9..] == body[..], "the body came back altered");
     assert_eq!(client.response(false).body, b"GET /next ");
+}
+
+/// Holds every request until the test releases it.
+#[derive(Clone, Debug)]
+struct Gate {
+    entered: mpsc::Sender<()>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Service<Request<Bytes>> for Gate {
+    type Response = Response<Bytes>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Infallible>>>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Bytes>) -> Self::Future {
+        let gate = self.clone();
+        Box::pin(async move {
+            let _ = gate.entered.send(());
+            gate.release.acquire().await.unwrap().forget();
+            Ok(Response::new(Bytes::from_static(b"finished")))
+        })
+    }
+}
+
+#[test]
+fn shutdown_lets_in_flight_requests_finish() {
+    let (entered, in_flight) = mpsc::channel();
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = Gate {
+        entered,
+        release: release.clone(),
+    };
+    let mut server = TestServer::start_with("http://127.0.0.1:0", move || gate.clone());
+    let mut client = server.connect();
+    client.send(b"GET /slow HTTP/1.1\r\n\r\n");
+    in_flight.recv_timeout(STEP).unwrap();
+
+    server.begin_stop();
+    // The server waits for the request in hand rather than dropping it.
+    assert!(matches!(
+        server.done.try_recv(),
+        Err(mpsc::TryRecvError::Empty)
+    ));
+    release.add_permits(1);
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body, b"finished");
+    assert_eq!(res.header("connection"), Some("close"));
+    client.expect_close();
+    server.stop();
 }
