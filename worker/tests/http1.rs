@@ -485,7 +485,8 @@ fn shutdown_lets_in_flight_requests_finish() {
     let res = client.response(false);
     assert_eq!(res.status, 200);
     assert_eq!(res.body, b"finished");
-    assert_eq!(res.header("connection"), Some("close"));
+    // Whether the response says `connection: close` depends on whether the connection saw the shutdown
+    // before the response was ready; either way the connection closes after it.
     client.expect_close();
     server.stop();
 }
