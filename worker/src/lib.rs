@@ -1,6 +1,153 @@
 //! A Peregrine worker.
 //!
-//! A worker binds its own listener, registers it with the supervisor and serves HTTP on io_uring.
+//! A worker binds its own listeners ([`listen`]), registers them with the supervisor ([`register`]) and
+//! serves HTTP/1.1 on one io_uring thread ([`server`], [`http1`]) with an application given as a
+//! [`tower::Service`] over `http` types. It stops accepting on SIGTERM or SIGINT, lets in-flight requests
+//! finish within a short deadline and exits.
+//!
+//! Invariants: the worker runs one thread and never shares a listener (no `SO_REUSEPORT`); the library
+//! never installs a `tracing` subscriber (the binary does); the worker knows nothing of Envoy or xDS.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
+pub mod counter;
+pub mod hello;
+pub mod http1;
+pub mod listen;
+pub mod register;
+pub mod server;
 pub mod settings;
 pub mod url;
+
+use std::{future::Future, io, pin::Pin};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tower::Service;
+
+pub use crate::{counter::requests, hello::Hello, settings::Settings};
+use crate::{
+    listen::{BindError, BoundAddr},
+    register::{Announcement, RegisterError},
+    server::{Config, ServeError},
+    settings::SettingsError,
+};
+
+/// The error type an application's errors are converted to.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a worker stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The settings are missing or invalid.
+    #[error("invalid worker settings")]
+    Settings(#[from] SettingsError),
+    /// The listener could not be bound.
+    #[error("cannot bind the worker's listener")]
+    Bind(#[from] BindError),
+    /// The supervisor could not be reached or refused the worker.
+    #[error("cannot register with the supervisor")]
+    Register(#[from] RegisterError),
+    /// The io_uring runtime could not start.
+    #[error("cannot start the io_uring runtime")]
+    Runtime(#[source] io::Error),
+    /// The signal handlers could not be installed.
+    #[error("cannot install signal handlers")]
+    Signals(#[source] io::Error),
+    /// Serving could not start.
+    #[error("cannot serve")]
+    Serve(#[from] ServeError),
+}
+
+/// Runs the built-in hello app with the settings from the environment, until SIGTERM or SIGINT.
+pub fn run_hello() -> Result<(), WorkerError> {
+    run(Settings::from_env()?, Hello::new)
+}
+
+/// Runs a worker until SIGTERM or SIGINT: binds, registers, serves, drains.
+///
+/// `make_service` is called once per connection. Blocks the calling thread, which becomes the worker's
+/// io_uring thread.
+pub fn run<F, S>(settings: Settings, make_service: F) -> Result<(), WorkerError>
+where
+    F: Fn() -> S + 'static,
+    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+{
+    run_inner(settings, make_service, None)
+}
+
+/// Runs a worker like [`run`], but stops when `shutdown` completes instead of on a signal.
+pub fn run_until<F, S>(
+    settings: Settings,
+    make_service: F,
+    shutdown: impl Future<Output = ()> + 'static,
+) -> Result<(), WorkerError>
+where
+    F: Fn() -> S + 'static,
+    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+{
+    run_inner(settings, make_service, Some(Box::pin(shutdown)))
+}
+
+fn run_inner<F, S>(
+    settings: Settings,
+    make_service: F,
+    shutdown: Option<Pin<Box<dyn Future<Output = ()>>>>,
+) -> Result<(), WorkerError>
+where
+    F: Fn() -> S + 'static,
+    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+{
+    let listeners = listen::bind(&settings.url)?;
+    let addresses: Vec<BoundAddr> = listeners.iter().map(|l| l.addr.clone()).collect();
+    let shown: Vec<String> = addresses.iter().map(ToString::to_string).collect();
+    tracing::info!(url = %settings.url, addresses = ?shown, "Bound");
+
+    let runtime =
+        tokio_uring::Runtime::new(&tokio_uring::builder()).map_err(WorkerError::Runtime)?;
+    runtime.block_on(async move {
+        let shutdown = match shutdown {
+            Some(shutdown) => shutdown,
+            None => Box::pin(signals().map_err(WorkerError::Signals)?),
+        };
+        let registration = register::register(
+            &settings.control,
+            &Announcement {
+                service: &settings.service,
+                index: settings.index,
+                addresses: &addresses,
+            },
+        )
+        .await?;
+        tracing::info!(
+            hostname = registration.hostname(),
+            service = %settings.service,
+            index = settings.index,
+            "Registered"
+        );
+        // The task owns the connection; it closes (deregistering the worker) when the runtime ends.
+        tokio_uring::spawn(registration.hold());
+        server::serve(listeners, make_service, Config::default(), shutdown).await?;
+        Ok(())
+    })
+}
+
+/// Completes on the first SIGTERM or SIGINT. Must be called on the runtime.
+fn signals() -> io::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "Stopping");
+    })
+}

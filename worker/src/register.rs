@@ -1,0 +1,266 @@
+//! The registration client: tells the supervisor which addresses this worker serves on.
+//!
+//! The worker connects to the supervisor's control socket, sends one `Register` message and waits for
+//! `Registered` (which carries the worker's unique hostname) or `Refused`. The connection then stays open
+//! for as long as the worker serves: its close is how the supervisor learns that the worker is gone.
+//! [`Registration::hold`] keeps it open and reads it, so a supervisor that goes away is noticed and logged.
+
+use std::{fmt, io, path::Path, time::Duration};
+
+use bytes::BytesMut;
+use peregrine_proto::{
+    FrameError, decode_frame, encode,
+    v1::{
+        Address, Listener, Protocol, Register, SocketAddress, SupervisorMessage, WorkerMessage,
+        address, supervisor_message, worker_message,
+    },
+};
+use tokio_uring::net::UnixStream;
+
+use crate::listen::BoundAddr;
+
+/// How long the supervisor has to answer a registration.
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why registration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The control socket could not be reached.
+    #[error("cannot connect to the supervisor at {}", path.display())]
+    Connect {
+        /// The control socket's path.
+        path: std::path::PathBuf,
+        /// The system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// Reading or writing the connection failed.
+    #[error("registration connection failed")]
+    Io(#[source] io::Error),
+    /// The supervisor sent something that is not a valid message.
+    #[error("invalid message from the supervisor")]
+    Frame(#[source] FrameError),
+    /// The supervisor refused the registration.
+    #[error("the supervisor refused the registration: {reason}")]
+    Refused {
+        /// The supervisor's reason.
+        reason: String,
+    },
+    /// The supervisor closed the connection without answering.
+    #[error("the supervisor closed the connection before answering")]
+    Closed,
+    /// The supervisor answered with an empty message.
+    #[error("the supervisor sent an empty answer")]
+    Empty,
+    /// The supervisor did not answer in time.
+    #[error("the supervisor did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// What a worker tells the supervisor about itself.
+#[derive(Clone, Debug)]
+pub struct Announcement<'a> {
+    /// The service the worker belongs to.
+    pub service: &'a str,
+    /// The worker's slot within its service.
+    pub index: u32,
+    /// Every address the worker listens on.
+    pub addresses: &'a [BoundAddr],
+}
+
+/// An accepted registration: the worker's hostname and the connection that keeps it registered.
+pub struct Registration {
+    hostname: String,
+    stream: UnixStream,
+    buf: BytesMut,
+}
+
+/// Builds the `Register` message for this process.
+pub fn register_message(announcement: &Announcement<'_>) -> WorkerMessage {
+    let addresses = announcement
+        .addresses
+        .iter()
+        .map(|addr| Address {
+            address: Some(match addr {
+                BoundAddr::Ip(sa) => address::Address::Socket(SocketAddress {
+                    ip: sa.ip().to_string(),
+                    port: u32::from(sa.port()),
+                }),
+                BoundAddr::Unix(path) => address::Address::UnixPath(path.display().to_string()),
+            }),
+        })
+        .collect();
+    WorkerMessage {
+        message: Some(worker_message::Message::Register(Register {
+            service: announcement.service.into(),
+            index: announcement.index,
+            pid: std::process::id(),
+            listener: Some(Listener {
+                name: announcement.service.into(),
+                scheme: "http".into(),
+                protocols: vec![Protocol::Http1.into()],
+                addresses,
+            }),
+        })),
+    }
+}
+
+/// Connects to the control socket at `control`, registers and waits for the answer (at most
+/// [`REGISTER_TIMEOUT`]). Must run on a tokio-uring runtime.
+pub async fn register(
+    control: &Path,
+    announcement: &Announcement<'_>,
+) -> Result<Registration, RegisterError> {
+    let exchange = async {
+        let stream =
+            UnixStream::connect(control)
+                .await
+                .map_err(|source| RegisterError::Connect {
+                    path: control.into(),
+                    source,
+                })?;
+        let (result, _) = stream
+            .write_all(encode(&register_message(announcement)))
+            .await;
+        result.map_err(|e| match e.kind() {
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RegisterError::Closed,
+            _ => RegisterError::Io(e),
+        })?;
+        let mut buf = BytesMut::new();
+        let answer = read_message(&stream, &mut buf)
+            .await?
+            .ok_or(RegisterError::Closed)?;
+        match answer.message {
+            Some(supervisor_message::Message::Registered(registered)) => Ok(Registration {
+                hostname: registered.hostname,
+                stream,
+                buf,
+            }),
+            Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
+                reason: refused.reason,
+            }),
+            None => Err(RegisterError::Empty),
+        }
+    };
+    tokio::time::timeout(REGISTER_TIMEOUT, exchange)
+        .await
+        .map_err(|_| RegisterError::Timeout(REGISTER_TIMEOUT))?
+}
+
+/// Reads one message: `Ok(None)` on a clean end of stream.
+async fn read_message(
+    stream: &UnixStream,
+    buf: &mut BytesMut,
+) -> Result<Option<SupervisorMessage>, RegisterError> {
+    let mut chunk = vec![0u8; 4096];
+    loop {
+        if let Some(message) =
+            decode_frame::<SupervisorMessage>(buf).map_err(RegisterError::Frame)?
+        {
+            return Ok(Some(message));
+        }
+        chunk.clear();
+        let (result, read) = stream.read(chunk).await;
+        chunk = read;
+        // A peer that closes with our bytes unread resets the connection: that is a close too.
+        let n = match result {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => 0,
+            other => other.map_err(RegisterError::Io)?,
+        };
+        match n {
+            0 if buf.is_empty() => return Ok(None),
+            0 => return Err(RegisterError::Closed),
+            _ => buf.extend_from_slice(&chunk),
+        }
+    }
+}
+
+// === impl Registration ===
+
+impl Registration {
+    /// The worker's unique hostname, as the supervisor publishes it.
+    pub fn hostname(&self) -> &str {
+        &self.hostname
+    }
+
+    /// Keeps the registration open, reading the connection until the supervisor closes it.
+    ///
+    /// Dropping this future closes the connection, which deregisters the worker. When the supervisor
+    /// closes the connection, a warning is logged and the future completes; the worker keeps serving.
+    pub async fn hold(mut self) {
+        loop {
+            match read_message(&self.stream, &mut self.buf).await {
+                Ok(Some(message)) => {
+                    tracing::debug!(?message, "Unexpected message from the supervisor, ignored")
+                }
+                Ok(None) => {
+                    tracing::warn!(
+                        "The supervisor closed the registration connection; still serving"
+                    );
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "Registration connection lost; still serving");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("hostname", &self.hostname)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_message_lists_every_address() {
+        let addresses = [
+            BoundAddr::Ip("[::1]:8080".parse().unwrap()),
+            BoundAddr::Ip("127.0.0.1:8080".parse().unwrap()),
+            BoundAddr::Unix("/run/w.sock".into()),
+        ];
+        let message = register_message(&Announcement {
+            service: "web",
+            index: 2,
+            addresses: &addresses,
+        });
+        let Some(worker_message::Message::Register(reg)) = message.message else {
+            panic!("not a register message")
+        };
+        assert_eq!(
+            (reg.service.as_str(), reg.index, reg.pid),
+            ("web", 2, std::process::id())
+        );
+        let listener = reg.listener.unwrap();
+        assert_eq!(listener.name, "web");
+        assert_eq!(listener.scheme, "http");
+        assert_eq!(listener.protocols, vec![i32::from(Protocol::Http1)]);
+        let got: Vec<_> = listener
+            .addresses
+            .into_iter()
+            .map(|a| a.address.unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                address::Address::Socket(SocketAddress {
+                    ip: "::1".into(),
+                    port: 8080
+                }),
+                address::Address::Socket(SocketAddress {
+                    ip: "127.0.0.1".into(),
+                    port: 8080
+                }),
+                address::Address::UnixPath("/run/w.sock".into()),
+            ]
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! Accept loops: one per bound listener, one task per connection, all on the worker's io_uring thread.
+//!
+//! [`serve`] must be polled on a tokio-uring runtime (`tokio_uring::start` or
+//! `tokio_uring::Runtime::block_on`): its tasks are spawned on the runtime's local set. Graceful shutdown:
+//! when the `shutdown` future completes, every accept loop stops, idle connections close, connections with
+//! requests in hand answer them (with `connection: close`) and close; `serve` returns once every
+//! connection is gone or [`Config::drain_timeout`] has passed, whichever is first.
+//!
+//! TCP listeners accept through io_uring. tokio-uring 0.5 cannot adopt a std Unix listener, so a Unix
+//! listener accepts through the runtime's readiness driver (tokio) and hands each accepted stream to
+//! io_uring; only the accept differs, every read and write goes through io_uring.
+
+use std::{
+    cell::Cell,
+    future::Future,
+    io,
+    rc::Rc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tokio::sync::{Notify, watch};
+use tokio_uring::buf::BoundedBuf;
+use tower::Service;
+use tracing::Instrument;
+
+use crate::{
+    BoxError,
+    http1::{self, Io, Limits},
+    listen::{BoundAddr, BoundListener, Listener},
+};
+
+/// How the server runs connections.
+///
+/// The defaults are [`Limits::default`] and a drain timeout of 5 seconds.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The limits every request is held to.
+    pub limits: Limits,
+    /// How long in-flight connections may take to finish after shutdown begins.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            limits: Limits::default(),
+            drain_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why serving could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener could not be handed to the runtime.
+    #[error("cannot serve on {addr}")]
+    Listener {
+        /// The listener's address.
+        addr: BoundAddr,
+        /// The system's error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Serves HTTP/1 on every listener until `shutdown` completes, then drains (see the module docs).
+///
+/// `make_service` is called once per connection.
+pub async fn serve<F, S>(
+    listeners: Vec<BoundListener>,
+    make_service: F,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError>
+where
+    F: Fn() -> S + 'static,
+    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+{
+    let (stop, stopped) = watch::channel(false);
+    let shared = Rc::new(Shared {
+        make_service,
+        limits: config.limits,
+        connections: Cell::new(0),
+        drained: Notify::new(),
+    });
+    let mut loops = Vec::with_capacity(listeners.len());
+    for BoundListener { listener, addr } in listeners {
+        let acceptor = Acceptor::new(listener).map_err(|source| ServeError::Listener {
+            addr: addr.clone(),
+            source,
+        })?;
+        tracing::info!(%addr, "Listening");
+        loops.push(tokio_uring::spawn(accept_loop(
+            acceptor,
+            addr,
+            shared.clone(),
+            stopped.clone(),
+        )));
+    }
+
+    shutdown.await;
+    tracing::info!("Shutting down: no longer accepting connections");
+    // The receivers may all be gone already (no listener); that is fine.
+    let _ = stop.send(true);
+    for handle in loops {
+        let _ = handle.await;
+    }
+
+    let deadline = Instant::now() + config.drain_timeout;
+    loop {
+        let drained = shared.drained.notified();
+        let open = shared.connections.get();
+        if open == 0 {
+            tracing::info!("Drained every connection");
+            break;
+        }
+        if tokio::time::timeout_at(deadline.into(), drained)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                open,
+                "Drain timeout reached, closing the remaining connections"
+            );
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// What every connection task shares.
+struct Shared<F> {
+    make_service: F,
+    limits: Limits,
+    connections: Cell<usize>,
+    drained: Notify,
+}
+
+/// A listener as the runtime accepts on it.
+enum Acceptor {
+    Tcp(tokio_uring::net::TcpListener),
+    Unix(tokio::net::UnixListener),
+}
+
+/// An accepted connection.
+enum Stream {
+    Tcp(tokio_uring::net::TcpStream),
+    Unix(tokio_uring::net::UnixStream),
+}
+
+// === impl Acceptor ===
+
+impl Acceptor {
+    fn new(listener: Listener) -> io::Result<Self> {
+        Ok(match listener {
+            Listener::Tcp(l) => Acceptor::Tcp(tokio_uring::net::TcpListener::from_std(l)),
+            Listener::Unix(l) => {
+                l.set_nonblocking(true)?;
+                Acceptor::Unix(tokio::net::UnixListener::from_std(l)?)
+            }
+        })
+    }
+
+    async fn accept(&self) -> io::Result<(Stream, String)> {
+        match self {
+            Acceptor::Tcp(l) => {
+                let (stream, peer) = l.accept().await?;
+                // Small responses go out at once; batching is done by the connection itself.
+                stream.set_nodelay(true)?;
+                Ok((Stream::Tcp(stream), peer.to_string()))
+            }
+            Acceptor::Unix(l) => {
+                let (stream, _) = l.accept().await?;
+                let stream = stream.into_std()?;
+                // io_uring waits for readiness itself; a blocking fd keeps it from reporting EAGAIN.
+                stream.set_nonblocking(false)?;
+                Ok((
+                    Stream::Unix(tokio_uring::net::UnixStream::from_std(stream)),
+                    "unix".into(),
+                ))
+            }
+        }
+    }
+}
+
+// === impl Stream ===
+
+impl Io for Stream {
+    async fn read(&self, buf: Vec<u8>) -> (io::Result<usize>, Vec<u8>) {
+        // A read fills a buffer from its start; a slice over the spare capacity appends instead.
+        let spare = {
+            let len = buf.len();
+            buf.slice(len..)
+        };
+        let (result, spare) = match self {
+            Stream::Tcp(s) => s.read(spare).await,
+            Stream::Unix(s) => s.read(spare).await,
+        };
+        (result, spare.into_inner())
+    }
+
+    async fn write_all(&self, buf: Vec<u8>) -> (io::Result<()>, Vec<u8>) {
+        match self {
+            Stream::Tcp(s) => s.write_all(buf).await,
+            Stream::Unix(s) => s.write_all(buf).await,
+        }
+    }
+
+    fn shutdown(&self) {
+        // The peer may be gone already; the socket closes on drop either way.
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+async fn accept_loop<F, S>(
+    acceptor: Acceptor,
+    addr: BoundAddr,
+    shared: Rc<Shared<F>>,
+    mut stopped: watch::Receiver<bool>,
+) where
+    F: Fn() -> S + 'static,
+    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+{
+    loop {
+        if *stopped.borrow_and_update() {
+            return;
+        }
+        let accepted = tokio::select! {
+            accepted = acceptor.accept() => accepted,
+            _ = stopped.changed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Typically EMFILE: back off a little rather than spin.
+                tracing::warn!(%addr, %error, "Accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let service = (shared.make_service)();
+        let shared = shared.clone();
+        let stopped = stopped.clone();
+        shared.connections.set(shared.connections.get() + 1);
+        let span = tracing::debug_span!("conn", %peer);
+        tokio_uring::spawn(
+            async move {
+                let _guard = Guard(&shared);
+                tracing::debug!("Accepted");
+                if let Err(error) =
+                    http1::serve_connection(stream, service, &shared.limits, stopped).await
+                {
+                    tracing::debug!(%error, "Connection failed");
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// Counts a connection out when its task ends, however it ends.
+struct Guard<'a, F>(&'a Shared<F>);
+
+impl<F> Drop for Guard<'_, F> {
+    fn drop(&mut self) {
+        let n = self.0.connections.get() - 1;
+        self.0.connections.set(n);
+        if n == 0 {
+            self.0.drained.notify_waiters();
+        }
+    }
+}

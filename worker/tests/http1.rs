@@ -1,0 +1,492 @@
+//! HTTP/1 over real sockets: a server on its own io_uring thread, a blocking std client.
+
+use std::{
+    convert::Infallible,
+    future::{Ready, ready},
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    os::unix::net::UnixStream,
+    pin::Pin,
+    sync::{Arc, mpsc},
+    task::{Context, Poll},
+    thread,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use peregrine_worker::{
+    listen::{self, BoundAddr},
+    server::{self, Config},
+};
+use tower::Service;
+
+/// How long any single step of a test may take.
+const STEP: Duration = Duration::from_secs(10);
+
+/// Answers `METHOD PATH BODY`.
+#[derive(Clone, Debug)]
+struct Echo;
+
+impl Service<Request<Bytes>> for Echo {
+    type Response = Response<Bytes>;
+    type Error = Infallible;
+    type Future = Ready<Result<Response<Bytes>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+        let mut body = format!("{} {} ", req.method(), req.uri()).into_bytes();
+        body.extend_from_slice(req.body());
+        ready(Ok(Response::new(Bytes::from(body))))
+    }
+}
+
+/// A server on its own thread; stopping it (or dropping it) shuts it down and joins the thread.
+struct TestServer {
+    addrs: Vec<BoundAddr>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: mpsc::Receiver<()>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl TestServer {
+    fn start(url: &str) -> Self {
+        Self::start_with(url, || Echo)
+    }
+
+    fn start_with<F, S>(url: &str, make_service: F) -> Self
+    where
+        F: Fn() -> S + Send + 'static,
+        S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible> + 'static,
+        S::Future: 'static,
+    {
+        let listeners = listen::bind(&url.parse().unwrap()).unwrap();
+        let addrs = listeners.iter().map(|l| l.addr.clone()).collect();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done) = mpsc::channel();
+        let thread = thread::spawn(move || {
+            tokio_uring::start(async move {
+                let shutdown = async {
+                    let _ = stopped.await;
+                };
+                server::serve(listeners, make_service, Config::default(), shutdown)
+                    .await
+                    .unwrap();
+            });
+            let _ = done_tx.send(());
+        });
+        TestServer {
+            addrs,
+            stop: Some(stop),
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    fn tcp_addr(&self) -> SocketAddr {
+        self.addrs
+            .iter()
+            .find_map(|a| match a {
+                BoundAddr::Ip(sa) => Some(*sa),
+                BoundAddr::Unix(_) => None,
+            })
+            .unwrap()
+    }
+
+    fn connect(&self) -> Client<TcpStream> {
+        let stream = TcpStream::connect(self.tcp_addr()).unwrap();
+        stream.set_read_timeout(Some(STEP)).unwrap();
+        Client {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Asks the server to stop without waiting for it.
+    fn begin_stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
+    fn stop(&mut self) {
+        self.begin_stop();
+        if let Some(thread) = self.thread.take() {
+            self.done
+                .recv_timeout(STEP)
+                .expect("the server did not stop in time");
+            thread.join().unwrap();
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if !thread::panicking() {
+            self.stop();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A blocking client that keeps unread bytes between responses (for pipelining).
+struct Client<T> {
+    stream: T,
+    buf: Vec<u8>,
+}
+
+impl<T: Read + Write> Client<T> {
+    fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).unwrap();
+    }
+
+    fn fill(&mut self) -> usize {
+        let mut chunk = [0u8; 4096];
+        let n = self
+            .stream
+            .read(&mut chunk)
+            .expect("read failed or timed out");
+        self.buf.extend_from_slice(&chunk[..n]);
+        n
+    }
+
+    /// Reads one response; `head_only` for a response to HEAD.
+    fn response(&mut self, head_only: bool) -> Resp {
+        loop {
+            let mut fields = [httparse::EMPTY_HEADER; 32];
+            let mut res = httparse::Response::new(&mut fields);
+            if let httparse::Status::Complete(head) = res.parse(&self.buf).unwrap() {
+                let headers: Vec<(String, String)> = res
+                    .headers
+                    .iter()
+                    .map(|h| {
+                        (
+                            h.name.to_string(),
+                            String::from_utf8_lossy(h.value).into_owned(),
+                        )
+                    })
+                    .collect();
+                let status = res.code.unwrap();
+                let len: usize = headers
+                    .iter()
+                    .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+                    .expect("every response carries content-length")
+                    .1
+                    .parse()
+                    .unwrap();
+                let body_len = if head_only { 0 } else { len };
+                while self.buf.len() < head + body_len {
+                    assert_ne!(self.fill(), 0, "eof inside a body");
+                }
+                let body = self.buf[head..head + body_len].to_vec();
+                self.buf.drain(..head + body_len);
+                return Resp {
+                    status,
+                    headers,
+                    body,
+                };
+            }
+            assert_ne!(self.fill(), 0, "eof before a response");
+        }
+    }
+
+    /// Asserts that the server closes the connection with nothing more to say.
+    fn expect_close(&mut self) {
+        assert!(self.buf.is_empty(), "unexpected bytes: {:?}", self.buf);
+        assert_eq!(self.fill(), 0, "expected the connection to close");
+    }
+}
+
+#[test]
+fn keep_alive_serves_several_requests_on_one_connection() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    let before = peregrine_worker::requests();
+    for i in 0..3 {
+        client.send(format!("GET /{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes());
+        let res = client.response(false);
+        assert_eq!(res.status, 200);
+        assert_eq!(res.body, format!("GET /{i} ").as_bytes());
+        assert_eq!(res.header("connection"), None);
+    }
+    // Other tests run in parallel and count too.
+    assert!(peregrine_worker::requests() >= before + 3);
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(
+        b"GET /1 HTTP/1.1\r\n\r\nPOST /2 HTTP/1.1\r\nContent-Length: 4\r\n\r\nbodyGET /3 HTTP/1.1\r\n\r\n",
+    );
+    assert_eq!(client.response(false).body, b"GET /1 ");
+    assert_eq!(client.response(false).body, b"POST /2 body");
+    assert_eq!(client.response(false).body, b"GET /3 ");
+}
+
+#[test]
+fn http10_closes_after_one_response() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.0\r\n\r\n");
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.header("connection"), Some("close"));
+    client.expect_close();
+}
+
+#[test]
+fn http10_keep_alive_is_honoured() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    for _ in 0..2 {
+        client.send(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+        let res = client.response(false);
+        assert_eq!(res.header("connection"), Some("keep-alive"));
+    }
+}
+
+#[test]
+fn connection_close_closes() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    // The second request follows the one asking to close: it must not be answered.
+    client.send(b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\nGET /b HTTP/1.1\r\n\r\n");
+    let res = client.response(false);
+    assert_eq!(res.body, b"GET /a ");
+    assert_eq!(res.header("connection"), Some("close"));
+    client.expect_close();
+}
+
+#[test]
+fn chunked_request_bodies_are_decoded() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n");
+    // The rest arrives separately.
+    client.send(b"5;x=y\r\npedia\r\n0\r\n\r\n");
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body, b"POST /c Wikipedia");
+    // The connection is still usable.
+    client.send(b"GET /after HTTP/1.1\r\n\r\n");
+    assert_eq!(client.response(false).body, b"GET /after ");
+}
+
+#[test]
+fn a_bad_chunk_size_is_a_bad_request() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nxyz\r\n");
+    assert_eq!(client.response(false).status, 400);
+    client.expect_close();
+}
+
+#[test]
+fn content_length_with_transfer_encoding_is_refused_and_closed() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(
+        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    );
+    let res = client.response(false);
+    assert_eq!(res.status, 400);
+    assert_eq!(res.header("connection"), Some("close"));
+    client.expect_close();
+}
+
+#[test]
+fn differing_content_lengths_are_refused() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab");
+    assert_eq!(client.response(false).status, 400);
+    client.expect_close();
+}
+
+#[test]
+fn oversized_headers_are_refused() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    let mut req = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
+    req.extend(std::iter::repeat_n(b'a', 32 * 1024));
+    req.extend(b"\r\n\r\n");
+    // The server may close before reading everything; a failed write is fine.
+    let _ = client.stream.write_all(&req);
+    let res = client.response(false);
+    assert_eq!(res.status, 431);
+    assert_eq!(res.header("connection"), Some("close"));
+}
+
+#[test]
+fn an_oversized_body_is_refused() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n");
+    assert_eq!(client.response(false).status, 413);
+    client.expect_close();
+}
+
+#[test]
+fn garbage_is_a_bad_request() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"\x16\x03\x01\x02\x00 not http at all\r\n\r\n");
+    let res = client.response(false);
+    assert_eq!(res.status, 400);
+    client.expect_close();
+}
+
+#[test]
+fn head_has_headers_but_no_body() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"HEAD /h HTTP/1.1\r\n\r\nGET /g HTTP/1.1\r\n\r\n");
+    let head = client.response(true);
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), Some("8"));
+    // Had the HEAD response carried a body, this would read it instead.
+    assert_eq!(client.response(false).body, b"GET /g ");
+}
+
+#[test]
+fn serves_on_every_localhost_address() {
+    let server = TestServer::start("http://localhost:0");
+    assert_eq!(server.addrs.len(), 2, "{:?}", server.addrs);
+    for addr in &server.addrs {
+        let BoundAddr::Ip(sa) = addr else { panic!() };
+        let stream = TcpStream::connect(sa).unwrap();
+        stream.set_read_timeout(Some(STEP)).unwrap();
+        let mut client = Client {
+            stream,
+            buf: Vec::new(),
+        };
+        client.send(b"GET / HTTP/1.1\r\n\r\n");
+        assert_eq!(client.response(false).status, 200, "{sa}");
+    }
+}
+
+#[test]
+fn serves_on_a_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("worker.sock");
+    let server = TestServer::start(&format!("unix://{}", path.display()));
+    assert_eq!(server.addrs, vec![BoundAddr::Unix(path.clone())]);
+    let stream = UnixStream::connect(&path).unwrap();
+    stream.set_read_timeout(Some(STEP)).unwrap();
+    let mut client = Client {
+        stream,
+        buf: Vec::new(),
+    };
+    for _ in 0..2 {
+        client.send(b"POST /u HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi");
+        assert_eq!(client.response(false).body, b"POST /u hi");
+    }
+}
+
+#[test]
+fn shutdown_closes_idle_connections_and_stops_accepting() {
+    let mut server = TestServer::start("http://127.0.0.1:0");
+    let addr = server.tcp_addr();
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.1\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    server.stop();
+    client.expect_close();
+    // The listener is gone with the server.
+    assert!(TcpStream::connect(addr).is_err());
+}
+
+#[test]
+fn a_body_larger_than_one_read_is_read_whole() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    let body: Vec<u8> = (0..200 * 1024).map(|i| b'a' + (i % 26) as u8).collect();
+    let mut req = format!(
+        "PUT /big HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(&body);
+    req.extend_from_slice(b"GET /next HTTP/1.1\r\n\r\n");
+    client.send(&req);
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(&res.body[..9], b"PUT /big ");
+    assert!(res.body[9..] == body[..], "the body came back altered");
+    assert_eq!(client.response(false).body, b"GET /next ");
+}
+
+/// Holds every request until the test releases it.
+#[derive(Clone, Debug)]
+struct Gate {
+    entered: mpsc::Sender<()>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Service<Request<Bytes>> for Gate {
+    type Response = Response<Bytes>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Infallible>>>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Bytes>) -> Self::Future {
+        let gate = self.clone();
+        Box::pin(async move {
+            let _ = gate.entered.send(());
+            gate.release.acquire().await.unwrap().forget();
+            Ok(Response::new(Bytes::from_static(b"finished")))
+        })
+    }
+}
+
+#[test]
+fn shutdown_lets_in_flight_requests_finish() {
+    let (entered, in_flight) = mpsc::channel();
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = Gate {
+        entered,
+        release: release.clone(),
+    };
+    let mut server = TestServer::start_with("http://127.0.0.1:0", move || gate.clone());
+    let mut client = server.connect();
+    client.send(b"GET /slow HTTP/1.1\r\n\r\n");
+    in_flight.recv_timeout(STEP).unwrap();
+
+    server.begin_stop();
+    // The server waits for the request in hand rather than dropping it.
+    assert!(matches!(
+        server.done.try_recv(),
+        Err(mpsc::TryRecvError::Empty)
+    ));
+    release.add_permits(1);
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body, b"finished");
+    // Whether the response says `connection: close` depends on whether the connection saw the shutdown
+    // before the response was ready; either way the connection closes after it.
+    client.expect_close();
+    server.stop();
+}

@@ -1,0 +1,224 @@
+//! Registration against a fake supervisor (a std Unix listener in the test).
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    os::unix::net::{UnixListener, UnixStream},
+    path::Path,
+    sync::mpsc,
+    thread,
+    time::Duration,
+};
+
+use bytes::BytesMut;
+use peregrine_proto::{
+    decode_frame, encode,
+    v1::{
+        Protocol, Refused, Register, Registered, SupervisorMessage, WorkerMessage, address,
+        supervisor_message, worker_message,
+    },
+};
+use peregrine_worker::{Hello, Settings, WorkerError, register::RegisterError};
+
+/// How long any single step of a test may take.
+const STEP: Duration = Duration::from_secs(10);
+
+fn settings(control: &Path) -> Settings {
+    Settings {
+        service: "web".into(),
+        index: 3,
+        url: "http://127.0.0.1:0".parse().unwrap(),
+        control: control.into(),
+    }
+}
+
+/// Accepts one worker, reads its `Register` and answers `answer`.
+fn accept_register(
+    listener: &UnixListener,
+    answer: supervisor_message::Message,
+) -> (UnixStream, Register) {
+    let (mut conn, _) = listener.accept().unwrap();
+    conn.set_read_timeout(Some(STEP)).unwrap();
+    let mut buf = BytesMut::new();
+    let message = loop {
+        if let Some(m) = decode_frame::<WorkerMessage>(&mut buf).unwrap() {
+            break m;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = conn.read(&mut chunk).unwrap();
+        assert_ne!(n, 0, "the worker closed before registering");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let Some(worker_message::Message::Register(register)) = message.message else {
+        panic!("expected a register message, got {message:?}")
+    };
+    conn.write_all(&encode(&SupervisorMessage {
+        message: Some(answer),
+    }))
+    .unwrap();
+    (conn, register)
+}
+
+/// Runs a worker on its own thread; its result arrives on the returned channel.
+fn spawn_worker(
+    settings: Settings,
+    shutdown: tokio::sync::oneshot::Receiver<()>,
+) -> (
+    mpsc::Receiver<Result<(), WorkerError>>,
+    thread::JoinHandle<()>,
+) {
+    let (tx, rx) = mpsc::channel();
+    let handle = thread::spawn(move || {
+        let result = peregrine_worker::run_until(settings, Hello::new, async {
+            let _ = shutdown.await;
+        });
+        let _ = tx.send(result);
+    });
+    (rx, handle)
+}
+
+fn get(addr: std::net::SocketAddr) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(STEP)).unwrap();
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn registers_every_address_and_keeps_the_connection_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+
+    let (mut conn, register) = accept_register(
+        &listener,
+        supervisor_message::Message::Registered(Registered {
+            hostname: "web-3-abc".into(),
+        }),
+    );
+    assert_eq!(register.service, "web");
+    assert_eq!(register.index, 3);
+    assert_eq!(register.pid, std::process::id());
+    let l = register.listener.unwrap();
+    assert_eq!(l.name, "web");
+    assert_eq!(l.scheme, "http");
+    assert_eq!(l.protocols, vec![i32::from(Protocol::Http1)]);
+    assert_eq!(l.addresses.len(), 1);
+    let Some(address::Address::Socket(sa)) = l.addresses[0].address.clone() else {
+        panic!("expected a socket address")
+    };
+    assert_eq!(sa.ip, "127.0.0.1");
+    assert_ne!(sa.port, 0);
+
+    // The registered address serves the hello app.
+    let addr = format!("127.0.0.1:{}", sa.port).parse().unwrap();
+    let response = get(addr);
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.ends_with(&format!("Hello from worker {}!\n", std::process::id())),
+        "{response}"
+    );
+
+    // The registration is still open while the worker serves: nothing to read, no end of stream.
+    conn.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    let err = conn.read(&mut byte).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock);
+    conn.set_nonblocking(false).unwrap();
+
+    // Stopping the worker closes the registration.
+    stop.send(()).unwrap();
+    result.recv_timeout(STEP).unwrap().unwrap();
+    worker.join().unwrap();
+    assert_eq!(conn.read(&mut byte).unwrap(), 0);
+}
+
+#[test]
+fn a_refusal_fails_the_worker_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+
+    let (conn, _) = accept_register(
+        &listener,
+        supervisor_message::Message::Refused(Refused {
+            reason: "index 3 is taken".into(),
+        }),
+    );
+    drop(conn);
+    let err = result.recv_timeout(STEP).unwrap().unwrap_err();
+    match &err {
+        WorkerError::Register(RegisterError::Refused { reason }) => {
+            assert_eq!(reason, "index 3 is taken")
+        }
+        other => panic!("unexpected error: {other:?}"),
+    }
+    worker.join().unwrap();
+}
+
+#[test]
+fn a_supervisor_that_closes_without_answering_fails_the_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+    drop(listener.accept().unwrap());
+    let err = result.recv_timeout(STEP).unwrap().unwrap_err();
+    assert!(
+        matches!(err, WorkerError::Register(RegisterError::Closed)),
+        "{err:?}"
+    );
+    worker.join().unwrap();
+}
+
+#[test]
+fn a_missing_supervisor_fails_the_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("absent.sock");
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+    let err = result.recv_timeout(STEP).unwrap().unwrap_err();
+    assert!(
+        matches!(err, WorkerError::Register(RegisterError::Connect { .. })),
+        "{err:?}"
+    );
+    worker.join().unwrap();
+}
+
+#[test]
+fn the_worker_keeps_serving_when_the_supervisor_goes_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+    let (conn, register) = accept_register(
+        &listener,
+        supervisor_message::Message::Registered(Registered {
+            hostname: "web-3".into(),
+        }),
+    );
+    drop(conn);
+    drop(listener);
+    let Some(address::Address::Socket(sa)) =
+        register.listener.unwrap().addresses[0].address.clone()
+    else {
+        panic!("expected a socket address")
+    };
+    let addr = format!("127.0.0.1:{}", sa.port).parse().unwrap();
+    for _ in 0..3 {
+        assert!(get(addr).starts_with("HTTP/1.1 200 OK\r\n"));
+    }
+    stop.send(()).unwrap();
+    result.recv_timeout(STEP).unwrap().unwrap();
+    worker.join().unwrap();
+}
