@@ -1,0 +1,52 @@
+//! The command line: configuration errors are one line per problem, naming the key and line, with exit
+//! code 64, and `run` starts nothing on a bad config.
+
+use std::process::Command;
+
+use peregrine_e2e::peregrine_path;
+
+fn peregrine(args: &[&str], config: &str) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peregrine.toml");
+    std::fs::write(&path, config).unwrap();
+    let output = Command::new(peregrine_path())
+        .args(args)
+        .arg(&path)
+        .output()
+        .expect("run peregrine");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_bad_value_is_one_line_naming_the_key() {
+    let (code, _, stderr) = peregrine(&["check"], "[service.cluster]\ncount = 2\nurl = \"http://127.0.0.1:8080\"\n");
+    assert_eq!(code, 64, "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("line 3: service.cluster.url: fixed port 8080 cannot serve 2 workers"), "{stderr}");
+}
+
+#[test]
+fn a_type_error_and_an_unknown_key_are_named() {
+    let (code, _, stderr) = peregrine(&["check"], "[supervisor]\nbind = 18000\n");
+    assert_eq!(code, 64);
+    assert!(stderr.contains("line 2: supervisor.bind: invalid type"), "{stderr}");
+    let (code, _, stderr) = peregrine(&["run"], "[service.cluster]\ncuont = 2\n");
+    assert_eq!(code, 64, "run refuses a bad config before starting anything");
+    assert!(stderr.contains("line 2") && stderr.contains("cuont"), "{stderr}");
+}
+
+#[test]
+fn a_good_config_checks_and_bootstraps() {
+    let config = "[service.cluster]\ncount = 2\n";
+    let (code, stdout, stderr) = peregrine(&["check"], config);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("ok (1 services, 2 workers)"), "{stdout}");
+    let (code, yaml, stderr) = peregrine(&["envoy-bootstrap"], config);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(yaml.contains("xds_cluster") && yaml.contains("cluster"), "{yaml}");
+}

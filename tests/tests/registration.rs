@@ -1,0 +1,97 @@
+//! Registration abuse against the real supervisor: a process that is not one of its workers is refused,
+//! and a malformed message closes only its own connection; the workers keep serving through Envoy.
+
+use std::{
+    io::{Read, Write},
+    os::unix::net::UnixStream,
+    time::Duration,
+};
+
+use bytes::BytesMut;
+use peregrine_e2e::{Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until, worker_pid};
+use peregrine_proto::{
+    decode_frame, encode,
+    v1::{self, SupervisorMessage, WorkerMessage, supervisor_message, worker_message},
+};
+
+fn impostor_registration() -> WorkerMessage {
+    WorkerMessage {
+        message: Some(worker_message::Message::Register(v1::Register {
+            service: "cluster".into(),
+            index: 0,
+            pid: std::process::id(),
+            listener: Some(v1::Listener {
+                name: "cluster".into(),
+                scheme: "http".into(),
+                protocols: vec![v1::Protocol::Http1 as i32],
+                addresses: vec![v1::Address {
+                    address: Some(v1::address::Address::Socket(v1::SocketAddress {
+                        ip: "127.0.0.1".into(),
+                        port: 9,
+                    })),
+                }],
+            }),
+        })),
+    }
+}
+
+/// Reads one answer, or `None` when the supervisor closes the connection without one.
+fn read_answer(stream: &mut UnixStream) -> Option<SupervisorMessage> {
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = BytesMut::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(message) = decode_frame(&mut buf).expect("a well-formed answer") {
+            return Some(message);
+        }
+        let n = stream.read(&mut chunk).expect("an answer or a close within 10 s");
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[test]
+fn strangers_and_garbage_cannot_disturb_the_workers() {
+    if envoy_or_skip("strangers_and_garbage_cannot_disturb_the_workers").is_none() {
+        return;
+    }
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let supervisor = Supervisor::start(&sample_config("{dir}".as_ref(), grpc, listen, admin, 2));
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
+    let before = wait_until(Duration::from_secs(30), "2 healthy hosts", || {
+        let hosts = hosts(&envoy.clusters(), "cluster");
+        (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(hosts)
+    });
+    let control = supervisor.dir().join("peregrine.sock");
+
+    // This test process is not a worker of the supervisor, even with a well-formed claim.
+    let mut stranger = UnixStream::connect(&control).unwrap();
+    stranger.write_all(&encode(&impostor_registration())).unwrap();
+    match read_answer(&mut stranger).and_then(|a| a.message) {
+        Some(supervisor_message::Message::Refused(refused)) => {
+            assert!(refused.reason.contains("not a worker"), "{}", refused.reason);
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(read_answer(&mut stranger).is_none(), "the refused connection is closed");
+
+    // A frame that is not a message closes that connection and nothing else.
+    let mut garbage = UnixStream::connect(&control).unwrap();
+    garbage.write_all(&[5, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    assert!(read_answer(&mut garbage).is_none(), "the malformed connection is closed");
+
+    wait_until(Duration::from_secs(10), "both refusals logged", || {
+        let logs = supervisor.logs();
+        (logs.contains("not a worker of this supervisor") && logs.contains("malformed message")).then_some(())
+    });
+    let after = hosts(&envoy.clusters(), "cluster");
+    let names = |h: &[peregrine_e2e::Host]| h.iter().map(|h| h.hostname.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&after), names(&before), "the endpoints did not change");
+    for _ in 0..20 {
+        let (status, body) = http_get(([127, 0, 0, 1], listen), "/").unwrap();
+        assert_eq!(status, 200);
+        assert!(worker_pid(&body).is_some(), "{body}");
+    }
+}
