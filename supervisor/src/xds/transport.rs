@@ -7,7 +7,9 @@
 //! again (go-control-plane's resend loop, its issue #962) and a request naming new resources gets them
 //! even at the same version. A request echoing a stale nonce is ignored. CDS is always the full set
 //! (wildcard); EDS answers only the names requested and answers a name that does not exist yet as soon
-//! as it appears. On ADS, clusters are always sent before the endpoints that name them.
+//! as it appears. On ADS, clusters are always sent before the endpoints that name them: endpoints are
+//! held until their cluster was sent on the same stream, and a changed cluster's endpoints are sent
+//! again right after it (Envoy finishes warming a changed cluster only with a new EDS response).
 //!
 //! Invariant: the transport never builds resources; it only selects from the cache's.
 
@@ -419,11 +421,16 @@ impl StreamState {
             let set = resources
                 .get(ENDPOINT_TYPE_URL, ads)
                 .expect("endpoints are served");
-            // On ADS, never name endpoints of a cluster the client was not sent yet.
-            let known = match (&self.clusters, ads) {
-                (Some(clusters), true) => clusters.sent.as_ref(),
-                _ => None,
-            };
+            // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
+            // an ADS client gets endpoints only for clusters it also receives over the same stream
+            // (Envoy subscribes to CDS first whenever its clusters come over ADS).
+            let empty = BTreeMap::new();
+            let known = ads.then(|| {
+                self.clusters
+                    .as_ref()
+                    .and_then(|c| c.sent.as_ref())
+                    .unwrap_or(&empty)
+            });
             let payload = watch
                 .names
                 .iter()
