@@ -1,1 +1,118 @@
-//! (being written)
+//! The xDS control plane: serves the registry to Envoy as CDS, EDS and ADS (state of the world).
+//!
+//! Three layers, in go-control-plane's shape: [`resources`] builds Envoy protos from a registry
+//! snapshot (pure functions), [`cache`] versions them per resource and per type and publishes them on
+//! a watch channel, and [`transport`] runs the gRPC streams (nonces, ACK/NACK, subscriptions).
+//! The transport never builds resources and the cache never touches gRPC.
+//!
+//! [`router`] builds the tonic router (other gRPC services, such as ORCA, can be added to it) and
+//! [`serve`] runs it on a listener until shutdown.
+
+pub mod cache;
+pub mod resources;
+pub mod transport;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use envoy_types::pb::envoy::service::{
+    cluster::v3::cluster_discovery_service_server::ClusterDiscoveryServiceServer,
+    discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer,
+    endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryServiceServer,
+};
+use tokio::{net::TcpListener, sync::watch};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::{Server, server::Router};
+
+use self::{
+    cache::{Cache, Resources},
+    resources::{ClusterOptions, EdsSource},
+    transport::XdsService,
+};
+use crate::registry::Snapshot;
+
+/// Options of the control plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct XdsOptions {
+    /// The name of the static cluster in Envoy's bootstrap that points at this server; clusters sent
+    /// on CDS streams fetch their endpoints from it. `"xds_cluster"` by default.
+    pub xds_cluster_name: String,
+    /// The connect timeout of every cluster; 1 s by default.
+    pub connect_timeout: Duration,
+}
+
+impl Default for XdsOptions {
+    fn default() -> Self {
+        XdsOptions {
+            xds_cluster_name: "xds_cluster".into(),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl XdsOptions {
+    /// The options of clusters served on dedicated CDS streams.
+    pub fn cluster_options(&self) -> ClusterOptions {
+        ClusterOptions {
+            connect_timeout: self.connect_timeout,
+            eds_source: EdsSource::Grpc {
+                xds_cluster: self.xds_cluster_name.clone(),
+            },
+        }
+    }
+}
+
+/// Why the control plane stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum XdsError {
+    /// The gRPC server failed.
+    #[error("xds server failed")]
+    Serve(#[source] tonic::transport::Error),
+}
+
+/// Starts a cache following `snapshots` until `stop` completes, returning its resources.
+///
+/// Must be called within a Tokio runtime. When `stop` completes, every xDS stream reading the cache
+/// ends with `UNAVAILABLE`.
+pub fn spawn_cache(
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    options: &XdsOptions,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> watch::Receiver<Arc<Resources>> {
+    Cache::new(cache::new_epoch(), options.cluster_options()).spawn(snapshots, stop)
+}
+
+/// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]); add more services to it
+/// before serving.
+pub fn router(resources: watch::Receiver<Arc<Resources>>) -> Router {
+    let service = XdsService::new(resources);
+    Server::builder()
+        .add_service(ClusterDiscoveryServiceServer::new(service.clone()))
+        .add_service(EndpointDiscoveryServiceServer::new(service.clone()))
+        .add_service(AggregatedDiscoveryServiceServer::new(service))
+}
+
+/// Serves CDS, EDS and ADS for `snapshots` on `listener` (HTTP/2) until `shutdown` completes.
+///
+/// On shutdown the cache stops, which ends every open xDS stream, and the server then finishes
+/// gracefully. The returned future must be polled for the server to make progress.
+pub async fn serve(
+    listener: TcpListener,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    options: XdsOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), XdsError> {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let resources = spawn_cache(snapshots, &options, async {
+        let _ = stop_rx.await;
+    });
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "Serving xDS");
+    }
+    router(resources)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            shutdown.await;
+            let _ = stop_tx.send(());
+        })
+        .await
+        .map_err(XdsError::Serve)
+}

@@ -1,0 +1,438 @@
+//! Pure builders from a registry [`ServiceView`] to Envoy resources.
+//!
+//! Nothing here does IO, keeps state or knows about streams: the same service view always gives the
+//! same protos, so the builders are golden-tested and the cache can hash their encodings.
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use envoy_types::pb::envoy::config::core::v3::Address as PbAddress;
+use envoy_types::pb::{
+    envoy::{
+        config::{
+            cluster::v3::{
+                Cluster,
+                cluster::{ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbPolicy},
+            },
+            core::v3::{
+                AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
+                HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Pipe, SocketAddress,
+                address,
+                api_config_source::ApiType,
+                config_source::ConfigSourceSpecifier,
+                grpc_service::{EnvoyGrpc, TargetSpecifier},
+                socket_address::PortSpecifier,
+            },
+            endpoint::v3::{
+                ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+                endpoint::AdditionalAddress, lb_endpoint::HostIdentifier,
+            },
+        },
+        extensions::upstreams::http::v3::{
+            HttpProtocolOptions,
+            http_protocol_options::{
+                ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config::ProtocolConfig,
+            },
+        },
+    },
+    google::protobuf::{Any, Duration as PbDuration},
+};
+use prost::Name;
+
+use crate::registry::{Address, Protocol, ServiceView};
+
+/// The type URL of CDS resources.
+pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+/// The type URL of EDS resources.
+pub const ENDPOINT_TYPE_URL: &str =
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+/// The key of the upstream HTTP options in `Cluster.typed_extension_protocol_options`.
+pub const HTTP_PROTOCOL_OPTIONS_KEY: &str =
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// Where a cluster tells Envoy to fetch its endpoints from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EdsSource {
+    /// A dedicated EDS stream to the named static cluster (the one that serves CDS).
+    Grpc {
+        /// The name of the xDS cluster in Envoy's bootstrap.
+        xds_cluster: String,
+    },
+    /// The ADS stream the cluster arrived on (`ads: {}`).
+    Ads,
+}
+
+/// Options shared by every cluster built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterOptions {
+    /// The upstream connect timeout; 1 s by default.
+    pub connect_timeout: Duration,
+    /// Where endpoints come from; a dedicated stream to `xds_cluster` by default.
+    pub eds_source: EdsSource,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            connect_timeout: Duration::from_secs(1),
+            eds_source: EdsSource::Grpc {
+                xds_cluster: "xds_cluster".into(),
+            },
+        }
+    }
+}
+
+/// The EDS cluster for service `name`: round robin, endpoints over `options.eds_source`, HTTP/2 upstream
+/// when every registered worker speaks it (and there is at least one), else HTTP/1.1.
+pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) -> Cluster {
+    let http2 = !view.workers.is_empty()
+        && view
+            .workers
+            .values()
+            .all(|w| w.listener.protocols.contains(&Protocol::Http2));
+    let protocol_config = if http2 {
+        ProtocolConfig::Http2ProtocolOptions(Http2ProtocolOptions::default())
+    } else {
+        ProtocolConfig::HttpProtocolOptions(Http1ProtocolOptions::default())
+    };
+    let http_options = HttpProtocolOptions {
+        upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+            ExplicitHttpConfig {
+                protocol_config: Some(protocol_config),
+            },
+        )),
+        ..Default::default()
+    };
+    Cluster {
+        name: name.to_string(),
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+        eds_cluster_config: Some(EdsClusterConfig {
+            eds_config: Some(config_source(&options.eds_source)),
+            service_name: String::new(),
+        }),
+        connect_timeout: Some(duration(options.connect_timeout)),
+        lb_policy: LbPolicy::RoundRobin as i32,
+        typed_extension_protocol_options: HashMap::from([(
+            HTTP_PROTOCOL_OPTIONS_KEY.to_string(),
+            pack(&http_options),
+        )]),
+        ..Default::default()
+    }
+}
+
+/// The endpoints of cluster `name`: one healthy endpoint per registered worker, by slot index, with the
+/// worker's unique hostname, its first address as the address and the rest as additional addresses.
+pub fn make_load_assignment(name: &str, view: &ServiceView) -> ClusterLoadAssignment {
+    let lb_endpoints = view
+        .workers
+        .values()
+        .map(|worker| {
+            let mut addresses = worker.listener.addresses.iter().map(address);
+            LbEndpoint {
+                health_status: HealthStatus::Healthy as i32,
+                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                    address: addresses.next(),
+                    hostname: worker.hostname.clone(),
+                    additional_addresses: addresses
+                        .map(|a| AdditionalAddress { address: Some(a) })
+                        .collect(),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }
+        })
+        .collect::<Vec<_>>();
+    ClusterLoadAssignment {
+        cluster_name: name.to_string(),
+        endpoints: if lb_endpoints.is_empty() {
+            Vec::new()
+        } else {
+            vec![LocalityLbEndpoints {
+                lb_endpoints,
+                ..Default::default()
+            }]
+        },
+        ..Default::default()
+    }
+}
+
+/// Packs `message` into an `Any`.
+pub fn pack<M: Name>(message: &M) -> Any {
+    Any {
+        type_url: M::type_url(),
+        value: message.encode_to_vec(),
+    }
+}
+
+fn config_source(source: &EdsSource) -> ConfigSource {
+    let specifier = match source {
+        EdsSource::Ads => ConfigSourceSpecifier::Ads(AggregatedConfigSource::default()),
+        EdsSource::Grpc { xds_cluster } => {
+            ConfigSourceSpecifier::ApiConfigSource(ApiConfigSource {
+                api_type: ApiType::Grpc as i32,
+                transport_api_version: ApiVersion::V3 as i32,
+                grpc_services: vec![GrpcService {
+                    target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
+                        cluster_name: xds_cluster.clone(),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+        }
+    };
+    ConfigSource {
+        resource_api_version: ApiVersion::V3 as i32,
+        config_source_specifier: Some(specifier),
+        ..Default::default()
+    }
+}
+
+fn address(address: &Address) -> PbAddress {
+    let inner = match address {
+        Address::Tcp(addr) => address::Address::SocketAddress(SocketAddress {
+            address: addr.ip().to_string(),
+            port_specifier: Some(PortSpecifier::PortValue(addr.port().into())),
+            ..Default::default()
+        }),
+        Address::Unix(path) => address::Address::Pipe(Pipe {
+            path: path_string(path),
+            mode: 0,
+        }),
+    };
+    PbAddress {
+        address: Some(inner),
+    }
+}
+
+fn path_string(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+fn duration(d: Duration) -> PbDuration {
+    PbDuration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use prost::Message;
+
+    use super::*;
+    use crate::registry::{Listener, Worker, WorkerState, hostname_for};
+
+    fn worker(index: u32, pid: u32, protocols: &[Protocol], addresses: Vec<Address>) -> Worker {
+        Worker {
+            service: "web".into(),
+            index,
+            pid,
+            hostname: hostname_for("web", index, pid),
+            listener: Listener {
+                name: "web".into(),
+                scheme: "http".into(),
+                protocols: protocols.to_vec(),
+                addresses,
+            },
+            state: WorkerState::Ready,
+        }
+    }
+
+    fn view(workers: Vec<Worker>) -> ServiceView {
+        ServiceView {
+            workers: workers
+                .into_iter()
+                .map(|w| (w.index, w))
+                .collect::<BTreeMap<_, _>>(),
+        }
+    }
+
+    fn tcp(port: u16) -> Address {
+        Address::Tcp(([127, 0, 0, 1], port).into())
+    }
+
+    fn protocol_config(cluster: &Cluster) -> ProtocolConfig {
+        let any = &cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY];
+        assert_eq!(
+            any.type_url,
+            "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        );
+        let options = HttpProtocolOptions::decode(any.value.as_slice()).unwrap();
+        match options.upstream_protocol_options {
+            Some(UpstreamProtocolOptions::ExplicitHttpConfig(c)) => c.protocol_config.unwrap(),
+            other => panic!("unexpected upstream options {other:?}"),
+        }
+    }
+
+    #[test]
+    fn cluster_golden_dedicated_eds() {
+        let cluster = make_cluster(
+            "web",
+            &view(vec![worker(0, 10, &[Protocol::Http1], vec![tcp(8000)])]),
+            &ClusterOptions::default(),
+        );
+        let expected = Cluster {
+            name: "web".into(),
+            cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+            eds_cluster_config: Some(EdsClusterConfig {
+                eds_config: Some(ConfigSource {
+                    resource_api_version: ApiVersion::V3 as i32,
+                    config_source_specifier: Some(ConfigSourceSpecifier::ApiConfigSource(
+                        ApiConfigSource {
+                            api_type: ApiType::Grpc as i32,
+                            transport_api_version: ApiVersion::V3 as i32,
+                            grpc_services: vec![GrpcService {
+                                target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
+                                    cluster_name: "xds_cluster".into(),
+                                    ..Default::default()
+                                })),
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        },
+                    )),
+                    ..Default::default()
+                }),
+                service_name: String::new(),
+            }),
+            connect_timeout: Some(PbDuration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            lb_policy: LbPolicy::RoundRobin as i32,
+            typed_extension_protocol_options: HashMap::from([(
+                HTTP_PROTOCOL_OPTIONS_KEY.to_string(),
+                pack(&HttpProtocolOptions {
+                    upstream_protocol_options: Some(UpstreamProtocolOptions::ExplicitHttpConfig(
+                        ExplicitHttpConfig {
+                            protocol_config: Some(ProtocolConfig::HttpProtocolOptions(
+                                Http1ProtocolOptions::default(),
+                            )),
+                        },
+                    )),
+                    ..Default::default()
+                }),
+            )]),
+            ..Default::default()
+        };
+        assert_eq!(cluster, expected);
+    }
+
+    #[test]
+    fn cluster_over_ads_with_custom_timeout() {
+        let options = ClusterOptions {
+            connect_timeout: Duration::from_millis(250),
+            eds_source: EdsSource::Ads,
+        };
+        let cluster = make_cluster("web", &ServiceView::default(), &options);
+        let source = cluster.eds_cluster_config.unwrap().eds_config.unwrap();
+        assert_eq!(
+            source.config_source_specifier,
+            Some(ConfigSourceSpecifier::Ads(AggregatedConfigSource {}))
+        );
+        assert_eq!(source.resource_api_version, ApiVersion::V3 as i32);
+        assert_eq!(
+            cluster.connect_timeout,
+            Some(PbDuration {
+                seconds: 0,
+                nanos: 250_000_000
+            })
+        );
+    }
+
+    #[test]
+    fn http2_only_when_every_worker_speaks_it() {
+        let options = ClusterOptions::default();
+        let both = [Protocol::Http1, Protocol::Http2];
+        let h2 = view(vec![
+            worker(0, 10, &both, vec![tcp(8000)]),
+            worker(1, 11, &[Protocol::Http2], vec![tcp(8001)]),
+        ]);
+        assert!(matches!(
+            protocol_config(&make_cluster("web", &h2, &options)),
+            ProtocolConfig::Http2ProtocolOptions(_)
+        ));
+        let mixed = view(vec![
+            worker(0, 10, &both, vec![tcp(8000)]),
+            worker(1, 11, &[Protocol::Http1], vec![tcp(8001)]),
+        ]);
+        assert!(matches!(
+            protocol_config(&make_cluster("web", &mixed, &options)),
+            ProtocolConfig::HttpProtocolOptions(_)
+        ));
+        assert!(matches!(
+            protocol_config(&make_cluster("web", &ServiceView::default(), &options)),
+            ProtocolConfig::HttpProtocolOptions(_)
+        ));
+    }
+
+    #[test]
+    fn load_assignment_golden() {
+        let sock = std::path::PathBuf::from("/run/peregrine/web-1.sock");
+        let assignment = make_load_assignment(
+            "web",
+            &view(vec![
+                worker(1, 11, &[Protocol::Http1], vec![Address::Unix(sock)]),
+                worker(
+                    0,
+                    10,
+                    &[Protocol::Http1],
+                    vec![tcp(8000), Address::Tcp("[::1]:8000".parse().unwrap())],
+                ),
+            ]),
+        );
+        let socket = |ip: &str, port: u32| PbAddress {
+            address: Some(address::Address::SocketAddress(SocketAddress {
+                address: ip.into(),
+                port_specifier: Some(PortSpecifier::PortValue(port)),
+                ..Default::default()
+            })),
+        };
+        let expected = ClusterLoadAssignment {
+            cluster_name: "web".into(),
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints: vec![
+                    LbEndpoint {
+                        health_status: HealthStatus::Healthy as i32,
+                        host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                            address: Some(socket("127.0.0.1", 8000)),
+                            hostname: "web-0-10".into(),
+                            additional_addresses: vec![AdditionalAddress {
+                                address: Some(socket("::1", 8000)),
+                            }],
+                            ..Default::default()
+                        })),
+                        ..Default::default()
+                    },
+                    LbEndpoint {
+                        health_status: HealthStatus::Healthy as i32,
+                        host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+                            address: Some(PbAddress {
+                                address: Some(address::Address::Pipe(Pipe {
+                                    path: "/run/peregrine/web-1.sock".into(),
+                                    mode: 0,
+                                })),
+                            }),
+                            hostname: "web-1-11".into(),
+                            ..Default::default()
+                        })),
+                        ..Default::default()
+                    },
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert_eq!(assignment, expected);
+    }
+
+    #[test]
+    fn empty_service_has_no_endpoints() {
+        let assignment = make_load_assignment("web", &ServiceView::default());
+        assert_eq!(assignment.cluster_name, "web");
+        assert!(assignment.endpoints.is_empty());
+    }
+}

@@ -1,0 +1,479 @@
+//! The gRPC transport: state-of-the-world CDS, EDS and ADS streams over the [`Resources`] the cache
+//! publishes.
+//!
+//! Per stream and per type it keeps the last nonce sent, the names subscribed and what it last sent
+//! (name -> resource version). It sends a response exactly when what the client should have differs
+//! from what it was last sent, so an ACK gets no reply, a NACK is not answered with the same content
+//! again (go-control-plane's resend loop, its issue #962) and a request naming new resources gets them
+//! even at the same version. A request echoing a stale nonce is ignored. CDS is always the full set
+//! (wildcard); EDS answers only the names requested and answers a name that does not exist yet as soon
+//! as it appears. On ADS, clusters are always sent before the endpoints that name them: endpoints are
+//! held until their cluster was sent on the same stream, and a changed cluster's endpoints are sent
+//! again right after it (Envoy finishes warming a changed cluster only with a new EDS response).
+//!
+//! Invariant: the transport never builds resources; it only selects from the cache's.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use envoy_types::pb::envoy::service::{
+    cluster::v3::cluster_discovery_service_server::ClusterDiscoveryService,
+    discovery::v3::{
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+        aggregated_discovery_service_server::AggregatedDiscoveryService,
+    },
+    endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryService,
+};
+use futures::Stream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use super::{
+    cache::Resources,
+    resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
+};
+
+/// The response stream of every state-of-the-world method.
+pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
+
+/// The (never produced) response stream of the delta methods.
+pub type DeltaResponseStream =
+    Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send + 'static>>;
+
+/// How many responses may wait for a slow client before a stream stops reading the cache.
+const RESPONSE_BUFFER: usize = 8;
+
+/// Serves CDS, EDS and ADS from the cache's watch channel. Cheap to clone.
+///
+/// Each stream ends when its client ends it or when the cache's sender is dropped (the control plane
+/// shutting down), so graceful shutdown of the server is not held up by long-lived streams.
+#[derive(Clone, Debug)]
+pub struct XdsService {
+    resources: watch::Receiver<Arc<Resources>>,
+}
+
+/// Which RPC a stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// `ClusterDiscoveryService.StreamClusters`.
+    Cds,
+    /// `EndpointDiscoveryService.StreamEndpoints`.
+    Eds,
+    /// `AggregatedDiscoveryService.StreamAggregatedResources`.
+    Ads,
+}
+
+// === impl XdsService ===
+
+impl XdsService {
+    /// A service reading `resources`.
+    pub fn new(resources: watch::Receiver<Arc<Resources>>) -> Self {
+        XdsService { resources }
+    }
+
+    fn open(&self, kind: StreamKind, requests: Streaming<DiscoveryRequest>) -> ResponseStream {
+        let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
+        tokio::spawn(run_stream(kind, requests, self.resources.clone(), tx));
+        ReceiverStream::new(rx)
+    }
+}
+
+fn delta_unimplemented() -> Status {
+    Status::unimplemented("delta xDS is not supported yet, use state of the world")
+}
+
+fn fetch_unimplemented() -> Status {
+    Status::unimplemented("fetch (REST-style) xDS is not supported, use a stream")
+}
+
+#[tonic::async_trait]
+impl ClusterDiscoveryService for XdsService {
+    type StreamClustersStream = ResponseStream;
+    type DeltaClustersStream = DeltaResponseStream;
+
+    async fn stream_clusters(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamClustersStream>, Status> {
+        Ok(Response::new(
+            self.open(StreamKind::Cds, request.into_inner()),
+        ))
+    }
+
+    async fn delta_clusters(
+        &self,
+        _: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaClustersStream>, Status> {
+        Err(delta_unimplemented())
+    }
+
+    async fn fetch_clusters(
+        &self,
+        _: Request<DiscoveryRequest>,
+    ) -> Result<Response<DiscoveryResponse>, Status> {
+        Err(fetch_unimplemented())
+    }
+}
+
+#[tonic::async_trait]
+impl EndpointDiscoveryService for XdsService {
+    type StreamEndpointsStream = ResponseStream;
+    type DeltaEndpointsStream = DeltaResponseStream;
+
+    async fn stream_endpoints(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
+        Ok(Response::new(
+            self.open(StreamKind::Eds, request.into_inner()),
+        ))
+    }
+
+    async fn delta_endpoints(
+        &self,
+        _: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaEndpointsStream>, Status> {
+        Err(delta_unimplemented())
+    }
+
+    async fn fetch_endpoints(
+        &self,
+        _: Request<DiscoveryRequest>,
+    ) -> Result<Response<DiscoveryResponse>, Status> {
+        Err(fetch_unimplemented())
+    }
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for XdsService {
+    type StreamAggregatedResourcesStream = ResponseStream;
+    type DeltaAggregatedResourcesStream = DeltaResponseStream;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        Ok(Response::new(
+            self.open(StreamKind::Ads, request.into_inner()),
+        ))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        Err(delta_unimplemented())
+    }
+}
+
+// === impl StreamKind ===
+
+impl StreamKind {
+    /// The type a dedicated stream serves; `None` for ADS.
+    fn dedicated_type(self) -> Option<&'static str> {
+        match self {
+            StreamKind::Cds => Some(CLUSTER_TYPE_URL),
+            StreamKind::Eds => Some(ENDPOINT_TYPE_URL),
+            StreamKind::Ads => None,
+        }
+    }
+}
+
+impl fmt::Display for StreamKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StreamKind::Cds => "cds",
+            StreamKind::Eds => "eds",
+            StreamKind::Ads => "ads",
+        })
+    }
+}
+
+/// Drives one stream until the client ends it, the response channel closes or the cache goes away.
+async fn run_stream(
+    kind: StreamKind,
+    mut requests: Streaming<DiscoveryRequest>,
+    mut resources: watch::Receiver<Arc<Resources>>,
+    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+) {
+    let first = match requests.message().await {
+        Ok(Some(first)) => first,
+        Ok(None) => return,
+        Err(status) => {
+            tracing::debug!(%kind, code = ?status.code(), "Stream failed before its first request");
+            return;
+        }
+    };
+    let node = first
+        .node
+        .as_ref()
+        .map(|n| n.id.clone())
+        .unwrap_or_default();
+    let span = tracing::info_span!("xds_stream", %kind, node = %node);
+    async move {
+        tracing::debug!("Stream opened");
+        let mut state = StreamState::new(kind, node);
+        let mut next = Some(first);
+        loop {
+            let responses = if let Some(request) = next.take() {
+                let current = resources.borrow_and_update().clone();
+                match state.on_request(request, &current) {
+                    Ok(responses) => responses,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                }
+            } else {
+                tokio::select! {
+                    request = requests.message() => match request {
+                        Ok(Some(request)) => {
+                            next = Some(request);
+                            continue;
+                        }
+                        Ok(None) => {
+                            tracing::debug!("Stream closed by the client");
+                            return;
+                        }
+                        Err(status) => {
+                            tracing::debug!(code = ?status.code(), message = status.message(), "Stream failed");
+                            return;
+                        }
+                    },
+                    changed = resources.changed() => {
+                        if changed.is_err() {
+                            tracing::debug!("Control plane stopping, ending stream");
+                            let _ = tx.send(Err(Status::unavailable("control plane shutting down"))).await;
+                            return;
+                        }
+                        let current = resources.borrow_and_update().clone();
+                        state.on_resources(&current)
+                    }
+                    () = tx.closed() => return,
+                }
+            };
+            for response in responses {
+                if tx.send(Ok(response)).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// What a stream knows about one resource type.
+#[derive(Debug, Default)]
+struct TypeWatch {
+    /// The names subscribed to (ignored for clusters, which are always the full set).
+    names: BTreeSet<String>,
+    /// The nonce of the last response sent.
+    nonce: Option<String>,
+    /// What was last sent (name -> resource version); `None` until a response is owed.
+    sent: Option<BTreeMap<String, String>>,
+}
+
+/// The protocol state of one stream: pure, so the rules can be followed step by step.
+#[derive(Debug)]
+struct StreamState {
+    kind: StreamKind,
+    node: String,
+    clusters: Option<TypeWatch>,
+    endpoints: Option<TypeWatch>,
+}
+
+/// Nonces are unique per supervisor process.
+static NONCES: AtomicU64 = AtomicU64::new(0);
+
+fn next_nonce() -> String {
+    (NONCES.fetch_add(1, Ordering::Relaxed) + 1).to_string()
+}
+
+// === impl StreamState ===
+
+impl StreamState {
+    fn new(kind: StreamKind, node: String) -> Self {
+        StreamState {
+            kind,
+            node,
+            clusters: None,
+            endpoints: None,
+        }
+    }
+
+    /// Applies a request and returns the responses now owed.
+    fn on_request(
+        &mut self,
+        request: DiscoveryRequest,
+        resources: &Resources,
+    ) -> Result<Vec<DiscoveryResponse>, Status> {
+        let type_url = match (self.kind.dedicated_type(), request.type_url.as_str()) {
+            (Some(expected), "") => expected,
+            (Some(expected), got) if got == expected => expected,
+            (Some(expected), got) => {
+                tracing::warn!(
+                    type_url = got,
+                    expected,
+                    "Request for the wrong type on a dedicated stream"
+                );
+                return Err(Status::invalid_argument(format!(
+                    "this stream serves {expected}, not {got}"
+                )));
+            }
+            (None, CLUSTER_TYPE_URL) => CLUSTER_TYPE_URL,
+            (None, ENDPOINT_TYPE_URL) => ENDPOINT_TYPE_URL,
+            (None, got) => {
+                tracing::warn!(type_url = got, "Request for a type not served, ignored");
+                return Ok(Vec::new());
+            }
+        };
+        let watch = match type_url {
+            CLUSTER_TYPE_URL => self.clusters.get_or_insert_with(TypeWatch::default),
+            _ => self.endpoints.get_or_insert_with(TypeWatch::default),
+        };
+        let nonce = request.response_nonce.as_str();
+        if !nonce.is_empty() && watch.nonce.as_deref().is_some_and(|last| last != nonce) {
+            tracing::debug!(type_url, nonce, last = ?watch.nonce, "Stale nonce, request ignored");
+            return Ok(Vec::new());
+        }
+        if let Some(error) = &request.error_detail {
+            tracing::warn!(
+                node = %self.node,
+                type_url,
+                version = %request.version_info,
+                nonce,
+                error = %error.message,
+                "Envoy rejected a response (NACK)"
+            );
+        } else if nonce.is_empty() {
+            tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
+            // A new subscription is owed a response, whatever was sent before.
+            watch.sent = None;
+        } else {
+            tracing::debug!(type_url, version = %request.version_info, nonce, "ACK");
+        }
+        if type_url == ENDPOINT_TYPE_URL {
+            let names = request.resource_names.into_iter().collect::<BTreeSet<_>>();
+            if names != watch.names {
+                // Forget what was sent for names no longer subscribed, so they are sent again if the
+                // client subscribes to them later.
+                if let Some(sent) = &mut watch.sent {
+                    sent.retain(|name, _| names.contains(name));
+                }
+                watch.names = names;
+            }
+        }
+        if watch.sent.is_none() {
+            watch.sent = Some(BTreeMap::new());
+            // An empty map that is still owed a response: mark it so `respond` sends even if empty.
+            return Ok(self.respond_all(resources, Some(type_url)));
+        }
+        Ok(self.respond_all(resources, None))
+    }
+
+    /// Returns the responses owed after the cache published new resources.
+    fn on_resources(&mut self, resources: &Resources) -> Vec<DiscoveryResponse> {
+        self.respond_all(resources, None)
+    }
+
+    /// Clusters first, then endpoints; `fresh` names a type whose subscription is owed a response even
+    /// if it would be empty.
+    fn respond_all(
+        &mut self,
+        resources: &Resources,
+        fresh: Option<&str>,
+    ) -> Vec<DiscoveryResponse> {
+        let ads = self.kind == StreamKind::Ads;
+        let mut out = Vec::new();
+        if let Some(watch) = &mut self.clusters {
+            let set = resources
+                .get(CLUSTER_TYPE_URL, ads)
+                .expect("clusters are served");
+            let before = watch.sent.clone().unwrap_or_default();
+            let payload = set
+                .resources
+                .values()
+                .map(|r| (r.name.clone(), r.version.clone()))
+                .collect::<BTreeMap<_, _>>();
+            let owed = fresh == Some(CLUSTER_TYPE_URL) || watch.sent.as_ref() != Some(&payload);
+            if owed {
+                out.push(respond(watch, set, payload.clone()));
+                if ads && let Some(endpoints) = &mut self.endpoints {
+                    // A new or changed cluster only finishes warming with a new EDS response: resend
+                    // the endpoints of every cluster that changed.
+                    if let Some(sent) = &mut endpoints.sent {
+                        sent.retain(|name, _| before.get(name) == payload.get(name));
+                    }
+                }
+            }
+        }
+        if let Some(watch) = &mut self.endpoints {
+            let set = resources
+                .get(ENDPOINT_TYPE_URL, ads)
+                .expect("endpoints are served");
+            // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
+            // an ADS client gets endpoints only for clusters it also receives over the same stream
+            // (Envoy subscribes to CDS first whenever its clusters come over ADS).
+            let empty = BTreeMap::new();
+            let known = ads.then(|| {
+                self.clusters
+                    .as_ref()
+                    .and_then(|c| c.sent.as_ref())
+                    .unwrap_or(&empty)
+            });
+            let payload = watch
+                .names
+                .iter()
+                .filter(|name| known.is_none_or(|k| k.contains_key(*name)))
+                .filter_map(|name| set.resources.get(name))
+                .map(|r| (r.name.clone(), r.version.clone()))
+                .collect::<BTreeMap<_, _>>();
+            let changed = watch.sent.as_ref() != Some(&payload);
+            if changed && !payload.is_empty() {
+                out.push(respond(watch, set, payload));
+            } else if payload.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
+                tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
+            }
+        }
+        out
+    }
+}
+
+/// Builds the response carrying `payload` from `set` and records it as sent.
+fn respond(
+    watch: &mut TypeWatch,
+    set: &super::cache::TypeResources,
+    payload: BTreeMap<String, String>,
+) -> DiscoveryResponse {
+    let nonce = next_nonce();
+    let response = DiscoveryResponse {
+        version_info: set.version.clone(),
+        resources: payload
+            .keys()
+            .map(|name| set.resources[name].resource.clone())
+            .collect(),
+        type_url: set.type_url.to_string(),
+        nonce: nonce.clone(),
+        ..Default::default()
+    };
+    tracing::debug!(
+        type_url = set.type_url,
+        version = %response.version_info,
+        nonce = %nonce,
+        resources = response.resources.len(),
+        "Response sent"
+    );
+    watch.nonce = Some(nonce);
+    watch.sent = Some(payload);
+    response
+}

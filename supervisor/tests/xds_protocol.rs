@@ -1,0 +1,475 @@
+//! The xDS protocol rules, checked with a scripted gRPC client against the real server on port 0.
+//!
+//! Every wait is bounded: a response must arrive within [`RESPONSE_WITHIN`], and "no response" is
+//! asserted by waiting [`SILENCE`] for one (a bound, not a sleep).
+
+use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
+
+use envoy_types::pb::{
+    envoy::{
+        config::{
+            cluster::v3::Cluster,
+            core::v3::Node,
+            endpoint::v3::{ClusterLoadAssignment, lb_endpoint::HostIdentifier},
+        },
+        service::{
+            cluster::v3::cluster_discovery_service_client::ClusterDiscoveryServiceClient,
+            discovery::v3::{
+                DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
+                aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+            },
+            endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient,
+        },
+    },
+    google::rpc::Status as RpcStatus,
+};
+use peregrine_supervisor::{
+    registry::{
+        Address, Listener, Protocol, Registry, ServiceView, Snapshot, Worker, WorkerState,
+        hostname_for,
+    },
+    xds::{self, XdsOptions},
+};
+use prost::Message;
+use tokio::{
+    sync::{mpsc, oneshot, watch},
+    task::JoinHandle,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Streaming, transport::Channel};
+
+const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+const RESPONSE_WITHIN: Duration = Duration::from_secs(5);
+const SILENCE: Duration = Duration::from_millis(200);
+
+/// A running server.
+struct Server {
+    addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), xds::XdsError>>,
+}
+
+impl Server {
+    async fn start(snapshots: watch::Receiver<Arc<Snapshot>>) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(xds::serve(
+            listener,
+            snapshots,
+            XdsOptions::default(),
+            async {
+                let _ = rx.await;
+            },
+        ));
+        Server {
+            addr,
+            shutdown: Some(tx),
+            task,
+        }
+    }
+
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One open xDS stream.
+struct Client {
+    tx: mpsc::Sender<DiscoveryRequest>,
+    rx: Streaming<DiscoveryResponse>,
+}
+
+#[derive(Clone, Copy)]
+enum Rpc {
+    Cds,
+    Eds,
+    Ads,
+}
+
+impl Client {
+    async fn open(server: &Server, rpc: Rpc) -> Client {
+        let channel = server.channel().await;
+        let (tx, rx) = mpsc::channel(16);
+        let requests = ReceiverStream::new(rx);
+        let rx = match rpc {
+            Rpc::Cds => ClusterDiscoveryServiceClient::new(channel)
+                .stream_clusters(requests)
+                .await
+                .unwrap()
+                .into_inner(),
+            Rpc::Eds => EndpointDiscoveryServiceClient::new(channel)
+                .stream_endpoints(requests)
+                .await
+                .unwrap()
+                .into_inner(),
+            Rpc::Ads => AggregatedDiscoveryServiceClient::new(channel)
+                .stream_aggregated_resources(requests)
+                .await
+                .unwrap()
+                .into_inner(),
+        };
+        Client { tx, rx }
+    }
+
+    async fn send(&self, request: DiscoveryRequest) {
+        self.tx.send(request).await.unwrap();
+    }
+
+    async fn recv(&mut self) -> DiscoveryResponse {
+        tokio::time::timeout(RESPONSE_WITHIN, self.rx.message())
+            .await
+            .expect("a response in time")
+            .expect("a response, not an error")
+            .expect("a response, not the end of the stream")
+    }
+
+    async fn expect_silence(&mut self, why: &str) {
+        if let Ok(message) = tokio::time::timeout(SILENCE, self.rx.message()).await {
+            panic!("expected no response ({why}), got {message:?}");
+        }
+    }
+}
+
+fn request(type_url: &str, version: &str, nonce: &str, names: &[&str]) -> DiscoveryRequest {
+    DiscoveryRequest {
+        version_info: version.into(),
+        node: Some(Node {
+            id: "test-node".into(),
+            cluster: "test".into(),
+            ..Default::default()
+        }),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        type_url: type_url.into(),
+        response_nonce: nonce.into(),
+        error_detail: None,
+        ..Default::default()
+    }
+}
+
+fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+    request(
+        &response.type_url,
+        &response.version_info,
+        &response.nonce,
+        names,
+    )
+}
+
+fn nack(response: &DiscoveryResponse, accepted: &str) -> DiscoveryRequest {
+    DiscoveryRequest {
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "test rejection".into(),
+            details: Vec::new(),
+        }),
+        ..request(&response.type_url, accepted, &response.nonce, &[])
+    }
+}
+
+fn clusters(response: &DiscoveryResponse) -> BTreeMap<String, Cluster> {
+    assert_eq!(response.type_url, CDS);
+    response
+        .resources
+        .iter()
+        .map(|any| {
+            assert_eq!(any.type_url, CDS);
+            let c = Cluster::decode(any.value.as_slice()).unwrap();
+            (c.name.clone(), c)
+        })
+        .collect()
+}
+
+fn assignments(response: &DiscoveryResponse) -> BTreeMap<String, ClusterLoadAssignment> {
+    assert_eq!(response.type_url, EDS);
+    response
+        .resources
+        .iter()
+        .map(|any| {
+            assert_eq!(any.type_url, EDS);
+            let c = ClusterLoadAssignment::decode(any.value.as_slice()).unwrap();
+            (c.cluster_name.clone(), c)
+        })
+        .collect()
+}
+
+fn hostnames(assignment: &ClusterLoadAssignment) -> Vec<String> {
+    assignment
+        .endpoints
+        .iter()
+        .flat_map(|l| &l.lb_endpoints)
+        .map(|e| match &e.host_identifier {
+            Some(HostIdentifier::Endpoint(e)) => e.hostname.clone(),
+            other => panic!("unexpected host identifier {other:?}"),
+        })
+        .collect()
+}
+
+/// `(epoch, counter)` of a type version.
+fn version_parts(version: &str) -> (String, u64) {
+    let (epoch, counter) = version.split_once('-').expect("<epoch>-<counter>");
+    assert!(
+        !epoch.is_empty() && epoch.chars().all(|c| c.is_ascii_hexdigit()),
+        "epoch is hex: {version}"
+    );
+    (epoch.to_string(), counter.parse().expect("counter"))
+}
+
+fn worker(service: &str, index: u32, pid: u32, protocols: &[Protocol]) -> Worker {
+    Worker {
+        service: service.into(),
+        index,
+        pid,
+        hostname: hostname_for(service, index, pid),
+        listener: Listener {
+            name: service.into(),
+            scheme: "http".into(),
+            protocols: protocols.to_vec(),
+            addresses: vec![Address::Tcp(([127, 0, 0, 1], 9000 + index as u16).into())],
+        },
+        state: WorkerState::Ready,
+    }
+}
+
+async fn registry_server(services: &[&str]) -> (Arc<Registry>, Server) {
+    let registry = Arc::new(Registry::new(services.iter().map(|s| s.to_string())));
+    let server = Server::start(registry.subscribe()).await;
+    (registry, server)
+}
+
+#[tokio::test]
+async fn cds_sends_the_full_set_and_versions_move_only_with_content() {
+    let (registry, server) = registry_server(&["a", "b"]).await;
+    let mut cds = Client::open(&server, Rpc::Cds).await;
+    cds.send(request(CDS, "", "", &["a"])).await;
+    let first = cds.recv().await;
+    assert_eq!(
+        clusters(&first).keys().collect::<Vec<_>>(),
+        ["a", "b"],
+        "CDS is always the full set, whatever is named"
+    );
+    let (epoch, counter) = version_parts(&first.version_info);
+    assert!(!first.nonce.is_empty());
+
+    cds.send(ack(&first, &[])).await;
+    cds.expect_silence("after an ACK").await;
+
+    // A worker change leaves the clusters as they were: no CDS push.
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
+    cds.expect_silence("the clusters did not change").await;
+
+    // The first HTTP/2-only worker of `b` changes `b`'s upstream protocol: a push.
+    registry
+        .register(worker("b", 0, 20, &[Protocol::Http2]))
+        .unwrap();
+    let second = cds.recv().await;
+    assert_eq!(clusters(&second).len(), 2);
+    assert_eq!(version_parts(&second.version_info), (epoch, counter + 1));
+    assert_ne!(second.nonce, first.nonce, "a fresh nonce on every response");
+}
+
+#[tokio::test]
+async fn a_nack_is_logged_and_not_answered_until_content_changes() {
+    let (registry, server) = registry_server(&["a"]).await;
+    let mut cds = Client::open(&server, Rpc::Cds).await;
+    cds.send(request(CDS, "", "", &[])).await;
+    let first = cds.recv().await;
+    cds.send(nack(&first, "")).await;
+    cds.expect_silence("the same content must not be resent after a NACK")
+        .await;
+
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http2]))
+        .unwrap();
+    let second = cds.recv().await;
+    assert_ne!(second.version_info, first.version_info);
+    assert_ne!(second.nonce, first.nonce);
+}
+
+#[tokio::test]
+async fn eds_answers_only_requested_names_and_pushes_new_workers() {
+    let (registry, server) = registry_server(&["a", "b"]).await;
+    let mut eds = Client::open(&server, Rpc::Eds).await;
+    eds.send(request(EDS, "", "", &["a"])).await;
+    let first = eds.recv().await;
+    let got = assignments(&first);
+    assert_eq!(got.keys().collect::<Vec<_>>(), ["a"]);
+    assert!(hostnames(&got["a"]).is_empty());
+    eds.send(ack(&first, &["a"])).await;
+    eds.expect_silence("after an ACK").await;
+
+    // A worker of a service not requested: nothing for this stream.
+    registry
+        .register(worker("b", 0, 20, &[Protocol::Http1]))
+        .unwrap();
+    eds.expect_silence("b is not requested").await;
+
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
+    let second = eds.recv().await;
+    assert_eq!(hostnames(&assignments(&second)["a"]), ["a-0-10"]);
+    assert_ne!(second.nonce, first.nonce);
+    let (_, counter) = version_parts(&second.version_info);
+    assert!(counter > version_parts(&first.version_info).1);
+}
+
+#[tokio::test]
+async fn stale_nonces_are_ignored_and_new_names_answered_at_the_same_version() {
+    let (registry, server) = registry_server(&["a", "b"]).await;
+    let mut eds = Client::open(&server, Rpc::Eds).await;
+    eds.send(request(EDS, "", "", &["a"])).await;
+    let first = eds.recv().await;
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
+    let second = eds.recv().await;
+
+    // Echoing the first nonce is stale: ignored, even though it names `b`.
+    eds.send(request(EDS, &first.version_info, &first.nonce, &["a", "b"]))
+        .await;
+    eds.expect_silence("a stale nonce").await;
+
+    // The same names with the current nonce: answered at the same version.
+    eds.send(request(
+        EDS,
+        &second.version_info,
+        &second.nonce,
+        &["a", "b"],
+    ))
+    .await;
+    let third = eds.recv().await;
+    assert_eq!(third.version_info, second.version_info);
+    assert_eq!(assignments(&third).keys().collect::<Vec<_>>(), ["a", "b"]);
+    assert_ne!(third.nonce, second.nonce);
+}
+
+#[tokio::test]
+async fn an_unknown_eds_name_is_remembered_and_sent_when_it_appears() {
+    let one = Snapshot {
+        revision: 1,
+        services: BTreeMap::from([("a".to_string(), ServiceView::default())]),
+    };
+    let (tx, rx) = watch::channel(Arc::new(one.clone()));
+    let server = Server::start(rx).await;
+    let mut eds = Client::open(&server, Rpc::Eds).await;
+    eds.send(request(EDS, "", "", &["later"])).await;
+    eds.expect_silence("the name does not exist yet").await;
+
+    let mut two = one;
+    two.revision = 2;
+    let mut view = ServiceView::default();
+    view.workers
+        .insert(0, worker("later", 0, 30, &[Protocol::Http1]));
+    two.services.insert("later".into(), view);
+    tx.send_replace(Arc::new(two));
+    let response = eds.recv().await;
+    let got = assignments(&response);
+    assert_eq!(got.keys().collect::<Vec<_>>(), ["later"]);
+    assert_eq!(hostnames(&got["later"]), ["later-0-30"]);
+}
+
+#[tokio::test]
+async fn ads_sends_clusters_before_their_endpoints() {
+    let (registry, server) = registry_server(&["a"]).await;
+    let mut ads = Client::open(&server, Rpc::Ads).await;
+    // Endpoints are asked for first; they must still come after the clusters.
+    ads.send(request(EDS, "", "", &["a"])).await;
+    ads.send(request(CDS, "", "", &[])).await;
+    let mut order = Vec::new();
+    let mut last = BTreeMap::new();
+    for _ in 0..2 {
+        let response = ads.recv().await;
+        order.push(response.type_url.clone());
+        last.insert(response.type_url.clone(), response);
+    }
+    assert_eq!(order, [CDS, EDS], "clusters before endpoints on ADS");
+    let cluster = &clusters(&last[CDS])["a"];
+    let source = cluster
+        .eds_cluster_config
+        .as_ref()
+        .and_then(|c| c.eds_config.as_ref())
+        .and_then(|c| c.config_source_specifier.as_ref());
+    assert!(
+        matches!(
+            source,
+            Some(
+                envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier::Ads(
+                    _
+                )
+            )
+        ),
+        "clusters sent over ADS fetch endpoints over ADS: {source:?}"
+    );
+    ads.send(ack(&last[CDS], &[])).await;
+    ads.send(ack(&last[EDS], &["a"])).await;
+    ads.expect_silence("after both ACKs").await;
+
+    // A change to both the cluster (HTTP/2) and its endpoints: CDS first, then EDS.
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http2]))
+        .unwrap();
+    let first = ads.recv().await;
+    let second = ads.recv().await;
+    assert_eq!(
+        [first.type_url.as_str(), second.type_url.as_str()],
+        [CDS, EDS]
+    );
+    assert_eq!(hostnames(&assignments(&second)["a"]), ["a-0-10"]);
+}
+
+#[tokio::test]
+async fn delta_and_fetch_are_unimplemented() {
+    let (_registry, server) = registry_server(&["a"]).await;
+    let mut client = ClusterDiscoveryServiceClient::new(server.channel().await);
+    let (_tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(1);
+    let status = match client.delta_clusters(ReceiverStream::new(rx)).await {
+        Err(status) => status,
+        Ok(response) => response
+            .into_inner()
+            .message()
+            .await
+            .expect_err("delta must fail"),
+    };
+    assert_eq!(status.code(), Code::Unimplemented);
+    let status = client
+        .fetch_clusters(request(CDS, "", "", &[]))
+        .await
+        .expect_err("fetch must fail");
+    assert_eq!(status.code(), Code::Unimplemented);
+}
+
+#[tokio::test]
+async fn shutdown_ends_open_streams_and_the_server() {
+    let (_registry, mut server) = registry_server(&["a"]).await;
+    let mut cds = Client::open(&server, Rpc::Cds).await;
+    cds.send(request(CDS, "", "", &[])).await;
+    cds.recv().await;
+    server.shutdown.take().unwrap().send(()).unwrap();
+    let end = tokio::time::timeout(RESPONSE_WITHIN, cds.rx.message())
+        .await
+        .expect("the stream ends in time");
+    match end {
+        Err(status) => assert_eq!(status.code(), Code::Unavailable),
+        Ok(None) => {}
+        Ok(Some(message)) => panic!("unexpected response {message:?}"),
+    }
+    tokio::time::timeout(RESPONSE_WITHIN, &mut server.task)
+        .await
+        .expect("the server stops in time")
+        .unwrap()
+        .unwrap();
+}
