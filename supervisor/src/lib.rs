@@ -10,4 +10,27 @@ pub mod config;
 pub mod manager;
 pub mod registration;
 pub mod registry;
+pub mod run;
 pub mod xds;
+
+/// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.
+pub fn envoy_bootstrap_for(config: &config::Config) -> String {
+    bootstrap::envoy_bootstrap(&bootstrap::BootstrapInput {
+        node_id: config.envoy.node.clone(),
+        node_cluster: config.envoy.node.clone(),
+        xds_address: config.supervisor.bind,
+        xds_cluster_name: config.supervisor.xds_cluster.clone(),
+        listener_address: config.envoy.listen,
+        admin_address: config.envoy.admin,
+        services: config
+            .services
+            .values()
+            .map(|s| bootstrap::BootstrapService {
+                name: s.name.clone(),
+                prefix: s.prefix.clone(),
+                domains: s.domains.clone(),
+            })
+            .collect(),
+        ..bootstrap::BootstrapInput::default()
+    })
+}

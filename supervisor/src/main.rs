@@ -67,11 +67,13 @@ fn main() -> ExitCode {
             };
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
-                Err(error) => return fail(&anyhow::Error::new(error).context("cannot start the runtime")),
+                Err(error) => {
+                    return fail(&anyhow::Error::new(error).context("cannot start the runtime"));
+                }
             };
             match runtime.block_on(peregrine_supervisor::run::run(config)) {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(error) => fail(&error),
+                Err(error) => fail(&anyhow::Error::new(error)),
             }
         }
         Command::Worker => match peregrine_worker::run_hello() {
@@ -107,9 +109,12 @@ fn init_tracing() {
     let filter = std::env::var("PEREGRINE_LOG")
         .ok()
         .and_then(|f| EnvFilter::try_new(f).ok())
-        .unwrap_or_else(|| EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")));
+        .unwrap_or_else(|| {
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))
+        });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }

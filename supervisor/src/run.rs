@@ -60,11 +60,17 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     if !bind.ip().is_loopback() {
         tracing::warn!(%bound, "The gRPC port is reachable from other hosts: supervisor.bind is not loopback");
     }
-    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).map_err(RunError::Signals)?;
-    let mut sigint = tokio::signal::unix::signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
+    let mut sigterm =
+        tokio::signal::unix::signal(SignalKind::terminate()).map_err(RunError::Signals)?;
+    let mut sigint =
+        tokio::signal::unix::signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let registration_task = tokio::spawn(registration::serve(registrations, registry.clone(), children.clone()));
+    let registration_task = tokio::spawn(registration::serve(
+        registrations,
+        registry.clone(),
+        children.clone(),
+    ));
     let xds_stop = {
         let mut rx = stop_rx.clone();
         async move {
@@ -103,7 +109,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 
 fn xds_options(config: &Config) -> xds::XdsOptions {
     xds::XdsOptions {
-        xds_cluster: config.supervisor.xds_cluster.clone(),
+        xds_cluster_name: config.supervisor.xds_cluster.clone(),
         ..xds::XdsOptions::default()
     }
 }

@@ -23,21 +23,36 @@ fn peregrine(args: &[&str], config: &str) -> (i32, String, String) {
 
 #[test]
 fn a_bad_value_is_one_line_naming_the_key() {
-    let (code, _, stderr) = peregrine(&["check"], "[service.cluster]\ncount = 2\nurl = \"http://127.0.0.1:8080\"\n");
+    let (code, _, stderr) = peregrine(
+        &["check"],
+        "[service.cluster]\ncount = 2\nurl = \"http://127.0.0.1:8080\"\n",
+    );
     assert_eq!(code, 64, "{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(lines[0].contains("line 3: service.cluster.url: fixed port 8080 cannot serve 2 workers"), "{stderr}");
+    assert!(
+        lines[0].contains("line 3: service.cluster.url: fixed port 8080 cannot serve 2 workers"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_type_error_and_an_unknown_key_are_named() {
     let (code, _, stderr) = peregrine(&["check"], "[supervisor]\nbind = 18000\n");
     assert_eq!(code, 64);
-    assert!(stderr.contains("line 2: supervisor.bind: invalid type"), "{stderr}");
+    assert!(
+        stderr.contains("line 2: supervisor.bind: invalid type"),
+        "{stderr}"
+    );
     let (code, _, stderr) = peregrine(&["run"], "[service.cluster]\ncuont = 2\n");
-    assert_eq!(code, 64, "run refuses a bad config before starting anything");
-    assert!(stderr.contains("line 2") && stderr.contains("cuont"), "{stderr}");
+    assert_eq!(
+        code, 64,
+        "run refuses a bad config before starting anything"
+    );
+    assert!(
+        stderr.contains("line 2") && stderr.contains("cuont"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -48,5 +63,8 @@ fn a_good_config_checks_and_bootstraps() {
     assert!(stdout.contains("ok (1 services, 2 workers)"), "{stdout}");
     let (code, yaml, stderr) = peregrine(&["envoy-bootstrap"], config);
     assert_eq!(code, 0, "{stderr}");
-    assert!(yaml.contains("xds_cluster") && yaml.contains("cluster"), "{yaml}");
+    assert!(
+        yaml.contains("xds_cluster") && yaml.contains("cluster"),
+        "{yaml}"
+    );
 }

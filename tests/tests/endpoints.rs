@@ -45,18 +45,22 @@ impl Stack {
 
     /// Waits until Envoy holds exactly `n` healthy hosts, and returns them.
     fn wait_for_hosts(&self, n: usize) -> Vec<Host> {
-        wait_until(Duration::from_secs(30), &format!("{n} hosts in Envoy"), || {
-            let hosts = self.hosts();
-            (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(hosts)
-        })
+        wait_until(
+            Duration::from_secs(30),
+            &format!("{n} hosts in Envoy"),
+            || {
+                let hosts = self.hosts();
+                (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(hosts)
+            },
+        )
     }
 
     /// Sends `n` requests through Envoy; returns how many each worker pid answered.
     fn spread(&self, n: usize) -> BTreeMap<u32, usize> {
         let mut answered = BTreeMap::new();
         for i in 0..n {
-            let (status, body) = http_get(self.listen, "/")
-                .unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
+            let (status, body) =
+                http_get(self.listen, "/").unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
             assert_eq!(status, 200, "request {i}: {body}");
             let pid = worker_pid(&body).unwrap_or_else(|| panic!("not a hello body: {body:?}"));
             *answered.entry(pid).or_default() += 1;
@@ -88,10 +92,16 @@ fn two_workers_share_the_traffic_through_envoy() {
 
     let answered = stack.spread(200);
     let pids: BTreeSet<u32> = answered.keys().copied().collect();
-    assert_eq!(pids, published, "every published worker answers, and only they: {answered:?}");
+    assert_eq!(
+        pids, published,
+        "every published worker answers, and only they: {answered:?}"
+    );
     assert_eq!(answered.values().sum::<usize>(), 200);
 
-    let status = stack.supervisor.stop().expect("the supervisor stops on SIGTERM");
+    let status = stack
+        .supervisor
+        .stop()
+        .expect("the supervisor stops on SIGTERM");
     assert!(status.success(), "SIGTERM exits 0, got {status}");
     for pid in published {
         assert!(
@@ -163,9 +173,11 @@ fn a_killed_worker_is_replaced_without_a_failed_request() {
         (worker_pid(&body) == Some(replacement)).then_some(())
     });
     let served_before_stop = ok.load(Ordering::Relaxed);
-    wait_until(Duration::from_secs(10), "more traffic after the restart", || {
-        (ok.load(Ordering::Relaxed) >= served_before_stop + 20).then_some(())
-    });
+    wait_until(
+        Duration::from_secs(10),
+        "more traffic after the restart",
+        || (ok.load(Ordering::Relaxed) >= served_before_stop + 20).then_some(()),
+    );
     stop.store(true, Ordering::Relaxed);
     let errors = client.join().unwrap();
     assert_eq!(
@@ -173,5 +185,9 @@ fn a_killed_worker_is_replaced_without_a_failed_request() {
         0,
         "failed requests while a worker was killed and replaced: {errors:?}"
     );
-    assert!(stack.supervisor.logs().contains("Restarting worker"), "{}", stack.supervisor.logs());
+    assert!(
+        stack.supervisor.logs().contains("Restarting worker"),
+        "{}",
+        stack.supervisor.logs()
+    );
 }

@@ -8,7 +8,10 @@ use std::{
 };
 
 use bytes::BytesMut;
-use peregrine_e2e::{Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until, worker_pid};
+use peregrine_e2e::{
+    Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until,
+    worker_pid,
+};
 use peregrine_proto::{
     decode_frame, encode,
     v1::{self, SupervisorMessage, WorkerMessage, supervisor_message, worker_message},
@@ -37,14 +40,18 @@ fn impostor_registration() -> WorkerMessage {
 
 /// Reads one answer, or `None` when the supervisor closes the connection without one.
 fn read_answer(stream: &mut UnixStream) -> Option<SupervisorMessage> {
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let mut buf = BytesMut::new();
     let mut chunk = [0u8; 4096];
     loop {
         if let Some(message) = decode_frame(&mut buf).expect("a well-formed answer") {
             return Some(message);
         }
-        let n = stream.read(&mut chunk).expect("an answer or a close within 10 s");
+        let n = stream
+            .read(&mut chunk)
+            .expect("an answer or a close within 10 s");
         if n == 0 {
             return None;
         }
@@ -68,27 +75,47 @@ fn strangers_and_garbage_cannot_disturb_the_workers() {
 
     // This test process is not a worker of the supervisor, even with a well-formed claim.
     let mut stranger = UnixStream::connect(&control).unwrap();
-    stranger.write_all(&encode(&impostor_registration())).unwrap();
+    stranger
+        .write_all(&encode(&impostor_registration()))
+        .unwrap();
     match read_answer(&mut stranger).and_then(|a| a.message) {
         Some(supervisor_message::Message::Refused(refused)) => {
-            assert!(refused.reason.contains("not a worker"), "{}", refused.reason);
+            assert!(
+                refused.reason.contains("not a worker"),
+                "{}",
+                refused.reason
+            );
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    assert!(read_answer(&mut stranger).is_none(), "the refused connection is closed");
+    assert!(
+        read_answer(&mut stranger).is_none(),
+        "the refused connection is closed"
+    );
 
     // A frame that is not a message closes that connection and nothing else.
     let mut garbage = UnixStream::connect(&control).unwrap();
-    garbage.write_all(&[5, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap();
-    assert!(read_answer(&mut garbage).is_none(), "the malformed connection is closed");
+    garbage
+        .write_all(&[5, 0xff, 0xff, 0xff, 0xff, 0xff])
+        .unwrap();
+    assert!(
+        read_answer(&mut garbage).is_none(),
+        "the malformed connection is closed"
+    );
 
     wait_until(Duration::from_secs(10), "both refusals logged", || {
         let logs = supervisor.logs();
-        (logs.contains("not a worker of this supervisor") && logs.contains("malformed message")).then_some(())
+        (logs.contains("not a worker of this supervisor") && logs.contains("malformed message"))
+            .then_some(())
     });
     let after = hosts(&envoy.clusters(), "cluster");
-    let names = |h: &[peregrine_e2e::Host]| h.iter().map(|h| h.hostname.clone()).collect::<Vec<_>>();
-    assert_eq!(names(&after), names(&before), "the endpoints did not change");
+    let names =
+        |h: &[peregrine_e2e::Host]| h.iter().map(|h| h.hostname.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        names(&after),
+        names(&before),
+        "the endpoints did not change"
+    );
     for _ in 0..20 {
         let (status, body) = http_get(([127, 0, 0, 1], listen), "/").unwrap();
         assert_eq!(status, 200);

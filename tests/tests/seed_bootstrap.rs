@@ -4,7 +4,9 @@
 
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
-use peregrine_e2e::{Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until, worker_pid};
+use peregrine_e2e::{
+    Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until, worker_pid,
+};
 
 const GUIDE_BOOTSTRAP: &str = include_str!("../fixtures/falcon-guide-envoy.yaml");
 
@@ -32,16 +34,26 @@ command = ["peregrine", "worker"]
             .replace("port_value: 10000", &format!("port_value: {listen}"))
     );
     let envoy = Envoy::start(&bootstrap);
-    wait_until(Duration::from_secs(30), "2 healthy hosts of cluster", || {
-        let hosts = hosts(&envoy.clusters(), "cluster");
-        (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(())
-    });
+    wait_until(
+        Duration::from_secs(30),
+        "2 healthy hosts of cluster",
+        || {
+            let hosts = hosts(&envoy.clusters(), "cluster");
+            (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(())
+        },
+    );
     let listener = SocketAddr::from(([127, 0, 0, 1], listen));
     let mut pids = BTreeSet::new();
     for _ in 0..50 {
-        let (status, body) = http_get(listener, "/").expect("a request through the guide's listener");
+        let (status, body) =
+            http_get(listener, "/").expect("a request through the guide's listener");
         assert_eq!(status, 200, "{body}");
         pids.insert(worker_pid(&body).expect("a hello body"));
     }
-    assert_eq!(pids.len(), 2, "both workers answer: {pids:?}\n{}", supervisor.logs());
+    assert_eq!(
+        pids.len(),
+        2,
+        "both workers answer: {pids:?}\n{}",
+        supervisor.logs()
+    );
 }
