@@ -352,7 +352,10 @@ mod tests {
         assert_eq!(backoff.after_exit(quick).as_millis(), 200);
     }
 
-    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by watch_worker")]
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by watch_worker"
+    )]
     #[tokio::test]
     async fn notices_an_exit_through_the_pidfd_and_reaps_it() {
         let child = Command::new("sh").args(["-c", "exit 7"]).spawn().unwrap();
@@ -368,7 +371,10 @@ mod tests {
         assert_eq!(exit, Exit::Code(7));
     }
 
-    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by watch_worker")]
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by watch_worker"
+    )]
     #[tokio::test]
     async fn stops_a_worker_with_sigterm_then_sigkill() {
         // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout.

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bench;
 mod demo;
 mod envoy;
 mod test;
@@ -28,6 +29,8 @@ commands:
   test [ARGS]           install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
                         (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
   demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
+  bench restart [--kills N]
+                        SIGKILL a worker N times (20): time to Envoy holding the replacement, in parts
 ";
 
 fn main() -> ExitCode {
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         Some("envoy") => envoy::run(&args[1..]),
         Some("test") => test::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
+        Some("bench") => bench::run(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
