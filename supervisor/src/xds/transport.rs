@@ -218,7 +218,8 @@ async fn run_stream(
         .as_ref()
         .map(|n| n.id.clone())
         .unwrap_or_default();
-    let span = tracing::info_span!("xds_stream", %kind, node = %node);
+    let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
+    let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
     async move {
         tracing::debug!("Stream opened");
         let mut state = StreamState::new(kind, node);
@@ -294,6 +295,9 @@ struct StreamState {
 
 /// Nonces are unique per supervisor process.
 static NONCES: AtomicU64 = AtomicU64::new(0);
+
+/// Stream ids, for logs only.
+static STREAMS: AtomicU64 = AtomicU64::new(0);
 
 fn next_nonce() -> String {
     (NONCES.fetch_add(1, Ordering::Relaxed) + 1).to_string()
