@@ -52,6 +52,11 @@ struct Server {
 
 impl Server {
     async fn start(snapshots: watch::Receiver<Arc<Snapshot>>) -> Server {
+        // `RUST_LOG=peregrine_supervisor=debug` shows the server's side of each script.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();

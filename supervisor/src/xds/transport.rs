@@ -377,12 +377,11 @@ impl StreamState {
                 watch.names = names;
             }
         }
-        if watch.sent.is_none() {
-            watch.sent = Some(BTreeMap::new());
-            // An empty map that is still owed a response: mark it so `respond` sends even if empty.
-            return Ok(self.respond_all(resources, Some(type_url)));
-        }
-        Ok(self.respond_all(resources, None))
+        // A new subscription is owed a first response even if it is empty (an empty CDS response
+        // tells Envoy there are no clusters; EDS still waits for a name that exists).
+        let fresh = watch.sent.is_none().then_some(type_url);
+        watch.sent.get_or_insert_with(BTreeMap::new);
+        Ok(self.respond_all(resources, fresh))
     }
 
     /// Returns the responses owed after the cache published new resources.
