@@ -53,6 +53,9 @@ pub struct BootstrapInput {
     pub per_try_timeout: std::time::Duration,
     /// The routed services.
     pub services: Vec<BootstrapService>,
+    /// Fetch clusters (and so endpoints) over one ADS stream instead of dedicated CDS and EDS streams;
+    /// `false` by default.
+    pub ads: bool,
 }
 
 impl Default for BootstrapInput {
@@ -66,6 +69,7 @@ impl Default for BootstrapInput {
             admin_address: (Ipv4Addr::LOCALHOST, 9901).into(),
             per_try_timeout: std::time::Duration::from_secs(15),
             services: Vec::new(),
+            ads: false,
         }
     }
 }
@@ -88,15 +92,7 @@ admin:
       port_value: {admin_port}
 
 dynamic_resources:
-  cds_config:
-    resource_api_version: V3
-    api_config_source:
-      api_type: GRPC
-      transport_api_version: V3
-      grpc_services:
-        - envoy_grpc:
-            cluster_name: {xds_cluster}
-
+{dynamic}
 static_resources:
   listeners:
     - name: listener_http
@@ -119,7 +115,7 @@ static_resources:
         node_cluster = quote(&input.node_cluster),
         admin_ip = quote(&input.admin_address.ip().to_string()),
         admin_port = input.admin_address.port(),
-        xds_cluster = quote(&input.xds_cluster_name),
+        dynamic = dynamic_resources(input),
         listener_ip = quote(&input.listener_address.ip().to_string()),
         listener_port = input.listener_address.port(),
     );
@@ -195,6 +191,37 @@ static_resources:
         xds_port = xds.port(),
     );
     out
+}
+
+/// The body of `dynamic_resources`: dedicated CDS, or ADS with CDS over it.
+fn dynamic_resources(input: &BootstrapInput) -> String {
+    let cluster = quote(&input.xds_cluster_name);
+    if input.ads {
+        format!(
+            "  ads_config:
+    api_type: GRPC
+    transport_api_version: V3
+    grpc_services:
+      - envoy_grpc:
+          cluster_name: {cluster}
+  cds_config:
+    resource_api_version: V3
+    ads: {{}}
+"
+        )
+    } else {
+        format!(
+            "  cds_config:
+    resource_api_version: V3
+    api_config_source:
+      api_type: GRPC
+      transport_api_version: V3
+      grpc_services:
+        - envoy_grpc:
+            cluster_name: {cluster}
+"
+        )
+    }
 }
 
 /// The address Envoy dials for a server bound to `addr`: a wildcard becomes loopback.
@@ -338,7 +365,15 @@ mod tests {
             }
         };
         let dir = tempfile::tempdir().unwrap();
-        for (name, input) in [("full", input()), ("empty", BootstrapInput::default())] {
+        let ads = BootstrapInput {
+            ads: true,
+            ..input()
+        };
+        for (name, input) in [
+            ("full", input()),
+            ("ads", ads),
+            ("empty", BootstrapInput::default()),
+        ] {
             let path = dir.path().join(format!("{name}.yaml"));
             std::fs::write(&path, envoy_bootstrap(&input)).unwrap();
             let output = Command::new(&envoy)

@@ -52,6 +52,11 @@ struct Server {
 
 impl Server {
     async fn start(snapshots: watch::Receiver<Arc<Snapshot>>) -> Server {
+        // `RUST_LOG=peregrine_supervisor=debug` shows the server's side of each script.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
@@ -429,6 +434,40 @@ async fn ads_sends_clusters_before_their_endpoints() {
         [CDS, EDS]
     );
     assert_eq!(hostnames(&assignments(&second)["a"]), ["a-0-10"]);
+    ads.send(ack(&first, &[])).await;
+    ads.send(ack(&second, &["a"])).await;
+    ads.expect_silence("after both ACKs").await;
+
+    // Only the cluster changes (back to HTTP/1.1): Envoy finishes warming it only with a new EDS
+    // response, so the unchanged endpoints follow it, at the same EDS version.
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
+    let third = ads.recv().await;
+    let fourth = ads.recv().await;
+    assert_eq!(
+        [third.type_url.as_str(), fourth.type_url.as_str()],
+        [CDS, EDS]
+    );
+    assert_ne!(third.version_info, first.version_info);
+    assert_eq!(fourth.version_info, second.version_info);
+    assert_ne!(fourth.nonce, second.nonce);
+}
+
+#[tokio::test]
+async fn eds_names_dropped_and_named_again_are_sent_again() {
+    let (_registry, server) = registry_server(&["a", "b"]).await;
+    let mut eds = Client::open(&server, Rpc::Eds).await;
+    eds.send(request(EDS, "", "", &["a", "b"])).await;
+    let first = eds.recv().await;
+    assert_eq!(assignments(&first).len(), 2);
+    eds.send(ack(&first, &["a"])).await;
+    eds.expect_silence("dropping a name needs no response")
+        .await;
+    eds.send(ack(&first, &["a", "b"])).await;
+    let second = eds.recv().await;
+    assert_eq!(second.version_info, first.version_info);
+    assert_eq!(assignments(&second).keys().collect::<Vec<_>>(), ["a", "b"]);
 }
 
 #[tokio::test]

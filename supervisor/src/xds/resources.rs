@@ -111,6 +111,8 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
         }),
         connect_timeout: Some(duration(options.connect_timeout)),
         lb_policy: LbPolicy::RoundRobin as i32,
+        // One entry only: prost encodes a map in its iteration order, and the cache versions
+        // resources by their encoding, so a second entry would make versions flap.
         typed_extension_protocol_options: HashMap::from([(
             HTTP_PROTOCOL_OPTIONS_KEY.to_string(),
             pack(&http_options),

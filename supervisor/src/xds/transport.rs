@@ -218,7 +218,8 @@ async fn run_stream(
         .as_ref()
         .map(|n| n.id.clone())
         .unwrap_or_default();
-    let span = tracing::info_span!("xds_stream", %kind, node = %node);
+    let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
+    let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
     async move {
         tracing::debug!("Stream opened");
         let mut state = StreamState::new(kind, node);
@@ -294,6 +295,9 @@ struct StreamState {
 
 /// Nonces are unique per supervisor process.
 static NONCES: AtomicU64 = AtomicU64::new(0);
+
+/// Stream ids, for logs only.
+static STREAMS: AtomicU64 = AtomicU64::new(0);
 
 fn next_nonce() -> String {
     (NONCES.fetch_add(1, Ordering::Relaxed) + 1).to_string()
@@ -373,12 +377,11 @@ impl StreamState {
                 watch.names = names;
             }
         }
-        if watch.sent.is_none() {
-            watch.sent = Some(BTreeMap::new());
-            // An empty map that is still owed a response: mark it so `respond` sends even if empty.
-            return Ok(self.respond_all(resources, Some(type_url)));
-        }
-        Ok(self.respond_all(resources, None))
+        // A new subscription is owed a first response even if it is empty (an empty CDS response
+        // tells Envoy there are no clusters; EDS still waits for a name that exists).
+        let fresh = watch.sent.is_none().then_some(type_url);
+        watch.sent.get_or_insert_with(BTreeMap::new);
+        Ok(self.respond_all(resources, fresh))
     }
 
     /// Returns the responses owed after the cache published new resources.
