@@ -265,10 +265,7 @@ fn format_duration(d: std::time::Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::{
-        path::{Path, PathBuf},
-        process::Command,
-    };
+    use std::process::Command;
 
     use super::*;
 
@@ -324,45 +321,10 @@ mod tests {
         assert!(yaml.contains("per_try_timeout: 15s"));
     }
 
-    /// The Envoy binary: `$ENVOY`, else the one `cargo xtask envoy` installs, else the usual temp path.
-    pub(crate) fn envoy_binary() -> Result<PathBuf, String> {
-        if let Ok(path) = std::env::var("ENVOY") {
-            return Ok(PathBuf::from(path));
-        }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let mut tried = Vec::new();
-        for base in [
-            root.join("target/envoy/venv/lib"),
-            PathBuf::from("/tmp/envoy/venv/lib"),
-        ] {
-            tried.push(base.display().to_string());
-            let Ok(entries) = std::fs::read_dir(&base) else {
-                continue;
-            };
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                if name.to_string_lossy().starts_with("python3") {
-                    let bin = entry.path().join("site-packages/envoy/_bin/envoy");
-                    if bin.is_file() {
-                        return Ok(bin);
-                    }
-                }
-            }
-        }
-        Err(format!(
-            "no Envoy binary: ENVOY is not set and none under {}",
-            tried.join(", ")
-        ))
-    }
-
     #[test]
     fn envoy_validates_the_bootstrap() {
-        let envoy = match envoy_binary() {
-            Ok(envoy) => envoy,
-            Err(why) => {
-                println!("skipped: {why}");
-                return;
-            }
+        let Some(envoy) = peregrine_e2e::envoy_or_skip("envoy_validates_the_bootstrap") else {
+            return;
         };
         let dir = tempfile::tempdir().unwrap();
         let ads = BootstrapInput {

@@ -31,7 +31,7 @@ use tracing::Instrument;
 
 use crate::{
     manager::{Children, Slot},
-    registry::{self, Address, Listener, Protocol, Registry, Worker, WorkerState},
+    registry::{Address, Protocol, Registry, Worker},
 };
 
 /// How long a new connection may take to send its registration.
@@ -250,19 +250,18 @@ fn admit(
             slot.service, slot.index, claimed.service, claimed.index
         ));
     }
-    let listener = listener_from(register.listener.ok_or("register has no listener")?)?;
-    Ok(Worker {
-        hostname: registry::hostname_for(&slot.service, slot.index, peer_pid),
-        service: slot.service,
-        index: slot.index,
-        pid: peer_pid,
-        listener,
-        state: WorkerState::Ready,
-    })
+    let wire = register.listener.ok_or("register has no listener")?;
+    let name = wire.name.clone();
+    let scheme = wire.scheme.clone();
+    let (protocols, addresses) = listener_from(wire)?;
+    let mut worker = Worker::ready(&slot.service, slot.index, peer_pid, protocols, addresses);
+    worker.listener.name = name;
+    worker.listener.scheme = scheme;
+    Ok(worker)
 }
 
-/// Converts and checks a listener from the wire.
-fn listener_from(listener: v1::Listener) -> Result<Listener, String> {
+/// Converts and checks a listener's protocols and addresses from the wire.
+fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>), String> {
     let mut protocols = Vec::new();
     for p in &listener.protocols {
         let protocol = match v1::Protocol::try_from(*p) {
@@ -303,12 +302,7 @@ fn listener_from(listener: v1::Listener) -> Result<Listener, String> {
     if addresses.is_empty() {
         return Err("listener has no address".into());
     }
-    Ok(Listener {
-        name: listener.name,
-        scheme: listener.scheme,
-        protocols,
-        addresses,
-    })
+    Ok((protocols, addresses))
 }
 
 #[cfg(test)]
@@ -450,7 +444,7 @@ mod tests {
         };
         assert_eq!(
             registered.hostname,
-            registry::hostname_for("web", 0, own_pid())
+            crate::registry::hostname_for("web", 0, own_pid())
         );
         let worker = &fx.registry.snapshot().services["web"].workers[&0];
         assert_eq!(

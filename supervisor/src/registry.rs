@@ -82,6 +82,32 @@ pub struct Worker {
     pub state: WorkerState,
 }
 
+impl Worker {
+    /// A ready worker of `service` in slot `index`, process `pid`, with its listener named after the
+    /// service, scheme `http`, and the instance's unique hostname.
+    pub fn ready(
+        service: &str,
+        index: u32,
+        pid: u32,
+        protocols: Vec<Protocol>,
+        addresses: Vec<Address>,
+    ) -> Worker {
+        Worker {
+            service: service.into(),
+            index,
+            pid,
+            hostname: hostname_for(service, index, pid),
+            listener: Listener {
+                name: service.into(),
+                scheme: "http".into(),
+                protocols,
+                addresses,
+            },
+            state: WorkerState::Ready,
+        }
+    }
+}
+
 /// One service in a snapshot.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct ServiceView {
@@ -196,20 +222,9 @@ impl Registry {
 mod tests {
     use super::*;
 
-    pub(crate) fn worker(service: &str, index: u32, pid: u32) -> Worker {
-        Worker {
-            service: service.into(),
-            index,
-            pid,
-            hostname: hostname_for(service, index, pid),
-            listener: Listener {
-                name: service.into(),
-                scheme: "http".into(),
-                protocols: vec![Protocol::Http1],
-                addresses: vec![Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into())],
-            },
-            state: WorkerState::Ready,
-        }
+    fn worker(service: &str, index: u32, pid: u32) -> Worker {
+        let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
+        Worker::ready(service, index, pid, vec![Protocol::Http1], vec![addr])
     }
 
     #[test]

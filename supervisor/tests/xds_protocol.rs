@@ -24,10 +24,7 @@ use envoy_types::pb::{
     google::rpc::Status as RpcStatus,
 };
 use peregrine_supervisor::{
-    registry::{
-        Address, Listener, Protocol, Registry, ServiceView, Snapshot, Worker, WorkerState,
-        hostname_for,
-    },
+    registry::{Address, Protocol, Registry, ServiceView, Snapshot, Worker},
     xds::{self, XdsOptions},
 };
 use prost::Message;
@@ -232,19 +229,8 @@ fn version_parts(version: &str) -> (String, u64) {
 }
 
 fn worker(service: &str, index: u32, pid: u32, protocols: &[Protocol]) -> Worker {
-    Worker {
-        service: service.into(),
-        index,
-        pid,
-        hostname: hostname_for(service, index, pid),
-        listener: Listener {
-            name: service.into(),
-            scheme: "http".into(),
-            protocols: protocols.to_vec(),
-            addresses: vec![Address::Tcp(([127, 0, 0, 1], 9000 + index as u16).into())],
-        },
-        state: WorkerState::Ready,
-    }
+    let addr = Address::Tcp(([127, 0, 0, 1], 9000 + index as u16).into());
+    Worker::ready(service, index, pid, protocols.to_vec(), vec![addr])
 }
 
 async fn registry_server(services: &[&str]) -> (Arc<Registry>, Server) {

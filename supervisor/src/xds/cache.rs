@@ -243,24 +243,11 @@ fn versioned(name: &str, resource: Any) -> VersionedResource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{
-        Address, Listener, Protocol, Registry, Worker, WorkerState, hostname_for,
-    };
+    use crate::registry::{Address, Protocol, Registry, Worker};
 
     fn worker(service: &str, index: u32, pid: u32) -> Worker {
-        Worker {
-            service: service.into(),
-            index,
-            pid,
-            hostname: hostname_for(service, index, pid),
-            listener: Listener {
-                name: service.into(),
-                scheme: "http".into(),
-                protocols: vec![Protocol::Http1],
-                addresses: vec![Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into())],
-            },
-            state: WorkerState::Ready,
-        }
+        let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
+        Worker::ready(service, index, pid, vec![Protocol::Http1], vec![addr])
     }
 
     fn cache() -> Cache {

@@ -225,22 +225,10 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::registry::{Listener, Worker, WorkerState, hostname_for};
+    use crate::registry::Worker;
 
     fn worker(index: u32, pid: u32, protocols: &[Protocol], addresses: Vec<Address>) -> Worker {
-        Worker {
-            service: "web".into(),
-            index,
-            pid,
-            hostname: hostname_for("web", index, pid),
-            listener: Listener {
-                name: "web".into(),
-                scheme: "http".into(),
-                protocols: protocols.to_vec(),
-                addresses,
-            },
-            state: WorkerState::Ready,
-        }
+        Worker::ready("web", index, pid, protocols.to_vec(), addresses)
     }
 
     fn view(workers: Vec<Worker>) -> ServiceView {
