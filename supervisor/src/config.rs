@@ -84,6 +84,9 @@ pub struct EnvoyConfig {
     pub listen: SocketAddr,
     /// The address of Envoy's admin interface.
     pub admin: SocketAddr,
+    /// Whether Envoy fetches clusters and endpoints over one ADS stream instead of dedicated CDS and
+    /// EDS streams.
+    pub ads: bool,
 }
 
 /// `[service.NAME]`: one Envoy cluster and its workers.
@@ -195,6 +198,8 @@ struct RawEnvoy {
     node: Option<Spanned<String>>,
     listen: Option<Spanned<String>>,
     admin: Option<Spanned<String>>,
+    #[serde(default)]
+    ads: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -426,6 +431,7 @@ impl Checker<'_> {
             node,
             listen: listen?,
             admin: admin?,
+            ads: raw.ads,
         })
     }
 

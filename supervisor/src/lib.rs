@@ -22,6 +22,7 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
         xds_cluster_name: config.supervisor.xds_cluster.clone(),
         listener_address: config.envoy.listen,
         admin_address: config.envoy.admin,
+        ads: config.envoy.ads,
         services: config
             .services
             .values()

@@ -27,8 +27,17 @@ struct Stack {
 
 impl Stack {
     fn start(workers: u32) -> Stack {
+        Stack::start_with(workers, "")
+    }
+
+    /// Like [`Stack::start`], with `envoy_extra` appended to the `[envoy]` table.
+    fn start_with(workers: u32, envoy_extra: &str) -> Stack {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers);
+        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers).replacen(
+            "[envoy]\n",
+            &format!("[envoy]\n{envoy_extra}"),
+            1,
+        );
         let supervisor = Supervisor::start(&config);
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);
@@ -189,5 +198,49 @@ fn a_killed_worker_is_replaced_without_a_failed_request() {
         stack.supervisor.logs().contains("Restarting worker"),
         "{}",
         stack.supervisor.logs()
+    );
+}
+
+#[test]
+fn envoy_over_ads_follows_a_restart() {
+    if envoy_or_skip("envoy_over_ads_follows_a_restart").is_none() {
+        return;
+    }
+    let stack = Stack::start_with(2, "ads = true\n");
+    assert!(
+        stack
+            .supervisor
+            .envoy_bootstrap()
+            .unwrap()
+            .contains("ads_config"),
+        "the bootstrap asks for ADS"
+    );
+    let before = stack.wait_for_hosts(2);
+    let answered = stack.spread(50);
+    assert_eq!(answered.len(), 2, "{answered:?}");
+
+    let victim = &before[1].hostname;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid_in_hostname(victim) as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the worker");
+    let after = wait_until(Duration::from_secs(30), "the replacement over ADS", || {
+        let hosts = stack.hosts();
+        (hosts.len() == 2 && hosts.iter().all(|h| h.healthy) && !hostnames(&hosts).contains(victim))
+            .then_some(hosts)
+    });
+    let pids: BTreeSet<u32> = after.iter().map(|h| pid_in_hostname(&h.hostname)).collect();
+    wait_until(
+        Duration::from_secs(10),
+        "both current workers answering",
+        || {
+            let answered = stack.spread(20);
+            (answered.keys().copied().collect::<BTreeSet<_>>() == pids).then_some(())
+        },
+    );
+    assert_eq!(
+        stack.envoy.stat("cluster_manager.cds.update_rejected"),
+        Some(0)
     );
 }
