@@ -20,7 +20,12 @@ pub fn http_get(addr: impl Into<SocketAddr>, path: &str) -> anyhow::Result<(u16,
         .with_context(|| format!("connecting to {addr}"))?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\nConnection: close\r\n\r\n")
+    // One write, so the request leaves in one segment (`write!` on a socket writes piece by piece).
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\nConnection: close\r\n\r\n"
+    );
+    stream
+        .write_all(request.as_bytes())
         .with_context(|| format!("sending to {addr}"))?;
     let mut response = Vec::new();
     stream
