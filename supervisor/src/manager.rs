@@ -377,11 +377,23 @@ mod tests {
     )]
     #[tokio::test]
     async fn stops_a_worker_with_sigterm_then_sigkill() {
-        // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout.
-        let child = Command::new("sh")
-            .args(["-c", "trap '' TERM; while :; do sleep 1; done"])
+        // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout. It says when
+        // the trap is set, so the SIGTERM cannot arrive before it.
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "trap '' TERM; echo trapped; while :; do sleep 1; done",
+            ])
+            .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "trapped\n");
         let pidfd = rustix::process::pidfd_open(pid_of(child.id()), PidfdFlags::empty()).unwrap();
         let (tx, mut rx) = watch::channel(false);
         tx.send(true).unwrap();
