@@ -98,14 +98,42 @@ pub struct ServiceConfig {
     pub count: u32,
     /// Where each worker binds; a `unix://` url may hold [`INDEX_PLACEHOLDER`].
     pub url: String,
-    /// The worker command; `None` runs the built-in hello worker (`peregrine worker`).
-    pub command: Option<Vec<String>>,
+    /// The worker command, its program resolved; by default the built-in hello worker.
+    pub command: WorkerCommand,
     /// Extra environment for the workers.
     pub env: BTreeMap<String, String>,
     /// The route prefix in the generated Envoy bootstrap.
     pub prefix: String,
     /// The route's domains in the generated Envoy bootstrap.
     pub domains: Vec<String>,
+}
+
+/// The program a worker runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Program {
+    /// This very `peregrine` binary (a command whose program is `peregrine`, and the default).
+    Peregrine,
+    /// An executable file, resolved through `PATH` or against the config file's directory.
+    Path(PathBuf),
+}
+
+/// A worker's command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerCommand {
+    /// The program.
+    pub program: Program,
+    /// Its arguments.
+    pub args: Vec<String>,
+}
+
+impl Default for WorkerCommand {
+    /// `peregrine worker`: the built-in hello worker.
+    fn default() -> Self {
+        WorkerCommand {
+            program: Program::Peregrine,
+            args: vec!["worker".into()],
+        }
+    }
 }
 
 impl ServiceConfig {
@@ -217,6 +245,10 @@ struct RawService {
 /// Collects problems with their lines.
 struct Checker<'a> {
     source: &'a str,
+    /// The config file's directory: relative paths are taken from it.
+    base: &'a Path,
+    /// `PATH`, to resolve worker programs.
+    search_path: Option<&'a str>,
     problems: Vec<Problem>,
 }
 
@@ -260,6 +292,8 @@ impl Config {
     ) -> Result<Config, Vec<Problem>> {
         let mut check = Checker {
             source,
+            base,
+            search_path: env.get("PATH").map(String::as_str),
             problems: Vec::new(),
         };
         let deserializer = match toml::de::Deserializer::parse(source) {
@@ -495,18 +529,34 @@ impl Checker<'_> {
                 }
             }
         }
-        let command = raw.command.and_then(|command| {
-            if command.get_ref().is_empty() || command.get_ref()[0].is_empty() {
-                self.report(
-                    Some(command.span()),
-                    key("command"),
-                    "must name a program, e.g. [\"/usr/bin/app\", \"--flag\"]",
-                );
-                None
-            } else {
-                Some(command.into_inner())
+        let command = match raw.command {
+            None => WorkerCommand::default(),
+            Some(command) => {
+                let span = command.span();
+                let mut words = command.into_inner().into_iter();
+                match words.next().filter(|p| !p.is_empty()) {
+                    None => {
+                        self.report(
+                            Some(span),
+                            key("command"),
+                            "must name a program, e.g. [\"/usr/bin/app\", \"--flag\"]",
+                        );
+                        WorkerCommand::default()
+                    }
+                    Some(program) => {
+                        let program = resolve_program(&program, self.base, self.search_path)
+                            .unwrap_or_else(|why| {
+                                self.report(Some(span), key("command"), why);
+                                Program::Peregrine
+                            });
+                        WorkerCommand {
+                            program,
+                            args: words.collect(),
+                        }
+                    }
+                }
             }
-        });
+        };
         let prefix = match raw.prefix {
             Some(prefix) if !prefix.get_ref().starts_with('/') => {
                 self.report(Some(prefix.span()), key("prefix"), "must start with /");
@@ -537,6 +587,38 @@ impl Checker<'_> {
             domains,
         }
     }
+}
+
+/// Finds a worker's program: `peregrine` is this binary; a name with a `/` is a path (relative to the
+/// config file's directory); any other name is looked up in `PATH`. It must be an executable file.
+fn resolve_program(
+    program: &str,
+    base: &Path,
+    search_path: Option<&str>,
+) -> Result<Program, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |path: &Path| {
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program == "peregrine" {
+        return Ok(Program::Peregrine);
+    }
+    if program.contains('/') {
+        let path = base.join(program);
+        return if executable(&path) {
+            Ok(Program::Path(path))
+        } else {
+            Err(format!("{} is not an executable file", path.display()))
+        };
+    }
+    search_path
+        .unwrap_or_default()
+        .split(':')
+        .filter(|dir| !dir.is_empty())
+        .map(|dir| Path::new(dir).join(program))
+        .find(|path| executable(path))
+        .map(Program::Path)
+        .ok_or_else(|| format!("program {program:?} not found in PATH"))
 }
 
 /// A serde path as the dotted key a user wrote, without serde's private wrapper segments.
@@ -612,7 +694,7 @@ command = ["peregrine", "worker"]
         );
         let service = &config.services["cluster"];
         assert_eq!(service.count, 2);
-        assert_eq!(service.command.as_deref().unwrap(), ["peregrine", "worker"]);
+        assert_eq!(service.command, WorkerCommand::default());
         assert_eq!(service.url_for(1).to_string(), "http://localhost:0");
     }
 
@@ -622,7 +704,7 @@ command = ["peregrine", "worker"]
         assert!(config.supervisor.bind.ip().is_loopback());
         assert!(config.envoy.admin.ip().is_loopback());
         let app = &config.services["app"];
-        assert_eq!((app.count, app.command.as_ref()), (1, None));
+        assert_eq!((app.count, &app.command), (1, &WorkerCommand::default()));
         assert_eq!(app.prefix, "/");
     }
 
@@ -691,6 +773,33 @@ count = 0
             config.services["a"].url_for(1).to_string(),
             "unix:///run/a-1.sock"
         );
+    }
+
+    #[test]
+    fn worker_programs_are_resolved_or_reported() {
+        let env = HashMap::from([("PATH".to_string(), "/nonexistent:/bin:/usr/bin".to_string())]);
+        let parse = |s: &str| Config::parse(s, Path::new("/etc"), &env);
+        let config = parse("[service.a]\ncommand = [\"sh\", \"-c\", \"exit 1\"]\n").unwrap();
+        let command = &config.services["a"].command;
+        assert!(
+            matches!(&command.program, Program::Path(p) if p.ends_with("sh")),
+            "{command:?}"
+        );
+        assert_eq!(command.args, ["-c", "exit 1"]);
+        let got = parse("[service.a]\ncommand = [\"no-such-program\"]\n").unwrap_err();
+        assert_eq!(
+            got[0].to_string(),
+            "line 2: service.a.command: program \"no-such-program\" not found in PATH"
+        );
+        let got = parse("[service.a]\ncommand = [\"./app\"]\n").unwrap_err();
+        assert!(
+            got[0]
+                .message
+                .contains("/etc/./app is not an executable file"),
+            "{got:?}"
+        );
+        let got = parse("[service.a]\ncommand = []\n").unwrap_err();
+        assert!(got[0].message.contains("must name a program"), "{got:?}");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tokio::{io::unix::AsyncFd, sync::watch};
 use tracing::Instrument;
 
 use crate::{
-    config::{Config, RestartPolicy, ServiceConfig},
+    config::{Config, Program, RestartPolicy, ServiceConfig},
     registry::Registry,
 };
 
@@ -124,13 +124,11 @@ struct Launch {
 
 impl Launch {
     fn new(service: &ServiceConfig, index: u32, control: &Path) -> io::Result<Self> {
-        let own = std::env::current_exe()?;
-        let (program, args) = match &service.command {
-            None => (own, vec!["worker".to_string()]),
-            // `peregrine` names this very binary, so the documented example works without PATH.
-            Some(cmd) if cmd[0] == "peregrine" => (own, cmd[1..].to_vec()),
-            Some(cmd) => (PathBuf::from(&cmd[0]), cmd[1..].to_vec()),
+        let program = match &service.command.program {
+            Program::Peregrine => std::env::current_exe()?,
+            Program::Path(path) => path.clone(),
         };
+        let args = service.command.args.clone();
         let settings = Settings {
             service: service.name.clone(),
             index,
