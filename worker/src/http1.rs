@@ -23,7 +23,7 @@ use http::{
 };
 use tower::Service;
 
-use crate::BoxError;
+use crate::{BoxError, stream::Io};
 
 /// How many bytes a read asks for at least.
 const READ_CHUNK: usize = 16 * 1024;
@@ -52,16 +52,6 @@ impl Default for Limits {
             max_body_bytes: 1024 * 1024,
         }
     }
-}
-
-/// The byte stream a connection runs over: an owned-buffer (completion) interface.
-pub(crate) trait Io {
-    /// Reads into the spare capacity of `buf` and hands the buffer back.
-    async fn read(&self, buf: Vec<u8>) -> (io::Result<usize>, Vec<u8>);
-    /// Writes all of `buf` and hands the buffer back.
-    async fn write_all(&self, buf: Vec<u8>) -> (io::Result<()>, Vec<u8>);
-    /// Shuts the stream down in both directions.
-    fn shutdown(&self);
 }
 
 /// A request parsed from the front of a buffer.

@@ -16,7 +16,9 @@ pub mod http1;
 pub mod listen;
 pub mod register;
 pub mod server;
+pub mod service;
 pub mod settings;
+mod stream;
 pub mod url;
 
 use std::{future::Future, io, pin::Pin};

@@ -21,14 +21,14 @@ use std::{
 use bytes::Bytes;
 use http::{Request, Response};
 use tokio::sync::{Notify, watch};
-use tokio_uring::buf::BoundedBuf;
 use tower::Service;
 use tracing::Instrument;
 
 use crate::{
     BoxError,
-    http1::{self, Io, Limits},
+    http1::{self, Limits},
     listen::{BoundAddr, BoundListener, Listener},
+    stream::Stream,
 };
 
 /// How the server runs connections.
@@ -146,12 +146,6 @@ enum Acceptor {
     Unix(tokio::net::UnixListener),
 }
 
-/// An accepted connection.
-enum Stream {
-    Tcp(tokio_uring::net::TcpStream),
-    Unix(tokio_uring::net::UnixStream),
-}
-
 // === impl Acceptor ===
 
 impl Acceptor {
@@ -184,38 +178,6 @@ impl Acceptor {
                 ))
             }
         }
-    }
-}
-
-// === impl Stream ===
-
-impl Io for Stream {
-    async fn read(&self, buf: Vec<u8>) -> (io::Result<usize>, Vec<u8>) {
-        // A read fills a buffer from its start; a slice over the spare capacity appends instead.
-        let spare = {
-            let len = buf.len();
-            buf.slice(len..)
-        };
-        let (result, spare) = match self {
-            Stream::Tcp(s) => s.read(spare).await,
-            Stream::Unix(s) => s.read(spare).await,
-        };
-        (result, spare.into_inner())
-    }
-
-    async fn write_all(&self, buf: Vec<u8>) -> (io::Result<()>, Vec<u8>) {
-        match self {
-            Stream::Tcp(s) => s.write_all(buf).await,
-            Stream::Unix(s) => s.write_all(buf).await,
-        }
-    }
-
-    fn shutdown(&self) {
-        // The peer may be gone already; the socket closes on drop either way.
-        let _ = match self {
-            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
-        };
     }
 }
 
