@@ -15,15 +15,21 @@
 //! Architecture Invariant: nothing here knows which runtime drives it beyond the [`Io`] trait, and
 //! nothing here knows about HTTP/2; `server` picks the protocol and runs the accept loops.
 
-use std::{future::poll_fn, io};
-
-use bytes::Bytes;
-use http::{
-    HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version, header,
+use std::{
+    io,
+    time::{Duration, Instant},
 };
-use tower::Service;
 
-use crate::{BoxError, stream::Io};
+use bytes::{Buf, Bytes};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Version, header};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use crate::{
+    BoxError,
+    service::{HttpService, RequestBody, ready_call},
+    stream::Io,
+};
 
 /// How many bytes a read asks for at least.
 const READ_CHUNK: usize = 16 * 1024;
@@ -33,9 +39,15 @@ const STACK_HEADERS: usize = 128;
 
 /// The limits a connection enforces on requests.
 ///
-/// The defaults are: a 16 KiB request head, 100 header fields and a 1 MiB body.
+/// The defaults are: a 16 KiB request head, 100 header fields, a 1 MiB body, 10 s to send a request
+/// head once it has begun, and 60 s of idleness between requests on a kept-alive connection.
 #[derive(Clone, Debug)]
 pub struct Limits {
+    /// How long a client may take to send a whole request head, from its first byte; a slower client is
+    /// answered `408` and cut off.
+    pub header_timeout: Duration,
+    /// How long a kept-alive connection may wait for its next request before it is closed.
+    pub idle_timeout: Duration,
     /// The largest request head (request line and header fields), in bytes; more is answered with `431`.
     pub max_head_bytes: usize,
     /// The most header fields in one request; more is answered with `431`.
@@ -47,6 +59,8 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
             max_head_bytes: 16 * 1024,
             max_headers: 100,
             max_body_bytes: 1024 * 1024,
@@ -57,11 +71,28 @@ impl Default for Limits {
 /// A request parsed from the front of a buffer.
 #[derive(Debug)]
 pub(crate) struct Parsed {
-    pub(crate) request: Request<Bytes>,
+    pub(crate) request: Request<RequestBody>,
     /// How many bytes of the buffer the request took.
     pub(crate) len: usize,
     /// Whether the client allows another request on this connection.
     pub(crate) keep_alive: bool,
+}
+
+/// How far parsing got.
+#[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "returned once per parse and matched at once; boxing would allocate per request"
+)]
+pub(crate) enum Progress {
+    /// A whole request.
+    Complete(Parsed),
+    /// More bytes are needed. `head_done` says the head is complete (only the body is missing), and
+    /// `expects_continue` that the client waits for `100 Continue` before sending it.
+    Partial {
+        head_done: bool,
+        expects_continue: bool,
+    },
 }
 
 /// Why a request is refused before it reaches the application. Each of these closes the connection.
@@ -75,6 +106,10 @@ pub(crate) enum Reject {
     BodyTooLarge,
     /// The head exceeds the limits: `431`.
     HeadTooLarge,
+    /// An `Expect` other than `100-continue`: `417`.
+    ExpectationFailed,
+    /// The head did not arrive within the header timeout: `408`.
+    Timeout,
 }
 
 impl Reject {
@@ -84,12 +119,18 @@ impl Reject {
             Reject::UnsupportedCoding => StatusCode::NOT_IMPLEMENTED,
             Reject::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Reject::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Reject::ExpectationFailed => StatusCode::EXPECTATION_FAILED,
+            Reject::Timeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 }
 
-/// Parses one request from the front of `buf`: `Ok(None)` when more bytes are needed.
-pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Option<Parsed>, Reject> {
+/// Parses one request from the front of `buf`.
+pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Progress, Reject> {
+    const NEED_HEAD: Progress = Progress::Partial {
+        head_done: false,
+        expects_continue: false,
+    };
     // The usual limit fits on the stack: no allocation per request.
     let mut stack = [httparse::EMPTY_HEADER; STACK_HEADERS];
     let mut heap;
@@ -108,7 +149,7 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Option<Parsed>, Rejec
         Ok(httparse::Status::Partial) if buf.len() > limits.max_head_bytes => {
             return Err(Reject::HeadTooLarge);
         }
-        Ok(httparse::Status::Partial) => return Ok(None),
+        Ok(httparse::Status::Partial) => return Ok(NEED_HEAD),
         Err(httparse::Error::TooManyHeaders) => return Err(Reject::HeadTooLarge),
         Err(_) => return Err(Reject::BadRequest("malformed request head")),
     };
@@ -135,6 +176,11 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Option<Parsed>, Rejec
     }
 
     let keep_alive = keep_alive(version, &headers);
+    let expects_continue = expects_continue(version, &headers)?;
+    let need_body = Progress::Partial {
+        head_done: true,
+        expects_continue,
+    };
     let content_length = content_length(&headers)?;
     let chunked = chunked(&headers)?;
     let (body, len) = match (content_length, chunked) {
@@ -149,27 +195,39 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Option<Parsed>, Rejec
                 return Err(Reject::BodyTooLarge);
             }
             let Some(body) = buf.get(head_len..head_len + n) else {
-                return Ok(None);
+                return Ok(need_body);
             };
             (Bytes::copy_from_slice(body), head_len + n)
         }
         (None, true) => match decode_chunked(&buf[head_len..], limits)? {
             Some((body, n)) => (Bytes::from(body), head_len + n),
-            None => return Ok(None),
+            None => return Ok(need_body),
         },
         (None, false) => (Bytes::new(), head_len),
     };
 
-    let mut request = Request::new(body);
+    let mut request = Request::new(RequestBody::new(body));
     *request.method_mut() = method;
     *request.uri_mut() = uri;
     *request.version_mut() = version;
     *request.headers_mut() = headers;
-    Ok(Some(Parsed {
+    Ok(Progress::Complete(Parsed {
         request,
         len,
         keep_alive,
     }))
+}
+
+/// Whether the client waits for `100 Continue`; an expectation we cannot meet is refused.
+fn expects_continue(version: Version, headers: &HeaderMap) -> Result<bool, Reject> {
+    let Some(expect) = headers.get(header::EXPECT) else {
+        return Ok(false);
+    };
+    if !expect.as_bytes().eq_ignore_ascii_case(b"100-continue") {
+        return Err(Reject::ExpectationFailed);
+    }
+    // An HTTP/1.0 client does not know `100 Continue` (RFC 9110, 10.1.1).
+    Ok(version == Version::HTTP_11)
 }
 
 /// Whether a `Connection` header lists `token`.
@@ -294,24 +352,40 @@ fn decode_chunked(buf: &[u8], limits: &Limits) -> Result<Option<(Vec<u8>, usize)
     }
 }
 
-/// Appends `res` to `out` as an HTTP/1.1 response.
+/// How a response body follows its head on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// No body: a response to `HEAD`, or a `1xx`, `204` or `304` response.
+    Empty,
+    /// Exactly this many bytes, announced by `content-length`.
+    Length(u64),
+    /// `transfer-encoding: chunked` (an HTTP/1.1 client, a body of unknown size).
+    Chunked,
+    /// Until the connection closes (an HTTP/1.0 client, a body of unknown size).
+    UntilClose,
+}
+
+/// Appends the status line and header fields of a response to `out`; returns how its body follows and
+/// whether the connection stays open afterwards.
 ///
-/// `head_only` drops the body (a response to `HEAD`) but keeps its `content-length`; `keep_alive` says
-/// whether the connection stays open, for a `connection` header when it differs from the version's default.
-pub(crate) fn encode_response(
+/// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
+/// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
+/// header is written when that differs from the version's default.
+pub(crate) fn encode_head(
     out: &mut Vec<u8>,
-    res: &Response<Bytes>,
+    res: &http::response::Parts,
+    size: Option<u64>,
     request_version: Version,
     head_only: bool,
     keep_alive: bool,
-) {
-    let status = res.status();
+) -> (Framing, bool) {
+    let status = res.status;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in res.headers() {
+    for (name, value) in &res.headers {
         if name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
             || name == header::CONNECTION
@@ -326,49 +400,157 @@ pub(crate) fn encode_response(
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    if !bodiless {
-        out.extend_from_slice(format!("content-length: {}\r\n", res.body().len()).as_bytes());
-    }
+    let framing = match size {
+        _ if bodiless => Framing::Empty,
+        Some(n) => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa(n).as_bytes());
+            out.extend_from_slice(b"\r\n");
+            if head_only {
+                Framing::Empty
+            } else {
+                Framing::Length(n)
+            }
+        }
+        None if head_only => Framing::Empty,
+        None if request_version == Version::HTTP_11 => {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+            Framing::Chunked
+        }
+        None => Framing::UntilClose,
+    };
+    let keep_alive = keep_alive && framing != Framing::UntilClose;
     if !keep_alive {
         out.extend_from_slice(b"connection: close\r\n");
     } else if request_version == Version::HTTP_10 {
         out.extend_from_slice(b"connection: keep-alive\r\n");
     }
     out.extend_from_slice(b"\r\n");
-    if !bodiless && !head_only {
-        out.extend_from_slice(res.body());
+    (framing, keep_alive)
+}
+
+fn itoa(n: u64) -> String {
+    n.to_string()
+}
+
+/// Appends a short plain-text response for a refused request, closing the connection.
+pub(crate) fn encode_error(out: &mut Vec<u8>, status: StatusCode) {
+    let reason = status.canonical_reason().unwrap_or("Error");
+    let body = format!("{reason}\n");
+    out.extend_from_slice(
+        format!(
+            "HTTP/1.1 {} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            status.as_str(),
+            body.len()
+        )
+        .as_bytes(),
+    );
+}
+
+/// Output is written once it grows past this, even in the middle of a body.
+const FLUSH_AT: usize = 64 * 1024;
+
+/// Why a response body could not be sent whole.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BodyError {
+    /// Writing failed.
+    #[error("write failed")]
+    Io(#[from] io::Error),
+    /// The application's body failed.
+    #[error("response body failed")]
+    Body(#[source] BoxError),
+    /// The body was not as long as its `content-length` said.
+    #[error(
+        "response body length differs from its content-length ({sent} bytes, announced {announced})"
+    )]
+    Length {
+        /// Bytes the body produced.
+        sent: u64,
+        /// Bytes announced.
+        announced: u64,
+    },
+}
+
+/// Writes the whole of `out` and empties it.
+async fn flush<I: Io>(io: &I, out: &mut Vec<u8>) -> io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let (result, mut buf) = io.write_all(std::mem::take(out)).await;
+    buf.clear();
+    *out = buf;
+    result
+}
+
+/// Appends `body` to `out` in `framing`, writing whenever `out` grows past [`FLUSH_AT`]. Trailers are
+/// not sent (HTTP/1 clients seldom ask for them with `TE: trailers`).
+pub(crate) async fn write_body<I, B>(
+    io: &I,
+    out: &mut Vec<u8>,
+    body: B,
+    framing: Framing,
+) -> Result<(), BodyError>
+where
+    I: Io,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    if framing == Framing::Empty {
+        return Ok(());
+    }
+    let mut body = std::pin::pin!(body);
+    let mut sent = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| BodyError::Body(e.into()))?;
+        let Ok(mut data) = frame.into_data() else {
+            continue;
+        };
+        let len = data.remaining();
+        if len == 0 {
+            continue;
+        }
+        sent += len as u64;
+        match framing {
+            Framing::Length(announced) if sent > announced => {
+                return Err(BodyError::Length { sent, announced });
+            }
+            Framing::Chunked => out.extend_from_slice(format!("{len:x}\r\n").as_bytes()),
+            _ => {}
+        }
+        while data.has_remaining() {
+            let chunk = data.chunk();
+            out.extend_from_slice(chunk);
+            let n = chunk.len();
+            data.advance(n);
+        }
+        if framing == Framing::Chunked {
+            out.extend_from_slice(b"\r\n");
+        }
+        if out.len() >= FLUSH_AT {
+            flush(io, out).await?;
+        }
+    }
+    match framing {
+        Framing::Length(announced) if sent != announced => {
+            Err(BodyError::Length { sent, announced })
+        }
+        Framing::Chunked => {
+            out.extend_from_slice(b"0\r\n\r\n");
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 
-/// A short plain-text response for a refused request.
-pub(crate) fn error_response(status: StatusCode) -> Response<Bytes> {
-    let reason = status.canonical_reason().unwrap_or("Error");
-    let mut res = Response::new(Bytes::from(format!("{reason}\n")));
-    *res.status_mut() = status;
-    res.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    res
-}
-
-/// Calls the application once it is ready.
-async fn call<S>(service: &mut S, request: Request<Bytes>) -> Result<Response<Bytes>, BoxError>
-where
-    S: Service<Request<Bytes>, Response = Response<Bytes>>,
-    S::Error: Into<BoxError>,
-{
-    poll_fn(|cx| service.poll_ready(cx))
-        .await
-        .map_err(Into::into)?;
-    service.call(request).await.map_err(Into::into)
-}
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Serves HTTP/1 requests on `io` until the client closes, a request asks to close, a request is
-/// refused, or `shutdown` fires while the connection is idle.
+/// refused, a timeout passes, or `shutdown` fires while the connection is idle.
 ///
 /// After `shutdown` fires, the requests already read are answered (with `connection: close`) and the
-/// connection closes. Returns an error only for a failed read or write.
+/// connection closes. A request head that takes longer than [`Limits::header_timeout`] is answered
+/// `408`; an idle connection closes after [`Limits::idle_timeout`]. Returns an error only for a failed
+/// read or write.
 pub(crate) async fn serve_connection<I, S>(
     io: I,
     mut service: S,
@@ -377,53 +559,74 @@ pub(crate) async fn serve_connection<I, S>(
 ) -> io::Result<()>
 where
     I: Io,
-    S: Service<Request<Bytes>, Response = Response<Bytes>>,
-    S::Error: Into<BoxError>,
+    S: HttpService,
 {
     let mut input: Vec<u8> = Vec::with_capacity(READ_CHUNK);
     let mut output: Vec<u8> = Vec::new();
+    // When the head now at the front of `input` began to arrive, while it is incomplete.
+    let mut head_since: Option<Instant> = None;
+    // Whether `100 Continue` went out for the request at the front of `input`.
+    let mut continued = false;
     loop {
         let mut close = false;
         let mut start = 0;
+        let mut head_pending = false;
         while !close {
             let parsed = match parse(&input[start..], limits) {
-                Ok(Some(parsed)) => parsed,
-                Ok(None) => break,
+                Ok(Progress::Complete(parsed)) => parsed,
+                Ok(Progress::Partial {
+                    head_done,
+                    expects_continue,
+                }) => {
+                    head_pending = !head_done && start < input.len();
+                    if expects_continue && !continued {
+                        output.extend_from_slice(CONTINUE);
+                        continued = true;
+                    }
+                    break;
+                }
                 Err(reject) => {
                     tracing::debug!(?reject, "Refusing request");
-                    let res = error_response(reject.status());
-                    encode_response(&mut output, &res, Version::HTTP_11, false, false);
+                    encode_error(&mut output, reject.status());
                     close = true;
                     break;
                 }
             };
             start += parsed.len;
+            continued = false;
+            head_since = None;
             crate::counter::record_request();
             let version = parsed.request.version();
             let head_only = parsed.request.method() == Method::HEAD;
-            let res = match call(&mut service, parsed.request).await {
+            let res = match ready_call(&mut service, parsed.request).await {
                 Ok(res) => res,
                 Err(error) => {
                     tracing::warn!(%error, "Application failed, answering 500");
+                    encode_error(&mut output, StatusCode::INTERNAL_SERVER_ERROR);
                     close = true;
-                    error_response(StatusCode::INTERNAL_SERVER_ERROR)
+                    break;
                 }
             };
-            let keep_alive = parsed.keep_alive
-                && !close
-                && !connection_has(res.headers(), "close")
-                && !*shutdown.borrow();
-            encode_response(&mut output, &res, version, head_only, keep_alive);
+            let keep_alive =
+                parsed.keep_alive && !connection_has(res.headers(), "close") && !*shutdown.borrow();
+            let (parts, body) = res.into_parts();
+            let size = body.size_hint().exact();
+            let (framing, keep_alive) =
+                encode_head(&mut output, &parts, size, version, head_only, keep_alive);
+            if let Err(error) = write_body(&io, &mut output, body, framing).await {
+                if let BodyError::Io(error) = error {
+                    return Err(error);
+                }
+                // The response is cut short; only closing the connection tells the client.
+                tracing::warn!(%error, "Response body failed, closing the connection");
+                close = true;
+                break;
+            }
             close = !keep_alive;
         }
         input.drain(..start);
 
-        if !output.is_empty() {
-            let (result, buf) = io.write_all(output).await;
-            output = buf;
-            output.clear();
-            result?;
-        }
+        flush(&io, &mut output).await?;
         if close {
             io.shutdown();
             return Ok(());
@@ -433,6 +636,12 @@ where
             input.reserve(READ_CHUNK);
         }
         let idle = input.is_empty();
+        let head_deadline = if head_pending {
+            Some(*head_since.get_or_insert_with(Instant::now) + limits.header_timeout)
+        } else {
+            head_since = None;
+            None
+        };
         let read = io.read(input);
         let (result, buf) = if idle {
             if *shutdown.borrow_and_update() {
@@ -441,6 +650,22 @@ where
             tokio::select! {
                 r = read => r,
                 _ = shutdown.changed() => return Ok(()),
+                () = tokio::time::sleep(limits.idle_timeout) => {
+                    tracing::debug!("Idle timeout, closing");
+                    io.shutdown();
+                    return Ok(());
+                }
+            }
+        } else if let Some(deadline) = head_deadline {
+            tokio::select! {
+                r = read => r,
+                () = tokio::time::sleep_until(deadline.into()) => {
+                    tracing::debug!("Request head timeout, answering 408");
+                    encode_error(&mut output, Reject::Timeout.status());
+                    flush(&io, &mut output).await?;
+                    io.shutdown();
+                    return Ok(());
+                }
             }
         } else {
             read.await
@@ -450,6 +675,9 @@ where
             // The client closed; a partial request left in the buffer is dropped.
             return Ok(());
         }
+        if head_since.is_none() && !input.is_empty() {
+            head_since = Some(Instant::now());
+        }
     }
 }
 
@@ -457,9 +685,17 @@ where
 mod tests {
     use super::*;
 
+    /// The whole request, if one is complete.
+    fn complete(buf: &[u8]) -> Result<Option<Parsed>, Reject> {
+        Ok(match parse(buf, &Limits::default())? {
+            Progress::Complete(p) => Some(p),
+            Progress::Partial { .. } => None,
+        })
+    }
+
     fn parse_all(mut buf: &[u8]) -> Result<Vec<Parsed>, Reject> {
         let mut out = Vec::new();
-        while let Some(p) = parse(buf, &Limits::default())? {
+        while let Some(p) = complete(buf)? {
             buf = &buf[p.len..];
             out.push(p);
         }
@@ -478,7 +714,7 @@ mod tests {
         assert_eq!(got.len(), 3);
         assert_eq!(got[0].request.uri(), "/a");
         assert!(got[0].keep_alive);
-        assert_eq!(got[1].request.body(), "abc");
+        assert_eq!(got[1].request.body().as_bytes(), "abc");
         assert_eq!(got[2].request.version(), Version::HTTP_10);
         assert!(!got[2].keep_alive);
     }
@@ -487,17 +723,14 @@ mod tests {
     fn waits_for_a_whole_request() {
         let full = b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
         for n in 0..full.len() {
-            assert!(
-                parse(&full[..n], &Limits::default()).unwrap().is_none(),
-                "complete at {n}"
-            );
+            assert!(complete(&full[..n]).unwrap().is_none(), "complete at {n}");
         }
-        assert!(parse(full, &Limits::default()).unwrap().is_some());
+        assert!(complete(full).unwrap().is_some());
     }
 
     #[test]
     fn keep_alive_follows_version_and_connection() {
-        let ka = |s: &[u8]| parse(s, &Limits::default()).unwrap().unwrap().keep_alive;
+        let ka = |s: &[u8]| complete(s).unwrap().unwrap().keep_alive;
         assert!(ka(b"GET / HTTP/1.1\r\n\r\n"));
         assert!(!ka(b"GET / HTTP/1.1\r\nConnection: Close\r\n\r\n"));
         assert!(!ka(b"GET / HTTP/1.0\r\n\r\n"));
@@ -508,13 +741,10 @@ mod tests {
     fn decodes_chunked_bodies() {
         let req = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: y\r\n\r\n";
         for n in 0..req.len() {
-            assert!(
-                parse(&req[..n], &Limits::default()).unwrap().is_none(),
-                "complete at {n}"
-            );
+            assert!(complete(&req[..n]).unwrap().is_none(), "complete at {n}");
         }
-        let p = parse(req, &Limits::default()).unwrap().unwrap();
-        assert_eq!(p.request.body(), "hello, world");
+        let p = complete(req).unwrap().unwrap();
+        assert_eq!(p.request.body().as_bytes(), "hello, world");
         assert_eq!(p.len, req.len());
     }
 
@@ -555,11 +785,8 @@ mod tests {
             assert_eq!(got, want, "{}", String::from_utf8_lossy(req));
         }
         // Equal repeated lengths are one length.
-        let ok = parse(
-            b"POST / HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab",
-            &Limits::default(),
-        );
-        assert_eq!(ok.unwrap().unwrap().request.body(), "ab");
+        let ok = complete(b"POST / HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab");
+        assert_eq!(ok.unwrap().unwrap().request.body().as_bytes(), "ab");
     }
 
     #[test]
@@ -583,24 +810,92 @@ mod tests {
     }
 
     #[test]
-    fn encodes_responses_with_a_length() {
-        let mut res = Response::new(Bytes::from_static(b"hi"));
+    fn refuses_obs_fold_and_odd_expectations() {
+        let folded = b"GET / HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n";
+        assert!(matches!(complete(folded), Err(Reject::BadRequest(_))));
+        let expect = b"POST / HTTP/1.1\r\nExpect: teapot\r\nContent-Length: 1\r\n\r\n";
+        assert_eq!(complete(expect).unwrap_err(), Reject::ExpectationFailed);
+    }
+
+    #[test]
+    fn reports_a_waiting_100_continue() {
+        let head = b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
+        assert!(matches!(
+            parse(head, &Limits::default()).unwrap(),
+            Progress::Partial {
+                head_done: true,
+                expects_continue: true
+            }
+        ));
+        assert!(matches!(
+            parse(&head[..10], &Limits::default()).unwrap(),
+            Progress::Partial {
+                head_done: false,
+                expects_continue: false
+            }
+        ));
+        // HTTP/1.0 clients never get 100 Continue.
+        let old = b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
+        assert!(matches!(
+            parse(old, &Limits::default()).unwrap(),
+            Progress::Partial {
+                expects_continue: false,
+                ..
+            }
+        ));
+    }
+
+    fn head(status: StatusCode) -> http::response::Parts {
+        let mut res = http::Response::new(());
+        *res.status_mut() = status;
         res.headers_mut()
             .insert("x-a", HeaderValue::from_static("b"));
+        res.into_parts().0
+    }
+
+    #[test]
+    fn frames_bodies_by_length_chunks_or_close() {
+        let ok = head(StatusCode::OK);
         let mut out = Vec::new();
-        encode_response(&mut out, &res, Version::HTTP_11, false, true);
+        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_11, false, true);
+        assert_eq!(got, (Framing::Length(2), true));
         assert_eq!(
             out,
-            b"HTTP/1.1 200 OK\r\nx-a: b\r\ncontent-length: 2\r\n\r\nhi"
+            b"HTTP/1.1 200 OK\r\nx-a: b\r\ncontent-length: 2\r\n\r\n"
         );
+
         out.clear();
-        encode_response(&mut out, &res, Version::HTTP_10, true, true);
+        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_10, true, true);
+        assert_eq!(got, (Framing::Empty, true));
         assert_eq!(
             out,
             b"HTTP/1.1 200 OK\r\nx-a: b\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\n"
         );
+
         out.clear();
-        encode_response(&mut out, &res, Version::HTTP_11, false, false);
-        assert!(out.ends_with(b"connection: close\r\n\r\nhi"));
+        let got = encode_head(&mut out, &ok, None, Version::HTTP_11, false, true);
+        assert_eq!(got, (Framing::Chunked, true));
+        assert!(out.ends_with(b"transfer-encoding: chunked\r\n\r\n"));
+
+        out.clear();
+        let got = encode_head(&mut out, &ok, None, Version::HTTP_10, false, true);
+        assert_eq!(
+            got,
+            (Framing::UntilClose, false),
+            "an HTTP/1.0 body of unknown size ends with the connection"
+        );
+        assert!(out.ends_with(b"connection: close\r\n\r\n"));
+
+        out.clear();
+        let got = encode_head(
+            &mut out,
+            &head(StatusCode::NO_CONTENT),
+            Some(0),
+            Version::HTTP_11,
+            false,
+            true,
+        );
+        assert_eq!(got, (Framing::Empty, true));
+        assert!(!out.windows(14).any(|w| w == b"content-length"));
     }
 }

@@ -23,11 +23,12 @@ pub mod url;
 
 use std::{future::Future, io, pin::Pin};
 
-use bytes::Bytes;
-use http::{Request, Response};
-use tower::Service;
-
-pub use crate::{counter::requests, hello::Hello, settings::Settings};
+pub use crate::{
+    counter::requests,
+    hello::Hello,
+    service::{HttpService, RequestBody},
+    settings::Settings,
+};
 use crate::{
     listen::{BindError, BoundAddr},
     register::{Announcement, RegisterError},
@@ -73,9 +74,7 @@ pub fn run_hello() -> Result<(), WorkerError> {
 pub fn run<F, S>(settings: Settings, make_service: F) -> Result<(), WorkerError>
 where
     F: Fn() -> S + 'static,
-    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: 'static,
+    S: HttpService,
 {
     run_inner(settings, make_service, None)
 }
@@ -88,9 +87,7 @@ pub fn run_until<F, S>(
 ) -> Result<(), WorkerError>
 where
     F: Fn() -> S + 'static,
-    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: 'static,
+    S: HttpService,
 {
     run_inner(settings, make_service, Some(Box::pin(shutdown)))
 }
@@ -102,9 +99,7 @@ fn run_inner<F, S>(
 ) -> Result<(), WorkerError>
 where
     F: Fn() -> S + 'static,
-    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: 'static,
+    S: HttpService,
 {
     let listeners = listen::bind(&settings.url)?;
     let addresses: Vec<BoundAddr> = listeners.iter().map(|l| l.addr.clone()).collect();

@@ -18,16 +18,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
-use http::{Request, Response};
 use tokio::sync::{Notify, watch};
-use tower::Service;
 use tracing::Instrument;
 
 use crate::{
-    BoxError,
     http1::{self, Limits},
     listen::{BoundAddr, BoundListener, Listener},
+    service::HttpService,
     stream::Stream,
 };
 
@@ -76,9 +73,7 @@ pub async fn serve<F, S>(
 ) -> Result<(), ServeError>
 where
     F: Fn() -> S + 'static,
-    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: 'static,
+    S: HttpService,
 {
     let (stop, stopped) = watch::channel(false);
     let shared = Rc::new(Shared {
@@ -188,9 +183,7 @@ async fn accept_loop<F, S>(
     mut stopped: watch::Receiver<bool>,
 ) where
     F: Fn() -> S + 'static,
-    S: Service<Request<Bytes>, Response = Response<Bytes>> + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: 'static,
+    S: HttpService,
 {
     loop {
         if *stopped.borrow_and_update() {

@@ -9,19 +9,73 @@
 //! runs on one thread, so neither the service nor its futures need to be `Send`.
 
 use std::{
+    convert::Infallible,
     future::Future,
+    pin::Pin,
     task::{Context, Poll},
 };
 
 use bytes::{Buf, Bytes};
 use http::{Request, Response};
-use http_body::Body;
+use http_body::{Body, Frame, SizeHint};
 use tower::Service;
 
 use crate::BoxError;
 
-/// The body of every request an application receives: read whole before the call.
-pub type RequestBody = http_body_util::Full<Bytes>;
+/// The body of every request an application receives: read whole (up to the configured limit) before
+/// the call, so an application can look at it at once ([`RequestBody::as_bytes`]) or read it as any
+/// `http_body::Body`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestBody {
+    data: Bytes,
+    /// Whether the data was handed out as a frame already.
+    taken: bool,
+}
+
+impl RequestBody {
+    /// A body holding `data`.
+    pub fn new(data: Bytes) -> Self {
+        RequestBody { data, taken: false }
+    }
+
+    /// The whole body.
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.data
+    }
+
+    /// The whole body, owned.
+    pub fn into_bytes(self) -> Bytes {
+        self.data
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.taken || self.data.is_empty() {
+            return Poll::Ready(None);
+        }
+        self.taken = true;
+        Poll::Ready(Some(Ok(Frame::data(self.data.clone()))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.taken || self.data.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(if self.is_end_stream() {
+            0
+        } else {
+            self.data.len() as u64
+        })
+    }
+}
 
 /// A `tower::Service` a worker can serve: `Request<RequestBody>` in, `Response<impl Body>` out.
 pub trait HttpService: 'static {
@@ -67,7 +121,6 @@ where
 }
 
 /// Waits until `service` is ready, then calls it.
-#[allow(dead_code, reason = "the protocol modules move to HttpService next")]
 pub(crate) async fn ready_call<S: HttpService>(
     service: &mut S,
     request: Request<RequestBody>,

@@ -15,7 +15,9 @@ use std::{
 
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body_util::Full;
 use peregrine_worker::{
+    HttpService, RequestBody,
     listen::{self, BoundAddr},
     server::{self, Config},
 };
@@ -28,19 +30,19 @@ const STEP: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug)]
 struct Echo;
 
-impl Service<Request<Bytes>> for Echo {
-    type Response = Response<Bytes>;
+impl Service<Request<RequestBody>> for Echo {
+    type Response = Response<Full<Bytes>>;
     type Error = Infallible;
-    type Future = Ready<Result<Response<Bytes>, Infallible>>;
+    type Future = Ready<Result<Self::Response, Infallible>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Bytes>) -> Self::Future {
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
         let mut body = format!("{} {} ", req.method(), req.uri()).into_bytes();
-        body.extend_from_slice(req.body());
-        ready(Ok(Response::new(Bytes::from(body))))
+        body.extend_from_slice(req.body().as_bytes());
+        ready(Ok(Response::new(Full::new(Bytes::from(body)))))
     }
 }
 
@@ -60,8 +62,15 @@ impl TestServer {
     fn start_with<F, S>(url: &str, make_service: F) -> Self
     where
         F: Fn() -> S + Send + 'static,
-        S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible> + 'static,
-        S::Future: 'static,
+        S: HttpService,
+    {
+        Self::start_with_config(url, make_service, Config::default())
+    }
+
+    fn start_with_config<F, S>(url: &str, make_service: F, config: Config) -> Self
+    where
+        F: Fn() -> S + Send + 'static,
+        S: HttpService,
     {
         let listeners = listen::bind(&url.parse().unwrap()).unwrap();
         let addrs = listeners.iter().map(|l| l.addr.clone()).collect();
@@ -72,7 +81,7 @@ impl TestServer {
                 let shutdown = async {
                     let _ = stopped.await;
                 };
-                server::serve(listeners, make_service, Config::default(), shutdown)
+                server::serve(listeners, make_service, config, shutdown)
                     .await
                     .unwrap();
             });
@@ -443,21 +452,21 @@ struct Gate {
     release: Arc<tokio::sync::Semaphore>,
 }
 
-impl Service<Request<Bytes>> for Gate {
-    type Response = Response<Bytes>;
+impl Service<Request<RequestBody>> for Gate {
+    type Response = Response<Full<Bytes>>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Bytes>, Infallible>>>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>>>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, _: Request<Bytes>) -> Self::Future {
+    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
         let gate = self.clone();
         Box::pin(async move {
             let _ = gate.entered.send(());
             gate.release.acquire().await.unwrap().forget();
-            Ok(Response::new(Bytes::from_static(b"finished")))
+            Ok(Response::new(Full::new(Bytes::from_static(b"finished"))))
         })
     }
 }
@@ -489,4 +498,211 @@ fn shutdown_lets_in_flight_requests_finish() {
     // before the response was ready; either way the connection closes after it.
     client.expect_close();
     server.stop();
+}
+
+/// A body of unknown size, in pieces; `fail` makes it fail after them.
+#[derive(Debug)]
+struct Pieces {
+    pieces: std::collections::VecDeque<Bytes>,
+    fail: bool,
+}
+
+impl http_body::Body for Pieces {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        match self.pieces.pop_front() {
+            Some(piece) => Poll::Ready(Some(Ok(http_body::Frame::data(piece)))),
+            None if self.fail => Poll::Ready(Some(Err(std::io::Error::other("broken body")))),
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+/// Streams `/N` as N pieces of 1000 bytes with no declared length; `/fail` breaks mid-body.
+#[derive(Clone, Debug)]
+struct Streamer;
+
+impl Service<Request<RequestBody>> for Streamer {
+    type Response = Response<Pieces>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
+        let path = req.uri().path().trim_start_matches('/');
+        let fail = path == "fail";
+        let n: usize = path.parse().unwrap_or(2);
+        let pieces = (0..n)
+            .map(|i| Bytes::from(vec![b'a' + (i % 26) as u8; 1000]))
+            .collect();
+        ready(Ok(Response::new(Pieces { pieces, fail })))
+    }
+}
+
+/// Decodes a chunked body from the client's buffer (reading more as needed).
+fn read_chunked<T: Read + Write>(client: &mut Client<T>) -> Vec<u8> {
+    let mut body = Vec::new();
+    loop {
+        let line_end = loop {
+            if let Some(i) = client.buf.windows(2).position(|w| w == b"\r\n") {
+                break i;
+            }
+            assert_ne!(client.fill(), 0, "eof inside a chunked body");
+        };
+        let size = usize::from_str_radix(std::str::from_utf8(&client.buf[..line_end]).unwrap(), 16)
+            .unwrap();
+        while client.buf.len() < line_end + 2 + size + 2 {
+            assert_ne!(client.fill(), 0, "eof inside a chunk");
+        }
+        body.extend_from_slice(&client.buf[line_end + 2..line_end + 2 + size]);
+        assert_eq!(
+            &client.buf[line_end + 2 + size..line_end + 4 + size],
+            b"\r\n"
+        );
+        client.buf.drain(..line_end + 4 + size);
+        if size == 0 {
+            return body;
+        }
+    }
+}
+
+/// Reads a response head only, returning the status and the headers.
+fn read_head<T: Read + Write>(client: &mut Client<T>) -> (u16, Vec<(String, String)>) {
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; 32];
+        let mut res = httparse::Response::new(&mut fields);
+        if let httparse::Status::Complete(head) = res.parse(&client.buf).unwrap() {
+            let status = res.code.unwrap();
+            let headers = res
+                .headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_ascii_lowercase(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect();
+            client.buf.drain(..head);
+            return (status, headers);
+        }
+        assert_ne!(client.fill(), 0, "eof before a response head");
+    }
+}
+
+#[test]
+fn bodies_of_unknown_size_are_chunked_and_large_ones_streamed() {
+    let server = TestServer::start_with("http://127.0.0.1:0", || Streamer);
+    let mut client = server.connect();
+    // 300 KB: more than one flush of the output buffer.
+    client.send(b"GET /300 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\n");
+    for n in [300, 2] {
+        let (status, headers) = read_head(&mut client);
+        assert_eq!(status, 200);
+        assert!(
+            headers.contains(&("transfer-encoding".into(), "chunked".into())),
+            "{headers:?}"
+        );
+        let body = read_chunked(&mut client);
+        assert_eq!(body.len(), n * 1000);
+        assert!(
+            body.chunks(1000)
+                .enumerate()
+                .all(|(i, c)| c.iter().all(|&b| b == b'a' + (i % 26) as u8))
+        );
+    }
+    // An HTTP/1.0 client gets the body delimited by the connection's end.
+    let mut old = server.connect();
+    old.send(b"GET /3 HTTP/1.0\r\n\r\n");
+    let (status, headers) = read_head(&mut old);
+    assert_eq!(status, 200);
+    assert!(
+        headers.contains(&("connection".into(), "close".into())),
+        "{headers:?}"
+    );
+    while old.fill() != 0 {}
+    assert_eq!(old.buf.len(), 3000);
+}
+
+#[test]
+fn a_failing_body_cuts_the_connection() {
+    let server = TestServer::start_with("http://127.0.0.1:0", || Streamer);
+    let mut client = server.connect();
+    client.send(b"GET /fail HTTP/1.1\r\n\r\n");
+    let (status, _) = read_head(&mut client);
+    assert_eq!(status, 200);
+    // The chunked body never gets its last chunk: the connection ends instead.
+    while client.fill() != 0 {}
+    assert!(
+        !client.buf.ends_with(b"0\r\n\r\n"),
+        "a broken body must not look complete"
+    );
+}
+
+#[test]
+fn expect_100_continue_gets_an_interim_response_first() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"POST /up HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n");
+    let (status, _) = read_head(&mut client);
+    assert_eq!(
+        status, 100,
+        "the client is told to go on before it sends the body"
+    );
+    client.send(b"hello");
+    let res = client.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body, b"POST /up hello");
+    // A body over the limit is refused without asking for it.
+    client.send(b"POST /big HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 99999999\r\n\r\n");
+    let res = client.response(false);
+    assert_eq!(res.status, 413);
+    client.expect_close();
+}
+
+#[test]
+fn obs_fold_is_a_bad_request() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.1\r\nX-A: a\r\n folded\r\n\r\n");
+    assert_eq!(client.response(false).status, 400);
+    client.expect_close();
+}
+
+fn short_timeouts() -> Config {
+    let mut config = Config::default();
+    config.limits.header_timeout = Duration::from_millis(300);
+    config.limits.idle_timeout = Duration::from_millis(300);
+    config
+}
+
+#[test]
+fn a_slow_request_head_is_cut_off_with_408() {
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
+    let mut client = server.connect();
+    let started = std::time::Instant::now();
+    client.send(b"GET / HTTP/1.1\r\nX-Slow: ");
+    let res = client.response(false);
+    assert_eq!(res.status, 408);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    client.expect_close();
+}
+
+#[test]
+fn an_idle_connection_times_out() {
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
+    let mut client = server.connect();
+    client.send(b"GET /a HTTP/1.1\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    let idle_since = std::time::Instant::now();
+    client.expect_close();
+    assert!(idle_since.elapsed() >= Duration::from_millis(250));
 }
