@@ -15,7 +15,7 @@
 use std::{
     collections::HashMap,
     io,
-    os::fd::{AsFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd},
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -23,8 +23,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use peregrine_worker::settings::Settings;
-use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions};
+use peregrine_worker::settings::{CounterSlot, Settings};
+use rustix::{
+    io::FdFlags,
+    process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions},
+};
 use tokio::{io::unix::AsyncFd, sync::watch};
 use tracing::Instrument;
 
@@ -120,10 +123,17 @@ struct Launch {
     program: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The request counter region, inherited by the worker.
+    counters: RawFd,
 }
 
 impl Launch {
-    fn new(service: &ServiceConfig, index: u32, control: &Path) -> io::Result<Self> {
+    fn new(
+        service: &ServiceConfig,
+        index: u32,
+        control: &Path,
+        counters: CounterSlot,
+    ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
             Program::Path(path) => path.clone(),
@@ -134,6 +144,7 @@ impl Launch {
             index,
             url: service.url_for(index),
             control: control.to_owned(),
+            counters: Some(counters),
         };
         let mut env: Vec<(String, String)> = service
             .env
@@ -146,7 +157,12 @@ impl Launch {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v)),
         );
-        Ok(Launch { program, args, env })
+        Ok(Launch {
+            program,
+            args,
+            env,
+            counters: counters.fd,
+        })
     }
 
     fn spawn(&self) -> io::Result<u32> {
@@ -157,13 +173,17 @@ impl Launch {
             .stdin(Stdio::null())
             // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order.
             .process_group(0);
-        // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2), which
-        // is async-signal-safe; it touches no memory shared with the parent.
+        let counters = self.counters;
+        // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2) and
+        // fcntl(2), which are async-signal-safe; it touches no memory shared with the parent. The
+        // counter descriptor is open for the supervisor's whole life, so it is valid in the child.
         unsafe {
-            command.pre_exec(|| {
+            command.pre_exec(move || {
                 // Until workers can outlive their supervisor, a worker must not outlive it.
-                rustix::process::set_parent_process_death_signal(Some(Signal::TERM))
-                    .map_err(io::Error::from)
+                rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
+                // The counter region is the one descriptor the worker inherits.
+                rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(counters), FdFlags::empty())?;
+                Ok(())
             });
         }
         let child = command.spawn()?;
@@ -172,19 +192,34 @@ impl Launch {
     }
 }
 
+/// How many worker slots `config` has: the size of the request counter region.
+pub fn slot_count(config: &Config) -> usize {
+    config.services.values().map(|s| s.count as usize).sum()
+}
+
 /// Starts one task per worker slot; they run until `shutdown` turns true, then stop their workers
 /// (SIGTERM, then SIGKILL after `stop_timeout`) and return.
+///
+/// Slot `k` (services in name order, then index) counts its requests in counter `k` of the region
+/// behind `counters`, which must hold [`slot_count`] counters and stay open while workers run.
 pub fn start(
     config: &Config,
     registry: Arc<Registry>,
     children: Arc<Children>,
+    counters: BorrowedFd<'_>,
     shutdown: watch::Receiver<bool>,
     stop_timeout: Duration,
 ) -> io::Result<tokio::task::JoinSet<()>> {
     let mut tasks = tokio::task::JoinSet::new();
+    let mut counter = 0;
     for service in config.services.values() {
         for index in 0..service.count {
-            let launch = Launch::new(service, index, &config.supervisor.control)?;
+            let slot = CounterSlot {
+                fd: counters.as_raw_fd(),
+                slot: counter,
+            };
+            counter += 1;
+            let launch = Launch::new(service, index, &config.supervisor.control, slot)?;
             let slot = Slot {
                 service: service.name.clone(),
                 index,

@@ -4,8 +4,9 @@
 //! worker starts), xDS, then the workers. Order of stop: workers (SIGTERM, then SIGKILL after a
 //! deadline), then xDS, then the registration socket file is removed.
 
-use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{io, net::SocketAddr, os::fd::AsFd, path::PathBuf, sync::Arc, time::Duration};
 
+use peregrine_worker::counter::CounterRegion;
 use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
 
 use crate::{
@@ -84,8 +85,18 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), "Supervisor running");
-    let mut workers = manager::start(&config, registry.clone(), children, stop_rx, STOP_TIMEOUT)
-        .map_err(RunError::Workers)?;
+    // Workers count requests in shared memory; the sampler (and `status`) read it from here.
+    let (counters_fd, _counters) =
+        CounterRegion::create(manager::slot_count(&config)).map_err(RunError::Workers)?;
+    let mut workers = manager::start(
+        &config,
+        registry.clone(),
+        children,
+        counters_fd.as_fd(),
+        stop_rx,
+        STOP_TIMEOUT,
+    )
+    .map_err(RunError::Workers)?;
 
     let xds_result = tokio::select! {
         _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); None }

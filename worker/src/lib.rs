@@ -7,9 +7,14 @@
 //!
 //! Invariants: the worker runs one thread and never shares a listener (no `SO_REUSEPORT`); the library
 //! never installs a `tracing` subscriber (the binary does); the worker knows nothing of Envoy or xDS.
-#![forbid(unsafe_code)]
+// Unsafe code is denied but for the shared-memory request counter, which maps memory.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[allow(
+    unsafe_code,
+    reason = "maps the shared counter region; each use has a SAFETY line"
+)]
 pub mod counter;
 pub mod hello;
 pub mod http1;
@@ -60,6 +65,19 @@ pub enum WorkerError {
     /// Serving could not start.
     #[error("cannot serve")]
     Serve(#[from] ServeError),
+    /// The inherited request counter region could not be mapped.
+    #[error("cannot map the request counter region")]
+    Counters(#[source] io::Error),
+}
+
+/// Maps the counter slot the supervisor gave this worker, then closes the inherited descriptor.
+#[allow(unsafe_code, reason = "takes ownership of the inherited descriptor")]
+fn attach_counters(counters: settings::CounterSlot) -> io::Result<()> {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    // SAFETY: the supervisor opened this descriptor for this process and named it in the environment;
+    // nothing else here owns it, and it is closed once mapped (the mapping stays).
+    let fd = unsafe { OwnedFd::from_raw_fd(counters.fd) };
+    counter::attach(fd.as_fd(), counters.slot as usize)
 }
 
 /// Runs the built-in hello app with the settings from the environment, until SIGTERM or SIGINT.
@@ -101,6 +119,9 @@ where
     F: Fn() -> S + 'static,
     S: HttpService,
 {
+    if let Some(counters) = settings.counters {
+        attach_counters(counters).map_err(WorkerError::Counters)?;
+    }
     let listeners = listen::bind(&settings.url)?;
     let addresses: Vec<BoundAddr> = listeners.iter().map(|l| l.addr.clone()).collect();
     let shown: Vec<String> = addresses.iter().map(ToString::to_string).collect();

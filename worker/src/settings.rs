@@ -14,6 +14,10 @@ pub const ENV_INDEX: &str = "PEREGRINE_WORKER_INDEX";
 pub const ENV_URL: &str = "PEREGRINE_URL";
 /// The path of the supervisor's registration socket.
 pub const ENV_CONTROL: &str = "PEREGRINE_CONTROL_SOCKET";
+/// The inherited file descriptor of the request counter region (see [`crate::counter`]); optional.
+pub const ENV_COUNTERS_FD: &str = "PEREGRINE_COUNTERS_FD";
+/// The worker's slot in the request counter region; set together with [`ENV_COUNTERS_FD`].
+pub const ENV_COUNTERS_SLOT: &str = "PEREGRINE_COUNTERS_SLOT";
 
 /// A worker's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +30,17 @@ pub struct Settings {
     pub url: BindUrl,
     /// The registration socket.
     pub control: PathBuf,
+    /// Where to count requests for outside readers, if the supervisor provides a region.
+    pub counters: Option<CounterSlot>,
+}
+
+/// A slot in an inherited request counter region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CounterSlot {
+    /// The inherited file descriptor number.
+    pub fd: i32,
+    /// The slot index.
+    pub slot: u32,
 }
 
 /// A missing or invalid setting.
@@ -40,6 +55,11 @@ pub enum SettingsError {
     /// The url is invalid.
     #[error("{ENV_URL} is invalid")]
     Url(#[source] UrlError),
+    /// The counter settings are invalid or incomplete.
+    #[error(
+        "{ENV_COUNTERS_FD} and {ENV_COUNTERS_SLOT} must both be non-negative integers, got {0:?} and {1:?}"
+    )]
+    Counters(Option<String>, Option<String>),
 }
 
 impl Settings {
@@ -52,6 +72,19 @@ impl Settings {
     pub fn from_map(vars: &HashMap<String, String>) -> Result<Self, SettingsError> {
         let get = |k: &'static str| vars.get(k).ok_or(SettingsError::Missing(k));
         let index = get(ENV_INDEX)?;
+        let counters = match (vars.get(ENV_COUNTERS_FD), vars.get(ENV_COUNTERS_SLOT)) {
+            (None, None) => None,
+            (fd, slot) => {
+                let bad = || SettingsError::Counters(fd.cloned(), slot.cloned());
+                Some(CounterSlot {
+                    fd: fd
+                        .and_then(|f| f.parse().ok())
+                        .filter(|f| *f >= 0)
+                        .ok_or_else(bad)?,
+                    slot: slot.and_then(|s| s.parse().ok()).ok_or_else(bad)?,
+                })
+            }
+        };
         Ok(Settings {
             service: get(ENV_SERVICE)?.clone(),
             index: index
@@ -59,17 +92,23 @@ impl Settings {
                 .map_err(|_| SettingsError::Index(index.clone()))?,
             url: get(ENV_URL)?.parse().map_err(SettingsError::Url)?,
             control: get(ENV_CONTROL)?.into(),
+            counters,
         })
     }
 
     /// The variables that make up these settings, for the supervisor to pass to a worker.
     pub fn to_env(&self) -> Vec<(&'static str, String)> {
-        vec![
+        let mut env = vec![
             (ENV_SERVICE, self.service.clone()),
             (ENV_INDEX, self.index.to_string()),
             (ENV_URL, self.url.to_string()),
             (ENV_CONTROL, self.control.display().to_string()),
-        ]
+        ];
+        if let Some(counters) = self.counters {
+            env.push((ENV_COUNTERS_FD, counters.fd.to_string()));
+            env.push((ENV_COUNTERS_SLOT, counters.slot.to_string()));
+        }
+        env
     }
 }
 
@@ -84,6 +123,7 @@ mod tests {
             index: 3,
             url: "http://localhost:0".parse().unwrap(),
             control: "/run/peregrine.sock".into(),
+            counters: Some(CounterSlot { fd: 3, slot: 7 }),
         };
         let map = settings
             .to_env()
@@ -91,6 +131,30 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v))
             .collect();
         assert_eq!(Settings::from_map(&map).unwrap(), settings);
+    }
+
+    #[test]
+    fn counters_need_both_variables() {
+        let mut map: HashMap<String, String> = [
+            (ENV_SERVICE, "a"),
+            (ENV_INDEX, "0"),
+            (ENV_URL, "http://localhost:0"),
+            (ENV_CONTROL, "/c"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(Settings::from_map(&map).unwrap().counters, None);
+        map.insert(ENV_COUNTERS_FD.into(), "3".into());
+        assert!(matches!(
+            Settings::from_map(&map),
+            Err(SettingsError::Counters(..))
+        ));
+        map.insert(ENV_COUNTERS_SLOT.into(), "x".into());
+        assert!(matches!(
+            Settings::from_map(&map),
+            Err(SettingsError::Counters(..))
+        ));
     }
 
     #[test]

@@ -29,6 +29,7 @@ fn settings(control: &Path) -> Settings {
         index: 3,
         url: "http://127.0.0.1:0".parse().unwrap(),
         control: control.into(),
+        counters: None,
     }
 }
 
