@@ -119,6 +119,37 @@ pub fn peregrine_path() -> PathBuf {
     .clone()
 }
 
+/// The worker crate's example binary `name` (e.g. `axum`): in `PEREGRINE_EXAMPLES` when set (a directory;
+/// `cargo xtask test` builds the examples and sets it), else `<target>/debug/examples/<name>` after
+/// running `$CARGO build -p peregrine-worker --example <name>`.
+///
+/// # Panics
+///
+/// When the build fails.
+pub fn example_path(name: &str) -> PathBuf {
+    if let Some(dir) = env::var_os("PEREGRINE_EXAMPLES").filter(|dir| !dir.is_empty()) {
+        return Path::new(&dir).join(name);
+    }
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "peregrine-worker",
+            "--example",
+            name,
+        ])
+        .current_dir(workspace_root())
+        .status()
+        .expect("cargo runs");
+    assert!(
+        status.success(),
+        "building the example {name} failed: {status}"
+    );
+    target_dir().join("debug/examples").join(name)
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
 ///
 /// Another process may take it before the caller binds it; that is rare enough for tests.

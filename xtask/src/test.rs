@@ -12,7 +12,7 @@ use crate::{cargo, envoy, run_checked};
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
-    run_checked(cargo().args(["build", "--workspace"]))?;
+    run_checked(cargo().args(["build", "--workspace", "--bins", "--examples"]))?;
     let peregrine = target_dir().join("debug/peregrine");
     let status = cargo()
         .args(["test", "--workspace"])
@@ -20,6 +20,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .env("ENVOY", &envoy)
         // Built above, so the harness need not run cargo from inside the tests.
         .env("PEREGRINE", &peregrine)
+        .env("PEREGRINE_EXAMPLES", target_dir().join("debug/examples"))
         // Tests that need Envoy fail instead of skipping if it goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
         .status()?;
