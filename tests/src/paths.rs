@@ -150,6 +150,33 @@ pub fn example_path(name: &str) -> PathBuf {
     target_dir().join("debug/examples").join(name)
 }
 
+/// A python with the strict HTTP clients `h11` and `h2`: `PEREGRINE_PYTHON` (set by `cargo xtask test`),
+/// else `<target>/pyclients/venv/bin/python` when it can import them. `None` prints why the caller
+/// skips, unless `PEREGRINE_REQUIRE_ENVOY` is set (`cargo xtask test`), where it panics instead.
+pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
+    let python = env::var_os("PEREGRINE_PYTHON")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("pyclients/venv/bin/python"));
+    let works = Command::new(&python)
+        .args(["-c", "import h11, h2"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if works {
+        return Some(python);
+    }
+    let why = format!(
+        "{} cannot import h11 and h2 (run `cargo xtask test`)",
+        python.display()
+    );
+    assert!(
+        env::var_os("PEREGRINE_REQUIRE_ENVOY").is_none(),
+        "{test}: {why}"
+    );
+    eprintln!("skipping {test}: {why}");
+    None
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
 ///
 /// Another process may take it before the caller binds it; that is rare enough for tests.

@@ -9,6 +9,7 @@
 mod bench;
 mod demo;
 mod envoy;
+mod pyclients;
 mod test;
 
 use std::{

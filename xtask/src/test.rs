@@ -7,11 +7,12 @@ use std::process::ExitCode;
 
 use peregrine_e2e::target_dir;
 
-use crate::{cargo, envoy, run_checked};
+use crate::{cargo, envoy, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
+    let python = pyclients::install()?;
     run_checked(cargo().args(["build", "--workspace", "--bins", "--examples"]))?;
     let peregrine = target_dir().join("debug/peregrine");
     let status = cargo()
@@ -21,6 +22,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         // Built above, so the harness need not run cargo from inside the tests.
         .env("PEREGRINE", &peregrine)
         .env("PEREGRINE_EXAMPLES", target_dir().join("debug/examples"))
+        .env("PEREGRINE_PYTHON", &python)
         // Tests that need Envoy fail instead of skipping if it goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
         .status()?;

@@ -1,0 +1,116 @@
+//! Real HTTP clients against a real worker (started by the supervisor on a known port): curl, and
+//! Python's h11, a strict implementation that rejects any protocol violation in our responses.
+
+use std::{net::SocketAddr, process::Command, time::Duration};
+
+use peregrine_e2e::{
+    Supervisor, free_port, http_get, python_clients_or_skip, wait_until, workspace_root,
+};
+
+/// A supervisor with one hello worker on `127.0.0.1:<port>`, serving once this returns.
+fn worker() -> (Supervisor, SocketAddr) {
+    let port = free_port();
+    let supervisor = Supervisor::start(&format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{{dir}}/peregrine.sock"
+
+[service.web]
+url = "http://127.0.0.1:{port}"
+"#,
+        grpc = free_port()
+    ));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_until(Duration::from_secs(30), "the worker answering", || {
+        http_get(addr, "/").ok()
+    });
+    (supervisor, addr)
+}
+
+fn curl(args: &[&str]) -> (bool, String, String) {
+    let output = Command::new("curl")
+        .args(["--silent", "--show-error", "--max-time", "10"])
+        .args(args)
+        .output()
+        .expect("curl runs");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn curl_speaks_http1_with_the_worker() {
+    let (_supervisor, addr) = worker();
+    let url = format!("http://{addr}/");
+
+    let (ok, body, err) = curl(&["--http1.1", &url, &url]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        body.matches("Hello from worker ").count(),
+        2,
+        "two requests, one connection: {body}"
+    );
+
+    let (ok, head, err) = curl(&["--http1.1", "--head", &url]);
+    assert!(ok, "{err}");
+    assert!(
+        head.starts_with("HTTP/1.1 200 OK\r\n") && head.contains("content-length: "),
+        "{head}"
+    );
+
+    let (ok, body, err) = curl(&["--http1.0", &url]);
+    assert!(ok, "{err}");
+    assert!(body.starts_with("Hello from worker "), "{body}");
+
+    // A chunked upload below the body limit is accepted.
+    let (ok, body, err) = curl(&[
+        "--http1.1",
+        "-H",
+        "Transfer-Encoding: chunked",
+        "--data-binary",
+        &"z".repeat(100_000),
+        &url,
+    ]);
+    assert!(ok, "{err}");
+    assert!(body.starts_with("Hello from worker "), "{body}");
+
+    let big = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(big.path(), vec![b'q'; 2 * 1024 * 1024]).unwrap();
+    let (ok, status, err) = curl(&[
+        "--http1.1",
+        "--output",
+        "/dev/null",
+        "--write-out",
+        "%{http_code}",
+        "--data-binary",
+        &format!("@{}", big.path().display()),
+        &url,
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(status, "413", "a body over the 1 MiB limit");
+}
+
+#[test]
+fn h11_finds_no_protocol_violation() {
+    let Some(python) = python_clients_or_skip("h11_finds_no_protocol_violation") else {
+        return;
+    };
+    let (_supervisor, addr) = worker();
+    let output = Command::new(python)
+        .arg(workspace_root().join("tests/clients/h11_client.py"))
+        .arg(addr.ip().to_string())
+        .arg(addr.port().to_string())
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "h11 client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for check in ["keep-alive", "100-continue", "head", "connection close"] {
+        assert!(stdout.contains(check), "{check} not reached:\n{stdout}");
+    }
+}
