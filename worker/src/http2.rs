@@ -321,17 +321,19 @@ where
     .await
 }
 
-/// Serves HTTP/2 on an accepted TCP stream; for tests that drive the server over real sockets.
+/// Serves HTTP/2 on an accepted TCP stream, like [`serve_connection`]; for tests that drive the server
+/// over real sockets.
 #[doc(hidden)]
 pub async fn serve_tcp<S: HttpService>(
     stream: tokio_uring::net::TcpStream,
+    already_read: Vec<u8>,
     service: S,
     limits: &Limits,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ConnectionError> {
     serve_connection(
         Rc::new(Stream::Tcp(stream)),
-        Vec::new(),
+        already_read,
         service,
         limits,
         stopped,

@@ -156,7 +156,12 @@ impl TestServer {
                         results_tx.clone(),
                     );
                     connections.push(tokio_uring::spawn(async move {
-                        let result = http2::serve_tcp(stream, app, &limits, stopped).await;
+                        // Like protocol detection: some bytes (part of the preface) are read before
+                        // the connection is handed to HTTP/2.
+                        let (read, already_read) = stream.read(Vec::with_capacity(11)).await;
+                        read.unwrap();
+                        let result =
+                            http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
                         let _ = results.send(result);
                     }));
                 }
@@ -650,4 +655,88 @@ fn slow_resets_are_bounded_too() {
         server.next_result(),
         Err(ConnectionError::TooManyResets { .. })
     ));
+}
+
+#[test]
+fn an_idle_connection_is_closed_gracefully() {
+    let limits = Limits {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        // A request longer than the idle timeout does not count as idle.
+        let (status, _) = request(&client, Method::GET, "/slow?500", Upload::Nothing)
+            .await
+            .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        let started = Instant::now();
+        tokio::time::timeout(STEP, connection)
+            .await
+            .expect("the idle connection stayed open")
+            .unwrap()
+            .unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(250));
+    });
+    server.next_result().unwrap();
+}
+
+/// Measures one connection's throughput both ways; set `PEREGRINE_H2_BENCH=1` (best with `--release`).
+/// `PEREGRINE_H2_WINDOW` sets the server's stream window in KiB (the connection's is four times that).
+#[test]
+fn throughput() {
+    if std::env::var_os("PEREGRINE_H2_BENCH").is_none() {
+        eprintln!("skipped: set PEREGRINE_H2_BENCH=1 to measure throughput");
+        return;
+    }
+    let window: u32 = std::env::var("PEREGRINE_H2_WINDOW")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(1024)
+        * 1024;
+    const STREAMS: u64 = 8;
+    const LEN: usize = 16 * 1024 * 1024;
+    let limits = Limits {
+        max_body_bytes: LEN,
+        initial_stream_window: window,
+        initial_connection_window: 4 * window,
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    let elapsed = run(async {
+        let (client, _connection) = connect(server.addr, |b| {
+            b.initial_window_size(window)
+                .initial_connection_window_size(4 * window);
+        })
+        .await;
+        let started = Instant::now();
+        let mut streams = JoinSet::new();
+        for seed in 0..STREAMS {
+            let client = client.clone();
+            streams.spawn(async move {
+                let response = send(
+                    &client,
+                    Method::POST,
+                    "/echo",
+                    Upload::Content { seed, len: LEN },
+                    true,
+                )
+                .await
+                .unwrap();
+                let (body, _) = read_body(response.into_body()).await.unwrap();
+                assert_eq!(body.len(), LEN);
+            });
+        }
+        while let Some(done) = streams.join_next().await {
+            done.unwrap();
+        }
+        started.elapsed()
+    });
+    let mib = (2 * STREAMS as usize * LEN) as f64 / (1024.0 * 1024.0);
+    eprintln!(
+        "window {} KiB: {mib:.0} MiB in {elapsed:?}: {:.0} MiB/s",
+        window / 1024,
+        mib / elapsed.as_secs_f64()
+    );
 }
