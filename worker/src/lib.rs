@@ -18,12 +18,14 @@
 pub mod counter;
 pub mod hello;
 pub mod http1;
+pub mod http2;
 pub mod listen;
 pub mod register;
 pub mod server;
 pub mod service;
 pub mod settings;
 mod stream;
+mod uring_io;
 pub mod url;
 
 use std::{future::Future, io, pin::Pin};

@@ -1,0 +1,742 @@
+//! HTTP/2 over real sockets: the server on its own io_uring thread, the `h2` crate's client on a tokio
+//! runtime on the test thread.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+        mpsc,
+    },
+    task::{Context, Poll},
+    thread,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use futures::stream;
+use h2::{Reason, client::SendRequest};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
+use peregrine_worker::{
+    BoxError,
+    http2::{self, ConnectionError, Limits},
+    service::RequestBody,
+};
+use tokio::{net::TcpStream, sync::watch, task::JoinSet};
+use tower::Service;
+
+/// How long any single step of a test may take.
+const STEP: Duration = Duration::from_secs(10);
+
+/// How long a whole test may take.
+const TEST: Duration = Duration::from_secs(120);
+
+/// The byte at `offset` of the content with `seed`: distinct per stream and per position.
+fn byte_at(seed: u64, offset: usize) -> u8 {
+    let x = (offset as u64) ^ (seed << 40);
+    (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+fn content(seed: u64, start: usize, len: usize) -> Bytes {
+    (start..start + len).map(|i| byte_at(seed, i)).collect()
+}
+
+/// Checks that `chunk` is the content with `seed` at `offset`.
+fn check(seed: u64, offset: usize, chunk: &[u8]) {
+    for (i, &b) in chunk.iter().enumerate() {
+        assert_eq!(
+            b,
+            byte_at(seed, offset + i),
+            "stream {seed}: byte {} differs",
+            offset + i
+        );
+    }
+}
+
+type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// The application under test, by path:
+/// - `/echo`: the request body;
+/// - `/fail`: an application error;
+/// - `/slow?MS`: `slow` after MS milliseconds;
+/// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer.
+#[derive(Clone, Debug)]
+struct App {
+    calls: Arc<AtomicUsize>,
+}
+
+impl Service<Request<RequestBody>> for App {
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, BoxError>>>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let query = req.uri().query().unwrap_or_default().to_owned();
+            let mut args = query.split('&').map(|a| a.parse::<u64>().unwrap_or(0));
+            match req.uri().path() {
+                "/echo" => Ok(Response::new(req.into_body().boxed_unsync())),
+                "/fail" => Err("the application failed".into()),
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_millis(args.next().unwrap_or(0))).await;
+                    Ok(Response::new(Full::from("slow").boxed_unsync()))
+                }
+                "/content" => {
+                    let (seed, len) = (args.next().unwrap(), args.next().unwrap() as usize);
+                    let mut frames: Vec<Result<Frame<Bytes>, Infallible>> = (0..len)
+                        .step_by(16 * 1024)
+                        .map(|start| {
+                            Ok(Frame::data(content(
+                                seed,
+                                start,
+                                (16 * 1024).min(len - start),
+                            )))
+                        })
+                        .collect();
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("x-seed", seed.into());
+                    frames.push(Ok(Frame::trailers(trailers)));
+                    Ok(Response::new(
+                        StreamBody::new(stream::iter(frames)).boxed_unsync(),
+                    ))
+                }
+                _ => Ok(Response::builder()
+                    .status(StatusCode::NOT_FOUND)
+                    .body(Full::default().boxed_unsync())
+                    .unwrap()),
+            }
+        })
+    }
+}
+
+/// A server on its own io_uring thread: one `serve_tcp` per accepted connection.
+struct TestServer {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    calls: Arc<AtomicUsize>,
+    results: mpsc::Receiver<Result<(), ConnectionError>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl TestServer {
+    fn start(limits: Limits) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = watch::channel(false);
+        let (results_tx, results) = mpsc::channel();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let app = App {
+            calls: calls.clone(),
+        };
+        let thread = thread::spawn(move || {
+            tokio_uring::start(async move {
+                let listener = tokio_uring::net::TcpListener::from_std(listener);
+                let mut connections = Vec::new();
+                let mut stop_accepting = stopped.clone();
+                loop {
+                    let (stream, _) = tokio::select! {
+                        accepted = listener.accept() => accepted.unwrap(),
+                        _ = stop_accepting.wait_for(|s| *s) => break,
+                    };
+                    stream.set_nodelay(true).unwrap();
+                    let (app, limits, stopped, results) = (
+                        app.clone(),
+                        limits.clone(),
+                        stopped.clone(),
+                        results_tx.clone(),
+                    );
+                    connections.push(tokio_uring::spawn(async move {
+                        // Like protocol detection: some bytes (part of the preface) are read before
+                        // the connection is handed to HTTP/2.
+                        let (read, already_read) = stream.read(Vec::with_capacity(11)).await;
+                        read.unwrap();
+                        let result =
+                            http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
+                        let _ = results.send(result);
+                    }));
+                }
+                for connection in connections {
+                    let _ = tokio::time::timeout(STEP, connection).await;
+                }
+            });
+        });
+        TestServer {
+            addr,
+            stop,
+            calls,
+            results,
+            thread: Some(thread),
+        }
+    }
+
+    /// The result of the next connection to end.
+    fn next_result(&self) -> Result<(), ConnectionError> {
+        self.results
+            .recv_timeout(STEP)
+            .expect("no connection ended in time")
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(thread) = self.thread.take() {
+            // The server waits at most STEP per connection; a panic there is reported by the test.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Runs `test` on a current-thread tokio runtime, bounded by [`TEST`].
+fn run<F: Future>(test: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async { tokio::time::timeout(TEST, test).await })
+        .expect("the test timed out")
+}
+
+/// Connects an `h2` client; the connection task's result is the second value.
+async fn connect(
+    addr: SocketAddr,
+    configure: impl FnOnce(&mut h2::client::Builder),
+) -> (
+    SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let mut builder = h2::client::Builder::new();
+    configure(&mut builder);
+    let (client, connection) = tokio::time::timeout(STEP, builder.handshake(tcp))
+        .await
+        .expect("handshake timed out")
+        .expect("handshake failed");
+    (client, tokio::spawn(connection))
+}
+
+/// A request body: generated content, or nothing.
+#[derive(Clone, Copy)]
+enum Upload {
+    Nothing,
+    Content { seed: u64, len: usize },
+}
+
+/// Sends a request, its body under flow control, and returns the response head and its body stream.
+async fn send(
+    client: &SendRequest<Bytes>,
+    method: Method,
+    path: &str,
+    body: Upload,
+    content_length: bool,
+) -> Result<Response<h2::RecvStream>, h2::Error> {
+    let mut client = client.clone().ready().await?;
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://localhost{path}"));
+    if let (Upload::Content { len, .. }, true) = (body, content_length) {
+        request = request.header("content-length", len);
+    }
+    let (response, mut stream) =
+        client.send_request(request.body(()).unwrap(), matches!(body, Upload::Nothing))?;
+    let sending = async move {
+        let Upload::Content { seed, len } = body else {
+            return Ok::<_, h2::Error>(());
+        };
+        let mut offset = 0;
+        while offset < len {
+            let want = (len - offset).min(32 * 1024);
+            stream.reserve_capacity(want);
+            let capacity = loop {
+                let capacity = stream.capacity();
+                if capacity > 0 {
+                    break capacity;
+                }
+                match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(e),
+                    None => return Ok(()),
+                }
+            };
+            let n = capacity.min(want);
+            stream.send_data(content(seed, offset, n), offset + n == len)?;
+            offset += n;
+        }
+        Ok(())
+    };
+    // The server may answer before the body is all sent (413): then sending fails, which is fine.
+    let (sent, response) = tokio::join!(sending, response);
+    let response = response?;
+    if response.status() == StatusCode::OK {
+        sent?;
+    }
+    Ok(response)
+}
+
+/// Reads a response body whole, releasing capacity as it goes; with its trailers.
+async fn read_body(mut body: h2::RecvStream) -> Result<(Vec<u8>, Option<HeaderMap>), h2::Error> {
+    let mut out = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk?;
+        body.flow_control().release_capacity(chunk.len())?;
+        out.extend_from_slice(&chunk);
+    }
+    let trailers = body.trailers().await?;
+    Ok((out, trailers))
+}
+
+/// Sends a request and reads the response whole.
+async fn request(
+    client: &SendRequest<Bytes>,
+    method: Method,
+    path: &str,
+    body: Upload,
+) -> Result<(StatusCode, Vec<u8>), h2::Error> {
+    let response = send(client, method, path, body, false).await?;
+    let status = response.status();
+    let (body, _) = read_body(response.into_body()).await?;
+    Ok((status, body))
+}
+
+/// Waits until `condition` holds, checking every few milliseconds, for at most [`STEP`].
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + STEP;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
+    const STREAMS: u64 = 500;
+    const LEN: usize = 256 * 1024;
+    let server = TestServer::start(Limits::default());
+    let requests_before = peregrine_worker::requests();
+    run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        let mut streams = JoinSet::new();
+        for seed in 0..STREAMS {
+            let client = client.clone();
+            streams.spawn(async move {
+                let response = send(
+                    &client,
+                    Method::POST,
+                    "/echo",
+                    Upload::Content { seed, len: LEN },
+                    seed % 2 == 0,
+                )
+                .await
+                .unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+                // Checked as it arrives: nothing is kept.
+                let mut body = response.into_body();
+                let mut offset = 0;
+                while let Some(chunk) = body.data().await {
+                    let chunk = chunk.unwrap();
+                    body.flow_control().release_capacity(chunk.len()).unwrap();
+                    check(seed, offset, &chunk);
+                    offset += chunk.len();
+                }
+                assert_eq!(offset, LEN, "stream {seed}");
+            });
+        }
+        while let Some(done) = streams.join_next().await {
+            done.unwrap();
+        }
+        drop(client);
+        connection.await.unwrap().unwrap();
+    });
+    assert_eq!(server.calls.load(Ordering::SeqCst), STREAMS as usize);
+    assert!(peregrine_worker::requests() >= requests_before + STREAMS);
+    server.next_result().unwrap();
+}
+
+#[test]
+fn a_stalled_reader_and_a_tiny_window_lose_nothing() {
+    const STREAMS: u64 = 20;
+    const LEN: usize = 256 * 1024;
+    let server = TestServer::start(Limits::default());
+    run(async {
+        // A 1 KiB stream window: every response needs hundreds of WINDOW_UPDATE rounds.
+        let (client, connection) = connect(server.addr, |b| {
+            b.initial_window_size(1024);
+        })
+        .await;
+        let mut heads = Vec::new();
+        for seed in 0..STREAMS {
+            let response = send(
+                &client,
+                Method::GET,
+                &format!("/content?{seed}&{LEN}"),
+                Upload::Nothing,
+                false,
+            )
+            .await
+            .unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            heads.push((seed, response));
+        }
+        // No body is read (no capacity released) for a while; the connection still serves others.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body) = tokio::time::timeout(
+            STEP,
+            request(
+                &client,
+                Method::POST,
+                "/echo",
+                Upload::Content { seed: 99, len: 100 },
+            ),
+        )
+        .await
+        .expect("a stalled stream blocked the connection")
+        .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        check(99, 0, &body);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Now every body is read, concurrently.
+        let mut readers = JoinSet::new();
+        for (seed, response) in heads {
+            readers.spawn(async move {
+                let (body, trailers) = read_body(response.into_body()).await.unwrap();
+                assert_eq!(body.len(), LEN, "stream {seed}");
+                check(seed, 0, &body);
+                let trailers = trailers.expect("trailers");
+                assert_eq!(trailers["x-seed"], seed.to_string().as_str());
+            });
+        }
+        while let Some(done) = readers.join_next().await {
+            done.unwrap();
+        }
+        drop(client);
+        connection.await.unwrap().unwrap();
+    });
+    server.next_result().unwrap();
+}
+
+#[test]
+fn an_application_error_is_a_500_on_that_stream_only() {
+    let server = TestServer::start(Limits::default());
+    run(async {
+        let (client, _connection) = connect(server.addr, |_| {}).await;
+        let mut streams = JoinSet::new();
+        for seed in 0..20u64 {
+            let client = client.clone();
+            streams.spawn(async move {
+                if seed % 4 == 0 {
+                    let (status, _) = request(&client, Method::GET, "/fail", Upload::Nothing)
+                        .await
+                        .unwrap();
+                    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+                } else {
+                    let len = 50_000;
+                    let (status, body) = request(
+                        &client,
+                        Method::POST,
+                        "/echo",
+                        Upload::Content { seed, len },
+                    )
+                    .await
+                    .unwrap();
+                    assert_eq!(status, StatusCode::OK);
+                    assert_eq!(body.len(), len);
+                    check(seed, 0, &body);
+                }
+            });
+        }
+        while let Some(done) = streams.join_next().await {
+            done.unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_body_over_the_limit_is_a_413() {
+    let limits = Limits {
+        max_body_bytes: 64 * 1024,
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        let (client, _connection) = connect(server.addr, |_| {}).await;
+        // Declared too large: refused before reading.
+        let response = send(
+            &client,
+            Method::POST,
+            "/echo",
+            Upload::Content {
+                seed: 1,
+                len: 100_000,
+            },
+            true,
+        )
+        .await
+        .unwrap();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        // Found too large while reading.
+        let (status, _) = request(
+            &client,
+            Method::POST,
+            "/echo",
+            Upload::Content {
+                seed: 2,
+                len: 100_000,
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        // The limit itself is fine, and the connection still serves.
+        let (status, body) = request(
+            &client,
+            Method::POST,
+            "/echo",
+            Upload::Content {
+                seed: 3,
+                len: 64 * 1024,
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        check(3, 0, &body);
+    });
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn graceful_shutdown_finishes_streams_in_flight_and_refuses_new_ones() {
+    let server = TestServer::start(Limits::default());
+    run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        let mut in_flight = JoinSet::new();
+        for _ in 0..10 {
+            let client = client.clone();
+            in_flight.spawn(async move {
+                request(&client, Method::GET, "/slow?500", Upload::Nothing).await
+            });
+        }
+        eventually("the server has every request", || {
+            server.calls.load(Ordering::SeqCst) == 10
+        })
+        .await;
+        server.stop.send(true).unwrap();
+        // New streams are refused once the GOAWAY arrives.
+        let deadline = Instant::now() + STEP;
+        loop {
+            assert!(Instant::now() < deadline, "new streams still accepted");
+            match tokio::time::timeout(
+                STEP,
+                request(&client, Method::GET, "/slow?0", Upload::Nothing),
+            )
+            .await
+            .expect("a request after shutdown hung")
+            {
+                Err(error) => {
+                    assert!(
+                        error.is_go_away() || error.reason() == Some(Reason::REFUSED_STREAM),
+                        "{error:?}"
+                    );
+                    break;
+                }
+                // Streams opened before the final GOAWAY are still served.
+                Ok((status, _)) => assert_eq!(status, StatusCode::OK),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        while let Some(done) = in_flight.join_next().await {
+            let (status, body) = done.unwrap().expect("an in-flight stream failed");
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(body, b"slow");
+        }
+        tokio::time::timeout(STEP, connection)
+            .await
+            .expect("the connection stayed open")
+            .unwrap()
+            .unwrap();
+    });
+    server.next_result().unwrap();
+}
+
+/// Opens streams and resets each at once (CVE-2023-44487).
+#[test]
+fn rapid_reset_closes_the_connection() {
+    let server = TestServer::start(Limits::default());
+    let opened = run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        let mut opened = 0;
+        for _ in 0..10_000 {
+            let Ok(mut ready) = client.clone().ready().await else {
+                break;
+            };
+            let request = Request::get("http://localhost/slow?1000").body(()).unwrap();
+            let Ok((_response, mut stream)) = ready.send_request(request, false) else {
+                break;
+            };
+            stream.send_reset(Reason::CANCEL);
+            opened += 1;
+            // Let the client's connection task write (and read a GOAWAY).
+            tokio::task::yield_now().await;
+        }
+        let error = tokio::time::timeout(STEP, connection)
+            .await
+            .expect("the connection stayed open")
+            .unwrap()
+            .expect_err("the connection ended without an error");
+        // The client may still be writing when the server closes: it sees the GOAWAY or a broken pipe.
+        assert!(
+            error.reason() == Some(Reason::ENHANCE_YOUR_CALM) || error.is_io(),
+            "{error:?}"
+        );
+        opened
+    });
+    assert!(opened < 10_000, "every stream was opened");
+    let calls = server.calls.load(Ordering::SeqCst);
+    assert!(calls < 1000, "{calls} calls for {opened} resets");
+    match server.next_result() {
+        Err(ConnectionError::Connection(error)) => {
+            assert_eq!(error.reason(), Some(Reason::ENHANCE_YOUR_CALM), "{error:?}");
+        }
+        Err(ConnectionError::TooManyResets { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    eprintln!("rapid reset: {opened} streams opened, {calls} calls");
+}
+
+/// Opens streams and resets each once the server works on it: too slow for `h2`'s accept-queue limit,
+/// caught by the premature-reset rule.
+#[test]
+fn slow_resets_are_bounded_too() {
+    let limits = Limits::default();
+    let min_streams = limits.premature_reset_min_streams;
+    let server = TestServer::start(limits);
+    let opened = run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        let mut opened = 0u64;
+        for _ in 0..1000 {
+            let Ok(mut ready) = client.clone().ready().await else {
+                break;
+            };
+            let request = Request::get("http://localhost/slow?10000")
+                .body(())
+                .unwrap();
+            let Ok((_response, mut stream)) = ready.send_request(request, true) else {
+                break;
+            };
+            opened += 1;
+            let calls = opened as usize;
+            eventually("the server calls the application", || {
+                server.calls.load(Ordering::SeqCst) >= calls || connection.is_finished()
+            })
+            .await;
+            stream.send_reset(Reason::CANCEL);
+        }
+        let error = tokio::time::timeout(STEP, connection)
+            .await
+            .expect("the connection stayed open")
+            .unwrap()
+            .expect_err("the connection ended without an error");
+        assert_eq!(error.reason(), Some(Reason::ENHANCE_YOUR_CALM), "{error:?}");
+        opened
+    });
+    assert!(opened <= min_streams + 2, "{opened} streams opened");
+    assert!(matches!(
+        server.next_result(),
+        Err(ConnectionError::TooManyResets { .. })
+    ));
+}
+
+#[test]
+fn an_idle_connection_is_closed_gracefully() {
+    let limits = Limits {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        // A request longer than the idle timeout does not count as idle.
+        let (status, _) = request(&client, Method::GET, "/slow?500", Upload::Nothing)
+            .await
+            .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        let started = Instant::now();
+        tokio::time::timeout(STEP, connection)
+            .await
+            .expect("the idle connection stayed open")
+            .unwrap()
+            .unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(250));
+    });
+    server.next_result().unwrap();
+}
+
+/// Measures one connection's throughput both ways; set `PEREGRINE_H2_BENCH=1` (best with `--release`).
+/// `PEREGRINE_H2_WINDOW` sets the server's stream window in KiB (the connection's is four times that).
+#[test]
+fn throughput() {
+    if std::env::var_os("PEREGRINE_H2_BENCH").is_none() {
+        eprintln!("skipped: set PEREGRINE_H2_BENCH=1 to measure throughput");
+        return;
+    }
+    let window: u32 = std::env::var("PEREGRINE_H2_WINDOW")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(1024)
+        * 1024;
+    const STREAMS: u64 = 8;
+    const LEN: usize = 16 * 1024 * 1024;
+    let limits = Limits {
+        max_body_bytes: LEN,
+        initial_stream_window: window,
+        initial_connection_window: 4 * window,
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    let elapsed = run(async {
+        let (client, _connection) = connect(server.addr, |b| {
+            b.initial_window_size(window)
+                .initial_connection_window_size(4 * window);
+        })
+        .await;
+        let started = Instant::now();
+        let mut streams = JoinSet::new();
+        for seed in 0..STREAMS {
+            let client = client.clone();
+            streams.spawn(async move {
+                let response = send(
+                    &client,
+                    Method::POST,
+                    "/echo",
+                    Upload::Content { seed, len: LEN },
+                    true,
+                )
+                .await
+                .unwrap();
+                let (body, _) = read_body(response.into_body()).await.unwrap();
+                assert_eq!(body.len(), LEN);
+            });
+        }
+        while let Some(done) = streams.join_next().await {
+            done.unwrap();
+        }
+        started.elapsed()
+    });
+    let mib = (2 * STREAMS as usize * LEN) as f64 / (1024.0 * 1024.0);
+    eprintln!(
+        "window {} KiB: {mib:.0} MiB in {elapsed:?}: {:.0} MiB/s",
+        window / 1024,
+        mib / elapsed.as_secs_f64()
+    );
+}
