@@ -100,8 +100,15 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, children: Ar
                 );
                 tokio::spawn(
                     async move {
-                        if let Err(reason) = handle(stream, &registry, &children).await {
-                            tracing::warn!(%reason, "Registration connection closed");
+                        match handle(stream, &registry, &children).await {
+                            Ok(()) => {}
+                            // A connect-and-close (e.g. a second supervisor probing the socket).
+                            Err(reason @ Closed::EarlyEof) => {
+                                tracing::debug!(%reason, "Registration connection closed");
+                            }
+                            Err(reason) => {
+                                tracing::warn!(%reason, "Registration connection closed");
+                            }
                         }
                     }
                     .instrument(span),

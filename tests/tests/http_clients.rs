@@ -114,3 +114,45 @@ fn h11_finds_no_protocol_violation() {
         assert!(stdout.contains(check), "{check} not reached:\n{stdout}");
     }
 }
+
+#[test]
+fn curl_speaks_h2c_with_the_worker() {
+    let (_supervisor, addr) = worker();
+    let url = format!("http://{addr}/");
+    // One URL per run: curl 7.88 fails to reuse an h2c connection for a second URL (it does so against
+    // a hyper server as well); the python h2 test below covers many streams on one connection.
+    let (ok, out, err) = curl(&[
+        "--http2-prior-knowledge",
+        "--include",
+        "--write-out",
+        "\n%{http_version}",
+        &url,
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("HTTP/2 200"), "{out}");
+    assert!(out.contains("content-length: "), "{out}");
+    assert!(out.contains("Hello from worker "), "{out}");
+    assert!(out.ends_with("\n2"), "spoken over HTTP/2: {out}");
+}
+
+#[test]
+fn python_h2_finds_no_protocol_violation() {
+    let Some(python) = python_clients_or_skip("python_h2_finds_no_protocol_violation") else {
+        return;
+    };
+    let (_supervisor, addr) = worker();
+    let output = Command::new(python)
+        .arg(workspace_root().join("tests/clients/h2_client.py"))
+        .arg(addr.ip().to_string())
+        .arg(addr.port().to_string())
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "h2 client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("50 concurrent streams ok"), "{stdout}");
+    assert!(stdout.contains("malformed stream reset ok"), "{stdout}");
+}

@@ -551,8 +551,12 @@ const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 /// connection closes. A request head that takes longer than [`Limits::header_timeout`] is answered
 /// `408`; an idle connection closes after [`Limits::idle_timeout`]. Returns an error only for a failed
 /// read or write.
+///
+/// `already_read` holds the bytes read before the connection was handed over (to tell HTTP/1 from
+/// HTTP/2); they are parsed first.
 pub(crate) async fn serve_connection<I, S>(
     io: I,
+    already_read: Vec<u8>,
     mut service: S,
     limits: &Limits,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
@@ -561,10 +565,11 @@ where
     I: Io,
     S: HttpService,
 {
-    let mut input: Vec<u8> = Vec::with_capacity(READ_CHUNK);
+    let mut input: Vec<u8> = already_read;
+    input.reserve(READ_CHUNK);
     let mut output: Vec<u8> = Vec::new();
     // When the head now at the front of `input` began to arrive, while it is incomplete.
-    let mut head_since: Option<Instant> = None;
+    let mut head_since: Option<Instant> = (!input.is_empty()).then(Instant::now);
     // Whether `100 Continue` went out for the request at the front of `input`.
     let mut continued = false;
     loop {

@@ -56,7 +56,7 @@ use h2::{
 };
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::Body;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use tokio::{sync::watch, time::Instant};
 use tracing::Instrument;
 
@@ -448,7 +448,7 @@ async fn receive(
     let body = first.unwrap_or_else(|| data.freeze());
     let head_only = parts.method == Method::HEAD;
     Some(Received {
-        request: Request::from_parts(parts, Full::new(body)),
+        request: Request::from_parts(parts, RequestBody::new(body)),
         respond,
         head_only,
         span,
@@ -564,6 +564,15 @@ where
     let (mut parts, body) = response.into_parts();
     for name in CONNECTION_SPECIFIC {
         parts.headers.remove(name);
+    }
+    // A body of known size says so, as over HTTP/1 (Envoy and clients use it to size buffers).
+    if let Some(len) = body.size_hint().exact()
+        && !parts.headers.contains_key(header::CONTENT_LENGTH)
+        && !matches!(parts.status.as_u16(), 100..=199 | 204 | 304)
+    {
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     }
     let end = head_only || body.is_end_stream();
     let mut send = respond.send_response(Response::from_parts(parts, ()), end)?;

@@ -98,7 +98,7 @@ pub fn register_message(announcement: &Announcement<'_>) -> WorkerMessage {
             listener: Some(Listener {
                 name: announcement.service.into(),
                 scheme: "http".into(),
-                protocols: vec![Protocol::Http1.into()],
+                protocols: vec![Protocol::Http1.into(), Protocol::Http2.into()],
                 addresses,
             }),
         })),
@@ -242,7 +242,10 @@ mod tests {
         let listener = reg.listener.unwrap();
         assert_eq!(listener.name, "web");
         assert_eq!(listener.scheme, "http");
-        assert_eq!(listener.protocols, vec![i32::from(Protocol::Http1)]);
+        assert_eq!(
+            listener.protocols,
+            vec![i32::from(Protocol::Http1), i32::from(Protocol::Http2)]
+        );
         let got: Vec<_> = listener
             .addresses
             .into_iter()

@@ -22,19 +22,23 @@ use tokio::sync::{Notify, watch};
 use tracing::Instrument;
 
 use crate::{
+    BoxError,
     http1::{self, Limits},
+    http2,
     listen::{BoundAddr, BoundListener, Listener},
     service::HttpService,
-    stream::Stream,
+    stream::{Io, Stream},
 };
 
 /// How the server runs connections.
 ///
-/// The defaults are [`Limits::default`] and a drain timeout of 5 seconds.
+/// The defaults are [`Limits::default`], [`http2::Limits::default`] and a drain timeout of 5 seconds.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// The limits every request is held to.
+    /// The limits every HTTP/1 request is held to.
     pub limits: Limits,
+    /// The settings and limits of HTTP/2 connections.
+    pub http2: http2::Limits,
     /// How long in-flight connections may take to finish after shutdown begins.
     pub drain_timeout: Duration,
 }
@@ -43,6 +47,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             limits: Limits::default(),
+            http2: http2::Limits::default(),
             drain_timeout: Duration::from_secs(5),
         }
     }
@@ -79,6 +84,7 @@ where
     let shared = Rc::new(Shared {
         make_service,
         limits: config.limits,
+        http2: config.http2,
         connections: Cell::new(0),
         drained: Notify::new(),
     });
@@ -131,6 +137,7 @@ where
 struct Shared<F> {
     make_service: F,
     limits: Limits,
+    http2: http2::Limits,
     connections: Cell<usize>,
     drained: Notify,
 }
@@ -211,14 +218,83 @@ async fn accept_loop<F, S>(
             async move {
                 let _guard = Guard(&shared);
                 tracing::debug!("Accepted");
-                if let Err(error) =
-                    http1::serve_connection(stream, service, &shared.limits, stopped).await
-                {
-                    tracing::debug!(%error, "Connection failed");
+                let (protocol, already_read) =
+                    match sniff(&stream, &shared.limits, stopped.clone()).await {
+                        Ok(Some(sniffed)) => sniffed,
+                        Ok(None) => return,
+                        Err(error) => {
+                            tracing::debug!(%error, "Connection failed before its first request");
+                            return;
+                        }
+                    };
+                let result = match protocol {
+                    Protocol::Http1 => http1::serve_connection(
+                        stream,
+                        already_read,
+                        service,
+                        &shared.limits,
+                        stopped,
+                    )
+                    .await
+                    .map_err(BoxError::from),
+                    Protocol::Http2 => http2::serve_connection(
+                        Rc::new(stream),
+                        already_read,
+                        service,
+                        &shared.http2,
+                        stopped,
+                    )
+                    .await
+                    .map_err(BoxError::from),
+                };
+                if let Err(error) = result {
+                    tracing::debug!(%error, ?protocol, "Connection failed");
                 }
             }
             .instrument(span),
         );
+    }
+}
+
+/// The protocol a connection speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    /// HTTP/2 with prior knowledge (h2c): the connection starts with the client preface.
+    Http2,
+}
+
+/// The start of the HTTP/2 client preface; `PRI` is reserved as an HTTP/1 method for exactly this.
+const PREFACE_START: &[u8] = b"PRI * HTTP/2.0\r\n";
+
+/// Reads until the first bytes tell HTTP/1 from HTTP/2; returns the protocol and the bytes read, or
+/// `None` when the client closes, stays silent past the idle timeout, or shutdown begins first.
+async fn sniff(
+    stream: &Stream,
+    limits: &Limits,
+    mut stopped: watch::Receiver<bool>,
+) -> io::Result<Option<(Protocol, Vec<u8>)>> {
+    let mut buf = Vec::with_capacity(16 * 1024);
+    loop {
+        if *stopped.borrow_and_update() {
+            return Ok(None);
+        }
+        let (result, read) = tokio::select! {
+            r = stream.read(buf) => r,
+            _ = stopped.changed() => return Ok(None),
+            () = tokio::time::sleep(limits.idle_timeout) => return Ok(None),
+        };
+        buf = read;
+        if result? == 0 {
+            return Ok(None);
+        }
+        let n = buf.len().min(PREFACE_START.len());
+        if buf[..n] != PREFACE_START[..n] {
+            return Ok(Some((Protocol::Http1, buf)));
+        }
+        if n == PREFACE_START.len() {
+            return Ok(Some((Protocol::Http2, buf)));
+        }
     }
 }
 

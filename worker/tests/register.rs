@@ -109,7 +109,10 @@ fn registers_every_address_and_keeps_the_connection_open() {
     let l = register.listener.unwrap();
     assert_eq!(l.name, "web");
     assert_eq!(l.scheme, "http");
-    assert_eq!(l.protocols, vec![i32::from(Protocol::Http1)]);
+    assert_eq!(
+        l.protocols,
+        vec![i32::from(Protocol::Http1), i32::from(Protocol::Http2)]
+    );
     assert_eq!(l.addresses.len(), 1);
     let Some(address::Address::Socket(sa)) = l.addresses[0].address.clone() else {
         panic!("expected a socket address")
