@@ -16,6 +16,8 @@
     reason = "maps the shared counter region; each use has a SAFETY line"
 )]
 pub mod counter;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hello;
 pub mod http1;
 pub mod http2;
