@@ -117,6 +117,10 @@ struct Sample {
     latencies: Vec<Duration>,
     /// Server CPU time (user + system) per completed request.
     cpu_per_request: Duration,
+    /// The server's CPU time over the run's wall time: 1.0 is its core saturated.
+    server_busy: f64,
+    /// The busy fraction of the load generator's core over the run (all processes on it).
+    load_core_busy: f64,
 }
 
 /// What a run of a load found.
@@ -285,6 +289,8 @@ fn run_load(
     let args = load.command(port, duration);
     let limit = Duration::from_secs(duration) + LOAD_GRACE;
     let before = cpu_ticks(pid)?;
+    let cores_before = core_ticks()?;
+    let wall = Instant::now();
     let output = Command::new("timeout")
         .args(["--kill-after=2", &limit.as_secs().to_string()])
         .args(["taskset", "-c", LOAD_CPU])
@@ -292,6 +298,8 @@ fn run_load(
         .output()
         .with_context(|| format!("running {}", args.join(" ")))?;
     let after = cpu_ticks(pid)?;
+    let cores_after = core_ticks()?;
+    let wall = wall.elapsed();
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
         bail!(
@@ -334,10 +342,30 @@ fn run_load(
     };
     ensure!(requests > 0, "no request completed:\n{stdout}");
     let cpu = Duration::from_secs_f64((after - before) as f64 / ticks_per_sec as f64);
+    let busy = |cpu: &str| -> anyhow::Result<f64> {
+        let find = |cores: &[(String, CoreTicks)]| {
+            cores
+                .iter()
+                .find(|(name, _)| name == cpu)
+                .map(|(_, ticks)| *ticks)
+                .with_context(|| format!("no cpu{cpu} line in /proc/stat"))
+        };
+        Ok(find(&cores_after)?.busy_since(find(&cores_before)?))
+    };
+    let server_busy = cpu.as_secs_f64() / wall.as_secs_f64();
+    let others = busy(SERVER_CPU)? - server_busy;
+    if others > 0.1 {
+        eprintln!(
+            "warning: other processes used {:.0}% of CPU {SERVER_CPU} during this run: expect noise",
+            others * 100.0
+        );
+    }
     Ok(Outcome::Measured(Sample {
         requests_per_sec,
         latencies,
         cpu_per_request: cpu.div_f64(requests as f64),
+        server_busy,
+        load_core_busy: busy(LOAD_CPU)?,
     }))
 }
 
@@ -353,6 +381,13 @@ fn describe(load: Load, outcome: &Outcome) -> String {
                 text,
                 ", {} CPU/req",
                 format_duration(sample.cpu_per_request)
+            )
+            .expect("a String");
+            write!(
+                text,
+                ", server {:.0}% busy, load core {:.0}% busy",
+                sample.server_busy * 100.0,
+                sample.load_core_busy * 100.0
             )
             .expect("a String");
             text
@@ -399,6 +434,16 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
             "server CPU/request".into(),
             Box::new(|s: &Sample| s.cpu_per_request.as_secs_f64()),
             |v| format_duration(Duration::from_secs_f64(v)),
+        ));
+        metrics.push((
+            "server core busy".into(),
+            Box::new(|s: &Sample| s.server_busy),
+            |v| format!("{:.0}%", v * 100.0),
+        ));
+        metrics.push((
+            "load core busy".into(),
+            Box::new(|s: &Sample| s.load_core_busy),
+            |v| format!("{:.0}%", v * 100.0),
         ));
         for (m, (label, get, format)) in metrics.iter().enumerate() {
             let medians = samples.each_ref().map(|samples| {
@@ -683,6 +728,61 @@ fn parse_stat_cpu(stat: &str) -> anyhow::Result<u64> {
     Ok(field(14)? + field(15)?)
 }
 
+/// Per-core CPU time from `/proc/stat`, in clock ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CoreTicks {
+    /// Every state (user, nice, system, idle, iowait, irq, softirq, steal).
+    total: u64,
+    /// Idle and iowait.
+    idle: u64,
+}
+
+impl CoreTicks {
+    /// The fraction of the time since `before` that the core was busy.
+    fn busy_since(self, before: CoreTicks) -> f64 {
+        let total = self.total.saturating_sub(before.total);
+        let idle = self.idle.saturating_sub(before.idle);
+        if total == 0 {
+            return 0.0;
+        }
+        total.saturating_sub(idle) as f64 / total as f64
+    }
+}
+
+/// Every core's ticks, by number (`"0"`, `"1"`).
+fn core_ticks() -> anyhow::Result<Vec<(String, CoreTicks)>> {
+    parse_proc_stat(&std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?)
+}
+
+/// The `cpuN` lines of `/proc/stat`: `cpuN user nice system idle iowait irq softirq steal guest
+/// guest_nice` (guest time is already counted in user and nice, so it is left out of the total).
+fn parse_proc_stat(stat: &str) -> anyhow::Result<Vec<(String, CoreTicks)>> {
+    let mut cores = Vec::new();
+    for line in stat.lines() {
+        let mut words = line.split_whitespace();
+        let Some(core) = words.next().and_then(|w| w.strip_prefix("cpu")) else {
+            continue;
+        };
+        if core.is_empty() {
+            continue;
+        }
+        let ticks = words
+            .take(8)
+            .map(|w| w.parse::<u64>())
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("bad /proc/stat line {line:?}"))?;
+        ensure!(ticks.len() >= 5, "short /proc/stat line {line:?}");
+        cores.push((
+            core.to_owned(),
+            CoreTicks {
+                total: ticks.iter().sum(),
+                idle: ticks[3] + ticks[4],
+            },
+        ));
+    }
+    Ok(cores)
+}
+
 /// The CPUs process `pid` may run on (`Cpus_allowed_list` in `/proc/PID/status`).
 fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
     let path = format!("/proc/{pid}/status");
@@ -779,6 +879,40 @@ mod tests {
     }
 
     #[test]
+    fn reads_core_ticks() {
+        let stat = "cpu  10 0 10 100 0 0 0 0 0 0\n\
+                    cpu0 5 0 5 50 0 0 0 0 0 0\n\
+                    cpu1 5 0 5 50 10 0 0 0 0 0\n\
+                    intr 12345 0 0\n";
+        let cores = parse_proc_stat(stat).unwrap();
+        assert_eq!(
+            cores,
+            [
+                (
+                    "0".to_owned(),
+                    CoreTicks {
+                        total: 60,
+                        idle: 50
+                    }
+                ),
+                (
+                    "1".to_owned(),
+                    CoreTicks {
+                        total: 70,
+                        idle: 60
+                    }
+                ),
+            ]
+        );
+        let later = CoreTicks {
+            total: 160,
+            idle: 75,
+        };
+        assert_eq!(later.busy_since(cores[0].1), 0.75);
+        assert!(!core_ticks().unwrap().is_empty());
+    }
+
+    #[test]
     fn medians() {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
@@ -803,6 +937,8 @@ mod tests {
                 requests_per_sec: rps,
                 latencies: vec![Duration::from_micros(100); latencies],
                 cpu_per_request: Duration::from_micros(cpu_us),
+                server_busy: 1.0,
+                load_core_busy: 0.5,
             })
         };
         let results = vec![
@@ -847,10 +983,10 @@ mod tests {
         );
         // h2c: the worker's cells say why they are empty, the ratio is n/a.
         assert_eq!(
-            cells[9][1..],
+            cells[13][1..],
             ["requests/s", "n/a (no h2 yet)", "10", "n/a"],
             "{table}"
         );
-        assert_eq!(lines.len(), 2 + 4 + 3 + 3, "{table}");
+        assert_eq!(lines.len(), 2 + 6 + 5 + 5, "{table}");
     }
 }
