@@ -38,6 +38,9 @@ const START_DEADLINE: Duration = Duration::from_secs(20);
 /// Extra time a load generator gets beyond `--duration` before `timeout` kills it.
 const LOAD_GRACE: Duration = Duration::from_secs(10);
 
+/// The share of the servers' core used by other processes above which a run is called noisy.
+const NOISY: f64 = 0.1;
+
 const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N]";
 
 /// The two servers, in table order.
@@ -121,6 +124,8 @@ struct Sample {
     server_busy: f64,
     /// The busy fraction of the load generator's core over the run (all processes on it).
     load_core_busy: f64,
+    /// The busy fraction of the servers' core that the server did not use: other processes, noise.
+    others_on_server_core: f64,
 }
 
 /// What a run of a load found.
@@ -272,6 +277,26 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         tool_version("wrk", "-v"),
         tool_version("h2load", "--version")
     )?;
+    let others: Vec<f64> = results
+        .iter()
+        .flatten()
+        .flatten()
+        .filter_map(|outcome| match outcome {
+            Outcome::Measured(sample) => Some(sample.others_on_server_core),
+            Outcome::NoH2 => None,
+        })
+        .collect();
+    if !others.is_empty() {
+        let noisy = others.iter().filter(|&&o| o > NOISY).count();
+        writeln!(
+            report,
+            "Other load on CPU {SERVER_CPU}: median {:.0}%, max {:.0}% of its time; {noisy} of {} runs above {:.0}%",
+            median(others.clone()) * 100.0,
+            others.iter().copied().fold(0.0, f64::max) * 100.0,
+            others.len(),
+            NOISY * 100.0,
+        )?;
+    }
     writeln!(report)?;
     report.push_str(&table(&results));
     println!("{report}");
@@ -354,7 +379,7 @@ fn run_load(
     };
     let server_busy = cpu.as_secs_f64() / wall.as_secs_f64();
     let others = busy(SERVER_CPU)? - server_busy;
-    if others > 0.1 {
+    if others > NOISY {
         eprintln!(
             "warning: other processes used {:.0}% of CPU {SERVER_CPU} during this run: expect noise",
             others * 100.0
@@ -366,6 +391,7 @@ fn run_load(
         cpu_per_request: cpu.div_f64(requests as f64),
         server_busy,
         load_core_busy: busy(LOAD_CPU)?,
+        others_on_server_core: others.max(0.0),
     }))
 }
 
@@ -939,6 +965,7 @@ mod tests {
                 cpu_per_request: Duration::from_micros(cpu_us),
                 server_busy: 1.0,
                 load_core_busy: 0.5,
+                others_on_server_core: 0.0,
             })
         };
         let results = vec![
