@@ -12,6 +12,10 @@
 //! (from `/proc/PID/stat`, all threads) over the run divided by the requests completed: unlike requests
 //! per second, it does not depend on whether the load generator, which has one core to itself, is the
 //! bottleneck.
+//!
+//! The machine may be shared: every run also measures how much of the servers' core other processes
+//! took (`/proc/stat` for CPU 0 minus the server's own time), runs again (twice at most) when that is
+//! over 10%, keeps the quietest run, and the report says how noisy the runs were.
 
 use std::{
     env,
@@ -40,6 +44,8 @@ const LOAD_GRACE: Duration = Duration::from_secs(10);
 
 /// The share of the servers' core used by other processes above which a run is called noisy.
 const NOISY: f64 = 0.1;
+/// How many times a noisy run is repeated (the quietest is kept).
+const NOISY_RETRIES: usize = 2;
 
 const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N]";
 
@@ -233,7 +239,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
                 if matches!(runs.first(), Some(Outcome::NoH2)) {
                     continue;
                 }
-                let outcome = run_load(load, pid, port, options.duration, ticks_per_sec)
+                let outcome = run_quietest(load, pid, port, options.duration, ticks_per_sec)
                     .with_context(|| format!("{} against {}", load.short(), server.name()))?;
                 eprintln!(
                     "round {}/{} {:>12} {:>6}: {}",
@@ -301,6 +307,37 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     report.push_str(&table(&results));
     println!("{report}");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `load` like [`run_load`], again (up to [`NOISY_RETRIES`] times) while other processes used the
+/// servers' core, and keeps the quietest run.
+fn run_quietest(
+    load: Load,
+    pid: u32,
+    port: u16,
+    duration: u64,
+    ticks_per_sec: u64,
+) -> anyhow::Result<Outcome> {
+    let mut best = run_load(load, pid, port, duration, ticks_per_sec)?;
+    for _ in 0..NOISY_RETRIES {
+        let Outcome::Measured(sample) = &best else {
+            break;
+        };
+        if sample.others_on_server_core <= NOISY {
+            break;
+        }
+        eprintln!(
+            "other processes used {:.0}% of CPU {SERVER_CPU}: running again",
+            sample.others_on_server_core * 100.0
+        );
+        let again = run_load(load, pid, port, duration, ticks_per_sec)?;
+        if let Outcome::Measured(next) = &again
+            && next.others_on_server_core < sample.others_on_server_core
+        {
+            best = again;
+        }
+    }
+    Ok(best)
 }
 
 /// Runs `load` against the server `pid` on `port` for `duration` seconds, pinned to [`LOAD_CPU`].
@@ -379,12 +416,6 @@ fn run_load(
     };
     let server_busy = cpu.as_secs_f64() / wall.as_secs_f64();
     let others = busy(SERVER_CPU)? - server_busy;
-    if others > NOISY {
-        eprintln!(
-            "warning: other processes used {:.0}% of CPU {SERVER_CPU} during this run: expect noise",
-            others * 100.0
-        );
-    }
     Ok(Outcome::Measured(Sample {
         requests_per_sec,
         latencies,
@@ -411,9 +442,10 @@ fn describe(load: Load, outcome: &Outcome) -> String {
             .expect("a String");
             write!(
                 text,
-                ", server {:.0}% busy, load core {:.0}% busy",
+                ", server {:.0}% busy, load core {:.0}% busy, others {:.0}% of CPU {SERVER_CPU}",
                 sample.server_busy * 100.0,
-                sample.load_core_busy * 100.0
+                sample.load_core_busy * 100.0,
+                sample.others_on_server_core * 100.0
             )
             .expect("a String");
             text
