@@ -32,6 +32,9 @@ commands:
   demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
   bench restart [--kills N]
                         SIGKILL a worker N times (20): time to Envoy holding the replacement, in parts
+  bench http [--duration SECS] [--rounds N]
+                        the worker against a hyper baseline on one core under wrk and h2load (5 s, 3 rounds);
+                        installs wrk and nghttp2-client with apt-get when missing and run as root
 ";
 
 fn main() -> ExitCode {
