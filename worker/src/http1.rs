@@ -17,6 +17,7 @@
 
 use std::{
     io,
+    pin::pin,
     time::{Duration, Instant},
 };
 
@@ -549,8 +550,8 @@ const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 ///
 /// After `shutdown` fires, the requests already read are answered (with `connection: close`) and the
 /// connection closes. A request head that takes longer than [`Limits::header_timeout`] is answered
-/// `408`; an idle connection closes after [`Limits::idle_timeout`]. Returns an error only for a failed
-/// read or write.
+/// `408`; a connection idle for [`Limits::idle_timeout`] closes (within twice that: the timer is
+/// re-armed only when it fires). Returns an error only for a failed read or write.
 ///
 /// `already_read` holds the bytes read before the connection was handed over (to tell HTTP/1 from
 /// HTTP/2); they are parsed first.
@@ -568,8 +569,11 @@ where
     let mut input: Vec<u8> = already_read;
     input.reserve(READ_CHUNK);
     let mut output: Vec<u8> = Vec::new();
-    // When the head now at the front of `input` began to arrive, while it is incomplete.
-    let mut head_since: Option<Instant> = (!input.is_empty()).then(Instant::now);
+    // When the head now at the front of `input` was first seen incomplete.
+    let mut head_since: Option<Instant> = None;
+    // Whether a request was served since the idle timer last fired.
+    let mut active = false;
+    let mut idle_timer = pin!(tokio::time::sleep(limits.idle_timeout));
     // Whether `100 Continue` went out for the request at the front of `input`.
     let mut continued = false;
     loop {
@@ -600,6 +604,7 @@ where
             start += parsed.len;
             continued = false;
             head_since = None;
+            active = true;
             crate::counter::record_request();
             let version = parsed.request.version();
             let head_only = parsed.request.method() == Method::HEAD;
@@ -631,8 +636,8 @@ where
         }
         input.drain(..start);
 
-        flush(&io, &mut output).await?;
         if close {
+            flush(&io, &mut output).await?;
             io.shutdown();
             return Ok(());
         }
@@ -647,43 +652,75 @@ where
             head_since = None;
             None
         };
-        let read = io.read(input);
-        let (result, buf) = if idle {
-            if *shutdown.borrow_and_update() {
+        // The responses go out while the next read is already submitted: both operations reach the
+        // kernel in the same submission, one event-loop turn per request instead of two.
+        let next = async {
+            let read = io.read(input);
+            if idle {
+                if *shutdown.borrow_and_update() {
+                    return Next::Close;
+                }
+                let mut read = pin!(read);
+                loop {
+                    tokio::select! {
+                        (result, buf) = &mut read => return Next::Read(result, buf),
+                        _ = shutdown.changed() => return Next::Close,
+                        () = idle_timer.as_mut() => {
+                            // One timer per connection, re-armed only when it fires: no timer work
+                            // per request. A connection idle since the last firing is closed.
+                            if std::mem::take(&mut active) {
+                                let next = tokio::time::Instant::now() + limits.idle_timeout;
+                                idle_timer.as_mut().reset(next);
+                                continue;
+                            }
+                            tracing::debug!("Idle timeout, closing");
+                            return Next::Close;
+                        }
+                    }
+                }
+            } else if let Some(deadline) = head_deadline {
+                tokio::select! {
+                    (result, buf) = read => Next::Read(result, buf),
+                    () = tokio::time::sleep_until(deadline.into()) => Next::HeadTimeout,
+                }
+            } else {
+                let (result, buf) = read.await;
+                Next::Read(result, buf)
+            }
+        };
+        let (written, next) = tokio::join!(flush(&io, &mut output), next);
+        written?;
+        match next {
+            Next::Read(result, buf) => {
+                input = buf;
+                if result? == 0 {
+                    // The client closed; a partial request left in the buffer is dropped.
+                    return Ok(());
+                }
+            }
+            Next::Close => {
+                io.shutdown();
                 return Ok(());
             }
-            tokio::select! {
-                r = read => r,
-                _ = shutdown.changed() => return Ok(()),
-                () = tokio::time::sleep(limits.idle_timeout) => {
-                    tracing::debug!("Idle timeout, closing");
-                    io.shutdown();
-                    return Ok(());
-                }
+            Next::HeadTimeout => {
+                tracing::debug!("Request head timeout, answering 408");
+                encode_error(&mut output, Reject::Timeout.status());
+                flush(&io, &mut output).await?;
+                io.shutdown();
+                return Ok(());
             }
-        } else if let Some(deadline) = head_deadline {
-            tokio::select! {
-                r = read => r,
-                () = tokio::time::sleep_until(deadline.into()) => {
-                    tracing::debug!("Request head timeout, answering 408");
-                    encode_error(&mut output, Reject::Timeout.status());
-                    flush(&io, &mut output).await?;
-                    io.shutdown();
-                    return Ok(());
-                }
-            }
-        } else {
-            read.await
-        };
-        input = buf;
-        if result? == 0 {
-            // The client closed; a partial request left in the buffer is dropped.
-            return Ok(());
-        }
-        if head_since.is_none() && !input.is_empty() {
-            head_since = Some(Instant::now());
         }
     }
+}
+
+/// What ended the wait for more of the client's bytes.
+enum Next {
+    /// A read completed.
+    Read(io::Result<usize>, Vec<u8>),
+    /// Shutdown began or the idle timeout passed while the connection was idle.
+    Close,
+    /// The request head did not arrive in time.
+    HeadTimeout,
 }
 
 #[cfg(test)]

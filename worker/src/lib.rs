@@ -74,6 +74,19 @@ pub enum WorkerError {
     Counters(#[source] io::Error),
 }
 
+/// The io_uring settings of a worker's runtime.
+///
+/// One thread submits and reaps (`SINGLE_ISSUER`), and completions do not interrupt it while it runs:
+/// with `COOP_TASKRUN` the kernel posts them at its next entry into the kernel (which the event loop
+/// makes anyway) instead of forcing a signal-style task-work interrupt per completion.
+pub fn runtime_builder() -> tokio_uring::Builder {
+    let mut ring = tokio_uring::uring_builder();
+    ring.setup_coop_taskrun().setup_single_issuer();
+    let mut builder = tokio_uring::builder();
+    builder.entries(1024).uring_builder(&ring);
+    builder
+}
+
 /// Maps the counter slot the supervisor gave this worker, then closes the inherited descriptor.
 #[allow(unsafe_code, reason = "takes ownership of the inherited descriptor")]
 fn attach_counters(counters: settings::CounterSlot) -> io::Result<()> {
@@ -131,8 +144,7 @@ where
     let shown: Vec<String> = addresses.iter().map(ToString::to_string).collect();
     tracing::info!(url = %settings.url, addresses = ?shown, "Bound");
 
-    let runtime =
-        tokio_uring::Runtime::new(&tokio_uring::builder()).map_err(WorkerError::Runtime)?;
+    let runtime = tokio_uring::Runtime::new(&runtime_builder()).map_err(WorkerError::Runtime)?;
     runtime.block_on(async move {
         let shutdown = match shutdown {
             Some(shutdown) => shutdown,
