@@ -16,8 +16,11 @@
 //! nothing here knows about HTTP/2; `server` picks the protocol and runs the accept loops.
 
 use std::{
+    future::poll_fn,
     io,
-    pin::pin,
+    mem::MaybeUninit,
+    pin::{Pin, pin},
+    task::{Context, Poll, Waker},
     time::{Duration, Instant},
 };
 
@@ -28,7 +31,7 @@ use http_body_util::BodyExt;
 
 use crate::{
     BoxError,
-    service::{HttpService, RequestBody, ready_call},
+    service::{HttpService, RequestBody},
     stream::Io,
 };
 
@@ -132,17 +135,19 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Progress, Reject> {
         head_done: false,
         expects_continue: false,
     };
-    // The usual limit fits on the stack: no allocation per request.
-    let mut stack = [httparse::EMPTY_HEADER; STACK_HEADERS];
+    // The usual limit fits on the stack, left uninitialised (httparse writes what it uses): no
+    // allocation and no 4 KiB of initialisation per request.
+    let mut stack = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; STACK_HEADERS];
     let mut heap;
     let fields = if limits.max_headers <= STACK_HEADERS {
         &mut stack[..limits.max_headers]
     } else {
-        heap = vec![httparse::EMPTY_HEADER; limits.max_headers];
+        heap = Vec::with_capacity(limits.max_headers);
+        heap.resize_with(limits.max_headers, MaybeUninit::uninit);
         &mut heap[..]
     };
-    let mut req = httparse::Request::new(fields);
-    let head_len = match req.parse(buf) {
+    let mut req = httparse::Request::new(&mut []);
+    let head_len = match req.parse_with_uninit_headers(buf, fields) {
         Ok(httparse::Status::Complete(n)) if n > limits.max_head_bytes => {
             return Err(Reject::HeadTooLarge);
         }
@@ -483,54 +488,43 @@ async fn flush<I: Io>(io: &I, out: &mut Vec<u8>) -> io::Result<()> {
     result
 }
 
-/// Appends `body` to `out` in `framing`, writing whenever `out` grows past [`FLUSH_AT`]. Trailers are
-/// not sent (HTTP/1 clients seldom ask for them with `TE: trailers`).
-pub(crate) async fn write_body<I, B>(
-    io: &I,
+/// Appends one chunk of body data to `out` in `framing`; `sent` counts the body's bytes so far.
+fn append_data(
     out: &mut Vec<u8>,
-    body: B,
+    mut data: impl Buf,
     framing: Framing,
-) -> Result<(), BodyError>
-where
-    I: Io,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    if framing == Framing::Empty {
+    sent: &mut u64,
+) -> Result<(), BodyError> {
+    let len = data.remaining();
+    if len == 0 {
         return Ok(());
     }
-    let mut body = std::pin::pin!(body);
-    let mut sent = 0u64;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| BodyError::Body(e.into()))?;
-        let Ok(mut data) = frame.into_data() else {
-            continue;
-        };
-        let len = data.remaining();
-        if len == 0 {
-            continue;
+    *sent += len as u64;
+    match framing {
+        Framing::Length(announced) if *sent > announced => {
+            return Err(BodyError::Length {
+                sent: *sent,
+                announced,
+            });
         }
-        sent += len as u64;
-        match framing {
-            Framing::Length(announced) if sent > announced => {
-                return Err(BodyError::Length { sent, announced });
-            }
-            Framing::Chunked => out.extend_from_slice(format!("{len:x}\r\n").as_bytes()),
-            _ => {}
-        }
-        while data.has_remaining() {
-            let chunk = data.chunk();
-            out.extend_from_slice(chunk);
-            let n = chunk.len();
-            data.advance(n);
-        }
-        if framing == Framing::Chunked {
-            out.extend_from_slice(b"\r\n");
-        }
-        if out.len() >= FLUSH_AT {
-            flush(io, out).await?;
-        }
+        Framing::Chunked => out.extend_from_slice(format!("{len:x}\r\n").as_bytes()),
+        _ => {}
     }
+    while data.has_remaining() {
+        let chunk = data.chunk();
+        out.extend_from_slice(chunk);
+        let n = chunk.len();
+        data.advance(n);
+    }
+    if framing == Framing::Chunked {
+        out.extend_from_slice(b"\r\n");
+    }
+    Ok(())
+}
+
+/// Ends a body: the last chunk, or the check that it was as long as announced. Trailers are not sent
+/// (HTTP/1 clients seldom ask for them with `TE: trailers`).
+fn finish_body(out: &mut Vec<u8>, framing: Framing, sent: u64) -> Result<(), BodyError> {
     match framing {
         Framing::Length(announced) if sent != announced => {
             Err(BodyError::Length { sent, announced })
@@ -540,6 +534,76 @@ where
             Ok(())
         }
         _ => Ok(()),
+    }
+}
+
+/// Appends what `body` has ready now, without waiting: `Ready` once the body has ended (or failed),
+/// `Pending` when it must be awaited or `out` written first. Most bodies (a `Full`, say) are whole at
+/// once, so most responses never enter the async [`write_body`].
+pub(crate) fn append_ready<B>(
+    out: &mut Vec<u8>,
+    mut body: Pin<&mut B>,
+    framing: Framing,
+    sent: &mut u64,
+) -> Poll<Result<(), BodyError>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    if framing == Framing::Empty {
+        return Poll::Ready(Ok(()));
+    }
+    let mut cx = Context::from_waker(Waker::noop());
+    while out.len() < FLUSH_AT {
+        match body.as_mut().poll_frame(&mut cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => return Poll::Ready(finish_body(out, framing, *sent)),
+            Poll::Ready(Some(Err(error))) => {
+                return Poll::Ready(Err(BodyError::Body(error.into())));
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data()
+                    && let Err(error) = append_data(out, data, framing, sent)
+                {
+                    return Poll::Ready(Err(error));
+                }
+            }
+        }
+    }
+    Poll::Pending
+}
+
+/// Appends the rest of `body` to `out` in `framing`, writing whenever `out` grows past [`FLUSH_AT`].
+pub(crate) async fn write_body<I, B>(
+    io: &I,
+    out: &mut Vec<u8>,
+    mut body: Pin<&mut B>,
+    framing: Framing,
+    mut sent: u64,
+) -> Result<(), BodyError>
+where
+    I: Io,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        if let Poll::Ready(result) = append_ready(out, body.as_mut(), framing, &mut sent) {
+            return result;
+        }
+        if out.len() >= FLUSH_AT {
+            flush(io, out).await?;
+            continue;
+        }
+        // The body is not ready: wait for its next frame with this task's waker.
+        match body.frame().await {
+            None => return finish_body(out, framing, sent),
+            Some(Err(error)) => return Err(BodyError::Body(error.into())),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    append_data(out, data, framing, &mut sent)?;
+                }
+            }
+        }
     }
 }
 
@@ -608,9 +672,19 @@ where
             crate::counter::record_request();
             let version = parsed.request.version();
             let head_only = parsed.request.method() == Method::HEAD;
-            let res = match ready_call(&mut service, parsed.request).await {
+            // Most services are ready at once: ask without a future first.
+            let ready = match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(ready) => ready,
+                Poll::Pending => poll_fn(|cx| service.poll_ready(cx)).await,
+            };
+            let res = match ready {
+                Ok(()) => service.call(parsed.request).await.map_err(Into::into),
+                Err(error) => Err(error.into()),
+            };
+            let res: http::Response<S::ResBody> = match res {
                 Ok(res) => res,
                 Err(error) => {
+                    let error: BoxError = error;
                     tracing::warn!(%error, "Application failed, answering 500");
                     encode_error(&mut output, StatusCode::INTERNAL_SERVER_ERROR);
                     close = true;
@@ -623,7 +697,13 @@ where
             let size = body.size_hint().exact();
             let (framing, keep_alive) =
                 encode_head(&mut output, &parts, size, version, head_only, keep_alive);
-            if let Err(error) = write_body(&io, &mut output, body, framing).await {
+            let mut body = pin!(body);
+            let mut sent = 0;
+            let written = match append_ready(&mut output, body.as_mut(), framing, &mut sent) {
+                Poll::Ready(result) => result,
+                Poll::Pending => write_body(&io, &mut output, body.as_mut(), framing, sent).await,
+            };
+            if let Err(error) = written {
                 if let BodyError::Io(error) = error {
                     return Err(error);
                 }

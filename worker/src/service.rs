@@ -119,14 +119,3 @@ where
         Service::call(self, request)
     }
 }
-
-/// Waits until `service` is ready, then calls it.
-pub(crate) async fn ready_call<S: HttpService>(
-    service: &mut S,
-    request: Request<RequestBody>,
-) -> Result<Response<S::ResBody>, BoxError> {
-    std::future::poll_fn(|cx| service.poll_ready(cx))
-        .await
-        .map_err(Into::into)?;
-    service.call(request).await.map_err(Into::into)
-}
