@@ -150,7 +150,10 @@ fn check_responses(mut out: &[u8], input: &[u8]) {
                     || (input.get(i + 1) == Some(&b'\r') && input.get(i + 2) == Some(&b'\n')))
         })
         .count();
-    assert!(finals <= heads + 1, "{finals} responses to at most {heads} requests and one refusal");
+    assert!(
+        finals <= heads + 1,
+        "{finals} responses to at most {heads} requests and one refusal"
+    );
 }
 
 #[cfg(test)]

@@ -129,8 +129,47 @@ impl Reject {
     }
 }
 
-/// Parses one request from the front of `buf`.
-pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Progress, Reject> {
+/// The bytes a request is parsed from, and how its parts become `Bytes`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Source<'a> {
+    /// The bytes to parse.
+    buf: &'a [u8],
+    /// When set, `buf` lies within these shared bytes, and the request's parts (target, header values,
+    /// body) are slices of them: no allocation or copy per header.
+    shared: Option<&'a Bytes>,
+}
+
+impl<'a> Source<'a> {
+    /// Parts are copied out of `buf`.
+    pub(crate) fn copied(buf: &'a [u8]) -> Self {
+        Source { buf, shared: None }
+    }
+
+    /// Parts are slices of `shared`, from `offset` on.
+    fn shared(shared: &'a Bytes, offset: usize) -> Self {
+        Source {
+            buf: &shared[offset..],
+            shared: Some(shared),
+        }
+    }
+
+    /// `part` (a sub-slice of `buf`) as `Bytes`.
+    fn bytes(&self, part: &[u8]) -> Bytes {
+        match self.shared {
+            Some(shared) => shared.slice_ref(part),
+            None => Bytes::copy_from_slice(part),
+        }
+    }
+}
+
+/// Below this many buffered bytes, a read's bytes are made shared once and every request in them is
+/// parsed without copies; above it (a large body arriving over many reads), parts are copied instead, so
+/// the buffer is never copied whole again and again.
+const SHARE_BELOW: usize = 64 * 1024;
+
+/// Parses one request from the front of `src`.
+pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject> {
+    let buf = src.buf;
     const NEED_HEAD: Progress = Progress::Partial {
         head_done: false,
         expects_continue: false,
@@ -170,13 +209,13 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Progress, Reject> {
         .ok_or(Reject::BadRequest("invalid method"))?;
     let uri = req
         .path
-        .and_then(|p| http::Uri::try_from(p).ok())
+        .and_then(|p| http::Uri::from_maybe_shared(src.bytes(p.as_bytes())).ok())
         .ok_or(Reject::BadRequest("invalid request target"))?;
     let mut headers = HeaderMap::with_capacity(req.headers.len());
     for field in req.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| Reject::BadRequest("invalid header name"))?;
-        let value = HeaderValue::from_bytes(field.value)
+        let value = HeaderValue::from_maybe_shared(src.bytes(field.value))
             .map_err(|_| Reject::BadRequest("invalid header value"))?;
         headers.append(name, value);
     }
@@ -203,7 +242,7 @@ pub(crate) fn parse(buf: &[u8], limits: &Limits) -> Result<Progress, Reject> {
             let Some(body) = buf.get(head_len..head_len + n) else {
                 return Ok(need_body);
             };
-            (Bytes::copy_from_slice(body), head_len + n)
+            (src.bytes(body), head_len + n)
         }
         (None, true) => match decode_chunked(&buf[head_len..], limits)? {
             Some((body, n)) => (Bytes::from(body), head_len + n),
@@ -644,8 +683,13 @@ where
         let mut close = false;
         let mut start = 0;
         let mut head_pending = false;
+        let shared = (input.len() < SHARE_BELOW).then(|| Bytes::copy_from_slice(&input));
         while !close {
-            let parsed = match parse(&input[start..], limits) {
+            let src = match &shared {
+                Some(shared) => Source::shared(shared, start),
+                None => Source::copied(&input[start..]),
+            };
+            let parsed = match parse(src, limits) {
                 Ok(Progress::Complete(parsed)) => parsed,
                 Ok(Progress::Partial {
                     head_done,
@@ -808,8 +852,17 @@ mod tests {
     use super::*;
 
     /// The whole request, if one is complete.
+    /// Parses `buf` both ways (copied and shared), which must agree.
+    fn parse_both(buf: &[u8]) -> Result<Progress, Reject> {
+        let shared = Bytes::copy_from_slice(buf);
+        let copied = parse(Source::copied(buf), &Limits::default());
+        let sliced = parse(Source::shared(&shared, 0), &Limits::default());
+        assert_eq!(format!("{copied:?}"), format!("{sliced:?}"));
+        copied
+    }
+
     fn complete(buf: &[u8]) -> Result<Option<Parsed>, Reject> {
-        Ok(match parse(buf, &Limits::default())? {
+        Ok(match parse_both(buf)? {
             Progress::Complete(p) => Some(p),
             Progress::Partial { .. } => None,
         })
@@ -903,7 +956,7 @@ mod tests {
             ),
         ];
         for (req, want) in cases {
-            let got = parse(req, &Limits::default()).unwrap_err();
+            let got = parse_both(req).unwrap_err();
             assert_eq!(got, want, "{}", String::from_utf8_lossy(req));
         }
         // Equal repeated lengths are one length.
@@ -916,19 +969,13 @@ mod tests {
         let mut long = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
         long.extend(std::iter::repeat_n(b'a', 20 * 1024));
         // Even before the head is complete.
-        assert_eq!(
-            parse(&long, &Limits::default()).unwrap_err(),
-            Reject::HeadTooLarge
-        );
+        assert_eq!(parse_both(&long).unwrap_err(), Reject::HeadTooLarge);
         let mut many = b"GET / HTTP/1.1\r\n".to_vec();
         for i in 0..101 {
             many.extend(format!("X-{i}: v\r\n").as_bytes());
         }
         many.extend(b"\r\n");
-        assert_eq!(
-            parse(&many, &Limits::default()).unwrap_err(),
-            Reject::HeadTooLarge
-        );
+        assert_eq!(parse_both(&many).unwrap_err(), Reject::HeadTooLarge);
     }
 
     #[test]
@@ -943,14 +990,14 @@ mod tests {
     fn reports_a_waiting_100_continue() {
         let head = b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
         assert!(matches!(
-            parse(head, &Limits::default()).unwrap(),
+            parse_both(head).unwrap(),
             Progress::Partial {
                 head_done: true,
                 expects_continue: true
             }
         ));
         assert!(matches!(
-            parse(&head[..10], &Limits::default()).unwrap(),
+            parse_both(&head[..10]).unwrap(),
             Progress::Partial {
                 head_done: false,
                 expects_continue: false
@@ -959,7 +1006,7 @@ mod tests {
         // HTTP/1.0 clients never get 100 Continue.
         let old = b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
         assert!(matches!(
-            parse(old, &Limits::default()).unwrap(),
+            parse_both(old).unwrap(),
             Progress::Partial {
                 expects_continue: false,
                 ..
