@@ -167,6 +167,21 @@ impl<T: Io + 'static> UringIo<T> {
         Ok(())
     }
 
+    /// Ready once `output` is submitted, and, with `complete`, once no write is in flight either.
+    fn poll_submitted(&mut self, cx: &mut Context<'_>, complete: bool) -> Poll<io::Result<()>> {
+        loop {
+            match self.poll_writing(cx) {
+                Poll::Ready(result) => result?,
+                Poll::Pending if self.output.is_empty() && !complete => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
+            if self.output.is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            self.submit(cx);
+        }
+    }
+
     /// Submits `output` as one write. No write may be in flight.
     fn submit(&mut self, cx: &mut Context<'_>) {
         debug_assert!(self.writing.is_none());
@@ -256,19 +271,15 @@ impl<T: Io + 'static> AsyncWrite for UringIo<T> {
         true
     }
 
+    /// Ready once every byte accepted is in a write submitted to the kernel: the last write may still be
+    /// in flight (its buffer is ours, and its error surfaces on the next call). Waiting for its
+    /// completion here would cost the connection an event-loop turn per flush; `poll_shutdown` does wait.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        loop {
-            ready!(this.poll_writing(cx))?;
-            if this.output.is_empty() {
-                return Poll::Ready(Ok(()));
-            }
-            this.submit(cx);
-        }
+        self.get_mut().poll_submitted(cx, false)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        ready!(self.as_mut().poll_flush(cx))?;
+        ready!(self.as_mut().get_mut().poll_submitted(cx, true))?;
         let this = self.get_mut();
         if !this.shut_down {
             this.shut_down = true;
@@ -512,11 +523,17 @@ mod tests {
             data.fill(0xEE);
         }
         assert_eq!(fake.writes_started.get(), 0);
-        // A flush submits once and stays pending while the write is.
+        // A flush submits once; it is done once the write is in the kernel's hands (in flight), and
+        // flushing again submits nothing more.
         for _ in 0..5 {
-            assert!(Pin::new(&mut io).poll_flush(&mut cx).is_pending());
+            assert!(matches!(
+                Pin::new(&mut io).poll_flush(&mut cx),
+                Poll::Ready(Ok(()))
+            ));
         }
         assert_eq!(fake.writes_started.get(), 1);
+        // Shutdown waits for the write in flight.
+        assert!(Pin::new(&mut io).poll_shutdown(&mut cx).is_pending());
         // Writes while one is in flight are accepted up to the buffer size, then wait.
         let big = pattern(3 * WRITE_BUFFER, 99);
         let mut offered = 0;
