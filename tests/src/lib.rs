@@ -28,6 +28,6 @@ pub use paths::{
     target_dir, venv_envoy_binary, workspace_root,
 };
 pub use process::ChildGuard;
-pub use supervisor::{Supervisor, sample_config};
+pub use supervisor::{Supervisor, base_config, one_worker, sample_config};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

@@ -123,6 +123,48 @@ pub(crate) fn envoy_bootstrap(binary: &Path, config: &Path) -> anyhow::Result<St
     String::from_utf8(output.stdout).context("the bootstrap is not utf-8")
 }
 
+/// A supervisor with one hello worker (service `web`) on a fixed free port of 127.0.0.1, serving once
+/// this returns; no Envoy. For tests that talk to a worker directly.
+///
+/// # Panics
+///
+/// When the worker does not answer within 30 s.
+#[track_caller]
+pub fn one_worker() -> (Supervisor, std::net::SocketAddr) {
+    let port = crate::free_port();
+    let supervisor = Supervisor::start(&format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{{dir}}/peregrine.sock"
+
+[service.web]
+url = "http://127.0.0.1:{port}"
+"#,
+        grpc = crate::free_port()
+    ));
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    crate::wait_until(Duration::from_secs(30), "the worker answering", || {
+        crate::http_get(addr, "/").ok()
+    });
+    (supervisor, addr)
+}
+
+/// The `[supervisor]` and `[envoy]` tables of a test config: xDS on `127.0.0.1:<grpc_port>`, the
+/// control socket in the supervisor's temporary directory (`{dir}`, see [`Supervisor::start`]), Envoy's
+/// listener and admin on the given loopback ports. Services follow.
+pub fn base_config(grpc_port: u16, listen_port: u16, admin_port: u16) -> String {
+    format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc_port}"
+control = "{{dir}}/peregrine.sock"
+
+[envoy]
+listen = "127.0.0.1:{listen_port}"
+admin = "127.0.0.1:{admin_port}"
+"#
+    )
+}
+
 /// A config for one service named `cluster` with `workers` hello workers, the xDS server on
 /// `127.0.0.1:<grpc_port>`, the control socket in `dir`, and Envoy's listener and admin on the given
 /// ports (used by `peregrine envoy-bootstrap`).

@@ -4,7 +4,8 @@
 use std::{net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, envoy_or_skip, example_path, free_port, hosts, http_get, wait_until,
+    Envoy, Supervisor, base_config, envoy_or_skip, example_path, free_port, hosts, http_get,
+    wait_until,
 };
 
 #[test]
@@ -15,19 +16,13 @@ fn an_axum_router_serves_through_envoy() {
     let axum = example_path("axum");
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-
+        r#"{base}
 [service.api]
 count = 2
 command = ["{}"]
 "#,
-        axum.display()
+        axum.display(),
+        base = base_config(grpc, listen, admin),
     ));
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
     wait_until(Duration::from_secs(30), "2 api hosts", || {

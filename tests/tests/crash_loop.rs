@@ -4,7 +4,8 @@
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until, worker_pid,
+    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get, wait_until,
+    worker_pid,
 };
 
 /// The restart delays the supervisor logged for the service `crashy`, in milliseconds.
@@ -29,21 +30,15 @@ fn a_crashing_worker_backs_off_and_the_others_serve() {
     }
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-
+        r#"{base}
 [service.web]
 count = 2
 
 [service.crashy]
 command = ["sh", "-c", "exit 3"]
 prefix = "/crashy"
-"#
+"#,
+        base = base_config(grpc, listen, admin),
     ));
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
     wait_until(Duration::from_secs(30), "2 web hosts", || {

@@ -3,26 +3,7 @@
 
 use std::{net::SocketAddr, process::Command, thread, time::Duration};
 
-use peregrine_e2e::{Supervisor, free_port, http_get, wait_until, worker_pid};
-
-fn worker() -> (Supervisor, SocketAddr) {
-    let port = free_port();
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[service.web]
-url = "http://127.0.0.1:{port}"
-"#,
-        grpc = free_port()
-    ));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    wait_until(Duration::from_secs(30), "the worker answering", || {
-        http_get(addr, "/").ok()
-    });
-    (supervisor, addr)
-}
+use peregrine_e2e::{http_get, one_worker, wait_until, worker_pid};
 
 /// utime + stime of a process, in clock ticks (10 ms).
 fn cpu_ticks(pid: u32) -> Option<u64> {
@@ -44,7 +25,7 @@ fn sigterm(pid: u32) {
 /// Sends a request that burns 400 ms of CPU, SIGTERMs the worker while it runs, and checks the request
 /// completes and the worker exits 0; `send` performs the request and returns its body.
 fn finishes_in_flight(send: impl FnOnce(SocketAddr) -> String + Send + 'static) {
-    let (supervisor, addr) = worker();
+    let (supervisor, addr) = one_worker();
     let (_, body) = http_get(addr, "/").unwrap();
     let pid = worker_pid(&body).unwrap();
     let before = cpu_ticks(pid).unwrap();

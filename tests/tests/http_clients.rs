@@ -1,31 +1,9 @@
 //! Real HTTP clients against a real worker (started by the supervisor on a known port): curl, and
-//! Python's h11, a strict implementation that rejects any protocol violation in our responses.
+//! Python's h11 and h2, strict implementations that reject any protocol violation in our responses.
 
-use std::{net::SocketAddr, process::Command, time::Duration};
+use std::process::Command;
 
-use peregrine_e2e::{
-    Supervisor, free_port, http_get, python_clients_or_skip, wait_until, workspace_root,
-};
-
-/// A supervisor with one hello worker on `127.0.0.1:<port>`, serving once this returns.
-fn worker() -> (Supervisor, SocketAddr) {
-    let port = free_port();
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[service.web]
-url = "http://127.0.0.1:{port}"
-"#,
-        grpc = free_port()
-    ));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    wait_until(Duration::from_secs(30), "the worker answering", || {
-        http_get(addr, "/").ok()
-    });
-    (supervisor, addr)
-}
+use peregrine_e2e::{one_worker, python_clients_or_skip, workspace_root};
 
 fn curl(args: &[&str]) -> (bool, String, String) {
     let output = Command::new("curl")
@@ -41,8 +19,8 @@ fn curl(args: &[&str]) -> (bool, String, String) {
 }
 
 #[test]
-fn curl_speaks_http1_with_the_worker() {
-    let (_supervisor, addr) = worker();
+fn curl_speaks_http1_with_the_one_worker() {
+    let (_supervisor, addr) = one_worker();
     let url = format!("http://{addr}/");
 
     let (ok, body, err) = curl(&["--http1.1", &url, &url]);
@@ -92,32 +70,38 @@ fn curl_speaks_http1_with_the_worker() {
     assert_eq!(status, "413", "a body over the 1 MiB limit");
 }
 
-#[test]
-fn h11_finds_no_protocol_violation() {
-    let Some(python) = python_clients_or_skip("h11_finds_no_protocol_violation") else {
-        return;
-    };
-    let (_supervisor, addr) = worker();
+/// Runs `tests/clients/<script>` against a worker; `None` (skipped) without the Python clients.
+fn python_client(test: &str, script: &str) -> Option<String> {
+    let python = python_clients_or_skip(test)?;
+    let (_supervisor, addr) = one_worker();
     let output = Command::new(python)
-        .arg(workspace_root().join("tests/clients/h11_client.py"))
+        .arg(workspace_root().join("tests/clients").join(script))
         .arg(addr.ip().to_string())
         .arg(addr.port().to_string())
         .output()
         .expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
-        "h11 client failed:\n{stdout}\n{}",
+        "{script} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    Some(stdout)
+}
+
+#[test]
+fn h11_finds_no_protocol_violation() {
+    let Some(stdout) = python_client("h11_finds_no_protocol_violation", "h11_client.py") else {
+        return;
+    };
     for check in ["keep-alive", "100-continue", "head", "connection close"] {
         assert!(stdout.contains(check), "{check} not reached:\n{stdout}");
     }
 }
 
 #[test]
-fn curl_speaks_h2c_with_the_worker() {
-    let (_supervisor, addr) = worker();
+fn curl_speaks_h2c_with_the_one_worker() {
+    let (_supervisor, addr) = one_worker();
     let url = format!("http://{addr}/");
     // One URL per run: curl 7.88 fails to reuse an h2c connection for a second URL (it does so against
     // a hyper server as well); the python h2 test below covers many streams on one connection.
@@ -137,22 +121,10 @@ fn curl_speaks_h2c_with_the_worker() {
 
 #[test]
 fn python_h2_finds_no_protocol_violation() {
-    let Some(python) = python_clients_or_skip("python_h2_finds_no_protocol_violation") else {
+    let Some(stdout) = python_client("python_h2_finds_no_protocol_violation", "h2_client.py")
+    else {
         return;
     };
-    let (_supervisor, addr) = worker();
-    let output = Command::new(python)
-        .arg(workspace_root().join("tests/clients/h2_client.py"))
-        .arg(addr.ip().to_string())
-        .arg(addr.port().to_string())
-        .output()
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "h2 client failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
     assert!(stdout.contains("50 concurrent streams ok"), "{stdout}");
     assert!(stdout.contains("malformed stream reset ok"), "{stdout}");
 }

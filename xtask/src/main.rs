@@ -89,6 +89,30 @@ fn run_checked(command: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates the virtualenv `venv` if it has no python yet, then pip-installs `packages` into it; returns
+/// its python. pip honours PIP_INDEX_URL, PIP_FIND_LINKS and PIP_NO_INDEX (e.g. to install from local
+/// wheels).
+fn pip_install(venv: &Path, packages: &[&str]) -> anyhow::Result<PathBuf> {
+    let python = venv.join("bin/python");
+    if !python.is_file() {
+        std::fs::create_dir_all(venv).with_context(|| format!("creating {}", venv.display()))?;
+        run_checked(Command::new("python3").args(["-m", "venv"]).arg(venv))
+            .context("creating the virtualenv (is python3-venv installed?)")?;
+    }
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(packages),
+    )?;
+    Ok(python)
+}
+
 /// Rejects arguments a subcommand does not take.
 fn no_args(command: &str, args: &[String]) -> anyhow::Result<()> {
     if let Some(arg) = args.first() {

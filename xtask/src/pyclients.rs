@@ -4,10 +4,9 @@
 
 use std::{path::PathBuf, process::Command};
 
-use anyhow::Context;
 use peregrine_e2e::target_dir;
 
-use crate::run_checked;
+use crate::pip_install;
 
 /// The pinned packages.
 const PACKAGES: [&str; 2] = ["h11==0.16.0", "h2==4.4.1"];
@@ -26,22 +25,7 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
         return Ok(python);
     }
     eprintln!("installing {} into {}", PACKAGES.join(" "), venv.display());
-    if !python.is_file() {
-        std::fs::create_dir_all(&venv).with_context(|| format!("creating {}", venv.display()))?;
-        run_checked(Command::new("python3").args(["-m", "venv"]).arg(&venv))
-            .context("creating the virtualenv (is python3-venv installed?)")?;
-    }
-    run_checked(
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(PACKAGES),
-    )?;
+    let python = pip_install(&venv, &PACKAGES)?;
     anyhow::ensure!(
         importable(&python),
         "h11 and h2 are not importable after pip install"
