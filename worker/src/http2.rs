@@ -234,16 +234,27 @@ where
                 Poll::Ready(Some(Ok((request, respond)))) => {
                     resets.streams.set(resets.streams.get() + 1);
                     let span = tracing::debug_span!("stream", id = respond.stream_id().as_u32());
-                    receiving.push(
-                        receive(
-                            request,
+                    if request.body().is_end_stream() {
+                        // No body to read (a GET, say): straight to the application.
+                        let (parts, _) = request.into_parts();
+                        queued.push_back(Received {
+                            head_only: parts.method == Method::HEAD,
+                            request: Request::from_parts(parts, RequestBody::default()),
                             respond,
-                            limits.max_body_bytes,
-                            &resets,
-                            span.clone(),
-                        )
-                        .instrument(span),
-                    );
+                            span,
+                        });
+                    } else {
+                        receiving.push(
+                            receive(
+                                request,
+                                respond,
+                                limits.max_body_bytes,
+                                &resets,
+                                span.clone(),
+                            )
+                            .instrument(span),
+                        );
+                    }
                     progress = true;
                 }
                 Poll::Ready(Some(Err(error))) => {
