@@ -94,20 +94,7 @@ pub fn peregrine_path() -> PathBuf {
         if let Some(path) = env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
             return PathBuf::from(path);
         }
-        let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "peregrine-supervisor",
-                "--bin",
-                "peregrine",
-            ])
-            .current_dir(workspace_root())
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "building peregrine failed: {status}");
+        cargo_build(&["-p", "peregrine-supervisor", "--bin", "peregrine"]);
         let path = target_dir().join("debug/peregrine");
         assert!(
             path.is_file(),
@@ -130,24 +117,28 @@ pub fn example_path(name: &str) -> PathBuf {
     if let Some(dir) = env::var_os("PEREGRINE_EXAMPLES").filter(|dir| !dir.is_empty()) {
         return Path::new(&dir).join(name);
     }
+    cargo_build(&["-p", "peregrine-worker", "--example", name]);
+    target_dir().join("debug/examples").join(name)
+}
+
+/// Runs `$CARGO build --quiet ARGS` in the workspace.
+///
+/// # Panics
+///
+/// When the build fails.
+fn cargo_build(args: &[&str]) {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "peregrine-worker",
-            "--example",
-            name,
-        ])
+        .args(["build", "--quiet"])
+        .args(args)
         .current_dir(workspace_root())
         .status()
         .expect("cargo runs");
     assert!(
         status.success(),
-        "building the example {name} failed: {status}"
+        "cargo build {} failed: {status}",
+        args.join(" ")
     );
-    target_dir().join("debug/examples").join(name)
 }
 
 /// A python with the strict HTTP clients `h11` and `h2`: `PEREGRINE_PYTHON` (set by `cargo xtask test`),
