@@ -43,11 +43,14 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
+                let workers: u32 = c.services.values().map(|s| s.count).sum();
+                let plural =
+                    |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
                 println!(
-                    "{}: ok ({} services, {} workers)",
+                    "{}: ok ({}, {})",
                     config.display(),
-                    c.services.len(),
-                    c.services.values().map(|s| s.count).sum::<u32>()
+                    plural(c.services.len(), "service"),
+                    plural(workers as usize, "worker")
                 );
                 ExitCode::SUCCESS
             }

@@ -60,7 +60,7 @@ fn a_good_config_checks_and_bootstraps() {
     let config = "[service.cluster]\ncount = 2\n";
     let (code, stdout, stderr) = peregrine(&["check"], config);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("ok (1 services, 2 workers)"), "{stdout}");
+    assert!(stdout.contains("ok (1 service, 2 workers)"), "{stdout}");
     let (code, yaml, stderr) = peregrine(&["envoy-bootstrap"], config);
     assert_eq!(code, 0, "{stderr}");
     assert!(
