@@ -212,22 +212,35 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
         .and_then(|p| http::Uri::from_maybe_shared(src.bytes(p.as_bytes())).ok())
         .ok_or(Reject::BadRequest("invalid request target"))?;
     let mut headers = HeaderMap::with_capacity(req.headers.len());
+    // Whether any field bears on framing or the connection; most requests (a GET with a few fields)
+    // carry none, and then the lookups below, a hash each, are skipped.
+    let mut framing_fields = false;
     for field in req.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| Reject::BadRequest("invalid header name"))?;
+        framing_fields |= name == header::CONNECTION
+            || name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::EXPECT;
         let value = HeaderValue::from_maybe_shared(src.bytes(field.value))
             .map_err(|_| Reject::BadRequest("invalid header value"))?;
         headers.append(name, value);
     }
 
-    let keep_alive = keep_alive(version, &headers);
-    let expects_continue = expects_continue(version, &headers)?;
+    let (keep_alive, expects_continue, content_length, chunked) = if framing_fields {
+        (
+            keep_alive(version, &headers),
+            expects_continue(version, &headers)?,
+            content_length(&headers)?,
+            chunked(&headers)?,
+        )
+    } else {
+        (version == Version::HTTP_11, false, None, false)
+    };
     let need_body = Progress::Partial {
         head_done: true,
         expects_continue,
     };
-    let content_length = content_length(&headers)?;
-    let chunked = chunked(&headers)?;
     let (body, len) = match (content_length, chunked) {
         (Some(_), true) => {
             return Err(Reject::BadRequest(
