@@ -438,11 +438,15 @@ pub(crate) fn encode_head(
     keep_alive: bool,
 ) -> (Framing, bool) {
     let status = res.status;
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
+    if status == StatusCode::OK {
+        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+    } else {
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
     for (name, value) in &res.headers {
         if name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
@@ -462,7 +466,7 @@ pub(crate) fn encode_head(
         _ if bodiless => Framing::Empty,
         Some(n) => {
             out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(itoa(n).as_bytes());
+            push_decimal(out, n);
             out.extend_from_slice(b"\r\n");
             if head_only {
                 Framing::Empty
@@ -487,8 +491,19 @@ pub(crate) fn encode_head(
     (framing, keep_alive)
 }
 
-fn itoa(n: u64) -> String {
-    n.to_string()
+/// Appends `n` in decimal, without allocating.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// Appends a short plain-text response for a refused request, closing the connection.
@@ -1033,6 +1048,15 @@ mod tests {
         res.headers_mut()
             .insert("x-a", HeaderValue::from_static("b"));
         res.into_parts().0
+    }
+
+    #[test]
+    fn writes_decimals() {
+        for n in [0, 7, 10, 25, 1_000_000, u64::MAX] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(out, n.to_string().as_bytes());
+        }
     }
 
     #[test]
