@@ -6,7 +6,10 @@ use std::{
     net::{Ipv4Addr, TcpListener},
     path::{Path, PathBuf},
     process::Command,
-    sync::OnceLock,
+    sync::{
+        OnceLock,
+        atomic::{AtomicU16, Ordering},
+    },
 };
 
 /// The workspace root (the parent of this crate's folder).
@@ -168,14 +171,37 @@ pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+/// A TCP port on 127.0.0.1 (and `::1`) that was free a moment ago, chosen *below* the kernel's ephemeral
+/// range.
 ///
-/// Another process may take it before the caller binds it; that is rare enough for tests.
+/// A port the kernel handed out for port 0 could be handed out again, to a worker binding
+/// `localhost:0`, before the test binds it; ports below the ephemeral range are never handed out that
+/// way, so only another test picking the same port at random could take it. Each call in a process
+/// moves on to a different port.
 pub fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .expect("binding 127.0.0.1:0")
-        .port()
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    let span = low.saturating_sub(FIRST).max(1);
+    // Different test processes start at different places.
+    let seed = (std::process::id() as u16).wrapping_mul(7919);
+    let _ = NEXT.compare_exchange(0, seed % span, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..span {
+        let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        // A host without IPv6 loopback cannot bind `::1` at all; that does not make the port taken.
+        let v6_free = match TcpListener::bind((std::net::Ipv6Addr::LOCALHOST, port)) {
+            Ok(_) => true,
+            Err(error) => error.kind() == std::io::ErrorKind::AddrNotAvailable,
+        };
+        let free = v6_free && TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok();
+        if free {
+            return port;
+        }
+    }
+    panic!("no free port between {FIRST} and {low}");
 }
 
 #[cfg(test)]
