@@ -268,13 +268,15 @@ enum Protocol {
 const PREFACE_START: &[u8] = b"PRI * HTTP/2.0\r\n";
 
 /// Reads until the first bytes tell HTTP/1 from HTTP/2; returns the protocol and the bytes read, or
-/// `None` when the client closes, stays silent past the idle timeout, or shutdown begins first.
+/// `None` when the client closes, has not told within the idle timeout (however it trickles its
+/// bytes), or shutdown begins first.
 async fn sniff(
     stream: &Stream,
     limits: &Limits,
     mut stopped: watch::Receiver<bool>,
 ) -> io::Result<Option<(Protocol, Vec<u8>)>> {
     let mut buf = Vec::with_capacity(16 * 1024);
+    let deadline = tokio::time::Instant::now() + limits.idle_timeout;
     loop {
         if *stopped.borrow_and_update() {
             return Ok(None);
@@ -282,7 +284,7 @@ async fn sniff(
         let (result, read) = tokio::select! {
             r = stream.read(buf) => r,
             _ = stopped.changed() => return Ok(None),
-            () = tokio::time::sleep(limits.idle_timeout) => return Ok(None),
+            () = tokio::time::sleep_until(deadline) => return Ok(None),
         };
         buf = read;
         if result? == 0 {

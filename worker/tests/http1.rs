@@ -706,3 +706,29 @@ fn an_idle_connection_times_out() {
     client.expect_close();
     assert!(idle_since.elapsed() >= Duration::from_millis(250));
 }
+
+#[test]
+fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_idle_timeout() {
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
+    let mut client = server.connect();
+    client
+        .stream
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    // One byte of the HTTP/2 preface every 100 ms: the server cannot tell the protocol yet, and must not
+    // wait more than its idle timeout (300 ms here) for it in all.
+    for byte in b"PRI * HTTP/2.0\r\n" {
+        let _ = client.stream.write_all(&[*byte]);
+        thread::sleep(Duration::from_millis(100));
+        let mut buf = [0u8; 16];
+        if let Ok(0) = client.stream.read(&mut buf) {
+            break;
+        }
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_millis(1000),
+        "the connection stayed open {elapsed:?} while the client trickled its preface"
+    );
+}
