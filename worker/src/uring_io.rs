@@ -172,7 +172,9 @@ impl<T: Io + 'static> UringIo<T> {
         loop {
             match self.poll_writing(cx) {
                 Poll::Ready(result) => result?,
-                Poll::Pending if self.output.is_empty() && !complete => return Poll::Ready(Ok(())),
+                // A write is in flight and this task is woken when it completes; what was accepted
+                // since is ours and goes out, coalesced, in the next write then.
+                Poll::Pending if !complete => return Poll::Ready(Ok(())),
                 Poll::Pending => return Poll::Pending,
             }
             if self.output.is_empty() {
@@ -271,9 +273,11 @@ impl<T: Io + 'static> AsyncWrite for UringIo<T> {
         true
     }
 
-    /// Ready once every byte accepted is in a write submitted to the kernel: the last write may still be
-    /// in flight (its buffer is ours, and its error surfaces on the next call). Waiting for its
-    /// completion here would cost the connection an event-loop turn per flush; `poll_shutdown` does wait.
+    /// Ready once every byte accepted is either in a write submitted to the kernel or, while a write is
+    /// in flight, held by the adapter: the task is woken when that write completes, and the next call
+    /// submits what was held, coalesced. Every byte is ours once accepted, and a write's error surfaces
+    /// on the next call. Waiting for completions here would cost the connection an event-loop turn per
+    /// flush; `poll_shutdown` waits until everything is written.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.get_mut().poll_submitted(cx, false)
     }
