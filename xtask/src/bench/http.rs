@@ -201,8 +201,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let ticks_per_sec = clock_ticks_per_second()?;
 
     let dir = TempDir::new().context("a temporary directory")?;
-    let worker = WorkerServer::start(&release.join("peregrine"), dir.path())?;
-    let hyper = HyperServer::start(&release.join("hyper-baseline"), dir.path())?;
+    let worker = Running::worker(&release.join("peregrine"), dir.path())?;
+    let hyper = Running::hyper(&release.join("hyper-baseline"), dir.path())?;
     let targets = [
         (Server::Worker, worker.pid, worker.port),
         (Server::Hyper, hyper.pid, hyper.port),
@@ -603,16 +603,28 @@ fn format_duration(duration: Duration) -> String {
 
 // === the servers ===
 
-/// `peregrine run` with one hello worker on a fixed port, the worker pinned to [`SERVER_CPU`].
+/// A server under test, running on a fixed port and pinned to [`SERVER_CPU`]; killed on drop.
 #[derive(Debug)]
-struct WorkerServer {
-    _supervisor: ChildGuard,
+struct Running {
+    _process: ChildGuard,
+    /// The pid whose CPU time is measured.
     pid: u32,
     port: u16,
 }
 
-impl WorkerServer {
-    fn start(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
+/// Waits until `process` answers `GET /` with `200` on `port`; returns the body.
+fn wait_answering(process: &mut ChildGuard, port: u16, what: &str) -> anyhow::Result<String> {
+    try_wait_until(START_DEADLINE, what, || {
+        process.ensure_running().ok()?;
+        let (status, body) = http_get(([127, 0, 0, 1], port), "/").ok()?;
+        (status == 200).then_some(body)
+    })
+    .with_context(|| process.logs())
+}
+
+impl Running {
+    /// `peregrine run` with one hello worker; the worker's pid is measured.
+    fn worker(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
         let port = free_port();
         let config = dir.join("peregrine.toml");
         // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
@@ -643,31 +655,17 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
             command.env("RUST_LOG", "info");
         }
         let mut supervisor = ChildGuard::spawn("peregrine", &mut command, dir)?;
-        let pid = try_wait_until(START_DEADLINE, "the worker to answer", || {
-            supervisor.ensure_running().ok()?;
-            let (status, body) = http_get(([127, 0, 0, 1], port), "/").ok()?;
-            (status == 200).then_some(())?;
-            worker_pid(&body)
-        })
-        .with_context(|| supervisor.logs())?;
-        Ok(WorkerServer {
-            _supervisor: supervisor,
+        let body = wait_answering(&mut supervisor, port, "the worker to answer")?;
+        let pid = worker_pid(&body).with_context(|| format!("not a hello body: {body:?}"))?;
+        Ok(Running {
+            _process: supervisor,
             pid,
             port,
         })
     }
-}
 
-/// The hyper baseline on a fixed port, pinned to [`SERVER_CPU`].
-#[derive(Debug)]
-struct HyperServer {
-    _process: ChildGuard,
-    pid: u32,
-    port: u16,
-}
-
-impl HyperServer {
-    fn start(binary: &Path, dir: &Path) -> anyhow::Result<Self> {
+    /// The hyper baseline; `taskset` execs it, so the child's pid is the server's.
+    fn hyper(binary: &Path, dir: &Path) -> anyhow::Result<Self> {
         let port = free_port();
         let mut process = ChildGuard::spawn(
             "hyper-baseline",
@@ -677,14 +675,8 @@ impl HyperServer {
                 .arg(format!("127.0.0.1:{port}")),
             dir,
         )?;
-        try_wait_until(START_DEADLINE, "the hyper baseline to answer", || {
-            process.ensure_running().ok()?;
-            let (status, _) = http_get(([127, 0, 0, 1], port), "/").ok()?;
-            (status == 200).then_some(())
-        })
-        .with_context(|| process.logs())?;
-        // `taskset` execs the server: the child's pid is the server's.
-        Ok(HyperServer {
+        wait_answering(&mut process, port, "the hyper baseline to answer")?;
+        Ok(Running {
             pid: process.id(),
             _process: process,
             port,
