@@ -1,0 +1,28 @@
+//! Peregrine's eBPF sampler: the kernel program (C, CO-RE, in `src/bpf/`, built by `build.rs` with
+//! clang) and its loader on aya.
+//!
+//! [`Probe::load`] loads and attaches the program for a fixed number of worker slots. The supervisor
+//! then [`track`](Probe::track)s each worker's pid in its slot and [`read`](Probe::read)s the slot's
+//! totals: on-CPU and run-queue wait nanoseconds, summed over CPUs from a memory-mapped map, so a read
+//! costs no syscall. The request counters live in an mmapable map too; its descriptor
+//! ([`Probe::counters`]) is handed to the workers, which count in it directly.
+
+mod layout;
+mod probe;
+
+pub use layout::{Cell, Counter, LINE};
+pub use probe::{Error, Probe, SchedTotals};
+
+mod object {
+    include!(concat!(env!("OUT_DIR"), "/object.rs"));
+}
+
+/// The compiled kernel program, or why this build has none (for example: clang was missing).
+pub fn object() -> Result<&'static [u8], &'static str> {
+    object::OBJECT
+}
+
+#[cfg(test)]
+#[path = "../build/compile.rs"]
+#[allow(dead_code)]
+mod compile;

@@ -1,0 +1,343 @@
+//! Loading, attaching and reading the kernel program.
+
+use std::{
+    io,
+    mem::offset_of,
+    os::fd::{AsFd, BorrowedFd},
+    ptr::NonNull,
+    sync::atomic::{AtomicU32, AtomicU64, Ordering},
+};
+
+use aya::{
+    Btf, Ebpf, EbpfLoader,
+    maps::{HashMap, Map, MapData, MapError},
+    programs::{BtfTracePoint, ProgramError},
+};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::layout::{Cell, LINE};
+
+/// The programs and the scheduler tracepoints they attach to.
+const PROGRAMS: [(&str, &str); 4] = [
+    ("on_runtime", "sched_stat_runtime"),
+    ("on_wakeup", "sched_wakeup"),
+    ("on_wakeup_new", "sched_wakeup_new"),
+    ("on_switch", "sched_switch"),
+];
+
+/// Why the sampler could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// This build has no kernel program (clang or libbpf-dev was missing when it was built).
+    #[error("the eBPF program was not built: {0}")]
+    NotBuilt(&'static str),
+    /// The kernel has no BTF (`/sys/kernel/btf/vmlinux`), which CO-RE and tp_btf need.
+    #[error("cannot read the kernel's BTF (/sys/kernel/btf/vmlinux)")]
+    Btf(#[source] aya::BtfError),
+    /// The object or its maps could not be loaded (typically EPERM: no CAP_BPF and CAP_PERFMON).
+    #[error("cannot load the eBPF object (needs root or CAP_BPF + CAP_PERFMON)")]
+    Load(#[source] aya::EbpfError),
+    /// A program was rejected or could not attach.
+    #[error("cannot load or attach {program} to {tracepoint}")]
+    Program {
+        /// The program.
+        program: &'static str,
+        /// Its tracepoint.
+        tracepoint: &'static str,
+        /// The cause.
+        #[source]
+        source: ProgramError,
+    },
+    /// A map is missing or has the wrong type.
+    #[error("eBPF map {name}")]
+    Map {
+        /// The map.
+        name: &'static str,
+        /// The cause.
+        #[source]
+        source: MapError,
+    },
+    /// A map the object should define as an array is something else.
+    #[error("eBPF map {0} is not an array")]
+    NotAnArray(&'static str),
+    /// A map could not be memory-mapped.
+    #[error("cannot mmap eBPF map {name}")]
+    Mmap {
+        /// The map.
+        name: &'static str,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// A slot outside `0..slots`.
+    #[error("slot {slot} is out of range 0..{slots}")]
+    SlotOutOfRange {
+        /// The slot.
+        slot: u32,
+        /// How many there are.
+        slots: u32,
+    },
+}
+
+/// Cumulative scheduler time of one process (all its threads) since it was first seen in its slot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedTotals {
+    /// Nanoseconds on a CPU.
+    pub on_cpu_ns: u64,
+    /// Nanoseconds runnable but waiting for a CPU.
+    pub runq_wait_ns: u64,
+}
+
+/// The loaded and attached sampler. Dropping it detaches the programs and frees the maps (workers
+/// that mapped the counters keep their mapping until they exit).
+#[derive(Debug)]
+pub struct Probe {
+    /// Owns the programs and their links.
+    _ebpf: Ebpf,
+    tracked: HashMap<MapData, u32, u32>,
+    runnable: HashMap<MapData, u32, u64>,
+    cells: Mapping,
+    counters: MapData,
+    slots: u32,
+    cpus: u32,
+}
+
+impl Probe {
+    /// Loads the program for `slots` worker slots and attaches it to the scheduler's tracepoints.
+    pub fn load(slots: u32) -> Result<Probe, Error> {
+        let object = crate::object().map_err(Error::NotBuilt)?;
+        let slots = slots.max(1);
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| Error::Mmap {
+            name: "cells",
+            source: e,
+        })? as u32;
+        let btf = Btf::from_sys_fs().map_err(Error::Btf)?;
+        let mut ebpf = EbpfLoader::new()
+            .btf(Some(&btf))
+            .override_global("slots", &slots, true)
+            .override_global("nr_cpus", &cpus, true)
+            // Room for a departing and an arriving process per slot.
+            .map_max_entries("tracked", slots * 2)
+            .map_max_entries("cells", cpus * slots)
+            .map_max_entries("counters", slots)
+            .load(object)
+            .map_err(Error::Load)?;
+        for (program, tracepoint) in PROGRAMS {
+            let err = |source| Error::Program {
+                program,
+                tracepoint,
+                source,
+            };
+            let prog: &mut BtfTracePoint = ebpf
+                .program_mut(program)
+                .ok_or(Error::Program {
+                    program,
+                    tracepoint,
+                    source: ProgramError::NotLoaded,
+                })?
+                .try_into()
+                .map_err(err)?;
+            prog.load(tracepoint, &btf).map_err(err)?;
+            prog.attach().map_err(err)?;
+        }
+        let tracked =
+            HashMap::try_from(take_map(&mut ebpf, "tracked")?).map_err(|source| Error::Map {
+                name: "tracked",
+                source,
+            })?;
+        let runnable =
+            HashMap::try_from(take_map(&mut ebpf, "runnable")?).map_err(|source| Error::Map {
+                name: "runnable",
+                source,
+            })?;
+        let cells = array_data(take_map(&mut ebpf, "cells")?, "cells")?;
+        let cells = Mapping::new(&cells, (cpus * slots) as usize * LINE, "cells")?;
+        let counters = array_data(take_map(&mut ebpf, "counters")?, "counters")?;
+        Ok(Probe {
+            _ebpf: ebpf,
+            tracked,
+            runnable,
+            cells,
+            counters,
+            slots,
+            cpus,
+        })
+    }
+
+    /// The request counters' map (BPF_F_MMAPABLE, one [`crate::Counter`] per slot): hand it to the
+    /// workers, and map it to read their counts.
+    pub fn counters(&self) -> BorrowedFd<'_> {
+        self.counters.fd().as_fd()
+    }
+
+    /// How many slots the probe was loaded for.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Starts accounting process `pid` (all its threads) to `slot`.
+    pub fn track(&mut self, slot: u32, pid: u32) -> Result<(), Error> {
+        if slot >= self.slots {
+            return Err(Error::SlotOutOfRange {
+                slot,
+                slots: self.slots,
+            });
+        }
+        self.tracked
+            .insert(pid, slot, 0)
+            .map_err(|source| Error::Map {
+                name: "tracked",
+                source,
+            })
+    }
+
+    /// Stops accounting process `pid`; a pid that is not tracked is not an error.
+    pub fn untrack(&mut self, pid: u32) -> Result<(), Error> {
+        match self.tracked.remove(&pid) {
+            Ok(()) => Ok(()),
+            Err(MapError::KeyNotFound) => Ok(()),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc_enoent()) => {
+                Ok(())
+            }
+            Err(source) => Err(Error::Map {
+                name: "tracked",
+                source,
+            }),
+        }
+    }
+
+    /// The pids being tracked now (one syscall per entry: for tests and diagnostics, not sampling).
+    pub fn tracked(&self) -> Result<Vec<u32>, Error> {
+        self.tracked
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|source| Error::Map {
+                name: "tracked",
+                source,
+            })
+    }
+
+    /// How many threads of tracked processes are runnable and waiting for a CPU right now (one syscall
+    /// per entry: for tests and diagnostics).
+    pub fn waiting_threads(&self) -> Result<usize, Error> {
+        let mut n = 0;
+        for key in self.runnable.keys() {
+            key.map_err(|source| Error::Map {
+                name: "runnable",
+                source,
+            })?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// The totals of process `pid` in `slot`, summed over CPUs. Reads shared memory only: no syscall.
+    /// CPUs that have not run the process since it entered the slot contribute nothing.
+    pub fn read(&self, slot: u32, pid: u32) -> SchedTotals {
+        let mut totals = SchedTotals::default();
+        if slot >= self.slots {
+            return totals;
+        }
+        for cpu in 0..self.cpus {
+            let cell = (cpu * self.slots + slot) as usize * LINE;
+            let tgid = self.cells.u32_at(cell + offset_of!(Cell, tgid));
+            if tgid.load(Ordering::Acquire) != pid {
+                continue;
+            }
+            let on_cpu = self
+                .cells
+                .u64_at(cell + offset_of!(Cell, on_cpu_ns))
+                .load(Ordering::Relaxed);
+            let waiting = self
+                .cells
+                .u64_at(cell + offset_of!(Cell, runq_wait_ns))
+                .load(Ordering::Relaxed);
+            // The cell was reset for another process while it was read: it is no longer this one's.
+            if tgid.load(Ordering::Acquire) != pid {
+                continue;
+            }
+            totals.on_cpu_ns += on_cpu;
+            totals.runq_wait_ns += waiting;
+        }
+        totals
+    }
+}
+
+fn libc_enoent() -> i32 {
+    rustix::io::Errno::NOENT.raw_os_error()
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, Error> {
+    ebpf.take_map(name).ok_or(Error::Map {
+        name,
+        source: MapError::InvalidName { name: name.into() },
+    })
+}
+
+fn array_data(map: Map, name: &'static str) -> Result<MapData, Error> {
+    match map {
+        Map::Array(data) => Ok(data),
+        _ => Err(Error::NotAnArray(name)),
+    }
+}
+
+/// A read-only shared mapping of an mmapable array map.
+#[derive(Debug)]
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is only read, through atomics, and unmapped once on drop.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(map: &MapData, bytes: usize, name: &'static str) -> Result<Mapping, Error> {
+        let page = rustix::param::page_size();
+        let len = bytes.div_ceil(page) * page;
+        // SAFETY: a fresh shared read-only mapping of the map's value area (offset 0), no larger than
+        // the map (`bytes` is max_entries * value size); the kernel picks the address. It stays mapped
+        // until `Drop`.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                map.fd().as_fd(),
+                0,
+            )
+        }
+        .map_err(|e| Error::Mmap {
+            name,
+            source: e.into(),
+        })?;
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Mmap {
+            name,
+            source: io::Error::other("mmap returned null"),
+        })?;
+        Ok(Mapping { base, len })
+    }
+
+    fn u64_at(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset % 8 == 0 && offset + 8 <= self.len);
+        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the kernel
+        // writes these words with plain aligned stores, which an atomic load observes whole.
+        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
+
+    fn u32_at(&self, offset: usize) -> &AtomicU32 {
+        assert!(offset % 4 == 0 && offset + 4 <= self.len);
+        // SAFETY: as in `u64_at`.
+        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly what `mmap` returned; references from `u64_at`/`u32_at` borrow `self`.
+        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
