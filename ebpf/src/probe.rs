@@ -322,14 +322,14 @@ impl Mapping {
     }
 
     fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset % 8 == 0 && offset + 8 <= self.len);
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len);
         // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the kernel
         // writes these words with plain aligned stores, which an atomic load observes whole.
         unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU64>() }
     }
 
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset % 4 == 0 && offset + 4 <= self.len);
+        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len);
         // SAFETY: as in `u64_at`.
         unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU32>() }
     }
