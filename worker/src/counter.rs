@@ -1,12 +1,13 @@
 //! The worker's request counter, readable from outside the process without a syscall or a message.
 //!
-//! Layout (shared with the supervisor and, later, its eBPF sampler): a region of little-endian `u64`
-//! counters, one per worker *slot* (a slot outlives the workers that fill it), slot `k` at byte offset
-//! `8 * k`, mapped `MAP_SHARED` from a file descriptor the supervisor hands to the worker:
+//! Layout (shared with the supervisor and its eBPF sampler: `struct peregrine_counter` in
+//! `ebpf/src/bpf/sampler.h`): one native-endian `u64` counter per worker *slot*, slot `k` at byte offset
+//! `64 * k` ([`SLOT_BYTES`]: a cache line each, so workers on different cores never share a line),
+//! mapped `MAP_SHARED` from a file descriptor the supervisor hands to the worker:
 //! `PEREGRINE_COUNTERS_FD` names the inherited descriptor and `PEREGRINE_COUNTERS_SLOT` the slot. The
-//! descriptor is a `memfd` today; a BPF array map created with `BPF_F_MMAPABLE` and 8-byte values has the
-//! same layout, so the eBPF sampler can hand out its map instead. Counters only grow: a restarted
-//! worker keeps counting in its slot, so readers take differences between samples.
+//! descriptor is the eBPF sampler's `counters` map (a BPF array created with `BPF_F_MMAPABLE`, 64-byte
+//! values) or, where eBPF cannot load, a `memfd` of the same layout. The supervisor zeroes a slot before
+//! it starts a worker in it, so a slot counts the requests of its current worker.
 //!
 //! A request costs one relaxed atomic increment in the mapped slot (and one in a process-local counter,
 //! which [`requests`] reads).
@@ -22,6 +23,9 @@ use std::{
 };
 
 use rustix::mm::{MapFlags, ProtFlags};
+
+/// The bytes between two slots' counters: one cache line.
+pub const SLOT_BYTES: usize = 64;
 
 static REQUESTS: AtomicU64 = AtomicU64::new(0);
 
@@ -127,9 +131,10 @@ impl CounterRegion {
             "counter slot {slot} out of range 0..{}",
             self.slots
         );
-        // SAFETY: `slot < slots` and the mapping covers `slots * 8` bytes, aligned; the memory is only
-        // accessed atomically, here and in every other process that maps it.
-        unsafe { &*self.base.as_ptr().add(slot) }
+        // SAFETY: `slot < slots` and the mapping covers `slots * SLOT_BYTES` bytes from a page-aligned
+        // base, so the counter is in bounds and 8-aligned; the memory is only accessed atomically, here
+        // and in every other process that maps it.
+        unsafe { &*self.base.as_ptr().byte_add(slot * SLOT_BYTES) }
     }
 }
 
@@ -144,7 +149,7 @@ impl Drop for CounterRegion {
 /// The bytes `slots` counters take, rounded up to whole pages.
 fn page_len(slots: usize) -> usize {
     let page = rustix::param::page_size();
-    (slots * 8).div_ceil(page) * page
+    (slots * SLOT_BYTES).div_ceil(page) * page
 }
 
 #[cfg(test)]
