@@ -8,6 +8,7 @@
 
 mod bench;
 mod demo;
+mod ebpf;
 mod envoy;
 mod pyclients;
 mod test;
@@ -29,6 +30,8 @@ commands:
                         an ENVOY variable naming a working binary is used instead
   test [ARGS]           install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
                         (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
+  build-ebpf            build the eBPF sampler with clang (as the peregrine-ebpf build script does) into
+                        target/ebpf/sampler.bpf.o and list its programs and maps
   demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
   bench restart [--kills N]
                         SIGKILL a worker N times (20): time to Envoy holding the replacement, in parts
@@ -44,6 +47,7 @@ fn main() -> ExitCode {
         Some("test") => test::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
+        Some("build-ebpf") => ebpf::run(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
