@@ -69,7 +69,7 @@ impl Server {
 
 /// The loads, in table order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Load {
+pub(super) enum Load {
     /// `wrk -t1 -c50 --latency`: HTTP/1.1 keep-alive, one request in flight per connection.
     Wrk,
     /// `h2load --h1 -c10 -m16`: HTTP/1.1, 16 requests pipelined per connection.
@@ -120,23 +120,23 @@ impl Load {
 
 /// One run of one load against one server.
 #[derive(Clone, Debug)]
-struct Sample {
-    requests_per_sec: f64,
+pub(super) struct Sample {
+    pub(super) requests_per_sec: f64,
     /// In the order of [`Load::latency_labels`].
     latencies: Vec<Duration>,
     /// Server CPU time (user + system) per completed request.
-    cpu_per_request: Duration,
+    pub(super) cpu_per_request: Duration,
     /// The server's CPU time over the run's wall time: 1.0 is its core saturated.
-    server_busy: f64,
+    pub(super) server_busy: f64,
     /// The busy fraction of the load generator's core over the run (all processes on it).
     load_core_busy: f64,
     /// The busy fraction of the servers' core that the server did not use: other processes, noise.
-    others_on_server_core: f64,
+    pub(super) others_on_server_core: f64,
 }
 
 /// What a run of a load found.
 #[derive(Debug)]
-enum Outcome {
+pub(super) enum Outcome {
     Measured(Sample),
     /// The server answered no request over h2c: it does not speak HTTP/2.
     NoH2,
@@ -311,7 +311,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 
 /// Runs `load` like [`run_load`], again (up to [`NOISY_RETRIES`] times) while other processes used the
 /// servers' core, and keeps the quietest run.
-fn run_quietest(
+pub(super) fn run_quietest(
     load: Load,
     pid: u32,
     port: u16,
@@ -531,7 +531,7 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
 
 /// A markdown table with padded columns; the first row is the header, the last three columns are
 /// right-aligned.
-fn markdown(rows: &[[String; 5]]) -> String {
+pub(super) fn markdown(rows: &[[String; 5]]) -> String {
     let widths: Vec<usize> = (0..5)
         .map(|c| {
             rows.iter()
@@ -569,7 +569,7 @@ fn markdown(rows: &[[String; 5]]) -> String {
 }
 
 /// The median (the mean of the middle two for an even count).
-fn median(mut values: Vec<f64>) -> f64 {
+pub(super) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
     if n % 2 == 1 {
@@ -580,7 +580,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// A duration with three significant digits in ns, µs, ms or s.
-fn format_duration(duration: Duration) -> String {
+pub(super) fn format_duration(duration: Duration) -> String {
     let secs = duration.as_secs_f64();
     let (value, unit) = if secs >= 1.0 {
         (secs, "s")
@@ -605,11 +605,11 @@ fn format_duration(duration: Duration) -> String {
 
 /// A server under test, running on a fixed port and pinned to [`SERVER_CPU`]; killed on drop.
 #[derive(Debug)]
-struct Running {
+pub(super) struct Running {
     _process: ChildGuard,
     /// The pid whose CPU time is measured.
-    pid: u32,
-    port: u16,
+    pub(super) pid: u32,
+    pub(super) port: u16,
 }
 
 /// Waits until `process` answers `GET /` with `200` on `port`; returns the body.
@@ -625,6 +625,15 @@ fn wait_answering(process: &mut ChildGuard, port: u16, what: &str) -> anyhow::Re
 impl Running {
     /// `peregrine run` with one hello worker; the worker's pid is measured.
     fn worker(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
+        Running::worker_with(peregrine, dir, "")
+    }
+
+    /// [`Running::worker`] with `supervisor` (TOML lines) added to the `[supervisor]` table.
+    pub(super) fn worker_with(
+        peregrine: &Path,
+        dir: &Path,
+        supervisor: &str,
+    ) -> anyhow::Result<Self> {
         let port = free_port();
         let config = dir.join("peregrine.toml");
         // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
@@ -633,6 +642,7 @@ impl Running {
             r#"[supervisor]
 bind = "http://127.0.0.1:{grpc}"
 control = "{control}"
+{supervisor}
 
 [service.hello]
 count = 1
@@ -688,7 +698,7 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
 
 /// Checks for two CPUs, `taskset` and `timeout`, and installs `wrk` and `h2load` with apt-get when they
 /// are missing and this runs as root.
-fn preflight() -> anyhow::Result<()> {
+pub(super) fn preflight() -> anyhow::Result<()> {
     let cpus = online_cpus();
     ensure!(
         cpus >= 2,
@@ -737,12 +747,12 @@ fn program_path(program: &str) -> anyhow::Result<PathBuf> {
         .with_context(|| format!("{program} is not in PATH"))
 }
 
-fn online_cpus() -> usize {
+pub(super) fn online_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// `getconf CLK_TCK`: the unit of the CPU times in `/proc/PID/stat`.
-fn clock_ticks_per_second() -> anyhow::Result<u64> {
+pub(super) fn clock_ticks_per_second() -> anyhow::Result<u64> {
     let output = Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -844,7 +854,7 @@ fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
         .with_context(|| format!("no Cpus_allowed_list in {path}"))
 }
 
-fn cpu_model() -> anyhow::Result<String> {
+pub(super) fn cpu_model() -> anyhow::Result<String> {
     let cpuinfo = read_trimmed("/proc/cpuinfo")?;
     Ok(cpuinfo
         .lines()
@@ -854,7 +864,7 @@ fn cpu_model() -> anyhow::Result<String> {
         .to_owned())
 }
 
-fn read_trimmed(path: &str) -> anyhow::Result<String> {
+pub(super) fn read_trimmed(path: &str) -> anyhow::Result<String> {
     Ok(std::fs::read_to_string(path)
         .with_context(|| format!("reading {path}"))?
         .trim()
@@ -862,7 +872,7 @@ fn read_trimmed(path: &str) -> anyhow::Result<String> {
 }
 
 /// Today's date in UTC (`date -u +%F`).
-fn today() -> anyhow::Result<String> {
+pub(super) fn today() -> anyhow::Result<String> {
     let output = Command::new("date")
         .args(["-u", "+%F"])
         .output()
