@@ -139,6 +139,12 @@ pub trait SchedSource: Send {
     fn read(&mut self, slot: usize, pid: u32) -> Result<SchedTotals, SampleError>;
 }
 
+impl fmt::Debug for dyn SchedSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SchedSource({})", self.kind())
+    }
+}
+
 /// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
 ///
 /// Today a memfd ([`Counters::memfd`]); the eBPF sampler will build one from its `BPF_F_MMAPABLE` array
@@ -196,6 +202,7 @@ pub async fn run(
         kind: source.kind(),
         interval: options.interval,
     };
+    tracing::info!(sampler = %info.kind, interval = ?info.interval, "Sampling workers");
     registry.publish_loads(Loads::new(Some(info), []));
     let mut state = Some(Sampler::new(source, counters, options.slots));
     let mut ticks = tokio::time::interval(options.interval);
@@ -228,6 +235,7 @@ pub async fn run(
 }
 
 /// The loop's state between ticks: the source, and per slot the worker followed and its history.
+#[derive(Debug)]
 struct Sampler {
     source: Box<dyn SchedSource>,
     counters: Arc<Counters>,
@@ -238,20 +246,12 @@ struct Sampler {
 }
 
 /// A worker instance the source follows.
+#[derive(Debug)]
 struct Tracked {
     pid: u32,
     history: Option<rates::History>,
     /// Whether a read error other than "gone" was logged already (once per instance is enough).
     warned: bool,
-}
-
-impl fmt::Debug for Sampler {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Sampler")
-            .field("kind", &self.source.kind())
-            .field("tracked", &self.tracked.len())
-            .finish()
-    }
 }
 
 impl Sampler {
