@@ -3,8 +3,9 @@
 //! It reads `peregrine.toml` ([`config`]), starts and restarts worker processes ([`manager`]), accepts
 //! their registrations over a Unix socket ([`registration`]), keeps the one source of truth about them
 //! ([`registry`]) and serves it to Envoy over gRPC as CDS/EDS/ADS ([`xds`]). [`sampler`] measures each
-//! worker's CPU, run-queue wait and requests into the registry. [`bootstrap`] writes an Envoy bootstrap
-//! that points at it.
+//! worker's CPU, run-queue wait and requests into the registry, and [`status`] shows it all to
+//! `peregrine status` over the same Unix socket. [`bootstrap`] writes an Envoy bootstrap that points at
+//! it.
 
 pub mod bootstrap;
 pub mod config;
@@ -13,6 +14,7 @@ pub mod registration;
 pub mod registry;
 pub mod run;
 pub mod sampler;
+pub mod status;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.
