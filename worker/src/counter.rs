@@ -5,8 +5,9 @@
 //! `8 * k`, mapped `MAP_SHARED` from a file descriptor the supervisor hands to the worker:
 //! `PEREGRINE_COUNTERS_FD` names the inherited descriptor and `PEREGRINE_COUNTERS_SLOT` the slot. The
 //! descriptor is a `memfd` today; a BPF array map created with `BPF_F_MMAPABLE` and 8-byte values has the
-//! same layout, so the eBPF sampler can hand out its map instead. Counters only grow: a restarted
-//! worker keeps counting in its slot, so readers take differences between samples.
+//! same layout, so the eBPF sampler can hand out its map instead. The supervisor zeroes a slot right
+//! before it starts a worker in it, so a slot holds exactly the requests of its current worker; while
+//! that worker runs, the counter only grows.
 //!
 //! A request costs one relaxed atomic increment in the mapped slot (and one in a process-local counter,
 //! which [`requests`] reads).
