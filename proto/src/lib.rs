@@ -5,7 +5,9 @@
 //! This crate holds the framing as pure functions over buffers ([`encode`], [`decode_frame`]), so the
 //! supervisor (tokio) and the worker (tokio-uring) share it without sharing an IO runtime.
 //!
-//! Invariant: a frame longer than [`MAX_FRAME_LEN`] is an error, never an allocation.
+//! Invariant: a frame longer than [`MAX_FRAME_LEN`] is an error, never an allocation. The one exception
+//! is a status answer, which a status client reads with [`decode_frame_limited`] and
+//! [`MAX_STATUS_FRAME_LEN`]; the supervisor never accepts more than [`MAX_FRAME_LEN`].
 #![forbid(unsafe_code)]
 
 use bytes::{Buf, BytesMut};
@@ -20,17 +22,22 @@ pub mod v1 {
 /// The largest message either side accepts, in bytes (not counting the length prefix).
 pub const MAX_FRAME_LEN: usize = 64 * 1024;
 
+/// The largest status answer a status client accepts: one row per worker, thousands of workers.
+pub const MAX_STATUS_FRAME_LEN: usize = 16 * 1024 * 1024;
+
 /// Why a frame could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
     /// The length prefix is not a valid varint.
     #[error("invalid length prefix")]
     BadLength,
-    /// The announced length exceeds [`MAX_FRAME_LEN`].
-    #[error("frame of {len} bytes exceeds the limit of {MAX_FRAME_LEN} bytes")]
+    /// The announced length exceeds the limit ([`MAX_FRAME_LEN`] unless the caller chose another).
+    #[error("frame of {len} bytes exceeds the limit of {limit} bytes")]
     TooLong {
         /// The announced length.
         len: usize,
+        /// The limit.
+        limit: usize,
     },
     /// The payload is not a valid protobuf message of the expected type.
     #[error("invalid message")]
@@ -42,16 +49,24 @@ pub fn encode(message: &impl Message) -> Vec<u8> {
     message.encode_length_delimited_to_vec()
 }
 
-/// Decodes one frame from the front of `buf`.
+/// Decodes one frame of at most [`MAX_FRAME_LEN`] bytes from the front of `buf`.
 ///
 /// Returns `Ok(None)` when `buf` does not yet hold a whole frame (read more and call again); on success
 /// the frame's bytes are removed from `buf`.
 pub fn decode_frame<M: Message + Default>(buf: &mut BytesMut) -> Result<Option<M>, FrameError> {
+    decode_frame_limited(buf, MAX_FRAME_LEN)
+}
+
+/// Like [`decode_frame`], with a frame limit of `limit` bytes.
+pub fn decode_frame_limited<M: Message + Default>(
+    buf: &mut BytesMut,
+    limit: usize,
+) -> Result<Option<M>, FrameError> {
     let Some((len, prefix)) = read_varint(buf)? else {
         return Ok(None);
     };
-    if len > MAX_FRAME_LEN {
-        return Err(FrameError::TooLong { len });
+    if len > limit {
+        return Err(FrameError::TooLong { len, limit });
     }
     if buf.len() < prefix + len {
         return Ok(None);
@@ -119,6 +134,26 @@ mod tests {
             decode_frame::<WorkerMessage>(&mut buf),
             Err(FrameError::TooLong { .. })
         ));
+    }
+
+    #[test]
+    fn a_status_client_may_accept_larger_frames() {
+        let big = WorkerMessage {
+            message: Some(worker_message::Message::Register(Register {
+                service: "x".repeat(MAX_FRAME_LEN),
+                ..Register::default()
+            })),
+        };
+        let mut buf = BytesMut::from(&encode(&big)[..]);
+        assert!(matches!(
+            decode_frame::<WorkerMessage>(&mut buf),
+            Err(FrameError::TooLong {
+                limit: MAX_FRAME_LEN,
+                ..
+            })
+        ));
+        let got = decode_frame_limited::<WorkerMessage>(&mut buf, MAX_STATUS_FRAME_LEN).unwrap();
+        assert_eq!(got, Some(big));
     }
 
     #[test]

@@ -52,7 +52,45 @@ pub struct SupervisorConfig {
     pub xds_cluster: String,
     /// How exited workers are restarted.
     pub restart: RestartPolicy,
+    /// Which scheduler source the load sampler uses.
+    pub sampler: SamplerSetting,
+    /// How often the load sampler samples every worker.
+    pub sample_interval: Duration,
 }
+
+/// `supervisor.sampler`: where the load sampler reads the workers' scheduler time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SamplerSetting {
+    /// The best source this machine offers (`"auto"`, the default).
+    #[default]
+    Auto,
+    /// The eBPF sampler, or fail to start (`"ebpf"`).
+    Ebpf,
+    /// `/proc/<pid>/task/*/schedstat` (`"procfs"`).
+    Procfs,
+}
+
+impl SamplerSetting {
+    /// The value as written in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SamplerSetting::Auto => "auto",
+            SamplerSetting::Ebpf => "ebpf",
+            SamplerSetting::Procfs => "procfs",
+        }
+    }
+}
+
+impl fmt::Display for SamplerSetting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The default of `supervisor.sample_interval_ms`.
+pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+/// The shortest `supervisor.sample_interval_ms`: below it, sampling costs more than it tells.
+pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);
 
 /// Exponential restart backoff.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,6 +256,8 @@ struct RawSupervisor {
     restart_delay_ms: Option<Spanned<u64>>,
     restart_delay_max_ms: Option<Spanned<u64>>,
     healthy_after_ms: Option<u64>,
+    sampler: Option<Spanned<String>>,
+    sample_interval_ms: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -396,11 +436,49 @@ impl Checker<'_> {
         if let Some(ms) = raw.healthy_after_ms {
             restart.healthy_after = Duration::from_millis(ms);
         }
+        let sampler = match raw.sampler {
+            None => SamplerSetting::default(),
+            Some(value) => match value.get_ref().as_str() {
+                "auto" => SamplerSetting::Auto,
+                "ebpf" => SamplerSetting::Ebpf,
+                "procfs" => SamplerSetting::Procfs,
+                other => {
+                    self.report(
+                        Some(value.span()),
+                        "supervisor.sampler".into(),
+                        format!("expected \"auto\", \"ebpf\" or \"procfs\", got {other:?}"),
+                    );
+                    SamplerSetting::default()
+                }
+            },
+        };
+        let sample_interval = match raw.sample_interval_ms {
+            None => DEFAULT_SAMPLE_INTERVAL,
+            Some(ms) => match u64::try_from(*ms.get_ref()) {
+                Ok(ms) if Duration::from_millis(ms) >= MIN_SAMPLE_INTERVAL => {
+                    Duration::from_millis(ms)
+                }
+                _ => {
+                    self.report(
+                        Some(ms.span()),
+                        "supervisor.sample_interval_ms".into(),
+                        format!(
+                            "must be at least {} (milliseconds), got {}",
+                            MIN_SAMPLE_INTERVAL.as_millis(),
+                            ms.get_ref()
+                        ),
+                    );
+                    DEFAULT_SAMPLE_INTERVAL
+                }
+            },
+        };
         Some(SupervisorConfig {
             bind: bind?,
             control,
             xds_cluster,
             restart,
+            sampler,
+            sample_interval,
         })
     }
 
@@ -800,6 +878,41 @@ count = 0
         );
         let got = parse("[service.a]\ncommand = []\n").unwrap_err();
         assert!(got[0].message.contains("must name a program"), "{got:?}");
+    }
+
+    #[test]
+    fn the_sampler_defaults_to_auto_every_second() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.supervisor.sampler, SamplerSetting::Auto);
+        assert_eq!(config.supervisor.sample_interval, Duration::from_secs(1));
+        let config =
+            parse("[supervisor]\nsampler = \"procfs\"\nsample_interval_ms = 10\n[service.a]\n")
+                .unwrap();
+        assert_eq!(config.supervisor.sampler, SamplerSetting::Procfs);
+        assert_eq!(config.supervisor.sample_interval, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn a_bad_sampler_and_a_short_interval_are_named_with_their_lines() {
+        let got =
+            problems("[supervisor]\nsampler = \"perf\"\nsample_interval_ms = 9\n[service.a]\n");
+        assert_eq!(
+            got,
+            [
+                "line 2: supervisor.sampler: expected \"auto\", \"ebpf\" or \"procfs\", got \"perf\"",
+                "line 3: supervisor.sample_interval_ms: must be at least 10 (milliseconds), got 9",
+            ]
+        );
+        let got = problems("[supervisor]\nsample_interval_ms = -5\n[service.a]\n");
+        assert_eq!(
+            got,
+            ["line 2: supervisor.sample_interval_ms: must be at least 10 (milliseconds), got -5"]
+        );
+        let got = problems("[supervisor]\nsampler = 1\n[service.a]\n");
+        assert!(
+            got[0].starts_with("line 2: supervisor.sampler: invalid type"),
+            "{got:?}"
+        );
     }
 
     #[test]

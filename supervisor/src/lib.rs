@@ -2,8 +2,10 @@
 //!
 //! It reads `peregrine.toml` ([`config`]), starts and restarts worker processes ([`manager`]), accepts
 //! their registrations over a Unix socket ([`registration`]), keeps the one source of truth about them
-//! ([`registry`]) and serves it to Envoy over gRPC as CDS/EDS/ADS ([`xds`]). [`bootstrap`] writes an
-//! Envoy bootstrap that points at it.
+//! ([`registry`]) and serves it to Envoy over gRPC as CDS/EDS/ADS ([`xds`]). [`sampler`] measures each
+//! worker's CPU, run-queue wait and requests into the registry, and [`status`] shows it all to
+//! `peregrine status` over the same Unix socket. [`bootstrap`] writes an Envoy bootstrap that points at
+//! it.
 
 pub mod bootstrap;
 pub mod config;
@@ -11,6 +13,8 @@ pub mod manager;
 pub mod registration;
 pub mod registry;
 pub mod run;
+pub mod sampler;
+pub mod status;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.

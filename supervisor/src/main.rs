@@ -30,6 +30,21 @@ enum Command {
         /// The configuration file.
         config: PathBuf,
     },
+    /// Show the running supervisor's workers: pids, addresses, load and restarts.
+    ///
+    /// Asks the supervisor over its control socket (`supervisor.control` of CONFIG, overridden by
+    /// PEREGRINE_CONTROL, or --socket); only the supervisor's own user may ask.
+    Status {
+        /// The configuration file the supervisor runs with.
+        #[arg(required_unless_present = "socket")]
+        config: Option<PathBuf>,
+        /// The supervisor's control socket (instead of reading CONFIG).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// Print a JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
     Worker,
 }
@@ -79,10 +94,51 @@ fn main() -> ExitCode {
                 Err(error) => fail(&anyhow::Error::new(error)),
             }
         }
+        Command::Status {
+            config,
+            socket,
+            json,
+        } => {
+            let socket = match (socket, config) {
+                (Some(socket), _) => socket,
+                (None, Some(config)) => match Config::load(&config) {
+                    Ok(c) => c.supervisor.control,
+                    Err(error) => return config_error(&error),
+                },
+                (None, None) => unreachable!("clap requires CONFIG without --socket"),
+            };
+            status(&socket, json)
+        }
         Command::Worker => match peregrine_worker::run_hello() {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => fail(&anyhow::Error::new(error)),
         },
+    }
+}
+
+/// `peregrine status`: prints the supervisor's status as a table or JSON.
+fn status(socket: &std::path::Path, json: bool) -> ExitCode {
+    use std::io::Write;
+
+    use peregrine_supervisor::status::{StatusView, query};
+    let view = match query(socket) {
+        Ok(status) => StatusView::from(status),
+        Err(error) => return fail(&anyhow::Error::new(error)),
+    };
+    let text = if json {
+        match serde_json::to_string_pretty(&view) {
+            Ok(text) => text + "\n",
+            Err(error) => return fail(&anyhow::Error::new(error)),
+        }
+    } else {
+        view.table()
+    };
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        // A reader that stopped early (`| head`) is not an error.
+        Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => {
+            fail(&anyhow::Error::new(error).context("cannot write to stdout"))
+        }
+        _ => ExitCode::SUCCESS,
     }
 }
 

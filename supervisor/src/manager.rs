@@ -9,17 +9,21 @@
 //! [`Children`] is the map of live worker pids to their slots; the registration server asks it whether
 //! a connecting process is one of ours.
 //!
+//! Right before it starts a worker, a slot task zeroes the slot's request counter, so a counter always
+//! holds exactly the requests of the worker now in its slot; it records its restart count in the
+//! registry's slot statuses.
+//!
 //! Invariant: the manager never writes endpoints; it only removes a worker from the registry when the
 //! worker's process has exited.
 
 use std::{
     collections::HashMap,
     io,
-    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::Ordering},
     time::{Duration, Instant},
 };
 
@@ -34,6 +38,7 @@ use tracing::Instrument;
 use crate::{
     config::{Config, Program, RestartPolicy, ServiceConfig},
     registry::Registry,
+    sampler::Counters,
 };
 
 /// A worker slot: a service and an index in `0..count`.
@@ -124,7 +129,9 @@ struct Launch {
     args: Vec<String>,
     env: Vec<(String, String)>,
     /// The request counter region, inherited by the worker.
-    counters: RawFd,
+    counters: Arc<Counters>,
+    /// The worker's counter in it.
+    counter: usize,
 }
 
 impl Launch {
@@ -132,7 +139,8 @@ impl Launch {
         service: &ServiceConfig,
         index: u32,
         control: &Path,
-        counters: CounterSlot,
+        counters: Arc<Counters>,
+        counter: usize,
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -144,7 +152,10 @@ impl Launch {
             index,
             url: service.url_for(index),
             control: control.to_owned(),
-            counters: Some(counters),
+            counters: Some(CounterSlot {
+                fd: counters.fd().as_raw_fd(),
+                slot: u32::try_from(counter).map_err(io::Error::other)?,
+            }),
         };
         let mut env: Vec<(String, String)> = service
             .env
@@ -161,11 +172,18 @@ impl Launch {
             program,
             args,
             env,
-            counters: counters.fd,
+            counters,
+            counter,
         })
     }
 
+    /// Starts a worker, its request counter zeroed first.
     fn spawn(&self) -> io::Result<u32> {
+        // No worker runs in this slot now, so nothing counts in it until the new one starts.
+        self.counters
+            .region()
+            .slot(self.counter)
+            .store(0, Ordering::Relaxed);
         let mut command = Command::new(&self.program);
         command
             .args(&self.args)
@@ -173,10 +191,11 @@ impl Launch {
             .stdin(Stdio::null())
             // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order.
             .process_group(0);
-        let counters = self.counters;
+        let counters = self.counters.fd().as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2) and
         // fcntl(2), which are async-signal-safe; it touches no memory shared with the parent. The
-        // counter descriptor is open for the supervisor's whole life, so it is valid in the child.
+        // counter descriptor is owned by `self.counters`, open while `self` lives, so it is valid in the
+        // child.
         unsafe {
             command.pre_exec(move || {
                 // Until workers can outlive their supervisor, a worker must not outlive it.
@@ -197,47 +216,59 @@ pub fn slot_count(config: &Config) -> usize {
     config.services.values().map(|s| s.count as usize).sum()
 }
 
+/// Every worker slot of `config` with its global number `k` (services in name order, then index): the
+/// slot's counter in the request counter region.
+pub fn slot_numbers(config: &Config) -> Vec<(Slot, usize)> {
+    config
+        .services
+        .values()
+        .flat_map(|service| {
+            (0..service.count).map(|index| Slot {
+                service: service.name.clone(),
+                index,
+            })
+        })
+        .enumerate()
+        .map(|(k, slot)| (slot, k))
+        .collect()
+}
+
 /// Starts one task per worker slot; they run until `shutdown` turns true, then stop their workers
 /// (SIGTERM, then SIGKILL after `stop_timeout`) and return.
 ///
-/// Slot `k` (services in name order, then index) counts its requests in counter `k` of the region
-/// behind `counters`, which must hold [`slot_count`] counters and stay open while workers run.
+/// Slot `k` of [`slot_numbers`] counts its requests in counter `k` of `counters`, which must hold
+/// [`slot_count`] counters.
 pub fn start(
     config: &Config,
     registry: Arc<Registry>,
     children: Arc<Children>,
-    counters: BorrowedFd<'_>,
+    counters: Arc<Counters>,
     shutdown: watch::Receiver<bool>,
     stop_timeout: Duration,
 ) -> io::Result<tokio::task::JoinSet<()>> {
     let mut tasks = tokio::task::JoinSet::new();
-    let mut counter = 0;
-    for service in config.services.values() {
-        for index in 0..service.count {
-            let slot = CounterSlot {
-                fd: counters.as_raw_fd(),
-                slot: counter,
-            };
-            counter += 1;
-            let launch = Launch::new(service, index, &config.supervisor.control, slot)?;
-            let slot = Slot {
-                service: service.name.clone(),
-                index,
-            };
-            let span = tracing::info_span!("slot", service = %slot.service, index);
-            tasks.spawn(
-                run_slot(
-                    slot,
-                    launch,
-                    Backoff::new(config.supervisor.restart),
-                    registry.clone(),
-                    children.clone(),
-                    shutdown.clone(),
-                    stop_timeout,
-                )
-                .instrument(span),
-            );
-        }
+    for (slot, counter) in slot_numbers(config) {
+        let service = &config.services[&slot.service];
+        let launch = Launch::new(
+            service,
+            slot.index,
+            &config.supervisor.control,
+            counters.clone(),
+            counter,
+        )?;
+        let span = tracing::info_span!("slot", service = %slot.service, index = slot.index);
+        tasks.spawn(
+            run_slot(
+                slot,
+                launch,
+                Backoff::new(config.supervisor.restart),
+                registry.clone(),
+                children.clone(),
+                shutdown.clone(),
+                stop_timeout,
+            )
+            .instrument(span),
+        );
     }
     Ok(tasks)
 }
@@ -252,6 +283,7 @@ async fn run_slot(
     stop_timeout: Duration,
 ) {
     let mut restarts = 0u64;
+    registry.set_restarts(&slot.service, slot.index, restarts);
     while !*shutdown.borrow() {
         let started = Instant::now();
         // The lock is held across the spawn so that a registration from the new pid waits for the
@@ -288,6 +320,7 @@ async fn run_slot(
         }
         let delay = backoff.after_exit(started.elapsed());
         restarts += 1;
+        registry.set_restarts(&slot.service, slot.index, restarts);
         tracing::warn!(?exit, ?delay, restarts, "Restarting worker after backoff");
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}

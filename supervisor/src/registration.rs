@@ -5,6 +5,10 @@
 //! the same user id, whose message names that worker's own pid, service and slot. Anything else gets a
 //! `Refused` answer, a log line, and a closed connection; nothing else is touched. A registered
 //! worker's connection stays open: its close deregisters the worker.
+//!
+//! The same socket answers `peregrine status`: a connection whose first message is a status request
+//! gets the registry's status ([`crate::status::report`]) and is closed. It need not be a worker, but
+//! it must be a process of the supervisor's own (effective) user.
 
 use std::{
     io,
@@ -32,6 +36,7 @@ use tracing::Instrument;
 use crate::{
     manager::{Children, Slot},
     registry::{Address, Protocol, Registry, Worker},
+    status,
 };
 
 /// How long a new connection may take to send its registration.
@@ -153,6 +158,9 @@ async fn handle(
             Ok(Ok(None)) => return Err(Closed::EarlyEof),
             Ok(Err(e)) => return Err(e),
         };
+    if let Some(worker_message::Message::Status(_)) = message.message {
+        return answer_status(&mut stream, registry).await;
+    }
     let worker = match admit(&stream, message, children) {
         Ok(worker) => worker,
         Err(reason) => return Err(refuse(&mut stream, reason).await),
@@ -181,6 +189,20 @@ async fn handle(
         tracing::info!(%service, index, pid, "Worker deregistered: its connection closed");
     }
     result
+}
+
+/// Answers a status request from a process of the supervisor's user; the caller then closes.
+async fn answer_status(stream: &mut UnixStream, registry: &Registry) -> Result<(), Closed> {
+    if let Err(reason) = same_user(stream) {
+        return Err(refuse(stream, reason).await);
+    }
+    let report = status::report(&registry.snapshot(), &registry.slots(), &registry.loads());
+    let answer = SupervisorMessage {
+        message: Some(supervisor_message::Message::Status(report)),
+    };
+    stream.write_all(&encode(&answer)).await?;
+    tracing::debug!("Status answered");
+    Ok(())
 }
 
 async fn refuse(stream: &mut UnixStream, reason: String) -> Closed {
@@ -213,12 +235,8 @@ async fn read_message(
     }
 }
 
-/// Checks a registration against the peer's credentials and the manager's children.
-fn admit(
-    stream: &UnixStream,
-    message: WorkerMessage,
-    children: &Children,
-) -> Result<Worker, String> {
+/// The peer's credentials, if its user is the supervisor's effective user.
+fn same_user(stream: &UnixStream) -> Result<tokio::net::unix::UCred, String> {
     let cred = stream
         .peer_cred()
         .map_err(|e| format!("cannot read peer credentials: {e}"))?;
@@ -229,6 +247,16 @@ fn admit(
             cred.uid()
         ));
     }
+    Ok(cred)
+}
+
+/// Checks a registration against the peer's credentials and the manager's children.
+fn admit(
+    stream: &UnixStream,
+    message: WorkerMessage,
+    children: &Children,
+) -> Result<Worker, String> {
+    let cred = same_user(stream)?;
     let peer_pid = cred
         .pid()
         .and_then(|p| u32::try_from(p).ok())
@@ -506,6 +534,81 @@ mod tests {
             assert!(reason.contains(expected), "{reason:?} lacks {expected:?}");
         }
         assert_eq!(fx.registry.snapshot().revision, 0);
+    }
+
+    fn status_request() -> WorkerMessage {
+        WorkerMessage {
+            message: Some(worker_message::Message::Status(v1::StatusRequest {})),
+        }
+    }
+
+    #[tokio::test]
+    async fn answers_status_to_its_own_user_and_closes() {
+        let fx = Fixture::new();
+        let addr = Address::Tcp("127.0.0.1:8080".parse().unwrap());
+        fx.registry
+            .register(Worker::ready(
+                "web",
+                0,
+                4242,
+                vec![Protocol::Http1],
+                vec![addr],
+            ))
+            .unwrap();
+        fx.registry.set_restarts("web", 0, 3);
+        // This process is no worker of the supervisor; a status client need not be.
+        let (mut stream, answer) = fx.exchange(&status_request()).await;
+        let Some(supervisor_message::Message::Status(status)) = answer.and_then(|a| a.message)
+        else {
+            panic!("expected a status");
+        };
+        let row = &status.workers[0];
+        assert_eq!(
+            (row.service.as_str(), row.index, row.pid, row.restarts),
+            ("web", 0, Some(4242), 3)
+        );
+        assert_eq!(row.addresses, ["127.0.0.1:8080"]);
+        assert!(
+            read_answer(&mut stream).await.is_none(),
+            "closed after the answer"
+        );
+        assert_eq!(fx.registry.snapshot().revision, 1, "nothing changed");
+    }
+
+    #[tokio::test]
+    async fn refuses_status_to_another_user() {
+        use rustix::process::Uid;
+        if !rustix::process::geteuid().is_root() {
+            eprintln!(
+                "skipping refuses_status_to_another_user: making a socket of another user needs root"
+            );
+            return;
+        }
+        let fx = Fixture::new();
+        // Credentials are per thread in the kernel: a thread that is briefly `nobody` makes a socket
+        // pair whose peer credentials say so. The thread ends right after.
+        let (server, client) = std::thread::spawn(|| {
+            rustix::thread::set_thread_res_uid(None, Some(Uid::from_raw(65534)), None).unwrap();
+            let pair = std::os::unix::net::UnixStream::pair();
+            rustix::thread::set_thread_res_uid(None, Some(Uid::ROOT), None).unwrap();
+            pair.unwrap()
+        })
+        .join()
+        .unwrap();
+        let tokio_stream = |s: std::os::unix::net::UnixStream| {
+            s.set_nonblocking(true).unwrap();
+            UnixStream::from_std(s).unwrap()
+        };
+        let (server, mut client) = (tokio_stream(server), tokio_stream(client));
+        let (registry, children) = (fx.registry.clone(), fx.children.clone());
+        let served = tokio::spawn(async move { handle(server, &registry, &children).await });
+        client.write_all(&encode(&status_request())).await.unwrap();
+        let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
+            Some(supervisor_message::Message::Refused(refused)) => refused.reason,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert_eq!(reason, "peer uid 65534 is not the supervisor's uid 0");
+        assert!(matches!(served.await.unwrap(), Err(Closed::Refused(_))));
     }
 
     #[tokio::test]

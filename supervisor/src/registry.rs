@@ -5,7 +5,14 @@
 //! [`Registry::deregister`]; every change publishes a new immutable [`Snapshot`] on a watch channel.
 //! Readers (xDS, status, later ORCA) only ever see whole snapshots.
 //!
-//! Invariant: nothing else in the supervisor stores endpoints; everything that needs them subscribes.
+//! Beside endpoints it holds the workers' sampled [`Loads`] (written by the sampler) and each slot's
+//! [`SlotStatus`] (restarts, written by the manager), each on a watch channel of its own so that neither
+//! moves the endpoint snapshot (see [`load`]).
+//!
+//! Invariant: nothing else in the supervisor stores endpoints or loads; everything that needs them
+//! subscribes.
+
+pub mod load;
 
 use std::{
     collections::BTreeMap,
@@ -16,6 +23,8 @@ use std::{
 };
 
 use tokio::sync::watch;
+
+pub use self::load::{Loads, SamplerInfo, SlotStatus, Slots, WorkerLoad};
 
 /// An application protocol a worker's listener speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -140,6 +149,8 @@ pub enum RegistryError {
 pub struct Registry {
     state: Mutex<Snapshot>,
     tx: watch::Sender<Arc<Snapshot>>,
+    loads: watch::Sender<Arc<Loads>>,
+    slots: watch::Sender<Arc<Slots>>,
 }
 
 /// The hostname published for a worker instance: unique per (service, slot, process).
@@ -161,6 +172,8 @@ impl Registry {
         Registry {
             state: Mutex::new(snapshot),
             tx,
+            loads: watch::Sender::new(Arc::default()),
+            slots: watch::Sender::new(Arc::default()),
         }
     }
 
@@ -204,6 +217,38 @@ impl Registry {
             Ok(false)
         })
         .unwrap_or(false)
+    }
+
+    /// Publishes the workers' loads of one sample (replacing the previous sample's).
+    pub fn publish_loads(&self, loads: Loads) {
+        self.loads.send_replace(Arc::new(loads));
+    }
+
+    /// A receiver that sees every published [`Loads`] (at least the latest).
+    pub fn subscribe_loads(&self) -> watch::Receiver<Arc<Loads>> {
+        self.loads.subscribe()
+    }
+
+    /// The latest loads.
+    pub fn loads(&self) -> Arc<Loads> {
+        self.loads.borrow().clone()
+    }
+
+    /// Records how often the worker in `service`'s slot `index` was restarted.
+    pub fn set_restarts(&self, service: &str, index: u32, restarts: u64) {
+        self.slots.send_if_modified(|slots| {
+            Arc::make_mut(slots).set(service, index, SlotStatus { restarts })
+        });
+    }
+
+    /// A receiver that sees every change of the slot statuses.
+    pub fn subscribe_slots(&self) -> watch::Receiver<Arc<Slots>> {
+        self.slots.subscribe()
+    }
+
+    /// The current slot statuses.
+    pub fn slots(&self) -> Arc<Slots> {
+        self.slots.borrow().clone()
     }
 
     /// Applies `change` under the lock; publishes a new revision if it reports a change.
@@ -250,6 +295,30 @@ mod tests {
         assert!(registry.deregister("a", 0, 11));
         assert!(registry.snapshot().services["a"].workers.is_empty());
         assert_eq!(registry.snapshot().revision, 3);
+    }
+
+    #[test]
+    fn loads_and_restarts_do_not_move_the_endpoint_snapshot() {
+        let registry = Registry::new(["a".to_string()]);
+        let mut endpoints = registry.subscribe();
+        let loads = registry.subscribe_loads();
+        let mut slots = registry.subscribe_slots();
+        registry.publish_loads(Loads::default());
+        registry.set_restarts("a", 0, 1);
+        assert!(loads.has_changed().unwrap() && slots.has_changed().unwrap());
+        assert!(!endpoints.has_changed().unwrap());
+        assert_eq!(registry.snapshot().revision, 0);
+        assert_eq!(
+            registry.slots().get("a", 0),
+            Some(SlotStatus { restarts: 1 })
+        );
+        slots.borrow_and_update();
+        registry.set_restarts("a", 0, 1);
+        assert!(
+            !slots.has_changed().unwrap(),
+            "an unchanged count is not a change"
+        );
+        endpoints.borrow_and_update();
     }
 
     #[test]

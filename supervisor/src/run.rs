@@ -1,19 +1,20 @@
 //! `peregrine run`: wires the parts together and runs them until SIGINT or SIGTERM.
 //!
-//! Order of start: registry, registration socket, gRPC listener (so a bad address fails before any
-//! worker starts), xDS, then the workers. Order of stop: workers (SIGTERM, then SIGKILL after a
-//! deadline), then xDS, then the registration socket file is removed.
+//! Order of start: the sampler's sources ([`choose_sampler`]: an unavailable sampler fails before
+//! anything starts), registry, registration socket, gRPC listener (so a bad address fails before any
+//! worker starts), xDS, the workers, then the sampling loop. Order of stop: workers (SIGTERM, then
+//! SIGKILL after a deadline), then the sampler and xDS, then the registration socket file is removed.
 
-use std::{io, net::SocketAddr, os::fd::AsFd, path::PathBuf, sync::Arc, time::Duration};
+use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use peregrine_worker::counter::CounterRegion;
 use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
 
 use crate::{
-    config::Config,
+    config::{Config, SamplerSetting},
     manager::{self, Children},
     registration,
     registry::Registry,
+    sampler::{self, Counters, SampleError, SchedSource, procfs::ProcfsSource},
     xds,
 };
 
@@ -41,13 +42,86 @@ pub enum RunError {
     /// Workers could not be prepared.
     #[error("cannot prepare workers")]
     Workers(#[source] io::Error),
+    /// The request counter region could not be created.
+    #[error("cannot create the request counter region")]
+    Counters(#[source] io::Error),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signals(#[source] io::Error),
+    /// The configured sampler cannot run here.
+    #[error("sampler = \"{setting}\": {reason}")]
+    Sampler {
+        /// The configured value.
+        setting: SamplerSetting,
+        /// Why it cannot run.
+        reason: String,
+        /// The cause, if any.
+        #[source]
+        source: Option<SampleError>,
+    },
+}
+
+/// What the sampler reads: the workers' scheduler time and their request counters.
+#[derive(Debug)]
+pub struct SamplerSources {
+    /// The scheduler source.
+    pub sched: Box<dyn SchedSource>,
+    /// The request counters the workers count in (the manager hands them out).
+    pub counters: Arc<Counters>,
+}
+
+/// Chooses the sampler's sources for `config.supervisor.sampler`.
+///
+/// `"procfs"` reads procfs and counts requests in a memfd. `"auto"` takes the best source available;
+/// for now that is procfs, and it logs the choice. `"ebpf"` fails: this build has no eBPF sampler.
+/// (The eBPF sampler will plug in here: on `"ebpf"`, and first on `"auto"`, with its BPF array map as
+/// the counter region instead of the memfd.)
+pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
+    let setting = config.supervisor.sampler;
+    let slots = manager::slot_count(config);
+    let memfd = || {
+        Counters::memfd(slots)
+            .map(Arc::new)
+            .map_err(RunError::Counters)
+    };
+    let procfs = || {
+        let source = ProcfsSource::new();
+        source.available().map_err(|error| RunError::Sampler {
+            setting,
+            reason: "procfs has no per-thread schedstat".into(),
+            source: Some(error),
+        })?;
+        Ok::<_, RunError>(Box::new(source) as Box<dyn SchedSource>)
+    };
+    match setting {
+        SamplerSetting::Procfs => Ok(SamplerSources {
+            sched: procfs()?,
+            counters: memfd()?,
+        }),
+        SamplerSetting::Auto => {
+            let sources = SamplerSources {
+                sched: procfs()?,
+                counters: memfd()?,
+            };
+            tracing::info!(
+                sampler = %sources.sched.kind(),
+                why = "this build has no eBPF sampler",
+                "Sampler chosen for sampler = \"auto\""
+            );
+            Ok(sources)
+        }
+        SamplerSetting::Ebpf => Err(RunError::Sampler {
+            setting,
+            reason: "the eBPF sampler is not available in this build (use \"procfs\" or \"auto\")"
+                .into(),
+            source: None,
+        }),
+    }
 }
 
 /// Runs the supervisor until SIGINT or SIGTERM; returns once every worker has stopped.
 pub async fn run(config: Config) -> Result<(), RunError> {
+    let sources = choose_sampler(&config)?;
     let registry = Arc::new(Registry::new(config.services.keys().cloned()));
     let children = Arc::new(Children::default());
     let control = config.supervisor.control.clone();
@@ -85,18 +159,25 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), "Supervisor running");
-    // Workers count requests in shared memory; the sampler (and `status`) read it from here.
-    let (counters_fd, _counters) =
-        CounterRegion::create(manager::slot_count(&config)).map_err(RunError::Workers)?;
     let mut workers = manager::start(
         &config,
         registry.clone(),
         children,
-        counters_fd.as_fd(),
-        stop_rx,
+        sources.counters.clone(),
+        stop_rx.clone(),
         STOP_TIMEOUT,
     )
     .map_err(RunError::Workers)?;
+    let sampler_task = tokio::spawn(sampler::run(
+        sources.sched,
+        sources.counters,
+        registry.clone(),
+        sampler::Options {
+            interval: config.supervisor.sample_interval,
+            slots: manager::slot_numbers(&config),
+        },
+        stop_rx,
+    ));
 
     let xds_result = tokio::select! {
         _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); None }
@@ -105,6 +186,9 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     };
     let _ = stop_tx.send(true);
     while workers.join_next().await.is_some() {}
+    if let Err(error) = sampler_task.await {
+        tracing::error!(%error, "Sampler task failed");
+    }
     registration_task.abort();
     let xds_result = match xds_result {
         Some(result) => result,

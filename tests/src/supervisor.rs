@@ -94,6 +94,17 @@ impl Supervisor {
         envoy_bootstrap(&self.binary, &self.config)
     }
 
+    /// `peregrine status --json` on this supervisor's config: the parsed JSON object.
+    pub fn status_json(&self) -> anyhow::Result<serde_json::Value> {
+        let stdout = status(&self.binary, &[self.config.as_os_str(), "--json".as_ref()])?;
+        serde_json::from_str(&stdout).with_context(|| format!("status --json printed {stdout:?}"))
+    }
+
+    /// `peregrine status` on this supervisor's config: the table it prints.
+    pub fn status_table(&self) -> anyhow::Result<String> {
+        status(&self.binary, &[self.config.as_os_str()])
+    }
+
     /// SIGTERM, then waits for a clean exit (up to 10 s) before killing the group; returns the exit
     /// status, or an error if it had to kill.
     pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
@@ -104,6 +115,23 @@ impl Supervisor {
     pub fn logs(&self) -> String {
         self.process.logs()
     }
+}
+
+/// Runs `binary status ARGS` and returns its stdout; an error if it fails.
+fn status(binary: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
+    let output = Command::new(binary)
+        .arg("status")
+        .args(args)
+        .output()
+        .with_context(|| format!("running {} status", binary.display()))?;
+    if !output.status.success() {
+        bail!(
+            "peregrine status failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    String::from_utf8(output.stdout).context("the status is not utf-8")
 }
 
 /// Runs `binary envoy-bootstrap config` and returns its stdout.

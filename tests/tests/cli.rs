@@ -1,5 +1,5 @@
 //! The command line: configuration errors are one line per problem, naming the key and line, with exit
-//! code 64, and `run` starts nothing on a bad config.
+//! code 64, and `run` starts nothing on a bad config or a sampler it cannot run.
 
 use std::process::Command;
 
@@ -66,5 +66,19 @@ fn a_good_config_checks_and_bootstraps() {
     assert!(
         yaml.contains("xds_cluster") && yaml.contains("cluster"),
         "{yaml}"
+    );
+}
+
+#[test]
+fn run_refuses_an_unavailable_sampler_before_starting_anything() {
+    let (code, _, stderr) = peregrine(
+        &["run"],
+        "[supervisor]\nsampler = \"ebpf\"\n[service.cluster]\n",
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "nothing else ran: {stderr}");
+    assert!(
+        stderr.starts_with("error: sampler = \"ebpf\": the eBPF sampler is not available"),
+        "{stderr}"
     );
 }

@@ -7,7 +7,8 @@
 //! `PEREGRINE_COUNTERS_FD` names the inherited descriptor and `PEREGRINE_COUNTERS_SLOT` the slot. The
 //! descriptor is the eBPF sampler's `counters` map (a BPF array created with `BPF_F_MMAPABLE`, 64-byte
 //! values) or, where eBPF cannot load, a `memfd` of the same layout. The supervisor zeroes a slot before
-//! it starts a worker in it, so a slot counts the requests of its current worker.
+//! it starts a worker in it, so a slot holds exactly the requests of its current worker; while that
+//! worker runs, the counter only grows.
 //!
 //! A request costs one relaxed atomic increment in the mapped slot (and one in a process-local counter,
 //! which [`requests`] reads).

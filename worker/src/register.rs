@@ -49,7 +49,7 @@ pub enum RegisterError {
     /// The supervisor closed the connection without answering.
     #[error("the supervisor closed the connection before answering")]
     Closed,
-    /// The supervisor answered with an empty message.
+    /// The supervisor answered with an empty message (or one that is not for a worker).
     #[error("the supervisor sent an empty answer")]
     Empty,
     /// The supervisor did not answer in time.
@@ -139,7 +139,7 @@ pub async fn register(
             Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
                 reason: refused.reason,
             }),
-            None => Err(RegisterError::Empty),
+            Some(supervisor_message::Message::Status(_)) | None => Err(RegisterError::Empty),
         }
     };
     tokio::time::timeout(REGISTER_TIMEOUT, exchange)

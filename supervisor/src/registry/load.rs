@@ -1,0 +1,181 @@
+//! What the registry holds beside endpoints: each worker's sampled load, and each slot's restarts.
+//!
+//! Both change far more often than endpoints (loads every sample interval), so each has a watch
+//! channel of its own and never moves the endpoint [`Snapshot`](super::Snapshot)'s revision: xDS
+//! rebuilds its cache on every snapshot and must not see a load change.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::{Duration, SystemTime},
+};
+
+use crate::sampler::SamplerKind;
+
+/// One worker instance's sampled load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerLoad {
+    /// Its service.
+    pub service: String,
+    /// Its slot in the service.
+    pub index: u32,
+    /// Its process id: a load belongs to one worker instance.
+    pub pid: u32,
+    /// CPU use between the last two samples, in cores (1.0 = one CPU busy all the time). `None` after
+    /// the first sample, which is a baseline.
+    pub cpu_cores: Option<f64>,
+    /// Run-queue wait between the last two samples, in cores: the share of wall time the worker's
+    /// threads were runnable but waiting for a CPU (1.0 = one thread waiting all the time).
+    pub runq_wait_cores: Option<f64>,
+    /// Requests per second between the last two samples.
+    pub requests_per_second: Option<f64>,
+    /// On-CPU time since the scheduler source's baseline (for procfs, the worker's start).
+    pub cpu_seconds_total: f64,
+    /// Run-queue wait since the scheduler source's baseline.
+    pub runq_wait_seconds_total: f64,
+    /// Requests this worker instance served (its counter starts at zero).
+    pub requests_total: u64,
+    /// When the sample was taken.
+    pub sampled_at: SystemTime,
+}
+
+/// The sampler that produces the loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplerInfo {
+    /// Its scheduler source.
+    pub kind: SamplerKind,
+    /// Its sample interval.
+    pub interval: Duration,
+}
+
+/// The loads of every sampled worker at one sample, immutable once published.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Loads {
+    /// The running sampler; `None` while none runs.
+    pub sampler: Option<SamplerInfo>,
+    by_slot: BTreeMap<String, BTreeMap<u32, WorkerLoad>>,
+    by_pid: HashMap<u32, (String, u32)>,
+}
+
+impl Loads {
+    /// The loads of `workers`, as sampled by `sampler`. A later load of the same slot replaces an
+    /// earlier one.
+    pub fn new(
+        sampler: Option<SamplerInfo>,
+        workers: impl IntoIterator<Item = WorkerLoad>,
+    ) -> Self {
+        let mut loads = Loads {
+            sampler,
+            ..Loads::default()
+        };
+        for load in workers {
+            let slot = (load.service.clone(), load.index);
+            if let Some(old) = loads
+                .by_slot
+                .entry(load.service.clone())
+                .or_default()
+                .insert(load.index, load.clone())
+            {
+                loads.by_pid.remove(&old.pid);
+            }
+            loads.by_pid.insert(load.pid, slot);
+        }
+        loads
+    }
+
+    /// The load of the worker in `service`'s slot `index`.
+    pub fn get(&self, service: &str, index: u32) -> Option<&WorkerLoad> {
+        self.by_slot.get(service)?.get(&index)
+    }
+
+    /// The load of the worker process `pid`.
+    pub fn by_pid(&self, pid: u32) -> Option<&WorkerLoad> {
+        let (service, index) = self.by_pid.get(&pid)?;
+        self.get(service, *index)
+    }
+
+    /// Every load, by service name and then slot index.
+    pub fn iter(&self) -> impl Iterator<Item = &WorkerLoad> {
+        self.by_slot.values().flat_map(BTreeMap::values)
+    }
+
+    /// How many workers have a load.
+    pub fn len(&self) -> usize {
+        self.by_pid.len()
+    }
+
+    /// Whether no worker has a load.
+    pub fn is_empty(&self) -> bool {
+        self.by_pid.is_empty()
+    }
+}
+
+/// The state of one worker slot, whether or not a worker is registered in it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotStatus {
+    /// How often the manager restarted the slot's worker (after an exit or a failed start).
+    pub restarts: u64,
+}
+
+/// Every worker slot the manager runs, by service and index.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slots {
+    by_service: BTreeMap<String, BTreeMap<u32, SlotStatus>>,
+}
+
+impl Slots {
+    /// The status of `service`'s slot `index`.
+    pub fn get(&self, service: &str, index: u32) -> Option<SlotStatus> {
+        self.by_service.get(service)?.get(&index).copied()
+    }
+
+    /// Every slot as (service, index, status), by service name and then index.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u32, SlotStatus)> {
+        self.by_service.iter().flat_map(|(service, slots)| {
+            slots
+                .iter()
+                .map(move |(index, status)| (service.as_str(), *index, *status))
+        })
+    }
+
+    pub(super) fn set(&mut self, service: &str, index: u32, status: SlotStatus) -> bool {
+        let slots = self.by_service.entry(service.to_owned()).or_default();
+        slots.insert(index, status) != Some(status)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(service: &str, index: u32, pid: u32) -> WorkerLoad {
+        WorkerLoad {
+            service: service.into(),
+            index,
+            pid,
+            cpu_cores: None,
+            runq_wait_cores: None,
+            requests_per_second: None,
+            cpu_seconds_total: 0.0,
+            runq_wait_seconds_total: 0.0,
+            requests_total: 0,
+            sampled_at: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn finds_loads_by_slot_and_by_pid() {
+        let loads = Loads::new(None, [load("b", 0, 30), load("a", 1, 20), load("a", 0, 10)]);
+        assert_eq!(loads.get("a", 1).map(|l| l.pid), Some(20));
+        assert_eq!(
+            loads.by_pid(30).map(|l| (l.service.as_str(), l.index)),
+            Some(("b", 0))
+        );
+        assert!(loads.get("a", 2).is_none() && loads.by_pid(40).is_none());
+        let order: Vec<u32> = loads.iter().map(|l| l.pid).collect();
+        assert_eq!(order, [10, 20, 30]);
+        // A later load of a slot replaces the earlier one, also by pid.
+        let loads = Loads::new(None, [load("a", 0, 10), load("a", 0, 11)]);
+        assert_eq!((loads.len(), loads.by_pid(10)), (1, None));
+        assert_eq!(loads.by_pid(11).map(|l| l.pid), Some(11));
+    }
+}

@@ -1,0 +1,558 @@
+//! The load sampler: every `sample_interval_ms`, each worker's CPU use, run-queue wait and request rate.
+//!
+//! Two inputs per worker. Its scheduler time (on a CPU, and runnable but waiting for one) comes from a
+//! [`SchedSource`]: [`procfs::ProcfsSource`] reads `/proc/<pid>/task/*/schedstat`; an eBPF source will
+//! count the same in the kernel. Its requests come from its slot of the shared [`Counters`] region, which
+//! the manager zeroes before it starts each worker, so a slot's count is exactly what its current worker
+//! served.
+//!
+//! [`run`] is the loop: on every tick it reconciles the tracked workers with the registry's snapshot
+//! (tracks new pids, untracks gone ones), reads every worker, turns two readings into rates with the pure
+//! [`rates::step`], and publishes the lot as one [`Loads`] value on the registry's load channel. A
+//! worker's first reading is its baseline: its rates are `None` until the second.
+//!
+//! Invariant: the sampler only reads the endpoint snapshot and writes loads; it never changes which
+//! workers exist, and loads never cause an endpoint snapshot (xDS rebuilds on each of those).
+
+pub mod procfs;
+pub mod rates;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt, io,
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
+    path::PathBuf,
+    sync::{Arc, atomic::Ordering},
+    time::{Duration, Instant, SystemTime},
+};
+
+use peregrine_worker::counter::CounterRegion;
+use tokio::sync::watch;
+
+use crate::{
+    manager::Slot,
+    registry::{Loads, Registry, SamplerInfo, Snapshot, WorkerLoad},
+};
+
+/// Which kind of scheduler source runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SamplerKind {
+    /// Scheduler events counted in the kernel by eBPF programs.
+    Ebpf,
+    /// `/proc/<pid>/task/*/schedstat`.
+    Procfs,
+}
+
+impl SamplerKind {
+    /// `"ebpf"` or `"procfs"`, as in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SamplerKind::Ebpf => "ebpf",
+            SamplerKind::Procfs => "procfs",
+        }
+    }
+}
+
+impl fmt::Display for SamplerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Cumulative scheduler time of one process (all its threads) since an arbitrary baseline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedTotals {
+    /// Time on a CPU, in nanoseconds.
+    pub on_cpu_ns: u64,
+    /// Time runnable but waiting for a CPU (on a run queue), in nanoseconds.
+    pub runq_wait_ns: u64,
+}
+
+impl SchedTotals {
+    /// The field-wise sum, saturating.
+    pub fn saturating_add(self, other: SchedTotals) -> SchedTotals {
+        SchedTotals {
+            on_cpu_ns: self.on_cpu_ns.saturating_add(other.on_cpu_ns),
+            runq_wait_ns: self.runq_wait_ns.saturating_add(other.runq_wait_ns),
+        }
+    }
+}
+
+/// Why a worker could not be tracked or read.
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    /// The process no longer exists (the worker is gone; the manager will notice).
+    #[error("process {pid} is gone")]
+    Gone {
+        /// The process.
+        pid: u32,
+    },
+    /// The slot is not tracked for this process.
+    #[error("slot {slot} does not track process {pid}")]
+    NotTracked {
+        /// The slot.
+        slot: usize,
+        /// The process.
+        pid: u32,
+    },
+    /// A file could not be read.
+    #[error("cannot read {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// A file did not have the expected format.
+    #[error("{path}: unexpected content {content:?}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// What it held.
+        content: String,
+    },
+    /// A backend-specific failure (e.g. a BPF map operation).
+    #[error("{what}")]
+    Backend {
+        /// What failed.
+        what: String,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Where the sampler reads the scheduler time of worker processes.
+///
+/// `slot` is the worker's global slot number (services in name order, then index), which also indexes
+/// the request counter region. The loop calls [`track`](SchedSource::track) once per worker instance
+/// before reading it, and [`untrack`](SchedSource::untrack) once it is gone or replaced.
+pub trait SchedSource: Send {
+    /// Which kind of source this is.
+    fn kind(&self) -> SamplerKind;
+    /// Starts following process `pid` in `slot` (replacing whatever the slot followed).
+    fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError>;
+    /// Stops following process `pid` in `slot`.
+    fn untrack(&mut self, slot: usize, pid: u32);
+    /// The process's cumulative scheduler time. [`SampleError::Gone`] when it has exited.
+    fn read(&mut self, slot: usize, pid: u32) -> Result<SchedTotals, SampleError>;
+}
+
+impl fmt::Debug for dyn SchedSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SchedSource({})", self.kind())
+    }
+}
+
+/// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
+///
+/// Today a memfd ([`Counters::memfd`]); the eBPF sampler will build one from its `BPF_F_MMAPABLE` array
+/// map with [`Counters::new`], which has the same layout.
+#[derive(Debug)]
+pub struct Counters {
+    fd: OwnedFd,
+    region: CounterRegion,
+}
+
+impl Counters {
+    /// A region behind `fd`, mapped as `region`.
+    pub fn new(fd: OwnedFd, region: CounterRegion) -> Self {
+        Counters { fd, region }
+    }
+
+    /// A fresh zeroed memfd region of `slots` counters.
+    pub fn memfd(slots: usize) -> io::Result<Self> {
+        let (fd, region) = CounterRegion::create(slots)?;
+        Ok(Counters { fd, region })
+    }
+
+    /// The descriptor workers inherit.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The supervisor's mapping.
+    pub fn region(&self) -> &CounterRegion {
+        &self.region
+    }
+}
+
+/// What the loop needs besides its source.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Time between samples.
+    pub interval: Duration,
+    /// Every worker slot with its global slot number (see [`crate::manager::slot_numbers`]).
+    pub slots: Vec<(Slot, usize)>,
+}
+
+/// Samples every registered worker each `interval` and publishes the loads, until `stop` turns true.
+///
+/// Reading runs on tokio's blocking pool (files under `/proc`, or BPF map look-ups), one tick at a time,
+/// so a slow read delays the next tick rather than a runtime thread.
+pub async fn run(
+    source: Box<dyn SchedSource>,
+    counters: Arc<Counters>,
+    registry: Arc<Registry>,
+    options: Options,
+    mut stop: watch::Receiver<bool>,
+) {
+    let info = SamplerInfo {
+        kind: source.kind(),
+        interval: options.interval,
+    };
+    tracing::info!(sampler = %info.kind, interval = ?info.interval, "Sampling workers");
+    registry.publish_loads(Loads::new(Some(info), []));
+    let mut state = Some(Sampler::new(source, counters, options.slots));
+    let mut ticks = tokio::time::interval(options.interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|stop| *stop) => break,
+        }
+        let Some(mut sampler) = state.take() else {
+            break;
+        };
+        let snapshot = registry.snapshot();
+        let tick = tokio::task::spawn_blocking(move || {
+            let loads = sampler.tick(&snapshot, Instant::now(), SystemTime::now());
+            (sampler, loads)
+        });
+        match tick.await {
+            Ok((sampler, loads)) => {
+                registry.publish_loads(Loads::new(Some(info), loads));
+                state = Some(sampler);
+            }
+            Err(error) => {
+                tracing::error!(%error, "The sampler failed; loads are no longer published");
+                break;
+            }
+        }
+    }
+    registry.publish_loads(Loads::default());
+}
+
+/// The loop's state between ticks: the source, and per slot the worker followed and its history.
+#[derive(Debug)]
+struct Sampler {
+    source: Box<dyn SchedSource>,
+    counters: Arc<Counters>,
+    /// Global slot numbers by (service, index).
+    slot_numbers: HashMap<Slot, usize>,
+    /// Followed workers by global slot number.
+    tracked: HashMap<usize, Tracked>,
+}
+
+/// A worker instance the source follows.
+#[derive(Debug)]
+struct Tracked {
+    pid: u32,
+    history: Option<rates::History>,
+    /// Whether a read error other than "gone" was logged already (once per instance is enough).
+    warned: bool,
+}
+
+impl Sampler {
+    fn new(
+        source: Box<dyn SchedSource>,
+        counters: Arc<Counters>,
+        slots: Vec<(Slot, usize)>,
+    ) -> Self {
+        Sampler {
+            source,
+            counters,
+            slot_numbers: slots.into_iter().collect(),
+            tracked: HashMap::new(),
+        }
+    }
+
+    /// One sample of every worker in `snapshot`: the loads to publish.
+    fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Vec<WorkerLoad> {
+        let workers = self.reconcile(snapshot);
+        let mut loads = Vec::with_capacity(workers.len());
+        for (slot, service, index) in workers {
+            let Some(tracked) = self.tracked.get_mut(&slot) else {
+                continue;
+            };
+            let pid = tracked.pid;
+            // Scheduler time first: a worker that is gone fails here, before its slot's counter could
+            // have been zeroed for a successor.
+            let sched = match self.source.read(slot, pid) {
+                Ok(sched) => sched,
+                Err(SampleError::Gone { .. }) => continue,
+                Err(error) => {
+                    if !std::mem::replace(&mut tracked.warned, true) {
+                        tracing::warn!(%service, index, pid, error = %ErrorChain(&error), "Cannot sample worker");
+                    }
+                    continue;
+                }
+            };
+            let reading = rates::Reading {
+                pid,
+                sched,
+                requests: self.counters.region().slot(slot).load(Ordering::Relaxed),
+                at: now,
+            };
+            let (history, rates) = rates::step(tracked.history.as_ref(), reading);
+            tracked.history = Some(history);
+            loads.push(history.load(service, index, rates, wall));
+        }
+        loads
+    }
+
+    /// Tracks the workers of `snapshot` that are new, untracks those that are gone or replaced; returns
+    /// the tracked workers as (slot number, service, index), by slot number.
+    fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<(usize, String, u32)> {
+        let mut current: BTreeMap<usize, (u32, &str, u32)> = BTreeMap::new();
+        for (service, view) in &snapshot.services {
+            for (index, worker) in &view.workers {
+                let key = Slot {
+                    service: service.clone(),
+                    index: *index,
+                };
+                if let Some(&slot) = self.slot_numbers.get(&key) {
+                    current.insert(slot, (worker.pid, service, *index));
+                }
+            }
+        }
+        self.tracked.retain(|slot, tracked| {
+            let keep = current
+                .get(slot)
+                .is_some_and(|(pid, ..)| *pid == tracked.pid);
+            if !keep {
+                self.source.untrack(*slot, tracked.pid);
+            }
+            keep
+        });
+        let mut workers = Vec::with_capacity(current.len());
+        for (slot, (pid, service, index)) in current {
+            if !self.tracked.contains_key(&slot) {
+                match self.source.track(slot, pid) {
+                    Ok(()) => {
+                        tracing::debug!(%service, index, pid, "Sampling worker");
+                        self.tracked.insert(
+                            slot,
+                            Tracked {
+                                pid,
+                                history: None,
+                                warned: false,
+                            },
+                        );
+                    }
+                    Err(SampleError::Gone { .. }) => continue,
+                    Err(error) => {
+                        // Tried again on the next tick.
+                        tracing::warn!(%service, index, pid, error = %ErrorChain(&error), "Cannot sample worker");
+                        continue;
+                    }
+                }
+            }
+            workers.push((slot, service.to_owned(), index));
+        }
+        workers
+    }
+}
+
+/// An error with its causes, `: `-separated, for one log field.
+struct ErrorChain<'a>(&'a dyn std::error::Error);
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::registry::{Address, Protocol, Worker};
+
+    /// A source whose totals the test sets, and which records what it was asked.
+    #[derive(Clone, Default)]
+    struct Fake {
+        totals: Arc<Mutex<HashMap<u32, SchedTotals>>>,
+        calls: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl SchedSource for Fake {
+        fn kind(&self) -> SamplerKind {
+            SamplerKind::Procfs
+        }
+        fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("track {slot} {pid}"));
+            Ok(())
+        }
+        fn untrack(&mut self, slot: usize, pid: u32) {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("untrack {slot} {pid}"));
+        }
+        fn read(&mut self, _slot: usize, pid: u32) -> Result<SchedTotals, SampleError> {
+            self.totals
+                .lock()
+                .unwrap()
+                .get(&pid)
+                .copied()
+                .ok_or(SampleError::Gone { pid })
+        }
+    }
+
+    fn slot(service: &str, index: u32) -> Slot {
+        Slot {
+            service: service.into(),
+            index,
+        }
+    }
+
+    fn register(registry: &Registry, service: &str, index: u32, pid: u32) {
+        let addr = Address::Tcp(([127, 0, 0, 1], 9000).into());
+        registry
+            .register(Worker::ready(
+                service,
+                index,
+                pid,
+                vec![Protocol::Http1],
+                vec![addr],
+            ))
+            .unwrap();
+    }
+
+    #[test]
+    fn follows_the_registry_and_turns_readings_into_loads() {
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(3).unwrap());
+        let registry = Registry::new(["a".to_string(), "b".to_string()]);
+        let slots = vec![(slot("a", 0), 0), (slot("a", 1), 1), (slot("b", 0), 2)];
+        let mut sampler = Sampler::new(Box::new(fake.clone()), counters.clone(), slots);
+        register(&registry, "a", 1, 100);
+        register(&registry, "b", 0, 200);
+        fake.totals.lock().unwrap().extend([
+            (
+                100,
+                SchedTotals {
+                    on_cpu_ns: 1_000_000_000,
+                    runq_wait_ns: 0,
+                },
+            ),
+            (200, SchedTotals::default()),
+        ]);
+        counters.region().slot(1).store(10, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH;
+
+        let first = sampler.tick(&registry.snapshot(), t0, wall);
+        assert_eq!(first.len(), 2);
+        assert_eq!(
+            (first[0].service.as_str(), first[0].index, first[0].pid),
+            ("a", 1, 100)
+        );
+        assert_eq!(first[0].cpu_cores, None, "the first sample is a baseline");
+        assert_eq!(first[0].requests_total, 10);
+        assert_eq!(first[0].cpu_seconds_total, 1.0);
+
+        fake.totals.lock().unwrap().insert(
+            100,
+            SchedTotals {
+                on_cpu_ns: 1_500_000_000,
+                runq_wait_ns: 250_000_000,
+            },
+        );
+        counters.region().slot(1).store(30, Ordering::Relaxed);
+        let second = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(1), wall);
+        assert_eq!(second[0].cpu_cores, Some(0.5));
+        assert_eq!(second[0].runq_wait_cores, Some(0.25));
+        assert_eq!(second[0].requests_per_second, Some(20.0));
+        assert_eq!(second[0].requests_total, 30);
+
+        // A replaced worker is untracked and its successor starts from a new baseline.
+        register(&registry, "a", 1, 101);
+        fake.totals
+            .lock()
+            .unwrap()
+            .insert(101, SchedTotals::default());
+        counters.region().slot(1).store(0, Ordering::Relaxed);
+        let third = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall);
+        assert_eq!(
+            (third[0].pid, third[0].cpu_cores, third[0].requests_total),
+            (101, None, 0)
+        );
+        // A vanished process is left out; the registry still lists it until the manager reaps it.
+        fake.totals.lock().unwrap().remove(&200);
+        let fourth = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall);
+        assert_eq!(fourth.iter().map(|l| l.pid).collect::<Vec<_>>(), [101]);
+        assert!(registry.deregister("b", 0, 200));
+        sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(4), wall);
+
+        let calls = fake.calls.lock().unwrap().clone();
+        assert_eq!(
+            calls,
+            [
+                "track 1 100",
+                "track 2 200",
+                "untrack 1 100",
+                "track 1 101",
+                "untrack 2 200"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn the_loop_publishes_until_stopped() {
+        let fake = Fake::default();
+        fake.totals
+            .lock()
+            .unwrap()
+            .insert(7, SchedTotals::default());
+        let registry = Arc::new(Registry::new(["a".to_string()]));
+        register(&registry, "a", 0, 7);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut loads = registry.subscribe_loads();
+        let task = tokio::spawn(run(
+            Box::new(fake),
+            Arc::new(Counters::memfd(1).unwrap()),
+            registry.clone(),
+            Options {
+                interval: Duration::from_millis(10),
+                slots: vec![(slot("a", 0), 0)],
+            },
+            stop_rx,
+        ));
+        let sampled = tokio::time::timeout(
+            Duration::from_secs(10),
+            loads.wait_for(|l| l.get("a", 0).is_some_and(|w| w.cpu_cores.is_some())),
+        )
+        .await
+        .expect("two samples in time")
+        .unwrap()
+        .clone();
+        let info = sampled.sampler.unwrap();
+        assert_eq!(
+            (info.kind, info.interval),
+            (SamplerKind::Procfs, Duration::from_millis(10))
+        );
+        assert_eq!(sampled.by_pid(7).map(|w| w.index), Some(0));
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the loop stops")
+            .unwrap();
+        assert!(
+            registry.loads().sampler.is_none(),
+            "a stopped sampler says so"
+        );
+    }
+}

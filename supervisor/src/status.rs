@@ -1,0 +1,492 @@
+//! `peregrine status`: what the running supervisor knows of its workers, asked over its local socket.
+//!
+//! The supervisor side is [`report`], a pure function of the registry's endpoint snapshot, slot
+//! statuses and loads; the registration server answers a `StatusRequest` with it. The client side is
+//! [`query`] (connect, ask, read one answer) and [`StatusView`], which turns the answer into the table
+//! [`StatusView::table`] prints or the JSON object `--json` prints.
+//!
+//! A row is a worker *slot*: a slot whose worker is not registered (starting, or crash-looping) still
+//! has a row, with its restarts and no pid. A load is shown only with the worker instance it was sampled
+//! from, never beside its successor.
+
+use std::{
+    collections::BTreeMap,
+    io::{self, Read, Write},
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use bytes::BytesMut;
+use peregrine_proto::{
+    FrameError, MAX_STATUS_FRAME_LEN, decode_frame_limited, encode,
+    v1::{
+        self, StatusRequest, SupervisorMessage, WorkerMessage, supervisor_message, worker_message,
+    },
+};
+use serde::Serialize;
+
+use crate::registry::{Loads, Slots, Snapshot, WorkerLoad};
+
+/// How long [`query`] waits for the supervisor at each step.
+pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The status answer for the registry's current state.
+pub fn report(snapshot: &Snapshot, slots: &Slots, loads: &Loads) -> v1::Status {
+    // Every slot the manager runs, and every registered worker (they are the same slots in practice).
+    let mut rows: BTreeMap<(&str, u32), v1::WorkerStatus> = BTreeMap::new();
+    for (service, index, status) in slots.iter() {
+        rows.entry((service, index)).or_default().restarts = status.restarts;
+    }
+    for (service, view) in &snapshot.services {
+        for (index, worker) in &view.workers {
+            let row = rows.entry((service, *index)).or_default();
+            row.pid = Some(worker.pid);
+            row.hostname = worker.hostname.clone();
+            row.addresses = worker
+                .listener
+                .addresses
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            row.load = loads
+                .get(service, *index)
+                .filter(|load| load.pid == worker.pid)
+                .map(load_message);
+        }
+    }
+    let (sampler, sample_interval_ms) = match loads.sampler {
+        Some(info) => (
+            info.kind.to_string(),
+            u64::try_from(info.interval.as_millis()).unwrap_or(u64::MAX),
+        ),
+        None => (String::new(), 0),
+    };
+    v1::Status {
+        sampler,
+        sample_interval_ms,
+        workers: rows
+            .into_iter()
+            .map(|((service, index), mut row)| {
+                row.service = service.to_owned();
+                row.index = index;
+                row
+            })
+            .collect(),
+    }
+}
+
+fn load_message(load: &WorkerLoad) -> v1::Load {
+    let sampled_at_unix_ms = load
+        .sampled_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    v1::Load {
+        cpu_cores: load.cpu_cores,
+        runq_wait_cores: load.runq_wait_cores,
+        requests_per_second: load.requests_per_second,
+        cpu_seconds_total: load.cpu_seconds_total,
+        runq_wait_seconds_total: load.runq_wait_seconds_total,
+        requests_total: load.requests_total,
+        sampled_at_unix_ms,
+    }
+}
+
+/// Why [`query`] got no status.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// Nothing listens on the socket.
+    #[error("no supervisor is running on {path}")]
+    NotRunning {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// Connecting, writing or reading failed otherwise.
+    #[error("cannot ask the supervisor on {path}")]
+    Io {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The supervisor refused to answer.
+    #[error("the supervisor on {path} refused: {reason}")]
+    Refused {
+        /// The socket path.
+        path: PathBuf,
+        /// Its reason.
+        reason: String,
+    },
+    /// The answer was not a status message.
+    #[error("the supervisor on {path} sent no status")]
+    Malformed {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause, when the frame itself was bad.
+        #[source]
+        source: Option<FrameError>,
+    },
+}
+
+/// Asks the supervisor listening on `socket` for its status (blocking, [`QUERY_TIMEOUT`] per step).
+pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
+    let path = socket.to_owned();
+    let io_error = |source| StatusError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => StatusError::NotRunning {
+            path: path.clone(),
+            source,
+        },
+        _ => io_error(source),
+    })?;
+    stream
+        .set_read_timeout(Some(QUERY_TIMEOUT))
+        .map_err(io_error)?;
+    stream
+        .set_write_timeout(Some(QUERY_TIMEOUT))
+        .map_err(io_error)?;
+    let request = WorkerMessage {
+        message: Some(worker_message::Message::Status(StatusRequest {})),
+    };
+    stream.write_all(&encode(&request)).map_err(io_error)?;
+    let mut buf = BytesMut::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let answer = loop {
+        let decoded = decode_frame_limited::<SupervisorMessage>(&mut buf, MAX_STATUS_FRAME_LEN)
+            .map_err(|source| StatusError::Malformed {
+                path: path.clone(),
+                source: Some(source),
+            })?;
+        if let Some(answer) = decoded {
+            break answer;
+        }
+        let n = stream.read(&mut chunk).map_err(io_error)?;
+        if n == 0 {
+            return Err(StatusError::Malformed { path, source: None });
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    match answer.message {
+        Some(supervisor_message::Message::Status(status)) => Ok(status),
+        Some(supervisor_message::Message::Refused(refused)) => Err(StatusError::Refused {
+            path,
+            reason: refused.reason,
+        }),
+        _ => Err(StatusError::Malformed { path, source: None }),
+    }
+}
+
+/// A status answer for people and scripts: `--json` prints it with serde.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StatusView {
+    /// The sampler's scheduler source, `null` when none runs.
+    pub sampler: Option<String>,
+    /// The sample interval in milliseconds, `null` when no sampler runs.
+    pub sample_interval_ms: Option<u64>,
+    /// One row per worker slot.
+    pub workers: Vec<WorkerRow>,
+}
+
+/// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerRow {
+    /// The service.
+    pub service: String,
+    /// The slot's index.
+    pub index: u32,
+    /// The registered worker's pid, `null` without one.
+    pub pid: Option<u32>,
+    /// The registered worker's hostname, `null` without one.
+    pub hostname: Option<String>,
+    /// Its addresses.
+    pub addresses: Vec<String>,
+    /// How often the slot's worker was restarted.
+    pub restarts: u64,
+    /// CPU use in cores (from the second sample on).
+    pub cpu_cores: Option<f64>,
+    /// Run-queue wait in cores (from the second sample on).
+    pub runq_wait_cores: Option<f64>,
+    /// Requests per second (from the second sample on).
+    pub requests_per_second: Option<f64>,
+    /// On-CPU seconds.
+    pub cpu_seconds_total: Option<f64>,
+    /// Run-queue wait seconds.
+    pub runq_wait_seconds_total: Option<f64>,
+    /// Requests served by this worker instance.
+    pub requests_total: Option<u64>,
+    /// When the load was sampled, in milliseconds since the Unix epoch.
+    pub sampled_at_unix_ms: Option<u64>,
+}
+
+impl From<v1::Status> for StatusView {
+    fn from(status: v1::Status) -> Self {
+        let running = !status.sampler.is_empty();
+        StatusView {
+            sampler: running.then_some(status.sampler),
+            sample_interval_ms: running.then_some(status.sample_interval_ms),
+            workers: status.workers.into_iter().map(WorkerRow::from).collect(),
+        }
+    }
+}
+
+impl From<v1::WorkerStatus> for WorkerRow {
+    fn from(row: v1::WorkerStatus) -> Self {
+        let load = row.load.as_ref();
+        WorkerRow {
+            service: row.service,
+            index: row.index,
+            pid: row.pid,
+            hostname: Some(row.hostname).filter(|h| !h.is_empty()),
+            addresses: row.addresses,
+            restarts: row.restarts,
+            cpu_cores: load.and_then(|l| l.cpu_cores),
+            runq_wait_cores: load.and_then(|l| l.runq_wait_cores),
+            requests_per_second: load.and_then(|l| l.requests_per_second),
+            cpu_seconds_total: load.map(|l| l.cpu_seconds_total),
+            runq_wait_seconds_total: load.map(|l| l.runq_wait_seconds_total),
+            requests_total: load.map(|l| l.requests_total),
+            sampled_at_unix_ms: load.map(|l| l.sampled_at_unix_ms),
+        }
+    }
+}
+
+impl StatusView {
+    /// The human-readable table: a line naming the sampler, then one row per worker slot. Unknown
+    /// values (no worker, no sample yet) show as `-`.
+    pub fn table(&self) -> String {
+        let mut out = match (&self.sampler, self.sample_interval_ms) {
+            (Some(sampler), Some(ms)) => format!("sampler: {sampler}, every {ms} ms\n"),
+            _ => "sampler: not running\n".to_owned(),
+        };
+        let header = [
+            "SERVICE",
+            "WORKER",
+            "PID",
+            "ADDRESSES",
+            "CPU",
+            "RUNQ WAIT",
+            "REQ/S",
+            "REQUESTS",
+            "RESTARTS",
+        ];
+        let dash = || "-".to_owned();
+        let fixed = |value: Option<f64>, places: usize| {
+            value.map_or_else(dash, |v| format!("{v:.places$}"))
+        };
+        let rows: Vec<[String; 9]> = self
+            .workers
+            .iter()
+            .map(|w| {
+                [
+                    w.service.clone(),
+                    w.index.to_string(),
+                    w.pid.map_or_else(dash, |p| p.to_string()),
+                    if w.addresses.is_empty() {
+                        dash()
+                    } else {
+                        w.addresses.join(",")
+                    },
+                    fixed(w.cpu_cores, 2),
+                    fixed(w.runq_wait_cores, 2),
+                    fixed(w.requests_per_second, 1),
+                    w.requests_total.map_or_else(dash, |r| r.to_string()),
+                    w.restarts.to_string(),
+                ]
+            })
+            .collect();
+        let mut widths = header.map(str::len);
+        for row in &rows {
+            for (width, cell) in widths.iter_mut().zip(row) {
+                *width = (*width).max(cell.len());
+            }
+        }
+        // Text columns (service, addresses) align left, numbers right.
+        let left = [true, false, false, true, false, false, false, false, false];
+        let mut line = |cells: &[&str]| {
+            let mut text = String::new();
+            for (i, cell) in cells.iter().enumerate() {
+                if i > 0 {
+                    text.push_str("  ");
+                }
+                let width = widths[i];
+                if left[i] {
+                    text.push_str(&format!("{cell:<width$}"));
+                } else {
+                    text.push_str(&format!("{cell:>width$}"));
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        };
+        line(&header);
+        for row in &rows {
+            line(&row.each_ref().map(String::as_str));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        registry::{Address, Protocol, Registry, SamplerInfo, Worker},
+        sampler::SamplerKind,
+    };
+
+    fn load(service: &str, index: u32, pid: u32, sampled: bool) -> WorkerLoad {
+        WorkerLoad {
+            service: service.into(),
+            index,
+            pid,
+            cpu_cores: sampled.then_some(0.256),
+            runq_wait_cores: sampled.then_some(0.01),
+            requests_per_second: sampled.then_some(12.34),
+            cpu_seconds_total: 1.5,
+            runq_wait_seconds_total: 0.25,
+            requests_total: 42,
+            sampled_at: SystemTime::UNIX_EPOCH + Duration::from_millis(1234),
+        }
+    }
+
+    fn registry() -> Registry {
+        let registry = Registry::new(["api".to_string(), "web".to_string()]);
+        let addresses = vec![
+            Address::Tcp("[::1]:8000".parse().unwrap()),
+            Address::Tcp("127.0.0.1:8000".parse().unwrap()),
+        ];
+        registry
+            .register(Worker::ready(
+                "web",
+                0,
+                100,
+                vec![Protocol::Http1],
+                addresses,
+            ))
+            .unwrap();
+        let unix = vec![Address::Unix("/run/api-1.sock".into())];
+        registry
+            .register(Worker::ready("api", 1, 300, vec![Protocol::Http2], unix))
+            .unwrap();
+        registry.set_restarts("web", 0, 0);
+        registry.set_restarts("web", 1, 7);
+        registry.set_restarts("api", 1, 2);
+        registry.publish_loads(Loads::new(
+            Some(SamplerInfo {
+                kind: SamplerKind::Procfs,
+                interval: Duration::from_millis(250),
+            }),
+            // The api load belongs to an earlier instance of the slot: it must not show.
+            [load("web", 0, 100, true), load("api", 1, 299, true)],
+        ));
+        registry
+    }
+
+    #[test]
+    fn a_report_has_a_row_per_slot_and_loads_only_with_their_own_worker() {
+        let registry = registry();
+        let status = report(&registry.snapshot(), &registry.slots(), &registry.loads());
+        assert_eq!(
+            (status.sampler.as_str(), status.sample_interval_ms),
+            ("procfs", 250)
+        );
+        let rows: Vec<(&str, u32, Option<u32>, u64, bool)> = status
+            .workers
+            .iter()
+            .map(|w| {
+                (
+                    w.service.as_str(),
+                    w.index,
+                    w.pid,
+                    w.restarts,
+                    w.load.is_some(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("api", 1, Some(300), 2, false),
+                ("web", 0, Some(100), 0, true),
+                ("web", 1, None, 7, false),
+            ]
+        );
+        assert_eq!(
+            status.workers[1].addresses,
+            ["[::1]:8000", "127.0.0.1:8000"]
+        );
+        assert_eq!(status.workers[0].addresses, ["unix:/run/api-1.sock"]);
+        assert_eq!(status.workers[1].hostname, "web-0-100");
+        let load = status.workers[1].load.unwrap();
+        assert_eq!((load.requests_total, load.sampled_at_unix_ms), (42, 1234));
+    }
+
+    #[test]
+    fn the_table_aligns_columns_and_dashes_the_unknown() {
+        let registry = registry();
+        let view = StatusView::from(report(
+            &registry.snapshot(),
+            &registry.slots(),
+            &registry.loads(),
+        ));
+        let table = view.table();
+        let expected = "\
+sampler: procfs, every 250 ms
+SERVICE  WORKER  PID  ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS  RESTARTS
+api           1  300  unix:/run/api-1.sock          -          -      -         -         2
+web           0  100  [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42         0
+web           1    -  -                             -          -      -         -         7
+";
+        assert_eq!(table, expected, "\n{table}");
+    }
+
+    #[test]
+    fn json_has_nulls_for_the_unknown() {
+        let registry = registry();
+        let view = StatusView::from(report(
+            &registry.snapshot(),
+            &registry.slots(),
+            &registry.loads(),
+        ));
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["sampler"], "procfs");
+        assert_eq!(json["sample_interval_ms"], 250);
+        assert_eq!(json["workers"][1]["requests_total"], 42);
+        assert_eq!(json["workers"][1]["cpu_cores"], 0.256);
+        assert_eq!(json["workers"][1]["hostname"], "web-0-100");
+        assert!(json["workers"][2]["pid"].is_null());
+        assert!(json["workers"][2]["hostname"].is_null());
+        assert!(json["workers"][0]["requests_total"].is_null());
+
+        let idle = StatusView::from(v1::Status::default());
+        assert_eq!(
+            idle.table(),
+            "sampler: not running\nSERVICE  WORKER  PID  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  RESTARTS\n"
+        );
+        assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
+    }
+
+    #[test]
+    fn asking_a_socket_without_a_supervisor_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("none.sock");
+        let error = query(&path).unwrap_err();
+        assert!(matches!(error, StatusError::NotRunning { .. }), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            format!("no supervisor is running on {}", path.display())
+        );
+        // A stale socket file, nobody listening.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(matches!(query(&path), Err(StatusError::NotRunning { .. })));
+    }
+}

@@ -1,0 +1,190 @@
+//! `peregrine status` against the real supervisor: a worker's requests over HTTP/1.1 and h2c are
+//! counted exactly, its CPU is sampled, and a killed worker's replacement starts from zero with one
+//! restart on its slot. Without a supervisor, status says so in one line.
+
+use std::{net::SocketAddr, process::Command, time::Duration};
+
+use peregrine_e2e::{
+    Supervisor, base_config, free_port, http_get, peregrine_path, python_clients_or_skip,
+    try_wait_until, worker_pid, workspace_root,
+};
+use serde_json::Value;
+
+/// Requests `tests/clients/h2_client.py` hands to the application: 50 concurrent streams, then one after
+/// the malformed stream (which h2 resets before the application could see it).
+const H2_CLIENT_REQUESTS: u64 = 51;
+
+/// The row of `web`'s worker 0 in a `status --json` answer.
+fn web_row(status: &Value) -> Value {
+    status["workers"]
+        .as_array()
+        .and_then(|rows| {
+            rows.iter()
+                .find(|row| row["service"] == "web" && row["index"] == 0)
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no row for web[0]: {status}"))
+}
+
+/// `status --json` until `ready` accepts `web`'s row; returns that row.
+#[track_caller]
+fn wait_for_row(supervisor: &Supervisor, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    let found = try_wait_until(Duration::from_secs(30), what, || {
+        last = web_row(&supervisor.status_json().ok()?);
+        ready(&last).then(|| last.clone())
+    });
+    found.unwrap_or_else(|error| panic!("{error}; last row: {last}"))
+}
+
+#[test]
+fn status_counts_every_request_and_follows_a_restart() {
+    let port = free_port();
+    let sampler = "[supervisor]\nsampler = \"procfs\"\nsample_interval_ms = 100\n";
+    let config = format!(
+        "{base}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
+        base = base_config(free_port(), free_port(), free_port()).replacen(
+            "[supervisor]\n",
+            sampler,
+            1
+        ),
+    );
+    let supervisor = Supervisor::start(&config);
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+
+    // Registered means listening: wait through status, not with requests that would be counted.
+    let first = wait_for_row(&supervisor, "the worker registered", |row| {
+        row["pid"].is_u64()
+    });
+    let pid = first["pid"].as_u64().unwrap();
+    assert_eq!(first["restarts"], 0, "{first}");
+
+    const HTTP1_REQUESTS: u64 = 7;
+    for i in 0..HTTP1_REQUESTS {
+        let (status, body) =
+            http_get(addr, "/").unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
+        assert_eq!(
+            (status, worker_pid(&body)),
+            (200, Some(pid as u32)),
+            "{body}"
+        );
+    }
+    let h2_requests =
+        match python_clients_or_skip("status_counts_every_request_and_follows_a_restart (h2 part)")
+        {
+            Some(python) => {
+                let output = Command::new(python)
+                    .arg(workspace_root().join("tests/clients/h2_client.py"))
+                    .arg(addr.ip().to_string())
+                    .arg(addr.port().to_string())
+                    .output()
+                    .expect("python runs");
+                assert!(
+                    output.status.success(),
+                    "h2_client.py failed:\n{}\n{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                H2_CLIENT_REQUESTS
+            }
+            None => 0,
+        };
+    let expected = HTTP1_REQUESTS + h2_requests;
+
+    let row = wait_for_row(
+        &supervisor,
+        &format!("requests_total {expected} and CPU sampled"),
+        |row| {
+            row["requests_total"] == expected
+                && row["cpu_cores"].is_f64()
+                && row["runq_wait_cores"].is_f64()
+                && row["requests_per_second"].is_f64()
+        },
+    );
+    assert_eq!(row["pid"], pid, "{row}");
+    assert_eq!(row["restarts"], 0, "{row}");
+    assert!(
+        row["cpu_seconds_total"].as_f64().unwrap() > 0.0,
+        "serving took CPU: {row}"
+    );
+    assert!(
+        row["runq_wait_seconds_total"].as_f64().unwrap() >= 0.0,
+        "{row}"
+    );
+    // Counted exactly: the count stays put while nothing is sent.
+    let sampled_at = row["sampled_at_unix_ms"].as_u64().unwrap();
+    let later = wait_for_row(&supervisor, "a later sample", |row| {
+        row["sampled_at_unix_ms"].as_u64() > Some(sampled_at)
+    });
+    assert_eq!(later["requests_total"], expected, "{later}");
+
+    let table = supervisor.status_table().unwrap();
+    let mut lines = table.lines();
+    assert_eq!(
+        lines.next(),
+        Some("sampler: procfs, every 100 ms"),
+        "{table}"
+    );
+    assert!(
+        lines.next().unwrap().starts_with("SERVICE  WORKER"),
+        "{table}"
+    );
+    let web = lines.next().unwrap_or_default();
+    let cells: Vec<&str> = web.split_whitespace().collect();
+    assert_eq!(cells[..3], ["web", "0", &pid.to_string()], "{table}");
+    assert_eq!(cells.last(), Some(&"0"), "no restarts: {table}");
+
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill the worker");
+    let replacement = wait_for_row(&supervisor, "the replacement sampled", |row| {
+        row["pid"].is_u64() && row["pid"] != pid && row["requests_total"].is_u64()
+    });
+    assert_eq!(replacement["restarts"], 1, "{replacement}");
+    assert_eq!(
+        replacement["requests_total"], 0,
+        "a new worker counts from zero: {replacement}"
+    );
+}
+
+#[test]
+fn status_without_a_supervisor_says_so_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("peregrine.sock");
+    let config = dir.path().join("peregrine.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[supervisor]\ncontrol = \"{}\"\n[service.web]\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let by_config = ["status".as_ref(), config.as_os_str()];
+    let by_socket = ["status".as_ref(), "--socket".as_ref(), socket.as_os_str()];
+    // No socket file, then a stale one nobody listens on.
+    for stale in [false, true] {
+        if stale {
+            drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+        }
+        for args in [&by_config[..], &by_socket[..]] {
+            let output = Command::new(peregrine_path())
+                .args(args)
+                .output()
+                .expect("run peregrine");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(1), "{stderr}");
+            assert_eq!(stderr.lines().count(), 1, "{stderr}");
+            assert!(
+                stderr.starts_with(&format!(
+                    "error: no supervisor is running on {}",
+                    socket.display()
+                )),
+                "{stderr}"
+            );
+            assert!(output.stdout.is_empty());
+        }
+    }
+}
