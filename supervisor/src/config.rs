@@ -68,6 +68,8 @@ pub enum SamplerSetting {
     Ebpf,
     /// `/proc/<pid>/task/*/schedstat` (`"procfs"`).
     Procfs,
+    /// No load sampling (`"off"`): workers still count requests, but no loads are published.
+    Off,
 }
 
 impl SamplerSetting {
@@ -77,6 +79,7 @@ impl SamplerSetting {
             SamplerSetting::Auto => "auto",
             SamplerSetting::Ebpf => "ebpf",
             SamplerSetting::Procfs => "procfs",
+            SamplerSetting::Off => "off",
         }
     }
 }
@@ -442,11 +445,14 @@ impl Checker<'_> {
                 "auto" => SamplerSetting::Auto,
                 "ebpf" => SamplerSetting::Ebpf,
                 "procfs" => SamplerSetting::Procfs,
+                "off" => SamplerSetting::Off,
                 other => {
                     self.report(
                         Some(value.span()),
                         "supervisor.sampler".into(),
-                        format!("expected \"auto\", \"ebpf\" or \"procfs\", got {other:?}"),
+                        format!(
+                            "expected \"auto\", \"ebpf\", \"procfs\" or \"off\", got {other:?}"
+                        ),
                     );
                     SamplerSetting::default()
                 }
@@ -899,7 +905,7 @@ count = 0
         assert_eq!(
             got,
             [
-                "line 2: supervisor.sampler: expected \"auto\", \"ebpf\" or \"procfs\", got \"perf\"",
+                "line 2: supervisor.sampler: expected \"auto\", \"ebpf\", \"procfs\" or \"off\", got \"perf\"",
                 "line 3: supervisor.sample_interval_ms: must be at least 10 (milliseconds), got 9",
             ]
         );

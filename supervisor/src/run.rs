@@ -14,7 +14,7 @@ use crate::{
     manager::{self, Children},
     registration,
     registry::Registry,
-    sampler::{self, Counters, SampleError, SchedSource, procfs::ProcfsSource},
+    sampler::{self, Counters, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
     xds,
 };
 
@@ -57,25 +57,26 @@ pub enum RunError {
         reason: String,
         /// The cause, if any.
         #[source]
-        source: Option<SampleError>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
 }
 
 /// What the sampler reads: the workers' scheduler time and their request counters.
 #[derive(Debug)]
 pub struct SamplerSources {
-    /// The scheduler source.
-    pub sched: Box<dyn SchedSource>,
+    /// The scheduler source; `None` with `sampler = "off"`.
+    pub sched: Option<Box<dyn SchedSource>>,
     /// The request counters the workers count in (the manager hands them out).
     pub counters: Arc<Counters>,
 }
 
 /// Chooses the sampler's sources for `config.supervisor.sampler`.
 ///
-/// `"procfs"` reads procfs and counts requests in a memfd. `"auto"` takes the best source available;
-/// for now that is procfs, and it logs the choice. `"ebpf"` fails: this build has no eBPF sampler.
-/// (The eBPF sampler will plug in here: on `"ebpf"`, and first on `"auto"`, with its BPF array map as
-/// the counter region instead of the memfd.)
+/// - `"ebpf"`: the eBPF sampler, with its mmapable BPF map as the counter region, or an error that
+///   says why it cannot load (no clang at build time, no BTF, no CAP_BPF/CAP_PERFMON, ...).
+/// - `"auto"`: the eBPF sampler if it loads, else procfs with a memfd; one log line says which and why.
+/// - `"procfs"`: procfs and a memfd.
+/// - `"off"`: no scheduler source; workers still count requests in a memfd.
 pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
     let setting = config.supervisor.sampler;
     let slots = manager::slot_count(config);
@@ -89,33 +90,60 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
         source.available().map_err(|error| RunError::Sampler {
             setting,
             reason: "procfs has no per-thread schedstat".into(),
-            source: Some(error),
+            source: Some(Box::new(error)),
         })?;
         Ok::<_, RunError>(Box::new(source) as Box<dyn SchedSource>)
     };
     match setting {
-        SamplerSetting::Procfs => Ok(SamplerSources {
-            sched: procfs()?,
+        SamplerSetting::Off => Ok(SamplerSources {
+            sched: None,
             counters: memfd()?,
         }),
-        SamplerSetting::Auto => {
-            let sources = SamplerSources {
-                sched: procfs()?,
-                counters: memfd()?,
-            };
-            tracing::info!(
-                sampler = %sources.sched.kind(),
-                why = "this build has no eBPF sampler",
-                "Sampler chosen for sampler = \"auto\""
-            );
-            Ok(sources)
-        }
-        SamplerSetting::Ebpf => Err(RunError::Sampler {
-            setting,
-            reason: "the eBPF sampler is not available in this build (use \"procfs\" or \"auto\")"
-                .into(),
-            source: None,
+        SamplerSetting::Procfs => Ok(SamplerSources {
+            sched: Some(procfs()?),
+            counters: memfd()?,
         }),
+        SamplerSetting::Ebpf => {
+            let (source, counters) =
+                EbpfSource::load(slots).map_err(|error| RunError::Sampler {
+                    setting,
+                    reason: "the eBPF sampler cannot load (use \"procfs\" or \"auto\")".into(),
+                    source: Some(Box::new(error)),
+                })?;
+            tracing::info!(
+                slots,
+                "Sampler: eBPF programs attached to the scheduler's tracepoints"
+            );
+            Ok(SamplerSources {
+                sched: Some(Box::new(source)),
+                counters,
+            })
+        }
+        SamplerSetting::Auto => match EbpfSource::load(slots) {
+            Ok((source, counters)) => {
+                tracing::info!(
+                    sampler = "ebpf",
+                    why = "the eBPF programs loaded and attached",
+                    "Sampler chosen for sampler = \"auto\""
+                );
+                Ok(SamplerSources {
+                    sched: Some(Box::new(source)),
+                    counters,
+                })
+            }
+            Err(error) => {
+                let sources = SamplerSources {
+                    sched: Some(procfs()?),
+                    counters: memfd()?,
+                };
+                tracing::warn!(
+                    sampler = "procfs",
+                    why = %ErrorChain(&error),
+                    "Sampler chosen for sampler = \"auto\": eBPF is not available, falling back to procfs"
+                );
+                Ok(sources)
+            }
+        },
     }
 }
 
@@ -168,16 +196,18 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         STOP_TIMEOUT,
     )
     .map_err(RunError::Workers)?;
-    let sampler_task = tokio::spawn(sampler::run(
-        sources.sched,
-        sources.counters,
-        registry.clone(),
-        sampler::Options {
-            interval: config.supervisor.sample_interval,
-            slots: manager::slot_numbers(&config),
-        },
-        stop_rx,
-    ));
+    let sampler_task = sources.sched.map(|sched| {
+        tokio::spawn(sampler::run(
+            sched,
+            sources.counters,
+            registry.clone(),
+            sampler::Options {
+                interval: config.supervisor.sample_interval,
+                slots: manager::slot_numbers(&config),
+            },
+            stop_rx,
+        ))
+    });
 
     let xds_result = tokio::select! {
         _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); None }
@@ -186,7 +216,10 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     };
     let _ = stop_tx.send(true);
     while workers.join_next().await.is_some() {}
-    if let Err(error) = sampler_task.await {
+    if let Some(Err(error)) = match sampler_task {
+        Some(task) => Some(task.await),
+        None => None,
+    } {
         tracing::error!(%error, "Sampler task failed");
     }
     registration_task.abort();

@@ -1,8 +1,9 @@
 //! The load sampler: every `sample_interval_ms`, each worker's CPU use, run-queue wait and request rate.
 //!
 //! Two inputs per worker. Its scheduler time (on a CPU, and runnable but waiting for one) comes from a
-//! [`SchedSource`]: [`procfs::ProcfsSource`] reads `/proc/<pid>/task/*/schedstat`; an eBPF source will
-//! count the same in the kernel. Its requests come from its slot of the shared [`Counters`] region, which
+//! [`SchedSource`]: [`ebpf::EbpfSource`] counts it in the kernel from scheduler events (a read is a
+//! look at shared memory); [`procfs::ProcfsSource`] reads `/proc/<pid>/task/*/schedstat` where eBPF
+//! cannot load. Its requests come from its slot of the shared [`Counters`] region, which
 //! the manager zeroes before it starts each worker, so a slot's count is exactly what its current worker
 //! served.
 //!
@@ -14,6 +15,7 @@
 //! Invariant: the sampler only reads the endpoint snapshot and writes loads; it never changes which
 //! workers exist, and loads never cause an endpoint snapshot (xDS rebuilds on each of those).
 
+pub mod ebpf;
 pub mod procfs;
 pub mod rates;
 
@@ -147,8 +149,8 @@ impl fmt::Debug for dyn SchedSource {
 
 /// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
 ///
-/// Today a memfd ([`Counters::memfd`]); the eBPF sampler will build one from its `BPF_F_MMAPABLE` array
-/// map with [`Counters::new`], which has the same layout.
+/// The eBPF sampler's `BPF_F_MMAPABLE` `counters` map ([`ebpf::EbpfSource::load`]), or a memfd of the
+/// same layout ([`Counters::memfd`]).
 #[derive(Debug)]
 pub struct Counters {
     fd: OwnedFd,
@@ -356,7 +358,7 @@ impl Sampler {
 }
 
 /// An error with its causes, `: `-separated, for one log field.
-struct ErrorChain<'a>(&'a dyn std::error::Error);
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a dyn std::error::Error);
 
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

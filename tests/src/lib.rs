@@ -24,8 +24,8 @@ mod wait;
 pub use envoy::{Envoy, Host, hosts};
 pub use http::{http_get, worker_pid};
 pub use paths::{
-    envoy_or_skip, envoy_path, example_path, free_port, peregrine_path, python_clients_or_skip,
-    target_dir, venv_envoy_binary, workspace_root,
+    ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
+    python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
 };
 pub use process::ChildGuard;
 pub use supervisor::{Supervisor, base_config, one_worker, sample_config};

@@ -171,6 +171,30 @@ pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// Whether the eBPF sampler loads here (root with CAP_BPF and CAP_PERFMON, a kernel with BTF, and a
+/// build that had clang). When it does not, the test is skipped with a message, unless
+/// `PEREGRINE_REQUIRE_EBPF=1` (CI), which fails it.
+pub fn ebpf_or_skip(test: &str) -> bool {
+    let why = match peregrine_ebpf::Probe::load(1) {
+        Ok(_) => return true,
+        Err(error) => {
+            let mut text = error.to_string();
+            let mut source = std::error::Error::source(&error);
+            while let Some(cause) = source {
+                text.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            text
+        }
+    };
+    assert!(
+        env::var("PEREGRINE_REQUIRE_EBPF").map_or(true, |v| v != "1"),
+        "{test}: PEREGRINE_REQUIRE_EBPF=1 but the eBPF sampler cannot load: {why}"
+    );
+    eprintln!("skipping {test}: the eBPF sampler cannot load here: {why}");
+    false
+}
+
 /// A TCP port on 127.0.0.1 (and `::1`) that was free a moment ago, chosen *below* the kernel's ephemeral
 /// range.
 ///

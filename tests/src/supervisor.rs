@@ -51,10 +51,44 @@ impl Supervisor {
     /// Writes `config_toml` to `dir/peregrine.toml` and starts `binary run` on it, logging into `dir`.
     /// `RUST_LOG` is passed on, and set to `info` when unset.
     pub fn start_in(binary: &Path, dir: &Path, config_toml: &str) -> anyhow::Result<Self> {
+        Self::start_wrapped(&[], binary, dir, config_toml)
+    }
+
+    /// Like [`Supervisor::start`], but with no capabilities at all, even as root (through `setpriv`,
+    /// which execs, so the supervisor keeps the pid): what a machine that forbids eBPF looks like.
+    #[track_caller]
+    pub fn start_without_capabilities(config_toml: &str) -> Self {
+        let temp = tempfile::Builder::new()
+            .prefix("peregrine-")
+            .tempdir()
+            .expect("a temp dir");
+        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
+        let wrapper = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"];
+        let mut supervisor =
+            Self::start_wrapped(&wrapper, &peregrine_path(), temp.path(), &config_toml)
+                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        supervisor._temp = Some(temp);
+        supervisor
+    }
+
+    /// Starts `wrapper... binary run dir/peregrine.toml` (no wrapper when `wrapper` is empty).
+    fn start_wrapped(
+        wrapper: &[&str],
+        binary: &Path,
+        dir: &Path,
+        config_toml: &str,
+    ) -> anyhow::Result<Self> {
         let config = dir.join("peregrine.toml");
         std::fs::write(&config, config_toml)
             .with_context(|| format!("writing {}", config.display()))?;
-        let mut command = Command::new(binary);
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(binary);
+                command
+            }
+            None => Command::new(binary),
+        };
         command.arg("run").arg(&config).current_dir(dir);
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");

@@ -70,15 +70,34 @@ fn a_good_config_checks_and_bootstraps() {
 }
 
 #[test]
-fn run_refuses_an_unavailable_sampler_before_starting_anything() {
-    let (code, _, stderr) = peregrine(
-        &["run"],
+fn run_refuses_an_ebpf_sampler_that_cannot_load_before_starting_anything() {
+    // No capabilities, even as root: the kernel refuses to load the programs.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peregrine.toml");
+    std::fs::write(
+        &path,
         "[supervisor]\nsampler = \"ebpf\"\n[service.cluster]\n",
-    );
-    assert_eq!(code, 1, "{stderr}");
+    )
+    .unwrap();
+    let Ok(output) = Command::new("setpriv")
+        .args(["--bounding-set=-all", "--inh-caps=-all", "--"])
+        .arg(peregrine_path())
+        .arg("run")
+        .arg(&path)
+        .output()
+    else {
+        eprintln!("skipping: setpriv (util-linux) is not installed");
+        return;
+    };
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "nothing else ran: {stderr}");
     assert!(
-        stderr.starts_with("error: sampler = \"ebpf\": the eBPF sampler is not available"),
+        stderr.starts_with("error: sampler = \"ebpf\": the eBPF sampler cannot load"),
         "{stderr}"
+    );
+    assert!(
+        stderr.contains("CAP_BPF") || stderr.contains("not built"),
+        "the error says what is missing: {stderr}"
     );
 }

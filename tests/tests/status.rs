@@ -5,8 +5,8 @@
 use std::{net::SocketAddr, process::Command, time::Duration};
 
 use peregrine_e2e::{
-    Supervisor, base_config, free_port, http_get, peregrine_path, python_clients_or_skip,
-    try_wait_until, worker_pid, workspace_root,
+    Supervisor, base_config, ebpf_or_skip, free_port, http_get, peregrine_path,
+    python_clients_or_skip, try_wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -38,14 +38,27 @@ fn wait_for_row(supervisor: &Supervisor, what: &str, ready: impl Fn(&Value) -> b
 }
 
 #[test]
-fn status_counts_every_request_and_follows_a_restart() {
+fn status_counts_every_request_and_follows_a_restart_with_procfs() {
+    counts_every_request_and_follows_a_restart("procfs");
+}
+
+#[test]
+fn status_counts_every_request_and_follows_a_restart_with_ebpf() {
+    if ebpf_or_skip("status_counts_every_request_and_follows_a_restart_with_ebpf") {
+        counts_every_request_and_follows_a_restart("ebpf");
+    }
+}
+
+/// Requests over HTTP/1.1 and h2c counted exactly in `status`, CPU sampled, and a killed worker's
+/// replacement counted from zero, with `sampler` (its counters: a memfd for procfs, the BPF map for eBPF).
+fn counts_every_request_and_follows_a_restart(sampler_kind: &str) {
     let port = free_port();
-    let sampler = "[supervisor]\nsampler = \"procfs\"\nsample_interval_ms = 100\n";
+    let sampler = format!("[supervisor]\nsampler = \"{sampler_kind}\"\nsample_interval_ms = 100\n");
     let config = format!(
         "{base}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
         base = base_config(free_port(), free_port(), free_port()).replacen(
             "[supervisor]\n",
-            sampler,
+            &sampler,
             1
         ),
     );
@@ -122,7 +135,7 @@ fn status_counts_every_request_and_follows_a_restart() {
     let mut lines = table.lines();
     assert_eq!(
         lines.next(),
-        Some("sampler: procfs, every 100 ms"),
+        Some(format!("sampler: {sampler_kind}, every 100 ms").as_str()),
         "{table}"
     );
     assert!(
