@@ -138,9 +138,21 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
 	     unsigned int prev_state)
 {
-	/* Preempted (or yielding) while runnable: it waits for a CPU from now on. */
-	if (preempt || prev_state == TASK_RUNNING)
-		mark_runnable(prev);
+	if (is_tracked(prev->tgid)) {
+		__u32 prev_tid = prev->pid;
+		if (preempt || prev_state == TASK_RUNNING) {
+			/* Preempted (or yielding) while runnable: it waits for a CPU from now on. */
+			__u64 now = bpf_ktime_get_ns();
+			bpf_map_update_elem(&runnable, &prev_tid, &now, BPF_ANY);
+		} else {
+			/*
+			 * Going to sleep (or exiting). A wake-up that arrived while it was still running
+			 * (try_to_wake_up on a task that had not yet slept) left an entry that no switch-in
+			 * consumed: drop it, or it would count running time as waiting, or outlive the task.
+			 */
+			bpf_map_delete_elem(&runnable, &prev_tid);
+		}
+	}
 
 	struct peregrine_cell *cell = cell_for(next->tgid);
 	if (!cell)
