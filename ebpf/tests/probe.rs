@@ -185,7 +185,7 @@ fn sharing_a_core_with_a_hog_shows_run_queue_wait() {
     let spinner = Proc::spinner(Some(0));
     probe.track(0, spinner.pid()).unwrap();
     std::thread::sleep(Duration::from_millis(100));
-    let mut phase = || {
+    let phase = || {
         let before = probe.read(0, spinner.pid());
         std::thread::sleep(Duration::from_secs(1));
         delta(before, probe.read(0, spinner.pid()))

@@ -19,6 +19,33 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/peregrine.worker.v1.rs"));
 }
 
+/// The ORCA out-of-band load report protocol (`xds.service.orca.v3.OpenRcaService` and
+/// `xds.data.orca.v3.OrcaLoadReport`, vendored from cncf/xds), with the `orca` feature.
+#[cfg(feature = "orca")]
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod xds {
+    /// Data types.
+    pub mod data {
+        /// ORCA.
+        pub mod orca {
+            /// Version 3.
+            pub mod v3 {
+                include!(concat!(env!("OUT_DIR"), "/xds.data.orca.v3.rs"));
+            }
+        }
+    }
+    /// Services.
+    pub mod service {
+        /// ORCA.
+        pub mod orca {
+            /// Version 3.
+            pub mod v3 {
+                include!(concat!(env!("OUT_DIR"), "/xds.service.orca.v3.rs"));
+            }
+        }
+    }
+}
+
 /// The largest message either side accepts, in bytes (not counting the length prefix).
 pub const MAX_FRAME_LEN: usize = 64 * 1024;
 

@@ -39,6 +39,36 @@ pub struct Config {
     pub envoy: EnvoyConfig,
     /// `[service.NAME]`, by name. Never empty.
     pub services: BTreeMap<String, ServiceConfig>,
+    /// `[orca]`: how workers report their load to Envoy.
+    pub orca: OrcaConfig,
+}
+
+/// `[orca]`: the ORCA out-of-band load reports and Envoy's client-side weighted round robin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OrcaConfig {
+    /// Reports are never sent more often than this, whatever interval Envoy asks for. Default: the
+    /// sample interval (a faster report would repeat the same sample).
+    pub min_report_interval: Duration,
+    /// How long a worker must report before Envoy uses its weight (CSWRR `blackout_period`); 2 s.
+    pub blackout_period: Duration,
+    /// How long Envoy keeps a weight without fresh reports (`weight_expiration_period`); 30 s.
+    pub weight_expiration_period: Duration,
+    /// How often Envoy recomputes weights (`weight_update_period`); the sample interval, within
+    /// [100 ms, 1 s].
+    pub weight_update_period: Duration,
+}
+
+impl OrcaConfig {
+    /// The defaults for a sample interval.
+    pub fn defaults_for(sample_interval: Duration) -> OrcaConfig {
+        OrcaConfig {
+            min_report_interval: sample_interval,
+            blackout_period: Duration::from_secs(2),
+            weight_expiration_period: Duration::from_secs(30),
+            weight_update_period: sample_interval
+                .clamp(Duration::from_millis(100), Duration::from_secs(1)),
+        }
+    }
 }
 
 /// `[supervisor]`.
@@ -147,6 +177,10 @@ pub struct ServiceConfig {
     pub prefix: String,
     /// The route's domains in the generated Envoy bootstrap.
     pub domains: Vec<String>,
+    /// Whether Envoy balances this service by its workers' ORCA load reports (client-side weighted
+    /// round robin) rather than plain round robin. Default: on for IP urls; unix:// workers cannot be
+    /// reached by ORCA streams.
+    pub orca: bool,
 }
 
 /// The program a worker runs.
@@ -248,6 +282,17 @@ struct RawConfig {
     envoy: RawEnvoy,
     #[serde(default)]
     service: BTreeMap<String, RawService>,
+    #[serde(default)]
+    orca: RawOrca,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOrca {
+    min_report_interval_ms: Option<Spanned<i64>>,
+    blackout_period_ms: Option<Spanned<i64>>,
+    weight_expiration_period_ms: Option<Spanned<i64>>,
+    weight_update_period_ms: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -283,6 +328,7 @@ struct RawService {
     env: BTreeMap<String, String>,
     prefix: Option<Spanned<String>>,
     domains: Option<Spanned<Vec<String>>>,
+    orca: Option<Spanned<bool>>,
 }
 
 /// Collects problems with their lines.
@@ -370,12 +416,17 @@ impl Config {
             .into_iter()
             .map(|(name, service)| (name.clone(), check.service(name, service)))
             .collect();
+        let sample_interval = supervisor
+            .as_ref()
+            .map_or(DEFAULT_SAMPLE_INTERVAL, |s| s.sample_interval);
+        let orca = check.orca(raw.orca, sample_interval);
 
         if check.problems.is_empty() {
             Ok(Config {
                 supervisor: supervisor.expect("no problems"),
                 envoy: envoy.expect("no problems"),
                 services,
+                orca,
             })
         } else {
             Err(check.problems)
@@ -384,6 +435,63 @@ impl Config {
 }
 
 impl Checker<'_> {
+    fn orca(&mut self, raw: RawOrca, sample_interval: Duration) -> OrcaConfig {
+        let mut orca = OrcaConfig::defaults_for(sample_interval);
+        let mut millis =
+            |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
+                if let Some(value) = value {
+                    match u64::try_from(*value.get_ref()) {
+                        Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
+                        _ => self.report(
+                            Some(value.span()),
+                            format!("orca.{key}"),
+                            format!(
+                                "must be at least {min} (milliseconds), got {}",
+                                value.get_ref()
+                            ),
+                        ),
+                    }
+                }
+            };
+        millis(
+            raw.min_report_interval_ms,
+            "min_report_interval_ms",
+            10,
+            &mut orca.min_report_interval,
+        );
+        millis(
+            raw.blackout_period_ms,
+            "blackout_period_ms",
+            0,
+            &mut orca.blackout_period,
+        );
+        let expiration_span = raw.weight_expiration_period_ms.as_ref().map(|v| v.span());
+        millis(
+            raw.weight_expiration_period_ms,
+            "weight_expiration_period_ms",
+            1000,
+            &mut orca.weight_expiration_period,
+        );
+        millis(
+            raw.weight_update_period_ms,
+            "weight_update_period_ms",
+            100,
+            &mut orca.weight_update_period,
+        );
+        if orca.weight_expiration_period <= orca.blackout_period {
+            self.report(
+                expiration_span,
+                "orca.weight_expiration_period_ms".into(),
+                format!(
+                    "must be longer than orca.blackout_period_ms ({} ms): a weight would expire \
+                     before Envoy starts using it",
+                    orca.blackout_period.as_millis()
+                ),
+            );
+        }
+        orca
+    }
+
     fn supervisor(
         &mut self,
         raw: RawSupervisor,
@@ -661,6 +769,20 @@ impl Checker<'_> {
             Some(domains) => domains.into_inner(),
             None => vec!["*".into()],
         };
+        let unix = url.starts_with("unix:");
+        let orca = match raw.orca {
+            Some(orca) if *orca.get_ref() && unix => {
+                self.report(
+                    Some(orca.span()),
+                    key("orca"),
+                    "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its \
+                     IP address; remove orca = true (it is off by default for unix:// urls)",
+                );
+                false
+            }
+            Some(orca) => orca.into_inner(),
+            None => !unix,
+        };
         ServiceConfig {
             name,
             count,
@@ -669,6 +791,7 @@ impl Checker<'_> {
             env: raw.env,
             prefix,
             domains,
+            orca,
         }
     }
 }

@@ -10,6 +10,7 @@
 pub mod bootstrap;
 pub mod config;
 pub mod manager;
+pub mod orca;
 pub mod registration;
 pub mod registry;
 pub mod run;

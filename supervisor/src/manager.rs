@@ -36,7 +36,7 @@ use tokio::{io::unix::AsyncFd, sync::watch};
 use tracing::Instrument;
 
 use crate::{
-    config::{Config, Program, RestartPolicy, ServiceConfig},
+    config::{Config, INDEX_PLACEHOLDER, Program, RestartPolicy, ServiceConfig},
     registry::Registry,
     sampler::Counters,
 };
@@ -146,7 +146,14 @@ impl Launch {
             Program::Peregrine => std::env::current_exe()?,
             Program::Path(path) => path.clone(),
         };
-        let args = service.command.args.clone();
+        // `{index}` in an argument is the worker's index (e.g. `taskset -c {index}` pins each worker to
+        // its own CPU).
+        let args = service
+            .command
+            .args
+            .iter()
+            .map(|arg| arg.replace(INDEX_PLACEHOLDER, &index.to_string()))
+            .collect();
         let settings = Settings {
             service: service.name.clone(),
             index,

@@ -196,7 +196,12 @@ async fn answer_status(stream: &mut UnixStream, registry: &Registry) -> Result<(
     if let Err(reason) = same_user(stream) {
         return Err(refuse(stream, reason).await);
     }
-    let report = status::report(&registry.snapshot(), &registry.slots(), &registry.loads());
+    let report = status::report(
+        &registry.snapshot(),
+        &registry.slots(),
+        &registry.loads(),
+        &registry.orca_streams(),
+    );
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Status(report)),
     };

@@ -13,6 +13,7 @@
 //! subscribes.
 
 pub mod load;
+pub mod orca;
 
 use std::{
     collections::BTreeMap,
@@ -25,6 +26,7 @@ use std::{
 use tokio::sync::watch;
 
 pub use self::load::{Loads, SamplerInfo, SlotStatus, Slots, WorkerLoad};
+pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 
 /// An application protocol a worker's listener speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -151,6 +153,7 @@ pub struct Registry {
     tx: watch::Sender<Arc<Snapshot>>,
     loads: watch::Sender<Arc<Loads>>,
     slots: watch::Sender<Arc<Slots>>,
+    orca: Mutex<OrcaByHostname>,
 }
 
 /// The hostname published for a worker instance: unique per (service, slot, process).
@@ -174,7 +177,56 @@ impl Registry {
             tx,
             loads: watch::Sender::new(Arc::default()),
             slots: watch::Sender::new(Arc::default()),
+            orca: Mutex::default(),
         }
+    }
+
+    /// Records that Envoy opened an ORCA stream for the worker `hostname`.
+    pub fn orca_opened(&self, hostname: &str) {
+        self.orca_lock()
+            .entry(hostname.to_owned())
+            .or_default()
+            .open += 1;
+    }
+
+    /// Records that an ORCA stream of `hostname` ended; the worker's entry goes once its last stream
+    /// ends and it is no longer registered.
+    pub fn orca_closed(&self, hostname: &str) {
+        let registered = self.find_hostname(hostname).is_some();
+        let mut orca = self.orca_lock();
+        if let Some(streams) = orca.get_mut(hostname) {
+            streams.open = streams.open.saturating_sub(1);
+            if streams.open == 0 && !registered {
+                orca.remove(hostname);
+            }
+        }
+    }
+
+    /// Records a report sent for `hostname`.
+    pub fn orca_reported(&self, hostname: &str, report: ReportSummary) {
+        let mut orca = self.orca_lock();
+        let streams = orca.entry(hostname.to_owned()).or_default();
+        streams.reports += 1;
+        streams.last_report = Some(report);
+    }
+
+    /// The ORCA streams of every worker that has or had one.
+    pub fn orca_streams(&self) -> OrcaByHostname {
+        self.orca_lock().clone()
+    }
+
+    /// The registered worker with this hostname.
+    pub fn find_hostname(&self, hostname: &str) -> Option<Worker> {
+        self.snapshot()
+            .services
+            .values()
+            .flat_map(|view| view.workers.values())
+            .find(|worker| worker.hostname == hostname)
+            .cloned()
+    }
+
+    fn orca_lock(&self) -> std::sync::MutexGuard<'_, OrcaByHostname> {
+        self.orca.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A receiver that sees every published snapshot (at least the latest).

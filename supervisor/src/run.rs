@@ -5,17 +5,27 @@
 //! worker starts), xDS, the workers, then the sampling loop. Order of stop: workers (SIGTERM, then
 //! SIGKILL after a deadline), then the sampler and xDS, then the registration socket file is removed.
 
-use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeSet,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+use peregrine_worker::url::BindUrl;
 
 use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
 
 use crate::{
     config::{Config, SamplerSetting},
     manager::{self, Children},
+    orca::OrcaService,
     registration,
     registry::Registry,
     sampler::{self, Counters, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
-    xds,
+    xds::{self, resources::OrcaPolicy},
 };
 
 /// How long a stopping worker may take before it is killed.
@@ -45,6 +55,23 @@ pub enum RunError {
     /// The request counter region could not be created.
     #[error("cannot create the request counter region")]
     Counters(#[source] io::Error),
+    /// An address Envoy's ORCA streams need could not be bound.
+    #[error(
+        "cannot listen on {addr} for ORCA: the workers of {services} listen on {ip}, and Envoy opens \
+         their ORCA streams to that IP with the gRPC port; free the port, set supervisor.bind to an \
+         address that covers {ip} (e.g. [::]:{port}), or set orca = false for those services",
+        ip = addr.ip(),
+        port = addr.port()
+    )]
+    OrcaBind {
+        /// The address.
+        addr: SocketAddr,
+        /// The services with ORCA on.
+        services: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signals(#[source] io::Error),
@@ -163,6 +190,19 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     if !bind.ip().is_loopback() {
         tracing::warn!(%bound, "The gRPC port is reachable from other hosts: supervisor.bind is not loopback");
     }
+    let orca = orca_services(&config, sources.sched.is_some());
+    let mut listeners = vec![grpc];
+    for addr in orca_listen_addresses(&config, &orca, bound) {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::OrcaBind {
+                addr,
+                services: orca.iter().cloned().collect::<Vec<_>>().join(", "),
+                source,
+            })?;
+        tracing::info!(%addr, "Listening for ORCA streams to workers on this address family too");
+        listeners.push(listener);
+    }
     let mut sigterm =
         tokio::signal::unix::signal(SignalKind::terminate()).map_err(RunError::Signals)?;
     let mut sigint =
@@ -180,10 +220,13 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
+    let orca_service = (!orca.is_empty())
+        .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
     let mut xds_task = tokio::spawn(xds::serve(
-        grpc,
+        listeners,
         registry.subscribe(),
-        xds_options(&config),
+        xds_options(&config, &orca, bound.port()),
+        orca_service,
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), "Supervisor running");
@@ -235,11 +278,82 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     Ok(())
 }
 
-fn xds_options(config: &Config) -> xds::XdsOptions {
+fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsOptions {
+    let policy = OrcaPolicy {
+        port,
+        reporting_period: config.supervisor.sample_interval,
+        blackout_period: config.orca.blackout_period,
+        weight_expiration_period: config.orca.weight_expiration_period,
+        weight_update_period: config.orca.weight_update_period,
+    };
     xds::XdsOptions {
         xds_cluster_name: config.supervisor.xds_cluster.clone(),
+        orca: orca.iter().map(|name| (name.clone(), policy)).collect(),
         ..xds::XdsOptions::default()
     }
+}
+
+/// The services balanced on ORCA reports: those with `orca` on, when a sampler runs (without one
+/// there is nothing to report, and the services get round robin).
+fn orca_services(config: &Config, sampling: bool) -> BTreeSet<String> {
+    let wanted: BTreeSet<String> = config
+        .services
+        .values()
+        .filter(|s| s.orca)
+        .map(|s| s.name.clone())
+        .collect();
+    if !sampling && !wanted.is_empty() {
+        tracing::warn!(
+            services = ?wanted,
+            "sampler = \"off\": no load to report, so these services get round robin instead of ORCA-weighted round robin"
+        );
+        return BTreeSet::new();
+    }
+    wanted
+}
+
+/// The addresses, besides `bound`, where the supervisor must also listen so that Envoy's ORCA streams
+/// reach it: Envoy dials each worker's IP with the supervisor's port, so every IP the `orca` services'
+/// workers bind must be covered. `bound` covers its own IP; `[::]` covers every IPv6 and (dual stack)
+/// IPv4 address, `0.0.0.0` every IPv4 one.
+pub fn orca_listen_addresses(
+    config: &Config,
+    orca: &BTreeSet<String>,
+    bound: SocketAddr,
+) -> Vec<SocketAddr> {
+    let mut ips = BTreeSet::new();
+    for service in config.services.values().filter(|s| orca.contains(&s.name)) {
+        if let BindUrl::Tcp { host, .. } = service.url_for(0) {
+            ips.extend(worker_ips(&host));
+        }
+    }
+    let covers = |ip: &IpAddr| {
+        *ip == bound.ip()
+            || match bound.ip() {
+                IpAddr::V6(v6) if v6.is_unspecified() => true,
+                IpAddr::V4(v4) if v4.is_unspecified() => ip.is_ipv4(),
+                _ => false,
+            }
+    };
+    ips.into_iter()
+        .filter(|ip| !covers(ip))
+        .map(|ip| SocketAddr::new(ip, bound.port()))
+        .collect()
+}
+
+/// The IPs a worker bound to `host` listens on (as the worker resolves it: `localhost` is both
+/// loopback addresses).
+fn worker_ips(host: &str) -> Vec<IpAddr> {
+    if host.eq_ignore_ascii_case("localhost") {
+        return vec![Ipv6Addr::LOCALHOST.into(), Ipv4Addr::LOCALHOST.into()];
+    }
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return vec![ip];
+    }
+    (host, 0)
+        .to_socket_addrs()
+        .map(|addrs| addrs.map(|a| a.ip()).collect())
+        .unwrap_or_default()
 }
 
 /// Removes the registration socket file when the supervisor stops.

@@ -26,13 +26,18 @@ use peregrine_proto::{
 };
 use serde::Serialize;
 
-use crate::registry::{Loads, Slots, Snapshot, WorkerLoad};
+use crate::registry::{Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot, WorkerLoad};
 
 /// How long [`query`] waits for the supervisor at each step.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The status answer for the registry's current state.
-pub fn report(snapshot: &Snapshot, slots: &Slots, loads: &Loads) -> v1::Status {
+pub fn report(
+    snapshot: &Snapshot,
+    slots: &Slots,
+    loads: &Loads,
+    orca: &OrcaByHostname,
+) -> v1::Status {
     // Every slot the manager runs, and every registered worker (they are the same slots in practice).
     let mut rows: BTreeMap<(&str, u32), v1::WorkerStatus> = BTreeMap::new();
     for (service, index, status) in slots.iter() {
@@ -53,6 +58,7 @@ pub fn report(snapshot: &Snapshot, slots: &Slots, loads: &Loads) -> v1::Status {
                 .get(service, *index)
                 .filter(|load| load.pid == worker.pid)
                 .map(load_message);
+            row.orca = orca.get(&worker.hostname).map(orca_message);
         }
     }
     let (sampler, sample_interval_ms) = match loads.sampler {
@@ -74,6 +80,23 @@ pub fn report(snapshot: &Snapshot, slots: &Slots, loads: &Loads) -> v1::Status {
             })
             .collect(),
     }
+}
+
+fn orca_message(streams: &OrcaStreams) -> v1::Orca {
+    let last = streams.last_report.as_ref();
+    v1::Orca {
+        open_streams: streams.open,
+        reports: streams.reports,
+        last_cpu_utilization: last.map(|r| r.cpu_utilization),
+        last_application_utilization: last.map(|r| r.application_utilization),
+        last_rps_fractional: last.map(|r| r.rps_fractional),
+        last_sent_unix_ms: last.map_or(0, |r| unix_ms(r.sent_at)),
+    }
+}
+
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn load_message(load: &WorkerLoad) -> v1::Load {
@@ -223,6 +246,25 @@ pub struct WorkerRow {
     pub requests_total: Option<u64>,
     /// When the load was sampled, in milliseconds since the Unix epoch.
     pub sampled_at_unix_ms: Option<u64>,
+    /// ORCA streams Envoy holds open for this worker (`null`: Envoy never opened one).
+    pub orca_streams: Option<u32>,
+    /// ORCA reports sent for this worker.
+    pub orca_reports: Option<u64>,
+    /// The last ORCA report sent, `null` before the first.
+    pub orca_last_report: Option<OrcaReportView>,
+}
+
+/// An ORCA report as sent to Envoy.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OrcaReportView {
+    /// `cpu_utilization`.
+    pub cpu_utilization: f64,
+    /// `application_utilization` (what Envoy weighs by).
+    pub application_utilization: f64,
+    /// `rps_fractional`.
+    pub rps_fractional: f64,
+    /// When it was sent, in milliseconds since the Unix epoch.
+    pub sent_at_unix_ms: u64,
 }
 
 impl From<v1::Status> for StatusView {
@@ -253,6 +295,16 @@ impl From<v1::WorkerStatus> for WorkerRow {
             runq_wait_seconds_total: load.map(|l| l.runq_wait_seconds_total),
             requests_total: load.map(|l| l.requests_total),
             sampled_at_unix_ms: load.map(|l| l.sampled_at_unix_ms),
+            orca_streams: row.orca.as_ref().map(|o| o.open_streams),
+            orca_reports: row.orca.as_ref().map(|o| o.reports),
+            orca_last_report: row.orca.as_ref().and_then(|o| {
+                Some(OrcaReportView {
+                    cpu_utilization: o.last_cpu_utilization?,
+                    application_utilization: o.last_application_utilization?,
+                    rps_fractional: o.last_rps_fractional?,
+                    sent_at_unix_ms: o.last_sent_unix_ms,
+                })
+            }),
         }
     }
 }
@@ -274,13 +326,14 @@ impl StatusView {
             "RUNQ WAIT",
             "REQ/S",
             "REQUESTS",
+            "ORCA",
             "RESTARTS",
         ];
         let dash = || "-".to_owned();
         let fixed = |value: Option<f64>, places: usize| {
             value.map_or_else(dash, |v| format!("{v:.places$}"))
         };
-        let rows: Vec<[String; 9]> = self
+        let rows: Vec<[String; 10]> = self
             .workers
             .iter()
             .map(|w| {
@@ -297,6 +350,12 @@ impl StatusView {
                     fixed(w.runq_wait_cores, 2),
                     fixed(w.requests_per_second, 1),
                     w.requests_total.map_or_else(dash, |r| r.to_string()),
+                    // Open ORCA streams, and the utilization Envoy weighs the worker by.
+                    match (w.orca_streams, &w.orca_last_report) {
+                        (Some(n), Some(r)) => format!("{n}@{:.2}", r.application_utilization),
+                        (Some(n), None) => n.to_string(),
+                        (None, _) => dash(),
+                    },
                     w.restarts.to_string(),
                 ]
             })
@@ -308,7 +367,9 @@ impl StatusView {
             }
         }
         // Text columns (service, addresses) align left, numbers right.
-        let left = [true, false, false, true, false, false, false, false, false];
+        let left = [
+            true, false, false, true, false, false, false, false, false, false,
+        ];
         let mut line = |cells: &[&str]| {
             let mut text = String::new();
             for (i, cell) in cells.iter().enumerate() {
@@ -388,13 +449,28 @@ mod tests {
             // The api load belongs to an earlier instance of the slot: it must not show.
             [load("web", 0, 100, true), load("api", 1, 299, true)],
         ));
+        registry.orca_opened("web-0-100");
+        registry.orca_reported(
+            "web-0-100",
+            crate::registry::ReportSummary {
+                cpu_utilization: 0.256,
+                application_utilization: 0.266,
+                rps_fractional: 12.3,
+                sent_at: SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1),
+            },
+        );
         registry
     }
 
     #[test]
     fn a_report_has_a_row_per_slot_and_loads_only_with_their_own_worker() {
         let registry = registry();
-        let status = report(&registry.snapshot(), &registry.slots(), &registry.loads());
+        let status = report(
+            &registry.snapshot(),
+            &registry.slots(),
+            &registry.loads(),
+            &registry.orca_streams(),
+        );
         assert_eq!(
             (status.sampler.as_str(), status.sample_interval_ms),
             ("procfs", 250)
@@ -437,14 +513,15 @@ mod tests {
             &registry.snapshot(),
             &registry.slots(),
             &registry.loads(),
+            &registry.orca_streams(),
         ));
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
-SERVICE  WORKER  PID  ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS  RESTARTS
-api           1  300  unix:/run/api-1.sock          -          -      -         -         2
-web           0  100  [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42         0
-web           1    -  -                             -          -      -         -         7
+SERVICE  WORKER  PID  ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
+api           1  300  unix:/run/api-1.sock          -          -      -         -       -         2
+web           0  100  [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0
+web           1    -  -                             -          -      -         -       -         7
 ";
         assert_eq!(table, expected, "\n{table}");
     }
@@ -456,6 +533,7 @@ web           1    -  -                             -          -      -         
             &registry.snapshot(),
             &registry.slots(),
             &registry.loads(),
+            &registry.orca_streams(),
         ));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["sampler"], "procfs");
@@ -466,11 +544,22 @@ web           1    -  -                             -          -      -         
         assert!(json["workers"][2]["pid"].is_null());
         assert!(json["workers"][2]["hostname"].is_null());
         assert!(json["workers"][0]["requests_total"].is_null());
+        assert_eq!(json["workers"][1]["orca_streams"], 1);
+        assert_eq!(json["workers"][1]["orca_reports"], 1);
+        assert_eq!(
+            json["workers"][1]["orca_last_report"]["application_utilization"],
+            0.266
+        );
+        assert_eq!(
+            json["workers"][1]["orca_last_report"]["sent_at_unix_ms"],
+            1000
+        );
+        assert!(json["workers"][0]["orca_streams"].is_null());
 
         let idle = StatusView::from(v1::Status::default());
         assert_eq!(
             idle.table(),
-            "sampler: not running\nSERVICE  WORKER  PID  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  RESTARTS\n"
+            "sampler: not running\nSERVICE  WORKER  PID  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
     }

@@ -12,7 +12,7 @@ pub mod cache;
 pub mod resources;
 pub mod transport;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, future::Future, sync::Arc, time::Duration};
 
 use envoy_types::pb::envoy::service::{
     cluster::v3::cluster_discovery_service_server::ClusterDiscoveryServiceServer,
@@ -25,10 +25,10 @@ use tonic::transport::{Server, server::Router};
 
 use self::{
     cache::{Cache, Resources},
-    resources::{ClusterOptions, EdsSource},
+    resources::{ClusterOptions, EdsSource, OrcaPolicy},
     transport::XdsService,
 };
-use crate::registry::Snapshot;
+use crate::{orca::OrcaService, registry::Snapshot};
 
 /// Options of the control plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,6 +38,8 @@ pub struct XdsOptions {
     pub xds_cluster_name: String,
     /// The connect timeout of every cluster; 1 s by default.
     pub connect_timeout: Duration,
+    /// Services balanced on ORCA reports, by name.
+    pub orca: BTreeMap<String, OrcaPolicy>,
 }
 
 impl Default for XdsOptions {
@@ -45,6 +47,7 @@ impl Default for XdsOptions {
         XdsOptions {
             xds_cluster_name: "xds_cluster".into(),
             connect_timeout: Duration::from_secs(1),
+            orca: BTreeMap::new(),
         }
     }
 }
@@ -57,6 +60,7 @@ impl XdsOptions {
             eds_source: EdsSource::Grpc {
                 xds_cluster: self.xds_cluster_name.clone(),
             },
+            orca: self.orca.clone(),
         }
     }
 }
@@ -91,25 +95,34 @@ pub fn router(resources: watch::Receiver<Arc<Resources>>) -> Router {
         .add_service(AggregatedDiscoveryServiceServer::new(service))
 }
 
-/// Serves CDS, EDS and ADS for `snapshots` on `listener` (HTTP/2) until `shutdown` completes.
+/// Serves CDS, EDS and ADS for `snapshots`, and ORCA when `orca` is given, on every one of `listeners`
+/// (HTTP/2) until `shutdown` completes.
 ///
 /// On shutdown the cache stops, which ends every open xDS stream, and the server then finishes
 /// gracefully. The returned future must be polled for the server to make progress.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     options: XdsOptions,
+    orca: Option<OrcaService>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), XdsError> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let resources = spawn_cache(snapshots, &options, async {
         let _ = stop_rx.await;
     });
-    if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "Serving xDS");
+    for listener in &listeners {
+        if let Ok(addr) = listener.local_addr() {
+            tracing::info!(%addr, orca = orca.is_some(), "Serving xDS");
+        }
     }
-    router(resources)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+    let incoming = futures::stream::select_all(listeners.into_iter().map(TcpListenerStream::new));
+    let mut router = router(resources);
+    if let Some(orca) = orca {
+        router = router.add_service(orca.into_server());
+    }
+    router
+        .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
             let _ = stop_tx.send(());
         })

@@ -68,9 +68,10 @@ fn follows_the_registry(test: &str, ads: bool) {
     let xds_addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = runtime.spawn(xds::serve(
-        listener,
+        vec![listener],
         registry.subscribe(),
         XdsOptions::default(),
+        None,
         async {
             let _ = stop_rx.await;
         },

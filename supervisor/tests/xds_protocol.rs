@@ -58,9 +58,10 @@ impl Server {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(xds::serve(
-            listener,
+            vec![listener],
             snapshots,
             XdsOptions::default(),
+            None,
             async {
                 let _ = rx.await;
             },

@@ -3,20 +3,25 @@
 //! Nothing here does IO, keeps state or knows about streams: the same service view always gives the
 //! same protos, so the builders are golden-tested and the cache can hash their encodings.
 
-use std::{collections::HashMap, path::Path, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+    time::Duration,
+};
 
 use envoy_types::pb::envoy::config::core::v3::Address as PbAddress;
 use envoy_types::pb::{
     envoy::{
         config::{
             cluster::v3::{
-                Cluster,
+                Cluster, LoadBalancingPolicy, OutlierDetection,
                 cluster::{ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbPolicy},
+                load_balancing_policy::Policy,
             },
             core::v3::{
                 AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
                 HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Pipe, SocketAddress,
-                address,
+                TypedExtensionConfig, address,
                 api_config_source::ApiType,
                 config_source::ConfigSourceSpecifier,
                 grpc_service::{EnvoyGrpc, TargetSpecifier},
@@ -27,6 +32,10 @@ use envoy_types::pb::{
                 endpoint::AdditionalAddress, lb_endpoint::HostIdentifier,
             },
         },
+        extensions::load_balancing_policies::{
+            client_side_weighted_round_robin::v3::ClientSideWeightedRoundRobin,
+            common::v3::OrcaOobReportingConfig,
+        },
         extensions::upstreams::http::v3::{
             HttpProtocolOptions,
             http_protocol_options::{
@@ -34,7 +43,7 @@ use envoy_types::pb::{
             },
         },
     },
-    google::protobuf::{Any, Duration as PbDuration},
+    google::protobuf::{Any, BoolValue, Duration as PbDuration, UInt32Value},
 };
 use prost::Name;
 
@@ -61,6 +70,9 @@ pub enum EdsSource {
     Ads,
 }
 
+/// The name of Envoy's client-side weighted round robin policy.
+pub const CSWRR_POLICY: &str = "envoy.load_balancing_policies.client_side_weighted_round_robin";
+
 /// Options shared by every cluster built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterOptions {
@@ -68,6 +80,8 @@ pub struct ClusterOptions {
     pub connect_timeout: Duration,
     /// Where endpoints come from; a dedicated stream to `xds_cluster` by default.
     pub eds_source: EdsSource,
+    /// Services balanced by their workers' ORCA load reports, by name; the others get round robin.
+    pub orca: BTreeMap<String, OrcaPolicy>,
 }
 
 impl Default for ClusterOptions {
@@ -77,12 +91,68 @@ impl Default for ClusterOptions {
             eds_source: EdsSource::Grpc {
                 xds_cluster: "xds_cluster".into(),
             },
+            orca: BTreeMap::new(),
         }
     }
 }
 
-/// The EDS cluster for service `name`: round robin, endpoints over `options.eds_source`, HTTP/2 upstream
-/// when every registered worker speaks it (and there is at least one), else HTTP/1.1.
+/// Client-side weighted round robin fed by out-of-band ORCA reports from this supervisor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OrcaPolicy {
+    /// The supervisor's gRPC port: Envoy opens each worker's ORCA stream to the worker's IP and this
+    /// port (`oob_reporting_config.port_value`).
+    pub port: u16,
+    /// The report interval Envoy asks for (`oob_reporting_period`): the sample interval.
+    pub reporting_period: Duration,
+    /// `blackout_period`.
+    pub blackout_period: Duration,
+    /// `weight_expiration_period`.
+    pub weight_expiration_period: Duration,
+    /// `weight_update_period`.
+    pub weight_update_period: Duration,
+}
+
+/// The cluster's `load_balancing_policy` for `orca`: CSWRR with out-of-band reports.
+fn cswrr(orca: &OrcaPolicy) -> LoadBalancingPolicy {
+    let config = ClientSideWeightedRoundRobin {
+        enable_oob_load_report: Some(BoolValue { value: true }),
+        oob_reporting_period: Some(duration(orca.reporting_period)),
+        blackout_period: Some(duration(orca.blackout_period)),
+        weight_expiration_period: Some(duration(orca.weight_expiration_period)),
+        weight_update_period: Some(duration(orca.weight_update_period)),
+        oob_reporting_config: Some(OrcaOobReportingConfig {
+            port_value: u32::from(orca.port),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    LoadBalancingPolicy {
+        policies: vec![Policy {
+            typed_extension_config: Some(TypedExtensionConfig {
+                name: CSWRR_POLICY.into(),
+                typed_config: Some(pack(&config)),
+            }),
+        }],
+    }
+}
+
+/// Outlier detection for load-balanced clusters: a worker that stops answering is ejected. Under
+/// CSWRR a worker whose ORCA reports stop keeps a median weight, so reports are no health signal;
+/// five consecutive errors (5xx or connection failures, which count as 5xx here) eject a worker for
+/// 5 s and longer each time, never more than half of a service's workers at once.
+fn outlier_detection() -> OutlierDetection {
+    OutlierDetection {
+        consecutive_5xx: Some(UInt32Value { value: 5 }),
+        interval: Some(duration(Duration::from_secs(1))),
+        base_ejection_time: Some(duration(Duration::from_secs(5))),
+        max_ejection_percent: Some(UInt32Value { value: 50 }),
+        ..Default::default()
+    }
+}
+
+/// The EDS cluster for service `name`: client-side weighted round robin on ORCA reports (with outlier
+/// detection) when `options.orca` names it, else round robin; endpoints over `options.eds_source`;
+/// HTTP/2 upstream when every registered worker speaks it (and there is at least one), else HTTP/1.1.
 pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) -> Cluster {
     let http2 = !view.workers.is_empty()
         && view
@@ -111,6 +181,8 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
         }),
         connect_timeout: Some(duration(options.connect_timeout)),
         lb_policy: LbPolicy::RoundRobin as i32,
+        load_balancing_policy: options.orca.get(name).map(cswrr),
+        outlier_detection: options.orca.contains_key(name).then(outlier_detection),
         // One entry only: prost encodes a map in its iteration order, and the cache versions
         // resources by their encoding, so a second entry would make versions flap.
         typed_extension_protocol_options: HashMap::from([(
@@ -312,10 +384,60 @@ mod tests {
     }
 
     #[test]
+    fn orca_services_get_cswrr_with_oob_reports_and_outlier_detection() {
+        let policy = OrcaPolicy {
+            port: 18000,
+            reporting_period: Duration::from_millis(500),
+            blackout_period: Duration::from_secs(2),
+            weight_expiration_period: Duration::from_secs(30),
+            weight_update_period: Duration::from_millis(500),
+        };
+        let options = ClusterOptions {
+            orca: BTreeMap::from([("web".to_string(), policy)]),
+            ..ClusterOptions::default()
+        };
+        let cluster = make_cluster("web", &ServiceView::default(), &options);
+        let policies = cluster.load_balancing_policy.expect("a policy").policies;
+        assert_eq!(policies.len(), 1);
+        let typed = policies[0].typed_extension_config.as_ref().unwrap();
+        assert_eq!(typed.name, CSWRR_POLICY);
+        let any = typed.typed_config.as_ref().unwrap();
+        assert_eq!(
+            any.type_url,
+            "type.googleapis.com/envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin"
+        );
+        let config = ClientSideWeightedRoundRobin::decode(any.value.as_slice()).unwrap();
+        assert_eq!(
+            config.enable_oob_load_report,
+            Some(BoolValue { value: true })
+        );
+        assert_eq!(
+            config.oob_reporting_period,
+            Some(duration(Duration::from_millis(500)))
+        );
+        assert_eq!(
+            config.blackout_period,
+            Some(duration(Duration::from_secs(2)))
+        );
+        assert_eq!(config.oob_reporting_config.unwrap().port_value, 18000);
+        let outliers = cluster.outlier_detection.expect("outlier detection");
+        assert_eq!(outliers.consecutive_5xx, Some(UInt32Value { value: 5 }));
+        assert_eq!(
+            outliers.max_ejection_percent,
+            Some(UInt32Value { value: 50 })
+        );
+
+        let plain = make_cluster("api", &ServiceView::default(), &options);
+        assert_eq!(plain.load_balancing_policy, None, "round robin");
+        assert_eq!(plain.outlier_detection, None);
+    }
+
+    #[test]
     fn cluster_over_ads_with_custom_timeout() {
         let options = ClusterOptions {
             connect_timeout: Duration::from_millis(250),
             eds_source: EdsSource::Ads,
+            orca: BTreeMap::new(),
         };
         let cluster = make_cluster("web", &ServiceView::default(), &options);
         let source = cluster.eds_cluster_config.unwrap().eds_config.unwrap();

@@ -1,0 +1,385 @@
+//! ORCA out-of-band load reports: `xds.service.orca.v3.OpenRcaService/StreamCoreMetrics` on the
+//! supervisor's gRPC port, one stream per worker, so that Envoy's client-side weighted round robin
+//! sends more requests to workers with spare capacity.
+//!
+//! Envoy opens one stream per endpoint, to the endpoint's IP and the supervisor's port, with
+//! `:authority` set to the endpoint's EDS hostname (unique per worker instance): that is how one
+//! service here tells every worker's stream apart ([`WithAuthority`] hands the authority to the
+//! handler). A stream reports the worker's latest sample from the registry's loads (see
+//! [`report_for`] for what each field means), first as soon as a real sample exists, then every
+//! report interval (Envoy's request, never below the configured floor), and ends with OK when the
+//! worker leaves the registry. An authority that names no worker gets NOT_FOUND, which Envoy retries
+//! with backoff (UNIMPLEMENTED would disable ORCA for that host until the next CDS change).
+//!
+//! Invariant: reads the registry (snapshot and loads) and records its streams there; never writes
+//! endpoints.
+
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, SystemTime},
+};
+
+use peregrine_proto::xds::{
+    data::orca::v3::OrcaLoadReport,
+    service::orca::v3::{
+        OrcaLoadReportRequest,
+        open_rca_service_server::{OpenRcaService, OpenRcaServiceServer},
+    },
+};
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, wrappers::ReceiverStream};
+use tonic::{
+    Request, Response, Status,
+    codegen::{Service, http},
+    server::NamedService,
+};
+
+use crate::registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad};
+
+/// The smallest utilization reported: Envoy treats 0 as an error and keeps the old weight.
+pub const MIN_UTILIZATION: f64 = 0.001;
+/// Below this many requests per second a worker counts as idle.
+pub const IDLE_RPS: f64 = 0.01;
+
+/// The ORCA service.
+#[derive(Clone, Debug)]
+pub struct OrcaService {
+    registry: Arc<Registry>,
+    min_interval: Duration,
+}
+
+impl OrcaService {
+    /// Reports from `registry`'s loads, never more often than every `min_interval`.
+    pub fn new(registry: Arc<Registry>, min_interval: Duration) -> Self {
+        OrcaService {
+            registry,
+            min_interval,
+        }
+    }
+
+    /// The service, wrapped to learn each stream's `:authority`, ready for a tonic router.
+    pub fn into_server(self) -> WithAuthority<OpenRcaServiceServer<OrcaService>> {
+        WithAuthority(OpenRcaServiceServer::new(self))
+    }
+}
+
+/// The `:authority` of a request (the worker's hostname, for ORCA streams).
+#[derive(Clone, Debug)]
+struct Authority(String);
+
+/// Hands a request's `:authority` (or `Host`) to the gRPC handler as a request extension; tonic does
+/// not expose the URI otherwise.
+#[derive(Clone, Debug)]
+pub struct WithAuthority<S>(S);
+
+impl<S, B> Service<http::Request<B>> for WithAuthority<S>
+where
+    S: Service<http::Request<B>, Error = Infallible>,
+{
+    type Response = S::Response;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let authority = request
+            .uri()
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .or_else(|| {
+                request
+                    .headers()
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_owned)
+            });
+        if let Some(authority) = authority {
+            request.extensions_mut().insert(Authority(authority));
+        }
+        self.0.call(request)
+    }
+}
+
+impl<S: NamedService> NamedService for WithAuthority<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+type ReportStream = Pin<Box<dyn Stream<Item = Result<OrcaLoadReport, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl OpenRcaService for OrcaService {
+    type StreamCoreMetricsStream = ReportStream;
+
+    async fn stream_core_metrics(
+        &self,
+        request: Request<OrcaLoadReportRequest>,
+    ) -> Result<Response<ReportStream>, Status> {
+        let Some(Authority(authority)) = request.extensions().get::<Authority>().cloned() else {
+            return Err(Status::not_found(
+                "no :authority: Envoy sets it to the worker's EDS hostname",
+            ));
+        };
+        let Some(worker) = self.registry.find_hostname(&authority) else {
+            tracing::debug!(%authority, "ORCA stream for no registered worker");
+            return Err(Status::not_found(format!(
+                "no registered worker has hostname {authority}"
+            )));
+        };
+        let asked = request
+            .get_ref()
+            .report_interval
+            .as_ref()
+            .map(|d| {
+                Duration::from_secs(u64::try_from(d.seconds).unwrap_or(0))
+                    + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
+            })
+            .unwrap_or_default();
+        let interval = asked.max(self.min_interval);
+        tracing::info!(hostname = %authority, ?interval, "ORCA stream opened");
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Marks a stream closed in the registry however the loop ends.
+struct OpenStream<'a> {
+    registry: &'a Registry,
+    hostname: &'a str,
+}
+
+impl Drop for OpenStream<'_> {
+    fn drop(&mut self) {
+        self.registry.orca_closed(self.hostname);
+        tracing::info!(hostname = %self.hostname, "ORCA stream closed");
+    }
+}
+
+/// Sends `worker`'s reports on `tx`: the first once a real sample exists, then one per `interval`,
+/// until the worker leaves the registry (the stream then ends with OK) or Envoy goes away.
+async fn report_loop(
+    registry: Arc<Registry>,
+    worker: Worker,
+    interval: Duration,
+    tx: mpsc::Sender<Result<OrcaLoadReport, Status>>,
+) {
+    registry.orca_opened(&worker.hostname);
+    let _open = OpenStream {
+        registry: &registry,
+        hostname: &worker.hostname,
+    };
+    let mut loads = registry.subscribe_loads();
+    let mut snapshots = registry.subscribe();
+    let registered = |registry: &Registry| registry.find_hostname(&worker.hostname).is_some();
+
+    // The first report as soon as there is a real sample (rates need two readings).
+    loop {
+        let current = loads.borrow_and_update().clone();
+        if let Some(report) = report_for(&current, &worker) {
+            if !send(&registry, &worker, &tx, report).await {
+                return;
+            }
+            break;
+        }
+        tokio::select! {
+            changed = loads.changed() => if changed.is_err() { return },
+            changed = snapshots.changed() => {
+                if changed.is_err() || !registered(&registry) { return }
+            }
+            () = tx.closed() => return,
+        }
+    }
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                if !registered(&registry) {
+                    return;
+                }
+                let current = loads.borrow_and_update().clone();
+                if let Some(report) = report_for(&current, &worker)
+                    && !send(&registry, &worker, &tx, report).await
+                {
+                    return;
+                }
+            }
+            changed = snapshots.changed() => {
+                if changed.is_err() || !registered(&registry) { return }
+            }
+            () = tx.closed() => return,
+        }
+    }
+}
+
+async fn send(
+    registry: &Registry,
+    worker: &Worker,
+    tx: &mpsc::Sender<Result<OrcaLoadReport, Status>>,
+    report: OrcaLoadReport,
+) -> bool {
+    let summary = ReportSummary {
+        cpu_utilization: report.cpu_utilization,
+        application_utilization: report.application_utilization,
+        rps_fractional: report.rps_fractional,
+        sent_at: SystemTime::now(),
+    };
+    if tx.send(Ok(report)).await.is_err() {
+        return false;
+    }
+    registry.orca_reported(&worker.hostname, summary);
+    true
+}
+
+/// The report for `worker` from `loads`, or `None` while it has no real sample (only a baseline, or
+/// none). Every field Envoy reads is positive, so no report is an error to Envoy or encodes empty.
+///
+/// - `cpu_utilization`: the worker's on-CPU time per second of wall time, in cores (all its threads).
+/// - `application_utilization`: (on-CPU + run-queue wait) per second of wall time. Envoy prefers it
+///   over `cpu_utilization`. A worker starved by a noisy neighbour on its core waits for the CPU
+///   instead of running: its CPU time alone would look low and draw *more* traffic; the time it waits
+///   shows it is saturated.
+/// - `rps_fractional`: requests per second over the last sample interval.
+///
+/// Envoy's weight is `rps_fractional / utilization`. A worker that served nothing in the last
+/// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
+/// weight), so it reports the mean rate of its busy peers and a utilization of at most half the lowest
+/// peer's: Envoy then weighs it at least twice the best busy peer, it draws traffic, and its next
+/// report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
+/// are at least [`MIN_UTILIZATION`].
+pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
+    let load = loads.by_pid(worker.pid)?;
+    let cpu = load.cpu_cores?;
+    let rps = load.requests_per_second?;
+    let wait = load.runq_wait_cores.unwrap_or(0.0);
+    let application = cpu + wait;
+    let (rps, application) = if rps >= IDLE_RPS {
+        (rps, application)
+    } else {
+        let busy: Vec<&WorkerLoad> = loads
+            .iter()
+            .filter(|peer| peer.service == load.service && peer.pid != load.pid)
+            .filter(|peer| peer.requests_per_second.is_some_and(|r| r >= IDLE_RPS))
+            .collect();
+        if busy.is_empty() {
+            (1.0, application)
+        } else {
+            let mean_rps = busy
+                .iter()
+                .filter_map(|p| p.requests_per_second)
+                .sum::<f64>()
+                / busy.len() as f64;
+            let lowest = busy
+                .iter()
+                .map(|p| p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0))
+                .fold(f64::INFINITY, f64::min);
+            (mean_rps, application.min(lowest / 2.0))
+        }
+    };
+    Some(OrcaLoadReport {
+        cpu_utilization: cpu.max(MIN_UTILIZATION),
+        application_utilization: application.max(MIN_UTILIZATION),
+        rps_fractional: rps,
+        ..Default::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Address, Protocol};
+
+    fn worker(pid: u32) -> Worker {
+        Worker::ready(
+            "web",
+            pid % 10,
+            pid,
+            vec![Protocol::Http1],
+            vec![Address::Tcp(([127, 0, 0, 1], 8000).into())],
+        )
+    }
+
+    fn load(pid: u32, cpu: Option<f64>, wait: f64, rps: Option<f64>) -> WorkerLoad {
+        WorkerLoad {
+            service: "web".into(),
+            index: pid % 10,
+            pid,
+            cpu_cores: cpu,
+            runq_wait_cores: cpu.map(|_| wait),
+            requests_per_second: rps,
+            cpu_seconds_total: 1.0,
+            runq_wait_seconds_total: 0.0,
+            requests_total: 10,
+            sampled_at: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    fn loads(workers: Vec<WorkerLoad>) -> Loads {
+        Loads::new(None, workers)
+    }
+
+    #[test]
+    fn no_report_before_a_real_sample() {
+        let l = loads(vec![load(1, None, 0.0, None)]);
+        assert_eq!(report_for(&l, &worker(1)), None);
+        assert_eq!(report_for(&loads(vec![]), &worker(1)), None);
+    }
+
+    #[test]
+    fn a_busy_worker_reports_cpu_wait_and_rate() {
+        let r = report_for(
+            &loads(vec![load(1, Some(0.4), 0.3, Some(250.0))]),
+            &worker(1),
+        )
+        .unwrap();
+        assert_eq!(r.cpu_utilization, 0.4);
+        assert!((r.application_utilization - 0.7).abs() < 1e-9);
+        assert_eq!(r.rps_fractional, 250.0);
+    }
+
+    #[test]
+    fn a_starved_worker_weighs_less_than_its_twin_on_a_free_core() {
+        // Same rate and CPU per request; one waits for its core as long as it runs.
+        let l = loads(vec![
+            load(1, Some(0.4), 0.4, Some(100.0)),
+            load(2, Some(0.4), 0.0, Some(100.0)),
+        ]);
+        let weight = |pid| {
+            let r = report_for(&l, &worker(pid)).unwrap();
+            r.rps_fractional / r.application_utilization
+        };
+        assert!((weight(2) / weight(1) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_idle_worker_reports_its_peers_rate_and_at_least_twice_the_best_weight() {
+        let l = loads(vec![
+            load(1, Some(0.0), 0.0, Some(0.0)),
+            load(2, Some(0.5), 0.0, Some(100.0)),
+            load(3, Some(0.2), 0.0, Some(300.0)),
+        ]);
+        let r = report_for(&l, &worker(1)).unwrap();
+        assert_eq!(r.rps_fractional, 200.0);
+        assert!(r.application_utilization > 0.0);
+        let best = 300.0 / 0.2;
+        assert!(r.rps_fractional / r.application_utilization >= 2.0 * best);
+        // Alone and idle: still positive fields, never an all-default (empty) report.
+        let alone =
+            report_for(&loads(vec![load(1, Some(0.0), 0.0, Some(0.0))]), &worker(1)).unwrap();
+        assert_eq!(alone.rps_fractional, 1.0);
+        assert_eq!(alone.cpu_utilization, MIN_UTILIZATION);
+        assert_eq!(alone.application_utilization, MIN_UTILIZATION);
+    }
+
+    #[test]
+    fn a_report_from_another_instance_in_the_slot_is_not_used() {
+        let l = loads(vec![load(2, Some(0.5), 0.0, Some(10.0))]);
+        assert_eq!(report_for(&l, &worker(1)), None);
+    }
+}

@@ -1,0 +1,269 @@
+//! ORCA load reports with the real Envoy: every worker's stream reports, Envoy computes weights from
+//! them, a restarted worker's stream moves to its new hostname, and under a CPU hog on one worker's
+//! core, client-side weighted round robin sends that worker a clearly smaller share than round robin.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    process::{Child, Command},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use peregrine_e2e::{
+    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get, peregrine_path,
+    try_wait_until, wait_until, worker_pid,
+};
+use serde_json::Value;
+
+/// The tests measure how Envoy spreads load: one at a time, so that one's hog is not the other's.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// `[supervisor]` sampling and `[orca]` settings that make weights apply within a few seconds.
+const FAST_ORCA: &str = "sample_interval_ms = 200\n";
+const ORCA_TABLE: &str = "\n[orca]\nblackout_period_ms = 1000\nweight_update_period_ms = 200\n";
+
+fn config(services: &str) -> (String, SocketAddr) {
+    let listen = free_port();
+    let base = base_config(free_port(), listen, free_port()).replacen(
+        "[supervisor]\n",
+        &format!("[supervisor]\n{FAST_ORCA}"),
+        1,
+    );
+    (
+        format!("{base}{ORCA_TABLE}\n{services}"),
+        SocketAddr::from(([127, 0, 0, 1], listen)),
+    )
+}
+
+/// The `status --json` rows of `service`, by index.
+fn rows(supervisor: &Supervisor, service: &str) -> Option<BTreeMap<u64, Value>> {
+    let status = supervisor.status_json().ok()?;
+    Some(
+        status["workers"]
+            .as_array()?
+            .iter()
+            .filter(|row| row["service"] == service)
+            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row.clone()))
+            .collect(),
+    )
+}
+
+#[test]
+fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname() {
+    let Some(_envoy_binary) = envoy_or_skip("orca reports") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (config, _listen) = config("[service.web]\ncount = 2\nurl = \"http://localhost:0\"\n");
+    let supervisor = Supervisor::start(&config);
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+
+    // Every worker: a stream Envoy holds, and reports flowing.
+    let reporting = |rows: &BTreeMap<u64, Value>| {
+        rows.len() == 2
+            && rows.values().all(|row| {
+                row["orca_streams"].as_u64() >= Some(1) && row["orca_reports"].as_u64() >= Some(3)
+            })
+    };
+    let first = try_wait_until(
+        Duration::from_secs(30),
+        "ORCA reports for both workers",
+        || rows(&supervisor, "web").filter(reporting),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", supervisor.logs(), envoy.logs()));
+    let received = envoy
+        .stat("cluster.web.lb_orca_oob.reports_received")
+        .unwrap_or(0);
+    assert!(received >= 6, "Envoy received {received} reports");
+    assert_eq!(
+        envoy.stat("cluster.web.lb_orca_oob.stream_failures"),
+        Some(0),
+        "{}",
+        envoy.stats()
+    );
+    assert_eq!(
+        envoy.stat("cluster.web.lb_orca_oob.report_errors"),
+        Some(0),
+        "every report is valid to Envoy"
+    );
+    // Envoy weighs the hosts from the reports.
+    wait_until(Duration::from_secs(20), "weights from ORCA", || {
+        let hosts = hosts(&envoy.clusters(), "web");
+        (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(())
+    });
+
+    // Restart worker 0: its stream ends, one for the new hostname appears.
+    let old = &first[&0];
+    let (old_pid, old_hostname) = (old["pid"].as_u64().unwrap(), old["hostname"].clone());
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(old_pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let moved = try_wait_until(
+        Duration::from_secs(30),
+        "a stream for the new worker",
+        || {
+            let rows = rows(&supervisor, "web")?;
+            let row = rows.get(&0)?;
+            (row["pid"].as_u64().is_some_and(|p| p != old_pid)
+                && row["orca_streams"].as_u64() >= Some(1)
+                && row["orca_reports"].as_u64() >= Some(1))
+            .then(|| row.clone())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
+    assert_ne!(moved["hostname"], old_hostname);
+    let status = supervisor.status_json().unwrap();
+    assert!(
+        status["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|row| row["hostname"] != old_hostname),
+        "the old instance is gone: {status}"
+    );
+}
+
+/// A process spinning on `cpu`, killed on drop.
+struct Hog(Child);
+
+impl Hog {
+    fn on(cpu: u32) -> Hog {
+        Hog(Command::new("taskset")
+            .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
+            .spawn()
+            .expect("spawn a CPU hog"))
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Sends CPU-heavy requests to `path` from `clients` threads for `duration`; returns the requests
+/// answered per worker pid, and the failures.
+fn load(
+    listen: SocketAddr,
+    path: &str,
+    clients: usize,
+    duration: Duration,
+) -> (BTreeMap<u32, u64>, u64) {
+    let counts = Arc::new(Mutex::new((BTreeMap::new(), 0u64)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let (counts, stop, path) = (counts.clone(), stop.clone(), path.to_owned());
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let answer = http_get(listen, &path);
+                    let mut counts = counts.lock().unwrap();
+                    match answer
+                        .ok()
+                        .and_then(|(code, body)| (code == 200).then(|| worker_pid(&body)).flatten())
+                    {
+                        Some(pid) => *counts.0.entry(pid).or_insert(0) += 1,
+                        None => counts.1 += 1,
+                    }
+                }
+            })
+        })
+        .collect();
+    thread::sleep(duration);
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let counts = counts.lock().unwrap();
+    (counts.0.clone(), counts.1)
+}
+
+#[test]
+fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_robin() {
+    let Some(_envoy_binary) = envoy_or_skip("orca balance") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    // Two services with the same two workers, pinned: worker 0 to CPU 0 (where the hog will run),
+    // worker 1 to CPU 1. `cswrr` is balanced on ORCA reports, `rr` by round robin.
+    let peregrine = peregrine_path();
+    let service = |name: &str, orca: bool| {
+        format!(
+            "[service.{name}]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nprefix = \"/{name}\"\n\
+             orca = {orca}\ncommand = [\"taskset\", \"-c\", \"{{index}}\", \"{}\", \"worker\"]\n",
+            peregrine.display()
+        )
+    };
+    let (config, listen) = config(&format!(
+        "{}\n{}",
+        service("cswrr", true),
+        service("rr", false)
+    ));
+    let supervisor = Supervisor::start(&config);
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+    for path in ["/cswrr", "/rr"] {
+        wait_until(Duration::from_secs(30), "both services answer", || {
+            http_get(listen, path).ok().filter(|(code, _)| *code == 200)
+        });
+    }
+    let pid_on_cpu0 = |service: &str| {
+        rows(&supervisor, service).and_then(|rows| rows.get(&0)?["pid"].as_u64().map(|p| p as u32))
+    };
+    let (cswrr0, rr0) = (
+        try_wait_until(Duration::from_secs(30), "cswrr worker 0", || {
+            pid_on_cpu0("cswrr")
+        })
+        .unwrap(),
+        try_wait_until(Duration::from_secs(30), "rr worker 0", || pid_on_cpu0("rr")).unwrap(),
+    );
+
+    let _hog = Hog::on(0);
+    // Each request burns 4 ms of CPU; 4 clients keep both workers of a service busy. A warm-up lets
+    // the reports show the hog and Envoy's blackout period pass.
+    let path = |service: &str| format!("/{service}?cpu=4");
+    let (warm, _) = load(listen, &path("cswrr"), 4, Duration::from_secs(3));
+    assert!(!warm.is_empty(), "no answer during the warm-up");
+    let started = Instant::now();
+    let (cswrr, cswrr_failed) = load(listen, &path("cswrr"), 4, Duration::from_secs(5));
+    let (rr, rr_failed) = load(listen, &path("rr"), 4, Duration::from_secs(5));
+    let share = |counts: &BTreeMap<u32, u64>, pid: u32| {
+        counts.get(&pid).copied().unwrap_or(0) as f64 / counts.values().sum::<u64>().max(1) as f64
+    };
+    let (cswrr_share, rr_share) = (share(&cswrr, cswrr0), share(&rr, rr0));
+    eprintln!(
+        "hogged worker's share over {:.0?}: CSWRR {:.1}% ({cswrr:?}), round robin {:.1}% ({rr:?})\nweights: {:?}",
+        started.elapsed(),
+        cswrr_share * 100.0,
+        rr_share * 100.0,
+        hosts(&envoy.clusters(), "cswrr")
+            .iter()
+            .map(|h| (h.hostname.clone(), h.weight))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!((cswrr_failed, rr_failed), (0, 0), "no request failed");
+    // Round robin alternates: the hogged worker gets half. CSWRR weighs it by rate / (CPU + wait):
+    // waiting for its core as long as it runs, it weighs about half its peer, so about a third.
+    assert!(
+        (rr_share - 0.5).abs() < 0.05,
+        "round robin gave the hogged worker {:.1}%",
+        rr_share * 100.0
+    );
+    assert!(
+        cswrr_share < rr_share - 0.08,
+        "CSWRR gave the hogged worker {:.1}%, round robin {:.1}%",
+        cswrr_share * 100.0,
+        rr_share * 100.0
+    );
+}
