@@ -14,8 +14,9 @@ use serde_json::Value;
 /// the malformed stream (which h2 resets before the application could see it).
 const H2_CLIENT_REQUESTS: u64 = 51;
 
-/// The row of `web`'s worker 0 in a `status --json` answer.
-fn web_row(status: &Value) -> Value {
+/// The row of `web`'s worker 0 in a `status --json` answer; none before the slot's first worker
+/// started.
+fn web_row(status: &Value) -> Option<Value> {
     status["workers"]
         .as_array()
         .and_then(|rows| {
@@ -23,7 +24,6 @@ fn web_row(status: &Value) -> Value {
                 .find(|row| row["service"] == "web" && row["index"] == 0)
         })
         .cloned()
-        .unwrap_or_else(|| panic!("no row for web[0]: {status}"))
 }
 
 /// `status --json` until `ready` accepts `web`'s row; returns that row.
@@ -31,7 +31,7 @@ fn web_row(status: &Value) -> Value {
 fn wait_for_row(supervisor: &Supervisor, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
     let mut last = Value::Null;
     let found = try_wait_until(Duration::from_secs(30), what, || {
-        last = web_row(&supervisor.status_json().ok()?);
+        last = web_row(&supervisor.status_json().ok()?)?;
         ready(&last).then(|| last.clone())
     });
     found.unwrap_or_else(|error| panic!("{error}; last row: {last}"))
