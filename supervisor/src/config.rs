@@ -178,9 +178,34 @@ pub struct ServiceConfig {
     /// The route's domains in the generated Envoy bootstrap.
     pub domains: Vec<String>,
     /// Whether Envoy balances this service by its workers' ORCA load reports (client-side weighted
-    /// round robin) rather than plain round robin. Default: on for IP urls; unix:// workers cannot be
+    /// round robin). Default: on for IP urls without an `lb_policy`; unix:// workers cannot be
     /// reached by ORCA streams.
     pub orca: bool,
+    /// How Envoy balances the service when `orca` is off; round robin by default.
+    pub lb_policy: LbPolicy,
+}
+
+/// `service.NAME.lb_policy`: Envoy's load balancer for a service that is not balanced on ORCA reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LbPolicy {
+    /// `"round_robin"`.
+    #[default]
+    RoundRobin,
+    /// `"least_request"`: the less loaded of two random workers, by active requests.
+    LeastRequest,
+    /// `"random"`.
+    Random,
+}
+
+impl LbPolicy {
+    /// The value as written in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LbPolicy::RoundRobin => "round_robin",
+            LbPolicy::LeastRequest => "least_request",
+            LbPolicy::Random => "random",
+        }
+    }
 }
 
 /// The program a worker runs.
@@ -329,6 +354,7 @@ struct RawService {
     prefix: Option<Spanned<String>>,
     domains: Option<Spanned<Vec<String>>>,
     orca: Option<Spanned<bool>>,
+    lb_policy: Option<Spanned<String>>,
 }
 
 /// Collects problems with their lines.
@@ -770,6 +796,41 @@ impl Checker<'_> {
             None => vec!["*".into()],
         };
         let unix = url.starts_with("unix:");
+        let lb_policy = raw.lb_policy.as_ref().map(|policy| {
+            let parsed = match policy.get_ref().as_str() {
+                "round_robin" => Some(LbPolicy::RoundRobin),
+                "least_request" => Some(LbPolicy::LeastRequest),
+                "random" => Some(LbPolicy::Random),
+                _ => None,
+            };
+            (parsed, policy.span())
+        });
+        if let Some((None, span)) = &lb_policy {
+            self.report(
+                Some(span.clone()),
+                key("lb_policy"),
+                format!(
+                    "expected \"round_robin\", \"least_request\" or \"random\", got {:?} (ORCA-weighted \
+                     round robin is orca = true, the default)",
+                    raw.lb_policy.as_ref().map_or("", |p| p.get_ref().as_str())
+                ),
+            );
+        }
+        if let (Some((Some(policy), _)), Some(orca)) = (&lb_policy, &raw.orca)
+            && *orca.get_ref()
+        {
+            self.report(
+                Some(orca.span()),
+                key("orca"),
+                format!(
+                    "orca = true balances on ORCA reports (client-side weighted round robin), which \
+                     replaces lb_policy = \"{}\": remove one of them",
+                    policy.as_str()
+                ),
+            );
+        }
+        let lb_policy_set = lb_policy.is_some();
+        let lb_policy = lb_policy.and_then(|(p, _)| p).unwrap_or_default();
         let orca = match raw.orca {
             Some(orca) if *orca.get_ref() && unix => {
                 self.report(
@@ -781,7 +842,7 @@ impl Checker<'_> {
                 false
             }
             Some(orca) => orca.into_inner(),
-            None => !unix,
+            None => !unix && !lb_policy_set,
         };
         ServiceConfig {
             name,
@@ -792,6 +853,7 @@ impl Checker<'_> {
             prefix,
             domains,
             orca,
+            lb_policy,
         }
     }
 }
@@ -877,6 +939,57 @@ mod tests {
             .iter()
             .map(ToString::to_string)
             .collect()
+    }
+
+    #[test]
+    fn orca_is_on_for_ip_workers_and_off_for_unix_ones_or_another_lb_policy() {
+        let config = parse(
+            "[service.a]\n[service.b]\nurl = \"unix:///run/b.sock\"\n\
+             [service.c]\nlb_policy = \"least_request\"\n[service.d]\norca = false\n",
+        )
+        .unwrap();
+        let orca = |name: &str| config.services[name].orca;
+        assert!(orca("a") && !orca("b") && !orca("c") && !orca("d"));
+        assert_eq!(config.services["c"].lb_policy, LbPolicy::LeastRequest);
+        assert_eq!(config.services["a"].lb_policy, LbPolicy::RoundRobin);
+        assert_eq!(
+            config.orca,
+            OrcaConfig::defaults_for(DEFAULT_SAMPLE_INTERVAL)
+        );
+    }
+
+    #[test]
+    fn orca_conflicts_and_bad_values_are_named_with_their_lines() {
+        let got = problems(
+            "[service.a]\nurl = \"unix:///run/a.sock\"\norca = true\n\
+             [service.b]\nlb_policy = \"random\"\norca = true\n\
+             [service.c]\nlb_policy = \"fastest\"\n",
+        );
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].starts_with("line 3: service.a.orca: ORCA cannot reach unix:// workers"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("line 6: service.b.orca: orca = true balances on ORCA reports")
+                && got[1].contains("lb_policy = \"random\""),
+            "{got:?}"
+        );
+        assert!(
+            got[2].starts_with("line 8: service.c.lb_policy: expected \"round_robin\""),
+            "{got:?}"
+        );
+        let got = problems(
+            "[orca]\nmin_report_interval_ms = 5\nblackout_period_ms = 40000\n[service.a]\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 2: orca.min_report_interval_ms: must be at least 10 (milliseconds), got 5",
+                "orca.weight_expiration_period_ms: must be longer than orca.blackout_period_ms \
+                 (40000 ms): a weight would expire before Envoy starts using it",
+            ]
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use peregrine_worker::url::BindUrl;
 use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
 
 use crate::{
-    config::{Config, SamplerSetting},
+    config::{self, Config, SamplerSetting},
     manager::{self, Children},
     orca::OrcaService,
     registration,
@@ -289,6 +289,18 @@ fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsO
     xds::XdsOptions {
         xds_cluster_name: config.supervisor.xds_cluster.clone(),
         orca: orca.iter().map(|name| (name.clone(), policy)).collect(),
+        lb_policies: config
+            .services
+            .values()
+            .map(|s| {
+                let policy = match s.lb_policy {
+                    config::LbPolicy::RoundRobin => xds::LbPolicy::RoundRobin,
+                    config::LbPolicy::LeastRequest => xds::LbPolicy::LeastRequest,
+                    config::LbPolicy::Random => xds::LbPolicy::Random,
+                };
+                (s.name.clone(), policy)
+            })
+            .collect(),
         ..xds::XdsOptions::default()
     }
 }
@@ -362,5 +374,51 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, path::Path};
+
+    use super::*;
+
+    fn config(source: &str) -> Config {
+        Config::parse(source, Path::new("/tmp"), &HashMap::new()).expect("a valid config")
+    }
+
+    fn addr(text: &str) -> SocketAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn orca_listens_on_every_worker_family_the_bind_address_misses() {
+        let config = config(
+            "[service.local]\nurl = \"http://localhost:0\"\n\
+             [service.v4]\nurl = \"http://127.0.0.2:0\"\n\
+             [service.sock]\nurl = \"unix:///run/s.sock\"\n",
+        );
+        let orca = orca_services(&config, true);
+        assert_eq!(orca, BTreeSet::from(["local".into(), "v4".into()]));
+        assert_eq!(
+            orca_listen_addresses(&config, &orca, addr("127.0.0.1:18000")),
+            [addr("127.0.0.2:18000"), addr("[::1]:18000")]
+        );
+        assert_eq!(
+            orca_listen_addresses(&config, &orca, addr("[::1]:18000")),
+            [addr("127.0.0.1:18000"), addr("127.0.0.2:18000")]
+        );
+        assert_eq!(
+            orca_listen_addresses(&config, &orca, addr("0.0.0.0:18000")),
+            [addr("[::1]:18000")]
+        );
+        assert!(orca_listen_addresses(&config, &orca, addr("[::]:18000")).is_empty());
+    }
+
+    #[test]
+    fn without_a_sampler_no_service_is_balanced_on_orca() {
+        let config = config("[supervisor]\nsampler = \"off\"\n[service.a]\n");
+        assert!(config.services["a"].orca);
+        assert!(orca_services(&config, false).is_empty());
     }
 }

@@ -29,6 +29,7 @@ use self::{
     transport::XdsService,
 };
 use crate::{orca::OrcaService, registry::Snapshot};
+pub use envoy_types::pb::envoy::config::cluster::v3::cluster::LbPolicy;
 
 /// Options of the control plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +41,8 @@ pub struct XdsOptions {
     pub connect_timeout: Duration,
     /// Services balanced on ORCA reports, by name.
     pub orca: BTreeMap<String, OrcaPolicy>,
+    /// The load balancer of the other services, by name (round robin if absent).
+    pub lb_policies: BTreeMap<String, LbPolicy>,
 }
 
 impl Default for XdsOptions {
@@ -48,6 +51,7 @@ impl Default for XdsOptions {
             xds_cluster_name: "xds_cluster".into(),
             connect_timeout: Duration::from_secs(1),
             orca: BTreeMap::new(),
+            lb_policies: BTreeMap::new(),
         }
     }
 }
@@ -61,6 +65,7 @@ impl XdsOptions {
                 xds_cluster: self.xds_cluster_name.clone(),
             },
             orca: self.orca.clone(),
+            lb_policies: self.lb_policies.clone(),
         }
     }
 }

@@ -80,8 +80,10 @@ pub struct ClusterOptions {
     pub connect_timeout: Duration,
     /// Where endpoints come from; a dedicated stream to `xds_cluster` by default.
     pub eds_source: EdsSource,
-    /// Services balanced by their workers' ORCA load reports, by name; the others get round robin.
+    /// Services balanced by their workers' ORCA load reports, by name.
     pub orca: BTreeMap<String, OrcaPolicy>,
+    /// The load balancer of each service not in `orca`, by name; round robin if absent.
+    pub lb_policies: BTreeMap<String, LbPolicy>,
 }
 
 impl Default for ClusterOptions {
@@ -92,6 +94,7 @@ impl Default for ClusterOptions {
                 xds_cluster: "xds_cluster".into(),
             },
             orca: BTreeMap::new(),
+            lb_policies: BTreeMap::new(),
         }
     }
 }
@@ -180,7 +183,11 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
             service_name: String::new(),
         }),
         connect_timeout: Some(duration(options.connect_timeout)),
-        lb_policy: LbPolicy::RoundRobin as i32,
+        lb_policy: options
+            .lb_policies
+            .get(name)
+            .copied()
+            .unwrap_or(LbPolicy::RoundRobin) as i32,
         load_balancing_policy: options.orca.get(name).map(cswrr),
         outlier_detection: options.orca.contains_key(name).then(outlier_detection),
         // One entry only: prost encodes a map in its iteration order, and the cache versions
@@ -438,8 +445,10 @@ mod tests {
             connect_timeout: Duration::from_millis(250),
             eds_source: EdsSource::Ads,
             orca: BTreeMap::new(),
+            lb_policies: BTreeMap::from([("web".to_string(), LbPolicy::LeastRequest)]),
         };
         let cluster = make_cluster("web", &ServiceView::default(), &options);
+        assert_eq!(cluster.lb_policy, LbPolicy::LeastRequest as i32);
         let source = cluster.eds_cluster_config.unwrap().eds_config.unwrap();
         assert_eq!(
             source.config_source_specifier,
