@@ -54,6 +54,9 @@ pub(crate) fn find_clang() -> Result<(PathBuf, u32), BuildError> {
     let mut seen = Vec::new();
     for name in candidates {
         let Ok(out) = Command::new(&name).arg("--version").output() else {
+            if std::env::var_os("CLANG").is_some() {
+                seen.push(format!("CLANG={name} does not run"));
+            }
             continue;
         };
         let text = String::from_utf8_lossy(&out.stdout);
