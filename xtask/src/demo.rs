@@ -141,6 +141,29 @@ fn show(
         bail!("the killed worker {victim} still answers");
     }
 
+    // Load reports: the sampler's second sample of each worker goes out on its ORCA stream.
+    let reported = Instant::now();
+    let table = try_wait_until(CONVERGE, "ORCA reports for every worker", || {
+        let status = supervisor.status_json().ok()?;
+        let rows = status["workers"].as_array()?;
+        let all = rows.len() == WORKERS
+            && rows
+                .iter()
+                .all(|row| row["orca_reports"].as_u64().is_some_and(|n| n > 0));
+        all.then(|| supervisor.status_table().ok()).flatten()
+    })?;
+    println!(
+        "
+`peregrine status` once every worker's load went to Envoy over ORCA ({:.2?}):
+{table}",
+        reported.elapsed()
+    );
+    let weighted = converge(supervisor, envoy, "Envoy to weigh the workers", |hosts| {
+        hosts.len() == WORKERS && hosts.iter().all(|host| host.weight > 1)
+    })?;
+    println!("Envoy's client-side weighted round robin weights from those reports:");
+    print_hosts(&weighted);
+
     if keep_running {
         println!(
             "\nrunning; try `curl http://{listener}/` and `curl http://{}/clusters`; Ctrl-C to stop",
@@ -186,11 +209,14 @@ fn converge(
 }
 
 fn print_hosts(hosts: &[peregrine_e2e::Host]) {
-    println!("  {:<24} {:<28} health", "address", "hostname");
+    println!(
+        "  {:<24} {:<28} {:<8} weight",
+        "address", "hostname", "health"
+    );
     for host in hosts {
         println!(
-            "  {:<24} {:<28} {}",
-            host.address, host.hostname, host.health_flags
+            "  {:<24} {:<28} {:<8} {}",
+            host.address, host.hostname, host.health_flags, host.weight
         );
     }
 }
