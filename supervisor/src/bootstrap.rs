@@ -11,6 +11,8 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
+use crate::config::HashOn;
+
 /// One routed service.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BootstrapService {
@@ -21,6 +23,8 @@ pub struct BootstrapService {
     /// The virtual host domains; `["*"]` by default. Services with the same domains share a virtual
     /// host.
     pub domains: Vec<String>,
+    /// What the route hashes each request by, for ring hash and Maglev clusters; none by default.
+    pub hash_on: Option<HashOn>,
 }
 
 impl BootstrapService {
@@ -30,6 +34,7 @@ impl BootstrapService {
             name: name.into(),
             prefix: "/".into(),
             domains: vec!["*".into()],
+            hash_on: None,
         }
     }
 }
@@ -158,6 +163,26 @@ static_resources:
                 prefix = quote(&service.prefix),
                 cluster = quote(&service.name),
             );
+            if let Some(hash_on) = &service.hash_on {
+                let policy = match hash_on {
+                    HashOn::Header(name) => format!(
+                        "header:\n                                  header_name: {}",
+                        quote(name)
+                    ),
+                    HashOn::Cookie(name) => format!(
+                        "cookie:\n                                  name: {}",
+                        quote(name)
+                    ),
+                    HashOn::SourceIp => {
+                        "connection_properties:\n                                  source_ip: true"
+                            .to_owned()
+                    }
+                };
+                let _ = write!(
+                    out,
+                    "                            hash_policy:\n                              - {policy}\n"
+                );
+            }
         }
     }
     let _ = write!(
@@ -276,11 +301,18 @@ mod tests {
                 BootstrapService::new("web"),
                 BootstrapService {
                     prefix: "/api/".into(),
+                    hash_on: Some(HashOn::Header("x-entity-id".into())),
                     ..BootstrapService::new("api")
                 },
                 BootstrapService {
                     domains: vec!["admin.example.com".into()],
+                    hash_on: Some(HashOn::Cookie("session".into())),
                     ..BootstrapService::new("admin")
+                },
+                BootstrapService {
+                    prefix: "/ip/".into(),
+                    hash_on: Some(HashOn::SourceIp),
+                    ..BootstrapService::new("ip")
                 },
             ],
             ..Default::default()
@@ -315,10 +347,29 @@ mod tests {
         assert_eq!(
             yaml.matches("retry_on: connect-failure,reset,refused-stream")
                 .count(),
-            3
+            4,
+            "one retry policy per route"
         );
         assert!(yaml.contains("validate_clusters: false"));
         assert!(yaml.contains("per_try_timeout: 15s"));
+    }
+
+    #[test]
+    fn hashing_services_get_a_hash_policy_on_their_route() {
+        let yaml = envoy_bootstrap(&input());
+        assert!(
+            yaml.contains("hash_policy:\n                              - header:\n                                  header_name: \"x-entity-id\""),
+            "{yaml}"
+        );
+        assert!(yaml.contains("- cookie:\n                                  name: \"session\""));
+        assert!(yaml.contains(
+            "- connection_properties:\n                                  source_ip: true"
+        ));
+        assert_eq!(
+            yaml.matches("hash_policy:").count(),
+            3,
+            "only hashing services"
+        );
     }
 
     #[test]

@@ -120,6 +120,11 @@ impl fmt::Display for SamplerSetting {
     }
 }
 
+mod balancing;
+
+use self::balancing::RawBalancing;
+pub use self::balancing::{Balancing, HashOn, MAX_WEIGHT};
+
 /// The default of `supervisor.sample_interval_ms`.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
 /// The shortest `supervisor.sample_interval_ms`: below it, sampling costs more than it tells.
@@ -177,35 +182,11 @@ pub struct ServiceConfig {
     pub prefix: String,
     /// The route's domains in the generated Envoy bootstrap.
     pub domains: Vec<String>,
-    /// Whether Envoy balances this service by its workers' ORCA load reports (client-side weighted
-    /// round robin). Default: on for IP urls without an `lb_policy`; unix:// workers cannot be
-    /// reached by ORCA streams.
-    pub orca: bool,
-    /// How Envoy balances the service when `orca` is off; round robin by default.
-    pub lb_policy: LbPolicy,
-}
-
-/// `service.NAME.lb_policy`: Envoy's load balancer for a service that is not balanced on ORCA reports.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LbPolicy {
-    /// `"round_robin"`.
-    #[default]
-    RoundRobin,
-    /// `"least_request"`: the less loaded of two random workers, by active requests.
-    LeastRequest,
-    /// `"random"`.
-    Random,
-}
-
-impl LbPolicy {
-    /// The value as written in the file.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LbPolicy::RoundRobin => "round_robin",
-            LbPolicy::LeastRequest => "least_request",
-            LbPolicy::Random => "random",
-        }
-    }
+    /// How Envoy balances the service's requests over its workers: on their ORCA load reports by
+    /// default for IP urls (unix:// workers cannot be reached by ORCA streams), round robin otherwise.
+    pub balancing: Balancing,
+    /// Each worker's load-balancing weight, by index (1 by default).
+    pub weights: Vec<u32>,
 }
 
 /// The program a worker runs.
@@ -237,6 +218,11 @@ impl Default for WorkerCommand {
 }
 
 impl ServiceConfig {
+    /// Whether Envoy balances the service on its workers' ORCA load reports.
+    pub fn orca(&self) -> bool {
+        self.balancing == Balancing::Orca
+    }
+
     /// The bind url of the worker in slot `index`.
     pub fn url_for(&self, index: u32) -> BindUrl {
         self.url
@@ -355,6 +341,14 @@ struct RawService {
     domains: Option<Spanned<Vec<String>>>,
     orca: Option<Spanned<bool>>,
     lb_policy: Option<Spanned<String>>,
+    choice_count: Option<Spanned<i64>>,
+    ring_size_min: Option<Spanned<i64>>,
+    ring_size_max: Option<Spanned<i64>>,
+    table_size: Option<Spanned<i64>>,
+    hash_balance_factor: Option<Spanned<i64>>,
+    hash_on: Option<Spanned<String>>,
+    weight: Option<Spanned<i64>>,
+    weights: Option<Spanned<Vec<i64>>>,
 }
 
 /// Collects problems with their lines.
@@ -796,54 +790,23 @@ impl Checker<'_> {
             None => vec!["*".into()],
         };
         let unix = url.starts_with("unix:");
-        let lb_policy = raw.lb_policy.as_ref().map(|policy| {
-            let parsed = match policy.get_ref().as_str() {
-                "round_robin" => Some(LbPolicy::RoundRobin),
-                "least_request" => Some(LbPolicy::LeastRequest),
-                "random" => Some(LbPolicy::Random),
-                _ => None,
-            };
-            (parsed, policy.span())
-        });
-        if let Some((None, span)) = &lb_policy {
-            self.report(
-                Some(span.clone()),
-                key("lb_policy"),
-                format!(
-                    "expected \"round_robin\", \"least_request\" or \"random\", got {:?} (ORCA-weighted \
-                     round robin is orca = true, the default)",
-                    raw.lb_policy.as_ref().map_or("", |p| p.get_ref().as_str())
-                ),
-            );
-        }
-        if let (Some((Some(policy), _)), Some(orca)) = (&lb_policy, &raw.orca)
-            && *orca.get_ref()
-        {
-            self.report(
-                Some(orca.span()),
-                key("orca"),
-                format!(
-                    "orca = true balances on ORCA reports (client-side weighted round robin), which \
-                     replaces lb_policy = \"{}\": remove one of them",
-                    policy.as_str()
-                ),
-            );
-        }
-        let lb_policy_set = lb_policy.is_some();
-        let lb_policy = lb_policy.and_then(|(p, _)| p).unwrap_or_default();
-        let orca = match raw.orca {
-            Some(orca) if *orca.get_ref() && unix => {
-                self.report(
-                    Some(orca.span()),
-                    key("orca"),
-                    "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its \
-                     IP address; remove orca = true (it is off by default for unix:// urls)",
-                );
-                false
-            }
-            Some(orca) => orca.into_inner(),
-            None => !unix && !lb_policy_set,
-        };
+        let (balancing, weights) = self.balancing(
+            &name,
+            RawBalancing {
+                orca: raw.orca,
+                lb_policy: raw.lb_policy,
+                choice_count: raw.choice_count,
+                ring_size_min: raw.ring_size_min,
+                ring_size_max: raw.ring_size_max,
+                table_size: raw.table_size,
+                hash_balance_factor: raw.hash_balance_factor,
+                hash_on: raw.hash_on,
+                weight: raw.weight,
+                weights: raw.weights,
+            },
+            count,
+            unix,
+        );
         ServiceConfig {
             name,
             count,
@@ -852,8 +815,8 @@ impl Checker<'_> {
             env: raw.env,
             prefix,
             domains,
-            orca,
-            lb_policy,
+            balancing,
+            weights,
         }
     }
 }
@@ -948,14 +911,80 @@ mod tests {
              [service.c]\nlb_policy = \"least_request\"\n[service.d]\norca = false\n",
         )
         .unwrap();
-        let orca = |name: &str| config.services[name].orca;
+        let orca = |name: &str| config.services[name].orca();
         assert!(orca("a") && !orca("b") && !orca("c") && !orca("d"));
-        assert_eq!(config.services["c"].lb_policy, LbPolicy::LeastRequest);
-        assert_eq!(config.services["a"].lb_policy, LbPolicy::RoundRobin);
+        assert_eq!(
+            config.services["c"].balancing,
+            Balancing::LeastRequest { choice_count: 2 }
+        );
+        assert_eq!(config.services["d"].balancing, Balancing::RoundRobin);
         assert_eq!(
             config.orca,
             OrcaConfig::defaults_for(DEFAULT_SAMPLE_INTERVAL)
         );
+    }
+
+    #[test]
+    fn hashing_policies_with_their_options_and_weights() {
+        let config = parse(
+            "[service.ring]\ncount = 3\nlb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n\
+             ring_size_min = 4096\nhash_balance_factor = 150\nweights = [1, 2, 3]\n\
+             [service.mag]\nlb_policy = \"maglev\"\nhash_on = \"cookie:session\"\nweight = 5\n\
+             [service.ip]\nlb_policy = \"ring_hash\"\nhash_on = \"source_ip\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.services["ring"].balancing,
+            Balancing::RingHash {
+                hash_on: HashOn::Header("x-entity-id".into()),
+                min_ring_size: 4096,
+                max_ring_size: 8 * 1024 * 1024,
+                hash_balance_factor: Some(150),
+            }
+        );
+        assert_eq!(config.services["ring"].weights, [1, 2, 3]);
+        assert_eq!(
+            config.services["mag"].balancing,
+            Balancing::Maglev {
+                hash_on: HashOn::Cookie("session".into()),
+                table_size: 65537,
+                hash_balance_factor: None,
+            }
+        );
+        assert_eq!(config.services["mag"].weights, [5]);
+        assert_eq!(
+            config.services["ip"].balancing.hash_on(),
+            Some(&HashOn::SourceIp)
+        );
+        assert!(!config.services["ip"].orca());
+    }
+
+    #[test]
+    fn hashing_mistakes_are_named_with_their_lines() {
+        let got = problems(
+            "[service.a]\nlb_policy = \"ring_hash\"\n\
+             [service.b]\nlb_policy = \"maglev\"\nhash_on = \"query:id\"\ntable_size = 65536\n\
+             [service.c]\nlb_policy = \"round_robin\"\nhash_on = \"source_ip\"\nhash_balance_factor = 150\n\
+             [service.d]\ncount = 2\nweights = [1]\n[service.e]\nlb_policy = \"ring_hash\"\n\
+             hash_on = \"source_ip\"\nhash_balance_factor = 50\nring_size_min = 9000\nring_size_max = 8000\n",
+        );
+        let expect = [
+            "line 2: service.a.hash_on: lb_policy = \"ring_hash\" needs hash_on",
+            "line 5: service.b.hash_on: expected \"header:NAME\"",
+            "line 6: service.b.table_size: must be a prime",
+            "line 10: service.c.hash_balance_factor: applies to lb_policy = \"ring_hash\" or \"maglev\", not round_robin",
+            "line 9: service.c.hash_on: applies to lb_policy = \"ring_hash\" or \"maglev\"",
+            "line 13: service.d.weights: has 1 entries for 2 workers",
+            "line 17: service.e.hash_balance_factor: must be between 100 and 10000, got 50",
+            "line 18: service.e.ring_size_min: 9000 is larger than ring_size_max (8000)",
+        ];
+        assert_eq!(got.len(), expect.len(), "{got:#?}");
+        for (got, expect) in got.iter().zip(expect) {
+            assert!(
+                got.starts_with(expect),
+                "{got}\n  should start with\n{expect}"
+            );
+        }
     }
 
     #[test]
@@ -976,7 +1005,7 @@ mod tests {
             "{got:?}"
         );
         assert!(
-            got[2].starts_with("line 8: service.c.lb_policy: expected \"round_robin\""),
+            got[2].starts_with("line 8: service.c.lb_policy: expected \"orca\", \"round_robin\""),
             "{got:?}"
         );
         let got = problems(

@@ -35,6 +35,7 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
                 name: s.name.clone(),
                 prefix: s.prefix.clone(),
                 domains: s.domains.clone(),
+                hash_on: s.balancing.hash_on().cloned(),
             })
             .collect(),
         ..bootstrap::BootstrapInput::default()

@@ -19,13 +19,16 @@ use peregrine_worker::url::BindUrl;
 use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
 
 use crate::{
-    config::{self, Config, SamplerSetting},
+    config::{self, Balancing, Config, SamplerSetting},
     manager::{self, Children},
     orca::OrcaService,
     registration,
     registry::Registry,
     sampler::{self, Counters, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
-    xds::{self, resources::OrcaPolicy},
+    xds::{
+        self,
+        resources::{Balancer, OrcaPolicy},
+    },
 };
 
 /// How long a stopping worker may take before it is killed.
@@ -286,20 +289,43 @@ fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsO
         weight_expiration_period: config.orca.weight_expiration_period,
         weight_update_period: config.orca.weight_update_period,
     };
+    let balancer = |service: &config::ServiceConfig| match service.balancing {
+        // Without a sampler there is nothing to report: round robin (see `orca_services`).
+        Balancing::Orca if orca.contains(&service.name) => Balancer::Orca(policy),
+        Balancing::Orca | Balancing::RoundRobin => Balancer::RoundRobin,
+        Balancing::LeastRequest { choice_count } => Balancer::LeastRequest { choice_count },
+        Balancing::Random => Balancer::Random,
+        Balancing::RingHash {
+            min_ring_size,
+            max_ring_size,
+            hash_balance_factor,
+            ..
+        } => Balancer::RingHash {
+            min_ring_size,
+            max_ring_size,
+            hash_balance_factor,
+        },
+        Balancing::Maglev {
+            table_size,
+            hash_balance_factor,
+            ..
+        } => Balancer::Maglev {
+            table_size,
+            hash_balance_factor,
+        },
+    };
     xds::XdsOptions {
         xds_cluster_name: config.supervisor.xds_cluster.clone(),
-        orca: orca.iter().map(|name| (name.clone(), policy)).collect(),
-        lb_policies: config
+        balancers: config
             .services
             .values()
-            .map(|s| {
-                let policy = match s.lb_policy {
-                    config::LbPolicy::RoundRobin => xds::LbPolicy::RoundRobin,
-                    config::LbPolicy::LeastRequest => xds::LbPolicy::LeastRequest,
-                    config::LbPolicy::Random => xds::LbPolicy::Random,
-                };
-                (s.name.clone(), policy)
-            })
+            .map(|s| (s.name.clone(), balancer(s)))
+            .collect(),
+        weights: config
+            .services
+            .values()
+            .filter(|s| s.weights.iter().any(|&w| w != 1))
+            .map(|s| (s.name.clone(), s.weights.clone()))
             .collect(),
         ..xds::XdsOptions::default()
     }
@@ -311,7 +337,7 @@ fn orca_services(config: &Config, sampling: bool) -> BTreeSet<String> {
     let wanted: BTreeSet<String> = config
         .services
         .values()
-        .filter(|s| s.orca)
+        .filter(|s| s.orca())
         .map(|s| s.name.clone())
         .collect();
     if !sampling && !wanted.is_empty() {
@@ -418,7 +444,7 @@ mod tests {
     #[test]
     fn without_a_sampler_no_service_is_balanced_on_orca() {
         let config = config("[supervisor]\nsampler = \"off\"\n[service.a]\n");
-        assert!(config.services["a"].orca);
+        assert!(config.services["a"].orca());
         assert!(orca_services(&config, false).is_empty());
     }
 }

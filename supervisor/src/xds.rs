@@ -25,11 +25,10 @@ use tonic::transport::{Server, server::Router};
 
 use self::{
     cache::{Cache, Resources},
-    resources::{ClusterOptions, EdsSource, OrcaPolicy},
+    resources::{Balancer, ClusterOptions, EdsSource},
     transport::XdsService,
 };
 use crate::{orca::OrcaService, registry::Snapshot};
-pub use envoy_types::pb::envoy::config::cluster::v3::cluster::LbPolicy;
 
 /// Options of the control plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,10 +38,10 @@ pub struct XdsOptions {
     pub xds_cluster_name: String,
     /// The connect timeout of every cluster; 1 s by default.
     pub connect_timeout: Duration,
-    /// Services balanced on ORCA reports, by name.
-    pub orca: BTreeMap<String, OrcaPolicy>,
-    /// The load balancer of the other services, by name (round robin if absent).
-    pub lb_policies: BTreeMap<String, LbPolicy>,
+    /// Each service's load balancer, by name (round robin if absent).
+    pub balancers: BTreeMap<String, Balancer>,
+    /// Each service's worker weights by slot index (1 if absent).
+    pub weights: BTreeMap<String, Vec<u32>>,
 }
 
 impl Default for XdsOptions {
@@ -50,8 +49,8 @@ impl Default for XdsOptions {
         XdsOptions {
             xds_cluster_name: "xds_cluster".into(),
             connect_timeout: Duration::from_secs(1),
-            orca: BTreeMap::new(),
-            lb_policies: BTreeMap::new(),
+            balancers: BTreeMap::new(),
+            weights: BTreeMap::new(),
         }
     }
 }
@@ -64,8 +63,8 @@ impl XdsOptions {
             eds_source: EdsSource::Grpc {
                 xds_cluster: self.xds_cluster_name.clone(),
             },
-            orca: self.orca.clone(),
-            lb_policies: self.lb_policies.clone(),
+            balancers: self.balancers.clone(),
+            weights: self.weights.clone(),
         }
     }
 }

@@ -135,10 +135,9 @@ impl Cache {
             .services
             .iter()
             .map(|(name, view)| versioned(name, pack(&make_cluster(name, view, &ads_options))));
-        let endpoints = snapshot
-            .services
-            .iter()
-            .map(|(name, view)| versioned(name, pack(&make_load_assignment(name, view))));
+        let endpoints = snapshot.services.iter().map(|(name, view)| {
+            versioned(name, pack(&make_load_assignment(name, view, &self.options)))
+        });
         Resources {
             revision: snapshot.revision,
             clusters: self

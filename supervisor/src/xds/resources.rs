@@ -20,8 +20,8 @@ use envoy_types::pb::{
             },
             core::v3::{
                 AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
-                HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Pipe, SocketAddress,
-                TypedExtensionConfig, address,
+                HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Metadata, Pipe,
+                SocketAddress, TypedExtensionConfig, address,
                 api_config_source::ApiType,
                 config_source::ConfigSourceSpecifier,
                 grpc_service::{EnvoyGrpc, TargetSpecifier},
@@ -34,7 +34,10 @@ use envoy_types::pb::{
         },
         extensions::load_balancing_policies::{
             client_side_weighted_round_robin::v3::ClientSideWeightedRoundRobin,
-            common::v3::OrcaOobReportingConfig,
+            common::v3::{ConsistentHashingLbConfig, OrcaOobReportingConfig},
+            least_request::v3::LeastRequest,
+            maglev::v3::Maglev,
+            ring_hash::v3::RingHash,
         },
         extensions::upstreams::http::v3::{
             HttpProtocolOptions,
@@ -43,7 +46,10 @@ use envoy_types::pb::{
             },
         },
     },
-    google::protobuf::{Any, BoolValue, Duration as PbDuration, UInt32Value},
+    google::protobuf::{
+        Any, BoolValue, Duration as PbDuration, Struct, UInt32Value, UInt64Value, Value,
+        value::Kind,
+    },
 };
 use prost::Name;
 
@@ -80,10 +86,42 @@ pub struct ClusterOptions {
     pub connect_timeout: Duration,
     /// Where endpoints come from; a dedicated stream to `xds_cluster` by default.
     pub eds_source: EdsSource,
-    /// Services balanced by their workers' ORCA load reports, by name.
-    pub orca: BTreeMap<String, OrcaPolicy>,
-    /// The load balancer of each service not in `orca`, by name; round robin if absent.
-    pub lb_policies: BTreeMap<String, LbPolicy>,
+    /// Each service's load balancer, by name; round robin if absent.
+    pub balancers: BTreeMap<String, Balancer>,
+    /// Each service's worker weights, by slot index (1 if absent).
+    pub weights: BTreeMap<String, Vec<u32>>,
+}
+
+/// How Envoy balances one cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balancer {
+    /// Round robin.
+    RoundRobin,
+    /// Least request of `choice_count` random hosts.
+    LeastRequest {
+        /// Hosts compared per pick.
+        choice_count: u32,
+    },
+    /// Random.
+    Random,
+    /// Consistent hashing on a ring; endpoints are hashed by their `hash_key` metadata.
+    RingHash {
+        /// `minimum_ring_size`.
+        min_ring_size: u64,
+        /// `maximum_ring_size`.
+        max_ring_size: u64,
+        /// Bounded loads, in percent of the average.
+        hash_balance_factor: Option<u32>,
+    },
+    /// Maglev; endpoints are hashed by their `hash_key` metadata.
+    Maglev {
+        /// A prime.
+        table_size: u64,
+        /// Bounded loads, in percent of the average.
+        hash_balance_factor: Option<u32>,
+    },
+    /// Client-side weighted round robin on ORCA reports from this supervisor.
+    Orca(OrcaPolicy),
 }
 
 impl Default for ClusterOptions {
@@ -93,8 +131,8 @@ impl Default for ClusterOptions {
             eds_source: EdsSource::Grpc {
                 xds_cluster: "xds_cluster".into(),
             },
-            orca: BTreeMap::new(),
-            lb_policies: BTreeMap::new(),
+            balancers: BTreeMap::new(),
+            weights: BTreeMap::new(),
         }
     }
 }
@@ -115,9 +153,69 @@ pub struct OrcaPolicy {
     pub weight_update_period: Duration,
 }
 
-/// The cluster's `load_balancing_policy` for `orca`: CSWRR with out-of-band reports.
-fn cswrr(orca: &OrcaPolicy) -> LoadBalancingPolicy {
-    let config = ClientSideWeightedRoundRobin {
+/// The cluster's typed `load_balancing_policy`, for the balancers that need one (round robin and random
+/// are the cluster's `lb_policy`).
+fn typed_policy(balancer: &Balancer) -> Option<LoadBalancingPolicy> {
+    let consistent = |factor: Option<u32>| {
+        factor.map(|value| ConsistentHashingLbConfig {
+            hash_balance_factor: Some(UInt32Value { value }),
+            ..Default::default()
+        })
+    };
+    let (name, config) = match *balancer {
+        Balancer::RoundRobin | Balancer::Random => return None,
+        Balancer::Orca(ref orca) => (CSWRR_POLICY, pack(&cswrr(orca))),
+        Balancer::LeastRequest { choice_count } => (
+            "envoy.load_balancing_policies.least_request",
+            pack(&LeastRequest {
+                choice_count: Some(UInt32Value {
+                    value: choice_count,
+                }),
+                ..Default::default()
+            }),
+        ),
+        Balancer::RingHash {
+            min_ring_size,
+            max_ring_size,
+            hash_balance_factor,
+        } => (
+            "envoy.load_balancing_policies.ring_hash",
+            pack(&RingHash {
+                minimum_ring_size: Some(UInt64Value {
+                    value: min_ring_size,
+                }),
+                maximum_ring_size: Some(UInt64Value {
+                    value: max_ring_size,
+                }),
+                consistent_hashing_lb_config: consistent(hash_balance_factor),
+                ..Default::default()
+            }),
+        ),
+        Balancer::Maglev {
+            table_size,
+            hash_balance_factor,
+        } => (
+            "envoy.load_balancing_policies.maglev",
+            pack(&Maglev {
+                table_size: Some(UInt64Value { value: table_size }),
+                consistent_hashing_lb_config: consistent(hash_balance_factor),
+                ..Default::default()
+            }),
+        ),
+    };
+    Some(LoadBalancingPolicy {
+        policies: vec![Policy {
+            typed_extension_config: Some(TypedExtensionConfig {
+                name: name.into(),
+                typed_config: Some(config),
+            }),
+        }],
+    })
+}
+
+/// CSWRR with out-of-band reports from this supervisor.
+fn cswrr(orca: &OrcaPolicy) -> ClientSideWeightedRoundRobin {
+    ClientSideWeightedRoundRobin {
         enable_oob_load_report: Some(BoolValue { value: true }),
         oob_reporting_period: Some(duration(orca.reporting_period)),
         blackout_period: Some(duration(orca.blackout_period)),
@@ -128,14 +226,6 @@ fn cswrr(orca: &OrcaPolicy) -> LoadBalancingPolicy {
             ..Default::default()
         }),
         ..Default::default()
-    };
-    LoadBalancingPolicy {
-        policies: vec![Policy {
-            typed_extension_config: Some(TypedExtensionConfig {
-                name: CSWRR_POLICY.into(),
-                typed_config: Some(pack(&config)),
-            }),
-        }],
     }
 }
 
@@ -153,10 +243,16 @@ fn outlier_detection() -> OutlierDetection {
     }
 }
 
-/// The EDS cluster for service `name`: client-side weighted round robin on ORCA reports (with outlier
-/// detection) when `options.orca` names it, else round robin; endpoints over `options.eds_source`;
+/// The EDS cluster for service `name`: its balancer from `options.balancers` (client-side weighted
+/// round robin on ORCA reports, with outlier detection; least request; random; ring hash; Maglev;
+/// round robin by default); endpoints over `options.eds_source`;
 /// HTTP/2 upstream when every registered worker speaks it (and there is at least one), else HTTP/1.1.
 pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) -> Cluster {
+    let balancer = options
+        .balancers
+        .get(name)
+        .copied()
+        .unwrap_or(Balancer::RoundRobin);
     let http2 = !view.workers.is_empty()
         && view
             .workers
@@ -183,13 +279,12 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
             service_name: String::new(),
         }),
         connect_timeout: Some(duration(options.connect_timeout)),
-        lb_policy: options
-            .lb_policies
-            .get(name)
-            .copied()
-            .unwrap_or(LbPolicy::RoundRobin) as i32,
-        load_balancing_policy: options.orca.get(name).map(cswrr),
-        outlier_detection: options.orca.contains_key(name).then(outlier_detection),
+        lb_policy: match balancer {
+            Balancer::Random => LbPolicy::Random,
+            _ => LbPolicy::RoundRobin,
+        } as i32,
+        load_balancing_policy: typed_policy(&balancer),
+        outlier_detection: matches!(balancer, Balancer::Orca(_)).then(outlier_detection),
         // One entry only: prost encodes a map in its iteration order, and the cache versions
         // resources by their encoding, so a second entry would make versions flap.
         typed_extension_protocol_options: HashMap::from([(
@@ -202,14 +297,26 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
 
 /// The endpoints of cluster `name`: one healthy endpoint per registered worker, by slot index, with the
 /// worker's unique hostname, its first address as the address and the rest as additional addresses.
-pub fn make_load_assignment(name: &str, view: &ServiceView) -> ClusterLoadAssignment {
+pub fn make_load_assignment(
+    name: &str,
+    view: &ServiceView,
+    options: &ClusterOptions,
+) -> ClusterLoadAssignment {
+    let weights = options.weights.get(name);
     let lb_endpoints = view
         .workers
         .values()
         .map(|worker| {
             let mut addresses = worker.listener.addresses.iter().map(address);
+            let weight = weights
+                .and_then(|w| w.get(worker.index as usize))
+                .copied()
+                .unwrap_or(1);
             LbEndpoint {
                 health_status: HealthStatus::Healthy as i32,
+                // Weight 1 is Envoy's default: left out, so unweighted services keep their bytes.
+                load_balancing_weight: (weight != 1).then_some(UInt32Value { value: weight }),
+                metadata: Some(hash_key(&worker.service, worker.index)),
                 host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
                     address: addresses.next(),
                     hostname: worker.hostname.clone(),
@@ -218,7 +325,6 @@ pub fn make_load_assignment(name: &str, view: &ServiceView) -> ClusterLoadAssign
                         .collect(),
                     ..Default::default()
                 })),
-                ..Default::default()
             }
         })
         .collect::<Vec<_>>();
@@ -232,6 +338,25 @@ pub fn make_load_assignment(name: &str, view: &ServiceView) -> ClusterLoadAssign
                 ..Default::default()
             }]
         },
+        ..Default::default()
+    }
+}
+
+/// The key of endpoint metadata that ring hash and Maglev hash an endpoint by, instead of its address.
+pub const HASH_KEY_FILTER: &str = "envoy.lb";
+
+/// `filter_metadata["envoy.lb"]["hash_key"] = "<service>-<index>"`: a worker slot's identity, the same
+/// across restarts (which change the address), so consistent hashing maps a key to the same slot.
+fn hash_key(service: &str, index: u32) -> Metadata {
+    let fields = HashMap::from([(
+        "hash_key".to_string(),
+        Value {
+            kind: Some(Kind::StringValue(format!("{service}-{index}"))),
+        },
+    )]);
+    // One entry per map only: see the note on `typed_extension_protocol_options`.
+    Metadata {
+        filter_metadata: HashMap::from([(HASH_KEY_FILTER.to_string(), Struct { fields })]),
         ..Default::default()
     }
 }
@@ -400,7 +525,7 @@ mod tests {
             weight_update_period: Duration::from_millis(500),
         };
         let options = ClusterOptions {
-            orca: BTreeMap::from([("web".to_string(), policy)]),
+            balancers: BTreeMap::from([("web".to_string(), Balancer::Orca(policy))]),
             ..ClusterOptions::default()
         };
         let cluster = make_cluster("web", &ServiceView::default(), &options);
@@ -440,15 +565,70 @@ mod tests {
     }
 
     #[test]
+    fn hashing_and_least_request_are_typed_policies_with_their_options() {
+        let options = ClusterOptions {
+            balancers: BTreeMap::from([
+                (
+                    "ring".to_string(),
+                    Balancer::RingHash {
+                        min_ring_size: 2048,
+                        max_ring_size: 4096,
+                        hash_balance_factor: Some(125),
+                    },
+                ),
+                (
+                    "mag".to_string(),
+                    Balancer::Maglev {
+                        table_size: 65537,
+                        hash_balance_factor: None,
+                    },
+                ),
+                ("lr".to_string(), Balancer::LeastRequest { choice_count: 3 }),
+            ]),
+            ..ClusterOptions::default()
+        };
+        let typed = |name: &str| {
+            let cluster = make_cluster(name, &ServiceView::default(), &options);
+            assert_eq!(cluster.outlier_detection, None);
+            let policy = cluster.load_balancing_policy.unwrap().policies.remove(0);
+            let config = policy.typed_extension_config.unwrap();
+            (config.name, config.typed_config.unwrap().value)
+        };
+        let (name, bytes) = typed("ring");
+        assert_eq!(name, "envoy.load_balancing_policies.ring_hash");
+        let ring = RingHash::decode(bytes.as_slice()).unwrap();
+        assert_eq!(ring.minimum_ring_size, Some(UInt64Value { value: 2048 }));
+        assert_eq!(ring.maximum_ring_size, Some(UInt64Value { value: 4096 }));
+        assert_eq!(
+            ring.consistent_hashing_lb_config
+                .unwrap()
+                .hash_balance_factor,
+            Some(UInt32Value { value: 125 })
+        );
+        let (name, bytes) = typed("mag");
+        assert_eq!(name, "envoy.load_balancing_policies.maglev");
+        let maglev = Maglev::decode(bytes.as_slice()).unwrap();
+        assert_eq!(maglev.table_size, Some(UInt64Value { value: 65537 }));
+        assert_eq!(maglev.consistent_hashing_lb_config, None);
+        let (name, bytes) = typed("lr");
+        assert_eq!(name, "envoy.load_balancing_policies.least_request");
+        assert_eq!(
+            LeastRequest::decode(bytes.as_slice()).unwrap().choice_count,
+            Some(UInt32Value { value: 3 })
+        );
+    }
+
+    #[test]
     fn cluster_over_ads_with_custom_timeout() {
         let options = ClusterOptions {
             connect_timeout: Duration::from_millis(250),
             eds_source: EdsSource::Ads,
-            orca: BTreeMap::new(),
-            lb_policies: BTreeMap::from([("web".to_string(), LbPolicy::LeastRequest)]),
+            balancers: BTreeMap::from([("web".to_string(), Balancer::Random)]),
+            weights: BTreeMap::new(),
         };
         let cluster = make_cluster("web", &ServiceView::default(), &options);
-        assert_eq!(cluster.lb_policy, LbPolicy::LeastRequest as i32);
+        assert_eq!(cluster.lb_policy, LbPolicy::Random as i32);
+        assert_eq!(cluster.load_balancing_policy, None);
         let source = cluster.eds_cluster_config.unwrap().eds_config.unwrap();
         assert_eq!(
             source.config_source_specifier,
@@ -493,6 +673,10 @@ mod tests {
     #[test]
     fn load_assignment_golden() {
         let sock = std::path::PathBuf::from("/run/peregrine/web-1.sock");
+        let options = ClusterOptions {
+            weights: BTreeMap::from([("web".to_string(), vec![1, 3])]),
+            ..ClusterOptions::default()
+        };
         let assignment = make_load_assignment(
             "web",
             &view(vec![
@@ -504,6 +688,7 @@ mod tests {
                     vec![tcp(8000), Address::Tcp("[::1]:8000".parse().unwrap())],
                 ),
             ]),
+            &options,
         );
         let socket = |ip: &str, port: u32| PbAddress {
             address: Some(address::Address::SocketAddress(SocketAddress {
@@ -526,6 +711,7 @@ mod tests {
                             }],
                             ..Default::default()
                         })),
+                        metadata: Some(hash_key("web", 0)),
                         ..Default::default()
                     },
                     LbEndpoint {
@@ -540,7 +726,8 @@ mod tests {
                             hostname: "web-1-11".into(),
                             ..Default::default()
                         })),
-                        ..Default::default()
+                        load_balancing_weight: Some(UInt32Value { value: 3 }),
+                        metadata: Some(hash_key("web", 1)),
                     },
                 ],
                 ..Default::default()
@@ -552,7 +739,8 @@ mod tests {
 
     #[test]
     fn empty_service_has_no_endpoints() {
-        let assignment = make_load_assignment("web", &ServiceView::default());
+        let assignment =
+            make_load_assignment("web", &ServiceView::default(), &ClusterOptions::default());
         assert_eq!(assignment.cluster_name, "web");
         assert!(assignment.endpoints.is_empty());
     }

@@ -1,0 +1,442 @@
+//! `service.NAME.lb_policy` and the keys beside it: how Envoy spreads a service's requests over its
+//! workers, what it hashes for affinity, and the workers' weights.
+
+use std::ops::Range;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::Checker;
+
+/// How Envoy balances a service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Balancing {
+    /// Client-side weighted round robin on the workers' ORCA load reports (`orca = true`, the default
+    /// for IP urls).
+    Orca,
+    /// `lb_policy = "round_robin"`.
+    RoundRobin,
+    /// `lb_policy = "least_request"`: the worker with fewer active requests of `choice_count` random
+    /// ones.
+    LeastRequest {
+        /// `choice_count` (2 by default).
+        choice_count: u32,
+    },
+    /// `lb_policy = "random"`.
+    Random,
+    /// `lb_policy = "ring_hash"`: consistent hashing on a ring with virtual nodes.
+    RingHash {
+        /// What each request is hashed by.
+        hash_on: HashOn,
+        /// `ring_size_min` (1024 by default).
+        min_ring_size: u64,
+        /// `ring_size_max` (8M by default).
+        max_ring_size: u64,
+        /// `hash_balance_factor`: bounded loads, in percent of the average (none by default).
+        hash_balance_factor: Option<u32>,
+    },
+    /// `lb_policy = "maglev"`: consistent hashing with a lookup table.
+    Maglev {
+        /// What each request is hashed by.
+        hash_on: HashOn,
+        /// `table_size`, a prime (65537 by default).
+        table_size: u64,
+        /// `hash_balance_factor`.
+        hash_balance_factor: Option<u32>,
+    },
+}
+
+impl Balancing {
+    /// The `lb_policy` value that selects it (`"orca"` for ORCA-weighted round robin).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Balancing::Orca => "orca",
+            Balancing::RoundRobin => "round_robin",
+            Balancing::LeastRequest { .. } => "least_request",
+            Balancing::Random => "random",
+            Balancing::RingHash { .. } => "ring_hash",
+            Balancing::Maglev { .. } => "maglev",
+        }
+    }
+
+    /// What requests are hashed by, for the hashing policies.
+    pub fn hash_on(&self) -> Option<&HashOn> {
+        match self {
+            Balancing::RingHash { hash_on, .. } | Balancing::Maglev { hash_on, .. } => {
+                Some(hash_on)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// `service.NAME.hash_on`: what a request is hashed by, in the generated Envoy route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HashOn {
+    /// `"header:NAME"`: a request header (e.g. `x-entity-id`).
+    Header(String),
+    /// `"cookie:NAME"`: a cookie.
+    Cookie(String),
+    /// `"source_ip"`: the client's address.
+    SourceIp,
+}
+
+/// Envoy's default and largest ring sizes.
+const DEFAULT_MIN_RING: u64 = 1024;
+const DEFAULT_MAX_RING: u64 = 8 * 1024 * 1024;
+/// Envoy's default Maglev table size, and its largest.
+const DEFAULT_TABLE_SIZE: u64 = 65537;
+const MAX_TABLE_SIZE: u64 = 5_000_011;
+/// The largest worker weight.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// The balancing keys of a `[service.NAME]` table.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct RawBalancing {
+    pub(super) orca: Option<Spanned<bool>>,
+    pub(super) lb_policy: Option<Spanned<String>>,
+    pub(super) choice_count: Option<Spanned<i64>>,
+    pub(super) ring_size_min: Option<Spanned<i64>>,
+    pub(super) ring_size_max: Option<Spanned<i64>>,
+    pub(super) table_size: Option<Spanned<i64>>,
+    pub(super) hash_balance_factor: Option<Spanned<i64>>,
+    pub(super) hash_on: Option<Spanned<String>>,
+    pub(super) weight: Option<Spanned<i64>>,
+    pub(super) weights: Option<Spanned<Vec<i64>>>,
+}
+
+/// Which policies a key applies to, for "does not apply" errors.
+const OPTION_POLICIES: [(&str, &[&str]); 5] = [
+    ("choice_count", &["least_request"]),
+    ("ring_size_min", &["ring_hash"]),
+    ("ring_size_max", &["ring_hash"]),
+    ("table_size", &["maglev"]),
+    ("hash_balance_factor", &["ring_hash", "maglev"]),
+];
+
+impl Checker<'_> {
+    /// The service's balancing and its workers' weights (one per slot).
+    pub(super) fn balancing(
+        &mut self,
+        service: &str,
+        raw: RawBalancing,
+        count: u32,
+        unix: bool,
+    ) -> (Balancing, Vec<u32>) {
+        let key = |field: &str| format!("service.{service}.{field}");
+        let weights = self.weights(&key, &raw, count);
+        let policy = raw
+            .lb_policy
+            .as_ref()
+            .map(|p| (p.get_ref().as_str(), p.span()));
+
+        // orca = true/false against lb_policy.
+        let orca_wanted = match (&raw.orca, policy.clone()) {
+            (Some(orca), Some((name, _))) if *orca.get_ref() && name != "orca" => {
+                self.report(
+                    Some(orca.span()),
+                    key("orca"),
+                    format!(
+                        "orca = true balances on ORCA reports (client-side weighted round robin), \
+                         which replaces lb_policy = \"{name}\": remove one of them"
+                    ),
+                );
+                false
+            }
+            (Some(orca), _) => *orca.get_ref(),
+            (None, Some((name, _))) => name == "orca",
+            (None, None) => !unix,
+        };
+        let orca_span = raw
+            .orca
+            .as_ref()
+            .map(Spanned::span)
+            .or(policy.clone().map(|(_, s)| s));
+        if orca_wanted && unix {
+            self.report(
+                orca_span,
+                key(if raw.orca.is_some() { "orca" } else { "lb_policy" }),
+                "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its IP \
+                 address; choose another lb_policy (ORCA is off by default for unix:// urls)",
+            );
+        }
+
+        let name = match (policy.clone(), orca_wanted) {
+            (_, true) => "orca",
+            (Some((name, _)), false) if name != "orca" => name,
+            _ => "round_robin",
+        };
+        // Options that do not apply to the chosen policy.
+        let given = [
+            ("choice_count", raw.choice_count.as_ref().map(Spanned::span)),
+            (
+                "ring_size_min",
+                raw.ring_size_min.as_ref().map(Spanned::span),
+            ),
+            (
+                "ring_size_max",
+                raw.ring_size_max.as_ref().map(Spanned::span),
+            ),
+            ("table_size", raw.table_size.as_ref().map(Spanned::span)),
+            (
+                "hash_balance_factor",
+                raw.hash_balance_factor.as_ref().map(Spanned::span),
+            ),
+        ];
+        for ((option, span), (_, applies)) in given.into_iter().zip(OPTION_POLICIES) {
+            if let Some(span) = span
+                && !applies.contains(&name)
+            {
+                self.report(
+                    Some(span),
+                    key(option),
+                    format!(
+                        "applies to lb_policy = {}, not {name}",
+                        applies
+                            .iter()
+                            .map(|p| format!("\"{p}\""))
+                            .collect::<Vec<_>>()
+                            .join(" or ")
+                    ),
+                );
+            }
+        }
+        let hash_on = self.hash_on(
+            &key,
+            raw.hash_on.as_ref(),
+            name,
+            policy.clone().map(|(_, s)| s),
+        );
+        let factor = self.number(
+            &key,
+            "hash_balance_factor",
+            &raw.hash_balance_factor,
+            100..10_001,
+        );
+        let balancing = match name {
+            "orca" => Balancing::Orca,
+            "round_robin" => Balancing::RoundRobin,
+            "random" => Balancing::Random,
+            "least_request" => Balancing::LeastRequest {
+                choice_count: self
+                    .number(&key, "choice_count", &raw.choice_count, 2..101)
+                    .unwrap_or(2) as u32,
+            },
+            "ring_hash" => {
+                let min = self
+                    .number(
+                        &key,
+                        "ring_size_min",
+                        &raw.ring_size_min,
+                        1..DEFAULT_MAX_RING + 1,
+                    )
+                    .unwrap_or(DEFAULT_MIN_RING);
+                let max = self
+                    .number(
+                        &key,
+                        "ring_size_max",
+                        &raw.ring_size_max,
+                        1..DEFAULT_MAX_RING + 1,
+                    )
+                    .unwrap_or(DEFAULT_MAX_RING);
+                if min > max {
+                    self.report(
+                        raw.ring_size_min.as_ref().map(Spanned::span),
+                        key("ring_size_min"),
+                        format!("{min} is larger than ring_size_max ({max})"),
+                    );
+                }
+                Balancing::RingHash {
+                    hash_on: hash_on.unwrap_or(HashOn::SourceIp),
+                    min_ring_size: min,
+                    max_ring_size: max,
+                    hash_balance_factor: factor.map(|f| f as u32),
+                }
+            }
+            "maglev" => {
+                let table_size = self
+                    .number(&key, "table_size", &raw.table_size, 2..MAX_TABLE_SIZE + 1)
+                    .unwrap_or(DEFAULT_TABLE_SIZE);
+                if !is_prime(table_size) {
+                    self.report(
+                        raw.table_size.as_ref().map(Spanned::span),
+                        key("table_size"),
+                        format!(
+                            "must be a prime (Envoy requires it), got {table_size}; e.g. 65537"
+                        ),
+                    );
+                }
+                Balancing::Maglev {
+                    hash_on: hash_on.unwrap_or(HashOn::SourceIp),
+                    table_size,
+                    hash_balance_factor: factor.map(|f| f as u32),
+                }
+            }
+            other => {
+                self.report(
+                    policy.map(|(_, s)| s),
+                    key("lb_policy"),
+                    format!(
+                        "expected \"orca\", \"round_robin\", \"least_request\", \"random\", \
+                         \"ring_hash\" or \"maglev\", got {other:?}"
+                    ),
+                );
+                Balancing::RoundRobin
+            }
+        };
+        (balancing, weights)
+    }
+
+    /// `hash_on`, required by (and only allowed with) the hashing policies.
+    fn hash_on(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        raw: Option<&Spanned<String>>,
+        policy: &str,
+        policy_span: Option<Range<usize>>,
+    ) -> Option<HashOn> {
+        let hashing = matches!(policy, "ring_hash" | "maglev");
+        let Some(raw) = raw else {
+            if hashing {
+                self.report(
+                    policy_span,
+                    key("hash_on"),
+                    format!(
+                        "lb_policy = \"{policy}\" needs hash_on: what to hash each request by, \
+                         \"header:NAME\" (e.g. \"header:x-entity-id\"), \"cookie:NAME\" or \"source_ip\""
+                    ),
+                );
+            }
+            return None;
+        };
+        if !hashing {
+            self.report(
+                Some(raw.span()),
+                key("hash_on"),
+                format!("applies to lb_policy = \"ring_hash\" or \"maglev\", not {policy}"),
+            );
+            return None;
+        }
+        let text = raw.get_ref();
+        let parsed = match text.split_once(':') {
+            Some(("header", name)) if valid_token(name) => Some(HashOn::Header(name.to_owned())),
+            Some(("cookie", name)) if valid_token(name) => Some(HashOn::Cookie(name.to_owned())),
+            None if text == "source_ip" => Some(HashOn::SourceIp),
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.report(
+                Some(raw.span()),
+                key("hash_on"),
+                format!("expected \"header:NAME\", \"cookie:NAME\" or \"source_ip\", got {text:?}"),
+            );
+        }
+        parsed
+    }
+
+    /// `weight` (every slot) or `weights` (one per slot), each 1..=MAX_WEIGHT; 1 by default.
+    fn weights(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        raw: &RawBalancing,
+        count: u32,
+    ) -> Vec<u32> {
+        let mut weights = vec![1; count as usize];
+        if let (Some(_), Some(list)) = (&raw.weight, &raw.weights) {
+            self.report(
+                Some(list.span()),
+                key("weights"),
+                "give weight (for every worker) or weights (one per worker), not both",
+            );
+            return weights;
+        }
+        if let Some(weight) = self.number(key, "weight", &raw.weight, 1..u64::from(MAX_WEIGHT) + 1)
+        {
+            weights.fill(weight as u32);
+        }
+        if let Some(list) = &raw.weights {
+            if list.get_ref().len() != count as usize {
+                self.report(
+                    Some(list.span()),
+                    key("weights"),
+                    format!(
+                        "has {} entries for {count} workers: one weight per worker, by index",
+                        list.get_ref().len()
+                    ),
+                );
+            } else if let Some(bad) = list
+                .get_ref()
+                .iter()
+                .find(|w| !(1..=i64::from(MAX_WEIGHT)).contains(*w))
+            {
+                self.report(
+                    Some(list.span()),
+                    key("weights"),
+                    format!("each weight must be between 1 and {MAX_WEIGHT}, got {bad}"),
+                );
+            } else {
+                weights = list.get_ref().iter().map(|&w| w as u32).collect();
+            }
+        }
+        weights
+    }
+
+    /// An integer key within `range`, reported with its line when outside.
+    fn number(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        field: &str,
+        raw: &Option<Spanned<i64>>,
+        range: Range<u64>,
+    ) -> Option<u64> {
+        let value = raw.as_ref()?;
+        match u64::try_from(*value.get_ref()) {
+            Ok(n) if range.contains(&n) => Some(n),
+            _ => {
+                self.report(
+                    Some(value.span()),
+                    key(field),
+                    format!(
+                        "must be between {} and {}, got {}",
+                        range.start,
+                        range.end - 1,
+                        value.get_ref()
+                    ),
+                );
+                None
+            }
+        }
+    }
+}
+
+/// An HTTP header or cookie name.
+fn valid_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn is_prime(n: u64) -> bool {
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn primes() {
+        assert!(is_prime(65537) && is_prime(5_000_011) && is_prime(2));
+        assert!(!is_prime(65536) && !is_prime(1) && !is_prime(9));
+    }
+
+    #[test]
+    fn tokens() {
+        assert!(valid_token("x-entity-id"));
+        assert!(!valid_token("") && !valid_token("a b") && !valid_token("a:b"));
+    }
+}
