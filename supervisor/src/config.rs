@@ -123,7 +123,7 @@ impl fmt::Display for SamplerSetting {
 mod balancing;
 
 use self::balancing::RawBalancing;
-pub use self::balancing::{Balancing, HashOn, MAX_WEIGHT};
+pub use self::balancing::{Balancing, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER};
 
 /// The default of `supervisor.sample_interval_ms`.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
@@ -937,7 +937,7 @@ mod tests {
             config.services["ring"].balancing,
             Balancing::RingHash {
                 hash_on: HashOn::Header("x-entity-id".into()),
-                min_ring_size: 4096,
+                min_ring_size: Some(4096),
                 max_ring_size: 8 * 1024 * 1024,
                 hash_balance_factor: Some(150),
             }

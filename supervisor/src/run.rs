@@ -301,7 +301,9 @@ fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsO
             hash_balance_factor,
             ..
         } => Balancer::RingHash {
-            min_ring_size,
+            min_ring_size: min_ring_size
+                .unwrap_or_else(|| ring_size_for(&service.weights))
+                .min(max_ring_size),
             max_ring_size,
             hash_balance_factor,
         },
@@ -329,6 +331,16 @@ fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsO
             .collect(),
         ..xds::XdsOptions::default()
     }
+}
+
+/// The ring size that gives every worker [`config::RING_POINTS_PER_WORKER`] points per unit of its
+/// weight. Envoy sizes the ring as `minimum_ring_size` in all and gives each host a share in proportion
+/// to its weight, so a ring of this size keeps each worker's points (and so its keys) the same whatever
+/// the number of workers: adding one adds its points and takes none from the others.
+fn ring_size_for(weights: &[u32]) -> u64 {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+    let lightest = u64::from(weights.iter().copied().min().unwrap_or(1).max(1));
+    config::RING_POINTS_PER_WORKER * total.div_ceil(lightest).max(1)
 }
 
 /// The services balanced on ORCA reports: those with `orca` on, when a sampler runs (without one
@@ -439,6 +451,14 @@ mod tests {
             [addr("[::1]:18000")]
         );
         assert!(orca_listen_addresses(&config, &orca, addr("[::]:18000")).is_empty());
+    }
+
+    #[test]
+    fn rings_get_the_same_points_per_worker_whatever_the_count() {
+        assert_eq!(ring_size_for(&[1, 1, 1]), 3 * 1024);
+        assert_eq!(ring_size_for(&[1, 1, 1, 1]), 4 * 1024);
+        assert_eq!(ring_size_for(&[2, 2]), 2 * 1024);
+        assert_eq!(ring_size_for(&[1, 3]), 4 * 1024);
     }
 
     #[test]

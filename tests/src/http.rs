@@ -15,14 +15,27 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 /// `GET path` on `addr` with `Connection: close`; returns the status code and the body (decoded from
 /// `Content-Length`, chunked encoding, or read to the end).
 pub fn http_get(addr: impl Into<SocketAddr>, path: &str) -> anyhow::Result<(u16, String)> {
+    http_get_with(addr, path, &[])
+}
+
+/// [`http_get`] with extra request headers.
+pub fn http_get_with(
+    addr: impl Into<SocketAddr>,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<(u16, String)> {
     let addr = addr.into();
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT)
         .with_context(|| format!("connecting to {addr}"))?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
     // One write, so the request leaves in one segment (`write!` on a socket writes piece by piece).
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\n{extra}Connection: close\r\n\r\n"
     );
     stream
         .write_all(request.as_bytes())

@@ -22,7 +22,7 @@ mod supervisor;
 mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
-pub use http::{http_get, worker_pid};
+pub use http::{http_get, http_get_with, worker_pid};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,

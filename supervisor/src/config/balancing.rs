@@ -28,8 +28,11 @@ pub enum Balancing {
     RingHash {
         /// What each request is hashed by.
         hash_on: HashOn,
-        /// `ring_size_min` (1024 by default).
-        min_ring_size: u64,
+        /// `ring_size_min`, fixed; by default (`None`) the ring gets [`RING_POINTS_PER_WORKER`] points
+        /// per worker (per unit of weight), so that adding a worker adds its points and takes none
+        /// from the others (a fixed ring size gives each worker fewer points as workers are added,
+        /// which moves keys between the old workers too).
+        min_ring_size: Option<u64>,
         /// `ring_size_max` (8M by default).
         max_ring_size: u64,
         /// `hash_balance_factor`: bounded loads, in percent of the average (none by default).
@@ -81,8 +84,9 @@ pub enum HashOn {
     SourceIp,
 }
 
-/// Envoy's default and largest ring sizes.
-const DEFAULT_MIN_RING: u64 = 1024;
+/// Ring points per worker (per unit of weight) when `ring_size_min` is not given.
+pub const RING_POINTS_PER_WORKER: u64 = 1024;
+/// Envoy's largest ring size.
 const DEFAULT_MAX_RING: u64 = 8 * 1024 * 1024;
 /// Envoy's default Maglev table size, and its largest.
 const DEFAULT_TABLE_SIZE: u64 = 65537;
@@ -223,14 +227,12 @@ impl Checker<'_> {
                     .unwrap_or(2) as u32,
             },
             "ring_hash" => {
-                let min = self
-                    .number(
-                        &key,
-                        "ring_size_min",
-                        &raw.ring_size_min,
-                        1..DEFAULT_MAX_RING + 1,
-                    )
-                    .unwrap_or(DEFAULT_MIN_RING);
+                let min = self.number(
+                    &key,
+                    "ring_size_min",
+                    &raw.ring_size_min,
+                    1..DEFAULT_MAX_RING + 1,
+                );
                 let max = self
                     .number(
                         &key,
@@ -239,7 +241,7 @@ impl Checker<'_> {
                         1..DEFAULT_MAX_RING + 1,
                     )
                     .unwrap_or(DEFAULT_MAX_RING);
-                if min > max {
+                if let Some(min) = min.filter(|&min| min > max) {
                     self.report(
                         raw.ring_size_min.as_ref().map(Spanned::span),
                         key("ring_size_min"),

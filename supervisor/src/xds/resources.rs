@@ -106,7 +106,7 @@ pub enum Balancer {
     Random,
     /// Consistent hashing on a ring; endpoints are hashed by their `hash_key` metadata.
     RingHash {
-        /// `minimum_ring_size`.
+        /// `minimum_ring_size`: the ring's size in all (Envoy shares it among hosts by weight).
         min_ring_size: u64,
         /// `maximum_ring_size`.
         max_ring_size: u64,

@@ -1,0 +1,153 @@
+//! Consistent hashing through the real Envoy: each worker slot is published with a stable `hash_key`
+//! (service and index), so a key always reaches the same slot, a restarted worker (new pid, new port)
+//! gets back exactly its keys, and growing from 3 to 4 workers moves about a quarter of them.
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+use peregrine_e2e::{
+    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, try_wait_until,
+    worker_pid,
+};
+
+const KEYS: usize = 1000;
+
+/// A ring-hash service `web` of `count` workers hashed on `x-entity-id`, with the given ports.
+fn config(grpc: u16, listen: u16, admin: u16, count: u32) -> String {
+    format!(
+        "{}\n[service.web]\ncount = {count}\nurl = \"http://127.0.0.1:0\"\n\
+         lb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n",
+        base_config(grpc, listen, admin)
+    )
+}
+
+/// The slot index of every worker pid, from `status --json`.
+fn slots(supervisor: &Supervisor) -> Option<BTreeMap<u32, u64>> {
+    let status = supervisor.status_json().ok()?;
+    status["workers"]
+        .as_array()?
+        .iter()
+        .map(|row| Some((row["pid"].as_u64()? as u32, row["index"].as_u64()?)))
+        .collect()
+}
+
+/// Waits until Envoy holds `count` healthy hosts that are exactly the supervisor's registered workers.
+fn wait_for_workers(supervisor: &Supervisor, envoy: &Envoy, count: usize) -> BTreeMap<u32, u64> {
+    try_wait_until(
+        Duration::from_secs(60),
+        "Envoy holding every worker",
+        || {
+            let slots = slots(supervisor).filter(|s| s.len() == count)?;
+            let hosts = hosts(&envoy.admin_get("/clusters").ok()?, "web");
+            let all = hosts.len() == count
+                && hosts.iter().all(|h| {
+                    h.healthy
+                        && h.hostname
+                            .rsplit('-')
+                            .next()
+                            .and_then(|pid| pid.parse::<u32>().ok())
+                            .is_some_and(|pid| slots.contains_key(&pid))
+                });
+            all.then_some(slots)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", supervisor.logs(), envoy.logs()))
+}
+
+/// The slot each key reaches through Envoy.
+fn route(listen: SocketAddr, slots: &BTreeMap<u32, u64>) -> Vec<u64> {
+    (0..KEYS)
+        .map(|key| {
+            let key = format!("entity-{key}");
+            let (code, body) = http_get_with(listen, "/", &[("x-entity-id", &key)])
+                .unwrap_or_else(|e| panic!("{key}: {e:#}"));
+            assert_eq!(code, 200, "{key}: {body}");
+            let pid = worker_pid(&body).unwrap_or_else(|| panic!("{key}: {body}"));
+            *slots
+                .get(&pid)
+                .unwrap_or_else(|| panic!("{key}: pid {pid} is no registered worker"))
+        })
+        .collect()
+}
+
+fn moved(before: &[u64], after: &[u64]) -> usize {
+    before.iter().zip(after).filter(|(a, b)| a != b).count()
+}
+
+#[test]
+fn keys_stick_to_their_slot_across_requests_and_a_worker_restart() {
+    let Some(_envoy) = envoy_or_skip("hashing: stickiness") else {
+        return;
+    };
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let supervisor = Supervisor::start(&config(grpc, listen, admin, 3));
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+    let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+    let slots = wait_for_workers(&supervisor, &envoy, 3);
+
+    let first = route(listen, &slots);
+    let again = route(listen, &slots);
+    assert_eq!(
+        moved(&first, &again),
+        0,
+        "a key changed slot between requests"
+    );
+    let per_slot = (0..3)
+        .map(|slot| first.iter().filter(|&&s| s == slot).count())
+        .collect::<Vec<_>>();
+    eprintln!("keys per slot: {per_slot:?}");
+    assert!(
+        per_slot.iter().all(|&n| n > KEYS / 10),
+        "a slot got almost no keys: {per_slot:?}"
+    );
+
+    // Kill slot 1's worker: its replacement has a new pid, port and hostname, the same hash key.
+    let victim = *slots.iter().find(|(_, slot)| **slot == 1).unwrap().0;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(victim as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let slots = try_wait_until(Duration::from_secs(30), "the replacement", || {
+        let slots = wait_for_workers(&supervisor, &envoy, 3);
+        (!slots.contains_key(&victim)).then_some(slots)
+    })
+    .unwrap();
+    let after = route(listen, &slots);
+    assert_eq!(
+        moved(&first, &after),
+        0,
+        "keys moved for good after a worker restart"
+    );
+}
+
+#[test]
+fn growing_from_three_to_four_workers_moves_about_a_quarter_of_the_keys() {
+    let Some(_envoy) = envoy_or_skip("hashing: scale") else {
+        return;
+    };
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let mut three = Supervisor::start(&config(grpc, listen, admin, 3));
+    let envoy = Envoy::start(&three.envoy_bootstrap().expect("bootstrap"));
+    let listen_addr = SocketAddr::from(([127, 0, 0, 1], listen));
+    let slots = wait_for_workers(&three, &envoy, 3);
+    let before = route(listen_addr, &slots);
+
+    // A supervisor with 4 workers on the same xDS port; Envoy keeps running and reconnects. Every
+    // worker is new, but slots 0-2 keep their hash keys.
+    three.stop().expect("the first supervisor stops");
+    let four = Supervisor::start(&config(grpc, listen, admin, 4));
+    let slots = wait_for_workers(&four, &envoy, 4);
+    let after = route(listen_addr, &slots);
+    let moved = moved(&before, &after);
+    let to_new_slot = after.iter().filter(|&&s| s == 3).count();
+    eprintln!(
+        "3 -> 4 workers: {moved} of {KEYS} keys moved ({:.1}%; the minimum is 25%), {to_new_slot} to the new slot",
+        100.0 * moved as f64 / KEYS as f64
+    );
+    // Consistent hashing moves keys only to the new slot; about 1/4 of them.
+    assert_eq!(moved, to_new_slot, "keys moved between the old slots");
+    assert!(
+        (KEYS / 8..=KEYS * 2 / 5).contains(&moved),
+        "{moved} of {KEYS} keys moved"
+    );
+}
