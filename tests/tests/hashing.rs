@@ -151,3 +151,89 @@ fn growing_from_three_to_four_workers_moves_about_a_quarter_of_the_keys() {
         "{moved} of {KEYS} keys moved"
     );
 }
+
+/// `clients` threads sending requests for one hot key to `path` for `duration`; requests per pid.
+fn hot_key_load(
+    listen: SocketAddr,
+    path: &str,
+    clients: usize,
+    duration: Duration,
+) -> BTreeMap<u32, u64> {
+    let deadline = std::time::Instant::now() + duration;
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let path = path.to_owned();
+            std::thread::spawn(move || {
+                let mut counts = BTreeMap::new();
+                while std::time::Instant::now() < deadline {
+                    let (code, body) = http_get_with(listen, &path, &[("x-entity-id", "hot")])
+                        .unwrap_or_else(|e| panic!("{e:#}"));
+                    assert_eq!(code, 200, "{body}");
+                    *counts.entry(worker_pid(&body).unwrap()).or_insert(0u64) += 1;
+                }
+                counts
+            })
+        })
+        .collect();
+    let mut total = BTreeMap::new();
+    for thread in threads {
+        for (pid, n) in thread.join().unwrap() {
+            *total.entry(pid).or_insert(0) += n;
+        }
+    }
+    total
+}
+
+#[test]
+fn bounded_loads_spill_a_hot_key_over_to_other_workers() {
+    let Some(_envoy) = envoy_or_skip("hashing: bounded loads") else {
+        return;
+    };
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let service = |name: &str, factor: &str| {
+        format!(
+            "[service.{name}]\ncount = 3\nurl = \"http://127.0.0.1:0\"\nprefix = \"/{name}\"\n\
+             lb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n{factor}\n"
+        )
+    };
+    let supervisor = Supervisor::start(&format!(
+        "{}\n{}\n{}",
+        base_config(grpc, listen, admin),
+        service("bounded", "hash_balance_factor = 125"),
+        service("unbounded", "")
+    ));
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+    let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+    for cluster in ["bounded", "unbounded"] {
+        try_wait_until(Duration::from_secs(60), "3 hosts per cluster", || {
+            let hosts = hosts(&envoy.admin_get("/clusters").ok()?, cluster);
+            (hosts.len() == 3 && hosts.iter().all(|h| h.healthy)).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
+    }
+    // Every request carries the same key and takes a few milliseconds, so 9 clients keep about 9
+    // requests active: 3 per worker on average, and the bound is 125% of that.
+    let hottest = |counts: &BTreeMap<u32, u64>| {
+        *counts.values().max().unwrap() as f64 / counts.values().sum::<u64>() as f64
+    };
+    let unbounded = hot_key_load(listen, "/unbounded?cpu=5", 9, Duration::from_secs(3));
+    let bounded = hot_key_load(listen, "/bounded?cpu=5", 9, Duration::from_secs(3));
+    eprintln!(
+        "one hot key, 9 clients: the hottest worker served {:.0}% without a bound ({unbounded:?}), \
+         {:.0}% with hash_balance_factor = 125 ({bounded:?})",
+        hottest(&unbounded) * 100.0,
+        hottest(&bounded) * 100.0
+    );
+    assert!(hottest(&unbounded) > 0.99, "{unbounded:?}");
+    // About ceil(3 * 1.25) = 4 of the 9 active requests on the key's worker (Envoy counts active
+    // requests as it picks, so a little more gets through): about half the requests, not all.
+    assert!(
+        hottest(&bounded) < 0.7,
+        "the bound did not spill the hot key: {bounded:?}"
+    );
+    // The excess goes to the next worker along the ring that is under the bound.
+    assert!(
+        bounded.len() >= 2,
+        "the excess reaches other workers: {bounded:?}"
+    );
+}
