@@ -18,6 +18,7 @@ mod envoy;
 mod http;
 mod paths;
 mod process;
+mod slots;
 mod supervisor;
 mod wait;
 
@@ -28,6 +29,7 @@ pub use paths::{
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
 };
 pub use process::ChildGuard;
+pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use supervisor::{Supervisor, base_config, one_worker, sample_config};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

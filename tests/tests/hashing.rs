@@ -5,8 +5,8 @@
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, try_wait_until,
-    worker_pid,
+    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, moved,
+    route_keys, try_wait_until, wait_for_slots, worker_pid,
 };
 
 const KEYS: usize = 1000;
@@ -20,57 +20,17 @@ fn config(grpc: u16, listen: u16, admin: u16, count: u32) -> String {
     )
 }
 
-/// The slot index of every worker pid, from `status --json`.
-fn slots(supervisor: &Supervisor) -> Option<BTreeMap<u32, u64>> {
-    let status = supervisor.status_json().ok()?;
-    status["workers"]
-        .as_array()?
-        .iter()
-        .map(|row| Some((row["pid"].as_u64()? as u32, row["index"].as_u64()?)))
-        .collect()
-}
-
-/// Waits until Envoy holds `count` healthy hosts that are exactly the supervisor's registered workers.
+/// Waits until Envoy routes to the supervisor's `count` workers with the ring sized for them (1024
+/// points each).
 fn wait_for_workers(supervisor: &Supervisor, envoy: &Envoy, count: usize) -> BTreeMap<u32, u64> {
-    try_wait_until(
-        Duration::from_secs(60),
-        "Envoy holding every worker",
-        || {
-            let slots = slots(supervisor).filter(|s| s.len() == count)?;
-            let hosts = hosts(&envoy.admin_get("/clusters").ok()?, "web");
-            let all = hosts.len() == count
-                && hosts.iter().all(|h| {
-                    h.healthy
-                        && h.hostname
-                            .rsplit('-')
-                            .next()
-                            .and_then(|pid| pid.parse::<u32>().ok())
-                            .is_some_and(|pid| slots.contains_key(&pid))
-                });
-            all.then_some(slots)
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", supervisor.logs(), envoy.logs()))
+    let ring = format!("\"minimum_ring_size\": \"{}\"", 1024 * count);
+    wait_for_slots(supervisor, envoy, "web", count, Some(&ring)).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// The slot each key reaches through Envoy.
 fn route(listen: SocketAddr, slots: &BTreeMap<u32, u64>) -> Vec<u64> {
-    (0..KEYS)
-        .map(|key| {
-            let key = format!("entity-{key}");
-            let (code, body) = http_get_with(listen, "/", &[("x-entity-id", &key)])
-                .unwrap_or_else(|e| panic!("{key}: {e:#}"));
-            assert_eq!(code, 200, "{key}: {body}");
-            let pid = worker_pid(&body).unwrap_or_else(|| panic!("{key}: {body}"));
-            *slots
-                .get(&pid)
-                .unwrap_or_else(|| panic!("{key}: pid {pid} is no registered worker"))
-        })
-        .collect()
-}
-
-fn moved(before: &[u64], after: &[u64]) -> usize {
-    before.iter().zip(after).filter(|(a, b)| a != b).count()
+    let keys: Vec<String> = (0..KEYS).map(|key| format!("entity-{key}")).collect();
+    route_keys(listen, "/", "x-entity-id", &keys, 4, slots).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]
