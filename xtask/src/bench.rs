@@ -4,9 +4,12 @@
 //!   exit detection, restart and xDS delivery (`tests/src/bin/restart-latency.rs`).
 //! - `http [--duration SECS] [--rounds N]`: the worker's HTTP server against a hyper baseline on the same
 //!   core, under `wrk` and `h2load` ([`http`]).
+//! - `hashing [--keys N]`: keys moved by consistent hashing through Envoy on a worker restart and on
+//!   scaling 3 -> 4 -> 3 workers, ring hash and Maglev, with and without bounded loads ([`hashing`]).
 //! - `sampler [--duration SECS] [--rounds N]`: what the sampler costs a loaded worker (off, eBPF and
 //!   procfs at 1 s and 100 ms), and one sample pass over 8, 64 and 512 processes ([`sampler`]).
 
+mod hashing;
 mod http;
 mod parse;
 mod sampler;
@@ -23,8 +26,9 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("restart") => restart(&args[1..]),
         Some("http") => http::run(&args[1..]),
         Some("sampler") => sampler::run(&args[1..]),
+        Some("hashing") => hashing::run(&args[1..]),
         Some(other) => {
-            bail!("unknown benchmark {other:?}: expected `restart`, `http` or `sampler`")
+            bail!("unknown benchmark {other:?}: expected `restart`, `http`, `sampler` or `hashing`")
         }
         None => bail!(
             "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`"

@@ -38,6 +38,9 @@ commands:
   bench http [--duration SECS] [--rounds N]
                         the worker against a hyper baseline on one core under wrk and h2load (5 s, 3 rounds);
                         installs wrk and nghttp2-client with apt-get when missing and run as root
+  bench hashing [--keys N]
+                        keys moved through Envoy by a worker restart and by 3 -> 4 -> 3 workers (ring hash,
+                        Maglev, with and without bounded loads; 10,000 keys)
   bench sampler [--duration SECS] [--rounds N]
                         a loaded worker with the sampler off, eBPF and procfs at 1 s and 100 ms (h2c, 5 s,
                         3 rounds), then one sample pass over 8, 64 and 512 processes; as root
