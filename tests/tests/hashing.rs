@@ -1,6 +1,7 @@
 //! Consistent hashing through the real Envoy: each worker slot is published with a stable `hash_key`
 //! (service and index), so a key always reaches the same slot, a restarted worker (new pid, new port)
-//! gets back exactly its keys, and growing from 3 to 4 workers moves about a quarter of them.
+//! gets back exactly its keys, and growing from 3 to 4 workers moves about a quarter of them; bounded
+//! loads spill a hot key, and per-worker weights reach Envoy.
 
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
@@ -195,5 +196,44 @@ fn bounded_loads_spill_a_hot_key_over_to_other_workers() {
     assert!(
         bounded.len() >= 2,
         "the excess reaches other workers: {bounded:?}"
+    );
+}
+
+#[test]
+fn per_worker_weights_reach_envoy_and_split_traffic() {
+    let Some(_envoy) = envoy_or_skip("weights") else {
+        return;
+    };
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let supervisor = Supervisor::start(&format!(
+        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nlb_policy = \"round_robin\"\n\
+         weights = [1, 3]\n",
+        base_config(grpc, listen, admin)
+    ));
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+    let slots = wait_for_slots(&supervisor, &envoy, "web", 2, None).unwrap();
+    let weights: BTreeMap<u64, u64> = hosts(&envoy.clusters(), "web")
+        .iter()
+        .map(|h| {
+            let pid: u32 = h.hostname.rsplit('-').next().unwrap().parse().unwrap();
+            (slots[&pid], h.weight)
+        })
+        .collect();
+    assert_eq!(weights, BTreeMap::from([(0, 1), (1, 3)]));
+    // Weighted round robin: slot 1 answers three requests in four.
+    let keys: Vec<String> = (0..400).map(|k| k.to_string()).collect();
+    let routed = route_keys(
+        SocketAddr::from(([127, 0, 0, 1], listen)),
+        "/",
+        "x-ignored",
+        &keys,
+        1,
+        &slots,
+    )
+    .unwrap();
+    let to_heavy = routed.iter().filter(|&&slot| slot == 1).count();
+    assert!(
+        (270..=330).contains(&to_heavy),
+        "slot 1 answered {to_heavy} of 400"
     );
 }

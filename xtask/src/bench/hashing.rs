@@ -87,8 +87,7 @@ impl Variant {
     /// A fragment of Envoy's active cluster config that shows the cluster is set up for `count`
     /// workers (the ring's size follows the worker count; Maglev's table does not).
     fn settled(self, count: usize) -> Option<String> {
-        (self.policy == "ring_hash")
-            .then(|| format!("\"minimum_ring_size\": \"{}\"", 1024 * count))
+        (self.policy == "ring_hash").then(|| format!("\"minimum_ring_size\": \"{}\"", 1024 * count))
     }
 }
 
@@ -146,7 +145,11 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             variant.name(),
             format!("{} / {}", pct(f.again), pct(f.restart)),
             format!("{} = {:.2}x min", pct(f.up), f.up as f64 / (n as f64 / 4.0)),
-            format!("{} = {:.2}x min", pct(f.down), f.down as f64 / (n as f64 / 4.0)),
+            format!(
+                "{} = {:.2}x min",
+                pct(f.down),
+                f.down as f64 / (n as f64 / 4.0)
+            ),
             format!("{:.2} / {:.2}", f.spread3, f.spread4),
         ]);
     }
