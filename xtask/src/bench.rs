@@ -6,7 +6,12 @@
 //!   core, under `wrk` and `h2load` ([`http`]).
 //! - `sampler [--duration SECS] [--rounds N]`: what the sampler costs a loaded worker (off, eBPF and
 //!   procfs at 1 s and 100 ms), and one sample pass over 8, 64 and 512 processes ([`sampler`]).
+//! - `balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]`: round
+//!   robin, least request and ORCA-weighted round robin through the real Envoy while one worker's core
+//!   is shared with a CPU hog, or the worker gets CPU-heavy requests past Envoy; with a plot of the
+//!   shares, utilizations and weights over time ([`balance`]).
 
+mod balance;
 mod http;
 mod parse;
 mod sampler;
@@ -23,11 +28,12 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("restart") => restart(&args[1..]),
         Some("http") => http::run(&args[1..]),
         Some("sampler") => sampler::run(&args[1..]),
+        Some("balance") => balance::run(&args[1..]),
         Some(other) => {
-            bail!("unknown benchmark {other:?}: expected `restart`, `http` or `sampler`")
+            bail!("unknown benchmark {other:?}: expected `restart`, `http`, `sampler` or `balance`")
         }
         None => bail!(
-            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`"
+            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler` or `cargo xtask bench balance`"
         ),
     }
 }
