@@ -404,7 +404,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         read_trimmed("/proc/sys/kernel/osrelease")?
     )?;
     writeln!(report, "CPU: {cpu_line}")?;
-    writeln!(report, "Envoy: {envoy_version}")?;
+    // `envoy --version` prints the binary's path first: keep the version.
+    writeln!(
+        report,
+        "Envoy: {}",
+        envoy_version
+            .split_once("version: ")
+            .map_or(envoy_version.as_str(), |(_, version)| version)
+    )?;
     writeln!(
         report,
         "Sampler: {}, every {} ms",
@@ -414,7 +421,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let others: Vec<f64> = runs.iter().map(|r| r.others).collect();
     writeln!(
         report,
-        "Other processes' CPU use during the runs: median {:.2} cores, max {:.2} ({} of {} kept runs above {NOISY}, each after {NOISY_RETRIES} repeats)",
+        "Other processes' CPU use during the runs: median {:.2} cores, max {:.2} ({} of {} runs above {NOISY} after up to {NOISY_RETRIES} repeats of a noisy run)",
         median(others.clone()),
         others.iter().copied().fold(0.0, f64::max),
         others.iter().filter(|&&o| o > NOISY).count(),
@@ -1038,7 +1045,7 @@ fn goals(scenario: Scenario, runs: &[&Run], rate: f64) -> String {
             let ratio = c.as_secs_f64() / r.as_secs_f64();
             let _ = writeln!(
                 text,
-                "- CSWRR p99 / ROUND_ROBIN p99: {} / {} = {ratio:.2} (goal <= 0.5): {}",
+                "- CSWRR p99 / ROUND_ROBIN p99: {} / {} = {ratio:.3} (goal <= 0.5): {}",
                 format_duration(c),
                 format_duration(r),
                 met(ratio <= 0.5)
