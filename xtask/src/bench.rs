@@ -8,7 +8,12 @@
 //!   scaling 3 -> 4 -> 3 workers, ring hash and Maglev, with and without bounded loads ([`hashing`]).
 //! - `sampler [--duration SECS] [--rounds N]`: what the sampler costs a loaded worker (off, eBPF and
 //!   procfs at 1 s and 100 ms), and one sample pass over 8, 64 and 512 processes ([`sampler`]).
+//! - `balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]`: round
+//!   robin, least request and ORCA-weighted round robin through the real Envoy while one worker's core
+//!   is shared with a CPU hog, or the worker gets CPU-heavy requests past Envoy; with a plot of the
+//!   shares, utilizations and weights over time ([`balance`]).
 
+mod balance;
 mod hashing;
 mod http;
 mod parse;
@@ -27,11 +32,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("http") => http::run(&args[1..]),
         Some("sampler") => sampler::run(&args[1..]),
         Some("hashing") => hashing::run(&args[1..]),
+        Some("balance") => balance::run(&args[1..]),
         Some(other) => {
-            bail!("unknown benchmark {other:?}: expected `restart`, `http`, `sampler` or `hashing`")
+            bail!(
+                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing` or `balance`"
+            )
         }
         None => bail!(
-            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`"
+            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing` or `balance`"
         ),
     }
 }

@@ -65,7 +65,7 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
 }
 
 /// `envoy --version`, trimmed (e.g. `envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`).
-fn version(envoy: &Path) -> anyhow::Result<String> {
+pub(crate) fn version(envoy: &Path) -> anyhow::Result<String> {
     let output = Command::new(envoy)
         .arg("--version")
         .output()

@@ -163,7 +163,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     )?;
     writeln!(report, "Date: {}", today()?)?;
     writeln!(report)?;
-    report.push_str(&markdown(&table));
+    report.push_str(&markdown(&table, 2));
     println!("{report}");
     Ok(ExitCode::SUCCESS)
 }

@@ -526,13 +526,13 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
             rows.push([load_cell, label.clone(), cell(0), cell(1), ratio]);
         }
     }
-    markdown(&rows)
+    markdown(&rows, 2)
 }
 
-/// A markdown table with padded columns; the first row is the header, the last three columns are
-/// right-aligned.
-pub(super) fn markdown(rows: &[[String; 5]]) -> String {
-    let widths: Vec<usize> = (0..5)
+/// A markdown table with padded columns; the first row is the header, the first `left` columns are
+/// left-aligned and the others right-aligned.
+pub(super) fn markdown<const N: usize>(rows: &[[String; N]], left: usize) -> String {
+    let widths: Vec<usize> = (0..N)
         .map(|c| {
             rows.iter()
                 .map(|row| row[c].chars().count())
@@ -545,7 +545,7 @@ pub(super) fn markdown(rows: &[[String; 5]]) -> String {
     for (r, row) in rows.iter().enumerate() {
         out.push('|');
         for (c, cell) in row.iter().enumerate() {
-            if c < 2 {
+            if c < left {
                 write!(out, " {cell:<w$} |", w = widths[c]).expect("a String");
             } else {
                 write!(out, " {cell:>w$} |", w = widths[c]).expect("a String");
@@ -556,7 +556,7 @@ pub(super) fn markdown(rows: &[[String; 5]]) -> String {
             out.push('|');
             for (c, width) in widths.iter().enumerate() {
                 let dashes = "-".repeat(*width);
-                if c < 2 {
+                if c < left {
                     write!(out, " {dashes} |").expect("a String");
                 } else {
                     write!(out, " {}: |", &dashes[1..]).expect("a String");
@@ -790,7 +790,7 @@ fn parse_stat_cpu(stat: &str) -> anyhow::Result<u64> {
 
 /// Per-core CPU time from `/proc/stat`, in clock ticks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct CoreTicks {
+pub(super) struct CoreTicks {
     /// Every state (user, nice, system, idle, iowait, irq, softirq, steal).
     total: u64,
     /// Idle and iowait.
@@ -798,6 +798,11 @@ struct CoreTicks {
 }
 
 impl CoreTicks {
+    /// Ticks spent in any state but idle and iowait.
+    pub(super) fn busy(self) -> u64 {
+        self.total.saturating_sub(self.idle)
+    }
+
     /// The fraction of the time since `before` that the core was busy.
     fn busy_since(self, before: CoreTicks) -> f64 {
         let total = self.total.saturating_sub(before.total);
@@ -810,7 +815,7 @@ impl CoreTicks {
 }
 
 /// Every core's ticks, by number (`"0"`, `"1"`).
-fn core_ticks() -> anyhow::Result<Vec<(String, CoreTicks)>> {
+pub(super) fn core_ticks() -> anyhow::Result<Vec<(String, CoreTicks)>> {
     parse_proc_stat(&std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?)
 }
 
@@ -844,7 +849,7 @@ fn parse_proc_stat(stat: &str) -> anyhow::Result<Vec<(String, CoreTicks)>> {
 }
 
 /// The CPUs process `pid` may run on (`Cpus_allowed_list` in `/proc/PID/status`).
-fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
+pub(super) fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
     let path = format!("/proc/{pid}/status");
     let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
     status

@@ -226,7 +226,7 @@ fn table(runs: &[Vec<Run>]) -> String {
             bpf,
         ]);
     }
-    markdown(&rows)
+    markdown(&rows, 2)
 }
 
 /// The total run time of the sampler's programs loaded now (zero when none is).
