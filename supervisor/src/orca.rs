@@ -249,9 +249,10 @@ async fn send(
 ///
 /// Envoy's weight is `rps_fractional / utilization`. A worker that served nothing in the last
 /// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
-/// weight), so it reports the mean rate of its busy peers and a utilization of at most half the lowest
-/// peer's: Envoy then weighs it at least twice the best busy peer, it draws traffic, and its next
-/// report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
+/// weight), so it reports the mean rate of its busy peers and a utilization of half the lowest peer's
+/// (or its own, if it is busier than that): Envoy then weighs it as a peer of average rate at half the
+/// least busy peer's cost, which puts it at the top of the service without dwarfing it; it draws
+/// traffic, and its next report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
 /// are at least [`MIN_UTILIZATION`].
 pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(worker.pid)?;
@@ -279,7 +280,10 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
                 .iter()
                 .map(|p| p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0))
                 .fold(f64::INFINITY, f64::min);
-            (mean_rps, application.min(lowest / 2.0))
+            // Half the lowest peer utilization, unless the worker itself is busier than that (a
+            // long request, or work of its own): a near-zero utilization would weigh it a thousand
+            // times its peers, and draw nearly every request for a weight period.
+            (mean_rps, application.max(lowest / 2.0))
         }
     };
     Some(OrcaLoadReport {
@@ -366,9 +370,17 @@ mod tests {
         ]);
         let r = report_for(&l, &worker(1)).unwrap();
         assert_eq!(r.rps_fractional, 200.0);
-        assert!(r.application_utilization > 0.0);
-        let best = 300.0 / 0.2;
-        assert!(r.rps_fractional / r.application_utilization >= 2.0 * best);
+        assert!((r.application_utilization - 0.1).abs() < 1e-9);
+        // The peers' mean rate at half the least busy peer's utilization: the top weight, not 1000x.
+        let weight = r.rps_fractional / r.application_utilization;
+        assert!((weight - 2000.0).abs() < 1e-6, "{weight}");
+        // A worker with no requests but busy with work of its own stays as busy as it is.
+        let stuck = loads(vec![
+            load(1, Some(0.9), 0.0, Some(0.0)),
+            load(2, Some(0.5), 0.0, Some(100.0)),
+        ]);
+        let r = report_for(&stuck, &worker(1)).unwrap();
+        assert!((r.application_utilization - 0.9).abs() < 1e-9);
         // Alone and idle: still positive fields, never an all-default (empty) report.
         let alone =
             report_for(&loads(vec![load(1, Some(0.0), 0.0, Some(0.0))]), &worker(1)).unwrap();
