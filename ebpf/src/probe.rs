@@ -69,6 +69,12 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// This process runs in a nested pid namespace (a container), where its pids are not the
+    /// kernel's that the programs see.
+    #[error(
+        "this process runs in a nested pid namespace: the eBPF programs see the host's pids, not these"
+    )]
+    PidNamespace,
     /// A slot outside `0..slots`.
     #[error("slot {slot} is out of range 0..{slots}")]
     SlotOutOfRange {
@@ -106,6 +112,11 @@ impl Probe {
     /// Loads the program for `slots` worker slots and attaches it to the scheduler's tracepoints.
     pub fn load(slots: u32) -> Result<Probe, Error> {
         let object = crate::object().map_err(Error::NotBuilt)?;
+        // The programs see the kernel's (initial namespace) pids; pids tracked from a nested pid
+        // namespace would never match, and every worker would read as idle.
+        if nested_pid_namespace() {
+            return Err(Error::PidNamespace);
+        }
         let slots = slots.max(1);
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| Error::Mmap {
             name: "cells",
@@ -253,7 +264,9 @@ impl Probe {
                 .u64_at(cell + offset_of!(Cell, runq_wait_ns))
                 .load(Ordering::Relaxed);
             // The cell was reset for another process while it was read: it is no longer this one's.
-            if tgid.load(Ordering::Acquire) != pid {
+            // (The fence keeps the loads above from moving after this second look at the tag.)
+            std::sync::atomic::fence(Ordering::Acquire);
+            if tgid.load(Ordering::Relaxed) != pid {
                 continue;
             }
             totals.on_cpu_ns += on_cpu;
@@ -261,6 +274,20 @@ impl Probe {
         }
         totals
     }
+}
+
+/// Whether `/proc/self/status` lists more than one pid in `NSpid` (a pid namespace below the initial
+/// one). An unreadable status counts as not nested.
+fn nested_pid_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("NSpid:"))
+                .map(|pids| pids.split_whitespace().count() > 1)
+        })
+        .unwrap_or(false)
 }
 
 fn libc_enoent() -> i32 {

@@ -119,7 +119,7 @@ fn cpu_time_matches_proc_stat_within_two_percent() {
     let proc = proc1 - proc0;
     let error = (ebpf as f64 - proc as f64).abs() / proc as f64;
     eprintln!(
-        "on-CPU over 2 s: eBPF {:.1} ms, /proc utime+stime {:.1} ms ({:.2}% apart)",
+        "on-CPU over 3 s: eBPF {:.1} ms, /proc utime+stime {:.1} ms ({:.2}% apart)",
         ms(ebpf),
         ms(proc),
         error * 100.0
@@ -201,8 +201,10 @@ fn sharing_a_core_with_a_hog_shows_run_queue_wait() {
         "a process sharing its core with a hog waited only {:.1} ms",
         ms(shared.runq_wait_ns)
     );
+    // With k other tasks on CPU 0 the hog adds 1/((k+1)(k+2)) s of wait: 500 ms on a quiet core,
+    // still 83 ms with two strangers.
     assert!(
-        shared.runq_wait_ns > alone.runq_wait_ns + 100_000_000,
+        shared.runq_wait_ns > alone.runq_wait_ns + 50_000_000,
         "the hog added no run-queue wait: alone {:.1} ms, shared {:.1} ms",
         ms(alone.runq_wait_ns),
         ms(shared.runq_wait_ns)

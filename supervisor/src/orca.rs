@@ -180,6 +180,9 @@ async fn report_loop(
 
     // The first report as soon as there is a real sample (rates need two readings).
     loop {
+        if !registered(&registry) {
+            return;
+        }
         let current = loads.borrow_and_update().clone();
         if let Some(report) = report_for(&current, &worker) {
             if !send(&registry, &worker, &tx, report).await {
@@ -249,10 +252,9 @@ async fn send(
 ///
 /// Envoy's weight is `rps_fractional / utilization`. A worker that served nothing in the last
 /// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
-/// weight), so it reports the mean rate of its busy peers and a utilization of half the lowest peer's
-/// (or its own, if it is busier than that): Envoy then weighs it as a peer of average rate at half the
-/// least busy peer's cost, which puts it at the top of the service without dwarfing it; it draws
-/// traffic, and its next report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
+/// weight), so it reports the mean rate of its busy peers and the utilization that makes its weight
+/// twice the best busy peer's (or its own utilization, if it is busier than that): it draws traffic
+/// without dwarfing the others, and its next report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
 /// are at least [`MIN_UTILIZATION`].
 pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(worker.pid)?;
@@ -276,14 +278,18 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
                 .filter_map(|p| p.requests_per_second)
                 .sum::<f64>()
                 / busy.len() as f64;
-            let lowest = busy
+            // The best peer's weight, as Envoy computes it (rate over utilization).
+            let best_weight = busy
                 .iter()
-                .map(|p| p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0))
-                .fold(f64::INFINITY, f64::min);
-            // Half the lowest peer utilization, unless the worker itself is busier than that (a
-            // long request, or work of its own): a near-zero utilization would weigh it a thousand
-            // times its peers, and draw nearly every request for a weight period.
-            (mean_rps, application.max(lowest / 2.0))
+                .map(|p| {
+                    let utilization = p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0);
+                    p.requests_per_second.unwrap_or(0.0) / utilization.max(MIN_UTILIZATION)
+                })
+                .fold(0.0, f64::max);
+            // Twice the best peer's weight, unless the worker itself is busier than that (a long
+            // request, or work of its own): a near-zero utilization would weigh it a thousand times
+            // its peers and draw nearly every request for a weight period.
+            (mean_rps, application.max(mean_rps / (2.0 * best_weight)))
         }
     };
     Some(OrcaLoadReport {
@@ -362,7 +368,7 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_worker_reports_its_peers_rate_and_at_least_twice_the_best_weight() {
+    fn an_idle_worker_reports_its_peers_rate_at_twice_the_best_weight() {
         let l = loads(vec![
             load(1, Some(0.0), 0.0, Some(0.0)),
             load(2, Some(0.5), 0.0, Some(100.0)),
@@ -370,10 +376,18 @@ mod tests {
         ]);
         let r = report_for(&l, &worker(1)).unwrap();
         assert_eq!(r.rps_fractional, 200.0);
-        assert!((r.application_utilization - 0.1).abs() < 1e-9);
-        // The peers' mean rate at half the least busy peer's utilization: the top weight, not 1000x.
+        // Twice the best peer's weight (300 / 0.2), not a thousandfold.
         let weight = r.rps_fractional / r.application_utilization;
-        assert!((weight - 2000.0).abs() < 1e-6, "{weight}");
+        assert!((weight - 3000.0).abs() < 1e-6, "{weight}");
+        // Peers of very different rates and costs: still twice the best, not the mean over the least.
+        let mixed = loads(vec![
+            load(1, Some(0.0), 0.0, Some(0.0)),
+            load(2, Some(0.05), 0.0, Some(10.0)),
+            load(3, Some(0.9), 0.0, Some(1000.0)),
+        ]);
+        let r = report_for(&mixed, &worker(1)).unwrap();
+        let weight = r.rps_fractional / r.application_utilization;
+        assert!((weight - 2.0 * 1000.0 / 0.9).abs() < 1e-6, "{weight}");
         // A worker with no requests but busy with work of its own stays as busy as it is.
         let stuck = loads(vec![
             load(1, Some(0.9), 0.0, Some(0.0)),

@@ -263,7 +263,14 @@ impl Registry {
                 return Ok::<_, RegistryError>(false);
             };
             if view.workers.get(&index).is_some_and(|w| w.pid == pid) {
-                view.workers.remove(&index);
+                if let Some(gone) = view.workers.remove(&index) {
+                    // Its ORCA state goes with it, unless a stream is still open (the stream's
+                    // end removes it then).
+                    let mut orca = self.orca.lock().unwrap_or_else(|e| e.into_inner());
+                    if orca.get(&gone.hostname).is_some_and(|s| s.open == 0) {
+                        orca.remove(&gone.hostname);
+                    }
+                }
                 return Ok(true);
             }
             Ok(false)

@@ -194,8 +194,11 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         tracing::warn!(%bound, "The gRPC port is reachable from other hosts: supervisor.bind is not loopback");
     }
     let orca = orca_services(&config, sources.sched.is_some());
-    let mut listeners = vec![grpc];
+    let mut orca_listeners = Vec::new();
     for addr in orca_listen_addresses(&config, &orca, bound) {
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "ORCA listens on a non-loopback address, where workers listen: it serves only load reports there, no xDS");
+        }
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| RunError::OrcaBind {
@@ -204,7 +207,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
                 source,
             })?;
         tracing::info!(%addr, "Listening for ORCA streams to workers on this address family too");
-        listeners.push(listener);
+        orca_listeners.push(listener);
     }
     let mut sigterm =
         tokio::signal::unix::signal(SignalKind::terminate()).map_err(RunError::Signals)?;
@@ -226,7 +229,8 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     let orca_service = (!orca.is_empty())
         .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
     let mut xds_task = tokio::spawn(xds::serve(
-        listeners,
+        vec![grpc],
+        orca_listeners,
         registry.subscribe(),
         xds_options(&config, &orca, bound.port()),
         orca_service,
@@ -362,10 +366,11 @@ fn orca_services(config: &Config, sampling: bool) -> BTreeSet<String> {
     wanted
 }
 
-/// The addresses, besides `bound`, where the supervisor must also listen so that Envoy's ORCA streams
-/// reach it: Envoy dials each worker's IP with the supervisor's port, so every IP the `orca` services'
-/// workers bind must be covered. `bound` covers its own IP; `[::]` covers every IPv6 and (dual stack)
-/// IPv4 address, `0.0.0.0` every IPv4 one.
+/// The addresses, besides `bound`, where the supervisor must also listen (for ORCA only) so that Envoy's
+/// ORCA streams reach it: Envoy dials each worker's IP with the supervisor's port, so every IP the
+/// `orca` services' workers bind must be covered. `bound` covers its own IP; `[::]` covers every IPv6
+/// and (dual stack) IPv4 address, `0.0.0.0` every IPv4 one; a worker on a wildcard address needs only
+/// the loopback address of its family.
 pub fn orca_listen_addresses(
     config: &Config,
     orca: &BTreeSet<String>,
@@ -374,7 +379,13 @@ pub fn orca_listen_addresses(
     let mut ips = BTreeSet::new();
     for service in config.services.values().filter(|s| orca.contains(&s.name)) {
         if let BindUrl::Tcp { host, .. } = service.url_for(0) {
-            ips.extend(worker_ips(&host));
+            // A worker on a wildcard address is dialled at it, which Linux connects to the local
+            // host: the loopback address of the family covers it without listening everywhere.
+            ips.extend(worker_ips(&host).into_iter().map(|ip| match ip {
+                IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                other => other,
+            }));
         }
     }
     let covers = |ip: &IpAddr| {
@@ -434,10 +445,14 @@ mod tests {
         let config = config(
             "[service.local]\nurl = \"http://localhost:0\"\n\
              [service.v4]\nurl = \"http://127.0.0.2:0\"\n\
-             [service.sock]\nurl = \"unix:///run/s.sock\"\n",
+             [service.sock]\nurl = \"unix:///run/s.sock\"\n\
+             [service.any]\nurl = \"http://0.0.0.0:0\"\n",
         );
         let orca = orca_services(&config, true);
-        assert_eq!(orca, BTreeSet::from(["local".into(), "v4".into()]));
+        assert_eq!(
+            orca,
+            BTreeSet::from(["any".into(), "local".into(), "v4".into()])
+        );
         assert_eq!(
             orca_listen_addresses(&config, &orca, addr("127.0.0.1:18000")),
             [addr("127.0.0.2:18000"), addr("[::1]:18000")]

@@ -100,21 +100,44 @@ pub fn router(resources: watch::Receiver<Arc<Resources>>) -> Router {
 }
 
 /// Serves CDS, EDS and ADS for `snapshots`, and ORCA when `orca` is given, on every one of `listeners`
-/// (HTTP/2) until `shutdown` completes.
+/// (HTTP/2), and ORCA alone on `orca_listeners` (the addresses Envoy dials for workers' ORCA streams
+/// that the main address does not cover: they serve no xDS), until `shutdown` completes.
 ///
-/// On shutdown the cache stops, which ends every open xDS stream, and the server then finishes
+/// On shutdown the cache stops, which ends every open xDS stream, and the servers then finish
 /// gracefully. The returned future must be polled for the server to make progress.
 pub async fn serve(
     listeners: Vec<TcpListener>,
+    orca_listeners: Vec<TcpListener>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     options: XdsOptions,
     orca: Option<OrcaService>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), XdsError> {
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (cache_stop_tx, cache_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let resources = spawn_cache(snapshots, &options, async {
-        let _ = stop_rx.await;
+        let _ = cache_stop_rx.await;
     });
+    let (stopping, _) = watch::channel(false);
+    let orca_server = match (&orca, orca_listeners.is_empty()) {
+        (Some(orca), false) => {
+            for listener in &orca_listeners {
+                if let Ok(addr) = listener.local_addr() {
+                    tracing::info!(%addr, "Serving ORCA only");
+                }
+            }
+            let incoming =
+                futures::stream::select_all(orca_listeners.into_iter().map(TcpListenerStream::new));
+            let mut stop = stopping.subscribe();
+            Some(tokio::spawn(
+                Server::builder()
+                    .add_service(orca.clone().into_server())
+                    .serve_with_incoming_shutdown(incoming, async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    }),
+            ))
+        }
+        _ => None,
+    };
     for listener in &listeners {
         if let Ok(addr) = listener.local_addr() {
             tracing::info!(%addr, orca = orca.is_some(), "Serving xDS");
@@ -125,11 +148,19 @@ pub async fn serve(
     if let Some(orca) = orca {
         router = router.add_service(orca.into_server());
     }
-    router
+    let served = router
         .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
-            let _ = stop_tx.send(());
+            let _ = cache_stop_tx.send(());
+            stopping.send_replace(true);
         })
         .await
-        .map_err(XdsError::Serve)
+        .map_err(XdsError::Serve);
+    if let Some(server) = orca_server {
+        match server.await {
+            Ok(result) => result.map_err(XdsError::Serve)?,
+            Err(join) => tracing::error!(error = %join, "ORCA server task failed"),
+        }
+    }
+    served
 }

@@ -69,6 +69,7 @@ fn follows_the_registry(test: &str, ads: bool) {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = runtime.spawn(xds::serve(
         vec![listener],
+        vec![],
         registry.subscribe(),
         XdsOptions::default(),
         None,

@@ -59,6 +59,7 @@ impl Server {
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(xds::serve(
             vec![listener],
+            vec![],
             snapshots,
             XdsOptions::default(),
             None,

@@ -76,10 +76,15 @@ fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname
         || rows(&supervisor, "web").filter(reporting),
     )
     .unwrap_or_else(|e| panic!("{e}\n{}\n{}", supervisor.logs(), envoy.logs()));
-    let received = envoy
-        .stat("cluster.web.lb_orca_oob.reports_received")
-        .unwrap_or(0);
-    assert!(received >= 6, "Envoy received {received} reports");
+    // The supervisor counts a report once it is queued for the stream: Envoy's count follows.
+    wait_until(
+        Duration::from_secs(10),
+        "Envoy to count the reports",
+        || {
+            let received = envoy.stat("cluster.web.lb_orca_oob.reports_received")?;
+            (received >= 6).then_some(())
+        },
+    );
     assert_eq!(
         envoy.stat("cluster.web.lb_orca_oob.stream_failures"),
         Some(0),

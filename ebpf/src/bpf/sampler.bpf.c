@@ -18,6 +18,7 @@
 #include "sampler.h"
 
 #define TASK_RUNNING 0
+#define TASK_DEAD 0x80
 
 struct task_struct {
 	int pid;
@@ -88,11 +89,13 @@ static __always_inline struct peregrine_cell *cell_for(__u32 tgid)
 	if (cell->tgid != tgid) {
 		/*
 		 * A new process in this slot. Scheduler tracepoints run with interrupts off and only
-		 * programs on this CPU write this cell, so nothing interleaves with this reset.
+		 * programs on this CPU write this cell, so nothing interleaves with this reset. The tag
+		 * is stored last, with a fully ordered exchange, so a reader that sees the new tag (and
+		 * checks it again after its loads) never takes the old totals for the new process's.
 		 */
 		cell->on_cpu_ns = 0;
 		cell->runq_wait_ns = 0;
-		cell->tgid = tgid;
+		__sync_lock_test_and_set(&cell->tgid, tgid);
 	}
 	return cell;
 }
@@ -138,7 +141,15 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
 	     unsigned int prev_state)
 {
-	if (is_tracked(prev->tgid)) {
+	if (prev_state & TASK_DEAD) {
+		/*
+		 * Its last switch: drop any entry it left, even if it is no longer tracked (its parent
+		 * may have reaped it, and the supervisor untracked it, before this final switch).
+		 * Deaths are rare, so the unconditional delete costs nothing on the hot path.
+		 */
+		__u32 dead_tid = prev->pid;
+		bpf_map_delete_elem(&runnable, &dead_tid);
+	} else if (is_tracked(prev->tgid)) {
 		__u32 prev_tid = prev->pid;
 		if (preempt || prev_state == TASK_RUNNING) {
 			/* Preempted (or yielding) while runnable: it waits for a CPU from now on. */
