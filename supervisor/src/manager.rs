@@ -102,6 +102,11 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// The policy it follows.
+    pub fn policy(&self) -> RestartPolicy {
+        self.policy
+    }
+
     /// A fresh backoff at the policy's initial delay.
     pub fn new(policy: RestartPolicy) -> Self {
         Backoff {
@@ -303,10 +308,20 @@ async fn run_slot(
                 Ok((pid, pidfd))
             })
         };
+        let healthy_after = backoff.policy().healthy_after;
         let exit = match spawned {
             Ok((pid, pidfd)) => {
                 tracing::info!(pid, restarts, program = %launch.program.display(), "Worker started");
-                let exit = watch_worker(pid, pidfd, &mut shutdown, stop_timeout).await;
+                let watch = watch_worker(pid, pidfd, &mut shutdown, stop_timeout);
+                tokio::pin!(watch);
+                // A worker that stays up `healthy_after` ends a crash loop.
+                let exit = tokio::select! {
+                    exit = &mut watch => exit,
+                    () = tokio::time::sleep(healthy_after) => {
+                        registry.update_slot(&slot.service, slot.index, |s| s.crash_looping = false);
+                        watch.await
+                    }
+                };
                 children.lock().remove(&pid);
                 let removed = registry.deregister(&slot.service, slot.index, pid);
                 match exit {
@@ -315,20 +330,36 @@ async fn run_slot(
                     }
                     Err(ref error) => tracing::error!(pid, %error, "Lost track of worker"),
                 }
-                exit.ok()
+                match exit {
+                    Ok(exit) => exit.to_string(),
+                    Err(error) => format!("lost track of it: {error}"),
+                }
             }
             Err(error) => {
                 tracing::error!(%error, program = %launch.program.display(), "Cannot start worker");
-                None
+                format!("cannot start: {error}")
             }
         };
         if *shutdown.borrow() {
             break;
         }
-        let delay = backoff.after_exit(started.elapsed());
+        let uptime = started.elapsed();
+        let delay = backoff.after_exit(uptime);
         restarts += 1;
-        registry.set_restarts(&slot.service, slot.index, restarts);
-        tracing::warn!(?exit, ?delay, restarts, "Restarting worker after backoff");
+        let crash_looping = uptime < healthy_after;
+        registry.update_slot(&slot.service, slot.index, |s| {
+            s.restarts = restarts;
+            s.last_exit = Some(exit.clone());
+            s.restart_delay = Some(delay);
+            s.crash_looping = crash_looping;
+        });
+        tracing::warn!(
+            exit,
+            ?delay,
+            restarts,
+            crash_looping,
+            "Restarting worker after backoff"
+        );
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.changed() => {}

@@ -295,9 +295,14 @@ impl Registry {
 
     /// Records how often the worker in `service`'s slot `index` was restarted.
     pub fn set_restarts(&self, service: &str, index: u32, restarts: u64) {
-        self.slots.send_if_modified(|slots| {
-            Arc::make_mut(slots).set(service, index, SlotStatus { restarts })
-        });
+        self.update_slot(service, index, |status| status.restarts = restarts);
+    }
+
+    /// Changes the status of `service`'s slot `index` (the manager's record of its restarts, last
+    /// exit and backoff); publishes it if anything changed.
+    pub fn update_slot(&self, service: &str, index: u32, change: impl FnOnce(&mut SlotStatus)) {
+        self.slots
+            .send_if_modified(|slots| Arc::make_mut(slots).update(service, index, change));
     }
 
     /// A receiver that sees every change of the slot statuses.
@@ -369,7 +374,10 @@ mod tests {
         assert_eq!(registry.snapshot().revision, 0);
         assert_eq!(
             registry.slots().get("a", 0),
-            Some(SlotStatus { restarts: 1 })
+            Some(SlotStatus {
+                restarts: 1,
+                ..SlotStatus::default()
+            })
         );
         slots.borrow_and_update();
         registry.set_restarts("a", 0, 1);

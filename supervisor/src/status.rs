@@ -41,7 +41,13 @@ pub fn report(
     // Every slot the manager runs, and every registered worker (they are the same slots in practice).
     let mut rows: BTreeMap<(&str, u32), v1::WorkerStatus> = BTreeMap::new();
     for (service, index, status) in slots.iter() {
-        rows.entry((service, index)).or_default().restarts = status.restarts;
+        let row = rows.entry((service, index)).or_default();
+        row.restarts = status.restarts;
+        row.last_exit = status.last_exit.clone().unwrap_or_default();
+        row.restart_delay_ms = status
+            .restart_delay
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        row.crash_looping = status.crash_looping;
     }
     for (service, view) in &snapshot.services {
         for (index, worker) in &view.workers {
@@ -232,6 +238,13 @@ pub struct WorkerRow {
     pub addresses: Vec<String>,
     /// How often the slot's worker was restarted.
     pub restarts: u64,
+    /// `ready` (a worker is registered), `crash-loop` (its workers keep exiting at start and the
+    /// restart delay grows) or `starting`.
+    pub state: &'static str,
+    /// How the slot's last worker ended, `null` before the first exit.
+    pub last_exit: Option<String>,
+    /// The delay before the restart after that exit, in milliseconds.
+    pub restart_delay_ms: Option<u64>,
     /// CPU use in cores (from the second sample on).
     pub cpu_cores: Option<f64>,
     /// Run-queue wait in cores (from the second sample on).
@@ -288,6 +301,15 @@ impl From<v1::WorkerStatus> for WorkerRow {
             hostname: Some(row.hostname).filter(|h| !h.is_empty()),
             addresses: row.addresses,
             restarts: row.restarts,
+            state: if row.pid.is_some() {
+                "ready"
+            } else if row.crash_looping {
+                "crash-loop"
+            } else {
+                "starting"
+            },
+            last_exit: Some(row.last_exit).filter(|e| !e.is_empty()),
+            restart_delay_ms: row.restart_delay_ms,
             cpu_cores: load.and_then(|l| l.cpu_cores),
             runq_wait_cores: load.and_then(|l| l.runq_wait_cores),
             requests_per_second: load.and_then(|l| l.requests_per_second),
@@ -321,6 +343,7 @@ impl StatusView {
             "SERVICE",
             "WORKER",
             "PID",
+            "STATE",
             "ADDRESSES",
             "CPU",
             "RUNQ WAIT",
@@ -333,7 +356,7 @@ impl StatusView {
         let fixed = |value: Option<f64>, places: usize| {
             value.map_or_else(dash, |v| format!("{v:.places$}"))
         };
-        let rows: Vec<[String; 10]> = self
+        let rows: Vec<[String; 11]> = self
             .workers
             .iter()
             .map(|w| {
@@ -341,6 +364,7 @@ impl StatusView {
                     w.service.clone(),
                     w.index.to_string(),
                     w.pid.map_or_else(dash, |p| p.to_string()),
+                    w.state.to_owned(),
                     if w.addresses.is_empty() {
                         dash()
                     } else {
@@ -366,9 +390,9 @@ impl StatusView {
                 *width = (*width).max(cell.len());
             }
         }
-        // Text columns (service, addresses) align left, numbers right.
+        // Text columns (service, state, addresses) align left, numbers right.
         let left = [
-            true, false, false, true, false, false, false, false, false, false,
+            true, false, false, true, true, false, false, false, false, false, false,
         ];
         let mut line = |cells: &[&str]| {
             let mut text = String::new();
@@ -439,7 +463,12 @@ mod tests {
             .register(Worker::ready("api", 1, 300, vec![Protocol::Http2], unix))
             .unwrap();
         registry.set_restarts("web", 0, 0);
-        registry.set_restarts("web", 1, 7);
+        registry.update_slot("web", 1, |slot| {
+            slot.restarts = 7;
+            slot.last_exit = Some("exit code 3".into());
+            slot.restart_delay = Some(std::time::Duration::from_millis(6400));
+            slot.crash_looping = true;
+        });
         registry.set_restarts("api", 1, 2);
         registry.publish_loads(Loads::new(
             Some(SamplerInfo {
@@ -518,10 +547,10 @@ mod tests {
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
-SERVICE  WORKER  PID  ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
-api           1  300  unix:/run/api-1.sock          -          -      -         -       -         2
-web           0  100  [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0
-web           1    -  -                             -          -      -         -       -         7
+SERVICE  WORKER  PID  STATE       ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
+api           1  300  ready       unix:/run/api-1.sock          -          -      -         -       -         2
+web           0  100  ready       [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0
+web           1    -  crash-loop  -                             -          -      -         -       -         7
 ";
         assert_eq!(table, expected, "\n{table}");
     }
@@ -555,11 +584,16 @@ web           1    -  -                             -          -      -         
             1000
         );
         assert!(json["workers"][0]["orca_streams"].is_null());
+        assert_eq!(json["workers"][2]["state"], "crash-loop");
+        assert_eq!(json["workers"][2]["last_exit"], "exit code 3");
+        assert_eq!(json["workers"][2]["restart_delay_ms"], 6400);
+        assert_eq!(json["workers"][1]["state"], "ready");
+        assert!(json["workers"][1]["last_exit"].is_null());
 
         let idle = StatusView::from(v1::Status::default());
         assert_eq!(
             idle.table(),
-            "sampler: not running\nSERVICE  WORKER  PID  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
+            "sampler: not running\nSERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
     }

@@ -1,5 +1,5 @@
-//! A worker that exits at once is restarted with a growing delay, never in a tight loop, and the other
-//! service's workers keep serving through Envoy meanwhile.
+//! A worker that exits at once is restarted with a growing delay, never in a tight loop, `peregrine
+//! status` shows the loop, and the other service's workers keep serving through Envoy meanwhile.
 
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
@@ -58,6 +58,32 @@ prefix = "/crashy"
     assert!(
         supervisor.logs().contains("exit=exit code 3"),
         "the exit status is logged"
+    );
+
+    // `peregrine status` shows the loop: the slot's state, its last exit, its growing delay.
+    let crashy = wait_until(Duration::from_secs(30), "status to show the loop", || {
+        let status = supervisor.status_json().ok()?;
+        let rows = status["workers"].as_array()?.clone();
+        let crashy = rows.iter().find(|r| r["service"] == "crashy")?.clone();
+        let webs_ready = rows
+            .iter()
+            .filter(|r| r["service"] == "web")
+            .all(|r| r["state"] == "ready");
+        (webs_ready && crashy["restarts"].as_u64() >= Some(4)).then_some(crashy)
+    });
+    assert_eq!(crashy["state"], "crash-loop", "{crashy}");
+    assert_eq!(crashy["last_exit"], "exit code 3", "{crashy}");
+    assert!(crashy["pid"].is_null(), "{crashy}");
+    assert!(
+        crashy["restart_delay_ms"].as_u64() >= Some(800),
+        "the delay grew: {crashy}"
+    );
+    let table = supervisor.status_table().unwrap();
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("crashy") && l.contains("crash-loop")),
+        "{table}"
     );
 
     // Meanwhile the web workers serve, and crashy has no endpoint.

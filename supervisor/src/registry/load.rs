@@ -110,10 +110,17 @@ impl Loads {
 }
 
 /// The state of one worker slot, whether or not a worker is registered in it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotStatus {
     /// How often the manager restarted the slot's worker (after an exit or a failed start).
     pub restarts: u64,
+    /// How the last worker ended (`exit code 3`, `signal 9`, or why it could not start).
+    pub last_exit: Option<String>,
+    /// The delay before the restart that follows the last exit.
+    pub restart_delay: Option<std::time::Duration>,
+    /// The slot's workers keep exiting before they have run `healthy_after`: its restart delay grows.
+    /// Cleared once a worker stays up that long.
+    pub crash_looping: bool,
 }
 
 /// Every worker slot the manager runs, by service and index.
@@ -125,21 +132,34 @@ pub struct Slots {
 impl Slots {
     /// The status of `service`'s slot `index`.
     pub fn get(&self, service: &str, index: u32) -> Option<SlotStatus> {
-        self.by_service.get(service)?.get(&index).copied()
+        self.by_service.get(service)?.get(&index).cloned()
     }
 
     /// Every slot as (service, index, status), by service name and then index.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, u32, SlotStatus)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u32, &SlotStatus)> {
         self.by_service.iter().flat_map(|(service, slots)| {
             slots
                 .iter()
-                .map(move |(index, status)| (service.as_str(), *index, *status))
+                .map(move |(index, status)| (service.as_str(), *index, status))
         })
     }
 
-    pub(super) fn set(&mut self, service: &str, index: u32, status: SlotStatus) -> bool {
-        let slots = self.by_service.entry(service.to_owned()).or_default();
-        slots.insert(index, status) != Some(status)
+    /// Applies `change` to the status of `service`'s slot `index`; returns whether it changed.
+    pub(super) fn update(
+        &mut self,
+        service: &str,
+        index: u32,
+        change: impl FnOnce(&mut SlotStatus),
+    ) -> bool {
+        let status = self
+            .by_service
+            .entry(service.to_owned())
+            .or_default()
+            .entry(index)
+            .or_default();
+        let before = status.clone();
+        change(status);
+        *status != before
     }
 }
 
