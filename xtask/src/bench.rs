@@ -44,8 +44,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn restart(args: &[String]) -> anyhow::Result<ExitCode> {
-    let envoy = envoy::install()?;
+/// Builds the release `peregrine` (the supervisor and the built-in worker) and returns its path.
+fn release_peregrine() -> anyhow::Result<std::path::PathBuf> {
     run_checked(cargo().args([
         "build",
         "--release",
@@ -54,6 +54,12 @@ fn restart(args: &[String]) -> anyhow::Result<ExitCode> {
         "--bin",
         "peregrine",
     ]))?;
+    Ok(target_dir().join("release/peregrine"))
+}
+
+fn restart(args: &[String]) -> anyhow::Result<ExitCode> {
+    let envoy = envoy::install()?;
+    release_peregrine()?;
     run_checked(
         cargo()
             .args([

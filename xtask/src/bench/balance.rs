@@ -58,7 +58,7 @@ use super::http::{
     clock_ticks_per_second, core_ticks, cpu_model, cpus_allowed, format_duration, markdown, median,
     online_cpus, read_trimmed, today,
 };
-use crate::{cargo, envoy, pip_install, run_checked};
+use crate::{envoy, pip_install, run_checked};
 
 const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]";
 
@@ -301,15 +301,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         cpus >= 2,
         "the benchmark pins worker 0 to CPU {SHARED_CPU} and worker 1 to CPU {OTHER_CPU}: it needs 2 CPUs, this machine has {cpus}"
     );
-    run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "peregrine-supervisor",
-        "--bin",
-        "peregrine",
-    ]))?;
-    let peregrine = target_dir().join("release/peregrine");
+    let peregrine = super::release_peregrine()?;
     let envoy_binary = envoy::install()?;
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -25,13 +25,12 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    Envoy, Supervisor, TempDir, base_config, free_port, moved, route_keys, target_dir,
-    wait_for_slots,
+    Envoy, Supervisor, TempDir, base_config, free_port, moved, route_keys, wait_for_slots,
 };
 use rustix::process::{Pid, Signal, kill_process};
 
 use super::http::{markdown, today};
-use crate::{cargo, envoy, run_checked};
+use crate::envoy;
 
 const USAGE: &str = "cargo xtask bench hashing [--keys N]";
 
@@ -112,15 +111,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         _ => bail!("usage: {USAGE}"),
     };
     let envoy_binary = envoy::install()?;
-    run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "peregrine-supervisor",
-        "--bin",
-        "peregrine",
-    ]))?;
-    let peregrine = target_dir().join("release/peregrine");
+    let peregrine = super::release_peregrine()?;
     let keys: Vec<String> = (0..keys).map(|k| format!("entity-{k}")).collect();
     let started = Instant::now();
     let mut rows = Vec::new();

@@ -18,7 +18,7 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::{TempDir, target_dir};
+use peregrine_e2e::TempDir;
 
 use super::http::{
     Load, Outcome, Running, clock_ticks_per_second, cpu_model, format_duration, markdown, median,
@@ -90,15 +90,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "the sampler benchmark loads eBPF programs: run it as root"
     );
     preflight()?;
-    run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "peregrine-supervisor",
-        "--bin",
-        "peregrine",
-    ]))?;
-    let peregrine = target_dir().join("release/peregrine");
+    let peregrine = super::release_peregrine()?;
     let ticks_per_sec = clock_ticks_per_second()?;
     // The kernel counts each program's run time while this descriptor is open.
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
