@@ -44,6 +44,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `cargo xtask bench NAME ARGS...`, as the report's first line quotes it.
+fn command_line(bench: &str, args: &[String]) -> String {
+    std::iter::once(format!("cargo xtask bench {bench}"))
+        .chain(args.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Builds the release `peregrine` (the supervisor and the built-in worker) and returns its path.
 fn release_peregrine() -> anyhow::Result<std::path::PathBuf> {
     run_checked(cargo().args([

@@ -380,10 +380,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     drop(supervisor);
 
     let mut report = String::new();
-    let command = std::iter::once("cargo xtask bench balance".to_owned())
-        .chain(args.iter().cloned())
-        .collect::<Vec<_>>()
-        .join(" ");
+    let command = super::command_line("balance", args);
     writeln!(
         report,
         "Command: `{command}` ({} rounds, {} s warm-up + {} s measured per run, {elapsed:.0?} in all)",

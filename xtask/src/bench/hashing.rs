@@ -147,8 +147,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let mut report = String::new();
     writeln!(
         report,
-        "Command: `cargo xtask bench hashing{}` ({} keys, {CLIENTS} in flight, {:.0?} in all)",
-        args.iter().map(|a| format!(" {a}")).collect::<String>(),
+        "Command: `{}` ({} keys, {CLIENTS} in flight, {:.0?} in all)",
+        super::command_line("hashing", args),
         n,
         started.elapsed()
     )?;

@@ -261,10 +261,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     drop(worker);
 
     let mut report = String::new();
-    let command = std::iter::once("cargo xtask bench http".to_owned())
-        .chain(args.iter().cloned())
-        .collect::<Vec<_>>()
-        .join(" ");
+    let command = super::command_line("http", args);
     writeln!(
         report,
         "Command: `{command}` ({} rounds of {} s per load and server, {elapsed:.0?} in all)",

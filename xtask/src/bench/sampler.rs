@@ -140,10 +140,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
 
     let mut report = String::new();
-    let command = std::iter::once("cargo xtask bench sampler".to_owned())
-        .chain(args.iter().cloned())
-        .collect::<Vec<_>>()
-        .join(" ");
+    let command = super::command_line("sampler", args);
     writeln!(
         report,
         "Command: `{command}` ({rounds} rounds of {duration} s per mode, {:.0?} in all)",
