@@ -141,26 +141,46 @@ fn show(
         bail!("the killed worker {victim} still answers");
     }
 
-    // Load reports: the sampler's second sample of each worker goes out on its ORCA stream.
-    let reported = Instant::now();
-    let table = try_wait_until(CONVERGE, "ORCA reports for every worker", || {
-        let status = supervisor.status_json().ok()?;
-        let rows = status["workers"].as_array()?;
-        let all = rows.len() == WORKERS
-            && rows
-                .iter()
-                .all(|row| row["orca_reports"].as_u64().is_some_and(|n| n > 0));
-        all.then(|| supervisor.status_table().ok()).flatten()
+    // Load reports under load: two clients send CPU-heavy requests (`?cpu=2`) while the sampler's
+    // figures go to Envoy on each worker's ORCA stream.
+    println!("\nloading the workers with `GET /?cpu=2` from 2 clients while the load is sampled");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (table, weighted) = std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = http_get(listener, "/?cpu=2");
+                }
+            });
+        }
+        let reported = Instant::now();
+        let result = try_wait_until(CONVERGE, "ORCA reports of every worker's load", || {
+            let status = supervisor.status_json().ok()?;
+            let rows = status["workers"].as_array()?;
+            let all = rows.len() == WORKERS
+                && rows.iter().all(|row| {
+                    row["orca_last_report"]["rps_fractional"]
+                        .as_f64()
+                        .is_some_and(|rps| rps > 1.0)
+                });
+            all.then(|| supervisor.status_table().ok()).flatten()
+        })
+        .and_then(|table| {
+            let weighted = converge(supervisor, envoy, "Envoy to weigh the workers", |hosts| {
+                hosts.len() == WORKERS && hosts.iter().all(|host| host.weight > 1)
+            })?;
+            Ok((
+                format!(
+                    "\n`peregrine status` once every worker's load went to Envoy over ORCA ({:.2?}):\n{table}",
+                    reported.elapsed()
+                ),
+                weighted,
+            ))
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        result
     })?;
-    println!(
-        "
-`peregrine status` once every worker's load went to Envoy over ORCA ({:.2?}):
-{table}",
-        reported.elapsed()
-    );
-    let weighted = converge(supervisor, envoy, "Envoy to weigh the workers", |hosts| {
-        hosts.len() == WORKERS && hosts.iter().all(|host| host.weight > 1)
-    })?;
+    println!("{table}");
     println!("Envoy's client-side weighted round robin weights from those reports:");
     print_hosts(&weighted);
 
