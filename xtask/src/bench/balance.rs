@@ -55,8 +55,8 @@ use serde_json::Value;
 
 use self::openloop::{Answer, Plan, Record};
 use super::http::{
-    clock_ticks_per_second, core_ticks, cpu_model, cpus_allowed, format_duration, markdown, median,
-    online_cpus, read_trimmed, today,
+    clock_ticks_per_second, core_ticks, cpu_model, cpus_allowed, format_duration, machine_lines,
+    markdown, median, online_cpus,
 };
 use crate::{envoy, pip_install, run_checked};
 
@@ -386,13 +386,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "Command: `{command}` ({} rounds, {} s warm-up + {} s measured per run, {elapsed:.0?} in all)",
         options.rounds, options.warmup, options.duration
     )?;
-    writeln!(report, "Date: {}", today()?)?;
-    writeln!(
-        report,
-        "Kernel: {}",
-        read_trimmed("/proc/sys/kernel/osrelease")?
-    )?;
-    writeln!(report, "CPU: {cpu_line}")?;
+    machine_lines(&mut report, &cpu_line)?;
     // `envoy --version` prints the binary's path first: keep the version.
     writeln!(
         report,

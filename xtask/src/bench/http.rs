@@ -267,13 +267,10 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "Command: `{command}` ({} rounds of {} s per load and server, {elapsed:.0?} in all)",
         options.rounds, options.duration
     )?;
-    writeln!(report, "Date: {}", today()?)?;
-    writeln!(
-        report,
-        "Kernel: {}",
-        read_trimmed("/proc/sys/kernel/osrelease")?
+    machine_lines(
+        &mut report,
+        &format!("{} ({} online)", cpu_model()?, online_cpus()),
     )?;
-    writeln!(report, "CPU: {} ({} online)", cpu_model()?, online_cpus())?;
     writeln!(
         report,
         "Tools: {}, {}",
@@ -874,6 +871,18 @@ pub(super) fn read_trimmed(path: &str) -> anyhow::Result<String> {
 }
 
 /// Today's date in UTC (`date -u +%F`).
+/// The `Date:`, `Kernel:` and `CPU:` lines every benchmark report starts with, after its command.
+pub(super) fn machine_lines(report: &mut String, cpu: &str) -> anyhow::Result<()> {
+    writeln!(report, "Date: {}", today()?)?;
+    writeln!(
+        report,
+        "Kernel: {}",
+        read_trimmed("/proc/sys/kernel/osrelease")?
+    )?;
+    writeln!(report, "CPU: {cpu}")?;
+    Ok(())
+}
+
 pub(super) fn today() -> anyhow::Result<String> {
     let output = Command::new("date")
         .args(["-u", "+%F"])

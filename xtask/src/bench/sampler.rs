@@ -21,8 +21,8 @@ use anyhow::{Context, bail, ensure};
 use peregrine_e2e::TempDir;
 
 use super::http::{
-    Load, Outcome, Running, clock_ticks_per_second, cpu_model, format_duration, markdown, median,
-    online_cpus, preflight, read_trimmed, run_quietest, today,
+    Load, Outcome, Running, clock_ticks_per_second, cpu_model, format_duration, machine_lines,
+    markdown, median, online_cpus, preflight, run_quietest,
 };
 use crate::{cargo, run_checked};
 
@@ -146,13 +146,10 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "Command: `{command}` ({rounds} rounds of {duration} s per mode, {:.0?} in all)",
         started.elapsed()
     )?;
-    writeln!(report, "Date: {}", today()?)?;
-    writeln!(
-        report,
-        "Kernel: {}",
-        read_trimmed("/proc/sys/kernel/osrelease")?
+    machine_lines(
+        &mut report,
+        &format!("{} ({} online)", cpu_model()?, online_cpus()),
     )?;
-    writeln!(report, "CPU: {} ({} online)", cpu_model()?, online_cpus())?;
     writeln!(report)?;
     report.push_str(&table(&runs));
     println!("{report}");
