@@ -155,6 +155,9 @@ impl Cache {
     /// Publishes the resources of every snapshot on a watch channel until `stop` completes; then the
     /// sender is dropped, which tells every stream reading it that the control plane is going away.
     ///
+    /// A snapshot that changes no resource is published too (only its `revision` moves): streams
+    /// send nothing for it, but learn that their client is synced at that revision.
+    ///
     /// Must be called within a Tokio runtime; the returned receiver already holds the resources of the
     /// current snapshot.
     pub fn spawn(
@@ -178,16 +181,19 @@ impl Cache {
                         let snapshot = snapshots.borrow_and_update().clone();
                         let resources = self.build(&snapshot);
                         tx.send_if_modified(|current| {
-                            let modified = current.clusters.version != resources.clusters.version
+                            let changed = current.clusters.version != resources.clusters.version
                                 || current.ads_clusters.version != resources.ads_clusters.version
                                 || current.endpoints.version != resources.endpoints.version;
-                            if modified {
+                            if changed {
                                 tracing::debug!(
                                     revision = snapshot.revision,
                                     cds = %resources.clusters.version,
                                     eds = %resources.endpoints.version,
                                     "Resources updated"
                                 );
+                            }
+                            let modified = changed || current.revision != resources.revision;
+                            if modified {
                                 *current = Arc::new(resources);
                             }
                             modified
@@ -322,7 +328,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn spawn_publishes_only_changes() {
+    async fn spawn_publishes_every_revision() {
         let registry = Registry::new(["a".to_string()]);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let mut rx = cache().spawn(registry.subscribe(), async {
@@ -335,6 +341,15 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(rx.borrow_and_update().endpoints.version, "e1-2");
+        // The same worker again: a new revision with the same resources.
+        registry.register(worker("a", 0, 10)).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(5), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let current = rx.borrow_and_update().clone();
+        assert_eq!(current.revision, 2);
+        assert_eq!(current.endpoints.version, "e1-2");
         stop_tx.send(()).unwrap();
         let closed = tokio::time::timeout(std::time::Duration::from_secs(5), rx.changed())
             .await
