@@ -27,6 +27,7 @@ use crate::{
     sampler::{self, Counters, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
     xds::{
         self,
+        acks::Acks,
         resources::{Balancer, OrcaPolicy},
     },
 };
@@ -228,11 +229,14 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     };
     let orca_service = (!orca.is_empty())
         .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
+    // acks: shared with the manager's drain
+    let acks = Arc::new(Acks::default());
     let mut xds_task = tokio::spawn(xds::serve(
         vec![grpc],
         orca_listeners,
         registry.subscribe(),
         xds_options(&config, &orca, bound.port()),
+        acks,
         orca_service,
         xds_stop,
     ));

@@ -2,12 +2,14 @@
 //!
 //! Three layers, in go-control-plane's shape: [`resources`] builds Envoy protos from a registry
 //! snapshot (pure functions), [`cache`] versions them per resource and per type and publishes them on
-//! a watch channel, and [`transport`] runs the gRPC streams (nonces, ACK/NACK, subscriptions).
+//! a watch channel, and [`transport`] runs the gRPC streams (nonces, ACK/NACK, subscriptions) and
+//! publishes how far each Envoy has ACKed its endpoints to [`acks`], which draining waits on.
 //! The transport never builds resources and the cache never touches gRPC.
 //!
 //! [`router`] builds the tonic router (other gRPC services, such as ORCA, can be added to it) and
 //! [`serve`] runs it on a listener until shutdown.
 
+pub mod acks;
 pub mod cache;
 pub mod resources;
 pub mod transport;
@@ -24,6 +26,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Server, server::Router};
 
 use self::{
+    acks::Acks,
     cache::{Cache, Resources},
     resources::{Balancer, ClusterOptions, EdsSource},
     transport::XdsService,
@@ -89,10 +92,10 @@ pub fn spawn_cache(
     Cache::new(cache::new_epoch(), options.cluster_options()).spawn(snapshots, stop)
 }
 
-/// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]); add more services to it
-/// before serving.
-pub fn router(resources: watch::Receiver<Arc<Resources>>) -> Router {
-    let service = XdsService::new(resources);
+/// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]), recording each stream's
+/// ACKs in `acks`; add more services to it before serving.
+pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Router {
+    let service = XdsService::new(resources, acks);
     Server::builder()
         .add_service(ClusterDiscoveryServiceServer::new(service.clone()))
         .add_service(EndpointDiscoveryServiceServer::new(service.clone()))
@@ -101,7 +104,8 @@ pub fn router(resources: watch::Receiver<Arc<Resources>>) -> Router {
 
 /// Serves CDS, EDS and ADS for `snapshots`, and ORCA when `orca` is given, on every one of `listeners`
 /// (HTTP/2), and ORCA alone on `orca_listeners` (the addresses Envoy dials for workers' ORCA streams
-/// that the main address does not cover: they serve no xDS), until `shutdown` completes.
+/// that the main address does not cover: they serve no xDS), until `shutdown` completes. Every xDS
+/// stream records how far its Envoy has ACKed in `acks` while it is open.
 ///
 /// On shutdown the cache stops, which ends every open xDS stream, and the servers then finish
 /// gracefully. The returned future must be polled for the server to make progress.
@@ -110,6 +114,7 @@ pub async fn serve(
     orca_listeners: Vec<TcpListener>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     options: XdsOptions,
+    acks: Arc<Acks>,
     orca: Option<OrcaService>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), XdsError> {
@@ -144,7 +149,7 @@ pub async fn serve(
         }
     }
     let incoming = futures::stream::select_all(listeners.into_iter().map(TcpListenerStream::new));
-    let mut router = router(resources);
+    let mut router = router(resources, acks);
     if let Some(orca) = orca {
         router = router.add_service(orca.into_server());
     }

@@ -14,7 +14,7 @@ use peregrine_proto::xds::service::orca::v3::{
 use peregrine_supervisor::{
     orca::OrcaService,
     registry::{Address, Loads, Protocol, Registry, Worker, WorkerLoad},
-    xds::{self, XdsOptions},
+    xds::{self, XdsOptions, acks::Acks},
 };
 use tokio::sync::oneshot;
 use tonic::{Code, transport::Endpoint};
@@ -35,6 +35,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
         vec![],
         registry.subscribe(),
         XdsOptions::default(),
+        Arc::new(Acks::default()),
         Some(OrcaService::new(registry, min_interval)),
         async {
             let _ = stopped.await;

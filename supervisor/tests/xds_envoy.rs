@@ -1,5 +1,6 @@
 //! End to end: the real Envoy, started with a bootstrap from [`envoy_bootstrap`], learns a registry's
-//! workers over CDS/EDS from [`xds::serve`], and follows registrations on its open streams.
+//! workers over CDS/EDS from [`xds::serve`], and follows registrations on its open streams; its ACKs
+//! tell [`xds::acks::Acks`] when it has an update.
 //!
 //! Needs the Envoy binary (see `peregrine_e2e::envoy_path`); without one the test prints why it skipped
 //! (`cargo xtask test` makes that a failure). Every wait is bounded by a deadline.
@@ -10,7 +11,7 @@ use peregrine_e2e::{Envoy, envoy_or_skip, hosts, wait_until};
 use peregrine_supervisor::{
     bootstrap::{BootstrapInput, BootstrapService, envoy_bootstrap},
     registry::{Address, Protocol, Registry, Worker},
-    xds::{self, XdsOptions},
+    xds::{self, XdsOptions, acks::Acks, transport::StreamKind},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -72,6 +73,7 @@ fn follows_the_registry(test: &str, ads: bool) {
         vec![],
         registry.subscribe(),
         XdsOptions::default(),
+        Arc::new(Acks::default()),
         None,
         async {
             let _ = stop_rx.await;
@@ -164,4 +166,118 @@ fn follows_the_registry(test: &str, ads: bool) {
         .expect("the server stops in time")
         .unwrap()
         .unwrap();
+}
+
+#[test]
+fn envoy_has_an_update_once_its_streams_acked_it() {
+    let test = "envoy_has_an_update_once_its_streams_acked_it";
+    if envoy_or_skip(test).is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    for ads in [false, true] {
+        acked_update_is_in_envoy(ads);
+    }
+}
+
+/// Registers a second worker while Envoy runs; once `wait_synced` says every endpoint stream ACKed
+/// the registry's revision, admin `/clusters` must already show the new host.
+fn acked_update_is_in_envoy(ads: bool) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = Arc::new(Registry::new(["web".to_string()]));
+    let acks = Arc::new(Acks::default());
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let xds_addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(xds::serve(
+        vec![listener],
+        vec![],
+        registry.subscribe(),
+        XdsOptions::default(),
+        acks.clone(),
+        None,
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let first_host = (
+        first.local_addr().unwrap().to_string(),
+        "web-0-4242".to_string(),
+    );
+    let second_host = (
+        second.local_addr().unwrap().to_string(),
+        "web-1-4343".to_string(),
+    );
+    registry
+        .register(worker(
+            0,
+            4242,
+            first.local_addr().unwrap(),
+            &[Protocol::Http1],
+        ))
+        .unwrap();
+    let envoy = Envoy::start(&envoy_bootstrap(&BootstrapInput {
+        xds_address: xds_addr,
+        listener_address: "127.0.0.1:0".parse().unwrap(),
+        admin_address: "127.0.0.1:0".parse().unwrap(),
+        services: vec![BootstrapService::new("web")],
+        ads,
+        ..Default::default()
+    }));
+    wait_until(DEADLINE, "the first worker in Envoy", || {
+        web_hosts(&envoy).contains(&first_host).then_some(())
+    });
+
+    registry
+        .register(worker(
+            1,
+            4343,
+            second.local_addr().unwrap(),
+            &[Protocol::Http1],
+        ))
+        .unwrap();
+    let revision = registry.snapshot().revision;
+    let outcome = runtime.block_on(acks.wait_synced(revision, Duration::from_secs(10)));
+    assert!(
+        outcome.is_synced() && outcome.synced >= 1,
+        "ads: {ads}, every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
+        envoy.logs()
+    );
+    // No wait: an ACKed update is already applied.
+    let hosts = web_hosts(&envoy);
+    assert!(
+        hosts.contains(&first_host) && hosts.contains(&second_host),
+        "ads: {ads}, both workers in Envoy right after the ACK: {hosts:?}"
+    );
+    let kind = if ads {
+        StreamKind::Ads
+    } else {
+        StreamKind::Eds
+    };
+    let streams = acks.streams();
+    assert!(
+        !streams.is_empty()
+            && streams
+                .iter()
+                .all(|s| s.kind == kind && s.synced_revision >= Some(revision)),
+        "ads: {ads}, only {kind} streams count, all synced at {revision}: {streams:?}"
+    );
+
+    drop(envoy);
+    stop_tx.send(()).unwrap();
+    runtime
+        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
+        .expect("the server stops in time")
+        .unwrap()
+        .unwrap();
+    wait_until(DEADLINE, "closed streams to stop counting", || {
+        acks.streams().is_empty().then_some(())
+    });
 }

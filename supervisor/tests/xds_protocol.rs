@@ -25,7 +25,7 @@ use envoy_types::pb::{
 };
 use peregrine_supervisor::{
     registry::{Address, Protocol, Registry, ServiceView, Snapshot, Worker},
-    xds::{self, XdsOptions},
+    xds::{self, XdsOptions, acks::Acks},
 };
 use prost::Message;
 use tokio::{
@@ -62,6 +62,7 @@ impl Server {
             vec![],
             snapshots,
             XdsOptions::default(),
+            Arc::new(Acks::default()),
             None,
             async {
                 let _ = rx.await;

@@ -11,6 +11,11 @@
 //! held until their cluster was sent on the same stream, and a changed cluster's endpoints are sent
 //! again right after it (Envoy finishes warming a changed cluster only with a new EDS response).
 //!
+//! Each stream also follows how far Envoy has ACKed its endpoints: its *synced revision* is the highest
+//! registry revision at which every EDS response it owed was ACKed (a NACK or a stale nonce never
+//! advances it; an ADS endpoint response held back for its cluster is owed). Streams publish it to
+//! [`Acks`], which draining waits on.
+//!
 //! Invariant: the transport never builds resources; it only selects from the cache's.
 
 use std::{
@@ -38,6 +43,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use super::{
+    acks::Acks,
     cache::Resources,
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
@@ -55,10 +61,12 @@ const RESPONSE_BUFFER: usize = 8;
 /// Serves CDS, EDS and ADS from the cache's watch channel. Cheap to clone.
 ///
 /// Each stream ends when its client ends it or when the cache's sender is dropped (the control plane
-/// shutting down), so graceful shutdown of the server is not held up by long-lived streams.
+/// shutting down), so graceful shutdown of the server is not held up by long-lived streams. Each
+/// stream is registered in [`Acks`] from its first request until it ends.
 #[derive(Clone, Debug)]
 pub struct XdsService {
     resources: watch::Receiver<Arc<Resources>>,
+    acks: Arc<Acks>,
 }
 
 /// Which RPC a stream is.
@@ -75,14 +83,20 @@ pub enum StreamKind {
 // === impl XdsService ===
 
 impl XdsService {
-    /// A service reading `resources`.
-    pub fn new(resources: watch::Receiver<Arc<Resources>>) -> Self {
-        XdsService { resources }
+    /// A service reading `resources` and publishing each stream's ACK progress to `acks`.
+    pub fn new(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Self {
+        XdsService { resources, acks }
     }
 
     fn open(&self, kind: StreamKind, requests: Streaming<DiscoveryRequest>) -> ResponseStream {
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
-        tokio::spawn(run_stream(kind, requests, self.resources.clone(), tx));
+        tokio::spawn(run_stream(
+            kind,
+            requests,
+            self.resources.clone(),
+            self.acks.clone(),
+            tx,
+        ));
         ReceiverStream::new(rx)
     }
 }
@@ -198,11 +212,13 @@ impl fmt::Display for StreamKind {
     }
 }
 
-/// Drives one stream until the client ends it, the response channel closes or the cache goes away.
+/// Drives one stream until the client ends it, the response channel closes or the cache goes away;
+/// keeps it registered in `acks` from its first request until then.
 async fn run_stream(
     kind: StreamKind,
     mut requests: Streaming<DiscoveryRequest>,
     mut resources: watch::Receiver<Arc<Resources>>,
+    acks: Arc<Acks>,
     tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
 ) {
     let first = match requests.message().await {
@@ -222,11 +238,15 @@ async fn run_stream(
     let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
     async move {
         tracing::debug!("Stream opened");
+        // Dropped on every way out of this block, which removes the stream from `acks`.
+        let registered = acks.register(id, node.clone(), kind);
         let mut state = StreamState::new(kind, node);
         let mut next = Some(first);
         loop {
             let responses = if let Some(request) = next.take() {
-                let current = resources.borrow_and_update().clone();
+                // Not marked seen: if the request is ignored (a stale nonce), `changed()` below still
+                // fires for resources newer than the stream has answered.
+                let current = resources.borrow().clone();
                 match state.on_request(request, &current) {
                     Ok(responses) => responses,
                     Err(status) => {
@@ -262,6 +282,7 @@ async fn run_stream(
                     () = tx.closed() => return,
                 }
             };
+            registered.publish(state.serves_endpoints(), state.synced_revision());
             for response in responses {
                 if tx.send(Ok(response)).await.is_err() {
                     return;
@@ -284,6 +305,19 @@ struct TypeWatch {
     sent: Option<BTreeMap<String, String>>,
 }
 
+/// How far the client has ACKed the endpoints a stream owed it.
+#[derive(Debug, Default)]
+struct EndpointSync {
+    /// The latest registry revision the stream has answered for.
+    seen: Option<u64>,
+    /// Whether endpoints were held back for their cluster at `seen` (ADS): they are owed.
+    held: bool,
+    /// The nonce and revision of the last EDS response, until it is ACKed (a NACK keeps it here).
+    pending: Option<(String, u64)>,
+    /// The highest revision at which every EDS response owed was ACKed.
+    synced: Option<u64>,
+}
+
 /// The protocol state of one stream: pure, so the rules can be followed step by step.
 #[derive(Debug)]
 struct StreamState {
@@ -291,6 +325,16 @@ struct StreamState {
     node: String,
     clusters: Option<TypeWatch>,
     endpoints: Option<TypeWatch>,
+    sync: EndpointSync,
+}
+
+/// What one pass over the resources owes the client in endpoints.
+#[derive(Debug, Default)]
+struct EndpointsOwed {
+    /// The nonce of the EDS response the pass sent.
+    sent: Option<String>,
+    /// Whether existing endpoints were held back because their cluster was not sent yet (ADS).
+    held: bool,
 }
 
 /// Nonces are unique per supervisor process.
@@ -312,7 +356,18 @@ impl StreamState {
             node,
             clusters: None,
             endpoints: None,
+            sync: EndpointSync::default(),
         }
+    }
+
+    /// Whether the stream serves endpoints: dedicated EDS, or ADS once it subscribed to endpoints.
+    fn serves_endpoints(&self) -> bool {
+        self.endpoints.is_some()
+    }
+
+    /// The highest registry revision at which the client ACKed every endpoints response owed.
+    fn synced_revision(&self) -> Option<u64> {
+        self.sync.synced
     }
 
     /// Applies a request and returns the responses now owed.
@@ -365,6 +420,15 @@ impl StreamState {
             watch.sent = None;
         } else {
             tracing::debug!(type_url, version = %request.version_info, nonce, "ACK");
+            if type_url == ENDPOINT_TYPE_URL
+                && self.sync.pending.as_ref().is_some_and(|(n, _)| n == nonce)
+            {
+                // Everything owed up to the last revision answered is now with the client.
+                self.sync.pending = None;
+                if !self.sync.held {
+                    self.sync.synced = self.sync.synced.max(self.sync.seen);
+                }
+            }
         }
         if type_url == ENDPOINT_TYPE_URL {
             let names = request.resource_names.into_iter().collect::<BTreeSet<_>>();
@@ -390,14 +454,36 @@ impl StreamState {
     }
 
     /// Clusters first, then endpoints; `fresh` names a type whose subscription is owed a response even
-    /// if it would be empty.
+    /// if it would be empty. Then moves the synced revision.
     fn respond_all(
         &mut self,
         resources: &Resources,
         fresh: Option<&str>,
     ) -> Vec<DiscoveryResponse> {
-        let ads = self.kind == StreamKind::Ads;
         let mut out = Vec::new();
+        let owed = self.push_owed(resources, fresh, &mut out);
+        if self.endpoints.is_some() {
+            let revision = resources.revision;
+            if let Some(nonce) = owed.sent {
+                self.sync.pending = Some((nonce, revision));
+            } else if self.sync.pending.is_none() && !owed.held {
+                self.sync.synced = self.sync.synced.max(Some(revision));
+            }
+            self.sync.seen = self.sync.seen.max(Some(revision));
+            self.sync.held = owed.held;
+        }
+        out
+    }
+
+    /// Pushes the responses owed for `resources` to `out`; returns what was owed in endpoints.
+    fn push_owed(
+        &mut self,
+        resources: &Resources,
+        fresh: Option<&str>,
+        out: &mut Vec<DiscoveryResponse>,
+    ) -> EndpointsOwed {
+        let ads = self.kind == StreamKind::Ads;
+        let mut owed = EndpointsOwed::default();
         if let Some(watch) = &mut self.clusters {
             let set = resources
                 .get(CLUSTER_TYPE_URL, ads)
@@ -434,21 +520,27 @@ impl StreamState {
                     .and_then(|c| c.sent.as_ref())
                     .unwrap_or(&empty)
             });
-            let payload = watch
+            let existing = watch
                 .names
                 .iter()
-                .filter(|name| known.is_none_or(|k| k.contains_key(*name)))
-                .filter_map(|name| set.resources.get(name))
+                .filter_map(|name| set.resources.get(name));
+            let (payload, held): (Vec<_>, Vec<_>) =
+                existing.partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
+            owed.held = !held.is_empty();
+            let payload = payload
+                .into_iter()
                 .map(|r| (r.name.clone(), r.version.clone()))
                 .collect::<BTreeMap<_, _>>();
             let changed = watch.sent.as_ref() != Some(&payload);
             if changed && !payload.is_empty() {
-                out.push(respond(watch, set, payload));
+                let response = respond(watch, set, payload);
+                owed.sent = Some(response.nonce.clone());
+                out.push(response);
             } else if payload.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
                 tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
             }
         }
-        out
+        owed
     }
 }
 
@@ -479,4 +571,260 @@ fn respond(
     watch.nonce = Some(nonce);
     watch.sent = Some(payload);
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::google::rpc::Status as RpcStatus;
+
+    use super::*;
+    use crate::{
+        registry::{Address, Protocol, Registry, Worker},
+        xds::{cache::Cache, resources::ClusterOptions},
+    };
+
+    /// A registry with services `a` and `b` and a cache building resources from it.
+    struct Fixture {
+        registry: Registry,
+        cache: Cache,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            Fixture {
+                registry: Registry::new(["a".to_string(), "b".to_string()]),
+                cache: Cache::new("e1".into(), ClusterOptions::default()),
+            }
+        }
+
+        /// Registers a worker and returns the resources of the new revision.
+        fn register(&mut self, service: &str, index: u32, pid: u32) -> Resources {
+            let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
+            let worker = Worker::ready(service, index, pid, vec![Protocol::Http1], vec![addr]);
+            self.registry.register(worker).unwrap();
+            self.resources()
+        }
+
+        fn resources(&mut self) -> Resources {
+            self.cache.build(&self.registry.snapshot())
+        }
+    }
+
+    fn subscribe(type_url: &str, names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: type_url.into(),
+            resource_names: names.iter().map(|n| n.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The request that ACKs `response`, still subscribed to `names`.
+    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: response.version_info.clone(),
+            response_nonce: response.nonce.clone(),
+            ..subscribe(&response.type_url, names)
+        }
+    }
+
+    /// The request that NACKs `response` (keeping the version accepted before).
+    fn nack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: String::new(),
+            error_detail: Some(RpcStatus {
+                code: 3,
+                message: "rejected".into(),
+                details: vec![],
+            }),
+            ..ack(response, names)
+        }
+    }
+
+    /// A dedicated EDS stream subscribed to `a`, whose first response (at revision 1) was ACKed.
+    fn eds_synced_at_one(fixture: &mut Fixture) -> StreamState {
+        let r1 = fixture.register("a", 0, 10);
+        assert_eq!(r1.revision, 1);
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into());
+        let out = state
+            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
+            .unwrap();
+        assert_eq!(out.len(), 1);
+        assert!(state.serves_endpoints());
+        assert_eq!(state.synced_revision(), None, "owed until ACKed");
+        let out = state.on_request(ack(&out[0], &["a"]), &r1).unwrap();
+        assert!(out.is_empty());
+        assert_eq!(state.synced_revision(), Some(1));
+        state
+    }
+
+    #[test]
+    fn an_ack_advances_the_synced_revision() {
+        let mut fixture = Fixture::new();
+        let mut state = eds_synced_at_one(&mut fixture);
+        let r2 = fixture.register("a", 1, 11);
+        let out = state.on_resources(&r2);
+        assert_eq!(out.len(), 1);
+        assert_eq!(state.synced_revision(), Some(1), "not past 1 until ACKed");
+        assert!(
+            state
+                .on_request(ack(&out[0], &["a"]), &r2)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(2));
+    }
+
+    #[test]
+    fn a_nack_does_not_advance_the_synced_revision() {
+        let mut fixture = Fixture::new();
+        let mut state = eds_synced_at_one(&mut fixture);
+        let r2 = fixture.register("a", 1, 11);
+        let out = state.on_resources(&r2);
+        assert_eq!(out.len(), 1);
+        assert!(
+            state
+                .on_request(nack(&out[0], &["a"]), &r2)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(1));
+        // A change the stream does not serve still leaves the rejected content owed.
+        let r3 = fixture.register("b", 0, 20);
+        assert!(state.on_resources(&r3).is_empty());
+        assert_eq!(state.synced_revision(), Some(1));
+        // New content, ACKed this time.
+        let r4 = fixture.register("a", 2, 12);
+        let out = state.on_resources(&r4);
+        assert_eq!(out.len(), 1);
+        assert!(
+            state
+                .on_request(ack(&out[0], &["a"]), &r4)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(4));
+    }
+
+    #[test]
+    fn a_stale_nonce_does_not_advance_the_synced_revision() {
+        let mut fixture = Fixture::new();
+        let r1 = fixture.register("a", 0, 10);
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into());
+        let first = state
+            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
+            .unwrap();
+        let r2 = fixture.register("a", 1, 11);
+        let second = state.on_resources(&r2);
+        assert_eq!((first.len(), second.len()), (1, 1));
+        // The ACK of the first response arrives after the second was sent.
+        assert!(
+            state
+                .on_request(ack(&first[0], &["a"]), &r2)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), None);
+        assert!(
+            state
+                .on_request(ack(&second[0], &["a"]), &r2)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(2));
+    }
+
+    #[test]
+    fn an_unrelated_change_syncs_at_once() {
+        let mut fixture = Fixture::new();
+        let mut state = eds_synced_at_one(&mut fixture);
+        let r2 = fixture.register("b", 0, 20);
+        assert!(state.on_resources(&r2).is_empty());
+        assert_eq!(state.synced_revision(), Some(2));
+        // A revision that changes no resource at all (the same worker again).
+        let r3 = fixture.register("b", 0, 20);
+        assert_eq!(r3.endpoints.version, r2.endpoints.version);
+        assert!(state.on_resources(&r3).is_empty());
+        assert_eq!(state.synced_revision(), Some(3));
+    }
+
+    #[test]
+    fn an_ack_covers_later_revisions_that_owed_nothing_new() {
+        let mut fixture = Fixture::new();
+        let r1 = fixture.register("a", 0, 10);
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into());
+        let out = state
+            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
+            .unwrap();
+        let r2 = fixture.register("b", 0, 20);
+        assert!(state.on_resources(&r2).is_empty());
+        assert_eq!(
+            state.synced_revision(),
+            None,
+            "the response of revision 1 is still owed"
+        );
+        assert!(
+            state
+                .on_request(ack(&out[0], &["a"]), &r2)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(2));
+    }
+
+    #[test]
+    fn a_subscription_to_nothing_that_exists_is_synced_at_once() {
+        let mut fixture = Fixture::new();
+        let r1 = fixture.register("a", 0, 10);
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into());
+        let out = state
+            .on_request(subscribe(ENDPOINT_TYPE_URL, &["c"]), &r1)
+            .unwrap();
+        assert!(out.is_empty());
+        assert!(state.serves_endpoints());
+        assert_eq!(state.synced_revision(), Some(1));
+    }
+
+    #[test]
+    fn ads_endpoints_held_for_their_cluster_are_owed() {
+        let mut fixture = Fixture::new();
+        let r1 = fixture.register("a", 0, 10);
+        let mut state = StreamState::new(StreamKind::Ads, "envoy".into());
+        // Endpoints before clusters: held back, so owed.
+        let out = state
+            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
+            .unwrap();
+        assert!(out.is_empty());
+        assert!(state.serves_endpoints());
+        assert_eq!(state.synced_revision(), None);
+        let out = state
+            .on_request(subscribe(CLUSTER_TYPE_URL, &[]), &r1)
+            .unwrap();
+        let types = out.iter().map(|r| r.type_url.as_str()).collect::<Vec<_>>();
+        assert_eq!(types, [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
+        assert!(state.on_request(ack(&out[0], &[]), &r1).unwrap().is_empty());
+        assert_eq!(state.synced_revision(), None, "a CDS ACK does not count");
+        assert!(
+            state
+                .on_request(ack(&out[1], &["a"]), &r1)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(1));
+    }
+
+    #[test]
+    fn a_cds_only_stream_does_not_serve_endpoints() {
+        let mut fixture = Fixture::new();
+        let r1 = fixture.register("a", 0, 10);
+        for kind in [StreamKind::Cds, StreamKind::Ads] {
+            let mut state = StreamState::new(kind, "envoy".into());
+            let out = state
+                .on_request(subscribe(CLUSTER_TYPE_URL, &[]), &r1)
+                .unwrap();
+            assert_eq!(out.len(), 1);
+            assert!(state.on_request(ack(&out[0], &[]), &r1).unwrap().is_empty());
+            assert!(!state.serves_endpoints(), "{kind}");
+            assert_eq!(state.synced_revision(), None, "{kind}");
+        }
+    }
 }
