@@ -86,6 +86,36 @@ pub struct SupervisorConfig {
     pub sampler: SamplerSetting,
     /// How often the load sampler samples every worker.
     pub sample_interval: Duration,
+    /// How workers are drained, stopped and left behind.
+    pub lifecycle: Lifecycle,
+}
+
+/// `supervisor.*_timeout_ms`: how long each step of stopping a worker may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifecycle {
+    /// How long to wait for every connected Envoy to ACK a worker's DRAINING state before stopping it
+    /// anyway (`drain_timeout_ms`, 10 s).
+    pub drain_timeout: Duration,
+    /// How long a worker has to finish its requests and exit after SIGTERM before SIGKILL
+    /// (`stop_timeout_ms`, 10 s).
+    pub stop_timeout: Duration,
+    /// How long a new worker has to register when it replaces another before the replacement is given
+    /// up (`register_timeout_ms`, 30 s).
+    pub register_timeout: Duration,
+    /// How long workers keep serving without a supervisor before they exit (`orphan_timeout_ms`, 60 s;
+    /// 0 = for ever).
+    pub orphan_timeout: Duration,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Lifecycle {
+            drain_timeout: Duration::from_secs(10),
+            stop_timeout: Duration::from_secs(10),
+            register_timeout: Duration::from_secs(30),
+            orphan_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 /// `supervisor.sampler`: where the load sampler reads the workers' scheduler time.
@@ -187,6 +217,8 @@ pub struct ServiceConfig {
     pub balancing: Balancing,
     /// Each worker's load-balancing weight, by index (1 by default).
     pub weights: Vec<u32>,
+    /// How many workers a rolling restart replaces at once (`restart_batch`, 1).
+    pub restart_batch: u32,
 }
 
 /// The program a worker runs.
@@ -317,6 +349,10 @@ struct RawSupervisor {
     healthy_after_ms: Option<u64>,
     sampler: Option<Spanned<String>>,
     sample_interval_ms: Option<Spanned<i64>>,
+    drain_timeout_ms: Option<Spanned<i64>>,
+    stop_timeout_ms: Option<Spanned<i64>>,
+    register_timeout_ms: Option<Spanned<i64>>,
+    orphan_timeout_ms: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -333,6 +369,7 @@ struct RawEnvoy {
 #[serde(deny_unknown_fields)]
 struct RawService {
     count: Option<Spanned<i64>>,
+    restart_batch: Option<Spanned<i64>>,
     url: Option<Spanned<String>>,
     command: Option<Spanned<Vec<String>>>,
     #[serde(default)]
@@ -606,6 +643,46 @@ impl Checker<'_> {
                 }
             },
         };
+        let mut lifecycle = Lifecycle::default();
+        let mut millis = |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
+            if let Some(value) = value {
+                match u64::try_from(*value.get_ref()) {
+                    Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
+                    _ => self.report(
+                        Some(value.span()),
+                        format!("supervisor.{key}"),
+                        format!(
+                            "must be at least {min} (milliseconds), got {}",
+                            value.get_ref()
+                        ),
+                    ),
+                }
+            }
+        };
+        millis(
+            raw.drain_timeout_ms,
+            "drain_timeout_ms",
+            0,
+            &mut lifecycle.drain_timeout,
+        );
+        millis(
+            raw.stop_timeout_ms,
+            "stop_timeout_ms",
+            1,
+            &mut lifecycle.stop_timeout,
+        );
+        millis(
+            raw.register_timeout_ms,
+            "register_timeout_ms",
+            100,
+            &mut lifecycle.register_timeout,
+        );
+        millis(
+            raw.orphan_timeout_ms,
+            "orphan_timeout_ms",
+            0,
+            &mut lifecycle.orphan_timeout,
+        );
         Some(SupervisorConfig {
             bind: bind?,
             control,
@@ -613,6 +690,7 @@ impl Checker<'_> {
             restart,
             sampler,
             sample_interval,
+            lifecycle,
         })
     }
 
@@ -807,6 +885,23 @@ impl Checker<'_> {
             count,
             unix,
         );
+        let restart_batch = match raw.restart_batch {
+            None => 1,
+            Some(batch) => match u32::try_from(*batch.get_ref()) {
+                Ok(batch) if batch >= 1 => batch,
+                _ => {
+                    self.report(
+                        Some(batch.span()),
+                        key("restart_batch"),
+                        format!(
+                            "must be at least 1 (workers replaced at once), got {}",
+                            batch.get_ref()
+                        ),
+                    );
+                    1
+                }
+            },
+        };
         ServiceConfig {
             name,
             count,
@@ -817,6 +912,7 @@ impl Checker<'_> {
             domains,
             balancing,
             weights,
+            restart_batch,
         }
     }
 }

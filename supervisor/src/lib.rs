@@ -7,6 +7,7 @@
 //! `peregrine status` over the same Unix socket. [`bootstrap`] writes an Envoy bootstrap that points at
 //! it.
 
+pub mod adopt;
 pub mod bootstrap;
 pub mod config;
 pub mod manager;

@@ -45,6 +45,33 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replace the running supervisor's workers without dropping a request.
+    ///
+    /// Re-reads CONFIG first and applies it as `reload` does (an invalid config changes nothing),
+    /// then replaces the workers of SERVICE (every service without one), `restart_batch` at a time:
+    /// each new worker registers before its predecessor is drained (DRAINING in EDS, ACKed by every
+    /// Envoy) and stopped. SIGHUP to the supervisor does the same for every service.
+    Restart {
+        /// The configuration file the supervisor runs with.
+        config: PathBuf,
+        /// The service whose workers to replace (default: all).
+        service: Option<String>,
+        /// The supervisor's control socket (instead of `supervisor.control` of CONFIG).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
+    /// Make the running supervisor apply its config file again.
+    ///
+    /// Services scale up or down (the removed workers are drained first), workers whose command, url
+    /// or environment changed are replaced one batch at a time, balancing changes reach Envoy. An
+    /// invalid config is reported and changes nothing.
+    Reload {
+        /// The configuration file the supervisor runs with.
+        config: PathBuf,
+        /// The supervisor's control socket (instead of `supervisor.control` of CONFIG).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
     /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
     Worker,
 }
@@ -78,8 +105,8 @@ fn main() -> ExitCode {
             }
             Err(error) => config_error(&error),
         },
-        Command::Run { config } => {
-            let config = match Config::load(&config) {
+        Command::Run { config: path } => {
+            let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(error) => return config_error(&error),
             };
@@ -89,7 +116,7 @@ fn main() -> ExitCode {
                     return fail(&anyhow::Error::new(error).context("cannot start the runtime"));
                 }
             };
-            match runtime.block_on(peregrine_supervisor::run::run(config)) {
+            match runtime.block_on(peregrine_supervisor::run::run(config, path)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => fail(&anyhow::Error::new(error)),
             }
@@ -109,10 +136,62 @@ fn main() -> ExitCode {
             };
             status(&socket, json)
         }
+        Command::Restart {
+            config,
+            service,
+            socket,
+        } => {
+            use peregrine_proto::v1;
+            let request = v1::ControlRequest {
+                action: Some(v1::control_request::Action::Restart(v1::Restart {
+                    service: service.unwrap_or_default(),
+                })),
+            };
+            control(&config, socket, request)
+        }
+        Command::Reload { config, socket } => {
+            use peregrine_proto::v1;
+            let request = v1::ControlRequest {
+                action: Some(v1::control_request::Action::Reload(v1::Reload {})),
+            };
+            control(&config, socket, request)
+        }
         Command::Worker => match peregrine_worker::run_hello() {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => fail(&anyhow::Error::new(error)),
         },
+    }
+}
+
+/// `peregrine restart` and `peregrine reload`: sends the command, waits for it to be carried out and
+/// prints what it did; fails if anything failed.
+fn control(
+    config: &std::path::Path,
+    socket: Option<PathBuf>,
+    request: peregrine_proto::v1::ControlRequest,
+) -> ExitCode {
+    let socket = match socket {
+        Some(socket) => socket,
+        // An invalid config is still sent: the supervisor reports it (and changes nothing), but a
+        // config that cannot name the socket cannot be helped.
+        None => match Config::load(config) {
+            Ok(c) => c.supervisor.control,
+            Err(error) => return config_error(&error),
+        },
+    };
+    match peregrine_supervisor::status::control(&socket, request) {
+        Ok(reply) => {
+            println!("{}", reply.summary);
+            for failure in &reply.failures {
+                println!("  {failure}");
+            }
+            if reply.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => fail(&anyhow::Error::new(error)),
     }
 }
 

@@ -17,11 +17,11 @@
 //! worker's process has exited.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     io,
     os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     os::unix::process::CommandExt,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Command, Stdio},
     sync::{Arc, Mutex, atomic::Ordering},
     time::{Duration, Instant},
@@ -32,17 +32,25 @@ use rustix::{
     io::FdFlags,
     process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions},
 };
-use tokio::{io::unix::AsyncFd, sync::watch};
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot, watch},
+    task::JoinSet,
+};
 use tracing::Instrument;
 
 use crate::{
-    config::{Config, INDEX_PLACEHOLDER, Program, RestartPolicy, ServiceConfig},
+    config::{
+        Config, INDEX_PLACEHOLDER, Lifecycle, Program, RestartPolicy, ServiceConfig,
+        SupervisorConfig,
+    },
     registry::Registry,
     sampler::Counters,
+    xds::acks::Acks,
 };
 
 /// A worker slot: a service and an index in `0..count`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Slot {
     /// The service.
     pub service: String,
@@ -50,31 +58,163 @@ pub struct Slot {
     pub index: u32,
 }
 
+impl std::fmt::Display for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.service, self.index)
+    }
+}
+
+/// A line of a request counter region: where one worker instance counts its requests.
+#[derive(Clone, Debug)]
+pub struct CounterRef {
+    region: Arc<Counters>,
+    index: usize,
+}
+
+impl CounterRef {
+    /// Line `index` of `region`.
+    pub fn new(region: Arc<Counters>, index: usize) -> Self {
+        CounterRef { region, index }
+    }
+
+    /// The requests counted so far.
+    pub fn load(&self) -> u64 {
+        self.region.region().slot(self.index).load(Ordering::Relaxed)
+    }
+}
+
+/// A live worker process of this supervisor.
+#[derive(Clone, Debug)]
+pub struct Child {
+    /// Its slot.
+    pub slot: Slot,
+    /// Its lane: its own line in the request counter region (unless adopted) and its slot in the
+    /// scheduler source; no two live workers share one.
+    pub lane: usize,
+    /// Where it counts its requests.
+    pub counter: CounterRef,
+}
+
 /// Live worker processes by pid.
 #[derive(Debug, Default)]
 pub struct Children {
-    by_pid: Mutex<HashMap<u32, Slot>>,
+    by_pid: Mutex<HashMap<u32, Child>>,
 }
 
 impl Children {
     /// The slot of the live worker with process id `pid`, if it is one of ours.
     pub fn slot_of(&self, pid: u32) -> Option<Slot> {
+        self.lock().get(&pid).map(|c| c.slot.clone())
+    }
+
+    /// The live worker with process id `pid`, if it is one of ours.
+    pub fn child(&self, pid: u32) -> Option<Child> {
         self.lock().get(&pid).cloned()
     }
 
     #[cfg(test)]
     pub(crate) fn insert_for_test(&self, pid: u32, service: &str, index: u32) {
-        let slot = Slot {
-            service: service.into(),
-            index,
-        };
-        self.lock().insert(pid, slot);
+        let counters = Arc::new(Counters::memfd(1).expect("a memfd"));
+        self.insert_with_lane_for_test(pid, service, index, 0, &counters);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Slot>> {
+    #[cfg(test)]
+    pub(crate) fn insert_with_lane_for_test(
+        &self,
+        pid: u32,
+        service: &str,
+        index: u32,
+        lane: usize,
+        counters: &Arc<Counters>,
+    ) {
+        let child = Child {
+            slot: Slot {
+                service: service.into(),
+                index,
+            },
+            lane,
+            counter: CounterRef::new(counters.clone(), lane),
+        };
+        self.lock().insert(pid, child);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn remove_for_test(&self, pid: u32) {
+        self.lock().remove(&pid);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Child>> {
         self.by_pid.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// The lanes of the request counter region and of the scheduler source: one per live worker instance.
+///
+/// A slot being replaced holds two instances for a while (the new one registering, the old one
+/// draining), so there are more lanes than slots; a worker's lane goes back to the pool when it has
+/// exited.
+#[derive(Debug)]
+pub struct Lanes {
+    free: Mutex<BTreeSet<usize>>,
+    capacity: usize,
+}
+
+/// A lane taken from [`Lanes`]; it returns when dropped.
+#[derive(Debug)]
+pub struct Lane {
+    lanes: Arc<Lanes>,
+    index: usize,
+}
+
+impl Lanes {
+    /// `capacity` lanes, all free.
+    pub fn new(capacity: usize) -> Arc<Self> {
+        Arc::new(Lanes {
+            free: Mutex::new((0..capacity).collect()),
+            capacity,
+        })
+    }
+
+    /// How many lanes there are.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The lowest free lane.
+    pub fn take(self: &Arc<Self>) -> Option<Lane> {
+        let index = self.lock().pop_first()?;
+        Some(Lane {
+            lanes: self.clone(),
+            index,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<usize>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Lane {
+    /// Its number.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        self.lanes.lock().insert(self.index);
+    }
+}
+
+/// The number of lanes a supervisor starts with for `config`: room for every worker twice over (each
+/// slot replaced at once, or the config scaled up), and at least [`MIN_LANES`].
+pub fn lane_capacity(config: &Config) -> usize {
+    (slot_count(config) * 2).max(MIN_LANES)
+}
+
+/// The fewest lanes a supervisor has, so that a small config can grow by reload.
+pub const MIN_LANES: usize = 64;
 
 /// How a worker process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +223,8 @@ pub enum Exit {
     Code(i32),
     /// A signal killed it.
     Signal(i32),
+    /// It exited, but it was adopted from an earlier supervisor, so its status went to its parent.
+    Unknown,
 }
 
 impl std::fmt::Display for Exit {
@@ -90,6 +232,7 @@ impl std::fmt::Display for Exit {
         match self {
             Exit::Code(code) => write!(f, "exit code {code}"),
             Exit::Signal(signal) => write!(f, "signal {signal}"),
+            Exit::Unknown => f.write_str("exited (adopted: status unknown)"),
         }
     }
 }
@@ -132,20 +275,38 @@ impl Backoff {
 struct Launch {
     program: PathBuf,
     args: Vec<String>,
+    /// The service's own environment.
     env: Vec<(String, String)>,
+    /// The worker's settings; the counter slot is filled in with the lane at each start.
+    settings: Settings,
     /// The request counter region, inherited by the worker.
     counters: Arc<Counters>,
-    /// The worker's counter in it.
-    counter: usize,
+}
+
+/// What, in a service's config, its workers are started with: a change replaces them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct LaunchKey {
+    command: crate::config::WorkerCommand,
+    url: String,
+    env: std::collections::BTreeMap<String, String>,
+}
+
+impl LaunchKey {
+    fn of(service: &ServiceConfig) -> Self {
+        LaunchKey {
+            command: service.command.clone(),
+            url: service.url.clone(),
+            env: service.env.clone(),
+        }
+    }
 }
 
 impl Launch {
     fn new(
         service: &ServiceConfig,
         index: u32,
-        control: &Path,
+        supervisor: &SupervisorConfig,
         counters: Arc<Counters>,
-        counter: usize,
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -163,196 +324,704 @@ impl Launch {
             service: service.name.clone(),
             index,
             url: service.url_for(index),
-            control: control.to_owned(),
-            counters: Some(CounterSlot {
-                fd: counters.fd().as_raw_fd(),
-                slot: u32::try_from(counter).map_err(io::Error::other)?,
-            }),
+            control: supervisor.control.clone(),
+            counters: None,
+            // ORPHAN
         };
-        let mut env: Vec<(String, String)> = service
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        env.extend(
-            settings
-                .to_env()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v)),
-        );
         Ok(Launch {
             program,
             args,
-            env,
+            env: service
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            settings,
             counters,
-            counter,
         })
     }
 
-    /// Starts a worker, its request counter zeroed first.
-    fn spawn(&self) -> io::Result<u32> {
-        // No worker runs in this slot now, so nothing counts in it until the new one starts.
+    /// Starts a worker that counts its requests in line `lane`, zeroed first.
+    fn spawn(&self, lane: usize) -> io::Result<u32> {
+        // No worker counts in this lane now, so nothing counts in it until the new one starts.
         self.counters
             .region()
-            .slot(self.counter)
+            .slot(lane)
             .store(0, Ordering::Relaxed);
+        let counters = self.counters.fd().as_raw_fd();
+        let settings = Settings {
+            counters: Some(CounterSlot {
+                fd: counters,
+                slot: u32::try_from(lane).map_err(io::Error::other)?,
+            }),
+            ..self.settings.clone()
+        };
         let mut command = Command::new(&self.program);
         command
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(settings.to_env())
             .stdin(Stdio::null())
-            // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order.
+            // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order. Workers
+            // outlive a supervisor that dies, and re-register with the next one.
             .process_group(0);
-        let counters = self.counters.fd().as_raw_fd();
-        // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2) and
-        // fcntl(2), which are async-signal-safe; it touches no memory shared with the parent. The
-        // counter descriptor is owned by `self.counters`, open while `self` lives, so it is valid in the
-        // child.
+        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2), which is
+        // async-signal-safe; it touches no memory shared with the parent. The counter descriptor is
+        // owned by `self.counters`, open while `self` lives, so it is valid in the child.
         unsafe {
             command.pre_exec(move || {
-                // Until workers can outlive their supervisor, a worker must not outlive it.
-                rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
                 // The counter region is the one descriptor the worker inherits.
                 rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(counters), FdFlags::empty())?;
                 Ok(())
             });
         }
         let child = command.spawn()?;
-        // The pid is reaped through its pidfd below, not through `Child`.
+        // The pid is reaped through its pidfd, not through `Child`.
         Ok(child.id())
     }
 }
 
-/// How many worker slots `config` has: the size of the request counter region.
+/// How many worker slots `config` has.
 pub fn slot_count(config: &Config) -> usize {
     config.services.values().map(|s| s.count as usize).sum()
 }
 
-/// Every worker slot of `config` with its global number `k` (services in name order, then index): the
-/// slot's counter in the request counter region.
-pub fn slot_numbers(config: &Config) -> Vec<(Slot, usize)> {
-    config
-        .services
-        .values()
-        .flat_map(|service| {
-            (0..service.count).map(|index| Slot {
-                service: service.name.clone(),
-                index,
-            })
-        })
-        .enumerate()
-        .map(|(k, slot)| (slot, k))
-        .collect()
+/// What every slot task shares.
+#[derive(Debug)]
+pub struct Context {
+    /// The registry: the manager deregisters exited workers and marks stopping ones draining.
+    pub registry: Arc<Registry>,
+    /// The live workers.
+    pub children: Arc<Children>,
+    /// The lanes of the counter region and the scheduler source.
+    pub lanes: Arc<Lanes>,
+    /// Which Envoy streams have ACKed which revision: a drain waits on it.
+    pub acks: Arc<Acks>,
+    /// The request counter region handed to new workers.
+    pub counters: Arc<Counters>,
 }
 
-/// Starts one task per worker slot; they run until `shutdown` turns true, then stop their workers
-/// (SIGTERM, then SIGKILL after `stop_timeout`) and return.
-///
-/// Slot `k` of [`slot_numbers`] counts its requests in counter `k` of `counters`, which must hold
-/// [`slot_count`] counters.
-pub fn start(
-    config: &Config,
-    registry: Arc<Registry>,
-    children: Arc<Children>,
-    counters: Arc<Counters>,
+/// A command to a slot task.
+#[derive(Debug)]
+enum SlotCommand {
+    /// Start a new worker (with a new launch, if given); once it has registered, drain and stop the
+    /// current one. Answers what happened.
+    Replace {
+        launch: Option<Box<Launch>>,
+        done: oneshot::Sender<Result<Replaced, String>>,
+    },
+    /// Drain and stop the worker; the task ends.
+    Remove { done: oneshot::Sender<()> },
+}
+
+/// A replacement that went through.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replaced {
+    /// The slot.
+    pub slot: Slot,
+    /// The worker replaced, if one was running.
+    pub old: Option<u32>,
+    /// The new worker.
+    pub new: u32,
+}
+
+/// A running slot task, as the manager sees it.
+#[derive(Debug)]
+struct SlotHandle {
+    commands: mpsc::Sender<SlotCommand>,
+    launch: LaunchKey,
+}
+
+/// The outcome of a rolling restart or reload: what was replaced, added, removed, and what failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Workers replaced.
+    pub replaced: Vec<Replaced>,
+    /// Slots started.
+    pub added: Vec<Slot>,
+    /// Slots drained and stopped.
+    pub removed: Vec<Slot>,
+    /// What went wrong, one line each; the workers concerned keep running as they were.
+    pub failures: Vec<String>,
+}
+
+impl Report {
+    fn merge(&mut self, other: Report) {
+        self.replaced.extend(other.replaced);
+        self.added.extend(other.added);
+        self.removed.extend(other.removed);
+        self.failures.extend(other.failures);
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} replaced, {} added, {} removed, {} failed",
+            self.replaced.len(),
+            self.added.len(),
+            self.removed.len(),
+            self.failures.len()
+        )?;
+        for failure in &self.failures {
+            write!(f, "\n  {failure}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a new config cannot be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The new config needs more lanes than the supervisor has.
+    #[error(
+        "the new config runs {workers} workers, and a rolling restart needs {needed} lanes, but this \
+         supervisor started with {capacity}: restart the supervisor to grow that far"
+    )]
+    Lanes {
+        /// Workers in the new config.
+        workers: usize,
+        /// Lanes needed.
+        needed: usize,
+        /// Lanes there are.
+        capacity: usize,
+    },
+    /// A worker could not be prepared.
+    #[error("cannot prepare the workers of {service}")]
+    Launch {
+        /// The service.
+        service: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The process manager: one task per worker slot, and the operations over all of them (rolling
+/// restart, reload, stop).
+#[derive(Debug)]
+pub struct Manager {
+    context: Arc<Context>,
+    supervisor: SupervisorConfig,
+    services: std::collections::BTreeMap<String, ServiceConfig>,
+    slots: std::collections::BTreeMap<Slot, SlotHandle>,
+    tasks: JoinSet<()>,
     shutdown: watch::Receiver<bool>,
-    stop_timeout: Duration,
-) -> io::Result<tokio::task::JoinSet<()>> {
-    let mut tasks = tokio::task::JoinSet::new();
-    for (slot, counter) in slot_numbers(config) {
-        let service = &config.services[&slot.service];
+}
+
+impl Manager {
+    /// Starts a task per worker slot of `config`. Each starts its worker (or takes over the one in
+    /// `adopted` for its slot), restarts it when it exits, and drains and stops it once `shutdown`
+    /// turns true.
+    pub fn start(
+        config: &Config,
+        context: Arc<Context>,
+        mut adopted: std::collections::HashMap<Slot, Adopted>,
+        shutdown: watch::Receiver<bool>,
+    ) -> io::Result<Self> {
+        let mut manager = Manager {
+            context,
+            supervisor: config.supervisor.clone(),
+            services: config.services.clone(),
+            slots: Default::default(),
+            tasks: JoinSet::new(),
+            shutdown,
+        };
+        for service in config.services.values() {
+            for index in 0..service.count {
+                let slot = Slot {
+                    service: service.name.clone(),
+                    index,
+                };
+                let adopted = adopted.remove(&slot);
+                manager.spawn_slot(service, slot, adopted)?;
+            }
+        }
+        for (slot, left) in adopted {
+            tracing::warn!(%slot, pid = left.pid, "A worker of an earlier supervisor has no slot in this config: stopping it");
+            signal(&left.pidfd, Signal::TERM);
+        }
+        Ok(manager)
+    }
+
+    fn spawn_slot(
+        &mut self,
+        service: &ServiceConfig,
+        slot: Slot,
+        adopted: Option<Adopted>,
+    ) -> io::Result<()> {
         let launch = Launch::new(
             service,
             slot.index,
-            &config.supervisor.control,
-            counters.clone(),
-            counter,
+            &self.supervisor,
+            self.context.counters.clone(),
         )?;
+        let (tx, rx) = mpsc::channel(4);
+        let task = SlotTask {
+            slot: slot.clone(),
+            launch,
+            backoff: Backoff::new(self.supervisor.restart),
+            lifecycle: self.supervisor.lifecycle,
+            context: self.context.clone(),
+            shutdown: self.shutdown.clone(),
+            commands: Some(rx),
+            restarts: 0,
+        };
         let span = tracing::info_span!("slot", service = %slot.service, index = slot.index);
-        tasks.spawn(
-            run_slot(
-                slot,
-                launch,
-                Backoff::new(config.supervisor.restart),
-                registry.clone(),
-                children.clone(),
-                shutdown.clone(),
-                stop_timeout,
-            )
-            .instrument(span),
+        let current = adopted.map(|a| a.into_instance(&slot, &self.context));
+        self.tasks.spawn(task.run(current).instrument(span));
+        self.slots.insert(
+            slot,
+            SlotHandle {
+                commands: tx,
+                launch: LaunchKey::of(service),
+            },
         );
+        Ok(())
     }
-    Ok(tasks)
+
+    /// Replaces the workers of `service` (every service if `None`) but those in `skip`, `restart_batch`
+    /// slots at a time: each new worker registers before its predecessor drains and stops.
+    pub async fn restart(&mut self, service: Option<&str>, skip: &BTreeSet<Slot>) -> Report {
+        let mut report = Report::default();
+        for config in self.services.values() {
+            if service.is_some_and(|name| name != config.name) {
+                continue;
+            }
+            let slots: Vec<Slot> = self
+                .slots
+                .keys()
+                .filter(|slot| slot.service == config.name && !skip.contains(slot))
+                .cloned()
+                .collect();
+            report.merge(self.replace_in_batches(&slots, config, false).await);
+        }
+        report
+    }
+
+    /// Replaces `slots` (all of `service`), `restart_batch` at a time, with a new launch if `relaunch`.
+    async fn replace_in_batches(
+        &self,
+        slots: &[Slot],
+        service: &ServiceConfig,
+        relaunch: bool,
+    ) -> Report {
+        let mut report = Report::default();
+        for batch in slots.chunks(service.restart_batch.max(1) as usize) {
+            let mut answers = Vec::new();
+            for slot in batch {
+                let Some(handle) = self.slots.get(slot) else {
+                    continue;
+                };
+                let launch = if relaunch {
+                    match Launch::new(
+                        service,
+                        slot.index,
+                        &self.supervisor,
+                        self.context.counters.clone(),
+                    ) {
+                        Ok(launch) => Some(Box::new(launch)),
+                        Err(error) => {
+                            report.failures.push(format!("{slot}: cannot prepare: {error}"));
+                            continue;
+                        }
+                    }
+                } else {
+                    None
+                };
+                let (done, answer) = oneshot::channel();
+                if handle
+                    .commands
+                    .send(SlotCommand::Replace { launch, done })
+                    .await
+                    .is_err()
+                {
+                    report.failures.push(format!("{slot}: its task has stopped"));
+                    continue;
+                }
+                answers.push((slot.clone(), answer));
+            }
+            for (slot, answer) in answers {
+                match answer.await {
+                    Ok(Ok(replaced)) => report.replaced.push(replaced),
+                    Ok(Err(why)) => report.failures.push(format!("{slot}: {why}")),
+                    Err(_) => report.failures.push(format!("{slot}: the supervisor is stopping")),
+                }
+            }
+            if !report.failures.is_empty() {
+                // A batch that failed stops the rolling restart: the next batch would likely fail the
+                // same way, and the workers not yet replaced keep serving.
+                break;
+            }
+        }
+        report
+    }
+
+    /// Applies a new config: removed slots drain and stop, new slots start, and slots whose command,
+    /// url or environment changed are replaced (rolling, `restart_batch` at a time). Supervisor-wide
+    /// settings other than the restart and lifecycle ones apply at the next start (logged).
+    pub async fn reload(&mut self, config: &Config) -> Result<Report, ReloadError> {
+        let workers = slot_count(config);
+        let batch = config
+            .services
+            .values()
+            .map(|s| s.restart_batch as usize)
+            .max()
+            .unwrap_or(1);
+        let needed = workers + batch;
+        if needed > self.context.lanes.capacity() {
+            return Err(ReloadError::Lanes {
+                workers,
+                needed,
+                capacity: self.context.lanes.capacity(),
+            });
+        }
+        for (key, old, new) in [
+            ("bind", self.supervisor.bind.to_string(), config.supervisor.bind.to_string()),
+            (
+                "control",
+                self.supervisor.control.display().to_string(),
+                config.supervisor.control.display().to_string(),
+            ),
+            (
+                "sampler",
+                self.supervisor.sampler.to_string(),
+                config.supervisor.sampler.to_string(),
+            ),
+            (
+                "sample_interval_ms",
+                self.supervisor.sample_interval.as_millis().to_string(),
+                config.supervisor.sample_interval.as_millis().to_string(),
+            ),
+        ] {
+            if old != new {
+                tracing::warn!(key = %format!("supervisor.{key}"), %old, %new, "Changed, but takes effect only when the supervisor starts again");
+            }
+        }
+        let keep_control = self.supervisor.control.clone();
+        self.supervisor = config.supervisor.clone();
+        // Workers must find this supervisor, wherever the new config would put it.
+        self.supervisor.control = keep_control;
+        let mut report = Report::default();
+        // New services exist in the registry before their workers register.
+        self.context.registry.set_services(
+            self.services
+                .keys()
+                .chain(config.services.keys())
+                .cloned()
+                .collect::<BTreeSet<_>>(),
+        );
+        // Gone: whole services, and indexes past the new count.
+        let gone: Vec<Slot> = self
+            .slots
+            .keys()
+            .filter(|slot| {
+                config
+                    .services
+                    .get(&slot.service)
+                    .is_none_or(|s| slot.index >= s.count)
+            })
+            .cloned()
+            .collect();
+        let mut removals = Vec::new();
+        for slot in gone {
+            if let Some(handle) = self.slots.remove(&slot) {
+                let (done, answer) = oneshot::channel();
+                if handle
+                    .commands
+                    .send(SlotCommand::Remove { done })
+                    .await
+                    .is_ok()
+                {
+                    removals.push((slot, answer));
+                }
+            }
+        }
+        // New slots start while the removed ones drain.
+        for service in config.services.values() {
+            for index in 0..service.count {
+                let slot = Slot {
+                    service: service.name.clone(),
+                    index,
+                };
+                if !self.slots.contains_key(&slot) {
+                    self.spawn_slot(service, slot.clone(), None)
+                        .map_err(|source| ReloadError::Launch {
+                            service: service.name.clone(),
+                            source,
+                        })?;
+                    report.added.push(slot);
+                }
+            }
+        }
+        for (slot, answer) in removals {
+            let _ = answer.await;
+            report.removed.push(slot);
+        }
+        for service in config.services.values() {
+            let changed: Vec<Slot> = self
+                .slots
+                .iter()
+                .filter(|(slot, handle)| {
+                    slot.service == service.name
+                        && handle.launch != LaunchKey::of(service)
+                        && !report.added.contains(slot)
+                })
+                .map(|(slot, _)| slot.clone())
+                .collect();
+            if changed.is_empty() {
+                continue;
+            }
+            tracing::info!(service = %service.name, workers = changed.len(), "Command, url or environment changed: replacing workers");
+            let result = self.replace_in_batches(&changed, service, true).await;
+            for replaced in &result.replaced {
+                if let Some(handle) = self.slots.get_mut(&replaced.slot) {
+                    handle.launch = LaunchKey::of(service);
+                }
+            }
+            report.merge(result);
+        }
+        self.services = config.services.clone();
+        self.context
+            .registry
+            .set_services(self.services.keys().cloned());
+        Ok(report)
+    }
+
+    /// Waits for every slot task to end (they drain and stop their workers once `shutdown` is true).
+    pub async fn stopped(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
 }
 
-async fn run_slot(
+/// A worker of an earlier supervisor that this one takes over.
+#[derive(Debug)]
+pub struct Adopted {
+    /// Its process id.
+    pub pid: u32,
+    /// A pidfd of it.
+    pub pidfd: OwnedFd,
+    /// Where it counts its requests (the earlier supervisor's region, taken from the worker).
+    pub counter: Option<CounterRef>,
+}
+
+impl Adopted {
+    fn into_instance(self, slot: &Slot, context: &Context) -> Instance {
+        let lane = context
+            .lanes
+            .take()
+            .expect("a supervisor has more lanes than adopted workers");
+        let counter = self
+            .counter
+            .unwrap_or_else(|| CounterRef::new(context.counters.clone(), lane.index()));
+        context.children.lock().insert(
+            self.pid,
+            Child {
+                slot: slot.clone(),
+                lane: lane.index(),
+                counter,
+            },
+        );
+        Instance {
+            pid: self.pid,
+            // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
+            // dropped; it is never closed or replaced while registered.
+            pidfd: unsafe { AsyncFd::register(self.pidfd) }
+                .expect("a pidfd can be registered with the reactor"),
+            lane,
+            started: Instant::now(),
+        }
+    }
+}
+
+/// One running worker process of a slot.
+#[derive(Debug)]
+struct Instance {
+    pid: u32,
+    pidfd: AsyncFd<OwnedFd>,
+    /// Held while the process lives; freed when it has exited.
+    #[allow(dead_code, reason = "held for its Drop")]
+    lane: Lane,
+    started: Instant,
+}
+
+/// One slot's task: starts its worker, restarts it after it exits (with backoff), replaces and
+/// removes it on command, and drains and stops it on shutdown.
+struct SlotTask {
     slot: Slot,
     launch: Launch,
-    mut backoff: Backoff,
-    registry: Arc<Registry>,
-    children: Arc<Children>,
-    mut shutdown: watch::Receiver<bool>,
-    stop_timeout: Duration,
-) {
-    let mut restarts = 0u64;
-    registry.set_restarts(&slot.service, slot.index, restarts);
-    while !*shutdown.borrow() {
-        let started = Instant::now();
-        // The lock is held across the spawn so that a registration from the new pid waits for the
-        // map entry instead of racing it.
-        let spawned = {
-            let mut map = children.lock();
-            launch.spawn().and_then(|pid| {
-                let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
-                map.insert(pid, slot.clone());
-                Ok((pid, pidfd))
-            })
-        };
-        let healthy_after = backoff.policy().healthy_after;
-        let exit = match spawned {
-            Ok((pid, pidfd)) => {
-                tracing::info!(pid, restarts, program = %launch.program.display(), "Worker started");
-                let watch = watch_worker(pid, pidfd, &mut shutdown, stop_timeout);
-                tokio::pin!(watch);
-                // A worker that stays up `healthy_after` ends a crash loop.
-                let exit = tokio::select! {
-                    exit = &mut watch => exit,
-                    () = tokio::time::sleep(healthy_after) => {
-                        registry.update_slot(&slot.service, slot.index, |s| s.crash_looping = false);
-                        watch.await
-                    }
-                };
-                children.lock().remove(&pid);
-                let removed = registry.deregister(&slot.service, slot.index, pid);
-                match exit {
-                    Ok(exit) => {
-                        tracing::info!(pid, %exit, uptime = ?started.elapsed(), deregistered = removed, "Worker exited")
-                    }
-                    Err(ref error) => tracing::error!(pid, %error, "Lost track of worker"),
+    backoff: Backoff,
+    lifecycle: Lifecycle,
+    context: Arc<Context>,
+    shutdown: watch::Receiver<bool>,
+    /// `None` once the manager has dropped its end.
+    commands: Option<mpsc::Receiver<SlotCommand>>,
+    restarts: u64,
+}
+
+/// What woke a slot task.
+enum Event {
+    Exited(io::Result<Exit>),
+    Healthy,
+    Command(Option<SlotCommand>),
+    Shutdown,
+}
+
+/// How waiting for a new worker's registration ended.
+enum Registration {
+    Registered,
+    Exited(io::Result<Exit>),
+    TimedOut,
+    Shutdown,
+}
+
+impl SlotTask {
+    async fn run(mut self, mut current: Option<Instance>) {
+        self.context
+            .registry
+            .set_restarts(&self.slot.service, self.slot.index, 0);
+        let healthy_after = self.backoff.policy().healthy_after;
+        let mut healthy_at = current.as_ref().map(|i| i.started + healthy_after);
+        loop {
+            if *self.shutdown.borrow() {
+                if let Some(instance) = current.take() {
+                    self.retire(instance, "the supervisor is stopping").await;
                 }
-                match exit {
-                    Ok(exit) => exit.to_string(),
-                    Err(error) => format!("lost track of it: {error}"),
+                return;
+            }
+            let Some(instance) = current.as_ref() else {
+                match self.start().await {
+                    Ok(instance) => {
+                        healthy_at = Some(instance.started + healthy_after);
+                        current = Some(instance);
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, program = %self.launch.program.display(), "Cannot start worker");
+                        let command = self
+                            .pause_after_exit(Duration::ZERO, format!("cannot start: {error}"))
+                            .await;
+                        if self.handle_idle(command, &mut current).await {
+                            return;
+                        }
+                    }
+                }
+                continue;
+            };
+            let event = tokio::select! {
+                exit = exited(&instance.pidfd) => Event::Exited(exit),
+                () = sleep_until_some(healthy_at) => Event::Healthy,
+                command = recv(&mut self.commands) => Event::Command(command),
+                _ = self.shutdown.changed() => Event::Shutdown,
+            };
+            match event {
+                Event::Shutdown => {}
+                Event::Healthy => {
+                    healthy_at = None;
+                    self.context
+                        .registry
+                        .update_slot(&self.slot.service, self.slot.index, |s| {
+                            s.crash_looping = false
+                        });
+                }
+                Event::Exited(exit) => {
+                    let instance = current.take().expect("an instance is running");
+                    let uptime = instance.started.elapsed();
+                    let exit = self.reap(instance, exit);
+                    healthy_at = None;
+                    if *self.shutdown.borrow() {
+                        return;
+                    }
+                    let command = self.pause_after_exit(uptime, exit).await;
+                    if self.handle_idle(command, &mut current).await {
+                        return;
+                    }
+                    if let Some(instance) = &current {
+                        healthy_at = Some(instance.started + healthy_after);
+                    }
+                }
+                Event::Command(None) => self.commands = None,
+                Event::Command(Some(SlotCommand::Replace { launch, done })) => {
+                    if let Some(launch) = launch {
+                        self.launch = *launch;
+                    }
+                    let old = current.as_ref().map(|i| i.pid);
+                    let result = self.replace(&mut current).await;
+                    if let Ok(new) = &result {
+                        healthy_at = Some(Instant::now() + healthy_after);
+                        let _ = done.send(Ok(Replaced {
+                            slot: self.slot.clone(),
+                            old,
+                            new: *new,
+                        }));
+                    } else if let Err(why) = result {
+                        let _ = done.send(Err(why));
+                    }
+                }
+                Event::Command(Some(SlotCommand::Remove { done })) => {
+                    if let Some(instance) = current.take() {
+                        self.retire(instance, "its slot was removed from the config")
+                            .await;
+                    }
+                    self.context
+                        .registry
+                        .update_slot(&self.slot.service, self.slot.index, |s| *s = Default::default());
+                    let _ = done.send(());
+                    return;
                 }
             }
-            Err(error) => {
-                tracing::error!(%error, program = %launch.program.display(), "Cannot start worker");
-                format!("cannot start: {error}")
-            }
-        };
-        if *shutdown.borrow() {
-            break;
         }
-        let uptime = started.elapsed();
-        let delay = backoff.after_exit(uptime);
-        restarts += 1;
+    }
+
+    /// Handles a command that arrived while no worker ran (during a backoff pause); returns whether
+    /// the task must end.
+    async fn handle_idle(
+        &mut self,
+        command: Option<SlotCommand>,
+        current: &mut Option<Instance>,
+    ) -> bool {
+        match command {
+            None => false,
+            Some(SlotCommand::Replace { launch, done }) => {
+                if let Some(launch) = launch {
+                    self.launch = *launch;
+                }
+                self.backoff = Backoff::new(self.backoff.policy());
+                let result = self.replace(current).await;
+                let _ = done.send(result.map(|new| Replaced {
+                    slot: self.slot.clone(),
+                    old: None,
+                    new,
+                }));
+                false
+            }
+            Some(SlotCommand::Remove { done }) => {
+                if let Some(instance) = current.take() {
+                    self.retire(instance, "its slot was removed from the config")
+                        .await;
+                }
+                let _ = done.send(());
+                true
+            }
+        }
+    }
+
+    /// Records an unexpected exit and waits out the backoff delay; returns early with a command that
+    /// arrived meanwhile.
+    async fn pause_after_exit(&mut self, uptime: Duration, exit: String) -> Option<SlotCommand> {
+        let healthy_after = self.backoff.policy().healthy_after;
+        let delay = self.backoff.after_exit(uptime);
+        self.restarts += 1;
         let crash_looping = uptime < healthy_after;
-        registry.update_slot(&slot.service, slot.index, |s| {
-            s.restarts = restarts;
-            s.last_exit = Some(exit.clone());
-            s.restart_delay = Some(delay);
-            s.crash_looping = crash_looping;
-        });
+        let restarts = self.restarts;
+        self.context
+            .registry
+            .update_slot(&self.slot.service, self.slot.index, |s| {
+                s.restarts = restarts;
+                s.last_exit = Some(exit.clone());
+                s.restart_delay = Some(delay);
+                s.crash_looping = crash_looping;
+            });
         tracing::warn!(
             exit,
             ?delay,
@@ -360,10 +1029,205 @@ async fn run_slot(
             crash_looping,
             "Restarting worker after backoff"
         );
+        let commands = &mut self.commands;
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep(delay) => None,
+            _ = self.shutdown.changed() => None,
+            command = recv(commands) => {
+                if command.is_none() {
+                    *commands = None;
+                }
+                command
+            }
         }
+    }
+
+    /// Starts a worker in a free lane.
+    async fn start(&self) -> io::Result<Instance> {
+        let lane = self
+            .context
+            .lanes
+            .take()
+            .ok_or_else(|| io::Error::other("every counter lane is in use"))?;
+        // The lock is held across the spawn so that a registration from the new pid waits for the map
+        // entry instead of racing it.
+        let (pid, pidfd) = {
+            let mut map = self.context.children.lock();
+            let pid = self.launch.spawn(lane.index())?;
+            let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
+            map.insert(
+                pid,
+                Child {
+                    slot: self.slot.clone(),
+                    lane: lane.index(),
+                    counter: CounterRef::new(self.context.counters.clone(), lane.index()),
+                },
+            );
+            (pid, pidfd)
+        };
+        tracing::info!(pid, lane = lane.index(), restarts = self.restarts, program = %self.launch.program.display(), "Worker started");
+        Ok(Instance {
+            pid,
+            // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
+            // dropped; it is never closed or replaced while registered.
+            pidfd: unsafe { AsyncFd::register(pidfd) }.map_err(io::Error::from)?,
+            lane,
+            started: Instant::now(),
+        })
+    }
+
+    /// Starts a new worker and, once it has registered, drains and stops `current`; returns the new
+    /// worker's pid. If the new worker fails, `current` keeps serving.
+    async fn replace(&mut self, current: &mut Option<Instance>) -> Result<u32, String> {
+        let new = self.start().await.map_err(|e| format!("cannot start: {e}"))?;
+        match self.await_registration(&new, current).await {
+            Registration::Registered => {}
+            Registration::Exited(exit) => {
+                let exit = self.reap(new, exit);
+                return Err(format!(
+                    "the new worker ended before registering ({exit}); the old one keeps serving"
+                ));
+            }
+            Registration::TimedOut => {
+                let timeout = self.lifecycle.register_timeout;
+                self.retire(new, "it did not register in time").await;
+                return Err(format!(
+                    "the new worker did not register within {timeout:?}; the old one keeps serving"
+                ));
+            }
+            Registration::Shutdown => {
+                self.retire(new, "the supervisor is stopping").await;
+                return Err("the supervisor is stopping".into());
+            }
+        }
+        let pid = new.pid;
+        tracing::info!(pid, "Replacement registered");
+        if let Some(old) = current.replace(new) {
+            self.retire(old, "it was replaced").await;
+        }
+        Ok(pid)
+    }
+
+    /// Waits until `new` has registered; if `current` exits meanwhile, it is reaped.
+    async fn await_registration(
+        &mut self,
+        new: &Instance,
+        current: &mut Option<Instance>,
+    ) -> Registration {
+        let deadline = tokio::time::Instant::now() + self.lifecycle.register_timeout;
+        let mut snapshots = self.context.registry.subscribe();
+        loop {
+            let registered = snapshots
+                .borrow_and_update()
+                .services
+                .get(&self.slot.service)
+                .is_some_and(|view| view.instance(self.slot.index, new.pid).is_some());
+            if registered {
+                return Registration::Registered;
+            }
+            let old_exit = async {
+                match current.as_ref() {
+                    Some(old) => exited(&old.pidfd).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        return Registration::Shutdown;
+                    }
+                }
+                exit = exited(&new.pidfd) => return Registration::Exited(exit),
+                exit = old_exit => {
+                    let old = current.take().expect("the old worker was running");
+                    let uptime = old.started.elapsed();
+                    self.reap(old, exit);
+                    tracing::warn!(?uptime, "The worker being replaced exited before its successor registered");
+                }
+                () = tokio::time::sleep_until(deadline) => return Registration::TimedOut,
+                _ = self.shutdown.changed() => {
+                    if *self.shutdown.borrow() {
+                        return Registration::Shutdown;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drains and stops `instance`: marks it draining, waits until every connected Envoy has ACKed that
+    /// (at most `drain_timeout`), then SIGTERM, and SIGKILL after `stop_timeout`.
+    async fn retire(&self, instance: Instance, why: &str) -> String {
+        let Slot { service, index } = &self.slot;
+        let pid = instance.pid;
+        let begun = Instant::now();
+        if let Some(revision) = self.context.registry.drain(service, *index, pid) {
+            tracing::info!(pid, why, revision, "Draining worker");
+            let synced = self
+                .context
+                .acks
+                .wait_synced(revision, self.lifecycle.drain_timeout);
+            tokio::select! {
+                outcome = synced => {
+                    if outcome.is_synced() {
+                        tracing::info!(pid, streams = outcome.synced, waited = ?begun.elapsed(), "Every Envoy has the worker as draining");
+                    } else {
+                        tracing::warn!(pid, lagging = ?outcome.lagging, timeout = ?self.lifecycle.drain_timeout, "Not every Envoy ACKed the drain in time; stopping the worker anyway");
+                    }
+                }
+                exit = exited(&instance.pidfd) => return self.reap(instance, exit),
+            }
+        }
+        tracing::debug!(pid, why, "Stopping worker");
+        signal(&instance.pidfd, Signal::TERM);
+        let exit = match tokio::time::timeout(self.lifecycle.stop_timeout, exited(&instance.pidfd))
+            .await
+        {
+            Ok(exit) => exit,
+            Err(_) => {
+                tracing::warn!(pid, timeout = ?self.lifecycle.stop_timeout, "Worker did not stop in time; killing it");
+                signal(&instance.pidfd, Signal::KILL);
+                exited(&instance.pidfd).await
+            }
+        };
+        self.reap(instance, exit)
+    }
+
+    /// Forgets an exited worker: it leaves the children map and the registry; its lane is freed.
+    /// Returns how it ended, for the slot's status.
+    fn reap(&self, instance: Instance, exit: io::Result<Exit>) -> String {
+        let pid = instance.pid;
+        self.context.children.lock().remove(&pid);
+        let removed = self
+            .context
+            .registry
+            .deregister(&self.slot.service, self.slot.index, pid);
+        let uptime = instance.started.elapsed();
+        match exit {
+            Ok(exit) => {
+                tracing::info!(pid, %exit, ?uptime, deregistered = removed, "Worker exited");
+                exit.to_string()
+            }
+            Err(error) => {
+                tracing::error!(pid, %error, "Lost track of worker");
+                format!("lost track of it: {error}")
+            }
+        }
+    }
+}
+
+/// The next command, or never once the channel is gone.
+async fn recv(commands: &mut Option<mpsc::Receiver<SlotCommand>>) -> Option<SlotCommand> {
+    match commands {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at`, or for ever if `None`.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -371,57 +1235,24 @@ fn pid_of(pid: u32) -> Pid {
     Pid::from_raw(pid as i32).expect("a spawned child has a positive pid")
 }
 
-/// Waits for the worker to exit; on shutdown, stops it first. Returns how it ended.
-async fn watch_worker(
-    pid: u32,
-    pidfd: OwnedFd,
-    shutdown: &mut watch::Receiver<bool>,
-    stop_timeout: Duration,
-) -> io::Result<Exit> {
-    // SAFETY: `pidfd` is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is dropped; it is
-    // never closed or replaced while registered.
-    let pidfd = unsafe { AsyncFd::register(pidfd) }.map_err(io::Error::from)?;
-    let stopping = async {
-        while !*shutdown.borrow() {
-            if shutdown.changed().await.is_err() {
-                break;
-            }
-        }
-    };
-    tokio::select! {
-        exit = exited(&pidfd) => return exit,
-        () = stopping => {}
-    }
-    tracing::debug!(pid, "Stopping worker");
-    signal(&pidfd, Signal::TERM);
-    match tokio::time::timeout(stop_timeout, exited(&pidfd)).await {
-        Ok(exit) => exit,
-        Err(_) => {
-            tracing::warn!(
-                pid,
-                ?stop_timeout,
-                "Worker did not stop in time; killing it"
-            );
-            signal(&pidfd, Signal::KILL);
-            exited(&pidfd).await
-        }
-    }
-}
-
-fn signal(pidfd: &AsyncFd<OwnedFd>, signal: Signal) {
-    if let Err(error) = rustix::process::pidfd_send_signal(pidfd.get_ref(), signal) {
+fn signal(pidfd: &impl AsFd, signal: Signal) {
+    if let Err(error) = rustix::process::pidfd_send_signal(pidfd.as_fd(), signal) {
         tracing::debug!(%error, ?signal, "Cannot signal worker (it may have exited)");
     }
 }
 
-/// Resolves when the process behind `pidfd` has exited, and reaps it.
+/// Resolves when the process behind `pidfd` has exited, and reaps it (a process adopted from an
+/// earlier supervisor is not ours to reap: [`Exit::Unknown`]).
 async fn exited(pidfd: &AsyncFd<OwnedFd>) -> io::Result<Exit> {
     loop {
         let mut guard = pidfd.readable().await?;
-        let status = rustix::process::waitid(
+        let status = match rustix::process::waitid(
             WaitId::PidFd(pidfd.get_ref().as_fd()),
             WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
-        )?;
+        ) {
+            Err(rustix::io::Errno::CHILD) => return Ok(Exit::Unknown),
+            other => other?,
+        };
         match status {
             Some(status) if status.exited() || status.killed() || status.dumped() => {
                 return Ok(match (status.exit_status(), status.terminating_signal()) {
@@ -456,29 +1287,78 @@ mod tests {
         assert_eq!(backoff.after_exit(quick).as_millis(), 200);
     }
 
-    #[allow(
-        clippy::zombie_processes,
-        reason = "reaped through its pidfd by watch_worker"
-    )]
+    fn watched(pid: u32) -> AsyncFd<OwnedFd> {
+        let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty()).unwrap();
+        // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until dropped.
+        unsafe { AsyncFd::register(pidfd) }.unwrap()
+    }
+
+    /// A slot task for `web[0]` that starts nothing, with `lifecycle`.
+    fn task(lifecycle: Lifecycle) -> SlotTask {
+        let counters = Arc::new(Counters::memfd(4).unwrap());
+        let context = Arc::new(Context {
+            registry: Arc::new(Registry::new(["web".to_string()])),
+            children: Arc::default(),
+            lanes: Lanes::new(4),
+            acks: Arc::default(),
+            counters: counters.clone(),
+        });
+        let slot = Slot {
+            service: "web".into(),
+            index: 0,
+        };
+        let config = Config::parse(
+            "[service.web]\n",
+            std::path::Path::new("/tmp"),
+            &HashMap::new(),
+        )
+        .unwrap();
+        SlotTask {
+            slot,
+            launch: Launch::new(
+                &config.services["web"],
+                0,
+                &config.supervisor,
+                counters,
+            )
+            .unwrap(),
+            backoff: Backoff::new(RestartPolicy::default()),
+            lifecycle,
+            context,
+            shutdown: watch::channel(false).1,
+            commands: None,
+            restarts: 0,
+        }
+    }
+
+    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by exited")]
     #[tokio::test]
     async fn notices_an_exit_through_the_pidfd_and_reaps_it() {
         let child = Command::new("sh").args(["-c", "exit 7"]).spawn().unwrap();
-        let pidfd = rustix::process::pidfd_open(pid_of(child.id()), PidfdFlags::empty()).unwrap();
-        let (_tx, mut rx) = watch::channel(false);
-        let exit = tokio::time::timeout(
-            Duration::from_secs(10),
-            watch_worker(child.id(), pidfd, &mut rx, Duration::from_secs(1)),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), exited(&watched(child.id())))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(exit, Exit::Code(7));
     }
 
-    #[allow(
-        clippy::zombie_processes,
-        reason = "reaped through its pidfd by watch_worker"
-    )]
+    #[tokio::test]
+    async fn an_adopted_process_that_exits_has_an_unknown_status() {
+        // The shell's background child is not ours once the shell has exited: like a worker of an
+        // earlier supervisor, it can be watched but not reaped.
+        let output = Command::new("sh")
+            .args(["-c", "sleep 0.3 >/dev/null 2>&1 & echo $!"])
+            .output()
+            .unwrap();
+        let pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), exited(&watched(pid)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(exit, Exit::Unknown);
+    }
+
+    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by retire")]
     #[tokio::test]
     async fn stops_a_worker_with_sigterm_then_sigkill() {
         // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout. It says when
@@ -498,16 +1378,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(line, "trapped\n");
-        let pidfd = rustix::process::pidfd_open(pid_of(child.id()), PidfdFlags::empty()).unwrap();
-        let (tx, mut rx) = watch::channel(false);
-        tx.send(true).unwrap();
-        let exit = tokio::time::timeout(
-            Duration::from_secs(10),
-            watch_worker(child.id(), pidfd, &mut rx, Duration::from_millis(200)),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-        assert_eq!(exit, Exit::Signal(9));
+        let task = task(Lifecycle {
+            stop_timeout: Duration::from_millis(200),
+            ..Lifecycle::default()
+        });
+        let instance = Instance {
+            pid: child.id(),
+            pidfd: watched(child.id()),
+            lane: task.context.lanes.take().unwrap(),
+            started: Instant::now(),
+        };
+        let exit = tokio::time::timeout(Duration::from_secs(10), task.retire(instance, "a test"))
+            .await
+            .unwrap();
+        assert_eq!(exit, "signal 9");
+        assert_eq!(task.context.lanes.lock().len(), 4, "the lane is free again");
     }
 }

@@ -8,7 +8,9 @@
 //!
 //! The same socket answers `peregrine status`: a connection whose first message is a status request
 //! gets the registry's status ([`crate::status::report`]) and is closed. It need not be a worker, but
-//! it must be a process of the supervisor's own (effective) user.
+//! it must be a process of the supervisor's own (effective) user. Control commands (`peregrine
+//! restart`, `peregrine reload`) are held to the same rule; they are handed to the supervisor's run
+//! loop ([`Commands`]) and answered once carried out.
 
 use std::{
     io,
@@ -30,6 +32,7 @@ use peregrine_proto::{
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{UnixListener, UnixStream},
+    sync::{mpsc, oneshot},
 };
 use tracing::Instrument;
 
@@ -91,12 +94,21 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
     Ok(listener)
 }
 
-/// Accepts registrations until the task is dropped.
-pub async fn serve(listener: UnixListener, registry: Arc<Registry>, children: Arc<Children>) {
+/// Where control commands go: each with the channel its reply comes back on.
+pub type Commands = mpsc::Sender<(v1::ControlRequest, oneshot::Sender<v1::ControlReply>)>;
+
+/// Accepts registrations (and status and control requests) until the task is dropped.
+pub async fn serve(
+    listener: UnixListener,
+    registry: Arc<Registry>,
+    children: Arc<Children>,
+    commands: Commands,
+) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 let (registry, children) = (registry.clone(), children.clone());
+                let commands = commands.clone();
                 let cred = stream.peer_cred().ok();
                 let span = tracing::info_span!(
                     "registration",
@@ -105,7 +117,7 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, children: Ar
                 );
                 tokio::spawn(
                     async move {
-                        match handle(stream, &registry, &children).await {
+                        match handle(stream, &registry, &children, &commands).await {
                             Ok(()) => {}
                             // A connect-and-close (e.g. a second supervisor probing the socket).
                             Err(reason @ Closed::EarlyEof) => {
@@ -149,6 +161,7 @@ async fn handle(
     mut stream: UnixStream,
     registry: &Registry,
     children: &Children,
+    commands: &Commands,
 ) -> Result<(), Closed> {
     let mut buf = BytesMut::with_capacity(1024);
     let message =
@@ -158,9 +171,15 @@ async fn handle(
             Ok(Ok(None)) => return Err(Closed::EarlyEof),
             Ok(Err(e)) => return Err(e),
         };
-    if let Some(worker_message::Message::Status(_)) = message.message {
-        return answer_status(&mut stream, registry).await;
-    }
+    let message = match message.message {
+        Some(worker_message::Message::Status(_)) => {
+            return answer_status(&mut stream, registry).await;
+        }
+        Some(worker_message::Message::Control(request)) => {
+            return answer_control(&mut stream, request, commands).await;
+        }
+        other => WorkerMessage { message: other },
+    };
     let worker = match admit(&stream, message, children) {
         Ok(worker) => worker,
         Err(reason) => return Err(refuse(&mut stream, reason).await),
@@ -207,6 +226,34 @@ async fn answer_status(stream: &mut UnixStream, registry: &Registry) -> Result<(
     };
     stream.write_all(&encode(&answer)).await?;
     tracing::debug!("Status answered");
+    Ok(())
+}
+
+/// Hands a control command from a process of the supervisor's user to the run loop and answers with
+/// its reply; the caller then closes.
+async fn answer_control(
+    stream: &mut UnixStream,
+    request: v1::ControlRequest,
+    commands: &Commands,
+) -> Result<(), Closed> {
+    if let Err(reason) = same_user(stream) {
+        return Err(refuse(stream, reason).await);
+    }
+    tracing::info!(?request, "Control command received");
+    let (tx, rx) = oneshot::channel();
+    let reply = match commands.send((request, tx)).await {
+        Ok(()) => rx.await.ok(),
+        Err(_) => None,
+    }
+    .unwrap_or_else(|| v1::ControlReply {
+        ok: false,
+        summary: "the supervisor is stopping".into(),
+        ..Default::default()
+    });
+    let answer = SupervisorMessage {
+        message: Some(supervisor_message::Message::Control(reply)),
+    };
+    stream.write_all(&encode(&answer)).await?;
     Ok(())
 }
 
@@ -384,10 +431,25 @@ mod tests {
             let path = dir.path().join("control.sock");
             let registry = Arc::new(Registry::new(["web".to_string()]));
             let children = Arc::new(Children::default());
+            // A run loop that answers every command with what it was asked.
+            let (commands, mut requests) = mpsc::channel::<(
+                v1::ControlRequest,
+                oneshot::Sender<v1::ControlReply>,
+            )>(1);
+            tokio::spawn(async move {
+                while let Some((request, reply)) = requests.recv().await {
+                    let _ = reply.send(v1::ControlReply {
+                        ok: true,
+                        summary: format!("{:?}", request.action),
+                        ..Default::default()
+                    });
+                }
+            });
             let server = tokio::spawn(serve(
                 bind(&path).unwrap(),
                 registry.clone(),
                 children.clone(),
+                commands,
             ));
             Fixture {
                 _dir: dir,
@@ -486,7 +548,8 @@ mod tests {
             registered.hostname,
             crate::registry::hostname_for("web", 0, own_pid())
         );
-        let worker = &fx.registry.snapshot().services["web"].workers[&0];
+        let snapshot = fx.registry.snapshot();
+        let worker = snapshot.services["web"].serving(0).unwrap();
         assert_eq!(
             worker.listener.addresses,
             [Address::Tcp("[::1]:8080".parse().unwrap())]
@@ -548,6 +611,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn hands_control_commands_to_the_run_loop_and_answers() {
+        let fx = Fixture::new();
+        let request = WorkerMessage {
+            message: Some(worker_message::Message::Control(v1::ControlRequest {
+                action: Some(v1::control_request::Action::Restart(v1::Restart {
+                    service: "web".into(),
+                })),
+            })),
+        };
+        let (_stream, answer) = fx.exchange(&request).await;
+        let Some(supervisor_message::Message::Control(reply)) = answer.and_then(|a| a.message)
+        else {
+            panic!("expected a control reply");
+        };
+        assert!(reply.ok);
+        assert!(reply.summary.contains("Restart"), "{}", reply.summary);
+    }
+
+    #[tokio::test]
     async fn answers_status_to_its_own_user_and_closes() {
         let fx = Fixture::new();
         let addr = Address::Tcp("127.0.0.1:8080".parse().unwrap());
@@ -606,7 +688,9 @@ mod tests {
         };
         let (server, mut client) = (tokio_stream(server), tokio_stream(client));
         let (registry, children) = (fx.registry.clone(), fx.children.clone());
-        let served = tokio::spawn(async move { handle(server, &registry, &children).await });
+        let (commands, _) = mpsc::channel(1);
+        let served =
+            tokio::spawn(async move { handle(server, &registry, &children, &commands).await });
         client.write_all(&encode(&status_request())).await.unwrap();
         let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
             Some(supervisor_message::Message::Refused(refused)) => refused.reason,

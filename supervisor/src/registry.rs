@@ -1,9 +1,14 @@
 //! The worker registry: the one source of truth for which workers exist, where they listen and in which
 //! state they are.
 //!
-//! Writers (the registration server, the process manager) call [`Registry::register`] and
-//! [`Registry::deregister`]; every change publishes a new immutable [`Snapshot`] on a watch channel.
-//! Readers (xDS, status, later ORCA) only ever see whole snapshots.
+//! Writers (the registration server, the process manager) call [`Registry::register`],
+//! [`Registry::drain`] and [`Registry::deregister`]; every change publishes a new immutable [`Snapshot`]
+//! on a watch channel. Readers (xDS, status, ORCA, the sampler) only ever see whole snapshots.
+//!
+//! A slot holds one serving instance and, while it is being replaced or removed, draining ones: a worker
+//! that registers in a slot whose instance is still serving takes over, and its predecessor turns
+//! [`WorkerState::Draining`] in the same snapshot (xDS publishes it with `health_status: DRAINING`, so
+//! Envoy sends it no new requests) until the manager stops it.
 //!
 //! Beside endpoints it holds the workers' sampled [`Loads`] (written by the sampler) and each slot's
 //! [`SlotStatus`] (restarts, written by the manager), each on a watch channel of its own so that neither
@@ -73,6 +78,28 @@ pub struct Listener {
 pub enum WorkerState {
     /// Registered and serving.
     Ready,
+    /// Still serving what it has, but to get no new requests: it is about to be stopped.
+    Draining,
+}
+
+impl WorkerState {
+    /// `ready` or `draining`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Ready => "ready",
+            WorkerState::Draining => "draining",
+        }
+    }
+}
+
+/// A worker instance's key in its service: slot index, then process id (a slot may hold an instance
+/// that serves and others that drain).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkerKey {
+    /// The slot index.
+    pub index: u32,
+    /// The process id.
+    pub pid: u32,
 }
 
 /// A registered worker instance.
@@ -119,11 +146,41 @@ impl Worker {
     }
 }
 
+impl Worker {
+    /// Its key in its service.
+    pub fn key(&self) -> WorkerKey {
+        WorkerKey {
+            index: self.index,
+            pid: self.pid,
+        }
+    }
+}
+
 /// One service in a snapshot.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct ServiceView {
-    /// Registered workers by slot index.
-    pub workers: BTreeMap<u32, Worker>,
+    /// Registered worker instances, by slot index then pid.
+    pub workers: BTreeMap<WorkerKey, Worker>,
+}
+
+impl ServiceView {
+    /// The instance serving slot `index` (not draining), if one is registered.
+    pub fn serving(&self, index: u32) -> Option<&Worker> {
+        self.instances(index)
+            .find(|w| w.state == WorkerState::Ready)
+    }
+
+    /// Every registered instance of slot `index`, serving or draining.
+    pub fn instances(&self, index: u32) -> impl Iterator<Item = &Worker> {
+        self.workers
+            .range(WorkerKey { index, pid: 0 }..=WorkerKey { index, pid: u32::MAX })
+            .map(|(_, w)| w)
+    }
+
+    /// The instance of slot `index` with process id `pid`.
+    pub fn instance(&self, index: u32, pid: u32) -> Option<&Worker> {
+        self.workers.get(&WorkerKey { index, pid })
+    }
 }
 
 /// An immutable view of the registry at one revision.
@@ -239,7 +296,8 @@ impl Registry {
         self.tx.borrow().clone()
     }
 
-    /// Records a worker (replacing any earlier instance in its slot) and publishes the change.
+    /// Records a worker and publishes the change. Another instance still serving its slot (the one it
+    /// replaces) turns draining in the same snapshot; a worker registering again replaces its own entry.
     pub fn register(&self, worker: Worker) -> Result<(), RegistryError> {
         if worker.listener.addresses.is_empty() {
             return Err(RegistryError::NoAddress);
@@ -249,33 +307,73 @@ impl Registry {
                 .services
                 .get_mut(&worker.service)
                 .ok_or_else(|| RegistryError::UnknownService(worker.service.clone()))?;
-            service.workers.insert(worker.index, worker);
+            let index = worker.index;
+            for (key, other) in service.workers.iter_mut() {
+                if key.index == index && key.pid != worker.pid {
+                    other.state = WorkerState::Draining;
+                }
+            }
+            service.workers.insert(worker.key(), worker);
             Ok(true)
         })
         .map(drop)
     }
 
-    /// Removes the worker in `service`'s slot `index` if it is still process `pid`; returns whether it
-    /// was removed.
+    /// Marks the instance `pid` of `service`'s slot `index` draining; returns the revision of the
+    /// first snapshot that shows it draining (`None` if it is not registered).
+    pub fn drain(&self, service: &str, index: u32, pid: u32) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let worker = state
+            .services
+            .get_mut(service)?
+            .workers
+            .get_mut(&WorkerKey { index, pid })?;
+        if worker.state == WorkerState::Draining {
+            // Already draining: the revision that published it is no later than this one.
+            return Some(state.revision);
+        }
+        worker.state = WorkerState::Draining;
+        state.revision += 1;
+        self.tx.send_replace(Arc::new(state.clone()));
+        Some(state.revision)
+    }
+
+    /// Removes the instance `pid` of `service`'s slot `index`; returns whether it was registered.
     pub fn deregister(&self, service: &str, index: u32, pid: u32) -> bool {
         self.update(|state| {
             let Some(view) = state.services.get_mut(service) else {
                 return Ok::<_, RegistryError>(false);
             };
-            if view.workers.get(&index).is_some_and(|w| w.pid == pid) {
-                if let Some(gone) = view.workers.remove(&index) {
-                    // Its ORCA state goes with it, unless a stream is still open (the stream's
-                    // end removes it then).
-                    let mut orca = self.orca.lock().unwrap_or_else(|e| e.into_inner());
-                    if orca.get(&gone.hostname).is_some_and(|s| s.open == 0) {
-                        orca.remove(&gone.hostname);
-                    }
-                }
-                return Ok(true);
+            let Some(gone) = view.workers.remove(&WorkerKey { index, pid }) else {
+                return Ok(false);
+            };
+            // Its ORCA state goes with it, unless a stream is still open (the stream's end removes
+            // it then).
+            let mut orca = self.orca.lock().unwrap_or_else(|e| e.into_inner());
+            if orca.get(&gone.hostname).is_some_and(|s| s.open == 0) {
+                orca.remove(&gone.hostname);
             }
-            Ok(false)
+            Ok(true)
         })
         .unwrap_or(false)
+    }
+
+    /// Makes `services` the configured services: new ones start empty, and those no longer listed
+    /// go (with any instance still registered in them). Publishes if anything changed.
+    pub fn set_services(&self, services: impl IntoIterator<Item = String>) {
+        let wanted: std::collections::BTreeSet<String> = services.into_iter().collect();
+        let _ = self.update(|state| {
+            let before = state.services.len();
+            state.services.retain(|name, _| wanted.contains(name));
+            let mut changed = state.services.len() != before;
+            for name in &wanted {
+                if !state.services.contains_key(name) {
+                    state.services.insert(name.clone(), ServiceView::default());
+                    changed = true;
+                }
+            }
+            Ok::<_, RegistryError>(changed)
+        });
     }
 
     /// Publishes the workers' loads of one sample (replacing the previous sample's).
@@ -344,21 +442,49 @@ mod tests {
         assert!(rx.has_changed().unwrap());
         let snap = rx.borrow_and_update().clone();
         assert_eq!(snap.revision, 1);
-        assert_eq!(snap.services["a"].workers[&0].pid, 10);
+        assert_eq!(snap.services["a"].serving(0).unwrap().pid, 10);
     }
 
     #[test]
-    fn deregisters_only_the_same_instance() {
+    fn a_successor_takes_over_its_slot_and_the_predecessor_drains() {
         let registry = Registry::new(["a".to_string()]);
         registry.register(worker("a", 0, 10)).unwrap();
+        registry.register(worker("a", 1, 20)).unwrap();
         registry.register(worker("a", 0, 11)).unwrap();
-        assert!(
-            !registry.deregister("a", 0, 10),
-            "an old instance must not remove its successor"
-        );
+        let snap = registry.snapshot();
+        let view = &snap.services["a"];
+        assert_eq!(view.serving(0).unwrap().pid, 11);
+        assert_eq!(view.instance(0, 10).unwrap().state, WorkerState::Draining);
+        assert_eq!(view.serving(1).unwrap().pid, 20, "other slots are untouched");
+        assert!(registry.deregister("a", 0, 10));
+        assert!(!registry.deregister("a", 0, 10), "removed once");
+        assert_eq!(registry.snapshot().services["a"].instances(0).count(), 1);
         assert!(registry.deregister("a", 0, 11));
-        assert!(registry.snapshot().services["a"].workers.is_empty());
-        assert_eq!(registry.snapshot().revision, 3);
+        assert_eq!(registry.snapshot().revision, 5);
+    }
+
+    #[test]
+    fn drain_publishes_once_and_says_in_which_revision() {
+        let registry = Registry::new(["a".to_string()]);
+        registry.register(worker("a", 0, 10)).unwrap();
+        assert_eq!(registry.drain("a", 0, 10), Some(2));
+        assert_eq!(registry.drain("a", 0, 10), Some(2), "no new revision");
+        assert_eq!(registry.drain("a", 0, 99), None);
+        assert!(registry.snapshot().services["a"].serving(0).is_none());
+        assert_eq!(registry.snapshot().revision, 2);
+    }
+
+    #[test]
+    fn services_come_and_go() {
+        let registry = Registry::new(["a".to_string()]);
+        registry.register(worker("a", 0, 10)).unwrap();
+        registry.set_services(["a".to_string(), "b".to_string()]);
+        assert_eq!(registry.snapshot().revision, 2);
+        registry.set_services(["b".to_string(), "a".to_string()]);
+        assert_eq!(registry.snapshot().revision, 2, "the same set is no change");
+        registry.set_services(["b".to_string()]);
+        let snap = registry.snapshot();
+        assert_eq!(snap.services.keys().collect::<Vec<_>>(), ["b"]);
     }
 
     #[test]

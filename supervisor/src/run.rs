@@ -11,16 +11,21 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs},
     path::PathBuf,
     sync::Arc,
-    time::Duration,
 };
 
 use peregrine_worker::url::BindUrl;
 
-use tokio::{net::TcpListener, signal::unix::SignalKind, sync::watch};
+use peregrine_proto::v1;
+use tokio::{
+    net::TcpListener,
+    signal::unix::SignalKind,
+    sync::{mpsc, oneshot, watch},
+};
 
 use crate::{
+    adopt,
     config::{self, Balancing, Config, SamplerSetting},
-    manager::{self, Children},
+    manager::{self, Children, Lanes, Manager},
     orca::OrcaService,
     registration,
     registry::Registry,
@@ -31,9 +36,6 @@ use crate::{
         resources::{Balancer, OrcaPolicy},
     },
 };
-
-/// How long a stopping worker may take before it is killed.
-pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the supervisor could not run.
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +101,8 @@ pub struct SamplerSources {
     pub sched: Option<Box<dyn SchedSource>>,
     /// The request counters the workers count in (the manager hands them out).
     pub counters: Arc<Counters>,
+    /// The lanes of both: one per live worker.
+    pub lanes: Arc<Lanes>,
 }
 
 /// Chooses the sampler's sources for `config.supervisor.sampler`.
@@ -110,7 +114,8 @@ pub struct SamplerSources {
 /// - `"off"`: no scheduler source; workers still count requests in a memfd.
 pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
     let setting = config.supervisor.sampler;
-    let slots = manager::slot_count(config);
+    let slots = manager::lane_capacity(config);
+    let lanes = Lanes::new(slots);
     let memfd = || {
         Counters::memfd(slots)
             .map(Arc::new)
@@ -129,10 +134,12 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
         SamplerSetting::Off => Ok(SamplerSources {
             sched: None,
             counters: memfd()?,
+            lanes,
         }),
         SamplerSetting::Procfs => Ok(SamplerSources {
             sched: Some(procfs()?),
             counters: memfd()?,
+            lanes,
         }),
         SamplerSetting::Ebpf => {
             let (source, counters) =
@@ -148,6 +155,7 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
             Ok(SamplerSources {
                 sched: Some(Box::new(source)),
                 counters,
+                lanes,
             })
         }
         SamplerSetting::Auto => match EbpfSource::load(slots) {
@@ -160,12 +168,14 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
                 Ok(SamplerSources {
                     sched: Some(Box::new(source)),
                     counters,
+                    lanes,
                 })
             }
             Err(error) => {
                 let sources = SamplerSources {
                     sched: Some(procfs()?),
                     counters: memfd()?,
+                    lanes,
                 };
                 tracing::warn!(
                     sampler = "procfs",
@@ -179,7 +189,10 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
 }
 
 /// Runs the supervisor until SIGINT or SIGTERM; returns once every worker has stopped.
-pub async fn run(config: Config) -> Result<(), RunError> {
+///
+/// `path` is the config file `config` came from: `peregrine restart`, `peregrine reload` and SIGHUP
+/// read it again.
+pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let sources = choose_sampler(&config)?;
     let registry = Arc::new(Registry::new(config.services.keys().cloned()));
     let children = Arc::new(Children::default());
@@ -210,17 +223,13 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         tracing::info!(%addr, "Listening for ORCA streams to workers on this address family too");
         orca_listeners.push(listener);
     }
-    let mut sigterm =
-        tokio::signal::unix::signal(SignalKind::terminate()).map_err(RunError::Signals)?;
-    let mut sigint =
-        tokio::signal::unix::signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
+    let signal = |kind| tokio::signal::unix::signal(kind).map_err(RunError::Signals);
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sighup = signal(SignalKind::hangup())?;
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let registration_task = tokio::spawn(registration::serve(
-        registrations,
-        registry.clone(),
-        children.clone(),
-    ));
+    let (commands_tx, mut commands_rx) = mpsc::channel(16);
     let xds_stop = {
         let mut rx = stop_rx.clone();
         async move {
@@ -229,54 +238,92 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     };
     let orca_service = (!orca.is_empty())
         .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
-    // acks: shared with the manager's drain
+    // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
+    // it).
     let acks = Arc::new(Acks::default());
+    let (xds_options_tx, xds_options_rx) =
+        watch::channel(xds_options(&config, &orca, bound.port()));
     let mut xds_task = tokio::spawn(xds::serve(
         vec![grpc],
         orca_listeners,
         registry.subscribe(),
-        xds_options(&config, &orca, bound.port()),
-        acks,
+        xds_options_rx,
+        acks.clone(),
         orca_service,
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), "Supervisor running");
-    let mut workers = manager::start(
-        &config,
+    let context = Arc::new(manager::Context {
+        registry: registry.clone(),
+        children: children.clone(),
+        lanes: sources.lanes.clone(),
+        acks,
+        counters: sources.counters.clone(),
+    });
+    // Workers of an earlier supervisor are adopted before registrations are read: a worker that
+    // reconnects is then admitted as one of ours (registrations wait in the socket's backlog).
+    let adopted = adopt::find(&config);
+    let manager = Manager::start(&config, context, adopted, stop_rx.clone())
+        .map_err(RunError::Workers)?;
+    let registration_task = tokio::spawn(registration::serve(
+        registrations,
         registry.clone(),
-        children,
-        sources.counters.clone(),
-        stop_rx.clone(),
-        STOP_TIMEOUT,
-    )
-    .map_err(RunError::Workers)?;
+        children.clone(),
+        commands_tx,
+    ));
     let sampler_task = sources.sched.map(|sched| {
         tokio::spawn(sampler::run(
             sched,
-            sources.counters,
+            children.clone(),
             registry.clone(),
             sampler::Options {
                 interval: config.supervisor.sample_interval,
-                slots: manager::slot_numbers(&config),
             },
             stop_rx,
         ))
     });
 
-    let xds_result = tokio::select! {
-        _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); None }
-        _ = sigint.recv() => { tracing::info!("SIGINT: stopping workers"); None }
-        result = &mut xds_task => Some(result),
+    // Restarts and reloads run one at a time, in their own task, so that a signal to stop is heard
+    // while one is under way.
+    let (operations_tx, operations_rx) = mpsc::channel(16);
+    let operations = tokio::spawn(operate(
+        manager,
+        path,
+        operations_rx,
+        xds_options_tx,
+        orca.clone(),
+        bound.port(),
+    ));
+    let xds_result = loop {
+        tokio::select! {
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); break None; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping workers"); break None; }
+            _ = sighup.recv() => {
+                tracing::info!("SIGHUP: reloading the config and restarting every worker");
+                let restart = v1::ControlRequest {
+                    action: Some(v1::control_request::Action::Restart(v1::Restart::default())),
+                };
+                let _ = operations_tx.send((restart, None)).await;
+            }
+            Some((request, reply)) = commands_rx.recv() => {
+                let _ = operations_tx.send((request, Some(reply))).await;
+            }
+            result = &mut xds_task => break Some(result),
+        }
     };
     let _ = stop_tx.send(true);
-    while workers.join_next().await.is_some() {}
+    registration_task.abort();
+    drop(operations_tx);
+    match operations.await {
+        Ok(manager) => manager.stopped().await,
+        Err(error) => tracing::error!(%error, "The restart task failed"),
+    }
     if let Some(Err(error)) = match sampler_task {
         Some(task) => Some(task.await),
         None => None,
     } {
         tracing::error!(%error, "Sampler task failed");
     }
-    registration_task.abort();
     let xds_result = match xds_result {
         Some(result) => result,
         None => xds_task.await,
@@ -287,6 +334,104 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     }
     tracing::info!("Supervisor stopped");
     Ok(())
+}
+
+/// A control command and, unless it came from a signal, where its reply goes.
+type Operation = (v1::ControlRequest, Option<oneshot::Sender<v1::ControlReply>>);
+
+/// Carries out restarts and reloads one at a time until the channel closes; returns the manager.
+async fn operate(
+    mut manager: Manager,
+    path: PathBuf,
+    mut operations: mpsc::Receiver<Operation>,
+    xds_options: watch::Sender<xds::XdsOptions>,
+    orca: BTreeSet<String>,
+    port: u16,
+) -> Manager {
+    while let Some((request, reply)) = operations.recv().await {
+        let begun = std::time::Instant::now();
+        let answer = apply(&mut manager, &path, request, &xds_options, &orca, port).await;
+        if answer.ok {
+            tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
+        } else {
+            tracing::warn!(summary = %answer.summary, failures = ?answer.failures, took = ?begun.elapsed(), "Control command failed");
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(answer);
+        }
+    }
+    manager
+}
+
+/// Re-reads the config and applies it; for a restart, then replaces the workers.
+async fn apply(
+    manager: &mut Manager,
+    path: &std::path::Path,
+    request: v1::ControlRequest,
+    xds_options: &watch::Sender<xds::XdsOptions>,
+    orca: &BTreeSet<String>,
+    port: u16,
+) -> v1::ControlReply {
+    let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
+        ok: false,
+        summary,
+        failures,
+        ..Default::default()
+    };
+    let restart = match request.action {
+        Some(v1::control_request::Action::Restart(restart)) => Some(restart.service),
+        Some(v1::control_request::Action::Reload(_)) => None,
+        None => return failed("an empty control command".into(), Vec::new()),
+    };
+    let config = match Config::load(path) {
+        Ok(config) => config,
+        Err(error) => {
+            return failed(
+                format!(
+                    "{} is not valid; nothing changed: the workers keep running as they were",
+                    path.display()
+                ),
+                vec![ErrorChain(&error).to_string()],
+            );
+        }
+    };
+    if let Some(service) = restart.as_deref().filter(|s| !s.is_empty())
+        && !config.services.contains_key(service)
+    {
+        return failed(
+            format!("no service {service:?} in {}; nothing changed", path.display()),
+            Vec::new(),
+        );
+    }
+    // The new clusters (balancers, weights, ring sizes) are published before the workers change.
+    // ORCA stays on for the services that had it at start (its listeners are bound then).
+    let orca: BTreeSet<String> = config
+        .services
+        .values()
+        .filter(|s| s.orca() && orca.contains(&s.name))
+        .map(|s| s.name.clone())
+        .collect();
+    xds_options.send_replace(self::xds_options(&config, &orca, port));
+    let mut report = match manager.reload(&config).await {
+        Ok(report) => report,
+        Err(error) => return failed("the new config cannot be applied; nothing changed".into(), vec![ErrorChain(&error).to_string()]),
+    };
+    if let Some(service) = restart {
+        let service = Some(service).filter(|s| !s.is_empty());
+        let replaced: BTreeSet<manager::Slot> =
+            report.replaced.iter().map(|r| r.slot.clone()).collect();
+        let restarted = manager.restart(service.as_deref(), &replaced).await;
+        report.replaced.extend(restarted.replaced);
+        report.failures.extend(restarted.failures);
+    }
+    v1::ControlReply {
+        ok: report.failures.is_empty(),
+        summary: report.to_string().lines().next().unwrap_or_default().to_owned(),
+        replaced: report.replaced.len() as u32,
+        added: report.added.len() as u32,
+        removed: report.removed.len() as u32,
+        failures: report.failures,
+    }
 }
 
 fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsOptions {

@@ -24,7 +24,7 @@ use std::{
     fmt, io,
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::PathBuf,
-    sync::{Arc, atomic::Ordering},
+    sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
 
@@ -32,7 +32,7 @@ use peregrine_worker::counter::CounterRegion;
 use tokio::sync::watch;
 
 use crate::{
-    manager::Slot,
+    manager::{Children, CounterRef},
     registry::{Loads, Registry, SamplerInfo, Snapshot, WorkerLoad},
 };
 
@@ -185,8 +185,6 @@ impl Counters {
 pub struct Options {
     /// Time between samples.
     pub interval: Duration,
-    /// Every worker slot with its global slot number (see [`crate::manager::slot_numbers`]).
-    pub slots: Vec<(Slot, usize)>,
 }
 
 /// Samples every registered worker each `interval` and publishes the loads, until `stop` turns true.
@@ -195,7 +193,7 @@ pub struct Options {
 /// so a slow read delays the next tick rather than a runtime thread.
 pub async fn run(
     source: Box<dyn SchedSource>,
-    counters: Arc<Counters>,
+    children: Arc<Children>,
     registry: Arc<Registry>,
     options: Options,
     mut stop: watch::Receiver<bool>,
@@ -206,7 +204,7 @@ pub async fn run(
     };
     tracing::info!(sampler = %info.kind, interval = ?info.interval, "Sampling workers");
     registry.publish_loads(Loads::new(Some(info), []));
-    let mut state = Some(Sampler::new(source, counters, options.slots));
+    let mut state = Some(Sampler::new(source, children));
     let mut ticks = tokio::time::interval(options.interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -236,14 +234,13 @@ pub async fn run(
     registry.publish_loads(Loads::default());
 }
 
-/// The loop's state between ticks: the source, and per slot the worker followed and its history.
+/// The loop's state between ticks: the source, and per lane the worker followed and its history.
 #[derive(Debug)]
 struct Sampler {
     source: Box<dyn SchedSource>,
-    counters: Arc<Counters>,
-    /// Global slot numbers by (service, index).
-    slot_numbers: HashMap<Slot, usize>,
-    /// Followed workers by global slot number.
+    /// The manager's live workers: each one's lane and request counter.
+    children: Arc<Children>,
+    /// Followed workers by lane.
     tracked: HashMap<usize, Tracked>,
 }
 
@@ -251,21 +248,17 @@ struct Sampler {
 #[derive(Debug)]
 struct Tracked {
     pid: u32,
+    counter: CounterRef,
     history: Option<rates::History>,
     /// Whether a read error other than "gone" was logged already (once per instance is enough).
     warned: bool,
 }
 
 impl Sampler {
-    fn new(
-        source: Box<dyn SchedSource>,
-        counters: Arc<Counters>,
-        slots: Vec<(Slot, usize)>,
-    ) -> Self {
+    fn new(source: Box<dyn SchedSource>, children: Arc<Children>) -> Self {
         Sampler {
             source,
-            counters,
-            slot_numbers: slots.into_iter().collect(),
+            children,
             tracked: HashMap::new(),
         }
     }
@@ -274,14 +267,14 @@ impl Sampler {
     fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Vec<WorkerLoad> {
         let workers = self.reconcile(snapshot);
         let mut loads = Vec::with_capacity(workers.len());
-        for (slot, service, index) in workers {
-            let Some(tracked) = self.tracked.get_mut(&slot) else {
+        for (lane, service, index) in workers {
+            let Some(tracked) = self.tracked.get_mut(&lane) else {
                 continue;
             };
             let pid = tracked.pid;
-            // Scheduler time first: a worker that is gone fails here, before its slot's counter could
+            // Scheduler time first: a worker that is gone fails here, before its lane's counter could
             // have been zeroed for a successor.
-            let sched = match self.source.read(slot, pid) {
+            let sched = match self.source.read(lane, pid) {
                 Ok(sched) => sched,
                 Err(SampleError::Gone { .. }) => continue,
                 Err(error) => {
@@ -294,7 +287,7 @@ impl Sampler {
             let reading = rates::Reading {
                 pid,
                 sched,
-                requests: self.counters.region().slot(slot).load(Ordering::Relaxed),
+                requests: tracked.counter.load(),
                 at: now,
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
@@ -304,40 +297,41 @@ impl Sampler {
         loads
     }
 
-    /// Tracks the workers of `snapshot` that are new, untracks those that are gone or replaced; returns
-    /// the tracked workers as (slot number, service, index), by slot number.
+    /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
+    /// tracked workers as (lane, service, index), by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<(usize, String, u32)> {
-        let mut current: BTreeMap<usize, (u32, &str, u32)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef)> = BTreeMap::new();
         for (service, view) in &snapshot.services {
-            for (index, worker) in &view.workers {
-                let key = Slot {
-                    service: service.clone(),
-                    index: *index,
-                };
-                if let Some(&slot) = self.slot_numbers.get(&key) {
-                    current.insert(slot, (worker.pid, service, *index));
+            for worker in view.workers.values() {
+                // A worker the manager no longer lists has exited (its lane may be reused already).
+                if let Some(child) = self.children.child(worker.pid) {
+                    current.insert(
+                        child.lane,
+                        (worker.pid, service, worker.index, child.counter),
+                    );
                 }
             }
         }
-        self.tracked.retain(|slot, tracked| {
+        self.tracked.retain(|lane, tracked| {
             let keep = current
-                .get(slot)
+                .get(lane)
                 .is_some_and(|(pid, ..)| *pid == tracked.pid);
             if !keep {
-                self.source.untrack(*slot, tracked.pid);
+                self.source.untrack(*lane, tracked.pid);
             }
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (slot, (pid, service, index)) in current {
-            if !self.tracked.contains_key(&slot) {
-                match self.source.track(slot, pid) {
+        for (lane, (pid, service, index, counter)) in current {
+            if !self.tracked.contains_key(&lane) {
+                match self.source.track(lane, pid) {
                     Ok(()) => {
-                        tracing::debug!(%service, index, pid, "Sampling worker");
+                        tracing::debug!(%service, index, pid, lane, "Sampling worker");
                         self.tracked.insert(
-                            slot,
+                            lane,
                             Tracked {
                                 pid,
+                                counter,
                                 history: None,
                                 warned: false,
                             },
@@ -351,7 +345,7 @@ impl Sampler {
                     }
                 }
             }
-            workers.push((slot, service.to_owned(), index));
+            workers.push((lane, service.to_owned(), index));
         }
         workers
     }
@@ -374,7 +368,7 @@ impl fmt::Display for ErrorChain<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::{Mutex, atomic::Ordering};
 
     use super::*;
     use crate::registry::{Address, Protocol, Worker};
@@ -413,13 +407,6 @@ mod tests {
         }
     }
 
-    fn slot(service: &str, index: u32) -> Slot {
-        Slot {
-            service: service.into(),
-            index,
-        }
-    }
-
     fn register(registry: &Registry, service: &str, index: u32, pid: u32) {
         let addr = Address::Tcp(([127, 0, 0, 1], 9000).into());
         registry
@@ -436,10 +423,12 @@ mod tests {
     #[test]
     fn follows_the_registry_and_turns_readings_into_loads() {
         let fake = Fake::default();
-        let counters = Arc::new(Counters::memfd(3).unwrap());
+        let counters = Arc::new(Counters::memfd(4).unwrap());
         let registry = Registry::new(["a".to_string(), "b".to_string()]);
-        let slots = vec![(slot("a", 0), 0), (slot("a", 1), 1), (slot("b", 0), 2)];
-        let mut sampler = Sampler::new(Box::new(fake.clone()), counters.clone(), slots);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        children.insert_with_lane_for_test(100, "a", 1, 1, &counters);
+        children.insert_with_lane_for_test(200, "b", 0, 2, &counters);
         register(&registry, "a", 1, 100);
         register(&registry, "b", 0, 200);
         fake.totals.lock().unwrap().extend([
@@ -480,22 +469,32 @@ mod tests {
         assert_eq!(second[0].requests_per_second, Some(20.0));
         assert_eq!(second[0].requests_total, 30);
 
-        // A replaced worker is untracked and its successor starts from a new baseline.
+        // A successor in its own lane is sampled beside its draining predecessor, from a new
+        // baseline; the predecessor is untracked once reaped.
+        children.insert_with_lane_for_test(101, "a", 1, 3, &counters);
         register(&registry, "a", 1, 101);
         fake.totals
             .lock()
             .unwrap()
             .insert(101, SchedTotals::default());
-        counters.region().slot(1).store(0, Ordering::Relaxed);
+        counters.region().slot(3).store(2, Ordering::Relaxed);
+        let both = sampler.tick(&registry.snapshot(), t0 + Duration::from_millis(1500), wall);
+        let pids: Vec<u32> = both.iter().map(|l| l.pid).collect();
+        assert_eq!(pids, [100, 200, 101], "by lane");
+        assert_eq!((both[2].cpu_cores, both[2].requests_total), (None, 2));
+        children.remove_for_test(100);
+        assert!(registry.deregister("a", 1, 100));
         let third = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall);
+        assert_eq!(third.len(), 2);
         assert_eq!(
-            (third[0].pid, third[0].cpu_cores, third[0].requests_total),
-            (101, None, 0)
+            (third[1].pid, third[1].requests_total),
+            (101, 2)
         );
         // A vanished process is left out; the registry still lists it until the manager reaps it.
         fake.totals.lock().unwrap().remove(&200);
         let fourth = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall);
         assert_eq!(fourth.iter().map(|l| l.pid).collect::<Vec<_>>(), [101]);
+        children.remove_for_test(200);
         assert!(registry.deregister("b", 0, 200));
         sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(4), wall);
 
@@ -505,8 +504,8 @@ mod tests {
             [
                 "track 1 100",
                 "track 2 200",
+                "track 3 101",
                 "untrack 1 100",
-                "track 1 101",
                 "untrack 2 200"
             ]
         );
@@ -520,22 +519,23 @@ mod tests {
             .unwrap()
             .insert(7, SchedTotals::default());
         let registry = Arc::new(Registry::new(["a".to_string()]));
+        let children = Arc::new(Children::default());
+        children.insert_for_test(7, "a", 0);
         register(&registry, "a", 0, 7);
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut loads = registry.subscribe_loads();
         let task = tokio::spawn(run(
             Box::new(fake),
-            Arc::new(Counters::memfd(1).unwrap()),
+            children,
             registry.clone(),
             Options {
                 interval: Duration::from_millis(10),
-                slots: vec![(slot("a", 0), 0)],
             },
             stop_rx,
         ));
         let sampled = tokio::time::timeout(
             Duration::from_secs(10),
-            loads.wait_for(|l| l.get("a", 0).is_some_and(|w| w.cpu_cores.is_some())),
+            loads.wait_for(|l| l.get("a", 0, 7).is_some_and(|w| w.cpu_cores.is_some())),
         )
         .await
         .expect("two samples in time")

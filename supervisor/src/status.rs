@@ -38,10 +38,12 @@ pub fn report(
     loads: &Loads,
     orca: &OrcaByHostname,
 ) -> v1::Status {
-    // Every slot the manager runs, and every registered worker (they are the same slots in practice).
-    let mut rows: BTreeMap<(&str, u32), v1::WorkerStatus> = BTreeMap::new();
+    // Every slot the manager runs, and every registered worker instance (a slot being replaced has a
+    // serving one and a draining one; the slot's restart record goes with each).
+    let mut rows: BTreeMap<(&str, u32, u32), v1::WorkerStatus> = BTreeMap::new();
+    let mut records: BTreeMap<(&str, u32), v1::WorkerStatus> = BTreeMap::new();
     for (service, index, status) in slots.iter() {
-        let row = rows.entry((service, index)).or_default();
+        let row = records.entry((service, index)).or_default();
         row.restarts = status.restarts;
         row.last_exit = status.last_exit.clone().unwrap_or_default();
         row.restart_delay_ms = status
@@ -50,9 +52,13 @@ pub fn report(
         row.crash_looping = status.crash_looping;
     }
     for (service, view) in &snapshot.services {
-        for (index, worker) in &view.workers {
-            let row = rows.entry((service, *index)).or_default();
+        for (key, worker) in &view.workers {
+            let record = records.get(&(service.as_str(), key.index)).cloned();
+            let row = rows
+                .entry((service, key.index, key.pid))
+                .or_insert_with(|| record.unwrap_or_default());
             row.pid = Some(worker.pid);
+            row.state = worker.state.as_str().to_owned();
             row.hostname = worker.hostname.clone();
             row.addresses = worker
                 .listener
@@ -61,8 +67,7 @@ pub fn report(
                 .map(ToString::to_string)
                 .collect();
             row.load = loads
-                .get(service, *index)
-                .filter(|load| load.pid == worker.pid)
+                .get(service, key.index, key.pid)
                 .map(load_message);
             row.orca = orca.get(&worker.hostname).map(orca_message);
         }
@@ -78,6 +83,16 @@ pub fn report(
         sampler,
         sample_interval_ms,
         workers: rows
+            .into_iter()
+            .map(|((service, index, _), row)| ((service, index), row))
+            .chain(records.into_iter().filter(|((service, index), _)| {
+                // A slot with no registered worker still gets a row (starting, crash looping).
+                !snapshot
+                    .services
+                    .get(*service)
+                    .is_some_and(|view| view.instances(*index).next().is_some())
+            }))
+            .collect::<Vec<_>>()
             .into_iter()
             .map(|((service, index), mut row)| {
                 row.service = service.to_owned();
@@ -150,8 +165,8 @@ pub enum StatusError {
         /// Its reason.
         reason: String,
     },
-    /// The answer was not a status message.
-    #[error("the supervisor on {path} sent no status")]
+    /// The answer was not the message asked for.
+    #[error("the supervisor on {path} sent no answer to the request")]
     Malformed {
         /// The socket path.
         path: PathBuf,
@@ -163,6 +178,25 @@ pub enum StatusError {
 
 /// Asks the supervisor listening on `socket` for its status (blocking, [`QUERY_TIMEOUT`] per step).
 pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
+    let request = WorkerMessage {
+        message: Some(worker_message::Message::Status(StatusRequest {})),
+    };
+    match ask(socket, &request, Some(QUERY_TIMEOUT))? {
+        supervisor_message::Message::Status(status) => Ok(status),
+        _ => Err(StatusError::Malformed {
+            path: socket.to_owned(),
+            source: None,
+        }),
+    }
+}
+
+/// Sends `request` to the supervisor listening on `socket` and returns its answer (blocking; each read
+/// waits at most `read_timeout`, for ever if `None`). A refusal is an error.
+pub fn ask(
+    socket: &Path,
+    request: &WorkerMessage,
+    read_timeout: Option<Duration>,
+) -> Result<supervisor_message::Message, StatusError> {
     let path = socket.to_owned();
     let io_error = |source| StatusError::Io {
         path: path.clone(),
@@ -175,16 +209,11 @@ pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
         },
         _ => io_error(source),
     })?;
-    stream
-        .set_read_timeout(Some(QUERY_TIMEOUT))
-        .map_err(io_error)?;
+    stream.set_read_timeout(read_timeout).map_err(io_error)?;
     stream
         .set_write_timeout(Some(QUERY_TIMEOUT))
         .map_err(io_error)?;
-    let request = WorkerMessage {
-        message: Some(worker_message::Message::Status(StatusRequest {})),
-    };
-    stream.write_all(&encode(&request)).map_err(io_error)?;
+    stream.write_all(&encode(request)).map_err(io_error)?;
     let mut buf = BytesMut::new();
     let mut chunk = vec![0u8; 64 * 1024];
     let answer = loop {
@@ -203,12 +232,27 @@ pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
         buf.extend_from_slice(&chunk[..n]);
     };
     match answer.message {
-        Some(supervisor_message::Message::Status(status)) => Ok(status),
         Some(supervisor_message::Message::Refused(refused)) => Err(StatusError::Refused {
             path,
             reason: refused.reason,
         }),
-        _ => Err(StatusError::Malformed { path, source: None }),
+        Some(message) => Ok(message),
+        None => Err(StatusError::Malformed { path, source: None }),
+    }
+}
+
+/// Sends a control command (restart, reload) to the supervisor on `socket` and waits for its reply,
+/// however long the command takes.
+pub fn control(socket: &Path, request: v1::ControlRequest) -> Result<v1::ControlReply, StatusError> {
+    let request = WorkerMessage {
+        message: Some(worker_message::Message::Control(request)),
+    };
+    match ask(socket, &request, None)? {
+        supervisor_message::Message::Control(reply) => Ok(reply),
+        _ => Err(StatusError::Malformed {
+            path: socket.to_owned(),
+            source: None,
+        }),
     }
 }
 

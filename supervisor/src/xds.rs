@@ -92,6 +92,26 @@ pub fn spawn_cache(
     Cache::new(cache::new_epoch(), options.cluster_options()).spawn(snapshots, stop)
 }
 
+/// Like [`spawn_cache`], with options that may change (a reloaded config): each change rebuilds every
+/// resource.
+pub fn spawn_cache_following(
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    mut options: watch::Receiver<XdsOptions>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> watch::Receiver<Arc<Resources>> {
+    let first = options.borrow_and_update().cluster_options();
+    let (cluster_tx, cluster_rx) = watch::channel(first.clone());
+    tokio::spawn(async move {
+        while options.changed().await.is_ok() {
+            let next = options.borrow_and_update().cluster_options();
+            if cluster_tx.send(next).is_err() {
+                break;
+            }
+        }
+    });
+    Cache::new(cache::new_epoch(), first).spawn_with_options(snapshots, Some(cluster_rx), stop)
+}
+
 /// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]), recording each stream's
 /// ACKs in `acks`; add more services to it before serving.
 pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Router {
@@ -113,13 +133,13 @@ pub async fn serve(
     listeners: Vec<TcpListener>,
     orca_listeners: Vec<TcpListener>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
-    options: XdsOptions,
+    options: watch::Receiver<XdsOptions>,
     acks: Arc<Acks>,
     orca: Option<OrcaService>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), XdsError> {
     let (cache_stop_tx, cache_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let resources = spawn_cache(snapshots, &options, async {
+    let resources = spawn_cache_following(snapshots, options, async {
         let _ = cache_stop_rx.await;
     });
     let (stopping, _) = watch::channel(false);

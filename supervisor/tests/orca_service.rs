@@ -34,7 +34,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
         vec![listener],
         vec![],
         registry.subscribe(),
-        XdsOptions::default(),
+        tokio::sync::watch::channel(XdsOptions::default()).1,
         Arc::new(Acks::default()),
         Some(OrcaService::new(registry, min_interval)),
         async {

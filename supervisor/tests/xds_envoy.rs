@@ -72,7 +72,7 @@ fn follows_the_registry(test: &str, ads: bool) {
         vec![listener],
         vec![],
         registry.subscribe(),
-        XdsOptions::default(),
+        tokio::sync::watch::channel(XdsOptions::default()).1,
         Arc::new(Acks::default()),
         None,
         async {
@@ -198,7 +198,7 @@ fn acked_update_is_in_envoy(ads: bool) {
         vec![listener],
         vec![],
         registry.subscribe(),
-        XdsOptions::default(),
+        tokio::sync::watch::channel(XdsOptions::default()).1,
         acks.clone(),
         None,
         async {

@@ -61,7 +61,7 @@ impl Server {
             vec![listener],
             vec![],
             snapshots,
-            XdsOptions::default(),
+            tokio::sync::watch::channel(XdsOptions::default()).1,
             Arc::new(Acks::default()),
             None,
             async {
@@ -366,8 +366,8 @@ async fn an_unknown_eds_name_is_remembered_and_sent_when_it_appears() {
     let mut two = one;
     two.revision = 2;
     let mut view = ServiceView::default();
-    view.workers
-        .insert(0, worker("later", 0, 30, &[Protocol::Http1]));
+    let later = worker("later", 0, 30, &[Protocol::Http1]);
+    view.workers.insert(later.key(), later);
     two.services.insert("later".into(), view);
     tx.send_replace(Arc::new(two));
     let response = eds.recv().await;

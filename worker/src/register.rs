@@ -139,7 +139,8 @@ pub async fn register(
             Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
                 reason: refused.reason,
             }),
-            Some(supervisor_message::Message::Status(_)) | None => Err(RegisterError::Empty),
+            Some(supervisor_message::Message::Status(_) | supervisor_message::Message::Control(_))
+            | None => Err(RegisterError::Empty),
         }
     };
     tokio::time::timeout(REGISTER_TIMEOUT, exchange)

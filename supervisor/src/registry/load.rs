@@ -52,12 +52,13 @@ pub struct SamplerInfo {
 pub struct Loads {
     /// The running sampler; `None` while none runs.
     pub sampler: Option<SamplerInfo>,
-    by_slot: BTreeMap<String, BTreeMap<u32, WorkerLoad>>,
-    by_pid: HashMap<u32, (String, u32)>,
+    /// By service, slot index and pid (a slot being replaced has two instances).
+    by_instance: BTreeMap<(String, u32, u32), WorkerLoad>,
+    by_pid: HashMap<u32, (String, u32, u32)>,
 }
 
 impl Loads {
-    /// The loads of `workers`, as sampled by `sampler`. A later load of the same slot replaces an
+    /// The loads of `workers`, as sampled by `sampler`. A later load of the same instance replaces an
     /// earlier one.
     pub fn new(
         sampler: Option<SamplerInfo>,
@@ -68,34 +69,26 @@ impl Loads {
             ..Loads::default()
         };
         for load in workers {
-            let slot = (load.service.clone(), load.index);
-            if let Some(old) = loads
-                .by_slot
-                .entry(load.service.clone())
-                .or_default()
-                .insert(load.index, load.clone())
-            {
-                loads.by_pid.remove(&old.pid);
-            }
-            loads.by_pid.insert(load.pid, slot);
+            let key = (load.service.clone(), load.index, load.pid);
+            loads.by_pid.insert(load.pid, key.clone());
+            loads.by_instance.insert(key, load);
         }
         loads
     }
 
-    /// The load of the worker in `service`'s slot `index`.
-    pub fn get(&self, service: &str, index: u32) -> Option<&WorkerLoad> {
-        self.by_slot.get(service)?.get(&index)
+    /// The load of the worker process `pid` in `service`'s slot `index`.
+    pub fn get(&self, service: &str, index: u32, pid: u32) -> Option<&WorkerLoad> {
+        self.by_instance.get(&(service.to_owned(), index, pid))
     }
 
     /// The load of the worker process `pid`.
     pub fn by_pid(&self, pid: u32) -> Option<&WorkerLoad> {
-        let (service, index) = self.by_pid.get(&pid)?;
-        self.get(service, *index)
+        self.by_instance.get(self.by_pid.get(&pid)?)
     }
 
-    /// Every load, by service name and then slot index.
+    /// Every load, by service name, slot index and pid.
     pub fn iter(&self) -> impl Iterator<Item = &WorkerLoad> {
-        self.by_slot.values().flat_map(BTreeMap::values)
+        self.by_instance.values()
     }
 
     /// How many workers have a load.
@@ -185,17 +178,18 @@ mod tests {
     #[test]
     fn finds_loads_by_slot_and_by_pid() {
         let loads = Loads::new(None, [load("b", 0, 30), load("a", 1, 20), load("a", 0, 10)]);
-        assert_eq!(loads.get("a", 1).map(|l| l.pid), Some(20));
+        assert_eq!(loads.get("a", 1, 20).map(|l| l.pid), Some(20));
         assert_eq!(
             loads.by_pid(30).map(|l| (l.service.as_str(), l.index)),
             Some(("b", 0))
         );
-        assert!(loads.get("a", 2).is_none() && loads.by_pid(40).is_none());
+        assert!(loads.get("a", 1, 21).is_none() && loads.by_pid(40).is_none());
         let order: Vec<u32> = loads.iter().map(|l| l.pid).collect();
         assert_eq!(order, [10, 20, 30]);
-        // A later load of a slot replaces the earlier one, also by pid.
-        let loads = Loads::new(None, [load("a", 0, 10), load("a", 0, 11)]);
-        assert_eq!((loads.len(), loads.by_pid(10)), (1, None));
+        // A slot being replaced has a load per instance.
+        let loads = Loads::new(None, [load("a", 0, 11), load("a", 0, 10)]);
+        assert_eq!(loads.len(), 2);
+        assert_eq!(loads.by_pid(10).map(|l| l.pid), Some(10));
         assert_eq!(loads.by_pid(11).map(|l| l.pid), Some(11));
     }
 }

@@ -161,17 +161,61 @@ impl Cache {
     /// Must be called within a Tokio runtime; the returned receiver already holds the resources of the
     /// current snapshot.
     pub fn spawn(
-        mut self,
-        mut snapshots: watch::Receiver<Arc<Snapshot>>,
+        self,
+        snapshots: watch::Receiver<Arc<Snapshot>>,
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> watch::Receiver<Arc<Resources>> {
+        self.spawn_with_options(snapshots, None, stop)
+    }
+
+    /// Like [`Cache::spawn`], and also rebuilds every resource with the new options each time
+    /// `options` changes (a reloaded config: balancers, weights, ring sizes).
+    pub fn spawn_with_options(
+        mut self,
+        mut snapshots: watch::Receiver<Arc<Snapshot>>,
+        mut options: Option<watch::Receiver<ClusterOptions>>,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> watch::Receiver<Arc<Resources>> {
+        if let Some(options) = &mut options {
+            self.options = options.borrow_and_update().clone();
+        }
         let first = self.build(&snapshots.borrow_and_update());
         let (tx, rx) = watch::channel(Arc::new(first));
         tokio::spawn(async move {
             tokio::pin!(stop);
             loop {
+                let options_changed = async {
+                    match &mut options {
+                        Some(rx) => rx.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     () = &mut stop => break,
+                    changed = options_changed => {
+                        match &mut options {
+                            Some(rx) if changed => self.options = rx.borrow_and_update().clone(),
+                            // The sender is gone: the options stay as they are.
+                            _ => {
+                                options = None;
+                                continue;
+                            }
+                        }
+                        let snapshot = snapshots.borrow().clone();
+                        let resources = self.build(&snapshot);
+                        tracing::debug!(
+                            cds = %resources.clusters.version,
+                            eds = %resources.endpoints.version,
+                            "Resources rebuilt with new options"
+                        );
+                        tx.send_if_modified(|current| {
+                            let modified = **current != resources;
+                            if modified {
+                                *current = Arc::new(resources);
+                            }
+                            modified
+                        });
+                    }
                     changed = snapshots.changed() => {
                         if changed.is_err() {
                             // The registry is gone: keep serving the last resources until stopped.

@@ -53,7 +53,7 @@ use envoy_types::pb::{
 };
 use prost::Name;
 
-use crate::registry::{Address, Protocol, ServiceView};
+use crate::registry::{Address, Protocol, ServiceView, WorkerState};
 
 /// The type URL of CDS resources.
 pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -313,7 +313,12 @@ pub fn make_load_assignment(
                 .copied()
                 .unwrap_or(1);
             LbEndpoint {
-                health_status: HealthStatus::Healthy as i32,
+                // A draining worker keeps its endpoint but gets no new requests (and, unlike an
+                // unhealthy one, causes no spill-over to other priorities).
+                health_status: match worker.state {
+                    WorkerState::Ready => HealthStatus::Healthy,
+                    WorkerState::Draining => HealthStatus::Draining,
+                } as i32,
                 // Weight 1 is Envoy's default: left out, so unweighted services keep their bytes.
                 load_balancing_weight: (weight != 1).then_some(UInt32Value { value: weight }),
                 metadata: Some(hash_key(&worker.service, worker.index)),
@@ -439,7 +444,7 @@ mod tests {
         ServiceView {
             workers: workers
                 .into_iter()
-                .map(|w| (w.index, w))
+                .map(|w| (w.key(), w))
                 .collect::<BTreeMap<_, _>>(),
         }
     }
@@ -735,6 +740,32 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(assignment, expected);
+    }
+
+    #[test]
+    fn a_draining_worker_is_published_draining_beside_its_successor() {
+        let mut old = worker(0, 10, &[Protocol::Http2], vec![tcp(8000)]);
+        old.state = WorkerState::Draining;
+        let new = worker(0, 11, &[Protocol::Http2], vec![tcp(8001)]);
+        let assignment =
+            make_load_assignment("web", &view(vec![new, old]), &ClusterOptions::default());
+        let health: Vec<(String, i32)> = assignment.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(HostIdentifier::Endpoint(endpoint)) => {
+                    (endpoint.hostname.clone(), e.health_status)
+                }
+                _ => panic!("an endpoint"),
+            })
+            .collect();
+        assert_eq!(
+            health,
+            [
+                ("web-0-10".to_string(), HealthStatus::Draining as i32),
+                ("web-0-11".to_string(), HealthStatus::Healthy as i32),
+            ]
+        );
     }
 
     #[test]
