@@ -168,6 +168,7 @@ impl Launch {
                 fd: counters.fd().as_raw_fd(),
                 slot: u32::try_from(counter).map_err(io::Error::other)?,
             }),
+            orphan_timeout: peregrine_worker::settings::DEFAULT_ORPHAN_TIMEOUT,
         };
         let mut env: Vec<(String, String)> = service
             .env
