@@ -326,7 +326,7 @@ impl Launch {
             url: service.url_for(index),
             control: supervisor.control.clone(),
             counters: None,
-            // ORPHAN
+            orphan_timeout: supervisor.lifecycle.orphan_timeout,
         };
         Ok(Launch {
             program,

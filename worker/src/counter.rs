@@ -10,6 +10,10 @@
 //! it starts a worker in it, so a slot holds exactly the requests of its current worker; while that
 //! worker runs, the counter only grows.
 //!
+//! The worker keeps the inherited descriptor open for as long as it lives (it only borrows it to map
+//! the region): workers outlive their supervisor, and a supervisor that adopts a running worker takes a
+//! duplicate of the descriptor with `pidfd_getfd(2)` to go on reading the worker's counter.
+//!
 //! A request costs one relaxed atomic increment in the mapped slot (and one in a process-local counter,
 //! which [`requests`] reads).
 

@@ -5,6 +5,10 @@
 //! [`tower::Service`] over `http` types. It stops accepting on SIGTERM or SIGINT, lets in-flight requests
 //! finish within a short deadline and exits.
 //!
+//! A worker outlives its supervisor: it goes on serving and registers again with the next supervisor on
+//! the same control socket. It stops the same graceful way when a new supervisor refuses it (an error) or
+//! when none has accepted it for the orphan timeout ([`Settings::orphan_timeout`]).
+//!
 //! Invariants: the worker runs one thread and never shares a listener (no `SO_REUSEPORT`); the library
 //! never installs a `tracing` subscriber (the binary does); the worker knows nothing of Envoy or xDS.
 // Unsafe code is denied but for the shared-memory request counter, which maps memory.
@@ -40,7 +44,7 @@ pub use crate::{
 };
 use crate::{
     listen::{BindError, BoundAddr},
-    register::{Announcement, RegisterError},
+    register::{Abandoned, Announcement, RegisterError},
     server::{Config, ServeError},
     settings::SettingsError,
 };
@@ -72,6 +76,9 @@ pub enum WorkerError {
     /// The inherited request counter region could not be mapped.
     #[error("cannot map the request counter region")]
     Counters(#[source] io::Error),
+    /// A later supervisor refused to register the worker again: it is no longer wanted, so it stopped.
+    #[error("stopped: a new supervisor refused to register the worker again")]
+    Unwanted(#[source] RegisterError),
 }
 
 /// The io_uring settings of a worker's runtime.
@@ -87,14 +94,17 @@ pub fn runtime_builder() -> tokio_uring::Builder {
     builder
 }
 
-/// Maps the counter slot the supervisor gave this worker, then closes the inherited descriptor.
-#[allow(unsafe_code, reason = "takes ownership of the inherited descriptor")]
+/// Maps the counter slot the supervisor gave this worker.
+///
+/// The inherited descriptor stays open for the life of the process, never closed: a supervisor that
+/// adopts this worker later takes a duplicate of it with `pidfd_getfd(2)` to go on reading its counter.
+#[allow(unsafe_code, reason = "borrows the inherited descriptor")]
 fn attach_counters(counters: settings::CounterSlot) -> io::Result<()> {
-    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    use std::os::fd::BorrowedFd;
     // SAFETY: the supervisor opened this descriptor for this process and named it in the environment;
-    // nothing else here owns it, and it is closed once mapped (the mapping stays).
-    let fd = unsafe { OwnedFd::from_raw_fd(counters.fd) };
-    counter::attach(fd.as_fd(), counters.slot as usize)
+    // nothing in this process owns or closes it, so it stays open for the life of the process.
+    let fd = unsafe { BorrowedFd::borrow_raw(counters.fd) };
+    counter::attach(fd, counters.slot as usize)
 }
 
 /// Runs the built-in hello app with the settings from the environment, until SIGTERM or SIGINT.
@@ -103,6 +113,11 @@ pub fn run_hello() -> Result<(), WorkerError> {
 }
 
 /// Runs a worker until SIGTERM or SIGINT: binds, registers, serves, drains.
+///
+/// The worker also stops (draining the same way) when no supervisor has accepted its registration for
+/// [`Settings::orphan_timeout`] (then `Ok`), or when a later supervisor refuses to register it again
+/// ([`WorkerError::Unwanted`]). A refusal of the first registration is [`WorkerError::Register`], before
+/// any request is served.
 ///
 /// `make_service` is called once per connection. Blocks the calling thread, which becomes the worker's
 /// io_uring thread.
@@ -114,7 +129,8 @@ where
     run_inner(settings, make_service, None)
 }
 
-/// Runs a worker like [`run`], but stops when `shutdown` completes instead of on a signal.
+/// Runs a worker like [`run`], but stops when `shutdown` completes instead of on a signal (or, like
+/// [`run`], when orphaned or unwanted).
 pub fn run_until<F, S>(
     settings: Settings,
     make_service: F,
@@ -165,10 +181,28 @@ where
             index = settings.index,
             "Registered"
         );
-        // The task owns the connection; it closes (deregistering the worker) when the runtime ends.
-        tokio_uring::spawn(registration.hold());
-        server::serve(listeners, make_service, Config::default(), shutdown).await?;
-        Ok(())
+        // The task owns the connection and registers again when it ends. It is never waited for: it
+        // is aborted once the server has drained, which closes the connection (deregistering the
+        // worker) if it is open.
+        let mut keeper = tokio_uring::spawn(registration.keep(settings.orphan_timeout));
+        let mut abandoned = None;
+        let stop = async {
+            tokio::select! {
+                () = shutdown => {}
+                outcome = &mut keeper => match outcome {
+                    Ok(outcome) => abandoned = Some(outcome),
+                    // Only a panic ends it otherwise (it is aborted only below); that stops the worker.
+                    Err(error) => tracing::error!(%error, "The registration task failed"),
+                },
+            }
+        };
+        let served = server::serve(listeners, make_service, Config::default(), stop).await;
+        keeper.abort();
+        served?;
+        match abandoned {
+            Some(Abandoned::Refused(error)) => Err(WorkerError::Unwanted(error)),
+            Some(Abandoned::Orphaned(_)) | None => Ok(()),
+        }
     })
 }
 

@@ -3,9 +3,18 @@
 //! The worker connects to the supervisor's control socket, sends one `Register` message and waits for
 //! `Registered` (which carries the worker's unique hostname) or `Refused`. The connection then stays open
 //! for as long as the worker serves: its close is how the supervisor learns that the worker is gone.
-//! [`Registration::hold`] keeps it open and reads it, so a supervisor that goes away is noticed and logged.
+//!
+//! A worker outlives its supervisor. [`Registration::keep`] holds the connection and, when it ends (the
+//! supervisor was killed, crashed or restarts), registers again on the same control socket path with the
+//! same `Register` message, waiting a [`Backoff`] before each attempt, while the worker goes on serving.
+//! It completes only when the worker should stop: a supervisor refused the new registration (the worker
+//! is no longer wanted), or none accepted one within the orphan timeout ([`Abandoned`]).
 
-use std::{fmt, io, path::Path, time::Duration};
+use std::{
+    fmt, io,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use bytes::BytesMut;
 use peregrine_proto::{
@@ -69,10 +78,32 @@ pub struct Announcement<'a> {
 }
 
 /// An accepted registration: the worker's hostname and the connection that keeps it registered.
+///
+/// It remembers the control socket's path and the `Register` message, to register again with a later
+/// supervisor ([`Registration::keep`]).
 pub struct Registration {
     hostname: String,
     stream: UnixStream,
     buf: BytesMut,
+    control: PathBuf,
+    message: Vec<u8>,
+}
+
+/// Why [`Registration::keep`] gave up: the worker should stop.
+#[derive(Debug)]
+pub enum Abandoned {
+    /// A supervisor answered a new registration with `Refused` ([`RegisterError::Refused`]): the worker is
+    /// no longer wanted (its slot may have been removed from the configuration).
+    Refused(RegisterError),
+    /// No supervisor accepted a registration for this long (the orphan timeout).
+    Orphaned(Duration),
+}
+
+/// The delays before successive attempts to register again: exponential, from [`Backoff::FIRST`]
+/// doubling up to [`Backoff::MAX`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    next: Duration,
 }
 
 /// Builds the `Register` message for this process.
@@ -111,6 +142,12 @@ pub async fn register(
     control: &Path,
     announcement: &Announcement<'_>,
 ) -> Result<Registration, RegisterError> {
+    exchange(control, encode(&register_message(announcement))).await
+}
+
+/// Connects, sends the encoded `Register` message and waits for the answer (at most
+/// [`REGISTER_TIMEOUT`]).
+async fn exchange(control: &Path, message: Vec<u8>) -> Result<Registration, RegisterError> {
     let exchange = async {
         let stream =
             UnixStream::connect(control)
@@ -119,9 +156,7 @@ pub async fn register(
                     path: control.into(),
                     source,
                 })?;
-        let (result, _) = stream
-            .write_all(encode(&register_message(announcement)))
-            .await;
+        let (result, _) = stream.write_all(message.clone()).await;
         result.map_err(|e| match e.kind() {
             io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RegisterError::Closed,
             _ => RegisterError::Io(e),
@@ -135,6 +170,8 @@ pub async fn register(
                 hostname: registered.hostname,
                 stream,
                 buf,
+                control: control.into(),
+                message,
             }),
             Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
                 reason: refused.reason,
@@ -184,26 +221,82 @@ impl Registration {
         &self.hostname
     }
 
-    /// Keeps the registration open, reading the connection until the supervisor closes it.
+    /// Keeps the worker registered for as long as a supervisor will have it; must run on a tokio-uring
+    /// runtime.
     ///
-    /// Dropping this future closes the connection, which deregisters the worker. When the supervisor
-    /// closes the connection, a warning is logged and the future completes; the worker keeps serving.
-    pub async fn hold(mut self) {
+    /// Holds the connection and, whenever it ends (end of stream, reset or error: one warning), registers
+    /// again at the same control socket path with the same `Register` message, waiting a [`Backoff`]
+    /// before each attempt (each failure is logged at debug), and holds the new connection in turn.
+    ///
+    /// Completes only when the worker should stop: when a supervisor refuses a new registration
+    /// ([`Abandoned::Refused`]), or when no supervisor has accepted one for `orphan_timeout` since the
+    /// connection ended ([`Abandoned::Orphaned`]; [`Duration::ZERO`] means wait forever). Dropping the
+    /// future closes the connection, which deregisters the worker.
+    pub async fn keep(mut self, orphan_timeout: Duration) -> Abandoned {
         loop {
-            match read_message(&self.stream, &mut self.buf).await {
-                Ok(Some(message)) => {
-                    tracing::debug!(?message, "Unexpected message from the supervisor, ignored")
+            match self.closed().await {
+                Ok(()) => tracing::warn!(
+                    "The supervisor closed the registration connection; still serving, registering again"
+                ),
+                Err(error) => tracing::warn!(
+                    %error,
+                    "Registration connection lost; still serving, registering again"
+                ),
+            }
+            let again = self.register_again();
+            let answer = if orphan_timeout.is_zero() {
+                again.await
+            } else {
+                match tokio::time::timeout(orphan_timeout, again).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        tracing::warn!(
+                            timeout = ?orphan_timeout,
+                            "No supervisor for {orphan_timeout:?}: exiting"
+                        );
+                        return Abandoned::Orphaned(orphan_timeout);
+                    }
                 }
-                Ok(None) => {
-                    tracing::warn!(
-                        "The supervisor closed the registration connection; still serving"
+            };
+            match answer {
+                Ok(registration) => {
+                    tracing::info!(
+                        hostname = registration.hostname(),
+                        "Registered again with a new supervisor"
                     );
-                    return;
+                    self = registration;
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "Registration connection lost; still serving");
-                    return;
+                    tracing::error!(%error, "The worker is no longer wanted: stopping");
+                    return Abandoned::Refused(error);
                 }
+            }
+        }
+    }
+
+    /// Reads the connection until it ends: `Ok` on a clean end of stream, the error otherwise.
+    async fn closed(&mut self) -> Result<(), RegisterError> {
+        loop {
+            match read_message(&self.stream, &mut self.buf).await? {
+                Some(message) => {
+                    tracing::debug!(?message, "Unexpected message from the supervisor, ignored")
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Registers again until a supervisor answers: the new registration, or the refusal.
+    async fn register_again(&self) -> Result<Registration, RegisterError> {
+        let mut backoff = Backoff::default();
+        let mut attempt = 0u64;
+        loop {
+            tokio::time::sleep(backoff.next_delay()).await;
+            attempt += 1;
+            match exchange(&self.control, self.message.clone()).await {
+                Ok(registration) => return Ok(registration),
+                Err(refused @ RegisterError::Refused { .. }) => return Err(refused),
+                Err(error) => tracing::debug!(attempt, %error, "Cannot register again yet"),
             }
         }
     }
@@ -217,9 +310,45 @@ impl fmt::Debug for Registration {
     }
 }
 
+// === impl Backoff ===
+
+impl Backoff {
+    /// The first delay.
+    pub const FIRST: Duration = Duration::from_millis(20);
+    /// The longest delay.
+    pub const MAX: Duration = Duration::from_secs(1);
+
+    /// The delay before the next attempt; each call doubles the one after, up to [`Backoff::MAX`].
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = delay.saturating_mul(2).min(Self::MAX);
+        delay
+    }
+}
+
+impl Default for Backoff {
+    /// A backoff whose next delay is [`Backoff::FIRST`].
+    fn default() -> Self {
+        Backoff { next: Self::FIRST }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backoff_doubles_from_20ms_up_to_a_second() {
+        let mut backoff = Backoff::default();
+        let delays: Vec<Duration> = (0..9).map(|_| backoff.next_delay()).collect();
+        let millis = |ms: &[u64]| -> Vec<Duration> {
+            ms.iter().copied().map(Duration::from_millis).collect()
+        };
+        assert_eq!(
+            delays,
+            millis(&[20, 40, 80, 160, 320, 640, 1000, 1000, 1000])
+        );
+    }
 
     #[test]
     fn the_message_lists_every_address() {

@@ -2,7 +2,7 @@
 //!
 //! The supervisor is the only writer of these variables; the names are the contract between the two.
 
-use std::{collections::HashMap, path::PathBuf};
+use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use crate::url::{BindUrl, UrlError};
 
@@ -15,9 +15,20 @@ pub const ENV_URL: &str = "PEREGRINE_URL";
 /// The path of the supervisor's registration socket.
 pub const ENV_CONTROL: &str = "PEREGRINE_CONTROL_SOCKET";
 /// The inherited file descriptor of the request counter region (see [`crate::counter`]); optional.
+///
+/// The worker keeps this descriptor open for as long as it lives: a supervisor that adopts the worker
+/// after the one that started it has gone takes a duplicate of it with `pidfd_getfd(2)`, to go on reading
+/// the worker's request counter.
 pub const ENV_COUNTERS_FD: &str = "PEREGRINE_COUNTERS_FD";
 /// The worker's slot in the request counter region; set together with [`ENV_COUNTERS_FD`].
 pub const ENV_COUNTERS_SLOT: &str = "PEREGRINE_COUNTERS_SLOT";
+/// How long, in milliseconds, the worker serves without an accepted registration (its supervisor gone
+/// and no other one answering on the control socket) before it stops on its own; `0` means never.
+/// Optional: [`DEFAULT_ORPHAN_TIMEOUT`] when unset.
+pub const ENV_ORPHAN_TIMEOUT: &str = "PEREGRINE_ORPHAN_TIMEOUT_MS";
+
+/// The orphan timeout when [`ENV_ORPHAN_TIMEOUT`] is not set: one minute.
+pub const DEFAULT_ORPHAN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A worker's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,6 +43,9 @@ pub struct Settings {
     pub control: PathBuf,
     /// Where to count requests for outside readers, if the supervisor provides a region.
     pub counters: Option<CounterSlot>,
+    /// How long to serve without a supervisor before stopping; [`Duration::ZERO`] means never (see
+    /// [`ENV_ORPHAN_TIMEOUT`]).
+    pub orphan_timeout: Duration,
 }
 
 /// A slot in an inherited request counter region.
@@ -60,6 +74,11 @@ pub enum SettingsError {
         "{ENV_COUNTERS_FD} and {ENV_COUNTERS_SLOT} must both be non-negative integers, got {0:?} and {1:?}"
     )]
     Counters(Option<String>, Option<String>),
+    /// The orphan timeout is not a number of milliseconds.
+    #[error(
+        "{ENV_ORPHAN_TIMEOUT} must be a non-negative integer (milliseconds, 0 for never), got {0:?}"
+    )]
+    OrphanTimeout(String),
 }
 
 impl Settings {
@@ -85,6 +104,13 @@ impl Settings {
                 })
             }
         };
+        let orphan_timeout = match vars.get(ENV_ORPHAN_TIMEOUT) {
+            None => DEFAULT_ORPHAN_TIMEOUT,
+            Some(ms) => ms
+                .parse()
+                .map(Duration::from_millis)
+                .map_err(|_| SettingsError::OrphanTimeout(ms.clone()))?,
+        };
         Ok(Settings {
             service: get(ENV_SERVICE)?.clone(),
             index: index
@@ -93,6 +119,7 @@ impl Settings {
             url: get(ENV_URL)?.parse().map_err(SettingsError::Url)?,
             control: get(ENV_CONTROL)?.into(),
             counters,
+            orphan_timeout,
         })
     }
 
@@ -103,6 +130,10 @@ impl Settings {
             (ENV_INDEX, self.index.to_string()),
             (ENV_URL, self.url.to_string()),
             (ENV_CONTROL, self.control.display().to_string()),
+            (
+                ENV_ORPHAN_TIMEOUT,
+                self.orphan_timeout.as_millis().to_string(),
+            ),
         ];
         if let Some(counters) = self.counters {
             env.push((ENV_COUNTERS_FD, counters.fd.to_string()));
@@ -124,6 +155,7 @@ mod tests {
             url: "http://localhost:0".parse().unwrap(),
             control: "/run/peregrine.sock".into(),
             counters: Some(CounterSlot { fd: 3, slot: 7 }),
+            orphan_timeout: Duration::from_millis(1500),
         };
         let map = settings
             .to_env()
@@ -133,9 +165,9 @@ mod tests {
         assert_eq!(Settings::from_map(&map).unwrap(), settings);
     }
 
-    #[test]
-    fn counters_need_both_variables() {
-        let mut map: HashMap<String, String> = [
+    /// The variables every worker needs, and nothing optional.
+    fn required() -> HashMap<String, String> {
+        [
             (ENV_SERVICE, "a"),
             (ENV_INDEX, "0"),
             (ENV_URL, "http://localhost:0"),
@@ -143,7 +175,42 @@ mod tests {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        .collect()
+    }
+
+    #[test]
+    fn the_orphan_timeout_is_in_milliseconds_and_defaults_to_a_minute() {
+        let mut map = required();
+        assert_eq!(
+            Settings::from_map(&map).unwrap().orphan_timeout,
+            DEFAULT_ORPHAN_TIMEOUT
+        );
+        assert_eq!(DEFAULT_ORPHAN_TIMEOUT, Duration::from_secs(60));
+        map.insert(ENV_ORPHAN_TIMEOUT.into(), "250".into());
+        assert_eq!(
+            Settings::from_map(&map).unwrap().orphan_timeout,
+            Duration::from_millis(250)
+        );
+        map.insert(ENV_ORPHAN_TIMEOUT.into(), "0".into());
+        assert_eq!(
+            Settings::from_map(&map).unwrap().orphan_timeout,
+            Duration::ZERO,
+            "0 means never give up"
+        );
+        for bad in ["", "-1", "1.5", "60s", "x"] {
+            map.insert(ENV_ORPHAN_TIMEOUT.into(), bad.into());
+            let err = Settings::from_map(&map).unwrap_err();
+            assert!(
+                matches!(&err, SettingsError::OrphanTimeout(got) if got == bad),
+                "{bad:?}: {err:?}"
+            );
+            assert!(err.to_string().contains(ENV_ORPHAN_TIMEOUT), "{err}");
+        }
+    }
+
+    #[test]
+    fn counters_need_both_variables() {
+        let mut map = required();
         assert_eq!(Settings::from_map(&map).unwrap().counters, None);
         map.insert(ENV_COUNTERS_FD.into(), "3".into());
         assert!(matches!(

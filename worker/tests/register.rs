@@ -1,4 +1,5 @@
-//! Registration against a fake supervisor (a std Unix listener in the test).
+//! Registration against a fake supervisor (a std Unix listener in the test), including the supervisor
+//! going away and a new one taking its place on the same socket path.
 
 use std::{
     io::{Read, Write},
@@ -7,7 +8,7 @@ use std::{
     path::Path,
     sync::mpsc,
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::BytesMut;
@@ -18,7 +19,9 @@ use peregrine_proto::{
         supervisor_message, worker_message,
     },
 };
-use peregrine_worker::{Hello, Settings, WorkerError, register::RegisterError};
+use peregrine_worker::{
+    Hello, Settings, WorkerError, register::RegisterError, settings::DEFAULT_ORPHAN_TIMEOUT,
+};
 
 /// How long any single step of a test may take.
 const STEP: Duration = Duration::from_secs(10);
@@ -30,7 +33,30 @@ fn settings(control: &Path) -> Settings {
         url: "http://127.0.0.1:0".parse().unwrap(),
         control: control.into(),
         counters: None,
+        orphan_timeout: DEFAULT_ORPHAN_TIMEOUT,
     }
+}
+
+/// Accepts one connection, failing the test if none comes within [`STEP`].
+fn accept(listener: &UnixListener) -> UnixStream {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + STEP;
+    let conn = loop {
+        match listener.accept() {
+            Ok((conn, _)) => break conn,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(
+                    Instant::now() < deadline,
+                    "no worker connected within {STEP:?}"
+                );
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept failed: {e}"),
+        }
+    };
+    listener.set_nonblocking(false).unwrap();
+    conn.set_nonblocking(false).unwrap();
+    conn
 }
 
 /// Accepts one worker, reads its `Register` and answers `answer`.
@@ -38,7 +64,7 @@ fn accept_register(
     listener: &UnixListener,
     answer: supervisor_message::Message,
 ) -> (UnixStream, Register) {
-    let (mut conn, _) = listener.accept().unwrap();
+    let mut conn = accept(listener);
     conn.set_read_timeout(Some(STEP)).unwrap();
     let mut buf = BytesMut::new();
     let message = loop {
@@ -76,6 +102,31 @@ fn spawn_worker(
         let _ = tx.send(result);
     });
     (rx, handle)
+}
+
+/// The one IP address a worker bound to `127.0.0.1:0` registers.
+fn socket_addr(register: &Register) -> std::net::SocketAddr {
+    let addresses = &register.listener.as_ref().unwrap().addresses;
+    assert_eq!(addresses.len(), 1, "{addresses:?}");
+    let Some(address::Address::Socket(sa)) = addresses[0].address.clone() else {
+        panic!("expected a socket address")
+    };
+    format!("{}:{}", sa.ip, sa.port).parse().unwrap()
+}
+
+/// Asserts that the worker holds `conn` open: nothing to read, no end of stream.
+fn assert_held(conn: &mut UnixStream) {
+    conn.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    let err = conn.read(&mut byte).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock);
+    conn.set_nonblocking(false).unwrap();
+}
+
+fn registered(hostname: &str) -> supervisor_message::Message {
+    supervisor_message::Message::Registered(Registered {
+        hostname: hostname.into(),
+    })
 }
 
 fn get(addr: std::net::SocketAddr) -> String {
@@ -224,5 +275,98 @@ fn the_worker_keeps_serving_when_the_supervisor_goes_away() {
     }
     stop.send(()).unwrap();
     result.recv_timeout(STEP).unwrap().unwrap();
+    worker.join().unwrap();
+}
+
+#[test]
+fn the_worker_registers_again_with_the_next_supervisor_and_serves_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let mut listener = UnixListener::bind(&control).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+    let (mut conn, first) = accept_register(&listener, registered("web-3-a"));
+    let addr = socket_addr(&first);
+
+    // Two supervisors in turn die and are replaced: the worker registers with each new one.
+    for next in ["web-3-b", "web-3-c"] {
+        // The supervisor dies: its connection and its listener close; its socket file stays behind.
+        drop(conn);
+        drop(listener);
+        // Meanwhile the worker serves.
+        let response = get(addr);
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        // The next supervisor removes the stale socket file and listens on the same path.
+        std::fs::remove_file(&control).unwrap();
+        listener = UnixListener::bind(&control).unwrap();
+        let again;
+        (conn, again) = accept_register(&listener, registered(next));
+        assert_eq!(again, first, "the same service, index, pid and addresses");
+        assert_eq!(again.pid, std::process::id());
+        assert!(get(addr).starts_with("HTTP/1.1 200 OK\r\n"));
+        assert_held(&mut conn);
+    }
+
+    // Stopping the worker closes the new registration.
+    stop.send(()).unwrap();
+    result.recv_timeout(STEP).unwrap().unwrap();
+    worker.join().unwrap();
+    assert_eq!(conn.read(&mut [0u8; 1]).unwrap(), 0);
+}
+
+#[test]
+fn a_refused_new_registration_stops_the_worker_with_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let (result, worker) = spawn_worker(settings(&control), stopped);
+    let (conn, first) = accept_register(&listener, registered("web-3"));
+    let addr = socket_addr(&first);
+
+    // The supervisor drops the connection, and the one that answers next no longer wants the worker.
+    drop(conn);
+    let (_conn, again) = accept_register(
+        &listener,
+        supervisor_message::Message::Refused(Refused {
+            reason: "service web has no slot 3".into(),
+        }),
+    );
+    assert_eq!(again, first);
+    let err = result.recv_timeout(STEP).unwrap().unwrap_err();
+    match &err {
+        WorkerError::Unwanted(RegisterError::Refused { reason }) => {
+            assert_eq!(reason, "service web has no slot 3")
+        }
+        other => panic!("unexpected error: {other:?}"),
+    }
+    let source = std::error::Error::source(&err).unwrap().to_string();
+    assert!(source.contains("service web has no slot 3"), "{source}");
+    worker.join().unwrap();
+    // The worker stopped serving.
+    assert!(TcpStream::connect(addr).is_err());
+}
+
+#[test]
+fn without_a_supervisor_the_worker_stops_after_the_orphan_timeout() {
+    const ORPHAN_TIMEOUT: Duration = Duration::from_millis(300);
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let settings = Settings {
+        orphan_timeout: ORPHAN_TIMEOUT,
+        ..settings(&control)
+    };
+    let (result, worker) = spawn_worker(settings, stopped);
+    let (conn, _) = accept_register(&listener, registered("web-3"));
+
+    // The supervisor goes away for good.
+    let lost = Instant::now();
+    drop(conn);
+    drop(listener);
+    result.recv_timeout(STEP).unwrap().unwrap();
+    let waited = lost.elapsed();
+    assert!(waited >= ORPHAN_TIMEOUT, "stopped after {waited:?}");
     worker.join().unwrap();
 }

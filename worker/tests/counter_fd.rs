@@ -1,0 +1,114 @@
+//! The inherited counter descriptor stays open for the life of the worker, for a supervisor that adopts
+//! it to duplicate with `pidfd_getfd(2)`.
+//!
+//! A test binary of its own: attaching the counter is once per process.
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::net::UnixListener,
+    },
+    sync::{atomic::Ordering, mpsc},
+    thread,
+    time::{Duration, Instant},
+};
+
+use bytes::BytesMut;
+use peregrine_proto::{
+    decode_frame, encode,
+    v1::{
+        Registered, SupervisorMessage, WorkerMessage, address, supervisor_message, worker_message,
+    },
+};
+use peregrine_worker::{
+    Hello, Settings,
+    counter::CounterRegion,
+    settings::{CounterSlot, DEFAULT_ORPHAN_TIMEOUT},
+};
+
+/// How long any single step of the test may take.
+const STEP: Duration = Duration::from_secs(10);
+
+#[test]
+fn the_worker_keeps_the_counter_descriptor_open() {
+    let (fd, supervisor_view) = CounterRegion::create(4).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&control).unwrap();
+    let settings = Settings {
+        service: "web".into(),
+        index: 1,
+        url: "http://127.0.0.1:0".parse().unwrap(),
+        control: control.clone(),
+        counters: Some(CounterSlot {
+            fd: fd.as_raw_fd(),
+            slot: 1,
+        }),
+        orphan_timeout: DEFAULT_ORPHAN_TIMEOUT,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (result, rx) = mpsc::channel();
+    let worker = thread::spawn(move || {
+        let _ = result.send(peregrine_worker::run_until(settings, Hello::new, async {
+            let _ = stopped.await;
+        }));
+    });
+
+    // A fake supervisor accepts the registration (within a deadline).
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + STEP;
+    let mut conn = loop {
+        match listener.accept() {
+            Ok((conn, _)) => break conn,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(Instant::now() < deadline, "no worker connected");
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept failed: {e}"),
+        }
+    };
+    conn.set_nonblocking(false).unwrap();
+    conn.set_read_timeout(Some(STEP)).unwrap();
+    let mut buf = BytesMut::new();
+    let message = loop {
+        if let Some(m) = decode_frame::<WorkerMessage>(&mut buf).unwrap() {
+            break m;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = conn.read(&mut chunk).unwrap();
+        assert_ne!(n, 0, "the worker closed before registering");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let Some(worker_message::Message::Register(register)) = message.message else {
+        panic!("expected a register message, got {message:?}")
+    };
+    conn.write_all(&encode(&SupervisorMessage {
+        message: Some(supervisor_message::Message::Registered(Registered {
+            hostname: "web-1".into(),
+        })),
+    }))
+    .unwrap();
+    let Some(address::Address::Socket(sa)) =
+        register.listener.unwrap().addresses[0].address.clone()
+    else {
+        panic!("expected a socket address")
+    };
+
+    // A request is counted in the slot, and the worker has not closed the descriptor after mapping it.
+    let mut http = TcpStream::connect(format!("127.0.0.1:{}", sa.port)).unwrap();
+    http.set_read_timeout(Some(STEP)).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut response = String::new();
+    http.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert_eq!(supervisor_view.slot(1).load(Ordering::Relaxed), 1);
+    rustix::io::fcntl_getfd(fd.as_fd()).expect("the counter descriptor is open while serving");
+
+    stop.send(()).unwrap();
+    rx.recv_timeout(STEP).unwrap().unwrap();
+    worker.join().unwrap();
+    rustix::io::fcntl_getfd(fd.as_fd()).expect("the counter descriptor outlives the runtime");
+}
