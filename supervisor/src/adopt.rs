@@ -19,6 +19,7 @@ use std::{
     os::{fd::OwnedFd, unix::ffi::OsStrExt, unix::fs::MetadataExt},
     path::Path,
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use peregrine_worker::{
@@ -29,7 +30,8 @@ use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 
 use crate::{
     config::Config,
-    manager::{Adopted, CounterRef, Slot},
+    manager::{Adopted, Children, CounterRef, Slot},
+    registry::Registry,
     sampler::Counters,
 };
 
@@ -163,6 +165,48 @@ fn parse(pid: u32, environ: &[u8], stat: &str, control: &Path) -> Option<Found> 
     })
 }
 
+/// Waits until every worker of `pids` still alive has registered (at most `timeout`); returns how long
+/// it took. A worker that exits meanwhile is not waited for.
+pub async fn await_registrations(
+    registry: &Registry,
+    children: &Children,
+    pids: &[u32],
+    timeout: Duration,
+) -> Duration {
+    let begun = Instant::now();
+    let mut snapshots = registry.subscribe();
+    loop {
+        let missing: Vec<u32> = {
+            let snapshot = snapshots.borrow_and_update();
+            let registered: std::collections::HashSet<u32> = snapshot
+                .services
+                .values()
+                .flat_map(|view| view.workers.keys().map(|key| key.pid))
+                .collect();
+            pids.iter()
+                .copied()
+                .filter(|pid| !registered.contains(pid) && children.slot_of(*pid).is_some())
+                .collect()
+        };
+        if missing.is_empty() {
+            tracing::info!(workers = pids.len(), took = ?begun.elapsed(), "Adopted workers registered again");
+            return begun.elapsed();
+        }
+        let left = timeout.saturating_sub(begun.elapsed());
+        if left.is_zero() {
+            tracing::warn!(
+                ?missing,
+                ?timeout,
+                "Adopted workers did not register again in time; serving xDS without them"
+            );
+            return begun.elapsed();
+        }
+        // A worker that exits changes no snapshot: look again at least every 100 ms.
+        let _ =
+            tokio::time::timeout(left.min(Duration::from_millis(100)), snapshots.changed()).await;
+    }
+}
+
 fn open(pid: u32) -> std::io::Result<OwnedFd> {
     let pid = Pid::from_raw(pid as i32).ok_or_else(|| std::io::Error::other("pid 0"))?;
     Ok(rustix::process::pidfd_open(pid, PidfdFlags::empty())?)
@@ -182,7 +226,8 @@ fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> std::io::Result<Counter
 mod tests {
     use super::*;
 
-    const STAT: &str = "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";
+    const STAT: &str =
+        "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";
 
     fn environ(vars: &[(&str, &str)]) -> Vec<u8> {
         let mut out = Vec::new();
@@ -239,7 +284,16 @@ mod tests {
             .env(ENV_INDEX, "1")
             .spawn()
             .unwrap();
-        let found = scan(&control);
+        // `spawn` returns once the exec has begun, before the new environment is in place: look
+        // again until it is (bounded).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let found = loop {
+            let found = scan(&control);
+            if !found.is_empty() || std::time::Instant::now() > deadline {
+                break found;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found.len(), 1, "{found:?}");

@@ -644,21 +644,22 @@ impl Checker<'_> {
             },
         };
         let mut lifecycle = Lifecycle::default();
-        let mut millis = |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
-            if let Some(value) = value {
-                match u64::try_from(*value.get_ref()) {
-                    Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
-                    _ => self.report(
-                        Some(value.span()),
-                        format!("supervisor.{key}"),
-                        format!(
-                            "must be at least {min} (milliseconds), got {}",
-                            value.get_ref()
+        let mut millis =
+            |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
+                if let Some(value) = value {
+                    match u64::try_from(*value.get_ref()) {
+                        Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
+                        _ => self.report(
+                            Some(value.span()),
+                            format!("supervisor.{key}"),
+                            format!(
+                                "must be at least {min} (milliseconds), got {}",
+                                value.get_ref()
+                            ),
                         ),
-                    ),
+                    }
                 }
-            }
-        };
+            };
         millis(
             raw.drain_timeout_ms,
             "drain_timeout_ms",

@@ -79,7 +79,10 @@ impl CounterRef {
 
     /// The requests counted so far.
     pub fn load(&self) -> u64 {
-        self.region.region().slot(self.index).load(Ordering::Relaxed)
+        self.region
+            .region()
+            .slot(self.index)
+            .load(Ordering::Relaxed)
     }
 }
 
@@ -623,7 +626,9 @@ impl Manager {
                     ) {
                         Ok(launch) => Some(Box::new(launch)),
                         Err(error) => {
-                            report.failures.push(format!("{slot}: cannot prepare: {error}"));
+                            report
+                                .failures
+                                .push(format!("{slot}: cannot prepare: {error}"));
                             continue;
                         }
                     }
@@ -637,7 +642,9 @@ impl Manager {
                     .await
                     .is_err()
                 {
-                    report.failures.push(format!("{slot}: its task has stopped"));
+                    report
+                        .failures
+                        .push(format!("{slot}: its task has stopped"));
                     continue;
                 }
                 answers.push((slot.clone(), answer));
@@ -646,7 +653,9 @@ impl Manager {
                 match answer.await {
                     Ok(Ok(replaced)) => report.replaced.push(replaced),
                     Ok(Err(why)) => report.failures.push(format!("{slot}: {why}")),
-                    Err(_) => report.failures.push(format!("{slot}: the supervisor is stopping")),
+                    Err(_) => report
+                        .failures
+                        .push(format!("{slot}: the supervisor is stopping")),
                 }
             }
             if !report.failures.is_empty() {
@@ -678,7 +687,11 @@ impl Manager {
             });
         }
         for (key, old, new) in [
-            ("bind", self.supervisor.bind.to_string(), config.supervisor.bind.to_string()),
+            (
+                "bind",
+                self.supervisor.bind.to_string(),
+                config.supervisor.bind.to_string(),
+            ),
             (
                 "control",
                 self.supervisor.control.display().to_string(),
@@ -965,7 +978,9 @@ impl SlotTask {
                     }
                     self.context
                         .registry
-                        .update_slot(&self.slot.service, self.slot.index, |s| *s = Default::default());
+                        .update_slot(&self.slot.service, self.slot.index, |s| {
+                            *s = Default::default()
+                        });
                     let _ = done.send(());
                     return;
                 }
@@ -1079,7 +1094,10 @@ impl SlotTask {
     /// Starts a new worker and, once it has registered, drains and stops `current`; returns the new
     /// worker's pid. If the new worker fails, `current` keeps serving.
     async fn replace(&mut self, current: &mut Option<Instance>) -> Result<u32, String> {
-        let new = self.start().await.map_err(|e| format!("cannot start: {e}"))?;
+        let new = self
+            .start()
+            .await
+            .map_err(|e| format!("cannot start: {e}"))?;
         match self.await_registration(&new, current).await {
             Registration::Registered => {}
             Registration::Exited(exit) => {
@@ -1315,13 +1333,7 @@ mod tests {
         .unwrap();
         SlotTask {
             slot,
-            launch: Launch::new(
-                &config.services["web"],
-                0,
-                &config.supervisor,
-                counters,
-            )
-            .unwrap(),
+            launch: Launch::new(&config.services["web"], 0, &config.supervisor, counters).unwrap(),
             backoff: Backoff::new(RestartPolicy::default()),
             lifecycle,
             context,
@@ -1331,7 +1343,10 @@ mod tests {
         }
     }
 
-    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by exited")]
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by exited"
+    )]
     #[tokio::test]
     async fn notices_an_exit_through_the_pidfd_and_reaps_it() {
         let child = Command::new("sh").args(["-c", "exit 7"]).spawn().unwrap();
@@ -1350,7 +1365,11 @@ mod tests {
             .args(["-c", "sleep 0.3 >/dev/null 2>&1 & echo $!"])
             .output()
             .unwrap();
-        let pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
+        let pid: u32 = String::from_utf8(output.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         let exit = tokio::time::timeout(Duration::from_secs(10), exited(&watched(pid)))
             .await
             .unwrap()
@@ -1358,7 +1377,10 @@ mod tests {
         assert_eq!(exit, Exit::Unknown);
     }
 
-    #[allow(clippy::zombie_processes, reason = "reaped through its pidfd by retire")]
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by retire"
+    )]
     #[tokio::test]
     async fn stops_a_worker_with_sigterm_then_sigkill() {
         // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout. It says when

@@ -432,10 +432,8 @@ mod tests {
             let registry = Arc::new(Registry::new(["web".to_string()]));
             let children = Arc::new(Children::default());
             // A run loop that answers every command with what it was asked.
-            let (commands, mut requests) = mpsc::channel::<(
-                v1::ControlRequest,
-                oneshot::Sender<v1::ControlReply>,
-            )>(1);
+            let (commands, mut requests) =
+                mpsc::channel::<(v1::ControlRequest, oneshot::Sender<v1::ControlReply>)>(1);
             tokio::spawn(async move {
                 while let Some((request, reply)) = requests.recv().await {
                     let _ = reply.send(v1::ControlReply {

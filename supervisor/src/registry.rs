@@ -173,7 +173,12 @@ impl ServiceView {
     /// Every registered instance of slot `index`, serving or draining.
     pub fn instances(&self, index: u32) -> impl Iterator<Item = &Worker> {
         self.workers
-            .range(WorkerKey { index, pid: 0 }..=WorkerKey { index, pid: u32::MAX })
+            .range(
+                WorkerKey { index, pid: 0 }..=WorkerKey {
+                    index,
+                    pid: u32::MAX,
+                },
+            )
             .map(|(_, w)| w)
     }
 
@@ -455,7 +460,11 @@ mod tests {
         let view = &snap.services["a"];
         assert_eq!(view.serving(0).unwrap().pid, 11);
         assert_eq!(view.instance(0, 10).unwrap().state, WorkerState::Draining);
-        assert_eq!(view.serving(1).unwrap().pid, 20, "other slots are untouched");
+        assert_eq!(
+            view.serving(1).unwrap().pid,
+            20,
+            "other slots are untouched"
+        );
         assert!(registry.deregister("a", 0, 10));
         assert!(!registry.deregister("a", 0, 10), "removed once");
         assert_eq!(registry.snapshot().services["a"].instances(0).count(), 1);

@@ -11,6 +11,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs},
     path::PathBuf,
     sync::Arc,
+    time::Duration,
 };
 
 use peregrine_worker::url::BindUrl;
@@ -36,6 +37,10 @@ use crate::{
         resources::{Balancer, OrcaPolicy},
     },
 };
+
+/// How long xDS waits at start for adopted workers to register again (they retry at least every
+/// second).
+pub const ADOPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the supervisor could not run.
 #[derive(Debug, thiserror::Error)]
@@ -243,34 +248,40 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let acks = Arc::new(Acks::default());
     let (xds_options_tx, xds_options_rx) =
         watch::channel(xds_options(&config, &orca, bound.port()));
-    let mut xds_task = tokio::spawn(xds::serve(
-        vec![grpc],
-        orca_listeners,
-        registry.subscribe(),
-        xds_options_rx,
-        acks.clone(),
-        orca_service,
-        xds_stop,
-    ));
-    tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), "Supervisor running");
     let context = Arc::new(manager::Context {
         registry: registry.clone(),
         children: children.clone(),
         lanes: sources.lanes.clone(),
-        acks,
+        acks: acks.clone(),
         counters: sources.counters.clone(),
     });
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the socket's backlog).
     let adopted = adopt::find(&config);
-    let manager = Manager::start(&config, context, adopted, stop_rx.clone())
-        .map_err(RunError::Workers)?;
+    let adopted_pids: Vec<u32> = adopted.values().map(|a| a.pid).collect();
+    let manager =
+        Manager::start(&config, context, adopted, stop_rx.clone()).map_err(RunError::Workers)?;
     let registration_task = tokio::spawn(registration::serve(
         registrations,
         registry.clone(),
         children.clone(),
         commands_tx,
     ));
+    // Envoy keeps the endpoints it has while no control plane answers; it must not get a set without
+    // the adopted workers, so xDS waits (bounded) until they have registered again.
+    if !adopted_pids.is_empty() {
+        adopt::await_registrations(&registry, &children, &adopted_pids, ADOPT_TIMEOUT).await;
+    }
+    let mut xds_task = tokio::spawn(xds::serve(
+        vec![grpc],
+        orca_listeners,
+        registry.subscribe(),
+        xds_options_rx,
+        acks,
+        orca_service,
+        xds_stop,
+    ));
+    tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), adopted = adopted_pids.len(), "Supervisor running");
     let sampler_task = sources.sched.map(|sched| {
         tokio::spawn(sampler::run(
             sched,
@@ -337,7 +348,10 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
 }
 
 /// A control command and, unless it came from a signal, where its reply goes.
-type Operation = (v1::ControlRequest, Option<oneshot::Sender<v1::ControlReply>>);
+type Operation = (
+    v1::ControlRequest,
+    Option<oneshot::Sender<v1::ControlReply>>,
+);
 
 /// Carries out restarts and reloads one at a time until the channel closes; returns the manager.
 async fn operate(
@@ -399,7 +413,10 @@ async fn apply(
         && !config.services.contains_key(service)
     {
         return failed(
-            format!("no service {service:?} in {}; nothing changed", path.display()),
+            format!(
+                "no service {service:?} in {}; nothing changed",
+                path.display()
+            ),
             Vec::new(),
         );
     }
@@ -414,7 +431,12 @@ async fn apply(
     xds_options.send_replace(self::xds_options(&config, &orca, port));
     let mut report = match manager.reload(&config).await {
         Ok(report) => report,
-        Err(error) => return failed("the new config cannot be applied; nothing changed".into(), vec![ErrorChain(&error).to_string()]),
+        Err(error) => {
+            return failed(
+                "the new config cannot be applied; nothing changed".into(),
+                vec![ErrorChain(&error).to_string()],
+            );
+        }
     };
     if let Some(service) = restart {
         let service = Some(service).filter(|s| !s.is_empty());
@@ -426,7 +448,12 @@ async fn apply(
     }
     v1::ControlReply {
         ok: report.failures.is_empty(),
-        summary: report.to_string().lines().next().unwrap_or_default().to_owned(),
+        summary: report
+            .to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned(),
         replaced: report.replaced.len() as u32,
         added: report.added.len() as u32,
         removed: report.removed.len() as u32,

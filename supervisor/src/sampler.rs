@@ -486,10 +486,7 @@ mod tests {
         assert!(registry.deregister("a", 1, 100));
         let third = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall);
         assert_eq!(third.len(), 2);
-        assert_eq!(
-            (third[1].pid, third[1].requests_total),
-            (101, 2)
-        );
+        assert_eq!((third[1].pid, third[1].requests_total), (101, 2));
         // A vanished process is left out; the registry still lists it until the manager reaps it.
         fake.totals.lock().unwrap().remove(&200);
         let fourth = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall);

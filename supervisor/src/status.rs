@@ -66,9 +66,7 @@ pub fn report(
                 .iter()
                 .map(ToString::to_string)
                 .collect();
-            row.load = loads
-                .get(service, key.index, key.pid)
-                .map(load_message);
+            row.load = loads.get(service, key.index, key.pid).map(load_message);
             row.orca = orca.get(&worker.hostname).map(orca_message);
         }
     }
@@ -87,10 +85,10 @@ pub fn report(
             .map(|((service, index, _), row)| ((service, index), row))
             .chain(records.into_iter().filter(|((service, index), _)| {
                 // A slot with no registered worker still gets a row (starting, crash looping).
-                !snapshot
+                snapshot
                     .services
                     .get(*service)
-                    .is_some_and(|view| view.instances(*index).next().is_some())
+                    .is_none_or(|view| view.instances(*index).next().is_none())
             }))
             .collect::<Vec<_>>()
             .into_iter()
@@ -243,7 +241,10 @@ pub fn ask(
 
 /// Sends a control command (restart, reload) to the supervisor on `socket` and waits for its reply,
 /// however long the command takes.
-pub fn control(socket: &Path, request: v1::ControlRequest) -> Result<v1::ControlReply, StatusError> {
+pub fn control(
+    socket: &Path,
+    request: v1::ControlRequest,
+) -> Result<v1::ControlReply, StatusError> {
     let request = WorkerMessage {
         message: Some(worker_message::Message::Control(request)),
     };

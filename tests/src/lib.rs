@@ -16,6 +16,7 @@
 
 mod envoy;
 mod http;
+pub mod load;
 mod paths;
 mod process;
 mod slots;
@@ -24,12 +25,13 @@ mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
 pub use http::{http_get, http_get_with, worker_pid};
+pub use load::{Load, LoadReport};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
 };
 pub use process::ChildGuard;
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
-pub use supervisor::{Supervisor, base_config, one_worker, sample_config};
+pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

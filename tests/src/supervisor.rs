@@ -1,4 +1,8 @@
-//! The real supervisor (`peregrine run`), with its workers in its process group.
+//! The real supervisor (`peregrine run`) and its workers.
+//!
+//! Workers run in process groups of their own and outlive a supervisor that dies (they wait for the
+//! next one), so a [`Supervisor`] finds them by their environment (their control socket is in its
+//! directory) and kills them when it is dropped, whatever happened to the supervisor.
 
 use std::{
     path::{Path, PathBuf},
@@ -14,8 +18,8 @@ use crate::{ChildGuard, paths::peregrine_path};
 /// How long [`Supervisor::stop`] waits after SIGTERM before killing.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
-/// A running `peregrine run CONFIG.toml`, killed on drop together with its workers (they share its
-/// process group unless they leave it).
+/// A running `peregrine run CONFIG.toml`, killed on drop together with its workers (every process whose
+/// control socket is in its directory).
 #[derive(Debug)]
 pub struct Supervisor {
     // Declared before `_temp` so the processes die before their directory is removed.
@@ -23,6 +27,9 @@ pub struct Supervisor {
     binary: PathBuf,
     dir: PathBuf,
     config: PathBuf,
+    /// Supervisor processes killed by [`Supervisor::kill_and_start_again`] (for their logs).
+    previous: Vec<ChildGuard>,
+    restarts: u32,
     _temp: Option<TempDir>,
 }
 
@@ -99,6 +106,8 @@ impl Supervisor {
             binary: binary.to_path_buf(),
             dir: dir.to_path_buf(),
             config,
+            previous: Vec::new(),
+            restarts: 0,
             _temp: None,
         })
     }
@@ -149,6 +158,75 @@ impl Supervisor {
     pub fn logs(&self) -> String {
         self.process.logs()
     }
+
+    /// SIGKILLs the supervisor alone (its workers keep serving) and starts `peregrine run` again on the
+    /// same config in the same directory, logging to `peregrine-N.*.log`. The old logs stay.
+    pub fn kill_and_start_again(&mut self) -> anyhow::Result<()> {
+        self.process.signal(rustix::process::Signal::KILL)?;
+        crate::try_wait_until(
+            Duration::from_secs(10),
+            "the killed supervisor to exit",
+            || self.process.try_wait(),
+        )?;
+        self.restarts += 1;
+        let mut command = Command::new(&self.binary);
+        command.arg("run").arg(&self.config).current_dir(&self.dir);
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "info");
+        }
+        let name = format!("peregrine-{}", self.restarts + 1);
+        let old = std::mem::replace(
+            &mut self.process,
+            ChildGuard::spawn(&name, &mut command, &self.dir)?,
+        );
+        self.previous.push(old);
+        Ok(())
+    }
+
+    /// The logs of every supervisor process started here, oldest first.
+    pub fn all_logs(&self) -> String {
+        let mut logs: Vec<String> = self.previous.iter().map(ChildGuard::logs).collect();
+        logs.push(self.process.logs());
+        logs.join("\n")
+    }
+
+    /// The pids of the live workers whose control socket is in this supervisor's directory.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        workers_in(&self.dir)
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.process.kill();
+        // Workers outlive their supervisor: they go too, by their environment.
+        for pid in workers_in(&self.dir) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+/// The live processes whose `PEREGRINE_CONTROL_SOCKET` is in `dir`: the workers of a supervisor
+/// running there, and of earlier ones.
+pub fn workers_in(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let wanted = format!("PEREGRINE_CONTROL_SOCKET={}/", dir.display());
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            // A zombie has an empty environment: it is no longer a worker.
+            environ
+                .split(|b| *b == 0)
+                .any(|var| var.starts_with(wanted.as_bytes()))
+                .then_some(pid)
+        })
+        .collect()
 }
 
 /// Runs `binary status ARGS` and returns its stdout; an error if it fails.

@@ -176,7 +176,9 @@ async fn exchange(control: &Path, message: Vec<u8>) -> Result<Registration, Regi
             Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
                 reason: refused.reason,
             }),
-            Some(supervisor_message::Message::Status(_) | supervisor_message::Message::Control(_))
+            Some(
+                supervisor_message::Message::Status(_) | supervisor_message::Message::Control(_),
+            )
             | None => Err(RegisterError::Empty),
         }
     };

@@ -1,0 +1,243 @@
+//! Continuous load through Envoy for lifecycle tests: HTTP/1.1 keep-alive and HTTP/2 (h2c) clients
+//! that send `GET /` one after another until stopped, and record every answer.
+//!
+//! Every request is checked: a 200 whose body is the hello worker's (`Hello from worker <pid>!`) counts
+//! as served by that pid; anything else (a status other than 200, a body that is not a worker's, a
+//! connection error) is a failure, kept with what went wrong. A client whose connection fails opens a
+//! new one and goes on. The load stops when [`Load::stop`] is called or after its time limit, whichever
+//! is first.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::Request;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+
+use crate::worker_pid;
+
+/// How long one request may take before it counts as failed.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The protocol a client speaks to Envoy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Protocol {
+    /// HTTP/1.1 with keep-alive.
+    Http1,
+    /// HTTP/2 with prior knowledge (h2c).
+    Http2,
+}
+
+/// What the load saw.
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    /// Requests answered 200 by a worker, by protocol.
+    pub ok: BTreeMap<Protocol, u64>,
+    /// Requests answered, by worker pid.
+    pub by_pid: BTreeMap<u32, u64>,
+    /// Every failed request: protocol and what went wrong.
+    pub failures: Vec<(Protocol, String)>,
+    /// How long the load ran.
+    pub elapsed: Duration,
+}
+
+impl LoadReport {
+    /// Requests answered 200 by a worker, over all protocols.
+    pub fn served(&self) -> u64 {
+        self.ok.values().sum()
+    }
+}
+
+/// A running load; stop it with [`Load::stop`] (dropping it stops it too).
+#[derive(Debug)]
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    report: Arc<Mutex<LoadReport>>,
+    thread: Option<thread::JoinHandle<()>>,
+    started: Instant,
+}
+
+impl Load {
+    /// Starts `http1` HTTP/1.1 clients and `http2` HTTP/2 clients against `addr`, for at most `limit`.
+    pub fn start(addr: SocketAddr, http1: usize, http2: usize, limit: Duration) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let report = Arc::new(Mutex::new(LoadReport::default()));
+        let started = Instant::now();
+        let thread = {
+            let (stop, report) = (stop.clone(), report.clone());
+            thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime");
+                runtime.block_on(async move {
+                    let deadline = started + limit;
+                    let mut clients = tokio::task::JoinSet::new();
+                    let protocols = std::iter::repeat_n(Protocol::Http1, http1)
+                        .chain(std::iter::repeat_n(Protocol::Http2, http2));
+                    for protocol in protocols {
+                        let (stop, report) = (stop.clone(), report.clone());
+                        clients.spawn(client(addr, protocol, stop, report, deadline));
+                    }
+                    while clients.join_next().await.is_some() {}
+                });
+            })
+        };
+        Load {
+            stop,
+            report,
+            thread: Some(thread),
+            started,
+        }
+    }
+
+    /// What was seen so far.
+    pub fn snapshot(&self) -> LoadReport {
+        self.report
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Stops every client (each finishes its request in hand) and returns what they saw.
+    pub fn stop(mut self) -> LoadReport {
+        self.halt();
+        let mut report = self.snapshot();
+        report.elapsed = self.started.elapsed();
+        report
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// One client: a connection at a time, requests one after another on it.
+async fn client(
+    addr: SocketAddr,
+    protocol: Protocol,
+    stop: Arc<AtomicBool>,
+    report: Arc<Mutex<LoadReport>>,
+    deadline: Instant,
+) {
+    let record = |outcome: Result<u32, String>| {
+        let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
+        match outcome {
+            Ok(pid) => {
+                *report.ok.entry(protocol).or_default() += 1;
+                *report.by_pid.entry(pid).or_default() += 1;
+            }
+            Err(what) => report.failures.push((protocol, what)),
+        }
+    };
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        let mut sender = match connect(addr, protocol).await {
+            Ok(sender) => sender,
+            Err(error) => {
+                record(Err(format!("connect: {error}")));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            match tokio::time::timeout(REQUEST_TIMEOUT, sender.get(addr)).await {
+                Ok(Ok(pid)) => record(Ok(pid)),
+                Ok(Err(Failure::Closed)) => break,
+                Ok(Err(Failure::Failed(what))) => {
+                    record(Err(what));
+                    break;
+                }
+                Err(_) => {
+                    record(Err(format!("no answer within {REQUEST_TIMEOUT:?}")));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// How a request went wrong.
+enum Failure {
+    /// The connection was closed between requests (Envoy may close an idle connection): not a failed
+    /// request, the client reconnects.
+    Closed,
+    /// The request failed.
+    Failed(String),
+}
+
+enum Sender {
+    Http1(hyper::client::conn::http1::SendRequest<Empty<Bytes>>),
+    Http2(hyper::client::conn::http2::SendRequest<Empty<Bytes>>),
+}
+
+async fn connect(addr: SocketAddr, protocol: Protocol) -> anyhow::Result<Sender> {
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let io = TokioIo::new(stream);
+    Ok(match protocol {
+        Protocol::Http1 => {
+            let (sender, connection) = hyper::client::conn::http1::handshake(io).await?;
+            tokio::spawn(connection);
+            Sender::Http1(sender)
+        }
+        Protocol::Http2 => {
+            let (sender, connection) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+            tokio::spawn(connection);
+            Sender::Http2(sender)
+        }
+    })
+}
+
+impl Sender {
+    /// `GET /`: the pid of the worker that answered.
+    async fn get(&mut self, addr: SocketAddr) -> Result<u32, Failure> {
+        let ready = match self {
+            Sender::Http1(s) => s.ready().await,
+            Sender::Http2(s) => s.ready().await,
+        };
+        if ready.is_err() {
+            return Err(Failure::Closed);
+        }
+        let request = Request::get(format!("http://{addr}/"))
+            .header("host", addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .expect("a valid request");
+        let response = match self {
+            Sender::Http1(s) => s.send_request(request).await,
+            Sender::Http2(s) => s.send_request(request).await,
+        }
+        .map_err(|e| Failure::Failed(format!("request: {e}")))?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| Failure::Failed(format!("body: {e}")))?
+            .to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        if status != 200 {
+            return Err(Failure::Failed(format!("status {status}: {body}")));
+        }
+        worker_pid(&body).ok_or_else(|| Failure::Failed(format!("not a worker's answer: {body:?}")))
+    }
+}

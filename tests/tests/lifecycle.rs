@@ -1,0 +1,311 @@
+//! Zero-downtime lifecycle with real processes: rolling restarts (`peregrine restart`, SIGHUP), scaling
+//! by reload, and a supervisor killed and started again, each under continuous HTTP/1.1 and HTTP/2
+//! load through the real Envoy. Every request is checked; none may fail.
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use peregrine_e2e::{
+    Envoy, Load, LoadReport, Supervisor, envoy_or_skip, free_port, hosts, peregrine_path,
+    sample_config, wait_until,
+};
+
+/// The longest any load runs (each test stops its load long before).
+const LOAD_LIMIT: Duration = Duration::from_secs(150);
+/// How long a step (hosts in Envoy, a restart) may take.
+const STEP: Duration = Duration::from_secs(60);
+
+/// A supervisor running `cluster` with hello workers, and an Envoy bootstrapped from it.
+struct Stack {
+    // Envoy first: it is killed before the supervisor when the stack is dropped.
+    envoy: Envoy,
+    supervisor: Supervisor,
+    listen: SocketAddr,
+}
+
+impl Stack {
+    fn start(workers: u32) -> Stack {
+        let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers);
+        let supervisor = Supervisor::start(&config);
+        let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
+        let envoy = Envoy::start(&bootstrap);
+        let stack = Stack {
+            envoy,
+            supervisor,
+            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        };
+        stack.wait_for_workers(workers as usize, &BTreeSet::new());
+        stack
+    }
+
+    /// The pids of the `cluster` hosts Envoy routes to (healthy), and of all it lists.
+    fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
+        let hosts = hosts(&self.envoy.clusters(), "cluster");
+        let pid = |hostname: &str| hostname.rsplit('-').next()?.parse().ok();
+        let healthy = hosts
+            .iter()
+            .filter(|h| h.healthy)
+            .filter_map(|h| pid(&h.hostname))
+            .collect();
+        let all = hosts.iter().filter_map(|h| pid(&h.hostname)).collect();
+        (healthy, all)
+    }
+
+    /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`; returns their
+    /// pids.
+    fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32> {
+        wait_until(
+            STEP,
+            &format!("{n} healthy hosts in Envoy, none of {not:?}"),
+            || {
+                let (healthy, all) = self.envoy_pids();
+                (healthy.len() == n && all.len() == n && healthy.is_disjoint(not))
+                    .then_some(healthy)
+            },
+        )
+    }
+
+    /// Starts the load: two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once it is served.
+    fn load(&self) -> Load {
+        let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
+        wait_until(STEP, "the load to be served", || {
+            let seen = load.snapshot();
+            assert!(seen.failures.is_empty(), "{:?}", seen.failures);
+            (seen.ok.len() == 2 && seen.ok.values().all(|n| *n >= 20)).then_some(())
+        });
+        load
+    }
+
+    /// Runs `peregrine ARGS CONFIG [EXTRA]` and returns its stdout; panics if it fails.
+    fn control(&self, command: &str, extra: &[&str]) -> String {
+        let output = Command::new(peregrine_path())
+            .arg(command)
+            .arg(self.supervisor.config_path())
+            .args(extra)
+            .output()
+            .expect("peregrine runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "peregrine {command} failed ({}): {stdout}{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr),
+            self.supervisor.all_logs()
+        );
+        stdout
+    }
+
+    /// Replaces `count = N` in the config file.
+    fn set_count(&self, count: u32) {
+        let path = self.supervisor.config_path();
+        let text = std::fs::read_to_string(path).unwrap();
+        let start = text.find("count = ").expect("a count");
+        let end = start + text[start..].find('\n').unwrap();
+        let text = format!("{}count = {count}{}", &text[..start], &text[end..]);
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// Lets the load go on until each protocol served `more` further requests, then stops it and
+    /// checks that no request failed and that every answer came from one of `workers`.
+    fn finish(&self, load: Load, more: u64, workers: &BTreeSet<u32>) -> LoadReport {
+        let before = load.snapshot();
+        wait_until(STEP, "more requests served", || {
+            let now = load.snapshot();
+            now.ok
+                .iter()
+                .all(|(protocol, n)| *n >= before.ok[protocol] + more)
+                .then_some(())
+        });
+        let report = load.stop();
+        assert!(
+            report.failures.is_empty(),
+            "{} of {} requests failed: {:?}\n{}",
+            report.failures.len(),
+            report.served() + report.failures.len() as u64,
+            &report.failures[..report.failures.len().min(10)],
+            self.supervisor.all_logs()
+        );
+        let strangers: Vec<&u32> = report
+            .by_pid
+            .keys()
+            .filter(|pid| !workers.contains(pid))
+            .collect();
+        assert!(
+            strangers.is_empty(),
+            "answered by {strangers:?}, not a worker of {workers:?}"
+        );
+        eprintln!(
+            "{} requests in {:?} ({:?} by protocol), none failed; by worker: {:?}",
+            report.served(),
+            report.elapsed,
+            report.ok,
+            report.by_pid
+        );
+        report
+    }
+}
+
+fn gone(pid: u32) -> bool {
+    // A worker adopted from a killed supervisor is reaped by init: a zombie is gone too.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[test]
+fn a_rolling_restart_under_load_loses_no_request() {
+    if envoy_or_skip("a_rolling_restart_under_load_loses_no_request").is_none() {
+        return;
+    }
+    let mut stack = Stack::start(3);
+    let first = stack.wait_for_workers(3, &BTreeSet::new());
+    let load = stack.load();
+
+    let begun = Instant::now();
+    let out = stack.control("restart", &[]);
+    let took = begun.elapsed();
+    assert!(
+        out.starts_with("3 replaced, 0 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    // When the command returns, the old workers are gone and the new ones serve.
+    let second = stack.wait_for_workers(3, &first);
+    for pid in &first {
+        assert!(gone(*pid), "worker {pid} still runs after the restart");
+    }
+    eprintln!("rolling restart of 3 workers took {took:?}");
+
+    // SIGHUP restarts every worker too.
+    stack
+        .supervisor
+        .process()
+        .signal(rustix::process::Signal::HUP)
+        .unwrap();
+    let replaced: BTreeSet<u32> = first.union(&second).copied().collect();
+    let third = stack.wait_for_workers(3, &replaced);
+    wait_until(STEP, "the old workers to exit after SIGHUP", || {
+        second.iter().all(|pid| gone(*pid)).then_some(())
+    });
+
+    let all: BTreeSet<u32> = replaced.union(&third).copied().collect();
+    let report = stack.finish(load, 50, &all);
+    for generation in [&first, &second, &third] {
+        assert!(
+            generation.iter().any(|pid| report.by_pid.contains_key(pid)),
+            "each generation served: {generation:?} in {:?}",
+            report.by_pid
+        );
+    }
+    let status = stack.supervisor.stop().expect("the supervisor stops");
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn scaling_by_reload_under_load_loses_no_request() {
+    if envoy_or_skip("scaling_by_reload_under_load_loses_no_request").is_none() {
+        return;
+    }
+    let stack = Stack::start(2);
+    let two = stack.wait_for_workers(2, &BTreeSet::new());
+    let load = stack.load();
+
+    stack.set_count(4);
+    let out = stack.control("reload", &[]);
+    assert!(
+        out.starts_with("0 replaced, 2 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    let four = stack.wait_for_workers(4, &BTreeSet::new());
+    assert!(two.is_subset(&four), "scaling up keeps the running workers");
+
+    stack.set_count(1);
+    let out = stack.control("reload", &[]);
+    assert!(
+        out.starts_with("0 replaced, 0 added, 3 removed, 0 failed"),
+        "{out}"
+    );
+    let one = stack.wait_for_workers(1, &BTreeSet::new());
+    assert!(one.is_subset(&four));
+
+    // An invalid config is refused and changes nothing.
+    let path = stack.supervisor.config_path();
+    let good = std::fs::read_to_string(path).unwrap();
+    std::fs::write(path, good.replace("count = 1", "count = \"many\"")).unwrap();
+    let output = Command::new(peregrine_path())
+        .arg("reload")
+        .arg(path)
+        .arg("--socket")
+        .arg(stack.supervisor.dir().join("peregrine.sock"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("count"),
+        "the error names the key: {stdout}"
+    );
+    std::fs::write(path, good).unwrap();
+    assert_eq!(stack.envoy_pids().0, one, "nothing changed");
+
+    stack.finish(load, 50, &four);
+}
+
+#[test]
+fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
+    if envoy_or_skip("a_killed_supervisor_comes_back_and_adopts_its_workers_under_load").is_none() {
+        return;
+    }
+    let mut stack = Stack::start(2);
+    let workers = stack.wait_for_workers(2, &BTreeSet::new());
+    let load = stack.load();
+
+    stack.supervisor.kill_and_start_again().unwrap();
+    // The same processes serve, registered with the new supervisor.
+    let registered = wait_until(STEP, "the workers to register again", || {
+        let status = stack.supervisor.status_json().ok()?;
+        let pids: BTreeSet<u32> = status["workers"]
+            .as_array()?
+            .iter()
+            .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
+            .collect();
+        (pids.len() == 2).then_some(pids)
+    });
+    assert_eq!(registered, workers, "the same worker pids are adopted");
+    assert!(
+        stack.supervisor.all_logs().contains("Adopting a worker"),
+        "{}",
+        stack.supervisor.all_logs()
+    );
+    // Envoy reconnects to the new supervisor and keeps the same hosts.
+    wait_until(STEP, "Envoy to reconnect its CDS and EDS streams", || {
+        let connected = |scope: &str| {
+            stack
+                .envoy
+                .stat(&format!("{scope}.control_plane.connected_state"))
+                == Some(1)
+        };
+        (connected("cluster_manager.cds") && connected("cluster.cluster")).then_some(())
+    });
+    assert_eq!(stack.envoy_pids().0, workers);
+
+    // A rolling restart works again, adopted workers included.
+    let out = stack.control("restart", &[]);
+    assert!(out.starts_with("2 replaced"), "{out}");
+    let fresh = stack.wait_for_workers(2, &workers);
+    for pid in &workers {
+        wait_until(STEP, "the adopted worker to exit", || {
+            gone(*pid).then_some(())
+        });
+    }
+    let all: BTreeSet<u32> = workers.union(&fresh).copied().collect();
+    stack.finish(load, 50, &all);
+}
