@@ -120,10 +120,12 @@ fn follows_the_registry(test: &str, ads: bool) {
         (web_hosts(&envoy) == [second_host(4343)]).then_some(())
     });
 
-    // A cluster change (HTTP/2 upstream) must finish warming with the endpoints intact.
+    // A cluster change (HTTP/2 upstream) must finish warming with the endpoints intact. The new
+    // instance takes over slot 1; its predecessor drains until it is gone (as the manager does).
     registry
         .register(worker(1, 4444, second_addr, &[Protocol::Http2]))
         .unwrap();
+    assert!(registry.deregister("web", 1, 4343));
     wait_until(DEADLINE, "the HTTP/2 worker in a warm cluster", || {
         (web_hosts(&envoy) == [second_host(4444)]).then_some(())
     });
