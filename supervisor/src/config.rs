@@ -1261,6 +1261,39 @@ count = 0
     }
 
     #[test]
+    fn lifecycle_timeouts_and_restart_batches() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.supervisor.lifecycle, Lifecycle::default());
+        assert_eq!(config.services["a"].restart_batch, 1);
+        let config = parse(
+            "[supervisor]\ndrain_timeout_ms = 0\nstop_timeout_ms = 500\nregister_timeout_ms = 2000\n\
+             orphan_timeout_ms = 0\n[service.a]\ncount = 8\nrestart_batch = 4\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.supervisor.lifecycle,
+            Lifecycle {
+                drain_timeout: Duration::ZERO,
+                stop_timeout: Duration::from_millis(500),
+                register_timeout: Duration::from_secs(2),
+                orphan_timeout: Duration::ZERO,
+            }
+        );
+        assert_eq!(config.services["a"].restart_batch, 4);
+        let got = problems(
+            "[supervisor]\nstop_timeout_ms = 0\nregister_timeout_ms = -1\n[service.a]\nrestart_batch = 0\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 2: supervisor.stop_timeout_ms: must be at least 1 (milliseconds), got 0",
+                "line 3: supervisor.register_timeout_ms: must be at least 100 (milliseconds), got -1",
+                "line 5: service.a.restart_batch: must be at least 1 (workers replaced at once), got 0",
+            ]
+        );
+    }
+
+    #[test]
     fn a_bad_sampler_and_a_short_interval_are_named_with_their_lines() {
         let got =
             problems("[supervisor]\nsampler = \"perf\"\nsample_interval_ms = 9\n[service.a]\n");

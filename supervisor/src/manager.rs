@@ -667,10 +667,8 @@ impl Manager {
         report
     }
 
-    /// Applies a new config: removed slots drain and stop, new slots start, and slots whose command,
-    /// url or environment changed are replaced (rolling, `restart_batch` at a time). Supervisor-wide
-    /// settings other than the restart and lifecycle ones apply at the next start (logged).
-    pub async fn reload(&mut self, config: &Config) -> Result<Report, ReloadError> {
+    /// Whether `config` can be applied: a reload must leave room for a rolling restart.
+    pub fn check(&self, config: &Config) -> Result<(), ReloadError> {
         let workers = slot_count(config);
         let batch = config
             .services
@@ -686,6 +684,14 @@ impl Manager {
                 capacity: self.context.lanes.capacity(),
             });
         }
+        Ok(())
+    }
+
+    /// Applies a new config: removed slots drain and stop, new slots start, and slots whose command,
+    /// url or environment changed are replaced (rolling, `restart_batch` at a time). Supervisor-wide
+    /// settings other than the restart and lifecycle ones apply at the next start (logged).
+    pub async fn reload(&mut self, config: &Config) -> Result<Report, ReloadError> {
+        self.check(config)?;
         for (key, old, new) in [
             (
                 "bind",
@@ -978,9 +984,7 @@ impl SlotTask {
                     }
                     self.context
                         .registry
-                        .update_slot(&self.slot.service, self.slot.index, |s| {
-                            *s = Default::default()
-                        });
+                        .remove_slot(&self.slot.service, self.slot.index);
                     let _ = done.send(());
                     return;
                 }
@@ -1015,6 +1019,9 @@ impl SlotTask {
                     self.retire(instance, "its slot was removed from the config")
                         .await;
                 }
+                self.context
+                    .registry
+                    .remove_slot(&self.slot.service, self.slot.index);
                 let _ = done.send(());
                 true
             }

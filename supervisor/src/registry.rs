@@ -408,6 +408,12 @@ impl Registry {
             .send_if_modified(|slots| Arc::make_mut(slots).update(service, index, change));
     }
 
+    /// Forgets the status of `service`'s slot `index`: the slot was removed from the config.
+    pub fn remove_slot(&self, service: &str, index: u32) {
+        self.slots
+            .send_if_modified(|slots| Arc::make_mut(slots).remove(service, index));
+    }
+
     /// A receiver that sees every change of the slot statuses.
     pub fn subscribe_slots(&self) -> watch::Receiver<Arc<Slots>> {
         self.slots.subscribe()

@@ -228,6 +228,14 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         tracing::info!(%addr, "Listening for ORCA streams to workers on this address family too");
         orca_listeners.push(listener);
     }
+    let orca_reach = OrcaReach {
+        sampling: sources.sched.is_some(),
+        bound,
+        listening: orca_listeners
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .collect(),
+    };
     let signal = |kind| tokio::signal::unix::signal(kind).map_err(RunError::Signals);
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -235,13 +243,14 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let (commands_tx, mut commands_rx) = mpsc::channel(16);
-    let xds_stop = {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        }
+    // xDS stops only once every worker has: their drains are published to Envoy until the end.
+    let (xds_stop_tx, xds_stop_rx) = oneshot::channel::<()>();
+    let xds_stop = async move {
+        let _ = xds_stop_rx.await;
     };
-    let orca_service = (!orca.is_empty())
+    // With a sampler, ORCA is served even if no service uses it yet: a reload may add one.
+    let orca_service = orca_reach
+        .sampling
         .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
     // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
     // it).
@@ -302,8 +311,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         path,
         operations_rx,
         xds_options_tx,
-        orca.clone(),
-        bound.port(),
+        orca_reach,
     ));
     let xds_result = loop {
         tokio::select! {
@@ -329,6 +337,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         Ok(manager) => manager.stopped().await,
         Err(error) => tracing::error!(%error, "The restart task failed"),
     }
+    let _ = xds_stop_tx.send(());
     if let Some(Err(error)) = match sampler_task {
         Some(task) => Some(task.await),
         None => None,
@@ -359,12 +368,11 @@ async fn operate(
     path: PathBuf,
     mut operations: mpsc::Receiver<Operation>,
     xds_options: watch::Sender<xds::XdsOptions>,
-    orca: BTreeSet<String>,
-    port: u16,
+    orca: OrcaReach,
 ) -> Manager {
     while let Some((request, reply)) = operations.recv().await {
         let begun = std::time::Instant::now();
-        let answer = apply(&mut manager, &path, request, &xds_options, &orca, port).await;
+        let answer = apply(&mut manager, &path, request, &xds_options, &orca).await;
         if answer.ok {
             tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
         } else {
@@ -383,8 +391,7 @@ async fn apply(
     path: &std::path::Path,
     request: v1::ControlRequest,
     xds_options: &watch::Sender<xds::XdsOptions>,
-    orca: &BTreeSet<String>,
-    port: u16,
+    orca: &OrcaReach,
 ) -> v1::ControlReply {
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -420,15 +427,18 @@ async fn apply(
             Vec::new(),
         );
     }
+    if let Err(error) = manager.check(&config) {
+        return failed(
+            "the new config cannot be applied; nothing changed".into(),
+            vec![ErrorChain(&error).to_string()],
+        );
+    }
     // The new clusters (balancers, weights, ring sizes) are published before the workers change.
-    // ORCA stays on for the services that had it at start (its listeners are bound then).
-    let orca: BTreeSet<String> = config
-        .services
-        .values()
-        .filter(|s| s.orca() && orca.contains(&s.name))
-        .map(|s| s.name.clone())
-        .collect();
-    xds_options.send_replace(self::xds_options(&config, &orca, port));
+    xds_options.send_replace(self::xds_options(
+        &config,
+        &orca.services(&config),
+        orca.bound.port(),
+    ));
     let mut report = match manager.reload(&config).await {
         Ok(report) => report,
         Err(error) => {
@@ -458,6 +468,41 @@ async fn apply(
         added: report.added.len() as u32,
         removed: report.removed.len() as u32,
         failures: report.failures,
+    }
+}
+
+/// Where ORCA can reach workers: with a sampler running, on the gRPC port's address and the ORCA
+/// listeners bound at start.
+#[derive(Clone, Debug)]
+struct OrcaReach {
+    sampling: bool,
+    bound: SocketAddr,
+    listening: BTreeSet<SocketAddr>,
+}
+
+impl OrcaReach {
+    /// The services of `config` balanced on ORCA: those that want it and whose workers' addresses
+    /// these listeners cover (a service added by reload on another address family gets round robin
+    /// until the supervisor starts again, which binds what it needs).
+    fn services(&self, config: &Config) -> BTreeSet<String> {
+        if !self.sampling {
+            return BTreeSet::new();
+        }
+        config
+            .services
+            .values()
+            .filter(|s| s.orca())
+            .filter(|s| {
+                let one = BTreeSet::from([s.name.clone()]);
+                let needed = orca_listen_addresses(config, &one, self.bound);
+                let covered = needed.iter().all(|addr| self.listening.contains(addr));
+                if !covered {
+                    tracing::warn!(service = %s.name, ?needed, "ORCA would need listeners bound only when the supervisor starts: round robin until then");
+                }
+                covered
+            })
+            .map(|s| s.name.clone())
+            .collect()
     }
 }
 

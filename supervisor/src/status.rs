@@ -283,8 +283,9 @@ pub struct WorkerRow {
     pub addresses: Vec<String>,
     /// How often the slot's worker was restarted.
     pub restarts: u64,
-    /// `ready` (a worker is registered), `crash-loop` (its workers keep exiting at start and the
-    /// restart delay grows) or `starting`.
+    /// `ready` (a worker is registered and serving), `draining` (registered, about to stop: Envoy
+    /// sends it no new requests; its successor, if any, has a row of its own), `crash-loop` (its
+    /// workers keep exiting at start and the restart delay grows) or `starting`.
     pub state: &'static str,
     /// How the slot's last worker ended, `null` before the first exit.
     pub last_exit: Option<String>,
@@ -347,7 +348,11 @@ impl From<v1::WorkerStatus> for WorkerRow {
             addresses: row.addresses,
             restarts: row.restarts,
             state: if row.pid.is_some() {
-                "ready"
+                if row.state == "draining" {
+                    "draining"
+                } else {
+                    "ready"
+                }
             } else if row.crash_looping {
                 "crash-loop"
             } else {
@@ -578,6 +583,38 @@ mod tests {
         assert_eq!(status.workers[1].hostname, "web-0-100");
         let load = status.workers[1].load.unwrap();
         assert_eq!((load.requests_total, load.sampled_at_unix_ms), (42, 1234));
+    }
+
+    #[test]
+    fn a_slot_being_replaced_shows_both_instances() {
+        let registry = registry();
+        let addr = Address::Tcp("127.0.0.1:8001".parse().unwrap());
+        registry
+            .register(Worker::ready(
+                "web",
+                0,
+                101,
+                vec![Protocol::Http1],
+                vec![addr],
+            ))
+            .unwrap();
+        let view = StatusView::from(report(
+            &registry.snapshot(),
+            &registry.slots(),
+            &registry.loads(),
+            &registry.orca_streams(),
+        ));
+        let web0: Vec<(Option<u32>, &str, bool)> = view
+            .workers
+            .iter()
+            .filter(|w| w.service == "web" && w.index == 0)
+            .map(|w| (w.pid, w.state, w.requests_total.is_some()))
+            .collect();
+        assert_eq!(
+            web0,
+            [(Some(100), "draining", true), (Some(101), "ready", false)],
+            "the old one keeps its own load"
+        );
     }
 
     #[test]

@@ -137,6 +137,18 @@ impl Slots {
         })
     }
 
+    /// Forgets `service`'s slot `index` (removed from the config); returns whether it was there.
+    pub(super) fn remove(&mut self, service: &str, index: u32) -> bool {
+        let Some(slots) = self.by_service.get_mut(service) else {
+            return false;
+        };
+        let removed = slots.remove(&index).is_some();
+        if slots.is_empty() {
+            self.by_service.remove(service);
+        }
+        removed
+    }
+
     /// Applies `change` to the status of `service`'s slot `index`; returns whether it changed.
     pub(super) fn update(
         &mut self,
