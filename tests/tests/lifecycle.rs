@@ -268,6 +268,7 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
     let workers = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
 
+    let served_before = load.snapshot().by_pid;
     stack.supervisor.kill_and_start_again().unwrap();
     // The same processes serve, registered with the new supervisor.
     let registered = wait_until(STEP, "the workers to register again", || {
@@ -280,6 +281,16 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
         (pids.len() == 2).then_some(pids)
     });
     assert_eq!(registered, workers, "the same worker pids are adopted");
+    // Their request counters are still read: each counts what it served under the old supervisor too.
+    wait_until(STEP, "the adopted workers' requests in the status", || {
+        let status = stack.supervisor.status_json().ok()?;
+        let counted = status["workers"].as_array()?.iter().all(|w| {
+            let pid = w["pid"].as_u64().unwrap_or(0) as u32;
+            let total = w["requests_total"].as_u64().unwrap_or(0);
+            total > served_before.get(&pid).copied().unwrap_or(0)
+        });
+        counted.then_some(())
+    });
     assert!(
         stack.supervisor.all_logs().contains("Adopting a worker"),
         "{}",

@@ -600,10 +600,18 @@ pub(super) fn format_duration(duration: Duration) -> String {
 /// A server under test, running on a fixed port and pinned to [`SERVER_CPU`]; killed on drop.
 #[derive(Debug)]
 pub(super) struct Running {
-    _process: ChildGuard,
+    process: ChildGuard,
     /// The pid whose CPU time is measured.
     pub(super) pid: u32,
     pub(super) port: u16,
+}
+
+impl Drop for Running {
+    /// SIGTERM first: a supervisor stops its workers then (they would outlive a SIGKILL, waiting for
+    /// the next supervisor).
+    fn drop(&mut self) {
+        let _ = self.process.stop(std::time::Duration::from_secs(10));
+    }
 }
 
 /// Waits until `process` answers `GET /` with `200` on `port`; returns the body.
@@ -662,7 +670,7 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
         let body = wait_answering(&mut supervisor, port, "the worker to answer")?;
         let pid = worker_pid(&body).with_context(|| format!("not a hello body: {body:?}"))?;
         Ok(Running {
-            _process: supervisor,
+            process: supervisor,
             pid,
             port,
         })
@@ -682,7 +690,7 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
         wait_answering(&mut process, port, "the hyper baseline to answer")?;
         Ok(Running {
             pid: process.id(),
-            _process: process,
+            process,
             port,
         })
     }
