@@ -117,6 +117,11 @@ impl Supervisor {
         &self.dir
     }
 
+    /// The `peregrine` binary it runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
     /// The config file.
     pub fn config_path(&self) -> &Path {
         &self.config

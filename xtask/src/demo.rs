@@ -1,5 +1,7 @@
 //! `cargo xtask demo [--keep-running]`: the supervisor and a real Envoy on free ports, traffic through
-//! Envoy, one worker killed, its replacement taking traffic.
+//! Envoy, one worker killed, its replacement taking traffic, the workers' load reports and Envoy's
+//! weights, then a rolling restart and a supervisor killed and started again under continuous load,
+//! without a failed request.
 //!
 //! `peregrine` is built in the debug profile: the demo shows how fast endpoints converge, not request
 //! throughput, and a debug build is much quicker to make (and shared with the tests). Every child runs in
@@ -15,7 +17,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    Envoy, Supervisor, free_port, hosts, http_get, sample_config, target_dir, try_wait_until,
+    Envoy, Load, Supervisor, free_port, hosts, http_get, sample_config, target_dir, try_wait_until,
     worker_pid,
 };
 use rustix::process::{Pid, Signal, kill_process};
@@ -184,6 +186,8 @@ fn show(
     println!("Envoy's client-side weighted round robin weights from those reports:");
     print_hosts(&weighted);
 
+    deploys(supervisor, envoy, listener)?;
+
     if keep_running {
         println!(
             "\nrunning; try `curl http://{listener}/` and `curl http://{}/clusters`; Ctrl-C to stop",
@@ -195,6 +199,96 @@ fn show(
         ])?;
         signals.forever().next();
         println!("\nstopping");
+    }
+    Ok(())
+}
+
+/// A rolling restart, then a supervisor killed and started again, each under continuous HTTP/1.1 and
+/// HTTP/2 load through Envoy; fails if a single request fails.
+fn deploys(
+    supervisor: &mut Supervisor,
+    envoy: &mut Envoy,
+    listener: SocketAddr,
+) -> anyhow::Result<()> {
+    let pids = |hosts: &[peregrine_e2e::Host]| -> BTreeSet<u32> {
+        hosts
+            .iter()
+            .filter_map(|h| h.hostname.rsplit('-').next()?.parse().ok())
+            .collect()
+    };
+    let before = pids(&converge(supervisor, envoy, "the workers", |h| {
+        h.len() == WORKERS
+    })?);
+
+    println!(
+        "\n`peregrine restart` while 2 HTTP/1.1 and 2 HTTP/2 clients send requests through Envoy"
+    );
+    let load = Load::start(listener, 2, 2, Duration::from_secs(120));
+    try_wait_until(CONVERGE, "the load to be served", || {
+        (load.snapshot().served() >= 100).then_some(())
+    })?;
+    let begun = Instant::now();
+    let output = std::process::Command::new(supervisor.binary())
+        .arg("restart")
+        .arg(supervisor.config_path())
+        .output()
+        .context("running peregrine restart")?;
+    let took = begun.elapsed();
+    let said = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "peregrine restart failed: {said}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let after = pids(&converge(supervisor, envoy, "the new workers", |hosts| {
+        hosts.len() == WORKERS && hosts.iter().all(|h| h.healthy)
+    })?);
+    println!(
+        "  {} in {took:.2?}: workers {before:?} -> {after:?}",
+        said.trim()
+    );
+    report_load(load, 500)?;
+
+    println!("\nSIGKILL to the supervisor, then `peregrine run` again, under the same load");
+    let load = Load::start(listener, 2, 2, Duration::from_secs(120));
+    try_wait_until(CONVERGE, "the load to be served", || {
+        (load.snapshot().served() >= 100).then_some(())
+    })?;
+    let killed = Instant::now();
+    supervisor.kill_and_start_again()?;
+    let adopted = try_wait_until(CONVERGE, "the workers to register again", || {
+        let status = supervisor.status_json().ok()?;
+        let registered: BTreeSet<u32> = status["workers"]
+            .as_array()?
+            .iter()
+            .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
+            .collect();
+        (registered == after).then_some(registered)
+    })?;
+    println!(
+        "  the new supervisor adopted workers {adopted:?} ({:.2?} after the kill)",
+        killed.elapsed()
+    );
+    report_load(load, 500)
+}
+
+/// Lets `load` serve `more` requests, stops it, prints what it saw and fails if any request failed.
+fn report_load(load: Load, more: u64) -> anyhow::Result<()> {
+    let served = load.snapshot().served();
+    try_wait_until(CONVERGE, "more requests to be served", || {
+        (load.snapshot().served() >= served + more).then_some(())
+    })?;
+    let report = load.stop();
+    println!(
+        "  {} requests in {:.2?}, {} failed; by worker: {:?}",
+        report.served(),
+        report.elapsed,
+        report.failures.len(),
+        report.by_pid
+    );
+    if let Some((protocol, failure)) = report.failures.first() {
+        bail!("a request failed ({protocol:?}): {failure}");
     }
     Ok(())
 }
