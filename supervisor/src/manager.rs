@@ -961,30 +961,14 @@ impl SlotTask {
                 }
                 Event::Command(None) => self.commands = None,
                 Event::Command(Some(SlotCommand::Replace { launch, done })) => {
-                    if let Some(launch) = launch {
-                        self.launch = *launch;
-                    }
-                    let old = current.as_ref().map(|i| i.pid);
-                    let result = self.replace(&mut current).await;
-                    if let Ok(new) = &result {
+                    let result = self.replace_with(launch, &mut current).await;
+                    if result.is_ok() {
                         healthy_at = Some(Instant::now() + healthy_after);
-                        let _ = done.send(Ok(Replaced {
-                            slot: self.slot.clone(),
-                            old,
-                            new: *new,
-                        }));
-                    } else if let Err(why) = result {
-                        let _ = done.send(Err(why));
                     }
+                    let _ = done.send(result);
                 }
                 Event::Command(Some(SlotCommand::Remove { done })) => {
-                    if let Some(instance) = current.take() {
-                        self.retire(instance, "its slot was removed from the config")
-                            .await;
-                    }
-                    self.context
-                        .registry
-                        .remove_slot(&self.slot.service, self.slot.index);
+                    self.remove(&mut current).await;
                     let _ = done.send(());
                     return;
                 }
@@ -1002,30 +986,51 @@ impl SlotTask {
         match command {
             None => false,
             Some(SlotCommand::Replace { launch, done }) => {
-                if let Some(launch) = launch {
-                    self.launch = *launch;
-                }
                 self.backoff = Backoff::new(self.backoff.policy());
-                let result = self.replace(current).await;
-                let _ = done.send(result.map(|new| Replaced {
-                    slot: self.slot.clone(),
-                    old: None,
-                    new,
-                }));
+                let _ = done.send(self.replace_with(launch, current).await);
                 false
             }
             Some(SlotCommand::Remove { done }) => {
-                if let Some(instance) = current.take() {
-                    self.retire(instance, "its slot was removed from the config")
-                        .await;
-                }
-                self.context
-                    .registry
-                    .remove_slot(&self.slot.service, self.slot.index);
+                self.remove(current).await;
                 let _ = done.send(());
                 true
             }
         }
+    }
+
+    /// Replaces the worker, with `launch` if given; if the replacement fails, the slot keeps its
+    /// previous launch (a later reload tries the new one again).
+    async fn replace_with(
+        &mut self,
+        launch: Option<Box<Launch>>,
+        current: &mut Option<Instance>,
+    ) -> Result<Replaced, String> {
+        let previous = launch.map(|launch| std::mem::replace(&mut self.launch, *launch));
+        let old = current.as_ref().map(|i| i.pid);
+        match self.replace(current).await {
+            Ok(new) => Ok(Replaced {
+                slot: self.slot.clone(),
+                old,
+                new,
+            }),
+            Err(why) => {
+                if let Some(previous) = previous {
+                    self.launch = previous;
+                }
+                Err(why)
+            }
+        }
+    }
+
+    /// Drains and stops the worker and forgets the slot: it was removed from the config.
+    async fn remove(&mut self, current: &mut Option<Instance>) {
+        if let Some(instance) = current.take() {
+            self.retire(instance, "its slot was removed from the config")
+                .await;
+        }
+        self.context
+            .registry
+            .remove_slot(&self.slot.service, self.slot.index);
     }
 
     /// Records an unexpected exit and waits out the backoff delay; returns early with a command that

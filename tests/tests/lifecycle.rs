@@ -320,3 +320,41 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
     let all: BTreeSet<u32> = workers.union(&fresh).copied().collect();
     stack.finish(load, 50, &all);
 }
+
+#[test]
+fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
+    if envoy_or_skip("a_replacement_that_cannot_start_leaves_the_old_worker_serving").is_none() {
+        return;
+    }
+    let stack = Stack::start(1);
+    let old = stack.wait_for_workers(1, &BTreeSet::new());
+    let load = stack.load();
+
+    // A new command whose workers exit at once: the reload replaces nothing and says why.
+    let path = stack.supervisor.config_path();
+    let good = std::fs::read_to_string(path).unwrap();
+    let broken = good.replacen(
+        "[service.cluster]\n",
+        "[service.cluster]\ncommand = [\"sh\", \"-c\", \"exit 3\"]\n",
+        1,
+    );
+    std::fs::write(path, &broken).unwrap();
+    let output = Command::new(peregrine_path())
+        .arg("reload")
+        .arg(path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("ended before registering (exit code 3); the old one keeps serving"),
+        "{stdout}"
+    );
+    assert_eq!(stack.envoy_pids().0, old, "the old worker still serves");
+
+    // Back to the good config: nothing to replace, the old worker is still the one.
+    std::fs::write(path, &good).unwrap();
+    let out = stack.control("reload", &[]);
+    assert!(out.starts_with("0 replaced, 0 added, 0 removed, 0 failed"), "{out}");
+    stack.finish(load, 50, &old);
+}
