@@ -661,41 +661,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn refuses_status_to_another_user() {
+    async fn refuses_status_and_control_to_another_user() {
         use rustix::process::Uid;
         if !rustix::process::geteuid().is_root() {
             eprintln!(
-                "skipping refuses_status_to_another_user: making a socket of another user needs root"
+                "skipping refuses_status_and_control_to_another_user: making a socket of another user needs root"
             );
             return;
         }
-        let fx = Fixture::new();
-        // Credentials are per thread in the kernel: a thread that is briefly `nobody` makes a socket
-        // pair whose peer credentials say so. The thread ends right after.
-        let (server, client) = std::thread::spawn(|| {
-            rustix::thread::set_thread_res_uid(None, Some(Uid::from_raw(65534)), None).unwrap();
-            let pair = std::os::unix::net::UnixStream::pair();
-            rustix::thread::set_thread_res_uid(None, Some(Uid::ROOT), None).unwrap();
-            pair.unwrap()
-        })
-        .join()
-        .unwrap();
-        let tokio_stream = |s: std::os::unix::net::UnixStream| {
-            s.set_nonblocking(true).unwrap();
-            UnixStream::from_std(s).unwrap()
+        let restart = WorkerMessage {
+            message: Some(worker_message::Message::Control(v1::ControlRequest {
+                action: Some(v1::control_request::Action::Restart(v1::Restart::default())),
+            })),
         };
-        let (server, mut client) = (tokio_stream(server), tokio_stream(client));
-        let (registry, children) = (fx.registry.clone(), fx.children.clone());
-        let (commands, _) = mpsc::channel(1);
-        let served =
-            tokio::spawn(async move { handle(server, &registry, &children, &commands).await });
-        client.write_all(&encode(&status_request())).await.unwrap();
-        let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
-            Some(supervisor_message::Message::Refused(refused)) => refused.reason,
-            other => panic!("expected a refusal, got {other:?}"),
-        };
-        assert_eq!(reason, "peer uid 65534 is not the supervisor's uid 0");
-        assert!(matches!(served.await.unwrap(), Err(Closed::Refused(_))));
+        for request in [status_request(), restart] {
+            let fx = Fixture::new();
+            // Credentials are per thread in the kernel: a thread that is briefly `nobody` makes a
+            // socket pair whose peer credentials say so. The thread ends right after.
+            let (server, client) = std::thread::spawn(|| {
+                rustix::thread::set_thread_res_uid(None, Some(Uid::from_raw(65534)), None).unwrap();
+                let pair = std::os::unix::net::UnixStream::pair();
+                rustix::thread::set_thread_res_uid(None, Some(Uid::ROOT), None).unwrap();
+                pair.unwrap()
+            })
+            .join()
+            .unwrap();
+            let tokio_stream = |s: std::os::unix::net::UnixStream| {
+                s.set_nonblocking(true).unwrap();
+                UnixStream::from_std(s).unwrap()
+            };
+            let (server, mut client) = (tokio_stream(server), tokio_stream(client));
+            let (registry, children) = (fx.registry.clone(), fx.children.clone());
+            let (commands, mut received) = mpsc::channel(1);
+            let served =
+                tokio::spawn(async move { handle(server, &registry, &children, &commands).await });
+            client.write_all(&encode(&request)).await.unwrap();
+            let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
+                Some(supervisor_message::Message::Refused(refused)) => refused.reason,
+                other => panic!("expected a refusal, got {other:?}"),
+            };
+            assert_eq!(reason, "peer uid 65534 is not the supervisor's uid 0");
+            assert!(matches!(served.await.unwrap(), Err(Closed::Refused(_))));
+            assert!(
+                received.try_recv().is_err(),
+                "no command reached the run loop"
+            );
+        }
     }
 
     #[tokio::test]

@@ -355,6 +355,9 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     // Back to the good config: nothing to replace, the old worker is still the one.
     std::fs::write(path, &good).unwrap();
     let out = stack.control("reload", &[]);
-    assert!(out.starts_with("0 replaced, 0 added, 0 removed, 0 failed"), "{out}");
+    assert!(
+        out.starts_with("0 replaced, 0 added, 0 removed, 0 failed"),
+        "{out}"
+    );
     stack.finish(load, 50, &old);
 }
