@@ -7,6 +7,10 @@
 //! with an endpoint subscription) has reached a revision. CDS-only streams are tracked but never
 //! counted: draining is published in EDS.
 //!
+//! An Envoy whose endpoint stream just ended is still waited for, for [`RECONNECT_GRACE`]: Envoy
+//! replaces a changed cluster's EDS stream (and reconnects after a blip) within that time, and its new
+//! stream must ACK too. An Envoy that does not come back stops counting when the grace ends.
+//!
 //! Invariant: this module knows nothing of the protocol; the rules that move a synced revision live in
 //! the transport's pure per-stream state.
 
@@ -16,7 +20,7 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::Notify;
+use tokio::{sync::Notify, time::Instant};
 
 use super::transport::StreamKind;
 
@@ -24,9 +28,14 @@ use super::transport::StreamKind;
 #[derive(Debug, Default)]
 pub struct Acks {
     streams: Mutex<BTreeMap<u64, Tracked>>,
+    /// Nodes whose last endpoint stream ended, with when and what kind it was.
+    departed: Mutex<BTreeMap<String, (Instant, StreamKind)>>,
     /// Woken on every change of `streams`.
     changed: Notify,
 }
+
+/// How long an Envoy whose endpoint stream ended still counts as connected (see the module docs).
+pub const RECONNECT_GRACE: Duration = Duration::from_secs(1);
 
 /// One open endpoint-serving stream and how far it has ACKed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,24 +87,24 @@ impl Acks {
     /// like any other; a stream Envoy has not opened yet is not waited for (on dedicated streams Envoy
     /// opens a new EDS stream after a cluster changes, so wait on endpoint changes, as draining does).
     pub async fn wait_synced(&self, revision: u64, timeout: Duration) -> SyncOutcome {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = Instant::now() + timeout;
         loop {
             // Registered before looking, so a change between the look and the wait is not missed.
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let outcome = self.outcome(revision);
+            let (outcome, grace_ends) = self.outcome(revision);
             if outcome.is_synced() {
                 return outcome;
             }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                return self.outcome(revision);
+            // A departed Envoy's grace ending is a change too.
+            let wake = grace_ends.map_or(deadline, |at| at.min(deadline));
+            if tokio::time::timeout_at(wake, changed).await.is_err() && wake == deadline {
+                return self.outcome(revision).0;
             }
         }
     }
 
-    /// Every open endpoint-serving stream and how far it has ACKed (for logs and `peregrine status`),
-    /// by id.
     pub fn streams(&self) -> Vec<StreamSync> {
         self.lock()
             .values()
@@ -105,18 +114,35 @@ impl Acks {
     }
 
     /// The endpoint-serving streams split by whether they have ACKed `revision`.
-    fn outcome(&self, revision: u64) -> SyncOutcome {
-        let (synced, lagging): (Vec<_>, Vec<_>) = self
-            .streams()
+    /// Who has and who has not reached `revision`, and when the earliest grace of a departed Envoy
+    /// that still counts ends.
+    fn outcome(&self, revision: u64) -> (SyncOutcome, Option<Instant>) {
+        let streams = self.streams();
+        let now = Instant::now();
+        let mut departed = self.departed.lock().unwrap_or_else(|e| e.into_inner());
+        departed.retain(|_, (at, _)| *at + RECONNECT_GRACE > now);
+        let waiting: Vec<StreamSync> = departed
+            .iter()
+            .filter(|(node, _)| !streams.iter().any(|s| &s.node == *node))
+            .map(|(node, (_, kind))| StreamSync {
+                id: 0,
+                node: node.clone(),
+                kind: *kind,
+                synced_revision: None,
+            })
+            .collect();
+        let grace_ends = departed.values().map(|(at, _)| *at + RECONNECT_GRACE).min();
+        let (synced, mut lagging): (Vec<_>, Vec<_>) = streams
             .into_iter()
             .partition(|s| s.synced_revision.is_some_and(|r| r >= revision));
-        SyncOutcome {
+        lagging.extend(waiting);
+        let outcome = SyncOutcome {
             synced: synced.len(),
             lagging,
-        }
+        };
+        (outcome, grace_ends)
     }
 
-    /// Registers a stream that serves nothing yet; it stays until the returned guard is dropped.
     pub(crate) fn register(
         self: &Arc<Self>,
         id: u64,
@@ -180,7 +206,12 @@ impl Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         let removed = self.acks.lock().remove(&self.id);
-        if removed.is_some_and(|t| t.endpoints) {
+        if let Some(tracked) = removed.filter(|t| t.endpoints) {
+            self.acks
+                .departed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(tracked.sync.node, (Instant::now(), tracked.sync.kind));
             self.acks.changed.notify_waiters();
         }
     }
@@ -188,8 +219,6 @@ impl Drop for Registered {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
     use super::*;
 
     const LONG: Duration = Duration::from_secs(10);
@@ -259,7 +288,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn closing_a_stream_releases_a_waiter() {
+    async fn an_envoy_whose_stream_closed_is_waited_for_until_the_grace_ends() {
         let acks = acks();
         let stream = acks.register(1, "envoy".into(), StreamKind::Eds);
         stream.publish(true, None);
@@ -267,9 +296,13 @@ mod tests {
         tokio::pin!(waiter);
         assert!(futures::poll!(waiter.as_mut()).is_pending());
         drop(stream);
+        assert!(
+            futures::poll!(waiter.as_mut()).is_pending(),
+            "its next stream must ACK too"
+        );
         let started = Instant::now();
         let outcome = tokio::time::timeout(LONG, waiter).await.unwrap();
-        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(started.elapsed() < RECONNECT_GRACE + Duration::from_secs(1));
         assert_eq!(
             outcome,
             SyncOutcome {
@@ -278,5 +311,46 @@ mod tests {
             }
         );
         assert!(acks.streams().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reconnected_envoy_releases_a_waiter_once_its_new_stream_acked() {
+        let acks = acks();
+        let old = acks.register(1, "envoy".into(), StreamKind::Eds);
+        old.publish(true, Some(1));
+        let waiter = acks.wait_synced(2, LONG);
+        tokio::pin!(waiter);
+        drop(old);
+        let new = acks.register(2, "envoy".into(), StreamKind::Eds);
+        new.publish(true, None);
+        assert!(futures::poll!(waiter.as_mut()).is_pending());
+        new.publish(true, Some(2));
+        let outcome = tokio::time::timeout(Duration::from_millis(500), waiter)
+            .await
+            .expect("released by the ACK, not by the grace");
+        assert_eq!(outcome.synced, 1);
+        assert!(outcome.is_synced());
+    }
+
+    #[tokio::test]
+    async fn a_departed_envoy_that_never_returns_is_listed_as_lagging_only_during_the_grace() {
+        let acks = acks();
+        drop({
+            let stream = acks.register(1, "gone".into(), StreamKind::Ads);
+            stream.publish(true, Some(1));
+            stream
+        });
+        let outcome = acks.wait_synced(1, Duration::from_millis(10)).await;
+        assert_eq!(outcome.lagging.len(), 1);
+        assert_eq!(
+            (outcome.lagging[0].node.as_str(), outcome.lagging[0].kind),
+            ("gone", StreamKind::Ads)
+        );
+        tokio::time::sleep(RECONNECT_GRACE).await;
+        assert!(
+            acks.wait_synced(1, Duration::from_millis(10))
+                .await
+                .is_synced()
+        );
     }
 }
