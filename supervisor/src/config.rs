@@ -404,6 +404,24 @@ impl Checker<'_> {
         self.source[..end].bytes().filter(|&b| b == b'\n').count() + 1
     }
 
+    /// Sets `target` to `value` milliseconds if given and at least `min`; else reports `key`.
+    fn millis(&mut self, value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration) {
+        let Some(value) = value else {
+            return;
+        };
+        match u64::try_from(*value.get_ref()) {
+            Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
+            _ => self.report(
+                Some(value.span()),
+                key.to_owned(),
+                format!(
+                    "must be at least {min} (milliseconds), got {}",
+                    value.get_ref()
+                ),
+            ),
+        }
+    }
+
     fn report(&mut self, span: Option<Range<usize>>, key: String, message: impl Into<String>) {
         let line = span.map(|s| self.line_of(s));
         self.problems.push(Problem {
@@ -494,22 +512,9 @@ impl Config {
 impl Checker<'_> {
     fn orca(&mut self, raw: RawOrca, sample_interval: Duration) -> OrcaConfig {
         let mut orca = OrcaConfig::defaults_for(sample_interval);
-        let mut millis =
-            |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
-                if let Some(value) = value {
-                    match u64::try_from(*value.get_ref()) {
-                        Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
-                        _ => self.report(
-                            Some(value.span()),
-                            format!("orca.{key}"),
-                            format!(
-                                "must be at least {min} (milliseconds), got {}",
-                                value.get_ref()
-                            ),
-                        ),
-                    }
-                }
-            };
+        let mut millis = |value, key: &str, min, target: &mut Duration| {
+            self.millis(value, &format!("orca.{key}"), min, target)
+        };
         millis(
             raw.min_report_interval_ms,
             "min_report_interval_ms",
@@ -644,22 +649,9 @@ impl Checker<'_> {
             },
         };
         let mut lifecycle = Lifecycle::default();
-        let mut millis =
-            |value: Option<Spanned<i64>>, key: &str, min: u64, target: &mut Duration| {
-                if let Some(value) = value {
-                    match u64::try_from(*value.get_ref()) {
-                        Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
-                        _ => self.report(
-                            Some(value.span()),
-                            format!("supervisor.{key}"),
-                            format!(
-                                "must be at least {min} (milliseconds), got {}",
-                                value.get_ref()
-                            ),
-                        ),
-                    }
-                }
-            };
+        let mut millis = |value, key: &str, min, target: &mut Duration| {
+            self.millis(value, &format!("supervisor.{key}"), min, target)
+        };
         millis(
             raw.drain_timeout_ms,
             "drain_timeout_ms",
