@@ -1,7 +1,7 @@
 //! A real Envoy for tests, its admin API and the parser of admin `/clusters`.
 
 use std::{
-    collections::hash_map::RandomState,
+    collections::{BTreeSet, hash_map::RandomState},
     hash::{BuildHasher, Hasher},
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -142,6 +142,20 @@ impl Envoy {
             .admin_get(&format!("/stats?filter=^{}$", name.replace('.', "\\.")))
             .ok()?;
         stat_value(&text, name)
+    }
+
+    /// The pids of the hosts of `cluster` that Envoy routes to (healthy), and of all it lists, read from
+    /// the EDS hostnames (`<service>-<index>-<pid>`).
+    pub fn host_pids(&self, cluster: &str) -> anyhow::Result<(BTreeSet<u32>, BTreeSet<u32>)> {
+        let hosts = hosts(&self.admin_get("/clusters")?, cluster);
+        let pid = |hostname: &str| hostname.rsplit('-').next()?.parse().ok();
+        let healthy = hosts
+            .iter()
+            .filter(|h| h.healthy)
+            .filter_map(|h| pid(&h.hostname))
+            .collect();
+        let all = hosts.iter().filter_map(|h| pid(&h.hostname)).collect();
+        Ok((healthy, all))
     }
 
     /// Logs of the Envoy process.

@@ -32,6 +32,6 @@ pub use paths::{
 };
 pub use process::ChildGuard;
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
-pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};
+pub use supervisor::{Supervisor, base_config, gone, one_worker, sample_config, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

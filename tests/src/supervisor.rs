@@ -148,6 +148,18 @@ impl Supervisor {
         serde_json::from_str(&stdout).with_context(|| format!("status --json printed {stdout:?}"))
     }
 
+    /// The pids of the workers `peregrine status --json` lists.
+    pub fn status_pids(&self) -> anyhow::Result<std::collections::BTreeSet<u32>> {
+        let status = self.status_json()?;
+        let workers = status["workers"]
+            .as_array()
+            .with_context(|| format!("no workers in {status}"))?;
+        Ok(workers
+            .iter()
+            .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
+            .collect())
+    }
+
     /// `peregrine status` on this supervisor's config: the table it prints.
     pub fn status_table(&self) -> anyhow::Result<String> {
         status(&self.binary, &[self.config.as_os_str()])
@@ -232,6 +244,18 @@ pub fn workers_in(dir: &Path) -> Vec<u32> {
                 .then_some(pid)
         })
         .collect()
+}
+
+/// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
+/// by the test: a zombie counts as gone too.
+pub fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
 }
 
 /// Runs `binary status ARGS` and returns its stdout; an error if it fails.

@@ -10,7 +10,7 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Load, LoadReport, Supervisor, envoy_or_skip, free_port, hosts, peregrine_path,
+    Envoy, Load, LoadReport, Supervisor, envoy_or_skip, free_port, gone, peregrine_path,
     sample_config, wait_until,
 };
 
@@ -45,15 +45,9 @@ impl Stack {
 
     /// The pids of the `cluster` hosts Envoy routes to (healthy), and of all it lists.
     fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
-        let hosts = hosts(&self.envoy.clusters(), "cluster");
-        let pid = |hostname: &str| hostname.rsplit('-').next()?.parse().ok();
-        let healthy = hosts
-            .iter()
-            .filter(|h| h.healthy)
-            .filter_map(|h| pid(&h.hostname))
-            .collect();
-        let all = hosts.iter().filter_map(|h| pid(&h.hostname)).collect();
-        (healthy, all)
+        self.envoy
+            .host_pids("cluster")
+            .expect("Envoy's admin /clusters")
     }
 
     /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`; returns their
@@ -147,17 +141,6 @@ impl Stack {
             report.by_pid
         );
         report
-    }
-}
-
-fn gone(pid: u32) -> bool {
-    // A worker adopted from a killed supervisor is reaped by init: a zombie is gone too.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
     }
 }
 
@@ -272,12 +255,7 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
     stack.supervisor.kill_and_start_again().unwrap();
     // The same processes serve, registered with the new supervisor.
     let registered = wait_until(STEP, "the workers to register again", || {
-        let status = stack.supervisor.status_json().ok()?;
-        let pids: BTreeSet<u32> = status["workers"]
-            .as_array()?
-            .iter()
-            .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
-            .collect();
+        let pids = stack.supervisor.status_pids().ok()?;
         (pids.len() == 2).then_some(pids)
     });
     assert_eq!(registered, workers, "the same worker pids are adopted");

@@ -12,10 +12,14 @@
 //!   robin, least request and ORCA-weighted round robin through the real Envoy while one worker's core
 //!   is shared with a CPU hog, or the worker gets CPU-heavy requests past Envoy; with a plot of the
 //!   shares, utilizations and weights over time ([`balance`]).
+//! - `lifecycle [--rounds N] [--batches N,N...]`: a rolling restart of 8 workers (`restart_batch` 1 and
+//!   4) and a SIGKILLed supervisor adopting its workers again, under load through the real Envoy
+//!   ([`lifecycle`]).
 
 mod balance;
 mod hashing;
 mod http;
+mod lifecycle;
 mod parse;
 mod sampler;
 
@@ -33,13 +37,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("sampler") => sampler::run(&args[1..]),
         Some("hashing") => hashing::run(&args[1..]),
         Some("balance") => balance::run(&args[1..]),
+        Some("lifecycle") => lifecycle::run(&args[1..]),
         Some(other) => {
             bail!(
-                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing` or `balance`"
+                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance` or `lifecycle`"
             )
         }
         None => bail!(
-            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing` or `balance`"
+            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing`, `balance` or `lifecycle`"
         ),
     }
 }

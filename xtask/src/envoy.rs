@@ -64,6 +64,16 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The version part of [`version`] (`<sha>/1.40.0/Clean/RELEASE/BoringSSL`), for reports: `envoy
+/// --version` prints the binary's path first.
+pub(crate) fn short_version(envoy: &Path) -> anyhow::Result<String> {
+    let version = version(envoy)?;
+    Ok(version
+        .split_once("version: ")
+        .map_or(version.as_str(), |(_, version)| version)
+        .to_owned())
+}
+
 /// `envoy --version`, trimmed (e.g. `envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`).
 pub(crate) fn version(envoy: &Path) -> anyhow::Result<String> {
     let output = Command::new(envoy)

@@ -49,6 +49,10 @@ commands:
                         core shared with a CPU hog, then with CPU-heavy requests sent past Envoy (3
                         rounds of 5 s warm-up + 10 s, 60% load, 4 ms requests); tables, and a plot in
                         target/bench/balance.png (matplotlib, pip-installed into target/bench/venv)
+  bench lifecycle [--rounds N] [--batches N,N...]
+                        under HTTP/1.1 and HTTP/2 load through Envoy: `peregrine restart` of 8 workers per
+                        restart_batch (1,4), and a SIGKILLed supervisor adopting them again (3 rounds each);
+                        fails if any request failed
 ";
 
 fn main() -> ExitCode {

@@ -367,7 +367,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             runs,
             started.elapsed(),
             sampler,
-            envoy::version(&envoy_binary)?,
+            envoy::short_version(&envoy_binary)?,
         ))
     })();
     let (runs, elapsed, status, envoy_version) = match result {
@@ -387,14 +387,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         options.rounds, options.warmup, options.duration
     )?;
     machine_lines(&mut report, &cpu_line)?;
-    // `envoy --version` prints the binary's path first: keep the version.
-    writeln!(
-        report,
-        "Envoy: {}",
-        envoy_version
-            .split_once("version: ")
-            .map_or(envoy_version.as_str(), |(_, version)| version)
-    )?;
+    writeln!(report, "Envoy: {envoy_version}")?;
     writeln!(
         report,
         "Sampler: {}, every {} ms",

@@ -157,8 +157,9 @@ fn number(text: &str) -> anyhow::Result<f64> {
     }
 }
 
-/// A time as both tools print it: a number with `ns`, `us`, `ms`, `s`, `m` or `h`.
-fn duration(text: &str) -> anyhow::Result<Duration> {
+/// A time as both tools print it, or as Rust's `Debug` of a `Duration` does (`12.3µs`): a number
+/// with `ns`, `us`, `µs`, `ms`, `s`, `m` or `h`.
+pub(crate) fn duration(text: &str) -> anyhow::Result<Duration> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
