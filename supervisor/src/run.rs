@@ -39,7 +39,7 @@ use crate::{
 };
 
 /// How long xDS waits at start for adopted workers to register again (they retry at least every
-/// second).
+/// 100 ms).
 pub const ADOPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the supervisor could not run.

@@ -317,8 +317,9 @@ impl fmt::Debug for Registration {
 impl Backoff {
     /// The first delay.
     pub const FIRST: Duration = Duration::from_millis(20);
-    /// The longest delay.
-    pub const MAX: Duration = Duration::from_secs(1);
+    /// The longest delay: a failed connect to a local socket costs microseconds, and a supervisor
+    /// that comes back should not wait for its workers.
+    pub const MAX: Duration = Duration::from_millis(100);
 
     /// The delay before the next attempt; each call doubles the one after, up to [`Backoff::MAX`].
     pub fn next_delay(&mut self) -> Duration {
@@ -340,16 +341,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_backoff_doubles_from_20ms_up_to_a_second() {
+    fn the_backoff_doubles_from_20ms_up_to_100ms() {
         let mut backoff = Backoff::default();
         let delays: Vec<Duration> = (0..9).map(|_| backoff.next_delay()).collect();
         let millis = |ms: &[u64]| -> Vec<Duration> {
             ms.iter().copied().map(Duration::from_millis).collect()
         };
-        assert_eq!(
-            delays,
-            millis(&[20, 40, 80, 160, 320, 640, 1000, 1000, 1000])
-        );
+        assert_eq!(delays, millis(&[20, 40, 80, 100, 100, 100, 100, 100, 100]));
     }
 
     #[test]
