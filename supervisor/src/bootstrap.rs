@@ -218,9 +218,21 @@ static_resources:
     out
 }
 
+/// The first delay before Envoy reconnects an xDS stream to the supervisor.
+pub const XDS_RETRY_BASE: std::time::Duration = std::time::Duration::from_millis(100);
+/// The longest delay between Envoy's attempts to reconnect an xDS stream.
+pub const XDS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The body of `dynamic_resources`: dedicated CDS, or ADS with CDS over it.
 fn dynamic_resources(input: &BootstrapInput) -> String {
     let cluster = quote(&input.xds_cluster_name);
+    // A supervisor that restarts is back within a second: Envoy reconnects sooner than its default
+    // backoff (500 ms, up to 30 s) would let it (the EDS config source in every cluster says the same).
+    let retry = format!(
+        "retry_policy: {{ retry_back_off: {{ base_interval: {}s, max_interval: {}s }} }}",
+        XDS_RETRY_BASE.as_secs_f64(),
+        XDS_RETRY_MAX.as_secs_f64()
+    );
     if input.ads {
         format!(
             "  ads_config:
@@ -229,6 +241,7 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
     grpc_services:
       - envoy_grpc:
           cluster_name: {cluster}
+          {retry}
   cds_config:
     resource_api_version: V3
     ads: {{}}
@@ -244,6 +257,7 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
       grpc_services:
         - envoy_grpc:
             cluster_name: {cluster}
+            {retry}
 "
         )
     }

@@ -19,9 +19,9 @@ use envoy_types::pb::{
                 load_balancing_policy::Policy,
             },
             core::v3::{
-                AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, GrpcService,
-                HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Metadata, Pipe,
-                SocketAddress, TypedExtensionConfig, address,
+                AggregatedConfigSource, ApiConfigSource, ApiVersion, BackoffStrategy, ConfigSource,
+                GrpcService, HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Metadata,
+                Pipe, RetryPolicy, SocketAddress, TypedExtensionConfig, address,
                 api_config_source::ApiType,
                 config_source::ConfigSourceSpecifier,
                 grpc_service::{EnvoyGrpc, TargetSpecifier},
@@ -384,6 +384,14 @@ fn config_source(source: &EdsSource) -> ConfigSource {
                 grpc_services: vec![GrpcService {
                     target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
                         cluster_name: xds_cluster.clone(),
+                        // As in the bootstrap: reconnect to a restarted supervisor quickly.
+                        retry_policy: Some(RetryPolicy {
+                            retry_back_off: Some(BackoffStrategy {
+                                base_interval: Some(duration(crate::bootstrap::XDS_RETRY_BASE)),
+                                max_interval: Some(duration(crate::bootstrap::XDS_RETRY_MAX)),
+                            }),
+                            ..Default::default()
+                        }),
                         ..Default::default()
                     })),
                     ..Default::default()
@@ -486,6 +494,19 @@ mod tests {
                             grpc_services: vec![GrpcService {
                                 target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
                                     cluster_name: "xds_cluster".into(),
+                                    retry_policy: Some(RetryPolicy {
+                                        retry_back_off: Some(BackoffStrategy {
+                                            base_interval: Some(PbDuration {
+                                                seconds: 0,
+                                                nanos: 100_000_000,
+                                            }),
+                                            max_interval: Some(PbDuration {
+                                                seconds: 2,
+                                                nanos: 0,
+                                            }),
+                                        }),
+                                        ..Default::default()
+                                    }),
                                     ..Default::default()
                                 })),
                                 ..Default::default()
