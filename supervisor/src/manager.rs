@@ -572,7 +572,9 @@ impl Manager {
             restarts: 0,
         };
         let span = tracing::info_span!("slot", service = %slot.service, index = slot.index);
-        let current = adopted.map(|a| a.into_instance(&slot, &self.context));
+        let current = adopted
+            .map(|a| a.into_instance(&slot, &self.context))
+            .transpose()?;
         self.tasks.spawn(task.run(current).instrument(span));
         self.slots.insert(
             slot,
@@ -826,14 +828,17 @@ pub struct Adopted {
 }
 
 impl Adopted {
-    fn into_instance(self, slot: &Slot, context: &Context) -> Instance {
+    fn into_instance(self, slot: &Slot, context: &Context) -> io::Result<Instance> {
         let lane = context
             .lanes
             .take()
-            .expect("a supervisor has more lanes than adopted workers");
+            .ok_or_else(|| io::Error::other("every counter lane is in use"))?;
         let counter = self
             .counter
             .unwrap_or_else(|| CounterRef::new(context.counters.clone(), lane.index()));
+        // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
+        // dropped; it is never closed or replaced while registered.
+        let pidfd = unsafe { AsyncFd::register(self.pidfd) }.map_err(io::Error::from)?;
         context.children.lock().insert(
             self.pid,
             Child {
@@ -842,15 +847,12 @@ impl Adopted {
                 counter,
             },
         );
-        Instance {
+        Ok(Instance {
             pid: self.pid,
-            // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
-            // dropped; it is never closed or replaced while registered.
-            pidfd: unsafe { AsyncFd::register(self.pidfd) }
-                .expect("a pidfd can be registered with the reactor"),
+            pidfd,
             lane,
             started: Instant::now(),
-        }
+        })
     }
 }
 
@@ -896,6 +898,11 @@ enum Registration {
 }
 
 impl SlotTask {
+    /// Whether the supervisor is stopping (the flag is set, or its sender is gone).
+    fn stopping(&self) -> bool {
+        *self.shutdown.borrow() || self.shutdown.has_changed().is_err()
+    }
+
     async fn run(mut self, mut current: Option<Instance>) {
         self.context
             .registry
@@ -903,7 +910,7 @@ impl SlotTask {
         let healthy_after = self.backoff.policy().healthy_after;
         let mut healthy_at = current.as_ref().map(|i| i.started + healthy_after);
         loop {
-            if *self.shutdown.borrow() {
+            if self.stopping() {
                 if let Some(instance) = current.take() {
                     self.retire(instance, "the supervisor is stopping").await;
                 }
@@ -931,7 +938,7 @@ impl SlotTask {
                 exit = exited(&instance.pidfd) => Event::Exited(exit),
                 () = sleep_until_some(healthy_at) => Event::Healthy,
                 command = recv(&mut self.commands) => Event::Command(command),
-                _ = self.shutdown.changed() => Event::Shutdown,
+                () = stopped(&mut self.shutdown) => Event::Shutdown,
             };
             match event {
                 Event::Shutdown => {}
@@ -948,7 +955,7 @@ impl SlotTask {
                     let uptime = instance.started.elapsed();
                     let exit = self.reap(instance, exit);
                     healthy_at = None;
-                    if *self.shutdown.borrow() {
+                    if self.stopping() {
                         return;
                     }
                     let command = self.pause_after_exit(uptime, exit).await;
@@ -1059,7 +1066,7 @@ impl SlotTask {
         let commands = &mut self.commands;
         tokio::select! {
             _ = tokio::time::sleep(delay) => None,
-            _ = self.shutdown.changed() => None,
+            () = stopped(&mut self.shutdown) => None,
             command = recv(commands) => {
                 if command.is_none() {
                     *commands = None;
@@ -1175,11 +1182,7 @@ impl SlotTask {
                     tracing::warn!(?uptime, "The worker being replaced exited before its successor registered");
                 }
                 () = tokio::time::sleep_until(deadline) => return Registration::TimedOut,
-                _ = self.shutdown.changed() => {
-                    if *self.shutdown.borrow() {
-                        return Registration::Shutdown;
-                    }
-                }
+                () = stopped(&mut self.shutdown) => return Registration::Shutdown,
             }
         }
     }
@@ -1243,6 +1246,11 @@ impl SlotTask {
             }
         }
     }
+}
+
+/// Resolves once the supervisor is stopping: the flag is set, or its sender is gone.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 /// The next command, or never once the channel is gone.
