@@ -5,7 +5,8 @@
 //!
 //! `peregrine` is built in the debug profile: the demo shows how fast endpoints converge, not request
 //! throughput, and a debug build is much quicker to make (and shared with the tests). Every child runs in
-//! a guard that kills its process group on drop, so nothing outlives the demo, even on error.
+//! a guard that kills its process group on drop, and the supervisor's guard also kills its workers (found
+//! by their environment), so nothing outlives the demo, even on error.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
