@@ -29,8 +29,17 @@ struct Stack {
 
 impl Stack {
     fn start(workers: u32) -> Stack {
+        Stack::start_with(workers, "")
+    }
+
+    /// Like [`Stack::start`], with `envoy_extra` added to the `[envoy]` table (e.g. `ads = true`).
+    fn start_with(workers: u32, envoy_extra: &str) -> Stack {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers);
+        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers).replacen(
+            "[envoy]\n",
+            &format!("[envoy]\n{envoy_extra}"),
+            1,
+        );
         let supervisor = Supervisor::start(&config);
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);
@@ -149,7 +158,19 @@ fn a_rolling_restart_under_load_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_under_load_loses_no_request").is_none() {
         return;
     }
-    let mut stack = Stack::start(3);
+    rolling_restarts(Stack::start(3));
+}
+
+#[test]
+fn a_rolling_restart_over_ads_loses_no_request() {
+    if envoy_or_skip("a_rolling_restart_over_ads_loses_no_request").is_none() {
+        return;
+    }
+    rolling_restarts(Stack::start_with(3, "ads = true\n"));
+}
+
+/// `peregrine restart`, then SIGHUP, under load: each replaces all 3 workers, and no request fails.
+fn rolling_restarts(mut stack: Stack) {
     let first = stack.wait_for_workers(3, &BTreeSet::new());
     let load = stack.load();
 
@@ -178,6 +199,18 @@ fn a_rolling_restart_under_load_loses_no_request() {
     wait_until(STEP, "the old workers to exit after SIGHUP", || {
         second.iter().all(|pid| gone(*pid)).then_some(())
     });
+
+    // Every drain waited for Envoy's ACK of the DRAINING state, and got it.
+    let logs = stack.supervisor.all_logs();
+    let acked = logs
+        .lines()
+        .filter(|l| l.contains("Every Envoy has the worker as draining") && l.contains("streams=1"))
+        .count();
+    assert_eq!(
+        acked, 6,
+        "six drains, each ACKed by Envoy's one stream:\n{logs}"
+    );
+    assert!(!logs.contains("Not every Envoy ACKed"), "{logs}");
 
     let all: BTreeSet<u32> = replaced.union(&third).copied().collect();
     let report = stack.finish(load, 50, &all);
