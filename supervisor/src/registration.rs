@@ -40,6 +40,7 @@ use crate::{
     manager::{Children, Slot},
     registry::{Address, Protocol, Registry, Worker},
     status,
+    xds::acks::Acks,
 };
 
 /// How long a new connection may take to send its registration.
@@ -102,13 +103,14 @@ pub async fn serve(
     listener: UnixListener,
     registry: Arc<Registry>,
     children: Arc<Children>,
+    acks: Arc<Acks>,
     commands: Commands,
 ) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 let (registry, children) = (registry.clone(), children.clone());
-                let commands = commands.clone();
+                let (acks, commands) = (acks.clone(), commands.clone());
                 let cred = stream.peer_cred().ok();
                 let span = tracing::info_span!(
                     "registration",
@@ -117,7 +119,7 @@ pub async fn serve(
                 );
                 tokio::spawn(
                     async move {
-                        match handle(stream, &registry, &children, &commands).await {
+                        match handle(stream, &registry, &children, &acks, &commands).await {
                             Ok(()) => {}
                             // A connect-and-close (e.g. a second supervisor probing the socket).
                             Err(reason @ Closed::EarlyEof) => {
@@ -161,6 +163,7 @@ async fn handle(
     mut stream: UnixStream,
     registry: &Registry,
     children: &Children,
+    acks: &Acks,
     commands: &Commands,
 ) -> Result<(), Closed> {
     let mut buf = BytesMut::with_capacity(1024);
@@ -173,7 +176,7 @@ async fn handle(
         };
     let message = match message.message {
         Some(worker_message::Message::Status(_)) => {
-            return answer_status(&mut stream, registry).await;
+            return answer_status(&mut stream, registry, acks).await;
         }
         Some(worker_message::Message::Control(request)) => {
             return answer_control(&mut stream, request, commands).await;
@@ -211,7 +214,11 @@ async fn handle(
 }
 
 /// Answers a status request from a process of the supervisor's user; the caller then closes.
-async fn answer_status(stream: &mut UnixStream, registry: &Registry) -> Result<(), Closed> {
+async fn answer_status(
+    stream: &mut UnixStream,
+    registry: &Registry,
+    acks: &Acks,
+) -> Result<(), Closed> {
     if let Err(reason) = same_user(stream) {
         return Err(refuse(stream, reason).await);
     }
@@ -220,6 +227,7 @@ async fn answer_status(stream: &mut UnixStream, registry: &Registry) -> Result<(
         &registry.slots(),
         &registry.loads(),
         &registry.orca_streams(),
+        &acks.streams(),
     );
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Status(report)),
@@ -447,6 +455,7 @@ mod tests {
                 bind(&path).unwrap(),
                 registry.clone(),
                 children.clone(),
+                Arc::default(),
                 commands,
             ));
             Fixture {
@@ -693,8 +702,9 @@ mod tests {
             let (server, mut client) = (tokio_stream(server), tokio_stream(client));
             let (registry, children) = (fx.registry.clone(), fx.children.clone());
             let (commands, mut received) = mpsc::channel(1);
-            let served =
-                tokio::spawn(async move { handle(server, &registry, &children, &commands).await });
+            let served = tokio::spawn(async move {
+                handle(server, &registry, &children, &Acks::default(), &commands).await
+            });
             client.write_all(&encode(&request)).await.unwrap();
             let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
                 Some(supervisor_message::Message::Refused(refused)) => refused.reason,

@@ -274,6 +274,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         registrations,
         registry.clone(),
         children.clone(),
+        acks.clone(),
         commands_tx,
     ));
     // Envoy keeps the endpoints it has while no control plane answers; it must not get a set without

@@ -26,7 +26,10 @@ use peregrine_proto::{
 };
 use serde::Serialize;
 
-use crate::registry::{Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot, WorkerLoad};
+use crate::{
+    registry::{Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot, WorkerLoad},
+    xds::acks::StreamSync,
+};
 
 /// How long [`query`] waits for the supervisor at each step.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -37,6 +40,7 @@ pub fn report(
     slots: &Slots,
     loads: &Loads,
     orca: &OrcaByHostname,
+    streams: &[StreamSync],
 ) -> v1::Status {
     // Every slot the manager runs, and every registered worker instance (a slot being replaced has a
     // serving one and a draining one; the slot's restart record goes with each).
@@ -80,6 +84,16 @@ pub fn report(
     v1::Status {
         sampler,
         sample_interval_ms,
+        revision: snapshot.revision,
+        xds_streams: streams
+            .iter()
+            .map(|s| v1::XdsStream {
+                id: s.id,
+                node: s.node.clone(),
+                kind: s.kind.to_string(),
+                synced_revision: s.synced_revision,
+            })
+            .collect(),
         workers: rows
             .into_iter()
             .map(|((service, index, _), row)| ((service, index), row))
@@ -266,6 +280,23 @@ pub struct StatusView {
     pub sample_interval_ms: Option<u64>,
     /// One row per worker slot.
     pub workers: Vec<WorkerRow>,
+    /// The registry's revision (one more with every endpoint change).
+    pub revision: u64,
+    /// Envoy's open endpoint streams and the revision each has ACKed.
+    pub xds_streams: Vec<XdsStreamView>,
+}
+
+/// One of Envoy's xDS streams that serve endpoints.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct XdsStreamView {
+    /// The stream's id, as in the logs.
+    pub id: u64,
+    /// Envoy's node id.
+    pub node: String,
+    /// `eds` or `ads`.
+    pub kind: String,
+    /// The highest revision Envoy has ACKed on it, `null` before its first ACK.
+    pub synced_revision: Option<u64>,
 }
 
 /// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
@@ -326,6 +357,29 @@ pub struct OrcaReportView {
     pub sent_at_unix_ms: u64,
 }
 
+impl StatusView {
+    /// `xds: revision 12; envoy-a (eds) synced 12, envoy-b (ads) synced 11`, or no Envoy connected.
+    fn xds_line(&self) -> String {
+        if self.xds_streams.is_empty() {
+            return format!(
+                "xds: revision {}; no Envoy connected for endpoints\n",
+                self.revision
+            );
+        }
+        let streams: Vec<String> = self
+            .xds_streams
+            .iter()
+            .map(|s| {
+                let synced = s
+                    .synced_revision
+                    .map_or_else(|| "not synced yet".to_owned(), |r| format!("synced {r}"));
+                format!("{} ({}) {synced}", s.node, s.kind)
+            })
+            .collect();
+        format!("xds: revision {}; {}\n", self.revision, streams.join(", "))
+    }
+}
+
 impl From<v1::Status> for StatusView {
     fn from(status: v1::Status) -> Self {
         let running = !status.sampler.is_empty();
@@ -333,6 +387,17 @@ impl From<v1::Status> for StatusView {
             sampler: running.then_some(status.sampler),
             sample_interval_ms: running.then_some(status.sample_interval_ms),
             workers: status.workers.into_iter().map(WorkerRow::from).collect(),
+            revision: status.revision,
+            xds_streams: status
+                .xds_streams
+                .into_iter()
+                .map(|s| XdsStreamView {
+                    id: s.id,
+                    node: s.node,
+                    kind: s.kind,
+                    synced_revision: s.synced_revision,
+                })
+                .collect(),
         }
     }
 }
@@ -389,6 +454,7 @@ impl StatusView {
             (Some(sampler), Some(ms)) => format!("sampler: {sampler}, every {ms} ms\n"),
             _ => "sampler: not running\n".to_owned(),
         };
+        out.push_str(&self.xds_line());
         let header = [
             "SERVICE",
             "WORKER",
@@ -476,6 +542,7 @@ mod tests {
     use crate::{
         registry::{Address, Protocol, Registry, SamplerInfo, Worker},
         sampler::SamplerKind,
+        xds::transport::StreamKind,
     };
 
     fn load(service: &str, index: u32, pid: u32, sampled: bool) -> WorkerLoad {
@@ -549,6 +616,7 @@ mod tests {
             &registry.slots(),
             &registry.loads(),
             &registry.orca_streams(),
+            &[],
         );
         assert_eq!(
             (status.sampler.as_str(), status.sample_interval_ms),
@@ -603,6 +671,7 @@ mod tests {
             &registry.slots(),
             &registry.loads(),
             &registry.orca_streams(),
+            &[],
         ));
         let web0: Vec<(Option<u32>, &str, bool)> = view
             .workers
@@ -620,15 +689,31 @@ mod tests {
     #[test]
     fn the_table_aligns_columns_and_dashes_the_unknown() {
         let registry = registry();
+        let streams = [
+            StreamSync {
+                id: 3,
+                node: "envoy-a".into(),
+                kind: StreamKind::Eds,
+                synced_revision: Some(2),
+            },
+            StreamSync {
+                id: 4,
+                node: "envoy-b".into(),
+                kind: StreamKind::Ads,
+                synced_revision: None,
+            },
+        ];
         let view = StatusView::from(report(
             &registry.snapshot(),
             &registry.slots(),
             &registry.loads(),
             &registry.orca_streams(),
+            &streams,
         ));
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
+xds: revision 2; envoy-a (eds) synced 2, envoy-b (ads) not synced yet
 SERVICE  WORKER  PID  STATE       ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
 api           1  300  ready       unix:/run/api-1.sock          -          -      -         -       -         2
 web           0  100  ready       [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0
@@ -645,6 +730,7 @@ web           1    -  crash-loop  -                             -          -    
             &registry.slots(),
             &registry.loads(),
             &registry.orca_streams(),
+            &[],
         ));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["sampler"], "procfs");
@@ -671,11 +757,14 @@ web           1    -  crash-loop  -                             -          -    
         assert_eq!(json["workers"][2]["restart_delay_ms"], 6400);
         assert_eq!(json["workers"][1]["state"], "ready");
         assert!(json["workers"][1]["last_exit"].is_null());
+        assert_eq!(json["revision"], 2);
+        assert_eq!(json["xds_streams"], serde_json::json!([]));
 
         let idle = StatusView::from(v1::Status::default());
         assert_eq!(
             idle.table(),
-            "sampler: not running\nSERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
+            "sampler: not running\nxds: revision 0; no Envoy connected for endpoints\n\
+             SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
     }

@@ -200,6 +200,13 @@ fn rolling_restarts(mut stack: Stack) {
         second.iter().all(|pid| gone(*pid)).then_some(())
     });
 
+    // `peregrine status` shows Envoy's stream, in step with the registry.
+    wait_until(STEP, "Envoy's stream synced at the registry's revision", || {
+        let status = stack.supervisor.status_json().ok()?;
+        let streams = status["xds_streams"].as_array()?;
+        (streams.len() == 1 && streams[0]["synced_revision"] == status["revision"]).then_some(())
+    });
+
     // Every drain waited for Envoy's ACK of the DRAINING state, and got it.
     let logs = stack.supervisor.all_logs();
     let acked = logs

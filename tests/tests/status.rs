@@ -139,6 +139,13 @@ fn counts_every_request_and_follows_a_restart(sampler_kind: &str) {
         "{table}"
     );
     assert!(
+        lines
+            .next()
+            .unwrap()
+            .ends_with("no Envoy connected for endpoints"),
+        "{table}"
+    );
+    assert!(
         lines.next().unwrap().starts_with("SERVICE  WORKER"),
         "{table}"
     );
