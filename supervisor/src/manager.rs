@@ -27,7 +27,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use peregrine_worker::settings::{CounterSlot, Settings};
+use peregrine_worker::{
+    settings::{CounterSlot, Settings},
+    url::BindUrl,
+};
 use rustix::{
     io::FdFlags,
     process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions},
@@ -1014,7 +1017,16 @@ impl SlotTask {
     ) -> Result<Replaced, String> {
         let previous = launch.map(|launch| std::mem::replace(&mut self.launch, *launch));
         let old = current.as_ref().map(|i| i.pid);
-        match self.replace(current).await {
+        let old_url = previous
+            .as_ref()
+            .unwrap_or(&self.launch)
+            .settings
+            .url
+            .clone();
+        let exclusive = current.is_some()
+            && old_url == self.launch.settings.url
+            && fixed_address(&self.launch.settings.url);
+        match self.replace(current, exclusive).await {
             Ok(new) => Ok(Replaced {
                 slot: self.slot.clone(),
                 old,
@@ -1112,7 +1124,24 @@ impl SlotTask {
 
     /// Starts a new worker and, once it has registered, drains and stops `current`; returns the new
     /// worker's pid. If the new worker fails, `current` keeps serving.
-    async fn replace(&mut self, current: &mut Option<Instance>) -> Result<u32, String> {
+    ///
+    /// A worker with a fixed address (a given TCP port, a Unix path) cannot run beside a successor at
+    /// the same address (no SO_REUSEPORT, and a live Unix socket is not taken over): then `current` is
+    /// drained and stopped first, and the slot is empty until the new worker registers (the service's
+    /// other workers carry its traffic).
+    async fn replace(
+        &mut self,
+        current: &mut Option<Instance>,
+        exclusive: bool,
+    ) -> Result<u32, String> {
+        let keeps_serving = if exclusive {
+            if let Some(old) = current.take() {
+                self.retire(old, "its successor needs its address").await;
+            }
+            "the slot is restarted with backoff"
+        } else {
+            "the old one keeps serving"
+        };
         let new = self
             .start()
             .await
@@ -1122,14 +1151,14 @@ impl SlotTask {
             Registration::Exited(exit) => {
                 let exit = self.reap(new, exit);
                 return Err(format!(
-                    "the new worker ended before registering ({exit}); the old one keeps serving"
+                    "the new worker ended before registering ({exit}); {keeps_serving}"
                 ));
             }
             Registration::TimedOut => {
                 let timeout = self.lifecycle.register_timeout;
                 self.retire(new, "it did not register in time").await;
                 return Err(format!(
-                    "the new worker did not register within {timeout:?}; the old one keeps serving"
+                    "the new worker did not register within {timeout:?}; {keeps_serving}"
                 ));
             }
             Registration::Shutdown => {
@@ -1245,6 +1274,14 @@ impl SlotTask {
                 format!("lost track of it: {error}")
             }
         }
+    }
+}
+
+/// Whether two workers cannot listen on `url` at once: a given TCP port, or a Unix socket path.
+fn fixed_address(url: &BindUrl) -> bool {
+    match url {
+        BindUrl::Tcp { port, .. } => *port != 0,
+        BindUrl::Unix { .. } => true,
     }
 }
 

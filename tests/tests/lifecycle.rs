@@ -34,12 +34,20 @@ impl Stack {
 
     /// Like [`Stack::start`], with `envoy_extra` added to the `[envoy]` table (e.g. `ads = true`).
     fn start_with(workers: u32, envoy_extra: &str) -> Stack {
+        Stack::start_at(workers, envoy_extra, "http://localhost:0")
+    }
+
+    /// Like [`Stack::start_with`], with the workers bound to `url` (`{dir}` is the supervisor's
+    /// directory).
+    fn start_at(workers: u32, envoy_extra: &str, url: &str) -> Stack {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers).replacen(
-            "[envoy]\n",
-            &format!("[envoy]\n{envoy_extra}"),
-            1,
-        );
+        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers)
+            .replacen("[envoy]\n", &format!("[envoy]\n{envoy_extra}"), 1)
+            .replacen(
+                "url = \"http://localhost:0\"",
+                &format!("url = \"{url}\""),
+                1,
+            );
         let supervisor = Supervisor::start(&config);
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);
@@ -169,6 +177,16 @@ fn a_rolling_restart_over_ads_loses_no_request() {
     rolling_restarts(Stack::start_with(3, "ads = true\n"));
 }
 
+#[test]
+fn a_rolling_restart_of_workers_on_unix_sockets_loses_no_request() {
+    if envoy_or_skip("a_rolling_restart_of_workers_on_unix_sockets_loses_no_request").is_none() {
+        return;
+    }
+    // A Unix socket path is the worker's fixed address: each worker is drained and stopped before its
+    // successor binds the same path, while the other workers serve.
+    rolling_restarts(Stack::start_at(3, "", "unix://{dir}/w-{index}.sock"));
+}
+
 /// `peregrine restart`, then SIGHUP, under load: each replaces all 3 workers, and no request fails.
 fn rolling_restarts(mut stack: Stack) {
     let first = stack.wait_for_workers(3, &BTreeSet::new());
@@ -201,11 +219,16 @@ fn rolling_restarts(mut stack: Stack) {
     });
 
     // `peregrine status` shows Envoy's stream, in step with the registry.
-    wait_until(STEP, "Envoy's stream synced at the registry's revision", || {
-        let status = stack.supervisor.status_json().ok()?;
-        let streams = status["xds_streams"].as_array()?;
-        (streams.len() == 1 && streams[0]["synced_revision"] == status["revision"]).then_some(())
-    });
+    wait_until(
+        STEP,
+        "Envoy's stream synced at the registry's revision",
+        || {
+            let status = stack.supervisor.status_json().ok()?;
+            let streams = status["xds_streams"].as_array()?;
+            (streams.len() == 1 && streams[0]["synced_revision"] == status["revision"])
+                .then_some(())
+        },
+    );
 
     // Every drain waited for Envoy's ACK of the DRAINING state, and got it.
     let logs = stack.supervisor.all_logs();
