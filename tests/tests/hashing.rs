@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
     Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, moved,
-    route_keys, try_wait_until, wait_for_slots, worker_pid,
+    peregrine_path, route_keys, try_wait_until, wait_for_slots, worker_pid,
 };
 
 const KEYS: usize = 1000;
@@ -87,17 +87,29 @@ fn growing_from_three_to_four_workers_moves_about_a_quarter_of_the_keys() {
         return;
     };
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let mut three = Supervisor::start(&config(grpc, listen, admin, 3));
-    let envoy = Envoy::start(&three.envoy_bootstrap().expect("bootstrap"));
+    let supervisor = Supervisor::start(&config(grpc, listen, admin, 3));
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let listen_addr = SocketAddr::from(([127, 0, 0, 1], listen));
-    let slots = wait_for_workers(&three, &envoy, 3);
+    let slots = wait_for_workers(&supervisor, &envoy, 3);
     let before = route(listen_addr, &slots);
 
-    // A supervisor with 4 workers on the same xDS port; Envoy keeps running and reconnects. Every
-    // worker is new, but slots 0-2 keep their hash keys.
-    three.stop().expect("the first supervisor stops");
-    let four = Supervisor::start(&config(grpc, listen, admin, 4));
-    let slots = wait_for_workers(&four, &envoy, 4);
+    // `peregrine reload` with count = 4: the three workers keep running, a fourth joins, and the
+    // ring grows by its points.
+    let path = supervisor.config_path();
+    let text = std::fs::read_to_string(path).unwrap();
+    std::fs::write(path, text.replace("count = 3", "count = 4")).unwrap();
+    let output = std::process::Command::new(peregrine_path())
+        .arg("reload")
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let slots = wait_for_workers(&supervisor, &envoy, 4);
     let after = route(listen_addr, &slots);
     let moved = moved(&before, &after);
     let to_new_slot = after.iter().filter(|&&s| s == 3).count();
