@@ -20,6 +20,7 @@ pub mod load;
 mod paths;
 mod process;
 mod slots;
+mod stack;
 mod supervisor;
 mod wait;
 
@@ -32,6 +33,7 @@ pub use paths::{
 };
 pub use process::ChildGuard;
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
+pub use stack::{CLUSTER, Stack};
 pub use supervisor::{Supervisor, base_config, gone, one_worker, sample_config, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

@@ -2,8 +2,7 @@
 //! supervisor publishes them over CDS/EDS, and the real Envoy routes traffic to them.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::SocketAddr,
+    collections::BTreeSet,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -12,71 +11,7 @@ use std::{
     time::Duration,
 };
 
-use peregrine_e2e::{
-    Envoy, Host, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until,
-    worker_pid,
-};
-
-/// A supervisor with `workers` hello workers and an Envoy bootstrapped from it, both on free ports.
-struct Stack {
-    // Envoy first: it is killed before the supervisor when the stack is dropped.
-    envoy: Envoy,
-    supervisor: Supervisor,
-    listen: SocketAddr,
-}
-
-impl Stack {
-    fn start(workers: u32) -> Stack {
-        Stack::start_with(workers, "")
-    }
-
-    /// Like [`Stack::start`], with `envoy_extra` appended to the `[envoy]` table.
-    fn start_with(workers: u32, envoy_extra: &str) -> Stack {
-        let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers).replacen(
-            "[envoy]\n",
-            &format!("[envoy]\n{envoy_extra}"),
-            1,
-        );
-        let supervisor = Supervisor::start(&config);
-        let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
-        let envoy = Envoy::start(&bootstrap);
-        Stack {
-            envoy,
-            supervisor,
-            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        }
-    }
-
-    fn hosts(&self) -> Vec<Host> {
-        hosts(&self.envoy.clusters(), "cluster")
-    }
-
-    /// Waits until Envoy holds exactly `n` healthy hosts, and returns them.
-    fn wait_for_hosts(&self, n: usize) -> Vec<Host> {
-        wait_until(
-            Duration::from_secs(30),
-            &format!("{n} hosts in Envoy"),
-            || {
-                let hosts = self.hosts();
-                (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(hosts)
-            },
-        )
-    }
-
-    /// Sends `n` requests through Envoy; returns how many each worker pid answered.
-    fn spread(&self, n: usize) -> BTreeMap<u32, usize> {
-        let mut answered = BTreeMap::new();
-        for i in 0..n {
-            let (status, body) =
-                http_get(self.listen, "/").unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
-            assert_eq!(status, 200, "request {i}: {body}");
-            let pid = worker_pid(&body).unwrap_or_else(|| panic!("not a hello body: {body:?}"));
-            *answered.entry(pid).or_default() += 1;
-        }
-        answered
-    }
-}
+use peregrine_e2e::{Host, Stack, envoy_or_skip, http_get, wait_until, worker_pid};
 
 fn hostnames(hosts: &[Host]) -> BTreeSet<String> {
     hosts.iter().map(|h| h.hostname.clone()).collect()

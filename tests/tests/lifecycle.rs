@@ -4,14 +4,12 @@
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
     process::Command,
     time::{Duration, Instant},
 };
 
 use peregrine_e2e::{
-    Envoy, Load, LoadReport, Supervisor, envoy_or_skip, free_port, gone, peregrine_path,
-    sample_config, wait_until,
+    CLUSTER, Load, LoadReport, Stack, envoy_or_skip, gone, peregrine_path, wait_until,
 };
 
 /// The longest any load runs (each test stops its load long before).
@@ -19,51 +17,28 @@ const LOAD_LIMIT: Duration = Duration::from_secs(150);
 /// How long a step (hosts in Envoy, a restart) may take.
 const STEP: Duration = Duration::from_secs(60);
 
-/// A supervisor running `cluster` with hello workers, and an Envoy bootstrapped from it.
-struct Stack {
-    // Envoy first: it is killed before the supervisor when the stack is dropped.
-    envoy: Envoy,
-    supervisor: Supervisor,
-    listen: SocketAddr,
+/// Starts a [`Stack`] of `workers` (see [`Stack::start_at`]) and waits until Envoy routes to them all.
+fn started(workers: u32, envoy_extra: &str, url: &str) -> Stack {
+    let stack = Stack::start_at(workers, envoy_extra, url);
+    stack.wait_for_workers(workers as usize, &BTreeSet::new());
+    stack
 }
 
-impl Stack {
-    fn start(workers: u32) -> Stack {
-        Stack::start_with(workers, "")
-    }
+/// What the lifecycle tests do with a stack.
+trait Deploys {
+    fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>);
+    fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32>;
+    fn load(&self) -> Load;
+    fn control(&self, command: &str, extra: &[&str]) -> String;
+    fn set_count(&self, count: u32);
+    fn finish(&self, load: Load, more: u64, workers: &BTreeSet<u32>) -> LoadReport;
+}
 
-    /// Like [`Stack::start`], with `envoy_extra` added to the `[envoy]` table (e.g. `ads = true`).
-    fn start_with(workers: u32, envoy_extra: &str) -> Stack {
-        Stack::start_at(workers, envoy_extra, "http://localhost:0")
-    }
-
-    /// Like [`Stack::start_with`], with the workers bound to `url` (`{dir}` is the supervisor's
-    /// directory).
-    fn start_at(workers: u32, envoy_extra: &str, url: &str) -> Stack {
-        let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers)
-            .replacen("[envoy]\n", &format!("[envoy]\n{envoy_extra}"), 1)
-            .replacen(
-                "url = \"http://localhost:0\"",
-                &format!("url = \"{url}\""),
-                1,
-            );
-        let supervisor = Supervisor::start(&config);
-        let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
-        let envoy = Envoy::start(&bootstrap);
-        let stack = Stack {
-            envoy,
-            supervisor,
-            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        };
-        stack.wait_for_workers(workers as usize, &BTreeSet::new());
-        stack
-    }
-
+impl Deploys for Stack {
     /// The pids of the `cluster` hosts Envoy routes to (healthy), and of all it lists.
     fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
         self.envoy
-            .host_pids("cluster")
+            .host_pids(CLUSTER)
             .expect("Envoy's admin /clusters")
     }
 
@@ -166,7 +141,7 @@ fn a_rolling_restart_under_load_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_under_load_loses_no_request").is_none() {
         return;
     }
-    rolling_restarts(Stack::start(3));
+    rolling_restarts(started(3, "", "http://localhost:0"));
 }
 
 #[test]
@@ -174,7 +149,7 @@ fn a_rolling_restart_over_ads_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_over_ads_loses_no_request").is_none() {
         return;
     }
-    rolling_restarts(Stack::start_with(3, "ads = true\n"));
+    rolling_restarts(started(3, "ads = true\n", "http://localhost:0"));
 }
 
 #[test]
@@ -184,7 +159,7 @@ fn a_rolling_restart_of_workers_on_unix_sockets_loses_no_request() {
     }
     // A Unix socket path is the worker's fixed address: each worker is drained and stopped before its
     // successor binds the same path, while the other workers serve.
-    rolling_restarts(Stack::start_at(3, "", "unix://{dir}/w-{index}.sock"));
+    rolling_restarts(started(3, "", "unix://{dir}/w-{index}.sock"));
 }
 
 /// `peregrine restart`, then SIGHUP, under load: each replaces all 3 workers, and no request fails.
@@ -260,7 +235,7 @@ fn scaling_by_reload_under_load_loses_no_request() {
     if envoy_or_skip("scaling_by_reload_under_load_loses_no_request").is_none() {
         return;
     }
-    let stack = Stack::start(2);
+    let stack = started(2, "", "http://localhost:0");
     let two = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
 
@@ -310,7 +285,7 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
     if envoy_or_skip("a_killed_supervisor_comes_back_and_adopts_its_workers_under_load").is_none() {
         return;
     }
-    let mut stack = Stack::start(2);
+    let mut stack = started(2, "", "http://localhost:0");
     let workers = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
 
@@ -367,7 +342,7 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     if envoy_or_skip("a_replacement_that_cannot_start_leaves_the_old_worker_serving").is_none() {
         return;
     }
-    let stack = Stack::start(1);
+    let stack = started(1, "", "http://localhost:0");
     let old = stack.wait_for_workers(1, &BTreeSet::new());
     let load = stack.load();
 
