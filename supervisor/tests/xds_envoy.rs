@@ -10,6 +10,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use peregrine_e2e::{Envoy, envoy_or_skip, hosts, wait_until};
 use peregrine_supervisor::{
     bootstrap::{BootstrapInput, BootstrapService, envoy_bootstrap},
+    config::XdsVariant,
     registry::{Address, Protocol, Registry, Worker},
     xds::{self, XdsOptions, acks::Acks, transport::StreamKind},
 };
@@ -44,15 +45,41 @@ fn until(envoy: &Envoy, what: &str, path: &str, check: impl Fn(&str) -> bool) ->
 
 #[test]
 fn envoy_follows_the_registry_over_dedicated_streams() {
-    follows_the_registry("envoy_follows_the_registry_over_dedicated_streams", false);
+    follows_the_registry(
+        "envoy_follows_the_registry_over_dedicated_streams",
+        false,
+        XdsVariant::StateOfTheWorld,
+    );
 }
 
 #[test]
 fn envoy_follows_the_registry_over_ads() {
-    follows_the_registry("envoy_follows_the_registry_over_ads", true);
+    follows_the_registry(
+        "envoy_follows_the_registry_over_ads",
+        true,
+        XdsVariant::StateOfTheWorld,
+    );
 }
 
-fn follows_the_registry(test: &str, ads: bool) {
+#[test]
+fn envoy_follows_the_registry_over_delta_streams() {
+    follows_the_registry(
+        "envoy_follows_the_registry_over_delta_streams",
+        false,
+        XdsVariant::Delta,
+    );
+}
+
+#[test]
+fn envoy_follows_the_registry_over_delta_ads() {
+    follows_the_registry(
+        "envoy_follows_the_registry_over_delta_ads",
+        true,
+        XdsVariant::Delta,
+    );
+}
+
+fn follows_the_registry(test: &str, ads: bool, xds: XdsVariant) {
     if envoy_or_skip(test).is_none() {
         return;
     }
@@ -95,6 +122,7 @@ fn follows_the_registry(test: &str, ads: bool) {
         admin_address: "127.0.0.1:0".parse().unwrap(),
         services: vec![BootstrapService::new("web")],
         ads,
+        xds,
         ..Default::default()
     });
     let envoy = Envoy::start(&bootstrap);
@@ -145,10 +173,10 @@ fn follows_the_registry(test: &str, ads: bool) {
         dump.contains("http2_protocol_options"),
         "the active cluster has HTTP/2 upstream options:\n{dump}"
     );
-    let source = if ads {
-        "\"ads\": {}"
-    } else {
-        "\"api_config_source\""
+    let source = match (ads, xds) {
+        (true, _) => "\"ads\": {}",
+        (false, XdsVariant::StateOfTheWorld) => "\"api_type\": \"GRPC\"",
+        (false, XdsVariant::Delta) => "\"api_type\": \"DELTA_GRPC\"",
     };
     assert!(
         dump.contains(source),
@@ -180,14 +208,16 @@ fn envoy_has_an_update_once_its_streams_acked_it() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    for ads in [false, true] {
-        acked_update_is_in_envoy(ads);
+    for xds in [XdsVariant::StateOfTheWorld, XdsVariant::Delta] {
+        for ads in [false, true] {
+            acked_update_is_in_envoy(ads, xds);
+        }
     }
 }
 
 /// Registers a second worker while Envoy runs; once `wait_synced` says every endpoint stream ACKed
 /// the registry's revision, admin `/clusters` must already show the new host.
-fn acked_update_is_in_envoy(ads: bool) {
+fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let registry = Arc::new(Registry::new(["web".to_string()]));
     let acks = Arc::new(Acks::default());
@@ -231,6 +261,7 @@ fn acked_update_is_in_envoy(ads: bool) {
         admin_address: "127.0.0.1:0".parse().unwrap(),
         services: vec![BootstrapService::new("web")],
         ads,
+        xds,
         ..Default::default()
     }));
     wait_until(DEADLINE, "the first worker in Envoy", || {
@@ -249,19 +280,20 @@ fn acked_update_is_in_envoy(ads: bool) {
     let outcome = runtime.block_on(acks.wait_synced(revision, Duration::from_secs(10)));
     assert!(
         outcome.is_synced() && outcome.synced >= 1,
-        "ads: {ads}, every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
+        "ads: {ads}, {xds:?}: every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
         envoy.logs()
     );
     // No wait: an ACKed update is already applied.
     let hosts = web_hosts(&envoy);
     assert!(
         hosts.contains(&first_host) && hosts.contains(&second_host),
-        "ads: {ads}, both workers in Envoy right after the ACK: {hosts:?}"
+        "ads: {ads}, {xds:?}: both workers in Envoy right after the ACK: {hosts:?}"
     );
-    let kind = if ads {
-        StreamKind::Ads
-    } else {
-        StreamKind::Eds
+    let kind = match (ads, xds) {
+        (false, XdsVariant::StateOfTheWorld) => StreamKind::Eds,
+        (true, XdsVariant::StateOfTheWorld) => StreamKind::Ads,
+        (false, XdsVariant::Delta) => StreamKind::DeltaEds,
+        (true, XdsVariant::Delta) => StreamKind::DeltaAds,
     };
     let streams = acks.streams();
     assert!(
@@ -269,7 +301,7 @@ fn acked_update_is_in_envoy(ads: bool) {
             && streams
                 .iter()
                 .all(|s| s.kind == kind && s.synced_revision >= Some(revision)),
-        "ads: {ads}, only {kind} streams count, all synced at {revision}: {streams:?}"
+        "ads: {ads}, {xds:?}: only {kind} streams count, all synced at {revision}: {streams:?}"
     );
 
     drop(envoy);
