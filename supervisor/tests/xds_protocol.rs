@@ -105,55 +105,57 @@ enum Rpc {
     Ads,
 }
 
-impl Client {
-    async fn open(server: &Server, rpc: Rpc) -> Client {
-        let channel = server.channel().await;
+/// Opens `rpc` on `server` with the client methods named for each service (`stream_*` or `delta_*`).
+macro_rules! open_client {
+    ($server:expr, $rpc:expr, $cds:ident, $eds:ident, $ads:ident) => {{
+        let channel = $server.channel().await;
         let (tx, rx) = mpsc::channel(16);
         let requests = ReceiverStream::new(rx);
-        let rx = match rpc {
-            Rpc::Cds => ClusterDiscoveryServiceClient::new(channel)
-                .stream_clusters(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Eds => EndpointDiscoveryServiceClient::new(channel)
-                .stream_endpoints(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Ads => AggregatedDiscoveryServiceClient::new(channel)
-                .stream_aggregated_resources(requests)
-                .await
-                .unwrap()
-                .into_inner(),
+        let rx = match $rpc {
+            Rpc::Cds => {
+                ClusterDiscoveryServiceClient::new(channel)
+                    .$cds(requests)
+                    .await
+            }
+            Rpc::Eds => {
+                EndpointDiscoveryServiceClient::new(channel)
+                    .$eds(requests)
+                    .await
+            }
+            Rpc::Ads => {
+                AggregatedDiscoveryServiceClient::new(channel)
+                    .$ads(requests)
+                    .await
+            }
         };
-        Client { tx, rx }
+        Client {
+            tx,
+            rx: rx.unwrap().into_inner(),
+        }
+    }};
+}
+
+impl Client {
+    async fn open(server: &Server, rpc: Rpc) -> Client {
+        open_client!(
+            server,
+            rpc,
+            stream_clusters,
+            stream_endpoints,
+            stream_aggregated_resources
+        )
     }
 }
 
 impl DeltaClient {
     async fn open_delta(server: &Server, rpc: Rpc) -> DeltaClient {
-        let channel = server.channel().await;
-        let (tx, rx) = mpsc::channel(16);
-        let requests = ReceiverStream::new(rx);
-        let rx = match rpc {
-            Rpc::Cds => ClusterDiscoveryServiceClient::new(channel)
-                .delta_clusters(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Eds => EndpointDiscoveryServiceClient::new(channel)
-                .delta_endpoints(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Ads => AggregatedDiscoveryServiceClient::new(channel)
-                .delta_aggregated_resources(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-        };
-        Client { tx, rx }
+        open_client!(
+            server,
+            rpc,
+            delta_clusters,
+            delta_endpoints,
+            delta_aggregated_resources
+        )
     }
 }
 

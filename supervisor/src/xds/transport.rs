@@ -50,7 +50,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use self::delta::DeltaStreamState;
+use self::delta::DeltaWatch;
 use super::{
     acks::Acks,
     cache::{EdsVia, Resources},
@@ -94,13 +94,12 @@ pub enum StreamKind {
     DeltaAds,
 }
 
-/// The rules of one stream (state of the world or delta): fed the client's requests and the cache's
-/// resources, they say what to send. Pure, so they can be followed step by step in tests.
-trait StreamRules: Send + 'static {
+/// The rules of one variant of the protocol (state of the world or delta): fed the client's requests
+/// and the cache's resources, they say what to send. Pure, so they can be followed step by step in
+/// tests.
+trait StreamRules {
     type Request: Send + 'static;
     type Response: Send + 'static;
-
-    fn new(kind: StreamKind, node: String) -> Self;
 
     /// The node a request names (Envoy names it on a stream's first request).
     fn node(request: &Self::Request) -> Option<&Node>;
@@ -114,13 +113,10 @@ trait StreamRules: Send + 'static {
 
     /// Returns the responses owed after the cache published new resources.
     fn on_resources(&mut self, resources: &Resources) -> Vec<Self::Response>;
-
-    /// Whether the stream serves endpoints: dedicated EDS, or ADS once it subscribed to endpoints.
-    fn serves_endpoints(&self) -> bool;
-
-    /// The highest registry revision at which the client ACKed every endpoints response owed.
-    fn synced_revision(&self) -> Option<u64>;
 }
+
+/// The responses of the streams whose state is `Stream<W>`.
+type Responses<W> = ReceiverStream<Result<<Stream<W> as StreamRules>::Response, Status>>;
 
 // === impl XdsService ===
 
@@ -130,13 +126,16 @@ impl XdsService {
         XdsService { resources, acks }
     }
 
-    fn open<R: StreamRules>(
+    fn open<W: Send + 'static>(
         &self,
         kind: StreamKind,
-        requests: Streaming<R::Request>,
-    ) -> ReceiverStream<Result<R::Response, Status>> {
+        requests: Streaming<<Stream<W> as StreamRules>::Request>,
+    ) -> Responses<W>
+    where
+        Stream<W>: StreamRules,
+    {
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
-        tokio::spawn(run_stream::<R>(
+        tokio::spawn(run_stream::<W>(
             kind,
             requests,
             self.resources.clone(),
@@ -160,17 +159,16 @@ impl ClusterDiscoveryService for XdsService {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamClustersStream>, Status> {
-        Ok(Response::new(self.open::<StreamState>(
-            StreamKind::Cds,
-            request.into_inner(),
-        )))
+        Ok(Response::new(
+            self.open::<TypeWatch>(StreamKind::Cds, request.into_inner()),
+        ))
     }
 
     async fn delta_clusters(
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaClustersStream>, Status> {
-        Ok(Response::new(self.open::<DeltaStreamState>(
+        Ok(Response::new(self.open::<DeltaWatch>(
             StreamKind::DeltaCds,
             request.into_inner(),
         )))
@@ -193,17 +191,16 @@ impl EndpointDiscoveryService for XdsService {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
-        Ok(Response::new(self.open::<StreamState>(
-            StreamKind::Eds,
-            request.into_inner(),
-        )))
+        Ok(Response::new(
+            self.open::<TypeWatch>(StreamKind::Eds, request.into_inner()),
+        ))
     }
 
     async fn delta_endpoints(
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaEndpointsStream>, Status> {
-        Ok(Response::new(self.open::<DeltaStreamState>(
+        Ok(Response::new(self.open::<DeltaWatch>(
             StreamKind::DeltaEds,
             request.into_inner(),
         )))
@@ -226,17 +223,16 @@ impl AggregatedDiscoveryService for XdsService {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        Ok(Response::new(self.open::<StreamState>(
-            StreamKind::Ads,
-            request.into_inner(),
-        )))
+        Ok(Response::new(
+            self.open::<TypeWatch>(StreamKind::Ads, request.into_inner()),
+        ))
     }
 
     async fn delta_aggregated_resources(
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Ok(Response::new(self.open::<DeltaStreamState>(
+        Ok(Response::new(self.open::<DeltaWatch>(
             StreamKind::DeltaAds,
             request.into_inner(),
         )))
@@ -310,13 +306,15 @@ impl fmt::Display for StreamKind {
 
 /// Drives one stream until the client ends it, the response channel closes or the cache goes away;
 /// keeps it registered in `acks` from its first request until then.
-async fn run_stream<R: StreamRules>(
+async fn run_stream<W: Send + 'static>(
     kind: StreamKind,
-    mut requests: Streaming<R::Request>,
+    mut requests: Streaming<<Stream<W> as StreamRules>::Request>,
     mut resources: watch::Receiver<Arc<Resources>>,
     acks: Arc<Acks>,
-    tx: mpsc::Sender<Result<R::Response, Status>>,
-) {
+    tx: mpsc::Sender<Result<<Stream<W> as StreamRules>::Response, Status>>,
+) where
+    Stream<W>: StreamRules,
+{
     let first = match requests.message().await {
         Ok(Some(first)) => first,
         Ok(None) => return,
@@ -325,14 +323,16 @@ async fn run_stream<R: StreamRules>(
             return;
         }
     };
-    let node = R::node(&first).map(|n| n.id.clone()).unwrap_or_default();
+    let node = Stream::<W>::node(&first)
+        .map(|n| n.id.clone())
+        .unwrap_or_default();
     let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
     let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
     async move {
         tracing::debug!("Stream opened");
         // Dropped on every way out of this block, which removes the stream from `acks`.
         let registered = acks.register(id, node.clone(), kind);
-        let mut state = R::new(kind, node);
+        let mut state = Stream::<W>::new(kind, node);
         let mut next = Some(first);
         loop {
             let responses = if let Some(request) = next.take() {
@@ -423,16 +423,20 @@ enum Reply<'a> {
     Stale,
 }
 
-/// The protocol state of one state-of-the-world stream: pure, so the rules can be followed step by
-/// step.
+/// The protocol state of one stream: pure, so the rules can be followed step by step. `W` is what it
+/// knows about one resource type: a [`TypeWatch`] on state-of-the-world streams ([`StreamState`]), a
+/// [`DeltaWatch`] on delta streams.
 #[derive(Debug)]
-struct StreamState {
+struct Stream<W> {
     kind: StreamKind,
     node: String,
-    clusters: Option<TypeWatch>,
-    endpoints: Option<TypeWatch>,
+    clusters: Option<W>,
+    endpoints: Option<W>,
     sync: EndpointSync,
 }
+
+/// The state of a state-of-the-world stream.
+type StreamState = Stream<TypeWatch>;
 
 /// What one pass over the resources owes the client in endpoints.
 #[derive(Debug, Default)]
@@ -520,14 +524,11 @@ impl EndpointSync {
     }
 }
 
-// === impl StreamState ===
+// === impl Stream ===
 
-impl StreamRules for StreamState {
-    type Request = DiscoveryRequest;
-    type Response = DiscoveryResponse;
-
+impl<W> Stream<W> {
     fn new(kind: StreamKind, node: String) -> Self {
-        StreamState {
+        Stream {
             kind,
             node,
             clusters: None,
@@ -536,16 +537,25 @@ impl StreamRules for StreamState {
         }
     }
 
-    fn node(request: &DiscoveryRequest) -> Option<&Node> {
-        request.node.as_ref()
-    }
-
+    /// Whether the stream serves endpoints: dedicated EDS, or ADS once it subscribed to endpoints.
     fn serves_endpoints(&self) -> bool {
         self.endpoints.is_some()
     }
 
+    /// The highest registry revision at which the client ACKed every endpoints response owed.
     fn synced_revision(&self) -> Option<u64> {
         self.sync.synced
+    }
+}
+
+// === impl StreamState ===
+
+impl StreamRules for StreamState {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    fn node(request: &DiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
     }
 
     fn on_request(

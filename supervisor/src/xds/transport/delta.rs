@@ -30,9 +30,7 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{
-    CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, EndpointSync, Reply, StreamKind, StreamRules, next_nonce,
-};
+use super::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, Reply, Stream, StreamRules, next_nonce};
 use crate::xds::cache::{Resources, TypeResources};
 
 /// The name that subscribes to every resource of a type.
@@ -40,7 +38,7 @@ const WILDCARD: &str = "*";
 
 /// What a delta stream knows about one resource type.
 #[derive(Debug, Default)]
-struct DeltaWatch {
+pub(super) struct DeltaWatch {
     /// Subscribed to every resource of the type.
     wildcard: bool,
     /// The names subscribed to explicitly.
@@ -52,15 +50,8 @@ struct DeltaWatch {
     has: BTreeMap<String, String>,
 }
 
-/// The protocol state of one delta stream: pure, so the rules can be followed step by step.
-#[derive(Debug)]
-pub(super) struct DeltaStreamState {
-    kind: StreamKind,
-    node: String,
-    clusters: Option<DeltaWatch>,
-    endpoints: Option<DeltaWatch>,
-    sync: EndpointSync,
-}
+/// The state of a delta stream.
+type DeltaStreamState = Stream<DeltaWatch>;
 
 // === impl DeltaWatch ===
 
@@ -177,26 +168,8 @@ impl StreamRules for DeltaStreamState {
     type Request = DeltaDiscoveryRequest;
     type Response = DeltaDiscoveryResponse;
 
-    fn new(kind: StreamKind, node: String) -> Self {
-        DeltaStreamState {
-            kind,
-            node,
-            clusters: None,
-            endpoints: None,
-            sync: EndpointSync::default(),
-        }
-    }
-
     fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
         request.node.as_ref()
-    }
-
-    fn serves_endpoints(&self) -> bool {
-        self.endpoints.is_some()
-    }
-
-    fn synced_revision(&self) -> Option<u64> {
-        self.sync.synced
     }
 
     fn on_request(
@@ -297,7 +270,10 @@ impl DeltaStreamState {
 mod tests {
     use envoy_types::pb::google::rpc::Status as RpcStatus;
 
-    use super::{super::tests::Fixture, *};
+    use super::{
+        super::{StreamKind, tests::Fixture},
+        *,
+    };
     use crate::registry::{Address, Protocol, Worker};
 
     fn subscribe(type_url: &str, names: &[&str]) -> DeltaDiscoveryRequest {
