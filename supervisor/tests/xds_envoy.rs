@@ -315,3 +315,119 @@ fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
         acks.streams().is_empty().then_some(())
     });
 }
+
+#[test]
+fn envoy_reconnecting_over_delta_is_sent_only_what_changed() {
+    let test = "envoy_reconnecting_over_delta_is_sent_only_what_changed";
+    if envoy_or_skip(test).is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    for ads in [false, true] {
+        reconnects_over_delta(ads);
+    }
+}
+
+/// Restarts the control plane under a running Envoy while a worker registers: the new server gets
+/// Envoy's `initial_resource_versions` and sends only the changed endpoints, not the cluster again.
+fn reconnects_over_delta(ads: bool) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = Arc::new(Registry::new(["web".to_string()]));
+    let serve = |listener: tokio::net::TcpListener, acks: Arc<Acks>| {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = runtime.spawn(xds::serve(
+            vec![listener],
+            vec![],
+            registry.subscribe(),
+            tokio::sync::watch::channel(XdsOptions::default()).1,
+            acks,
+            None,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        (stop_tx, server)
+    };
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let xds_addr = listener.local_addr().unwrap();
+    let (stop_tx, server) = serve(listener, Arc::new(Acks::default()));
+    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let first_host = (first.local_addr().unwrap().to_string(), "web-0-4242".into());
+    let second_host = (
+        second.local_addr().unwrap().to_string(),
+        "web-1-4343".into(),
+    );
+    registry
+        .register(worker(
+            0,
+            4242,
+            first.local_addr().unwrap(),
+            &[Protocol::Http1],
+        ))
+        .unwrap();
+    let envoy = Envoy::start(&envoy_bootstrap(&BootstrapInput {
+        xds_address: xds_addr,
+        listener_address: "127.0.0.1:0".parse().unwrap(),
+        admin_address: "127.0.0.1:0".parse().unwrap(),
+        services: vec![BootstrapService::new("web")],
+        ads,
+        xds: XdsVariant::Delta,
+        ..Default::default()
+    }));
+    wait_until(DEADLINE, "the first worker in Envoy", || {
+        (web_hosts(&envoy) == [first_host.clone()]).then_some(())
+    });
+    let cds_updates = envoy.stat("cluster_manager.cds.update_success");
+
+    // The control plane goes away; a worker registers meanwhile; a new one serves on the same port.
+    stop_tx.send(()).unwrap();
+    runtime
+        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
+        .expect("the server stops in time")
+        .unwrap()
+        .unwrap();
+    registry
+        .register(worker(
+            1,
+            4343,
+            second.local_addr().unwrap(),
+            &[Protocol::Http1],
+        ))
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(xds_addr))
+        .unwrap();
+    let acks = Arc::new(Acks::default());
+    let (stop_tx, server) = serve(listener, acks.clone());
+    let revision = registry.snapshot().revision;
+    wait_until(DEADLINE, "Envoy back and synced", || {
+        let streams = acks.streams();
+        (!streams.is_empty() && streams.iter().all(|s| s.synced_revision >= Some(revision)))
+            .then_some(())
+    });
+    let hosts = web_hosts(&envoy);
+    assert!(
+        hosts.contains(&first_host) && hosts.contains(&second_host),
+        "ads: {ads}: both workers after the reconnect: {hosts:?}"
+    );
+    assert_eq!(
+        envoy.stat("cluster_manager.cds.update_success"),
+        cds_updates,
+        "ads: {ads}: the unchanged cluster is not sent again\n{}",
+        envoy.stats()
+    );
+
+    drop(envoy);
+    stop_tx.send(()).unwrap();
+    runtime
+        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
+        .expect("the server stops in time")
+        .unwrap()
+        .unwrap();
+}

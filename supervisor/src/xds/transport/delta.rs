@@ -6,6 +6,8 @@
 //! and what the client has, name -> resource version. The first request's `initial_resource_versions`
 //! seeds what the client has (a reconnecting Envoy sends them), so an unchanged resource is not sent
 //! again; resource versions are hashes of the content, so they stay valid across supervisor restarts.
+//! (Measured with Envoy 1.40: its first CDS request subscribes to nothing, its EDS requests name the
+//! cluster; on reconnecting it sends the same subscriptions with `initial_resource_versions`.)
 //! A response carries every subscribed resource whose version differs from what the client has, and
 //! in `removed_resources` every name the client has that no longer exists; each has a fresh nonce.
 //! A response is sent exactly when one is owed, so an ACK gets no reply.
