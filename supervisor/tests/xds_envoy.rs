@@ -35,12 +35,78 @@ fn web_hosts(envoy: &Envoy) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Whether the Envoy test `test` can run (else it printed why it skips); logs go to the test's output
+/// (`RUST_LOG=peregrine_supervisor=debug` shows the server's side of the conversation).
+fn envoy_test(test: &str) -> bool {
+    if envoy_or_skip(test).is_none() {
+        return false;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    true
+}
+
+/// Starts Envoy routing to `web`, with its xDS at `xds_addr` (over ADS or not, in the `xds` variant).
+fn start_envoy(xds_addr: SocketAddr, ads: bool, xds: XdsVariant) -> Envoy {
+    Envoy::start(&envoy_bootstrap(&BootstrapInput {
+        xds_address: xds_addr,
+        listener_address: "127.0.0.1:0".parse().unwrap(),
+        admin_address: "127.0.0.1:0".parse().unwrap(),
+        services: vec![BootstrapService::new("web")],
+        ads,
+        xds,
+        ..Default::default()
+    }))
+}
+
 /// Waits until `check` holds for Envoy's admin `path`; returns the body.
 fn until(envoy: &Envoy, what: &str, path: &str, check: impl Fn(&str) -> bool) -> String {
     wait_until(DEADLINE, what, || {
         let body = envoy.admin_get(path).ok()?;
         check(&body).then_some(body)
     })
+}
+
+/// A control plane serving a registry on a runtime of the test's.
+struct Server {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), xds::XdsError>>,
+}
+
+impl Server {
+    /// Serves `registry` on `listener`, publishing ACKs to `acks`.
+    fn spawn(
+        runtime: &tokio::runtime::Runtime,
+        registry: &Registry,
+        listener: tokio::net::TcpListener,
+        acks: Arc<Acks>,
+    ) -> Server {
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = runtime.spawn(xds::serve(
+            vec![listener],
+            vec![],
+            registry.subscribe(),
+            tokio::sync::watch::channel(XdsOptions::default()).1,
+            acks,
+            None,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        Server { stop, task }
+    }
+
+    /// Stops the server and waits until it has.
+    fn stop(self, runtime: &tokio::runtime::Runtime) {
+        self.stop.send(()).unwrap();
+        runtime
+            .block_on(async { tokio::time::timeout(DEADLINE, self.task).await })
+            .expect("the server stops in time")
+            .unwrap()
+            .unwrap();
+    }
 }
 
 #[test]
@@ -80,32 +146,16 @@ fn envoy_follows_the_registry_over_delta_ads() {
 }
 
 fn follows_the_registry(test: &str, ads: bool, xds: XdsVariant) {
-    if envoy_or_skip(test).is_none() {
+    if !envoy_test(test) {
         return;
     }
-    // `RUST_LOG=peregrine_supervisor=debug` shows the server's side of the conversation.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let registry = Arc::new(Registry::new(["web".to_string()]));
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let xds_addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(xds::serve(
-        vec![listener],
-        vec![],
-        registry.subscribe(),
-        tokio::sync::watch::channel(XdsOptions::default()).1,
-        Arc::new(Acks::default()),
-        None,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let server = Server::spawn(&runtime, &registry, listener, Arc::new(Acks::default()));
 
     // Fake workers: listeners nobody serves on; Envoy only needs their addresses.
     let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -116,16 +166,7 @@ fn follows_the_registry(test: &str, ads: bool, xds: XdsVariant) {
         .register(worker(0, 4242, first_addr, &[Protocol::Http1]))
         .unwrap();
 
-    let bootstrap = envoy_bootstrap(&BootstrapInput {
-        xds_address: xds_addr,
-        listener_address: "127.0.0.1:0".parse().unwrap(),
-        admin_address: "127.0.0.1:0".parse().unwrap(),
-        services: vec![BootstrapService::new("web")],
-        ads,
-        xds,
-        ..Default::default()
-    });
-    let envoy = Envoy::start(&bootstrap);
+    let envoy = start_envoy(xds_addr, ads, xds);
     let first_host = (first_addr.to_string(), "web-0-4242".to_string());
     let second_host = |pid: u32| (second_addr.to_string(), format!("web-1-{pid}"));
 
@@ -190,24 +231,15 @@ fn follows_the_registry(test: &str, ads: bool, xds: XdsVariant) {
     );
 
     drop(envoy);
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
+    server.stop(&runtime);
 }
 
 #[test]
 fn envoy_has_an_update_once_its_streams_acked_it() {
     let test = "envoy_has_an_update_once_its_streams_acked_it";
-    if envoy_or_skip(test).is_none() {
+    if !envoy_test(test) {
         return;
     }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
     for xds in [XdsVariant::StateOfTheWorld, XdsVariant::Delta] {
         for ads in [false, true] {
             acked_update_is_in_envoy(ads, xds);
@@ -215,79 +247,106 @@ fn envoy_has_an_update_once_its_streams_acked_it() {
     }
 }
 
+/// Envoy following a control plane that serves `web`, whose first worker Envoy already has; a second
+/// worker's address is ready for the scenario to register.
+struct WithFirstWorker {
+    runtime: tokio::runtime::Runtime,
+    registry: Arc<Registry>,
+    xds_addr: SocketAddr,
+    server: Option<Server>,
+    envoy: Envoy,
+    first_host: (String, String),
+    second_host: (String, String),
+    second_addr: SocketAddr,
+    /// The workers' listeners, bound for the test's length so nothing else takes their ports.
+    _listeners: [std::net::TcpListener; 2],
+}
+
+impl WithFirstWorker {
+    fn start(ads: bool, xds: XdsVariant, acks: Arc<Acks>) -> Self {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let registry = Arc::new(Registry::new(["web".to_string()]));
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let xds_addr = listener.local_addr().unwrap();
+        let server = Server::spawn(&runtime, &registry, listener, acks);
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (first_addr, second_addr) = (first.local_addr().unwrap(), second.local_addr().unwrap());
+        registry
+            .register(worker(0, 4242, first_addr, &[Protocol::Http1]))
+            .unwrap();
+        let envoy = start_envoy(xds_addr, ads, xds);
+        let first_host = (first_addr.to_string(), "web-0-4242".to_string());
+        wait_until(DEADLINE, "the first worker in Envoy", || {
+            web_hosts(&envoy).contains(&first_host).then_some(())
+        });
+        WithFirstWorker {
+            runtime,
+            registry,
+            xds_addr,
+            server: Some(server),
+            envoy,
+            first_host,
+            second_host: (second_addr.to_string(), "web-1-4343".to_string()),
+            second_addr,
+            _listeners: [first, second],
+        }
+    }
+
+    /// Registers the second worker; returns the registry revision that has it.
+    fn register_second(&self) -> u64 {
+        self.registry
+            .register(worker(1, 4343, self.second_addr, &[Protocol::Http1]))
+            .unwrap();
+        self.registry.snapshot().revision
+    }
+
+    /// Whether Envoy has both workers.
+    fn has_both(&self) -> bool {
+        let hosts = web_hosts(&self.envoy);
+        hosts.contains(&self.first_host) && hosts.contains(&self.second_host)
+    }
+
+    /// Stops the control plane, calls `meanwhile`, then serves again on the same address.
+    fn restart_server(&mut self, meanwhile: impl FnOnce(&Self), acks: Arc<Acks>) {
+        self.server.take().expect("serving").stop(&self.runtime);
+        meanwhile(self);
+        let listener = self
+            .runtime
+            .block_on(tokio::net::TcpListener::bind(self.xds_addr))
+            .unwrap();
+        self.server = Some(Server::spawn(&self.runtime, &self.registry, listener, acks));
+    }
+
+    fn stop(self) {
+        drop(self.envoy);
+        if let Some(server) = self.server {
+            server.stop(&self.runtime);
+        }
+    }
+}
+
 /// Registers a second worker while Envoy runs; once `wait_synced` says every endpoint stream ACKed
 /// the registry's revision, admin `/clusters` must already show the new host.
 fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let registry = Arc::new(Registry::new(["web".to_string()]));
     let acks = Arc::new(Acks::default());
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let xds_addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(xds::serve(
-        vec![listener],
-        vec![],
-        registry.subscribe(),
-        tokio::sync::watch::channel(XdsOptions::default()).1,
-        acks.clone(),
-        None,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
-    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let first_host = (
-        first.local_addr().unwrap().to_string(),
-        "web-0-4242".to_string(),
-    );
-    let second_host = (
-        second.local_addr().unwrap().to_string(),
-        "web-1-4343".to_string(),
-    );
-    registry
-        .register(worker(
-            0,
-            4242,
-            first.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let envoy = Envoy::start(&envoy_bootstrap(&BootstrapInput {
-        xds_address: xds_addr,
-        listener_address: "127.0.0.1:0".parse().unwrap(),
-        admin_address: "127.0.0.1:0".parse().unwrap(),
-        services: vec![BootstrapService::new("web")],
-        ads,
-        xds,
-        ..Default::default()
-    }));
-    wait_until(DEADLINE, "the first worker in Envoy", || {
-        web_hosts(&envoy).contains(&first_host).then_some(())
-    });
-
-    registry
-        .register(worker(
-            1,
-            4343,
-            second.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let revision = registry.snapshot().revision;
-    let outcome = runtime.block_on(acks.wait_synced(revision, Duration::from_secs(10)));
+    let running = WithFirstWorker::start(ads, xds, acks.clone());
+    let revision = running.register_second();
+    let outcome = running
+        .runtime
+        .block_on(acks.wait_synced(revision, Duration::from_secs(10)));
     assert!(
         outcome.is_synced() && outcome.synced >= 1,
         "ads: {ads}, {xds:?}: every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
-        envoy.logs()
+        running.envoy.logs()
     );
     // No wait: an ACKed update is already applied.
-    let hosts = web_hosts(&envoy);
     assert!(
-        hosts.contains(&first_host) && hosts.contains(&second_host),
-        "ads: {ads}, {xds:?}: both workers in Envoy right after the ACK: {hosts:?}"
+        running.has_both(),
+        "ads: {ads}, {xds:?}: both workers in Envoy right after the ACK: {:?}",
+        web_hosts(&running.envoy)
     );
     let kind = match (ads, xds) {
         (false, XdsVariant::StateOfTheWorld) => StreamKind::Eds,
@@ -304,13 +363,7 @@ fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
         "ads: {ads}, {xds:?}: only {kind} streams count, all synced at {revision}: {streams:?}"
     );
 
-    drop(envoy);
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
+    running.stop();
     wait_until(DEADLINE, "closed streams to stop counting", || {
         acks.streams().is_empty().then_some(())
     });
@@ -319,13 +372,9 @@ fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
 #[test]
 fn envoy_reconnecting_over_delta_is_sent_only_what_changed() {
     let test = "envoy_reconnecting_over_delta_is_sent_only_what_changed";
-    if envoy_or_skip(test).is_none() {
+    if !envoy_test(test) {
         return;
     }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
     for ads in [false, true] {
         reconnects_over_delta(ads);
     }
@@ -334,100 +383,28 @@ fn envoy_reconnecting_over_delta_is_sent_only_what_changed() {
 /// Restarts the control plane under a running Envoy while a worker registers: the new server gets
 /// Envoy's `initial_resource_versions` and sends only the changed endpoints, not the cluster again.
 fn reconnects_over_delta(ads: bool) {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let registry = Arc::new(Registry::new(["web".to_string()]));
-    let serve = |listener: tokio::net::TcpListener, acks: Arc<Acks>| {
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = runtime.spawn(xds::serve(
-            vec![listener],
-            vec![],
-            registry.subscribe(),
-            tokio::sync::watch::channel(XdsOptions::default()).1,
-            acks,
-            None,
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
-        (stop_tx, server)
-    };
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let xds_addr = listener.local_addr().unwrap();
-    let (stop_tx, server) = serve(listener, Arc::new(Acks::default()));
-    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let first_host = (first.local_addr().unwrap().to_string(), "web-0-4242".into());
-    let second_host = (
-        second.local_addr().unwrap().to_string(),
-        "web-1-4343".into(),
-    );
-    registry
-        .register(worker(
-            0,
-            4242,
-            first.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let envoy = Envoy::start(&envoy_bootstrap(&BootstrapInput {
-        xds_address: xds_addr,
-        listener_address: "127.0.0.1:0".parse().unwrap(),
-        admin_address: "127.0.0.1:0".parse().unwrap(),
-        services: vec![BootstrapService::new("web")],
-        ads,
-        xds: XdsVariant::Delta,
-        ..Default::default()
-    }));
-    wait_until(DEADLINE, "the first worker in Envoy", || {
-        (web_hosts(&envoy) == [first_host.clone()]).then_some(())
-    });
-    let cds_updates = envoy.stat("cluster_manager.cds.update_success");
+    let mut running = WithFirstWorker::start(ads, XdsVariant::Delta, Arc::new(Acks::default()));
+    let cds_updates = running.envoy.stat("cluster_manager.cds.update_success");
 
     // The control plane goes away; a worker registers meanwhile; a new one serves on the same port.
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
-    registry
-        .register(worker(
-            1,
-            4343,
-            second.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind(xds_addr))
-        .unwrap();
     let acks = Arc::new(Acks::default());
-    let (stop_tx, server) = serve(listener, acks.clone());
-    let revision = registry.snapshot().revision;
+    let mut revision = 0;
+    running.restart_server(|running| revision = running.register_second(), acks.clone());
     wait_until(DEADLINE, "Envoy back and synced", || {
         let streams = acks.streams();
         (!streams.is_empty() && streams.iter().all(|s| s.synced_revision >= Some(revision)))
             .then_some(())
     });
-    let hosts = web_hosts(&envoy);
     assert!(
-        hosts.contains(&first_host) && hosts.contains(&second_host),
-        "ads: {ads}: both workers after the reconnect: {hosts:?}"
+        running.has_both(),
+        "ads: {ads}: both workers after the reconnect: {:?}",
+        web_hosts(&running.envoy)
     );
     assert_eq!(
-        envoy.stat("cluster_manager.cds.update_success"),
+        running.envoy.stat("cluster_manager.cds.update_success"),
         cds_updates,
         "ads: {ads}: the unchanged cluster is not sent again\n{}",
-        envoy.stats()
+        running.envoy.stats()
     );
-
-    drop(envoy);
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
+    running.stop();
 }
