@@ -11,7 +11,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use crate::config::HashOn;
+use crate::config::{HashOn, XdsVariant};
 
 /// One routed service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,6 +61,9 @@ pub struct BootstrapInput {
     /// Fetch clusters (and so endpoints) over one ADS stream instead of dedicated CDS and EDS streams;
     /// `false` by default.
     pub ads: bool,
+    /// The xDS variant on those streams (`api_type: GRPC` or `DELTA_GRPC`); state of the world by
+    /// default.
+    pub xds: XdsVariant,
 }
 
 impl Default for BootstrapInput {
@@ -75,6 +78,7 @@ impl Default for BootstrapInput {
             per_try_timeout: std::time::Duration::from_secs(15),
             services: Vec::new(),
             ads: false,
+            xds: XdsVariant::StateOfTheWorld,
         }
     }
 }
@@ -223,9 +227,13 @@ pub const XDS_RETRY_BASE: std::time::Duration = std::time::Duration::from_millis
 /// The longest delay between Envoy's attempts to reconnect an xDS stream.
 pub const XDS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The body of `dynamic_resources`: dedicated CDS, or ADS with CDS over it.
+/// The body of `dynamic_resources`: dedicated CDS, or ADS with CDS over it; delta or not.
 fn dynamic_resources(input: &BootstrapInput) -> String {
     let cluster = quote(&input.xds_cluster_name);
+    let api_type = match input.xds {
+        XdsVariant::StateOfTheWorld => "GRPC",
+        XdsVariant::Delta => "DELTA_GRPC",
+    };
     // A supervisor that restarts is back within a second: Envoy reconnects sooner than its default
     // backoff (500 ms, up to 30 s) would let it (the EDS config source in every cluster says the same).
     let retry = format!(
@@ -236,7 +244,7 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
     if input.ads {
         format!(
             "  ads_config:
-    api_type: GRPC
+    api_type: {api_type}
     transport_api_version: V3
     grpc_services:
       - envoy_grpc:
@@ -252,7 +260,7 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
             "  cds_config:
     resource_api_version: V3
     api_config_source:
-      api_type: GRPC
+      api_type: {api_type}
       transport_api_version: V3
       grpc_services:
         - envoy_grpc:
@@ -387,6 +395,24 @@ mod tests {
     }
 
     #[test]
+    fn delta_asks_for_delta_grpc_where_the_streams_are_configured() {
+        for ads in [false, true] {
+            let sotw = envoy_bootstrap(&BootstrapInput { ads, ..input() });
+            let delta = envoy_bootstrap(&BootstrapInput {
+                ads,
+                xds: XdsVariant::Delta,
+                ..input()
+            });
+            assert!(sotw.contains("api_type: GRPC\n") && !sotw.contains("DELTA_GRPC"));
+            assert_eq!(
+                delta,
+                sotw.replace("api_type: GRPC\n", "api_type: DELTA_GRPC\n")
+            );
+            assert!(delta.contains("retry_policy:"), "{delta}");
+        }
+    }
+
+    #[test]
     fn envoy_validates_the_bootstrap() {
         let Some(envoy) = peregrine_e2e::envoy_or_skip("envoy_validates_the_bootstrap") else {
             return;
@@ -396,9 +422,19 @@ mod tests {
             ads: true,
             ..input()
         };
+        let delta = BootstrapInput {
+            xds: XdsVariant::Delta,
+            ..input()
+        };
+        let delta_ads = BootstrapInput {
+            xds: XdsVariant::Delta,
+            ..ads.clone()
+        };
         for (name, input) in [
             ("full", input()),
             ("ads", ads),
+            ("delta", delta),
+            ("delta-ads", delta_ads),
             ("empty", BootstrapInput::default()),
         ] {
             let path = dir.path().join(format!("{name}.yaml"));

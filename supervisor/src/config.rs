@@ -193,6 +193,18 @@ pub struct EnvoyConfig {
     /// Whether Envoy fetches clusters and endpoints over one ADS stream instead of dedicated CDS and
     /// EDS streams.
     pub ads: bool,
+    /// Which variant of the xDS protocol Envoy speaks on those streams.
+    pub xds: XdsVariant,
+}
+
+/// `envoy.xds`: the variant of the xDS protocol Envoy speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum XdsVariant {
+    /// State of the world (`"sotw"`, the default): every response carries the full set.
+    #[default]
+    StateOfTheWorld,
+    /// Incremental (`"delta"`): responses carry what changed and what was removed.
+    Delta,
 }
 
 /// `[service.NAME]`: one Envoy cluster and its workers.
@@ -363,6 +375,7 @@ struct RawEnvoy {
     admin: Option<Spanned<String>>,
     #[serde(default)]
     ads: bool,
+    xds: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -744,11 +757,27 @@ impl Checker<'_> {
         };
         let listen = self.socket_address(raw.listen, "0.0.0.0:10000", "envoy.listen");
         let admin = self.socket_address(raw.admin, "127.0.0.1:9901", "envoy.admin");
+        let xds = match raw.xds {
+            None => XdsVariant::default(),
+            Some(value) => match value.get_ref().as_str() {
+                "sotw" => XdsVariant::StateOfTheWorld,
+                "delta" => XdsVariant::Delta,
+                other => {
+                    self.report(
+                        Some(value.span()),
+                        "envoy.xds".into(),
+                        format!("expected \"sotw\" or \"delta\", got {other:?}"),
+                    );
+                    XdsVariant::default()
+                }
+            },
+        };
         Some(EnvoyConfig {
             node,
             listen: listen?,
             admin: admin?,
             ads: raw.ads,
+            xds,
         })
     }
 
@@ -1282,6 +1311,21 @@ count = 0
                 "line 3: supervisor.register_timeout_ms: must be at least 100 (milliseconds), got -1",
                 "line 5: service.a.restart_batch: must be at least 1 (workers replaced at once), got 0",
             ]
+        );
+    }
+
+    #[test]
+    fn envoy_xds_is_sotw_or_delta() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.envoy.xds, XdsVariant::StateOfTheWorld);
+        let config = parse("[envoy]\nads = true\nxds = \"delta\"\n[service.a]\n").unwrap();
+        assert_eq!(
+            (config.envoy.ads, config.envoy.xds),
+            (true, XdsVariant::Delta)
+        );
+        assert_eq!(
+            problems("[envoy]\nxds = \"incremental\"\n[service.a]\n"),
+            ["line 2: envoy.xds: expected \"sotw\" or \"delta\", got \"incremental\""]
         );
     }
 

@@ -29,6 +29,7 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
         listener_address: config.envoy.listen,
         admin_address: config.envoy.admin,
         ads: config.envoy.ads,
+        xds: config.envoy.xds,
         services: config
             .services
             .values()

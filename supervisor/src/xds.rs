@@ -1,4 +1,5 @@
-//! The xDS control plane: serves the registry to Envoy as CDS, EDS and ADS (state of the world).
+//! The xDS control plane: serves the registry to Envoy as CDS, EDS and ADS, state of the world or
+//! delta (incremental).
 //!
 //! Three layers, in go-control-plane's shape: [`resources`] builds Envoy protos from a registry
 //! snapshot (pure functions), [`cache`] versions them per resource and per type and publishes them on
@@ -65,6 +66,7 @@ impl XdsOptions {
             connect_timeout: self.connect_timeout,
             eds_source: EdsSource::Grpc {
                 xds_cluster: self.xds_cluster_name.clone(),
+                delta: false,
             },
             balancers: self.balancers.clone(),
             weights: self.weights.clone(),

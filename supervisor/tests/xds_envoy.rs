@@ -10,6 +10,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use peregrine_e2e::{Envoy, envoy_or_skip, hosts, wait_until};
 use peregrine_supervisor::{
     bootstrap::{BootstrapInput, BootstrapService, envoy_bootstrap},
+    config::XdsVariant,
     registry::{Address, Protocol, Registry, Worker},
     xds::{self, XdsOptions, acks::Acks, transport::StreamKind},
 };
@@ -34,6 +35,32 @@ fn web_hosts(envoy: &Envoy) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Whether the Envoy test `test` can run (else it printed why it skips); logs go to the test's output
+/// (`RUST_LOG=peregrine_supervisor=debug` shows the server's side of the conversation).
+fn envoy_test(test: &str) -> bool {
+    if envoy_or_skip(test).is_none() {
+        return false;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    true
+}
+
+/// Starts Envoy routing to `web`, with its xDS at `xds_addr` (over ADS or not, in the `xds` variant).
+fn start_envoy(xds_addr: SocketAddr, ads: bool, xds: XdsVariant) -> Envoy {
+    Envoy::start(&envoy_bootstrap(&BootstrapInput {
+        xds_address: xds_addr,
+        listener_address: "127.0.0.1:0".parse().unwrap(),
+        admin_address: "127.0.0.1:0".parse().unwrap(),
+        services: vec![BootstrapService::new("web")],
+        ads,
+        xds,
+        ..Default::default()
+    }))
+}
+
 /// Waits until `check` holds for Envoy's admin `path`; returns the body.
 fn until(envoy: &Envoy, what: &str, path: &str, check: impl Fn(&str) -> bool) -> String {
     wait_until(DEADLINE, what, || {
@@ -42,43 +69,93 @@ fn until(envoy: &Envoy, what: &str, path: &str, check: impl Fn(&str) -> bool) ->
     })
 }
 
+/// A control plane serving a registry on a runtime of the test's.
+struct Server {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), xds::XdsError>>,
+}
+
+impl Server {
+    /// Serves `registry` on `listener`, publishing ACKs to `acks`.
+    fn spawn(
+        runtime: &tokio::runtime::Runtime,
+        registry: &Registry,
+        listener: tokio::net::TcpListener,
+        acks: Arc<Acks>,
+    ) -> Server {
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = runtime.spawn(xds::serve(
+            vec![listener],
+            vec![],
+            registry.subscribe(),
+            tokio::sync::watch::channel(XdsOptions::default()).1,
+            acks,
+            None,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        Server { stop, task }
+    }
+
+    /// Stops the server and waits until it has.
+    fn stop(self, runtime: &tokio::runtime::Runtime) {
+        self.stop.send(()).unwrap();
+        runtime
+            .block_on(async { tokio::time::timeout(DEADLINE, self.task).await })
+            .expect("the server stops in time")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 #[test]
 fn envoy_follows_the_registry_over_dedicated_streams() {
-    follows_the_registry("envoy_follows_the_registry_over_dedicated_streams", false);
+    follows_the_registry(
+        "envoy_follows_the_registry_over_dedicated_streams",
+        false,
+        XdsVariant::StateOfTheWorld,
+    );
 }
 
 #[test]
 fn envoy_follows_the_registry_over_ads() {
-    follows_the_registry("envoy_follows_the_registry_over_ads", true);
+    follows_the_registry(
+        "envoy_follows_the_registry_over_ads",
+        true,
+        XdsVariant::StateOfTheWorld,
+    );
 }
 
-fn follows_the_registry(test: &str, ads: bool) {
-    if envoy_or_skip(test).is_none() {
+#[test]
+fn envoy_follows_the_registry_over_delta_streams() {
+    follows_the_registry(
+        "envoy_follows_the_registry_over_delta_streams",
+        false,
+        XdsVariant::Delta,
+    );
+}
+
+#[test]
+fn envoy_follows_the_registry_over_delta_ads() {
+    follows_the_registry(
+        "envoy_follows_the_registry_over_delta_ads",
+        true,
+        XdsVariant::Delta,
+    );
+}
+
+fn follows_the_registry(test: &str, ads: bool, xds: XdsVariant) {
+    if !envoy_test(test) {
         return;
     }
-    // `RUST_LOG=peregrine_supervisor=debug` shows the server's side of the conversation.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let registry = Arc::new(Registry::new(["web".to_string()]));
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let xds_addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(xds::serve(
-        vec![listener],
-        vec![],
-        registry.subscribe(),
-        tokio::sync::watch::channel(XdsOptions::default()).1,
-        Arc::new(Acks::default()),
-        None,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let server = Server::spawn(&runtime, &registry, listener, Arc::new(Acks::default()));
 
     // Fake workers: listeners nobody serves on; Envoy only needs their addresses.
     let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -89,15 +166,7 @@ fn follows_the_registry(test: &str, ads: bool) {
         .register(worker(0, 4242, first_addr, &[Protocol::Http1]))
         .unwrap();
 
-    let bootstrap = envoy_bootstrap(&BootstrapInput {
-        xds_address: xds_addr,
-        listener_address: "127.0.0.1:0".parse().unwrap(),
-        admin_address: "127.0.0.1:0".parse().unwrap(),
-        services: vec![BootstrapService::new("web")],
-        ads,
-        ..Default::default()
-    });
-    let envoy = Envoy::start(&bootstrap);
+    let envoy = start_envoy(xds_addr, ads, xds);
     let first_host = (first_addr.to_string(), "web-0-4242".to_string());
     let second_host = |pid: u32| (second_addr.to_string(), format!("web-1-{pid}"));
 
@@ -145,10 +214,10 @@ fn follows_the_registry(test: &str, ads: bool) {
         dump.contains("http2_protocol_options"),
         "the active cluster has HTTP/2 upstream options:\n{dump}"
     );
-    let source = if ads {
-        "\"ads\": {}"
-    } else {
-        "\"api_config_source\""
+    let source = match (ads, xds) {
+        (true, _) => "\"ads\": {}",
+        (false, XdsVariant::StateOfTheWorld) => "\"api_type\": \"GRPC\"",
+        (false, XdsVariant::Delta) => "\"api_type\": \"DELTA_GRPC\"",
     };
     assert!(
         dump.contains(source),
@@ -162,106 +231,128 @@ fn follows_the_registry(test: &str, ads: bool) {
     );
 
     drop(envoy);
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
+    server.stop(&runtime);
 }
 
 #[test]
 fn envoy_has_an_update_once_its_streams_acked_it() {
     let test = "envoy_has_an_update_once_its_streams_acked_it";
-    if envoy_or_skip(test).is_none() {
+    if !envoy_test(test) {
         return;
     }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    for ads in [false, true] {
-        acked_update_is_in_envoy(ads);
+    for xds in [XdsVariant::StateOfTheWorld, XdsVariant::Delta] {
+        for ads in [false, true] {
+            acked_update_is_in_envoy(ads, xds);
+        }
+    }
+}
+
+/// Envoy following a control plane that serves `web`, whose first worker Envoy already has; a second
+/// worker's address is ready for the scenario to register.
+struct WithFirstWorker {
+    runtime: tokio::runtime::Runtime,
+    registry: Arc<Registry>,
+    xds_addr: SocketAddr,
+    server: Option<Server>,
+    envoy: Envoy,
+    first_host: (String, String),
+    second_host: (String, String),
+    second_addr: SocketAddr,
+    /// The workers' listeners, bound for the test's length so nothing else takes their ports.
+    _listeners: [std::net::TcpListener; 2],
+}
+
+impl WithFirstWorker {
+    fn start(ads: bool, xds: XdsVariant, acks: Arc<Acks>) -> Self {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let registry = Arc::new(Registry::new(["web".to_string()]));
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let xds_addr = listener.local_addr().unwrap();
+        let server = Server::spawn(&runtime, &registry, listener, acks);
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (first_addr, second_addr) = (first.local_addr().unwrap(), second.local_addr().unwrap());
+        registry
+            .register(worker(0, 4242, first_addr, &[Protocol::Http1]))
+            .unwrap();
+        let envoy = start_envoy(xds_addr, ads, xds);
+        let first_host = (first_addr.to_string(), "web-0-4242".to_string());
+        wait_until(DEADLINE, "the first worker in Envoy", || {
+            web_hosts(&envoy).contains(&first_host).then_some(())
+        });
+        WithFirstWorker {
+            runtime,
+            registry,
+            xds_addr,
+            server: Some(server),
+            envoy,
+            first_host,
+            second_host: (second_addr.to_string(), "web-1-4343".to_string()),
+            second_addr,
+            _listeners: [first, second],
+        }
+    }
+
+    /// Registers the second worker; returns the registry revision that has it.
+    fn register_second(&self) -> u64 {
+        self.registry
+            .register(worker(1, 4343, self.second_addr, &[Protocol::Http1]))
+            .unwrap();
+        self.registry.snapshot().revision
+    }
+
+    /// Whether Envoy has both workers.
+    fn has_both(&self) -> bool {
+        let hosts = web_hosts(&self.envoy);
+        hosts.contains(&self.first_host) && hosts.contains(&self.second_host)
+    }
+
+    /// Stops the control plane, calls `meanwhile`, then serves again on the same address.
+    fn restart_server(&mut self, meanwhile: impl FnOnce(&Self), acks: Arc<Acks>) {
+        self.server.take().expect("serving").stop(&self.runtime);
+        meanwhile(self);
+        let listener = self
+            .runtime
+            .block_on(tokio::net::TcpListener::bind(self.xds_addr))
+            .unwrap();
+        self.server = Some(Server::spawn(&self.runtime, &self.registry, listener, acks));
+    }
+
+    fn stop(self) {
+        drop(self.envoy);
+        if let Some(server) = self.server {
+            server.stop(&self.runtime);
+        }
     }
 }
 
 /// Registers a second worker while Envoy runs; once `wait_synced` says every endpoint stream ACKed
 /// the registry's revision, admin `/clusters` must already show the new host.
-fn acked_update_is_in_envoy(ads: bool) {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let registry = Arc::new(Registry::new(["web".to_string()]));
+fn acked_update_is_in_envoy(ads: bool, xds: XdsVariant) {
     let acks = Arc::new(Acks::default());
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let xds_addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(xds::serve(
-        vec![listener],
-        vec![],
-        registry.subscribe(),
-        tokio::sync::watch::channel(XdsOptions::default()).1,
-        acks.clone(),
-        None,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
-    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let second = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let first_host = (
-        first.local_addr().unwrap().to_string(),
-        "web-0-4242".to_string(),
-    );
-    let second_host = (
-        second.local_addr().unwrap().to_string(),
-        "web-1-4343".to_string(),
-    );
-    registry
-        .register(worker(
-            0,
-            4242,
-            first.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let envoy = Envoy::start(&envoy_bootstrap(&BootstrapInput {
-        xds_address: xds_addr,
-        listener_address: "127.0.0.1:0".parse().unwrap(),
-        admin_address: "127.0.0.1:0".parse().unwrap(),
-        services: vec![BootstrapService::new("web")],
-        ads,
-        ..Default::default()
-    }));
-    wait_until(DEADLINE, "the first worker in Envoy", || {
-        web_hosts(&envoy).contains(&first_host).then_some(())
-    });
-
-    registry
-        .register(worker(
-            1,
-            4343,
-            second.local_addr().unwrap(),
-            &[Protocol::Http1],
-        ))
-        .unwrap();
-    let revision = registry.snapshot().revision;
-    let outcome = runtime.block_on(acks.wait_synced(revision, Duration::from_secs(10)));
+    let running = WithFirstWorker::start(ads, xds, acks.clone());
+    let revision = running.register_second();
+    let outcome = running
+        .runtime
+        .block_on(acks.wait_synced(revision, Duration::from_secs(10)));
     assert!(
         outcome.is_synced() && outcome.synced >= 1,
-        "ads: {ads}, every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
-        envoy.logs()
+        "ads: {ads}, {xds:?}: every endpoint stream ACKed revision {revision}: {outcome:?}\n{}",
+        running.envoy.logs()
     );
     // No wait: an ACKed update is already applied.
-    let hosts = web_hosts(&envoy);
     assert!(
-        hosts.contains(&first_host) && hosts.contains(&second_host),
-        "ads: {ads}, both workers in Envoy right after the ACK: {hosts:?}"
+        running.has_both(),
+        "ads: {ads}, {xds:?}: both workers in Envoy right after the ACK: {:?}",
+        web_hosts(&running.envoy)
     );
-    let kind = if ads {
-        StreamKind::Ads
-    } else {
-        StreamKind::Eds
+    let kind = match (ads, xds) {
+        (false, XdsVariant::StateOfTheWorld) => StreamKind::Eds,
+        (true, XdsVariant::StateOfTheWorld) => StreamKind::Ads,
+        (false, XdsVariant::Delta) => StreamKind::DeltaEds,
+        (true, XdsVariant::Delta) => StreamKind::DeltaAds,
     };
     let streams = acks.streams();
     assert!(
@@ -269,17 +360,51 @@ fn acked_update_is_in_envoy(ads: bool) {
             && streams
                 .iter()
                 .all(|s| s.kind == kind && s.synced_revision >= Some(revision)),
-        "ads: {ads}, only {kind} streams count, all synced at {revision}: {streams:?}"
+        "ads: {ads}, {xds:?}: only {kind} streams count, all synced at {revision}: {streams:?}"
     );
 
-    drop(envoy);
-    stop_tx.send(()).unwrap();
-    runtime
-        .block_on(async { tokio::time::timeout(DEADLINE, server).await })
-        .expect("the server stops in time")
-        .unwrap()
-        .unwrap();
+    running.stop();
     wait_until(DEADLINE, "closed streams to stop counting", || {
         acks.streams().is_empty().then_some(())
     });
+}
+
+#[test]
+fn envoy_reconnecting_over_delta_is_sent_only_what_changed() {
+    let test = "envoy_reconnecting_over_delta_is_sent_only_what_changed";
+    if !envoy_test(test) {
+        return;
+    }
+    for ads in [false, true] {
+        reconnects_over_delta(ads);
+    }
+}
+
+/// Restarts the control plane under a running Envoy while a worker registers: the new server gets
+/// Envoy's `initial_resource_versions` and sends only the changed endpoints, not the cluster again.
+fn reconnects_over_delta(ads: bool) {
+    let mut running = WithFirstWorker::start(ads, XdsVariant::Delta, Arc::new(Acks::default()));
+    let cds_updates = running.envoy.stat("cluster_manager.cds.update_success");
+
+    // The control plane goes away; a worker registers meanwhile; a new one serves on the same port.
+    let acks = Arc::new(Acks::default());
+    let mut revision = 0;
+    running.restart_server(|running| revision = running.register_second(), acks.clone());
+    wait_until(DEADLINE, "Envoy back and synced", || {
+        let streams = acks.streams();
+        (!streams.is_empty() && streams.iter().all(|s| s.synced_revision >= Some(revision)))
+            .then_some(())
+    });
+    assert!(
+        running.has_both(),
+        "ads: {ads}: both workers after the reconnect: {:?}",
+        web_hosts(&running.envoy)
+    );
+    assert_eq!(
+        running.envoy.stat("cluster_manager.cds.update_success"),
+        cds_updates,
+        "ads: {ads}: the unchanged cluster is not sent again\n{}",
+        running.envoy.stats()
+    );
+    running.stop();
 }

@@ -9,19 +9,19 @@ use envoy_types::pb::{
     envoy::{
         config::{
             cluster::v3::Cluster,
-            core::v3::Node,
+            core::v3::{Node, api_config_source::ApiType, config_source::ConfigSourceSpecifier},
             endpoint::v3::{ClusterLoadAssignment, lb_endpoint::HostIdentifier},
         },
         service::{
             cluster::v3::cluster_discovery_service_client::ClusterDiscoveryServiceClient,
             discovery::v3::{
-                DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
+                DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
                 aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
             },
             endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient,
         },
     },
-    google::rpc::Status as RpcStatus,
+    google::{protobuf::Any, rpc::Status as RpcStatus},
 };
 use peregrine_supervisor::{
     registry::{Address, Protocol, Registry, ServiceView, Snapshot, Worker},
@@ -90,11 +90,13 @@ impl Drop for Server {
     }
 }
 
-/// One open xDS stream.
-struct Client {
-    tx: mpsc::Sender<DiscoveryRequest>,
-    rx: Streaming<DiscoveryResponse>,
+/// One open xDS stream (state of the world unless opened with [`Client::open_delta`]).
+struct Client<Q = DiscoveryRequest, P = DiscoveryResponse> {
+    tx: mpsc::Sender<Q>,
+    rx: Streaming<P>,
 }
+
+type DeltaClient = Client<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
 
 #[derive(Clone, Copy)]
 enum Rpc {
@@ -103,36 +105,69 @@ enum Rpc {
     Ads,
 }
 
-impl Client {
-    async fn open(server: &Server, rpc: Rpc) -> Client {
-        let channel = server.channel().await;
+/// Opens `rpc` on `server` with the client methods named for each service (`stream_*` or `delta_*`).
+macro_rules! open_client {
+    ($server:expr, $rpc:expr, $cds:ident, $eds:ident, $ads:ident) => {{
+        let channel = $server.channel().await;
         let (tx, rx) = mpsc::channel(16);
         let requests = ReceiverStream::new(rx);
-        let rx = match rpc {
-            Rpc::Cds => ClusterDiscoveryServiceClient::new(channel)
-                .stream_clusters(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Eds => EndpointDiscoveryServiceClient::new(channel)
-                .stream_endpoints(requests)
-                .await
-                .unwrap()
-                .into_inner(),
-            Rpc::Ads => AggregatedDiscoveryServiceClient::new(channel)
-                .stream_aggregated_resources(requests)
-                .await
-                .unwrap()
-                .into_inner(),
+        let rx = match $rpc {
+            Rpc::Cds => {
+                ClusterDiscoveryServiceClient::new(channel)
+                    .$cds(requests)
+                    .await
+            }
+            Rpc::Eds => {
+                EndpointDiscoveryServiceClient::new(channel)
+                    .$eds(requests)
+                    .await
+            }
+            Rpc::Ads => {
+                AggregatedDiscoveryServiceClient::new(channel)
+                    .$ads(requests)
+                    .await
+            }
         };
-        Client { tx, rx }
+        Client {
+            tx,
+            rx: rx.unwrap().into_inner(),
+        }
+    }};
+}
+
+impl Client {
+    async fn open(server: &Server, rpc: Rpc) -> Client {
+        open_client!(
+            server,
+            rpc,
+            stream_clusters,
+            stream_endpoints,
+            stream_aggregated_resources
+        )
+    }
+}
+
+impl DeltaClient {
+    async fn open_delta(server: &Server, rpc: Rpc) -> DeltaClient {
+        open_client!(
+            server,
+            rpc,
+            delta_clusters,
+            delta_endpoints,
+            delta_aggregated_resources
+        )
+    }
+}
+
+impl<Q, P: std::fmt::Debug> Client<Q, P> {
+    async fn send(&self, request: Q) {
+        self.tx
+            .send(request)
+            .await
+            .unwrap_or_else(|_| panic!("stream open"));
     }
 
-    async fn send(&self, request: DiscoveryRequest) {
-        self.tx.send(request).await.unwrap();
-    }
-
-    async fn recv(&mut self) -> DiscoveryResponse {
+    async fn recv(&mut self) -> P {
         tokio::time::timeout(RESPONSE_WITHIN, self.rx.message())
             .await
             .expect("a response in time")
@@ -460,19 +495,9 @@ async fn eds_names_dropped_and_named_again_are_sent_again() {
 }
 
 #[tokio::test]
-async fn delta_and_fetch_are_unimplemented() {
+async fn fetch_is_unimplemented() {
     let (_registry, server) = registry_server(&["a"]).await;
     let mut client = ClusterDiscoveryServiceClient::new(server.channel().await);
-    let (_tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(1);
-    let status = match client.delta_clusters(ReceiverStream::new(rx)).await {
-        Err(status) => status,
-        Ok(response) => response
-            .into_inner()
-            .message()
-            .await
-            .expect_err("delta must fail"),
-    };
-    assert_eq!(status.code(), Code::Unimplemented);
     let status = client
         .fetch_clusters(request(CDS, "", "", &[]))
         .await
@@ -500,4 +525,188 @@ async fn shutdown_ends_open_streams_and_the_server() {
         .expect("the server stops in time")
         .unwrap()
         .unwrap();
+}
+
+// === delta ===
+
+fn delta_request(type_url: &str, nonce: &str, subscribe: &[&str]) -> DeltaDiscoveryRequest {
+    DeltaDiscoveryRequest {
+        node: Some(Node {
+            id: "test-node".into(),
+            cluster: "test".into(),
+            ..Default::default()
+        }),
+        type_url: type_url.into(),
+        resource_names_subscribe: subscribe.iter().map(|n| n.to_string()).collect(),
+        response_nonce: nonce.into(),
+        ..Default::default()
+    }
+}
+
+fn delta_ack(response: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
+    delta_request(&response.type_url, &response.nonce, &[])
+}
+
+/// The resources of a delta response by name, each checked to carry its name, a version and a
+/// resource of the response's type.
+fn delta_resources(response: &DeltaDiscoveryResponse) -> BTreeMap<String, Any> {
+    response
+        .resources
+        .iter()
+        .map(|r| {
+            assert!(!r.version.is_empty(), "{r:?}");
+            let any = r.resource.clone().expect("a resource");
+            assert_eq!(any.type_url, response.type_url);
+            (r.name.clone(), any)
+        })
+        .collect()
+}
+
+fn delta_names(response: &DeltaDiscoveryResponse) -> Vec<String> {
+    delta_resources(response).into_keys().collect()
+}
+
+#[tokio::test]
+async fn delta_cds_is_a_wildcard_and_an_ack_gets_no_reply() {
+    let (_registry, server) = registry_server(&["a", "b"]).await;
+    let mut cds = Client::open_delta(&server, Rpc::Cds).await;
+    // Envoy's first CDS request subscribes to nothing: a wildcard.
+    cds.send(delta_request(CDS, "", &[])).await;
+    let first = cds.recv().await;
+    assert_eq!(delta_names(&first), ["a", "b"]);
+    assert!(first.removed_resources.is_empty());
+    assert!(!first.nonce.is_empty());
+    version_parts(&first.system_version_info);
+    let cluster = Cluster::decode(delta_resources(&first)["a"].value.as_slice()).unwrap();
+    let source = cluster
+        .eds_cluster_config
+        .and_then(|c| c.eds_config)
+        .and_then(|c| c.config_source_specifier);
+    assert!(
+        matches!(
+            &source,
+            Some(ConfigSourceSpecifier::ApiConfigSource(api))
+                if api.api_type == ApiType::DeltaGrpc as i32
+        ),
+        "clusters sent on delta CDS fetch endpoints over delta: {source:?}"
+    );
+    cds.send(delta_ack(&first)).await;
+    cds.expect_silence("after an ACK").await;
+}
+
+#[tokio::test]
+async fn delta_eds_pushes_only_the_changed_resource() {
+    let (registry, server) = registry_server(&["a", "b"]).await;
+    let mut eds = Client::open_delta(&server, Rpc::Eds).await;
+    eds.send(delta_request(EDS, "", &["a", "b"])).await;
+    let first = eds.recv().await;
+    assert_eq!(delta_names(&first), ["a", "b"]);
+    eds.send(delta_ack(&first)).await;
+    eds.expect_silence("after an ACK").await;
+
+    registry
+        .register(worker("b", 0, 20, &[Protocol::Http1]))
+        .unwrap();
+    let second = eds.recv().await;
+    assert_eq!(delta_names(&second), ["b"], "only the changed resource");
+    let b = ClusterLoadAssignment::decode(delta_resources(&second)["b"].value.as_slice()).unwrap();
+    assert_eq!(hostnames(&b), ["b-0-20"]);
+    assert_ne!(second.nonce, first.nonce);
+    assert_ne!(second.resources[0].version, first.resources[1].version);
+    eds.send(delta_ack(&second)).await;
+    eds.expect_silence("after an ACK").await;
+}
+
+#[tokio::test]
+async fn delta_names_removed_clusters_and_sends_names_that_appear() {
+    let snapshot = |revision, services: &[&str]| Snapshot {
+        revision,
+        services: services
+            .iter()
+            .map(|s| (s.to_string(), ServiceView::default()))
+            .collect(),
+    };
+    let (tx, rx) = watch::channel(Arc::new(snapshot(1, &["a", "b"])));
+    let server = Server::start(rx).await;
+    let mut cds = Client::open_delta(&server, Rpc::Cds).await;
+    cds.send(delta_request(CDS, "", &["*"])).await;
+    let first = cds.recv().await;
+    assert_eq!(delta_names(&first), ["a", "b"]);
+    cds.send(delta_ack(&first)).await;
+    let mut eds = Client::open_delta(&server, Rpc::Eds).await;
+    eds.send(delta_request(EDS, "", &["later"])).await;
+    eds.expect_silence("the name does not exist yet").await;
+
+    tx.send_replace(Arc::new(snapshot(2, &["a", "later"])));
+    let second = cds.recv().await;
+    assert_eq!(delta_names(&second), ["later"]);
+    assert_eq!(second.removed_resources, ["b"]);
+    let appeared = eds.recv().await;
+    assert_eq!(delta_names(&appeared), ["later"]);
+}
+
+#[tokio::test]
+async fn a_delta_nack_is_not_answered_with_the_same_content() {
+    let (registry, server) = registry_server(&["a", "b"]).await;
+    let mut cds = Client::open_delta(&server, Rpc::Cds).await;
+    cds.send(delta_request(CDS, "", &[])).await;
+    let first = cds.recv().await;
+    cds.send(DeltaDiscoveryRequest {
+        error_detail: Some(RpcStatus {
+            code: 3,
+            message: "test rejection".into(),
+            details: Vec::new(),
+        }),
+        ..delta_ack(&first)
+    })
+    .await;
+    cds.expect_silence("the same content must not be resent after a NACK")
+        .await;
+
+    registry
+        .register(worker("b", 0, 20, &[Protocol::Http2]))
+        .unwrap();
+    let second = cds.recv().await;
+    assert_eq!(delta_names(&second), ["b"], "only what changed since");
+    assert_ne!(second.nonce, first.nonce);
+}
+
+#[tokio::test]
+async fn delta_ads_sends_clusters_before_their_endpoints() {
+    let (registry, server) = registry_server(&["a"]).await;
+    let mut ads = Client::open_delta(&server, Rpc::Ads).await;
+    ads.send(delta_request(EDS, "", &["a"])).await;
+    ads.send(delta_request(CDS, "", &[])).await;
+    let first = ads.recv().await;
+    let second = ads.recv().await;
+    assert_eq!(
+        [first.type_url.as_str(), second.type_url.as_str()],
+        [CDS, EDS]
+    );
+    let cluster = Cluster::decode(delta_resources(&first)["a"].value.as_slice()).unwrap();
+    assert!(
+        matches!(
+            cluster
+                .eds_cluster_config
+                .and_then(|c| c.eds_config)
+                .and_then(|c| c.config_source_specifier),
+            Some(ConfigSourceSpecifier::Ads(_))
+        ),
+        "clusters sent over delta ADS fetch endpoints over ADS"
+    );
+    ads.send(delta_ack(&first)).await;
+    ads.send(delta_ack(&second)).await;
+    ads.expect_silence("after both ACKs").await;
+
+    // Only the cluster changes (HTTP/2 upstream): its unchanged endpoints follow it.
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http2]))
+        .unwrap();
+    let third = ads.recv().await;
+    let fourth = ads.recv().await;
+    assert_eq!(
+        [third.type_url.as_str(), fourth.type_url.as_str()],
+        [CDS, EDS]
+    );
+    assert_eq!(delta_names(&fourth), ["a"]);
 }

@@ -56,18 +56,36 @@ pub struct Resources {
     pub revision: u64,
     /// Clusters whose endpoints come over a dedicated EDS stream (served on CDS streams).
     pub clusters: TypeResources,
-    /// The same clusters with endpoints over ADS (served on ADS streams).
+    /// The same clusters with endpoints over a dedicated delta EDS stream (served on delta CDS
+    /// streams).
+    pub delta_clusters: TypeResources,
+    /// The same clusters with endpoints over ADS (served on ADS streams, delta or not).
     pub ads_clusters: TypeResources,
     /// Cluster load assignments.
     pub endpoints: TypeResources,
 }
 
+/// Where the clusters served on a stream tell Envoy to fetch their endpoints: picks the cluster
+/// flavour of [`Resources::get`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EdsVia {
+    /// A dedicated state-of-the-world EDS stream.
+    Grpc,
+    /// A dedicated delta EDS stream.
+    DeltaGrpc,
+    /// The ADS stream the clusters came on.
+    Ads,
+}
+
 impl Resources {
-    /// The resources of `type_url` for a state-of-the-world stream (`ads` picks the cluster flavour).
-    pub fn get(&self, type_url: &str, ads: bool) -> Option<&TypeResources> {
+    /// The resources of `type_url` for a stream whose clusters fetch endpoints `via` there.
+    pub fn get(&self, type_url: &str, via: EdsVia) -> Option<&TypeResources> {
         match type_url {
-            CLUSTER_TYPE_URL if ads => Some(&self.ads_clusters),
-            CLUSTER_TYPE_URL => Some(&self.clusters),
+            CLUSTER_TYPE_URL => Some(match via {
+                EdsVia::Grpc => &self.clusters,
+                EdsVia::DeltaGrpc => &self.delta_clusters,
+                EdsVia::Ads => &self.ads_clusters,
+            }),
             ENDPOINT_TYPE_URL => Some(&self.endpoints),
             _ => None,
         }
@@ -80,6 +98,7 @@ pub struct Cache {
     epoch: String,
     options: ClusterOptions,
     clusters: TypeVersion,
+    delta_clusters: TypeVersion,
     ads_clusters: TypeVersion,
     endpoints: TypeVersion,
 }
@@ -103,13 +122,14 @@ pub fn new_epoch() -> String {
 // === impl Cache ===
 
 impl Cache {
-    /// A cache with the given epoch; `options.eds_source` is used for CDS streams, ADS streams get the
-    /// same clusters with `ads: {}`.
+    /// A cache with the given epoch; `options.eds_source` is used for CDS streams, delta CDS streams
+    /// get the same clusters with a delta EDS source and ADS streams with `ads: {}`.
     pub fn new(epoch: String, options: ClusterOptions) -> Self {
         Cache {
             epoch,
             options,
             clusters: TypeVersion::default(),
+            delta_clusters: TypeVersion::default(),
             ads_clusters: TypeVersion::default(),
             endpoints: TypeVersion::default(),
         }
@@ -127,14 +147,26 @@ impl Cache {
             eds_source: EdsSource::Ads,
             ..self.options.clone()
         };
-        let clusters = snapshot
-            .services
-            .iter()
-            .map(|(name, view)| versioned(name, pack(&make_cluster(name, view, &self.options))));
-        let ads_clusters = snapshot
-            .services
-            .iter()
-            .map(|(name, view)| versioned(name, pack(&make_cluster(name, view, &ads_options))));
+        let delta_options = ClusterOptions {
+            eds_source: match &self.options.eds_source {
+                EdsSource::Grpc { xds_cluster, .. } => EdsSource::Grpc {
+                    xds_cluster: xds_cluster.clone(),
+                    delta: true,
+                },
+                EdsSource::Ads => EdsSource::Ads,
+            },
+            ..self.options.clone()
+        };
+        let built = |options: &ClusterOptions| {
+            snapshot
+                .services
+                .iter()
+                .map(|(name, view)| versioned(name, pack(&make_cluster(name, view, options))))
+                .collect::<Vec<_>>()
+        };
+        let clusters = built(&self.options);
+        let delta_clusters = built(&delta_options);
+        let ads_clusters = built(&ads_options);
         let endpoints = snapshot.services.iter().map(|(name, view)| {
             versioned(name, pack(&make_load_assignment(name, view, &self.options)))
         });
@@ -143,6 +175,11 @@ impl Cache {
             clusters: self
                 .clusters
                 .advance(&self.epoch, CLUSTER_TYPE_URL, clusters),
+            delta_clusters: self.delta_clusters.advance(
+                &self.epoch,
+                CLUSTER_TYPE_URL,
+                delta_clusters,
+            ),
             ads_clusters: self
                 .ads_clusters
                 .advance(&self.epoch, CLUSTER_TYPE_URL, ads_clusters),
@@ -226,6 +263,8 @@ impl Cache {
                         let resources = self.build(&snapshot);
                         tx.send_if_modified(|current| {
                             let changed = current.clusters.version != resources.clusters.version
+                                || current.delta_clusters.version
+                                    != resources.delta_clusters.version
                                 || current.ads_clusters.version != resources.ads_clusters.version
                                 || current.endpoints.version != resources.endpoints.version;
                             if changed {
@@ -258,9 +297,10 @@ impl TypeVersion {
         &mut self,
         epoch: &str,
         type_url: &'static str,
-        resources: impl Iterator<Item = VersionedResource>,
+        resources: impl IntoIterator<Item = VersionedResource>,
     ) -> TypeResources {
         let resources = resources
+            .into_iter()
             .map(|r| (r.name.clone(), r))
             .collect::<BTreeMap<_, _>>();
         let content = resources
@@ -326,6 +366,7 @@ mod tests {
         registry.register(worker("a", 1, 11)).unwrap();
         let after = cache.build(&registry.snapshot());
         assert_eq!(before.clusters.version, after.clusters.version);
+        assert_eq!(before.delta_clusters.version, after.delta_clusters.version);
         assert_eq!(before.ads_clusters.version, after.ads_clusters.version);
         assert_ne!(before.endpoints.version, after.endpoints.version);
         assert_eq!(after.endpoints.version, "e1-2");
@@ -361,6 +402,7 @@ mod tests {
         registry.register(h2).unwrap();
         let after = cache.build(&registry.snapshot());
         assert_ne!(before.clusters.version, after.clusters.version);
+        assert_ne!(before.delta_clusters.version, after.delta_clusters.version);
         assert_ne!(before.ads_clusters.version, after.ads_clusters.version);
         assert_eq!(before.endpoints.version, after.endpoints.version);
     }

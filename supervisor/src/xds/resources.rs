@@ -71,6 +71,8 @@ pub enum EdsSource {
     Grpc {
         /// The name of the xDS cluster in Envoy's bootstrap.
         xds_cluster: String,
+        /// Whether the stream is incremental (`DELTA_GRPC`) rather than state of the world (`GRPC`).
+        delta: bool,
     },
     /// The ADS stream the cluster arrived on (`ads: {}`).
     Ads,
@@ -130,6 +132,7 @@ impl Default for ClusterOptions {
             connect_timeout: Duration::from_secs(1),
             eds_source: EdsSource::Grpc {
                 xds_cluster: "xds_cluster".into(),
+                delta: false,
             },
             balancers: BTreeMap::new(),
             weights: BTreeMap::new(),
@@ -377,9 +380,13 @@ pub fn pack<M: Name>(message: &M) -> Any {
 fn config_source(source: &EdsSource) -> ConfigSource {
     let specifier = match source {
         EdsSource::Ads => ConfigSourceSpecifier::Ads(AggregatedConfigSource::default()),
-        EdsSource::Grpc { xds_cluster } => {
+        EdsSource::Grpc { xds_cluster, delta } => {
             ConfigSourceSpecifier::ApiConfigSource(ApiConfigSource {
-                api_type: ApiType::Grpc as i32,
+                api_type: if *delta {
+                    ApiType::DeltaGrpc
+                } else {
+                    ApiType::Grpc
+                } as i32,
                 transport_api_version: ApiVersion::V3 as i32,
                 grpc_services: vec![GrpcService {
                     target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {

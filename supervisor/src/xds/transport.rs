@@ -1,8 +1,8 @@
-//! The gRPC transport: state-of-the-world CDS, EDS and ADS streams over the [`Resources`] the cache
-//! publishes.
+//! The gRPC transport: CDS, EDS and ADS streams, state of the world or delta ([`delta`]), over the
+//! [`Resources`] the cache publishes.
 //!
-//! Per stream and per type it keeps the last nonce sent, the names subscribed and what it last sent
-//! (name -> resource version). It sends a response exactly when what the client should have differs
+//! On a state-of-the-world stream, per type it keeps the last nonce sent, the names subscribed and
+//! what it last sent (name -> resource version). It sends a response exactly when what the client should have differs
 //! from what it was last sent, so an ACK gets no reply, a NACK is not answered with the same content
 //! again (go-control-plane's resend loop, its issue #962) and a request naming new resources gets them
 //! even at the same version. A request echoing a stale nonce is ignored. CDS is always the full set
@@ -11,6 +11,8 @@
 //! held until their cluster was sent on the same stream, and a changed cluster's endpoints are sent
 //! again right after it (Envoy finishes warming a changed cluster only with a new EDS response).
 //!
+//! Delta streams follow the same rules with per-resource versions; see [`delta`].
+//!
 //! Each stream also follows how far Envoy has ACKed its endpoints: its *synced revision* is the highest
 //! registry revision at which every EDS response it owed was ACKed (a NACK or a stale nonce never
 //! advances it; an ADS endpoint response held back for its cluster is owed). Streams publish it to
@@ -18,42 +20,48 @@
 //!
 //! Invariant: the transport never builds resources; it only selects from the cache's.
 
+mod delta;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
 };
 
-use envoy_types::pb::envoy::service::{
-    cluster::v3::cluster_discovery_service_server::ClusterDiscoveryService,
-    discovery::v3::{
-        DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-        aggregated_discovery_service_server::AggregatedDiscoveryService,
+use envoy_types::pb::{
+    envoy::{
+        config::core::v3::Node,
+        service::{
+            cluster::v3::cluster_discovery_service_server::ClusterDiscoveryService,
+            discovery::v3::{
+                DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+                aggregated_discovery_service_server::AggregatedDiscoveryService,
+            },
+            endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryService,
+        },
     },
-    endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryService,
+    google::rpc::Status as RpcStatus,
 };
-use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+use self::delta::DeltaWatch;
 use super::{
     acks::Acks,
-    cache::Resources,
+    cache::{EdsVia, Resources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
 
 /// The response stream of every state-of-the-world method.
 pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
 
-/// The (never produced) response stream of the delta methods.
-pub type DeltaResponseStream =
-    Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send + 'static>>;
+/// The response stream of every delta method.
+pub type DeltaResponseStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
 
 /// How many responses may wait for a slow client before a stream stops reading the cache.
 const RESPONSE_BUFFER: usize = 8;
@@ -78,7 +86,37 @@ pub enum StreamKind {
     Eds,
     /// `AggregatedDiscoveryService.StreamAggregatedResources`.
     Ads,
+    /// `ClusterDiscoveryService.DeltaClusters`.
+    DeltaCds,
+    /// `EndpointDiscoveryService.DeltaEndpoints`.
+    DeltaEds,
+    /// `AggregatedDiscoveryService.DeltaAggregatedResources`.
+    DeltaAds,
 }
+
+/// The rules of one variant of the protocol (state of the world or delta): fed the client's requests
+/// and the cache's resources, they say what to send. Pure, so they can be followed step by step in
+/// tests.
+trait StreamRules {
+    type Request: Send + 'static;
+    type Response: Send + 'static;
+
+    /// The node a request names (Envoy names it on a stream's first request).
+    fn node(request: &Self::Request) -> Option<&Node>;
+
+    /// Applies a request and returns the responses now owed.
+    fn on_request(
+        &mut self,
+        request: Self::Request,
+        resources: &Resources,
+    ) -> Result<Vec<Self::Response>, Status>;
+
+    /// Returns the responses owed after the cache published new resources.
+    fn on_resources(&mut self, resources: &Resources) -> Vec<Self::Response>;
+}
+
+/// The responses of the streams whose state is `Stream<W>`.
+type Responses<W> = ReceiverStream<Result<<Stream<W> as StreamRules>::Response, Status>>;
 
 // === impl XdsService ===
 
@@ -88,9 +126,16 @@ impl XdsService {
         XdsService { resources, acks }
     }
 
-    fn open(&self, kind: StreamKind, requests: Streaming<DiscoveryRequest>) -> ResponseStream {
+    fn open<W: Send + 'static>(
+        &self,
+        kind: StreamKind,
+        requests: Streaming<<Stream<W> as StreamRules>::Request>,
+    ) -> Responses<W>
+    where
+        Stream<W>: StreamRules,
+    {
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
-        tokio::spawn(run_stream(
+        tokio::spawn(run_stream::<W>(
             kind,
             requests,
             self.resources.clone(),
@@ -99,10 +144,6 @@ impl XdsService {
         ));
         ReceiverStream::new(rx)
     }
-}
-
-fn delta_unimplemented() -> Status {
-    Status::unimplemented("delta xDS is not supported yet, use state of the world")
 }
 
 fn fetch_unimplemented() -> Status {
@@ -119,15 +160,18 @@ impl ClusterDiscoveryService for XdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamClustersStream>, Status> {
         Ok(Response::new(
-            self.open(StreamKind::Cds, request.into_inner()),
+            self.open::<TypeWatch>(StreamKind::Cds, request.into_inner()),
         ))
     }
 
     async fn delta_clusters(
         &self,
-        _: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaClustersStream>, Status> {
-        Err(delta_unimplemented())
+        Ok(Response::new(self.open::<DeltaWatch>(
+            StreamKind::DeltaCds,
+            request.into_inner(),
+        )))
     }
 
     async fn fetch_clusters(
@@ -148,15 +192,18 @@ impl EndpointDiscoveryService for XdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
         Ok(Response::new(
-            self.open(StreamKind::Eds, request.into_inner()),
+            self.open::<TypeWatch>(StreamKind::Eds, request.into_inner()),
         ))
     }
 
     async fn delta_endpoints(
         &self,
-        _: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaEndpointsStream>, Status> {
-        Err(delta_unimplemented())
+        Ok(Response::new(self.open::<DeltaWatch>(
+            StreamKind::DeltaEds,
+            request.into_inner(),
+        )))
     }
 
     async fn fetch_endpoints(
@@ -177,15 +224,18 @@ impl AggregatedDiscoveryService for XdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         Ok(Response::new(
-            self.open(StreamKind::Ads, request.into_inner()),
+            self.open::<TypeWatch>(StreamKind::Ads, request.into_inner()),
         ))
     }
 
     async fn delta_aggregated_resources(
         &self,
-        _: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(delta_unimplemented())
+        Ok(Response::new(self.open::<DeltaWatch>(
+            StreamKind::DeltaAds,
+            request.into_inner(),
+        )))
     }
 }
 
@@ -195,9 +245,48 @@ impl StreamKind {
     /// The type a dedicated stream serves; `None` for ADS.
     fn dedicated_type(self) -> Option<&'static str> {
         match self {
-            StreamKind::Cds => Some(CLUSTER_TYPE_URL),
-            StreamKind::Eds => Some(ENDPOINT_TYPE_URL),
-            StreamKind::Ads => None,
+            StreamKind::Cds | StreamKind::DeltaCds => Some(CLUSTER_TYPE_URL),
+            StreamKind::Eds | StreamKind::DeltaEds => Some(ENDPOINT_TYPE_URL),
+            StreamKind::Ads | StreamKind::DeltaAds => None,
+        }
+    }
+
+    /// Whether the stream is ADS (delta or not).
+    fn is_ads(self) -> bool {
+        self.dedicated_type().is_none()
+    }
+
+    /// Where the clusters sent on this stream fetch their endpoints.
+    fn eds_via(self) -> EdsVia {
+        match self {
+            StreamKind::Ads | StreamKind::DeltaAds => EdsVia::Ads,
+            StreamKind::DeltaCds | StreamKind::DeltaEds => EdsVia::DeltaGrpc,
+            StreamKind::Cds | StreamKind::Eds => EdsVia::Grpc,
+        }
+    }
+
+    /// The type a request on this stream is for: `Ok(None)` for a type ADS does not serve (the
+    /// request is ignored), an error for the wrong type on a dedicated stream.
+    fn requested_type(self, type_url: &str) -> Result<Option<&'static str>, Status> {
+        match (self.dedicated_type(), type_url) {
+            (Some(expected), "") => Ok(Some(expected)),
+            (Some(expected), got) if got == expected => Ok(Some(expected)),
+            (Some(expected), got) => {
+                tracing::warn!(
+                    type_url = got,
+                    expected,
+                    "Request for the wrong type on a dedicated stream"
+                );
+                Err(Status::invalid_argument(format!(
+                    "this stream serves {expected}, not {got}"
+                )))
+            }
+            (None, CLUSTER_TYPE_URL) => Ok(Some(CLUSTER_TYPE_URL)),
+            (None, ENDPOINT_TYPE_URL) => Ok(Some(ENDPOINT_TYPE_URL)),
+            (None, got) => {
+                tracing::warn!(type_url = got, "Request for a type not served, ignored");
+                Ok(None)
+            }
         }
     }
 }
@@ -208,19 +297,24 @@ impl fmt::Display for StreamKind {
             StreamKind::Cds => "cds",
             StreamKind::Eds => "eds",
             StreamKind::Ads => "ads",
+            StreamKind::DeltaCds => "delta-cds",
+            StreamKind::DeltaEds => "delta-eds",
+            StreamKind::DeltaAds => "delta-ads",
         })
     }
 }
 
 /// Drives one stream until the client ends it, the response channel closes or the cache goes away;
 /// keeps it registered in `acks` from its first request until then.
-async fn run_stream(
+async fn run_stream<W: Send + 'static>(
     kind: StreamKind,
-    mut requests: Streaming<DiscoveryRequest>,
+    mut requests: Streaming<<Stream<W> as StreamRules>::Request>,
     mut resources: watch::Receiver<Arc<Resources>>,
     acks: Arc<Acks>,
-    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
-) {
+    tx: mpsc::Sender<Result<<Stream<W> as StreamRules>::Response, Status>>,
+) where
+    Stream<W>: StreamRules,
+{
     let first = match requests.message().await {
         Ok(Some(first)) => first,
         Ok(None) => return,
@@ -229,9 +323,7 @@ async fn run_stream(
             return;
         }
     };
-    let node = first
-        .node
-        .as_ref()
+    let node = Stream::<W>::node(&first)
         .map(|n| n.id.clone())
         .unwrap_or_default();
     let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
@@ -240,7 +332,7 @@ async fn run_stream(
         tracing::debug!("Stream opened");
         // Dropped on every way out of this block, which removes the stream from `acks`.
         let registered = acks.register(id, node.clone(), kind);
-        let mut state = StreamState::new(kind, node);
+        let mut state = Stream::<W>::new(kind, node);
         let mut next = Some(first);
         loop {
             let responses = if let Some(request) = next.take() {
@@ -318,15 +410,33 @@ struct EndpointSync {
     synced: Option<u64>,
 }
 
-/// The protocol state of one stream: pure, so the rules can be followed step by step.
+/// What a request says about the last response of its type.
 #[derive(Debug)]
-struct StreamState {
+enum Reply<'a> {
+    /// No nonce: a new subscription (or, on delta streams, a change of subscriptions).
+    None,
+    /// The last response was accepted.
+    Ack(&'a str),
+    /// The last response was rejected (logged).
+    Nack,
+    /// The request echoes a nonce other than the last one sent: it answers an outdated response.
+    Stale,
+}
+
+/// The protocol state of one stream: pure, so the rules can be followed step by step. `W` is what it
+/// knows about one resource type: a [`TypeWatch`] on state-of-the-world streams ([`StreamState`]), a
+/// [`DeltaWatch`] on delta streams.
+#[derive(Debug)]
+struct Stream<W> {
     kind: StreamKind,
     node: String,
-    clusters: Option<TypeWatch>,
-    endpoints: Option<TypeWatch>,
+    clusters: Option<W>,
+    endpoints: Option<W>,
     sync: EndpointSync,
 }
+
+/// The state of a state-of-the-world stream.
+type StreamState = Stream<TypeWatch>;
 
 /// What one pass over the resources owes the client in endpoints.
 #[derive(Debug, Default)]
@@ -347,11 +457,78 @@ fn next_nonce() -> String {
     (NONCES.fetch_add(1, Ordering::Relaxed) + 1).to_string()
 }
 
-// === impl StreamState ===
+// === impl Reply ===
 
-impl StreamState {
+impl<'a> Reply<'a> {
+    /// Reads a request echoing `nonce` (empty if none) with `error`, for a type whose last response
+    /// carried `last`. Logs NACKs, with the version the client still runs if it says.
+    fn of(
+        last: Option<&str>,
+        nonce: &'a str,
+        error: Option<&RpcStatus>,
+        node: &str,
+        type_url: &str,
+        version: Option<&str>,
+    ) -> Self {
+        if nonce.is_empty() {
+            return Reply::None;
+        }
+        if last.is_some_and(|last| last != nonce) {
+            tracing::debug!(type_url, nonce, last, "Stale nonce");
+            return Reply::Stale;
+        }
+        match error {
+            Some(error) => {
+                tracing::warn!(
+                    node,
+                    type_url,
+                    version,
+                    nonce,
+                    error = %error.message,
+                    "Envoy rejected a response (NACK)"
+                );
+                Reply::Nack
+            }
+            None => {
+                tracing::debug!(type_url, version, nonce, "ACK");
+                Reply::Ack(nonce)
+            }
+        }
+    }
+}
+
+// === impl EndpointSync ===
+
+impl EndpointSync {
+    /// The client ACKed the endpoints response `nonce`.
+    fn acked(&mut self, nonce: &str) {
+        if self.pending.as_ref().is_some_and(|(n, _)| n == nonce) {
+            // Everything owed up to the last revision answered is now with the client.
+            self.pending = None;
+            if !self.held {
+                self.synced = self.synced.max(self.seen);
+            }
+        }
+    }
+
+    /// The stream answered the resources of `revision`: `sent` is the nonce of the endpoints
+    /// response it sent for them, if any; `held` says endpoints were held back for their cluster.
+    fn answered(&mut self, revision: u64, sent: Option<String>, held: bool) {
+        if let Some(nonce) = sent {
+            self.pending = Some((nonce, revision));
+        } else if self.pending.is_none() && !held {
+            self.synced = self.synced.max(Some(revision));
+        }
+        self.seen = self.seen.max(Some(revision));
+        self.held = held;
+    }
+}
+
+// === impl Stream ===
+
+impl<W> Stream<W> {
     fn new(kind: StreamKind, node: String) -> Self {
-        StreamState {
+        Stream {
             kind,
             node,
             clusters: None,
@@ -369,64 +546,48 @@ impl StreamState {
     fn synced_revision(&self) -> Option<u64> {
         self.sync.synced
     }
+}
 
-    /// Applies a request and returns the responses now owed.
+// === impl StreamState ===
+
+impl StreamRules for StreamState {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    fn node(request: &DiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
+    }
+
     fn on_request(
         &mut self,
         request: DiscoveryRequest,
         resources: &Resources,
     ) -> Result<Vec<DiscoveryResponse>, Status> {
-        let type_url = match (self.kind.dedicated_type(), request.type_url.as_str()) {
-            (Some(expected), "") => expected,
-            (Some(expected), got) if got == expected => expected,
-            (Some(expected), got) => {
-                tracing::warn!(
-                    type_url = got,
-                    expected,
-                    "Request for the wrong type on a dedicated stream"
-                );
-                return Err(Status::invalid_argument(format!(
-                    "this stream serves {expected}, not {got}"
-                )));
-            }
-            (None, CLUSTER_TYPE_URL) => CLUSTER_TYPE_URL,
-            (None, ENDPOINT_TYPE_URL) => ENDPOINT_TYPE_URL,
-            (None, got) => {
-                tracing::warn!(type_url = got, "Request for a type not served, ignored");
-                return Ok(Vec::new());
-            }
+        let Some(type_url) = self.kind.requested_type(&request.type_url)? else {
+            return Ok(Vec::new());
         };
         let watch = match type_url {
             CLUSTER_TYPE_URL => self.clusters.get_or_insert_with(TypeWatch::default),
             _ => self.endpoints.get_or_insert_with(TypeWatch::default),
         };
-        let nonce = request.response_nonce.as_str();
-        if !nonce.is_empty() && watch.nonce.as_deref().is_some_and(|last| last != nonce) {
-            tracing::debug!(type_url, nonce, last = ?watch.nonce, "Stale nonce, request ignored");
-            return Ok(Vec::new());
-        }
-        if let Some(error) = &request.error_detail {
-            tracing::warn!(
-                node = %self.node,
-                type_url,
-                version = %request.version_info,
-                nonce,
-                error = %error.message,
-                "Envoy rejected a response (NACK)"
-            );
-        } else if nonce.is_empty() {
-            tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
-            // A new subscription is owed a response, whatever was sent before.
-            watch.sent = None;
-        } else {
-            tracing::debug!(type_url, version = %request.version_info, nonce, "ACK");
-            if type_url == ENDPOINT_TYPE_URL
-                && self.sync.pending.as_ref().is_some_and(|(n, _)| n == nonce)
-            {
-                // Everything owed up to the last revision answered is now with the client.
-                self.sync.pending = None;
-                if !self.sync.held {
-                    self.sync.synced = self.sync.synced.max(self.sync.seen);
+        match Reply::of(
+            watch.nonce.as_deref(),
+            &request.response_nonce,
+            request.error_detail.as_ref(),
+            &self.node,
+            type_url,
+            Some(&request.version_info),
+        ) {
+            Reply::Stale => return Ok(Vec::new()),
+            Reply::Nack => {}
+            Reply::None => {
+                tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
+                // A new subscription is owed a response, whatever was sent before.
+                watch.sent = None;
+            }
+            Reply::Ack(nonce) => {
+                if type_url == ENDPOINT_TYPE_URL {
+                    self.sync.acked(nonce);
                 }
             }
         }
@@ -448,11 +609,12 @@ impl StreamState {
         Ok(self.respond_all(resources, fresh))
     }
 
-    /// Returns the responses owed after the cache published new resources.
     fn on_resources(&mut self, resources: &Resources) -> Vec<DiscoveryResponse> {
         self.respond_all(resources, None)
     }
+}
 
+impl StreamState {
     /// Clusters first, then endpoints; `fresh` names a type whose subscription is owed a response even
     /// if it would be empty. Then moves the synced revision.
     fn respond_all(
@@ -463,14 +625,7 @@ impl StreamState {
         let mut out = Vec::new();
         let owed = self.push_owed(resources, fresh, &mut out);
         if self.endpoints.is_some() {
-            let revision = resources.revision;
-            if let Some(nonce) = owed.sent {
-                self.sync.pending = Some((nonce, revision));
-            } else if self.sync.pending.is_none() && !owed.held {
-                self.sync.synced = self.sync.synced.max(Some(revision));
-            }
-            self.sync.seen = self.sync.seen.max(Some(revision));
-            self.sync.held = owed.held;
+            self.sync.answered(resources.revision, owed.sent, owed.held);
         }
         out
     }
@@ -482,11 +637,11 @@ impl StreamState {
         fresh: Option<&str>,
         out: &mut Vec<DiscoveryResponse>,
     ) -> EndpointsOwed {
-        let ads = self.kind == StreamKind::Ads;
+        let ads = self.kind.is_ads();
         let mut owed = EndpointsOwed::default();
         if let Some(watch) = &mut self.clusters {
             let set = resources
-                .get(CLUSTER_TYPE_URL, ads)
+                .get(CLUSTER_TYPE_URL, self.kind.eds_via())
                 .expect("clusters are served");
             let before = watch.sent.clone().unwrap_or_default();
             let payload = set
@@ -508,7 +663,7 @@ impl StreamState {
         }
         if let Some(watch) = &mut self.endpoints {
             let set = resources
-                .get(ENDPOINT_TYPE_URL, ads)
+                .get(ENDPOINT_TYPE_URL, self.kind.eds_via())
                 .expect("endpoints are served");
             // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
             // an ADS client gets endpoints only for clusters it also receives over the same stream
@@ -584,13 +739,13 @@ mod tests {
     };
 
     /// A registry with services `a` and `b` and a cache building resources from it.
-    struct Fixture {
-        registry: Registry,
+    pub(super) struct Fixture {
+        pub(super) registry: Registry,
         cache: Cache,
     }
 
     impl Fixture {
-        fn new() -> Self {
+        pub(super) fn new() -> Self {
             Fixture {
                 registry: Registry::new(["a".to_string(), "b".to_string()]),
                 cache: Cache::new("e1".into(), ClusterOptions::default()),
@@ -598,14 +753,14 @@ mod tests {
         }
 
         /// Registers a worker and returns the resources of the new revision.
-        fn register(&mut self, service: &str, index: u32, pid: u32) -> Resources {
+        pub(super) fn register(&mut self, service: &str, index: u32, pid: u32) -> Resources {
             let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
             let worker = Worker::ready(service, index, pid, vec![Protocol::Http1], vec![addr]);
             self.registry.register(worker).unwrap();
             self.resources()
         }
 
-        fn resources(&mut self) -> Resources {
+        pub(super) fn resources(&mut self) -> Resources {
             self.cache.build(&self.registry.snapshot())
         }
     }
