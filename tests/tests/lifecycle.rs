@@ -153,6 +153,14 @@ fn a_rolling_restart_over_ads_loses_no_request() {
 }
 
 #[test]
+fn a_rolling_restart_over_delta_xds_loses_no_request() {
+    if envoy_or_skip("a_rolling_restart_over_delta_xds_loses_no_request").is_none() {
+        return;
+    }
+    rolling_restarts(started(3, "xds = \"delta\"\n", "http://localhost:0"));
+}
+
+#[test]
 fn a_rolling_restart_of_workers_on_unix_sockets_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_of_workers_on_unix_sockets_loses_no_request").is_none() {
         return;
