@@ -1,20 +1,27 @@
-//! The process manager: runs `count` workers per service and restarts those that exit.
+//! The process manager: runs `count` workers per service, restarts those that exit, and replaces,
+//! adds and removes them without dropping a request.
 //!
-//! Each worker slot (service, index) has one task. It spawns the worker with its settings in the
-//! environment, watches the process through a pidfd (readable when the process exits: no polling, no
-//! SIGCHLD races), reaps it with `waitid(P_PIDFD)`, removes it from the registry, and restarts it after
-//! an exponential backoff that resets once a worker has stayed up for `healthy_after`. A worker that
-//! crashes at start-up is therefore restarted at most once per backoff delay, never in a tight loop.
+//! Each worker slot (service, index) has one task (`SlotTask`). It spawns the worker with its
+//! settings in the environment, watches the process through a pidfd (readable when the process exits:
+//! no polling, no SIGCHLD races, and it works for a worker adopted from an earlier supervisor), reaps
+//! it with `waitid(P_PIDFD)`, removes it from the registry, and restarts it after an exponential
+//! backoff that resets once a worker has stayed up for `healthy_after`. A worker that crashes at
+//! start-up is therefore restarted at most once per backoff delay, never in a tight loop.
 //!
-//! [`Children`] is the map of live worker pids to their slots; the registration server asks it whether
-//! a connecting process is one of ours.
+//! Every stop is a drain (`SlotTask::retire`): the worker is marked draining in the registry (EDS
+//! publishes `health_status: DRAINING`), the task waits until every Envoy endpoint stream has ACKed
+//! that revision ([`Acks::wait_synced`], bounded by `drain_timeout`), then SIGTERM, and SIGKILL after
+//! `stop_timeout`. A replacement starts first and registers (its predecessor turns draining in the
+//! same snapshot) before the predecessor is retired, unless both would need the same fixed address.
+//! The [`Manager`] sends slot tasks their commands: rolling restarts in batches, and reloads.
 //!
-//! Right before it starts a worker, a slot task zeroes the slot's request counter, so a counter always
-//! holds exactly the requests of the worker now in its slot; it records its restart count in the
-//! registry's slot statuses.
+//! [`Children`] is the map of live worker pids to their slot, lane and request counter; the
+//! registration server asks it whether a connecting process is one of ours, the sampler where each
+//! worker counts. [`Lanes`] hands out lanes (a counter line, zeroed before each spawn, and a slot of the
+//! scheduler source), one per live worker, so a slot being replaced never shares one.
 //!
-//! Invariant: the manager never writes endpoints; it only removes a worker from the registry when the
-//! worker's process has exited.
+//! Invariant: the manager writes to the registry only to mark a stopping worker draining and to
+//! remove a worker whose process has exited; endpoints enter it by registration alone.
 
 use std::{
     collections::{BTreeSet, HashMap},

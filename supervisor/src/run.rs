@@ -2,8 +2,11 @@
 //!
 //! Order of start: the sampler's sources ([`choose_sampler`]: an unavailable sampler fails before
 //! anything starts), registry, registration socket, gRPC listener (so a bad address fails before any
-//! worker starts), xDS, the workers, then the sampling loop. Order of stop: workers (SIGTERM, then
-//! SIGKILL after a deadline), then the sampler and xDS, then the registration socket file is removed.
+//! worker starts), adoption of an earlier supervisor's workers and the slot tasks, the registration
+//! server, xDS (once adopted workers have registered again), then the sampling loop. Restarts and
+//! reloads (control socket, SIGHUP) run one at a time in an operation task. Order of stop: workers
+//! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
+//! registration socket file is removed.
 
 use std::{
     collections::BTreeSet,
