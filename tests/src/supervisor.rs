@@ -160,6 +160,38 @@ impl Supervisor {
             .collect())
     }
 
+    /// `peregrine COMMAND CONFIG EXTRA...` (`restart`, `reload`) on this supervisor's config: what it
+    /// prints; an error with its output if it fails.
+    pub fn control(&self, command: &str, extra: &[&str]) -> anyhow::Result<String> {
+        let output = Command::new(&self.binary)
+            .arg(command)
+            .arg(&self.config)
+            .args(extra)
+            .output()
+            .with_context(|| format!("running {} {command}", self.binary.display()))?;
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        if !output.status.success() {
+            bail!(
+                "peregrine {command} failed ({}): {stdout}{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(stdout)
+    }
+
+    /// Rewrites `count = N` in the config file (the first one) to `count`; apply it with
+    /// [`Supervisor::control`]`("reload", &[])`.
+    pub fn set_count(&self, count: u32) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(&self.config)
+            .with_context(|| format!("reading {}", self.config.display()))?;
+        let start = text.find("count = ").context("the config has no count")?;
+        let end = start + text[start..].find('\n').unwrap_or(text.len() - start);
+        let text = format!("{}count = {count}{}", &text[..start], &text[end..]);
+        std::fs::write(&self.config, text)
+            .with_context(|| format!("writing {}", self.config.display()))
+    }
+
     /// `peregrine status` on this supervisor's config: the table it prints.
     pub fn status_table(&self) -> anyhow::Result<String> {
         status(&self.binary, &[self.config.as_os_str()])

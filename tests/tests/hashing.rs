@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
     Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, moved,
-    peregrine_path, route_keys, try_wait_until, wait_for_slots, worker_pid,
+    route_keys, try_wait_until, wait_for_slots, worker_pid,
 };
 
 const KEYS: usize = 1000;
@@ -95,20 +95,8 @@ fn growing_from_three_to_four_workers_moves_about_a_quarter_of_the_keys() {
 
     // `peregrine reload` with count = 4: the three workers keep running, a fourth joins, and the
     // ring grows by its points.
-    let path = supervisor.config_path();
-    let text = std::fs::read_to_string(path).unwrap();
-    std::fs::write(path, text.replace("count = 3", "count = 4")).unwrap();
-    let output = std::process::Command::new(peregrine_path())
-        .arg("reload")
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    supervisor.set_count(4).unwrap();
+    supervisor.control("reload", &[]).unwrap();
     let slots = wait_for_workers(&supervisor, &envoy, 4);
     let after = route(listen_addr, &slots);
     let moved = moved(&before, &after);

@@ -67,33 +67,16 @@ impl Deploys for Stack {
         load
     }
 
-    /// Runs `peregrine ARGS CONFIG [EXTRA]` and returns its stdout; panics if it fails.
+    /// Runs `peregrine COMMAND CONFIG [EXTRA]` and returns its stdout; panics if it fails.
     fn control(&self, command: &str, extra: &[&str]) -> String {
-        let output = Command::new(peregrine_path())
-            .arg(command)
-            .arg(self.supervisor.config_path())
-            .args(extra)
-            .output()
-            .expect("peregrine runs");
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(
-            output.status.success(),
-            "peregrine {command} failed ({}): {stdout}{}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr),
-            self.supervisor.all_logs()
-        );
-        stdout
+        self.supervisor
+            .control(command, extra)
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", self.supervisor.all_logs()))
     }
 
     /// Replaces `count = N` in the config file.
     fn set_count(&self, count: u32) {
-        let path = self.supervisor.config_path();
-        let text = std::fs::read_to_string(path).unwrap();
-        let start = text.find("count = ").expect("a count");
-        let end = start + text[start..].find('\n').unwrap();
-        let text = format!("{}count = {count}{}", &text[..start], &text[end..]);
-        std::fs::write(path, text).unwrap();
+        self.supervisor.set_count(count).expect("the config file");
     }
 
     /// Lets the load go on until each protocol served `more` further requests, then stops it and
@@ -363,16 +346,10 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
         1,
     );
     std::fs::write(path, &broken).unwrap();
-    let output = Command::new(peregrine_path())
-        .arg("reload")
-        .arg(path)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success(), "{stdout}");
+    let error = format!("{:#}", stack.supervisor.control("reload", &[]).unwrap_err());
     assert!(
-        stdout.contains("ended before registering (exit code 3); the old one keeps serving"),
-        "{stdout}"
+        error.contains("ended before registering (exit code 3); the old one keeps serving"),
+        "{error}"
     );
     assert_eq!(stack.envoy_pids().0, old, "the old worker still serves");
 

@@ -7,9 +7,9 @@
 //! 0. **routed again**: the same keys once more, nothing changed (with bounded loads some requests
 //!    find their worker over the bound and go to the next one: the noise floor of the other steps);
 //! 1. **restart**: one worker is SIGKILLed and replaced (new pid, new port, same slot);
-//! 2. **3 -> 4**: the supervisor is replaced by one with 4 workers on the same xDS port (Envoy keeps
-//!    running and reconnects; every worker is new, the slots' hash keys are the same);
-//! 3. **4 -> 3**: and back to 3.
+//! 2. **3 -> 4**: `peregrine reload` with `count = 4`: the three workers keep running and a fourth
+//!    joins (the ring grows by its points);
+//! 3. **4 -> 3**: and a reload back to 3, which drains the fourth.
 //!
 //! A key "moved" when it reaches another slot than before the step. The minimum a step can move is the
 //! new worker's share (1/4 going up) or the removed one's (1/4 of the keys going down); the spread is
@@ -219,14 +219,14 @@ fn measure(
     };
     let restarted = route(&slots)?;
 
-    // 3 -> 4 -> 3 through supervisor replacements on the same xDS port.
-    three.stop()?;
-    let (_dir4, mut four) = start(4)?;
-    let slots4 = settle(&four, 4)?;
+    // 3 -> 4 -> 3 by `peregrine reload`: the running workers stay, one joins, then it is drained.
+    three.set_count(4)?;
+    three.control("reload", &[])?;
+    let slots4 = settle(&three, 4)?;
     let at4 = route(&slots4)?;
-    four.stop()?;
-    let (_dir3b, three_again) = start(3)?;
-    let slots = settle(&three_again, 3)?;
+    three.set_count(3)?;
+    three.control("reload", &[])?;
+    let slots = settle(&three, 3)?;
     let back = route(&slots)?;
     drop(envoy);
 
