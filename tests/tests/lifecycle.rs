@@ -108,8 +108,14 @@ impl Deploys for Stack {
             strangers.is_empty(),
             "answered by {strangers:?}, not a worker of {workers:?}"
         );
+        // Envoy's own retries (the route retries resets and refused streams) would hide a drain that
+        // let a request reach a stopping worker: say how many there were.
+        let retries = self
+            .envoy
+            .stat(&format!("cluster.{CLUSTER}.upstream_rq_retry"))
+            .unwrap_or(0);
         eprintln!(
-            "{} requests in {:?} ({:?} by protocol), none failed; by worker: {:?}",
+            "{} requests in {:?} ({:?} by protocol), none failed, {retries} retried by Envoy; by worker: {:?}",
             report.served(),
             report.elapsed,
             report.ok,

@@ -179,7 +179,7 @@ fn measure(
         )?;
         Ok((dir, supervisor))
     };
-    let (_dir3, mut three) = start(3)?;
+    let (_dir3, three) = start(3)?;
     let envoy = Envoy::start_in(envoy_binary, envoy_dir.path(), &three.envoy_bootstrap()?)?;
     let settle = |supervisor: &Supervisor, count: usize| {
         wait_for_slots(

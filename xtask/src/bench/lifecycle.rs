@@ -131,6 +131,9 @@ struct Adoption {
 struct Failures {
     count: usize,
     detail: String,
+    /// Requests Envoy retried (its route retries resets and refused streams): a drain that let a
+    /// request reach a stopping worker would show here even when the client saw no failure.
+    envoy_retries: u64,
 }
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
@@ -174,8 +177,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let failed: usize = adoptions.iter().map(|a| a.failed).sum();
     writeln!(
         report,
-        "\nRequests during the adoptions: {served} served, {failed} failed; over every stack's whole run: {} failed",
-        failures.count
+        "\nRequests during the adoptions: {served} served, {failed} failed; over every stack's whole run: {} failed, {} retried by Envoy",
+        failures.count, failures.envoy_retries
     )?;
     println!("{report}");
 
@@ -487,6 +490,9 @@ impl Stack {
             ..
         } = self;
         let report: LoadReport = load.stop();
+        failures.envoy_retries += envoy
+            .stat(&format!("cluster.{SERVICE}.upstream_rq_retry"))
+            .unwrap_or(0);
         eprintln!(
             "{} requests in {:.1?}, {} failed; by protocol {:?}",
             report.served(),
