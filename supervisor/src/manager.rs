@@ -895,6 +895,8 @@ struct SlotTask {
 enum Event {
     Exited(io::Result<Exit>),
     Healthy,
+    /// An adopted worker had its time to register again.
+    AdoptionDue,
     Command(Option<SlotCommand>),
     Shutdown,
 }
@@ -919,6 +921,11 @@ impl SlotTask {
             .set_restarts(&self.slot.service, self.slot.index, 0);
         let healthy_after = self.backoff.policy().healthy_after;
         let mut healthy_at = current.as_ref().map(|i| i.started + healthy_after);
+        // A worker adopted from an earlier supervisor must register again; one that does not (hung,
+        // or not a worker after all) is replaced.
+        let mut adoption_due = current
+            .as_ref()
+            .map(|i| i.started + self.lifecycle.register_timeout);
         loop {
             if self.stopping() {
                 if let Some(instance) = current.take() {
@@ -947,11 +954,33 @@ impl SlotTask {
             let event = tokio::select! {
                 exit = exited(&instance.pidfd) => Event::Exited(exit),
                 () = sleep_until_some(healthy_at) => Event::Healthy,
+                () = sleep_until_some(adoption_due) => Event::AdoptionDue,
                 command = recv(&mut self.commands) => Event::Command(command),
                 () = stopped(&mut self.shutdown) => Event::Shutdown,
             };
             match event {
                 Event::Shutdown => {}
+                Event::AdoptionDue => {
+                    adoption_due = None;
+                    let pid = instance.pid;
+                    let registered = self
+                        .context
+                        .registry
+                        .snapshot()
+                        .services
+                        .get(&self.slot.service)
+                        .is_some_and(|view| view.instance(self.slot.index, pid).is_some());
+                    if !registered {
+                        tracing::warn!(pid, timeout = ?self.lifecycle.register_timeout, "The adopted worker did not register again in time; replacing it");
+                        match self.replace_with(None, &mut current).await {
+                            Ok(replaced) => {
+                                healthy_at = Some(Instant::now() + healthy_after);
+                                tracing::info!(new = replaced.new, "Adopted worker replaced");
+                            }
+                            Err(why) => tracing::warn!(why, "Cannot replace the adopted worker"),
+                        }
+                    }
+                }
                 Event::Healthy => {
                     healthy_at = None;
                     self.context

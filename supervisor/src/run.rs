@@ -41,8 +41,9 @@ use crate::{
     },
 };
 
-/// How long xDS waits at start for adopted workers to register again (they retry at least every
-/// 100 ms).
+/// The longest xDS waits at start for adopted workers to register again (they retry at least every
+/// 100 ms; `register_timeout_ms` if shorter). A slot whose adopted worker has not registered by
+/// `register_timeout_ms` replaces it.
 pub const ADOPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the supervisor could not run.
@@ -283,7 +284,8 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // Envoy keeps the endpoints it has while no control plane answers; it must not get a set without
     // the adopted workers, so xDS waits (bounded) until they have registered again.
     if !adopted_pids.is_empty() {
-        adopt::await_registrations(&registry, &children, &adopted_pids, ADOPT_TIMEOUT).await;
+        let timeout = ADOPT_TIMEOUT.min(config.supervisor.lifecycle.register_timeout);
+        adopt::await_registrations(&registry, &children, &adopted_pids, timeout).await;
     }
     let mut xds_task = tokio::spawn(xds::serve(
         vec![grpc],

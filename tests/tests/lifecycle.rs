@@ -368,3 +368,49 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     );
     stack.finish(load, 50, &old);
 }
+
+#[test]
+fn an_adopted_process_that_never_registers_is_replaced() {
+    // A process that looks like a worker of this control socket (its environment says so) but never
+    // registers: the supervisor adopts it, waits `register_timeout_ms`, then replaces it.
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    let control = dir.path().join("peregrine.sock");
+    let mut impostor = Command::new("sleep")
+        .arg("120")
+        .env("PEREGRINE_CONTROL_SOCKET", &control)
+        .env("PEREGRINE_SERVICE", "cluster")
+        .env("PEREGRINE_WORKER_INDEX", "0")
+        .spawn()
+        .unwrap();
+    let impostor_pid = impostor.id();
+    // `spawn` returns once the exec has begun: wait until the new environment is in place.
+    wait_until(STEP, "the impostor's environment", || {
+        (peregrine_e2e::workers_in(dir.path()) == [impostor_pid]).then_some(())
+    });
+    let config = format!(
+        "[supervisor]\nbind = \"http://127.0.0.1:{}\"\ncontrol = \"{}\"\nregister_timeout_ms = 500\n\
+         [service.cluster]\n",
+        peregrine_e2e::free_port(),
+        control.display()
+    );
+    let supervisor =
+        peregrine_e2e::Supervisor::start_in(&peregrine_path(), dir.path(), &config).unwrap();
+    let replaced = wait_until(STEP, "a real worker in the impostor's slot", || {
+        let status = supervisor.status_json().ok()?;
+        let pid = status["workers"][0]["pid"].as_u64()? as u32;
+        (pid != impostor_pid).then_some(pid)
+    });
+    // The impostor was stopped (SIGTERM), and reaped here, its parent.
+    let status = impostor.wait().unwrap();
+    assert!(!status.success(), "stopped by a signal: {status}");
+    let logs = supervisor.logs();
+    assert!(
+        logs.contains("Adopting a worker of an earlier supervisor"),
+        "{logs}"
+    );
+    assert!(
+        logs.contains("The adopted worker did not register again in time; replacing it"),
+        "{logs}"
+    );
+    assert_ne!(replaced, impostor_pid);
+}
