@@ -12,24 +12,18 @@ use std::{
     },
     sync::{atomic::Ordering, mpsc},
     thread,
-    time::{Duration, Instant},
 };
 
-use bytes::BytesMut;
-use peregrine_proto::{
-    decode_frame, encode,
-    v1::{
-        Registered, SupervisorMessage, WorkerMessage, address, supervisor_message, worker_message,
-    },
-};
+use peregrine_proto::v1::{Registered, supervisor_message};
 use peregrine_worker::{
     Hello, Settings,
     counter::CounterRegion,
     settings::{CounterSlot, DEFAULT_ORPHAN_TIMEOUT},
 };
 
-/// How long any single step of the test may take.
-const STEP: Duration = Duration::from_secs(10);
+mod common;
+
+use common::{STEP, accept_register, socket_addr};
 
 #[test]
 fn the_worker_keeps_the_counter_descriptor_open() {
@@ -56,48 +50,17 @@ fn the_worker_keeps_the_counter_descriptor_open() {
         }));
     });
 
-    // A fake supervisor accepts the registration (within a deadline).
-    listener.set_nonblocking(true).unwrap();
-    let deadline = Instant::now() + STEP;
-    let mut conn = loop {
-        match listener.accept() {
-            Ok((conn, _)) => break conn,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                assert!(Instant::now() < deadline, "no worker connected");
-                thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => panic!("accept failed: {e}"),
-        }
-    };
-    conn.set_nonblocking(false).unwrap();
-    conn.set_read_timeout(Some(STEP)).unwrap();
-    let mut buf = BytesMut::new();
-    let message = loop {
-        if let Some(m) = decode_frame::<WorkerMessage>(&mut buf).unwrap() {
-            break m;
-        }
-        let mut chunk = [0u8; 1024];
-        let n = conn.read(&mut chunk).unwrap();
-        assert_ne!(n, 0, "the worker closed before registering");
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let Some(worker_message::Message::Register(register)) = message.message else {
-        panic!("expected a register message, got {message:?}")
-    };
-    conn.write_all(&encode(&SupervisorMessage {
-        message: Some(supervisor_message::Message::Registered(Registered {
+    // A fake supervisor accepts the registration.
+    let (_conn, register) = accept_register(
+        &listener,
+        supervisor_message::Message::Registered(Registered {
             hostname: "web-1".into(),
-        })),
-    }))
-    .unwrap();
-    let Some(address::Address::Socket(sa)) =
-        register.listener.unwrap().addresses[0].address.clone()
-    else {
-        panic!("expected a socket address")
-    };
+        }),
+    );
+    let sa = socket_addr(&register);
 
     // A request is counted in the slot, and the worker has not closed the descriptor after mapping it.
-    let mut http = TcpStream::connect(format!("127.0.0.1:{}", sa.port)).unwrap();
+    let mut http = TcpStream::connect(sa).unwrap();
     http.set_read_timeout(Some(STEP)).unwrap();
     http.write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
         .unwrap();

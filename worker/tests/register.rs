@@ -6,25 +6,17 @@ use std::{
     net::TcpStream,
     os::unix::net::{UnixListener, UnixStream},
     path::Path,
-    sync::mpsc,
-    thread,
     time::{Duration, Instant},
 };
 
-use bytes::BytesMut;
-use peregrine_proto::{
-    decode_frame, encode,
-    v1::{
-        Protocol, Refused, Register, Registered, SupervisorMessage, WorkerMessage, address,
-        supervisor_message, worker_message,
-    },
-};
+use peregrine_proto::v1::{Protocol, Refused, Registered, address, supervisor_message};
 use peregrine_worker::{
-    Hello, Settings, WorkerError, register::RegisterError, settings::DEFAULT_ORPHAN_TIMEOUT,
+    Settings, WorkerError, register::RegisterError, settings::DEFAULT_ORPHAN_TIMEOUT,
 };
 
-/// How long any single step of a test may take.
-const STEP: Duration = Duration::from_secs(10);
+mod common;
+
+use common::{STEP, accept_register, socket_addr, spawn_worker};
 
 fn settings(control: &Path) -> Settings {
     Settings {
@@ -35,83 +27,6 @@ fn settings(control: &Path) -> Settings {
         counters: None,
         orphan_timeout: DEFAULT_ORPHAN_TIMEOUT,
     }
-}
-
-/// Accepts one connection, failing the test if none comes within [`STEP`].
-fn accept(listener: &UnixListener) -> UnixStream {
-    listener.set_nonblocking(true).unwrap();
-    let deadline = Instant::now() + STEP;
-    let conn = loop {
-        match listener.accept() {
-            Ok((conn, _)) => break conn,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                assert!(
-                    Instant::now() < deadline,
-                    "no worker connected within {STEP:?}"
-                );
-                thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => panic!("accept failed: {e}"),
-        }
-    };
-    listener.set_nonblocking(false).unwrap();
-    conn.set_nonblocking(false).unwrap();
-    conn
-}
-
-/// Accepts one worker, reads its `Register` and answers `answer`.
-fn accept_register(
-    listener: &UnixListener,
-    answer: supervisor_message::Message,
-) -> (UnixStream, Register) {
-    let mut conn = accept(listener);
-    conn.set_read_timeout(Some(STEP)).unwrap();
-    let mut buf = BytesMut::new();
-    let message = loop {
-        if let Some(m) = decode_frame::<WorkerMessage>(&mut buf).unwrap() {
-            break m;
-        }
-        let mut chunk = [0u8; 1024];
-        let n = conn.read(&mut chunk).unwrap();
-        assert_ne!(n, 0, "the worker closed before registering");
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let Some(worker_message::Message::Register(register)) = message.message else {
-        panic!("expected a register message, got {message:?}")
-    };
-    conn.write_all(&encode(&SupervisorMessage {
-        message: Some(answer),
-    }))
-    .unwrap();
-    (conn, register)
-}
-
-/// Runs a worker on its own thread; its result arrives on the returned channel.
-fn spawn_worker(
-    settings: Settings,
-    shutdown: tokio::sync::oneshot::Receiver<()>,
-) -> (
-    mpsc::Receiver<Result<(), WorkerError>>,
-    thread::JoinHandle<()>,
-) {
-    let (tx, rx) = mpsc::channel();
-    let handle = thread::spawn(move || {
-        let result = peregrine_worker::run_until(settings, Hello::new, async {
-            let _ = shutdown.await;
-        });
-        let _ = tx.send(result);
-    });
-    (rx, handle)
-}
-
-/// The one IP address a worker bound to `127.0.0.1:0` registers.
-fn socket_addr(register: &Register) -> std::net::SocketAddr {
-    let addresses = &register.listener.as_ref().unwrap().addresses;
-    assert_eq!(addresses.len(), 1, "{addresses:?}");
-    let Some(address::Address::Socket(sa)) = addresses[0].address.clone() else {
-        panic!("expected a socket address")
-    };
-    format!("{}:{}", sa.ip, sa.port).parse().unwrap()
 }
 
 /// Asserts that the worker holds `conn` open: nothing to read, no end of stream.
