@@ -414,3 +414,31 @@ fn an_adopted_process_that_never_registers_is_replaced() {
     );
     assert_ne!(replaced, impostor_pid);
 }
+
+#[test]
+fn a_request_in_flight_when_its_worker_is_replaced_completes() {
+    if envoy_or_skip("a_request_in_flight_when_its_worker_is_replaced_completes").is_none() {
+        return;
+    }
+    let stack = started(2, "", "http://localhost:0");
+    let old = stack.wait_for_workers(2, &BTreeSet::new());
+    // A request that keeps its worker busy for 800 ms of CPU.
+    let listen = stack.listen;
+    let slow = std::thread::spawn(move || peregrine_e2e::http_get(listen, "/?cpu=800"));
+    wait_until(STEP, "the slow request to reach a worker", || {
+        let active = stack
+            .envoy
+            .stat(&format!("cluster.{CLUSTER}.upstream_rq_active"))?;
+        (active == 1).then_some(())
+    });
+    let out = stack.control("restart", &[]);
+    assert!(out.starts_with("2 replaced"), "{out}");
+    let (status, body) = slow.join().unwrap().expect("the slow request completes");
+    assert_eq!(status, 200, "{body}");
+    let pid = peregrine_e2e::worker_pid(&body).expect("a worker's answer");
+    assert!(
+        old.contains(&pid),
+        "answered by {pid}, one of the replaced workers {old:?}"
+    );
+    stack.wait_for_workers(2, &old);
+}
