@@ -439,13 +439,27 @@ async fn apply(
             vec![ErrorChain(&error).to_string()],
         );
     }
-    // The new clusters (balancers, weights, ring sizes) are published before the workers change.
-    xds_options.send_replace(self::xds_options(
-        &config,
-        &orca.services(&config),
-        orca.bound.port(),
-    ));
-    let mut report = match manager.reload(&config).await {
+    // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
+    // service on its way out keeps its cluster as it was while its workers drain.
+    let new_options = self::xds_options(&config, &orca.services(&config), orca.bound.port());
+    let mut meanwhile = new_options.clone();
+    {
+        let current = xds_options.borrow();
+        for (name, balancer) in &current.balancers {
+            if !config.services.contains_key(name) {
+                meanwhile.balancers.insert(name.clone(), *balancer);
+            }
+        }
+        for (name, weights) in &current.weights {
+            if !config.services.contains_key(name) {
+                meanwhile.weights.insert(name.clone(), weights.clone());
+            }
+        }
+    }
+    xds_options.send_replace(meanwhile);
+    let reloaded = manager.reload(&config).await;
+    xds_options.send_replace(new_options);
+    let mut report = match reloaded {
         Ok(report) => report,
         Err(error) => {
             return failed(

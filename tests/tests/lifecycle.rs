@@ -442,3 +442,61 @@ fn a_request_in_flight_when_its_worker_is_replaced_completes() {
     );
     stack.wait_for_workers(2, &old);
 }
+
+#[test]
+fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
+    if envoy_or_skip("services_added_and_removed_by_reload_come_and_go_in_envoy").is_none() {
+        return;
+    }
+    let stack = started(2, "", "http://localhost:0");
+    let workers = stack.wait_for_workers(2, &BTreeSet::new());
+    let load = stack.load();
+    let path = stack.supervisor.config_path();
+    let base = std::fs::read_to_string(path).unwrap();
+    let extra_hosts = |n: usize| {
+        wait_until(
+            STEP,
+            &format!("{n} healthy hosts of `extra` in Envoy"),
+            || {
+                let hosts = peregrine_e2e::hosts(&stack.envoy.clusters(), "extra");
+                (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(())
+            },
+        )
+    };
+
+    std::fs::write(
+        path,
+        format!("{base}\n[service.extra]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n"),
+    )
+    .unwrap();
+    let out = stack.control("reload", &[]);
+    assert!(
+        out.starts_with("0 replaced, 2 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    extra_hosts(2);
+
+    std::fs::write(path, &base).unwrap();
+    let out = stack.control("reload", &[]);
+    assert!(
+        out.starts_with("0 replaced, 0 added, 2 removed, 0 failed"),
+        "{out}"
+    );
+    wait_until(STEP, "Envoy to drop the cluster `extra`", || {
+        (!stack
+            .envoy
+            .clusters()
+            .lines()
+            .any(|l| l.starts_with("extra::")))
+        .then_some(())
+    });
+    let status = stack.supervisor.status_json().unwrap();
+    let services: BTreeSet<&str> = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|w| w["service"].as_str())
+        .collect();
+    assert_eq!(services, BTreeSet::from([CLUSTER]), "{status}");
+    stack.finish(load, 50, &workers);
+}
