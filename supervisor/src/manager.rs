@@ -459,7 +459,8 @@ pub struct Report {
 }
 
 impl Report {
-    fn merge(&mut self, other: Report) {
+    /// Adds what `other` did to this report.
+    pub fn merge(&mut self, other: Report) {
         self.replaced.extend(other.replaced);
         self.added.extend(other.added);
         self.removed.extend(other.removed);
@@ -947,6 +948,10 @@ impl SlotTask {
                         if self.handle_idle(command, &mut current).await {
                             return;
                         }
+                        // A replacement that came meanwhile is a new start, watched like one.
+                        if let Some(instance) = &current {
+                            healthy_at = Some(instance.started + healthy_after);
+                        }
                     }
                 }
                 continue;
@@ -967,9 +972,8 @@ impl SlotTask {
                         .context
                         .registry
                         .snapshot()
-                        .services
-                        .get(&self.slot.service)
-                        .is_some_and(|view| view.instance(self.slot.index, pid).is_some());
+                        .instance(&self.slot.service, self.slot.index, pid)
+                        .is_some();
                     if !registered {
                         tracing::warn!(pid, timeout = ?self.lifecycle.register_timeout, "The adopted worker did not register again in time; replacing it");
                         match self.replace_with(None, &mut current).await {
@@ -1221,9 +1225,8 @@ impl SlotTask {
         loop {
             let registered = snapshots
                 .borrow_and_update()
-                .services
-                .get(&self.slot.service)
-                .is_some_and(|view| view.instance(self.slot.index, new.pid).is_some());
+                .instance(&self.slot.service, self.slot.index, new.pid)
+                .is_some();
             if registered {
                 return Registration::Registered;
             }

@@ -197,6 +197,13 @@ pub struct Snapshot {
     pub services: BTreeMap<String, ServiceView>,
 }
 
+impl Snapshot {
+    /// The registered instance `pid` of `service`'s slot `index`.
+    pub fn instance(&self, service: &str, index: u32, pid: u32) -> Option<&Worker> {
+        self.services.get(service)?.instance(index, pid)
+    }
+}
+
 /// Why a registration was not recorded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {

@@ -473,8 +473,7 @@ async fn apply(
         let replaced: BTreeSet<manager::Slot> =
             report.replaced.iter().map(|r| r.slot.clone()).collect();
         let restarted = manager.restart(service.as_deref(), &replaced).await;
-        report.replaced.extend(restarted.replaced);
-        report.failures.extend(restarted.failures);
+        report.merge(restarted);
     }
     v1::ControlReply {
         ok: report.failures.is_empty(),
