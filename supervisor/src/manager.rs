@@ -468,16 +468,23 @@ impl Report {
     }
 }
 
-impl std::fmt::Display for Report {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
+impl Report {
+    /// One line: `3 replaced, 0 added, 0 removed, 0 failed`.
+    pub fn summary(&self) -> String {
+        format!(
             "{} replaced, {} added, {} removed, {} failed",
             self.replaced.len(),
             self.added.len(),
             self.removed.len(),
             self.failures.len()
-        )?;
+        )
+    }
+}
+
+impl std::fmt::Display for Report {
+    /// The summary, then each failure on a line of its own.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.summary())?;
         for failure in &self.failures {
             write!(f, "\n  {failure}")?;
         }

@@ -442,20 +442,7 @@ async fn apply(
     // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
     // service on its way out keeps its cluster as it was while its workers drain.
     let new_options = self::xds_options(&config, &orca.services(&config), orca.bound.port());
-    let mut meanwhile = new_options.clone();
-    {
-        let current = xds_options.borrow();
-        for (name, balancer) in &current.balancers {
-            if !config.services.contains_key(name) {
-                meanwhile.balancers.insert(name.clone(), *balancer);
-            }
-        }
-        for (name, weights) in &current.weights {
-            if !config.services.contains_key(name) {
-                meanwhile.weights.insert(name.clone(), weights.clone());
-            }
-        }
-    }
+    let meanwhile = new_options.keeping_departed(&xds_options.borrow());
     xds_options.send_replace(meanwhile);
     let reloaded = manager.reload(&config).await;
     xds_options.send_replace(new_options);
@@ -477,12 +464,7 @@ async fn apply(
     }
     v1::ControlReply {
         ok: report.failures.is_empty(),
-        summary: report
-            .to_string()
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .to_owned(),
+        summary: report.summary(),
         replaced: report.replaced.len() as u32,
         added: report.added.len() as u32,
         removed: report.removed.len() as u32,

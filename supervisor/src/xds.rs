@@ -60,6 +60,21 @@ impl Default for XdsOptions {
 }
 
 impl XdsOptions {
+    /// These options, plus the balancer and weights `previous` had for services these do not name
+    /// (every service has a balancer): a service being removed keeps its cluster as it was while its
+    /// workers drain.
+    pub fn keeping_departed(&self, previous: &XdsOptions) -> XdsOptions {
+        let mut options = self.clone();
+        let departed = |name: &String| !self.balancers.contains_key(name);
+        for (name, balancer) in previous.balancers.iter().filter(|(n, _)| departed(n)) {
+            options.balancers.insert(name.clone(), *balancer);
+        }
+        for (name, weights) in previous.weights.iter().filter(|(n, _)| departed(n)) {
+            options.weights.insert(name.clone(), weights.clone());
+        }
+        options
+    }
+
     /// The options of clusters served on dedicated CDS streams.
     pub fn cluster_options(&self) -> ClusterOptions {
         ClusterOptions {
@@ -190,4 +205,37 @@ pub async fn serve(
         }
     }
     served
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_departed_service_keeps_its_cluster_options_and_the_others_take_the_new_ones() {
+        let previous = XdsOptions {
+            balancers: BTreeMap::from([
+                ("kept".to_string(), Balancer::Random),
+                ("gone".to_string(), Balancer::Random),
+            ]),
+            weights: BTreeMap::from([
+                ("kept".to_string(), vec![1, 3]),
+                ("gone".to_string(), vec![2, 5]),
+            ]),
+            ..XdsOptions::default()
+        };
+        // `kept` now has round robin and default weights (so no weights entry); `gone` is removed.
+        let new = XdsOptions {
+            balancers: BTreeMap::from([("kept".to_string(), Balancer::RoundRobin)]),
+            ..XdsOptions::default()
+        };
+        let meanwhile = new.keeping_departed(&previous);
+        assert_eq!(meanwhile.balancers["kept"], Balancer::RoundRobin);
+        assert_eq!(meanwhile.balancers["gone"], Balancer::Random);
+        assert!(
+            !meanwhile.weights.contains_key("kept"),
+            "its new weights are the default"
+        );
+        assert_eq!(meanwhile.weights["gone"], [2, 5]);
+    }
 }
