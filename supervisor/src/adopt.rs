@@ -3,43 +3,55 @@
 //!
 //! Workers outlive their supervisor (they are started in their own process group, with no parent-death
 //! signal) and keep reconnecting to the control socket. A supervisor that starts finds them before it
-//! accepts registrations: every process of its own user whose environment names its control socket
-//! (`PEREGRINE_CONTROL_SOCKET`) is a worker of an earlier supervisor, and the environment also says its
-//! service, slot and request counter. For each slot of the config it keeps one such worker (the newest,
-//! if a restart was under way), watched through a pidfd; it takes a duplicate of the worker's counter
-//! descriptor with `pidfd_getfd(2)` so that its requests are still counted. Workers with no slot in the
-//! config, and the older of two in one slot, are stopped.
+//! accepts registrations: a process of its own user is a worker of an earlier supervisor of this socket
+//! when its environment carries both the socket's canonical path (`PEREGRINE_CONTROL_SOCKET`) and the
+//! socket's lineage (`PEREGRINE_LINEAGE`, a random value from the owner-only lock file, see
+//! [`crate::instance`]); the environment also says its service, slot and request counter. The path
+//! alone is not enough: two supervisors in different directories may use the same relative socket
+//! name, and any process can put any text in its environment. For each slot of the config it keeps one
+//! such worker (the newest, if a restart was under way), watched through a pidfd; it takes a duplicate
+//! of the worker's counter descriptor with `pidfd_getfd(2)` so that its requests are still counted.
+//! Workers with no slot in the config, and the older of two in one slot, are stopped.
 //!
-//! Invariant: adoption never admits a process another user runs, nor one that was not started as a
-//! worker of this control socket.
+//! Each candidate's pidfd is opened *before* its `/proc` files are read, and the process is checked to
+//! be still alive after: the pid then named the same process throughout, so a process that exited and
+//! whose pid was reused is never taken for a worker, nor signalled.
+//!
+//! Invariant: adoption never admits or signals a process another user runs, nor one that does not
+//! carry this socket's lineage.
 
 use std::{
     collections::HashMap,
     ffi::OsStr,
-    os::{fd::OwnedFd, unix::ffi::OsStrExt, unix::fs::MetadataExt},
+    os::{
+        fd::{AsFd, OwnedFd},
+        unix::ffi::OsStrExt,
+        unix::fs::MetadataExt,
+    },
     path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use peregrine_worker::{
-    counter::CounterRegion,
-    settings::{ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_SLOT, ENV_INDEX, ENV_SERVICE},
+    counter::{CounterRegion, SLOT_BYTES},
+    settings::{
+        ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_SLOT, ENV_INDEX, ENV_LINEAGE, ENV_SERVICE,
+    },
 };
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 
 use crate::{
     config::Config,
+    instance::Lineage,
     manager::{Adopted, Children, CounterRef, Slot},
     registry::Registry,
     sampler::Counters,
 };
 
-/// A worker of an earlier supervisor, as its environment describes it.
+/// What a worker's environment and `/proc/PID/stat` say about it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Found {
-    /// Its process id.
-    pub pid: u32,
+pub struct Described {
     /// Its slot.
     pub slot: Slot,
     /// Its counter descriptor number and slot, if it has a counter.
@@ -48,52 +60,55 @@ pub struct Found {
     pub started: u64,
 }
 
-/// Finds the workers of an earlier supervisor on `config`'s control socket and takes over those with a
-/// slot in `config`; stops the others.
-pub fn find(config: &Config) -> HashMap<Slot, Adopted> {
-    let found = scan(&config.supervisor.control);
+/// A worker of an earlier supervisor of this socket, held by a pidfd.
+#[derive(Debug)]
+pub struct Found {
+    /// Its process id.
+    pub pid: u32,
+    /// A pidfd of it, opened before its environment was read.
+    pub pidfd: OwnedFd,
+    /// What its environment says.
+    pub described: Described,
+}
+
+/// Finds the workers of an earlier supervisor of `config`'s control socket (those carrying `lineage`)
+/// and takes over those with a slot in `config`; stops the others.
+pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
+    let found = scan(&config.supervisor.control, lineage);
     let mut by_slot: HashMap<Slot, Found> = HashMap::new();
     let mut unwanted = Vec::new();
     for worker in found {
+        let slot = &worker.described.slot;
         let wanted = config
             .services
-            .get(&worker.slot.service)
-            .is_some_and(|s| worker.slot.index < s.count);
+            .get(&slot.service)
+            .is_some_and(|s| slot.index < s.count);
         if !wanted {
             unwanted.push(worker);
             continue;
         }
-        match by_slot.remove(&worker.slot) {
-            Some(other) if other.started > worker.started => {
+        match by_slot.remove(slot) {
+            Some(other) if other.described.started > worker.described.started => {
                 unwanted.push(worker);
-                by_slot.insert(other.slot.clone(), other);
+                by_slot.insert(other.described.slot.clone(), other);
             }
             Some(other) => {
                 unwanted.push(other);
-                by_slot.insert(worker.slot.clone(), worker);
+                by_slot.insert(worker.described.slot.clone(), worker);
             }
             None => {
-                by_slot.insert(worker.slot.clone(), worker);
+                by_slot.insert(worker.described.slot.clone(), worker);
             }
         }
     }
     for worker in unwanted {
-        tracing::warn!(pid = worker.pid, slot = %worker.slot, "A worker of an earlier supervisor has no slot here (or a newer one took it): stopping it");
-        if let Ok(pidfd) = open(worker.pid) {
-            let _ = rustix::process::pidfd_send_signal(&pidfd, Signal::TERM);
-        }
+        tracing::warn!(pid = worker.pid, slot = %worker.described.slot, "A worker of an earlier supervisor of this socket has no slot here (or a newer one took it): stopping it");
+        let _ = rustix::process::pidfd_send_signal(&worker.pidfd, Signal::TERM);
     }
     let mut adopted = HashMap::new();
     for (slot, worker) in by_slot {
-        let pidfd = match open(worker.pid) {
-            Ok(pidfd) => pidfd,
-            Err(error) => {
-                tracing::debug!(pid = worker.pid, %error, "The worker exited before it could be adopted");
-                continue;
-            }
-        };
-        let counter = worker.counter.and_then(|(fd, index)| {
-            counter_of(&pidfd, fd, index)
+        let counter = worker.described.counter.and_then(|(fd, index)| {
+            counter_of(&worker.pidfd, fd, index)
                 .inspect_err(|error| {
                     tracing::warn!(pid = worker.pid, %error, "Cannot take the adopted worker's request counter: its requests go uncounted")
                 })
@@ -104,7 +119,7 @@ pub fn find(config: &Config) -> HashMap<Slot, Adopted> {
             slot,
             Adopted {
                 pid: worker.pid,
-                pidfd,
+                pidfd: worker.pidfd,
                 counter,
             },
         );
@@ -112,8 +127,9 @@ pub fn find(config: &Config) -> HashMap<Slot, Adopted> {
     adopted
 }
 
-/// Every process of this user whose environment names `control` as its control socket.
-pub fn scan(control: &Path) -> Vec<Found> {
+/// Every live process of this user whose environment names `control` as its control socket and
+/// carries `lineage`.
+pub fn scan(control: &Path, lineage: &Lineage) -> Vec<Found> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -123,19 +139,31 @@ pub fn scan(control: &Path) -> Vec<Found> {
         .flatten()
         .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-            if pid == own || entry.metadata().ok()?.uid() != uid {
+            if pid == own {
                 return None;
             }
-            // A process may exit or deny access at any step: it is then not a worker to adopt.
+            // The pidfd first: whatever is read below is then known to be of this very process if
+            // it is still alive afterwards. A process may exit or deny access at any step: it is
+            // then not a worker to adopt.
+            let pidfd = open(pid).ok()?;
+            if entry.metadata().ok()?.uid() != uid {
+                return None;
+            }
             let environ = std::fs::read(entry.path().join("environ")).ok()?;
             let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            parse(pid, &environ, &stat, control)
+            let described = parse(&environ, &stat, control, lineage)?;
+            alive(&pidfd).then_some(Found {
+                pid,
+                pidfd,
+                described,
+            })
         })
         .collect()
 }
 
-/// A worker of `control` from its environment (`environ`, NUL-separated) and `/proc/PID/stat`.
-fn parse(pid: u32, environ: &[u8], stat: &str, control: &Path) -> Option<Found> {
+/// A worker of `control` and `lineage` from its environment (`environ`, NUL-separated) and
+/// `/proc/PID/stat`.
+fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Option<Described> {
     let vars: HashMap<&[u8], &[u8]> = environ
         .split(|b| *b == 0)
         .filter_map(|pair| {
@@ -145,6 +173,9 @@ fn parse(pid: u32, environ: &[u8], stat: &str, control: &Path) -> Option<Found> 
         .collect();
     let get = |name: &str| vars.get(name.as_bytes()).copied();
     if Path::new(OsStr::from_bytes(get(ENV_CONTROL)?)) != control {
+        return None;
+    }
+    if !lineage.matches(get(ENV_LINEAGE)?) {
         return None;
     }
     let text = |name: &str| std::str::from_utf8(get(name)?).ok();
@@ -157,8 +188,7 @@ fn parse(pid: u32, environ: &[u8], stat: &str, control: &Path) -> Option<Found> 
     // The command name (field 2) is in parentheses and may hold spaces: count fields after it.
     let after_name = &stat[stat.rfind(')')? + 1..];
     let started = after_name.split_whitespace().nth(19)?.parse().ok()?;
-    Some(Found {
-        pid,
+    Some(Described {
         slot: Slot { service, index },
         counter,
         started,
@@ -212,14 +242,58 @@ fn open(pid: u32) -> std::io::Result<OwnedFd> {
     Ok(rustix::process::pidfd_open(pid, PidfdFlags::empty())?)
 }
 
-/// Maps counter `index` of the region behind the worker's descriptor `fd`.
+/// Whether the process behind `pidfd` has not exited (a pidfd turns readable when it does).
+fn alive(pidfd: &OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    matches!(
+        rustix::event::poll(&mut fds, Some(&rustix::time::Timespec::default())),
+        Ok(0)
+    )
+}
+
+/// Maps counter `index` of the region behind the worker's descriptor `fd`, once it is known to be a
+/// region that holds that line: mapping past its end would end in SIGBUS at the first read, not in an
+/// error.
 fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> std::io::Result<CounterRef> {
     let duplicate = rustix::process::pidfd_getfd(pidfd, fd, PidfdGetfdFlags::empty())?;
-    let region = CounterRegion::map(std::os::fd::AsFd::as_fd(&duplicate), index + 1)?;
+    let needed = (index as u64 + 1) * SLOT_BYTES as u64;
+    let size = region_size(&duplicate)?;
+    if size < needed {
+        return Err(std::io::Error::other(format!(
+            "descriptor {fd} is not a counter region with line {index}: {size} bytes, {needed} needed"
+        )));
+    }
+    let region = CounterRegion::map(duplicate.as_fd(), index + 1)?;
     Ok(CounterRef::new(
         Arc::new(Counters::new(duplicate, region)),
         index,
     ))
+}
+
+/// The size of a counter region: a memfd (a regular file), or the eBPF sampler's array map, whose size
+/// its `fdinfo` gives (`max_entries` values of `value_size` bytes).
+fn region_size(region: &OwnedFd) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    let stat = rustix::fs::fstat(region)?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile {
+        return Ok(stat.st_size as u64);
+    }
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", region.as_raw_fd()))?;
+    map_size(&info).ok_or_else(|| std::io::Error::other("neither a memfd nor a BPF array map"))
+}
+
+/// The bytes of a BPF array map, from its `/proc/self/fdinfo` text.
+fn map_size(fdinfo: &str) -> Option<u64> {
+    let field = |name: &str| {
+        fdinfo.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            (key.trim() == name).then(|| value.trim().parse::<u64>().ok())?
+        })
+    };
+    // BPF_MAP_TYPE_ARRAY
+    (field("map_type")? == 2).then_some(())?;
+    field("max_entries")?.checked_mul(field("value_size")?)
 }
 
 #[cfg(test)]
@@ -239,65 +313,124 @@ mod tests {
     }
 
     #[test]
-    fn reads_a_worker_of_this_control_socket_from_its_environment() {
+    fn reads_a_worker_of_this_control_socket_and_lineage_from_its_environment() {
+        let lineage = Lineage::random().unwrap();
         let env = environ(&[
             ("PATH", "/bin"),
             (ENV_CONTROL, "/run/peregrine.sock"),
+            (ENV_LINEAGE, lineage.as_str()),
             (ENV_SERVICE, "web"),
             (ENV_INDEX, "3"),
             (ENV_COUNTERS_FD, "5"),
             (ENV_COUNTERS_SLOT, "17"),
         ]);
-        let found = parse(4242, &env, STAT, Path::new("/run/peregrine.sock")).unwrap();
+        let control = Path::new("/run/peregrine.sock");
         assert_eq!(
-            found,
-            Found {
-                pid: 4242,
+            parse(&env, STAT, control, &lineage),
+            Some(Described {
                 slot: Slot {
                     service: "web".into(),
                     index: 3
                 },
                 counter: Some((5, 17)),
                 started: 987654,
-            }
+            })
         );
         assert_eq!(
-            parse(4242, &env, STAT, Path::new("/run/other.sock")),
+            parse(&env, STAT, Path::new("/run/other.sock"), &lineage),
             None,
             "another supervisor's worker"
         );
-        let no_index = environ(&[(ENV_CONTROL, "/run/peregrine.sock"), (ENV_SERVICE, "web")]);
+        let other = Lineage::random().unwrap();
         assert_eq!(
-            parse(1, &no_index, STAT, Path::new("/run/peregrine.sock")),
-            None
+            parse(&env, STAT, control, &other),
+            None,
+            "the same socket path, but another lineage: another directory's supervisor, or a \
+             process that only names the socket"
         );
+        let no_lineage = environ(&[
+            (ENV_CONTROL, "/run/peregrine.sock"),
+            (ENV_SERVICE, "web"),
+            (ENV_INDEX, "3"),
+        ]);
+        assert_eq!(parse(&no_lineage, STAT, control, &lineage), None);
+        let no_index = environ(&[
+            (ENV_CONTROL, "/run/peregrine.sock"),
+            (ENV_LINEAGE, lineage.as_str()),
+            (ENV_SERVICE, "web"),
+        ]);
+        assert_eq!(parse(&no_index, STAT, control, &lineage), None);
+    }
+
+    /// Starts `sleep 30` with `vars`, and scans until it is found (its environment is in place only
+    /// once its exec has happened) or 2 s have passed.
+    fn scan_for(
+        vars: &[(&str, &std::ffi::OsStr)],
+        control: &Path,
+        lineage: &Lineage,
+    ) -> (std::process::Child, Vec<Found>) {
+        let mut command = std::process::Command::new("sleep");
+        command.arg("30");
+        for (k, v) in vars {
+            command.env(k, v);
+        }
+        let child = command.spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let found = loop {
+            let found: Vec<Found> = scan(control, lineage)
+                .into_iter()
+                .filter(|f| f.pid == child.id())
+                .collect();
+            if !found.is_empty() || Instant::now() > deadline {
+                break found;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        (child, found)
     }
 
     #[test]
-    fn finds_a_child_started_as_a_worker() {
+    fn finds_a_child_started_as_a_worker_and_only_with_its_lineage() {
         let dir = tempfile::tempdir().unwrap();
         let control = dir.path().join("control.sock");
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .env(ENV_CONTROL, &control)
-            .env(ENV_SERVICE, "web")
-            .env(ENV_INDEX, "1")
-            .spawn()
-            .unwrap();
-        // `spawn` returns once the exec has begun, before the new environment is in place: look
-        // again until it is (bounded).
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let found = loop {
-            let found = scan(&control);
-            if !found.is_empty() || std::time::Instant::now() > deadline {
-                break found;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        };
+        let lineage = Lineage::random().unwrap();
+        let vars = [
+            (ENV_CONTROL, control.as_os_str()),
+            (ENV_LINEAGE, OsStr::new(lineage.as_str())),
+            (ENV_SERVICE, OsStr::new("web")),
+            (ENV_INDEX, OsStr::new("1")),
+        ];
+        let (mut child, found) = scan_for(&vars, &control, &lineage);
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].pid, child.id());
-        assert_eq!(found[0].counter, None);
+        assert_eq!(found[0].described.counter, None);
+        // The same socket path without the lineage is not ours (checked with a lineage the process
+        // does not carry; the scan is bounded by the same deadline).
+        let (mut child, found) = scan_for(&vars, &control, &Lineage::random().unwrap());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(found.is_empty(), "{found:?}");
+    }
+
+    #[test]
+    fn a_bpf_array_maps_size_comes_from_its_fdinfo() {
+        let info = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\nmap_type:\t2\n\
+                    key_size:\t4\nvalue_size:\t64\nmax_entries:\t16\nmap_flags:\t0x400\n";
+        assert_eq!(map_size(info), Some(1024));
+        assert_eq!(
+            map_size(&info.replace("map_type:\t2", "map_type:\t1")),
+            None,
+            "a hash map"
+        );
+        assert_eq!(map_size("pos:\t0\n"), None);
+    }
+
+    #[test]
+    fn a_descriptor_too_small_for_the_counter_line_is_refused_not_mapped() {
+        let (fd, _region) = CounterRegion::create(2).unwrap();
+        assert!(region_size(&fd).unwrap() >= 2 * SLOT_BYTES as u64);
+        let file = tempfile::tempfile().unwrap();
+        assert_eq!(region_size(&OwnedFd::from(file)).unwrap(), 0);
     }
 }

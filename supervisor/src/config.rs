@@ -385,8 +385,7 @@ struct RawService {
     restart_batch: Option<Spanned<i64>>,
     url: Option<Spanned<String>>,
     command: Option<Spanned<Vec<String>>>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
+    env: Option<Spanned<BTreeMap<String, String>>>,
     prefix: Option<Spanned<String>>,
     domains: Option<Spanned<Vec<String>>>,
     orca: Option<Spanned<bool>>,
@@ -447,18 +446,38 @@ impl Checker<'_> {
 
 impl Config {
     /// Reads and checks a configuration file, with overrides from the process environment.
+    ///
+    /// Relative paths in it are taken from the directory of the file's canonical path (so two
+    /// supervisors started in different directories with the same relative config path never share a
+    /// socket). The file may be at most [`MAX_CONFIG_BYTES`] long; the total of workers is also held
+    /// to this user's process limit (`RLIMIT_NPROC`).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let source = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let read_error = |source| ConfigError::Read {
             path: path.to_owned(),
             source,
-        })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        let base = std::path::absolute(base).unwrap_or_else(|_| base.to_owned());
+        };
+        let source = read_capped(path).map_err(read_error)?;
+        let base = canonical_dir(path).map_err(read_error)?;
         let env = std::env::vars().collect();
-        Config::parse(&source, &base, &env).map_err(|problems| ConfigError::Invalid {
+        let invalid = |problems| ConfigError::Invalid {
             path: path.to_owned(),
             problems,
-        })
+        };
+        let config = Config::parse(&source, &base, &env).map_err(invalid)?;
+        let workers: u64 = config.services.values().map(|s| u64::from(s.count)).sum();
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nproc).current;
+        match limit {
+            // The supervisor itself is one more process of the user.
+            Some(limit) if workers + 1 > limit => Err(invalid(vec![Problem {
+                line: None,
+                key: "service".into(),
+                message: format!(
+                    "{workers} workers in all, but this user may run only {limit} processes \
+                     (RLIMIT_NPROC, `ulimit -u`): lower the counts or raise the limit"
+                ),
+            }])),
+            _ => Ok(config),
+        }
     }
 
     /// Checks a configuration's text; relative paths are taken from `base`. Returns every problem.
@@ -499,11 +518,22 @@ impl Config {
                 "no services: add a [service.NAME] table with the workers to run",
             );
         }
-        let services = raw
+        let services: BTreeMap<String, ServiceConfig> = raw
             .service
             .into_iter()
             .map(|(name, service)| (name.clone(), check.service(name, service)))
             .collect();
+        let workers: u64 = services.values().map(|s| u64::from(s.count)).sum();
+        if workers > MAX_TOTAL_WORKERS {
+            check.report(
+                None,
+                "service".into(),
+                format!(
+                    "{workers} workers in all; a supervisor runs at most {MAX_TOTAL_WORKERS} \
+                     (run more supervisors, each with its own control socket)"
+                ),
+            );
+        }
         let sample_interval = supervisor
             .as_ref()
             .map_or(DEFAULT_SAMPLE_INTERVAL, |s| s.sample_interval);
@@ -585,7 +615,7 @@ impl Checker<'_> {
             None => raw.control.map(|c| c.into_inner()),
         }
         .unwrap_or_else(|| DEFAULT_CONTROL.into());
-        let control = base.join(control);
+        let control = absolute_in(base, Path::new(&control));
         let xds_cluster = match raw.xds_cluster {
             Some(name) if !valid_name(name.get_ref()) => {
                 self.report(
@@ -841,8 +871,42 @@ impl Checker<'_> {
                 }
             }
         }
+        let env = match raw.env {
+            None => BTreeMap::new(),
+            Some(env) => {
+                let span = env.span();
+                let env = env.into_inner();
+                for (variable, value) in &env {
+                    if variable.is_empty() || variable.contains(['=', '\0']) {
+                        self.report(
+                            Some(span.clone()),
+                            key("env"),
+                            format!(
+                                "{variable:?} is not a variable name: it must be non-empty, without \
+                                 '=' or NUL"
+                            ),
+                        );
+                    } else if value.contains('\0') {
+                        self.report(
+                            Some(span.clone()),
+                            key(&format!("env.{variable}")),
+                            "a value cannot hold a NUL byte: the environment is NUL-terminated text",
+                        );
+                    }
+                }
+                env
+            }
+        };
         let command = match raw.command {
             None => WorkerCommand::default(),
+            Some(command) if command.get_ref().iter().any(|word| word.contains('\0')) => {
+                self.report(
+                    Some(command.span()),
+                    key("command"),
+                    "an argument cannot hold a NUL byte: arguments are NUL-terminated",
+                );
+                WorkerCommand::default()
+            }
             Some(command) => {
                 let span = command.span();
                 let mut words = command.into_inner().into_iter();
@@ -929,13 +993,64 @@ impl Checker<'_> {
             count,
             url,
             command,
-            env: raw.env,
+            env,
             prefix,
             domains,
             balancing,
             weights,
             restart_batch,
         }
+    }
+}
+
+/// The largest config file [`Config::load`] reads: far more than any real one needs, and a bound
+/// on what a wrong path (`/dev/zero`) can make it read.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
+
+/// Reads `path` as UTF-8 text of at most [`MAX_CONFIG_BYTES`].
+fn read_capped(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("longer than {MAX_CONFIG_BYTES} bytes: not a config file"),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+/// The canonical directory of the file `path` (symlinks resolved); for a file without a canonical
+/// path (a pipe, `/dev/fd/N`), the absolute form of its directory.
+fn canonical_dir(path: &Path) -> std::io::Result<PathBuf> {
+    let file = std::fs::canonicalize(path).or_else(|_| std::path::absolute(path))?;
+    Ok(file.parent().unwrap_or(Path::new("/")).to_owned())
+}
+
+/// `path` taken from the absolute directory `base`, `.` and `..` resolved, and the symlinks of its
+/// directory resolved where that directory exists already: one file has one name.
+fn absolute_in(base: &Path, path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut lexical = PathBuf::new();
+    for part in base.join(path).components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                lexical.pop();
+            }
+            other => lexical.push(other),
+        }
+    }
+    match (lexical.parent(), lexical.file_name()) {
+        (Some(dir), Some(name)) => match std::fs::canonicalize(dir) {
+            Ok(dir) => dir.join(name),
+            Err(_) => lexical,
+        },
+        _ => lexical,
     }
 }
 
@@ -996,6 +1111,9 @@ fn dotted_key(path: &serde_path_to_error::Path) -> String {
 
 /// The most workers a service may ask for.
 const MAX_WORKERS: u32 = 4096;
+
+/// The most workers one supervisor runs, all services together.
+pub const MAX_TOTAL_WORKERS: u64 = 16384;
 
 const NAME_RULE: &str = "names may use only ASCII letters, digits, '-', '_' and '.'";
 
@@ -1370,5 +1488,87 @@ count = 0
         let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();
         assert_eq!(config.supervisor.bind.port(), 1);
         assert_eq!(config.supervisor.control, Path::new("/run/x.sock"));
+    }
+    #[test]
+    fn nul_bytes_and_bad_variable_names_are_refused_with_their_lines() {
+        let got = problems(
+            "[service.a]\n\nenv = { \"A\" = \"x\\u0000y\" }\n\
+             [service.b]\nenv = { \"B=C\" = \"1\" }\n\
+             [service.c]\ncommand = [\"peregrine\", \"wor\\u0000ker\"]\n\
+             [service.d]\nenv = { \"\" = \"1\" }\n",
+        );
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert!(
+            got[0].starts_with("line 3: service.a.env.A: a value cannot hold a NUL"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("line 5: service.b.env: \"B=C\" is not a variable name"),
+            "{got:?}"
+        );
+        assert!(
+            got[2].starts_with("line 7: service.c.command: an argument cannot hold a NUL"),
+            "{got:?}"
+        );
+        assert!(got[3].starts_with("line 9: service.d.env:"), "{got:?}");
+    }
+
+    #[test]
+    fn the_total_of_workers_is_bounded() {
+        let many: String = (0..5)
+            .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
+            .collect();
+        let got = problems(&many);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].contains("20480 workers in all"), "{got:?}");
+        let enough: String = (0..4)
+            .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
+            .collect();
+        assert!(parse(&enough).is_ok());
+    }
+
+    #[test]
+    fn errors_deep_inside_tables_have_lines() {
+        for source in [
+            "[service.web]\n\n[service.web.env.a.b.c]\nd = 1\n",
+            "[service.web]\n\nenv = { a = { b = { c = 1 } } }\n",
+            &format!(
+                "[service.web]\n\nx = {}1{}\n",
+                "{a=".repeat(200),
+                "}".repeat(200)
+            ),
+        ] {
+            let got = problems(source);
+            assert!(got[0].starts_with("line 3: "), "{source:?}: {got:?}");
+        }
+    }
+
+    #[test]
+    fn a_config_file_is_read_only_up_to_its_cap() {
+        let err = Config::load(Path::new("/dev/zero")).expect_err("not a config");
+        let text = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(text.contains("longer than 1048576 bytes"), "{text}");
+    }
+
+    #[test]
+    fn relative_paths_become_one_canonical_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("link")).unwrap();
+        std::fs::write(
+            real.join("p.toml"),
+            "[supervisor]\ncontrol = \"./sub/../p.sock\"\n[service.a]\n",
+        )
+        .unwrap();
+        let canonical = std::fs::canonicalize(&real).unwrap().join("p.sock");
+        for path in [real.join("p.toml"), dir.path().join("link/p.toml")] {
+            let config = Config::load(&path).unwrap();
+            assert_eq!(config.supervisor.control, canonical, "{}", path.display());
+        }
+        assert_eq!(
+            absolute_in(Path::new("/nonexistent/dir"), Path::new("../x/./y.sock")),
+            Path::new("/nonexistent/x/y.sock")
+        );
     }
 }

@@ -10,6 +10,7 @@
 pub mod adopt;
 pub mod bootstrap;
 pub mod config;
+pub mod instance;
 pub mod manager;
 pub mod orca;
 pub mod registration;

@@ -110,6 +110,8 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(error) => return config_error(&error),
             };
+            // Reloads read the same file, whatever the working directory is by then.
+            let path = std::fs::canonicalize(&path).unwrap_or(path);
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(error) => {

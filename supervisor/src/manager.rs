@@ -35,7 +35,7 @@ use std::{
 };
 
 use peregrine_worker::{
-    settings::{CounterSlot, Settings},
+    settings::{CounterSlot, ENV_LINEAGE, Settings},
     url::BindUrl,
 };
 use rustix::{
@@ -54,6 +54,7 @@ use crate::{
         Config, INDEX_PLACEHOLDER, Lifecycle, Program, RestartPolicy, ServiceConfig,
         SupervisorConfig,
     },
+    instance::Lineage,
     registry::Registry,
     sampler::Counters,
     xds::acks::Acks,
@@ -319,7 +320,7 @@ impl Launch {
         service: &ServiceConfig,
         index: u32,
         supervisor: &SupervisorConfig,
-        counters: Arc<Counters>,
+        context: &Context,
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -348,9 +349,10 @@ impl Launch {
                 .env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
+                .chain([(ENV_LINEAGE.to_owned(), context.lineage.as_str().to_owned())])
                 .collect(),
             settings,
-            counters,
+            counters: context.counters.clone(),
         })
     }
 
@@ -412,6 +414,8 @@ pub struct Context {
     pub acks: Arc<Acks>,
     /// The request counter region handed to new workers.
     pub counters: Arc<Counters>,
+    /// The control socket's lineage, which every worker carries (see [`crate::instance`]).
+    pub lineage: Lineage,
 }
 
 /// A command to a slot task.
@@ -572,12 +576,7 @@ impl Manager {
         slot: Slot,
         adopted: Option<Adopted>,
     ) -> io::Result<()> {
-        let launch = Launch::new(
-            service,
-            slot.index,
-            &self.supervisor,
-            self.context.counters.clone(),
-        )?;
+        let launch = Launch::new(service, slot.index, &self.supervisor, &self.context)?;
         let (tx, rx) = mpsc::channel(4);
         let task = SlotTask {
             slot: slot.clone(),
@@ -638,12 +637,7 @@ impl Manager {
                     continue;
                 };
                 let launch = if relaunch {
-                    match Launch::new(
-                        service,
-                        slot.index,
-                        &self.supervisor,
-                        self.context.counters.clone(),
-                    ) {
+                    match Launch::new(service, slot.index, &self.supervisor, &self.context) {
                         Ok(launch) => Some(Box::new(launch)),
                         Err(error) => {
                             report
@@ -1422,7 +1416,8 @@ mod tests {
             children: Arc::default(),
             lanes: Lanes::new(4),
             acks: Arc::default(),
-            counters: counters.clone(),
+            counters,
+            lineage: crate::instance::Lineage::random().unwrap(),
         });
         let slot = Slot {
             service: "web".into(),
@@ -1436,7 +1431,7 @@ mod tests {
         .unwrap();
         SlotTask {
             slot,
-            launch: Launch::new(&config.services["web"], 0, &config.supervisor, counters).unwrap(),
+            launch: Launch::new(&config.services["web"], 0, &config.supervisor, &context).unwrap(),
             backoff: Backoff::new(RestartPolicy::default()),
             lifecycle,
             context,

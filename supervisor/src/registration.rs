@@ -37,6 +37,7 @@ use tokio::{
 use tracing::Instrument;
 
 use crate::{
+    instance::InstanceLock,
     manager::{Children, Slot},
     registry::{Address, Protocol, Registry, Worker},
     status,
@@ -49,9 +50,6 @@ const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Why the registration socket could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
-    /// Another process is serving on the socket.
-    #[error("{0} is in use by another running supervisor")]
-    InUse(PathBuf),
     /// A file that is not a socket is in the way.
     #[error("{0} exists and is not a socket; refusing to remove it")]
     NotASocket(PathBuf),
@@ -66,22 +64,21 @@ pub enum BindError {
     },
 }
 
-/// Binds the registration socket at `path`, owner-only, removing a stale socket left by a supervisor
-/// that died.
-pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
+/// Binds the registration socket at `path`, owner-only, replacing a socket file left by a supervisor
+/// that died. `lock` is the socket's instance lock: holding it proves that no other supervisor serves
+/// on `path`, so whatever socket is there is stale.
+pub fn bind(path: &Path, lock: &InstanceLock) -> Result<UnixListener, BindError> {
     let io_err = |source| BindError::Io {
         path: path.to_owned(),
         source,
     };
+    debug_assert_eq!(lock.path(), crate::instance::lock_path(path));
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             return Err(BindError::NotASocket(path.to_owned()));
         }
         Ok(_) => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(BindError::InUse(path.to_owned()));
-            }
-            tracing::info!(path = %path.display(), "Removing stale registration socket");
+            tracing::info!(path = %path.display(), "Removing the registration socket a stopped supervisor left");
             std::fs::remove_file(path).map_err(io_err)?;
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -90,6 +87,8 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io_err)?;
     }
+    // Until the mode is set, another user could connect; the server admits no one but this user
+    // (SO_PEERCRED), so such a connection gets nothing.
     let listener = UnixListener::bind(path).map_err(io_err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
     Ok(listener)
@@ -451,8 +450,9 @@ mod tests {
                     });
                 }
             });
+            let lock = InstanceLock::acquire(&path).unwrap();
             let server = tokio::spawn(serve(
-                bind(&path).unwrap(),
+                bind(&path, &lock).unwrap(),
                 registry.clone(),
                 children.clone(),
                 Arc::default(),
@@ -525,17 +525,15 @@ mod tests {
             .build()
             .unwrap();
         let _guard = rt.enter();
-        let listener = bind(&path).expect("a stale socket is replaced");
+        let lock = InstanceLock::acquire(&path).unwrap();
+        let listener = bind(&path, &lock).expect("a stale socket is replaced");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        assert!(
-            matches!(bind(&path), Err(BindError::InUse(_))),
-            "a live socket is never stolen"
-        );
         drop(listener);
         let file = dir.path().join("file");
         std::fs::write(&file, "x").unwrap();
-        assert!(matches!(bind(&file), Err(BindError::NotASocket(_))));
+        let lock = InstanceLock::acquire(&file).unwrap();
+        assert!(matches!(bind(&file, &lock), Err(BindError::NotASocket(_))));
     }
 
     #[tokio::test]

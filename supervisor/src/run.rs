@@ -29,6 +29,7 @@ use tokio::{
 use crate::{
     adopt,
     config::{self, Balancing, Config, SamplerSetting},
+    instance::{InstanceLock, LockError},
     manager::{self, Children, Lanes, Manager},
     orca::OrcaService,
     registration,
@@ -49,6 +50,9 @@ pub const ADOPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Why the supervisor could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// Another supervisor runs on the control socket, or its lock cannot be taken.
+    #[error(transparent)]
+    Lock(#[from] LockError),
     /// The registration socket could not be opened.
     #[error(transparent)]
     Registration(#[from] registration::BindError),
@@ -202,11 +206,14 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
 /// `path` is the config file `config` came from: `peregrine restart`, `peregrine reload` and SIGHUP
 /// read it again.
 pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
+    let control = config.supervisor.control.clone();
+    // First of all: a second supervisor on this socket stops here, before it touches anything. Held
+    // until this function returns (after the socket file is removed).
+    let lock = InstanceLock::acquire(&control)?;
     let sources = choose_sampler(&config)?;
     let registry = Arc::new(Registry::new(config.services.keys().cloned()));
     let children = Arc::new(Children::default());
-    let control = config.supervisor.control.clone();
-    let registrations = registration::bind(&control)?;
+    let registrations = registration::bind(&control, &lock)?;
     let _socket_file = RemoveOnDrop(control.clone());
     let bind = config.supervisor.bind;
     let grpc = TcpListener::bind(bind)
@@ -267,10 +274,11 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         lanes: sources.lanes.clone(),
         acks: acks.clone(),
         counters: sources.counters.clone(),
+        lineage: lock.lineage().clone(),
     });
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the socket's backlog).
-    let adopted = adopt::find(&config);
+    let adopted = adopt::find(&config, lock.lineage());
     let adopted_pids: Vec<u32> = adopted.values().map(|a| a.pid).collect();
     let manager =
         Manager::start(&config, context, adopted, stop_rx.clone()).map_err(RunError::Workers)?;

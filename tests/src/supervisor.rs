@@ -27,6 +27,8 @@ pub struct Supervisor {
     binary: PathBuf,
     dir: PathBuf,
     config: PathBuf,
+    /// The config path as `peregrine run` is given it: absolute, or relative to `dir`.
+    run_arg: PathBuf,
     /// Supervisor processes killed by [`Supervisor::kill_and_start_again`] (for their logs).
     previous: Vec<ChildGuard>,
     restarts: u32,
@@ -58,7 +60,23 @@ impl Supervisor {
     /// Writes `config_toml` to `dir/peregrine.toml` and starts `binary run` on it, logging into `dir`.
     /// `RUST_LOG` is passed on, and set to `info` when unset.
     pub fn start_in(binary: &Path, dir: &Path, config_toml: &str) -> anyhow::Result<Self> {
-        Self::start_wrapped(&[], binary, dir, config_toml)
+        Self::start_wrapped(&[], binary, dir, config_toml, false)
+    }
+
+    /// Like [`Supervisor::start`], but started as `peregrine run peregrine.toml` from within the
+    /// directory: every path in the config is relative unless it says otherwise.
+    #[track_caller]
+    pub fn start_relative(config_toml: &str) -> Self {
+        let temp = tempfile::Builder::new()
+            .prefix("peregrine-")
+            .tempdir()
+            .expect("a temp dir");
+        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
+        let mut supervisor =
+            Self::start_wrapped(&[], &peregrine_path(), temp.path(), &config_toml, true)
+                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        supervisor._temp = Some(temp);
+        supervisor
     }
 
     /// Like [`Supervisor::start`], but with no capabilities at all, even as root (through `setpriv`,
@@ -71,21 +89,33 @@ impl Supervisor {
             .expect("a temp dir");
         let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
         let wrapper = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"];
-        let mut supervisor =
-            Self::start_wrapped(&wrapper, &peregrine_path(), temp.path(), &config_toml)
-                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        let mut supervisor = Self::start_wrapped(
+            &wrapper,
+            &peregrine_path(),
+            temp.path(),
+            &config_toml,
+            false,
+        )
+        .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
         supervisor._temp = Some(temp);
         supervisor
     }
 
-    /// Starts `wrapper... binary run dir/peregrine.toml` (no wrapper when `wrapper` is empty).
+    /// Starts `wrapper... binary run dir/peregrine.toml` (no wrapper when `wrapper` is empty), or
+    /// `run peregrine.toml` if `relative`.
     fn start_wrapped(
         wrapper: &[&str],
         binary: &Path,
         dir: &Path,
         config_toml: &str,
+        relative: bool,
     ) -> anyhow::Result<Self> {
         let config = dir.join("peregrine.toml");
+        let run_arg = if relative {
+            PathBuf::from("peregrine.toml")
+        } else {
+            config.clone()
+        };
         std::fs::write(&config, config_toml)
             .with_context(|| format!("writing {}", config.display()))?;
         let mut command = match wrapper.split_first() {
@@ -96,7 +126,7 @@ impl Supervisor {
             }
             None => Command::new(binary),
         };
-        command.arg("run").arg(&config).current_dir(dir);
+        command.arg("run").arg(&run_arg).current_dir(dir);
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
@@ -105,6 +135,7 @@ impl Supervisor {
             process,
             binary: binary.to_path_buf(),
             dir: dir.to_path_buf(),
+            run_arg,
             config,
             previous: Vec::new(),
             restarts: 0,
@@ -217,19 +248,28 @@ impl Supervisor {
             "the killed supervisor to exit",
             || self.process.try_wait(),
         )?;
+        self.start_again()
+    }
+
+    /// Starts `peregrine run` again on the same config in the same directory (the one before must
+    /// have exited), logging to `peregrine-N.*.log`. The old logs stay.
+    pub fn start_again(&mut self) -> anyhow::Result<()> {
         self.restarts += 1;
+        let name = format!("peregrine-{}", self.restarts + 1);
+        let new = self.spawn_run(&name)?;
+        let old = std::mem::replace(&mut self.process, new);
+        self.previous.push(old);
+        Ok(())
+    }
+
+    /// `peregrine run` on this config, from this directory, logging as `name`.
+    fn spawn_run(&self, name: &str) -> anyhow::Result<ChildGuard> {
         let mut command = Command::new(&self.binary);
-        command.arg("run").arg(&self.config).current_dir(&self.dir);
+        command.arg("run").arg(&self.run_arg).current_dir(&self.dir);
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
-        let name = format!("peregrine-{}", self.restarts + 1);
-        let old = std::mem::replace(
-            &mut self.process,
-            ChildGuard::spawn(&name, &mut command, &self.dir)?,
-        );
-        self.previous.push(old);
-        Ok(())
+        ChildGuard::spawn(name, &mut command, &self.dir)
     }
 
     /// The logs of every supervisor process started here, oldest first.

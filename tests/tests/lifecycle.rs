@@ -370,22 +370,44 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
 }
 
 #[test]
-fn an_adopted_process_that_never_registers_is_replaced() {
-    // A process that looks like a worker of this control socket (its environment says so) but never
-    // registers: the supervisor adopts it, waits `register_timeout_ms`, then replaces it.
+fn an_adopted_process_that_never_registers_is_replaced_and_a_stranger_is_left_alone() {
+    // A process that is a worker of this control socket by its environment (the socket's path and
+    // its lineage, as in the lock file an earlier supervisor left) but never registers: the supervisor
+    // adopts it, waits `register_timeout_ms`, then replaces it. A process that names the socket but
+    // does not carry the lineage is not ours: it is neither adopted nor signalled.
+    use std::os::unix::fs::OpenOptionsExt;
     let dir = peregrine_e2e::TempDir::new().unwrap();
     let control = dir.path().join("peregrine.sock");
-    let mut impostor = Command::new("sleep")
-        .arg("120")
-        .env("PEREGRINE_CONTROL_SOCKET", &control)
-        .env("PEREGRINE_SERVICE", "cluster")
-        .env("PEREGRINE_WORKER_INDEX", "0")
-        .spawn()
+    let lineage = "0123456789abcdef0123456789abcdef";
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dir.path().join("peregrine.sock.lock"))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, format!("{lineage}\n").as_bytes()))
         .unwrap();
-    let impostor_pid = impostor.id();
-    // `spawn` returns once the exec has begun: wait until the new environment is in place.
-    wait_until(STEP, "the impostor's environment", || {
-        (peregrine_e2e::workers_in(dir.path()) == [impostor_pid]).then_some(())
+    let fake = |lineage: Option<&str>| {
+        let mut command = Command::new("sleep");
+        command
+            .arg("120")
+            .env("PEREGRINE_CONTROL_SOCKET", &control)
+            .env("PEREGRINE_SERVICE", "cluster")
+            .env("PEREGRINE_WORKER_INDEX", "0");
+        if let Some(lineage) = lineage {
+            command.env("PEREGRINE_LINEAGE", lineage);
+        }
+        command.spawn().unwrap()
+    };
+    let mut impostor = fake(Some(lineage));
+    let mut stranger = fake(None);
+    let (impostor_pid, stranger_pid) = (impostor.id(), stranger.id());
+    // `spawn` returns once the exec has begun: wait until the new environments are in place.
+    wait_until(STEP, "the fake workers' environments", || {
+        let mut found = peregrine_e2e::workers_in(dir.path());
+        found.sort_unstable();
+        let mut wanted = vec![impostor_pid, stranger_pid];
+        wanted.sort_unstable();
+        (found == wanted).then_some(())
     });
     let config = format!(
         "[supervisor]\nbind = \"http://127.0.0.1:{}\"\ncontrol = \"{}\"\nregister_timeout_ms = 500\n\
@@ -403,16 +425,27 @@ fn an_adopted_process_that_never_registers_is_replaced() {
     // The impostor was stopped (SIGTERM), and reaped here, its parent.
     let status = impostor.wait().unwrap();
     assert!(!status.success(), "stopped by a signal: {status}");
+    assert_eq!(
+        stranger.try_wait().unwrap(),
+        None,
+        "the stranger still runs"
+    );
     let logs = supervisor.logs();
     assert!(
-        logs.contains("Adopting a worker of an earlier supervisor"),
+        logs.contains(&format!("pid={impostor_pid}"))
+            && logs.contains("Adopting a worker of an earlier supervisor"),
         "{logs}"
     );
     assert!(
         logs.contains("The adopted worker did not register again in time; replacing it"),
         "{logs}"
     );
+    assert!(!logs.contains(&format!("pid={stranger_pid}")), "{logs}");
     assert_ne!(replaced, impostor_pid);
+    let lock = std::fs::read_to_string(dir.path().join("peregrine.sock.lock")).unwrap();
+    assert!(lock.starts_with(lineage), "the lineage is kept: {lock:?}");
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
 }
 
 #[test]

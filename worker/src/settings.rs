@@ -27,6 +27,12 @@ pub const ENV_COUNTERS_SLOT: &str = "PEREGRINE_COUNTERS_SLOT";
 /// Optional: [`DEFAULT_ORPHAN_TIMEOUT`] when unset.
 pub const ENV_ORPHAN_TIMEOUT: &str = "PEREGRINE_ORPHAN_TIMEOUT_MS";
 
+/// The lineage of the supervisor that started the worker: a random value kept in the owner-only lock
+/// file beside the control socket. The worker never reads it; it only carries it, so that a later
+/// supervisor of the same socket can tell its own workers from any other process before it adopts or
+/// stops them.
+pub const ENV_LINEAGE: &str = "PEREGRINE_LINEAGE";
+
 /// The orphan timeout when [`ENV_ORPHAN_TIMEOUT`] is not set: one minute.
 pub const DEFAULT_ORPHAN_TIMEOUT: Duration = Duration::from_secs(60);
 
