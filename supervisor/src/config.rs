@@ -88,6 +88,33 @@ pub struct SupervisorConfig {
     pub sample_interval: Duration,
     /// How workers are drained, stopped and left behind.
     pub lifecycle: Lifecycle,
+    /// What the gRPC port admits.
+    pub grpc: GrpcLimits,
+}
+
+/// `supervisor.grpc_*`: what the gRPC port (xDS and ORCA) admits. Anyone who can reach the port can
+/// open connections; these keep them from starving the supervisor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcLimits {
+    /// The most connections open at once (`grpc_max_connections`, 8192), further lowered at start to
+    /// what the open-file limit leaves after a reserve for workers and the control socket. Each Envoy
+    /// holds one connection for xDS and one per ORCA worker.
+    pub max_connections: usize,
+    /// How long a new connection has to send the HTTP/2 preface (`grpc_handshake_timeout_ms`, 10 s).
+    pub handshake_timeout: Duration,
+    /// How long a connection may stay open without a stream (`grpc_idle_timeout_ms`, 60 s). Envoy's
+    /// connections always carry a stream; an idle one is dropped (Envoy reconnects when it needs to).
+    pub idle_timeout: Duration,
+}
+
+impl Default for GrpcLimits {
+    fn default() -> Self {
+        GrpcLimits {
+            max_connections: 8192,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 /// `supervisor.*_timeout_ms`: how long each step of stopping a worker may take.
@@ -365,6 +392,9 @@ struct RawSupervisor {
     stop_timeout_ms: Option<Spanned<i64>>,
     register_timeout_ms: Option<Spanned<i64>>,
     orphan_timeout_ms: Option<Spanned<i64>>,
+    grpc_max_connections: Option<Spanned<i64>>,
+    grpc_handshake_timeout_ms: Option<Spanned<i64>>,
+    grpc_idle_timeout_ms: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -719,6 +749,29 @@ impl Checker<'_> {
             0,
             &mut lifecycle.orphan_timeout,
         );
+        let mut grpc = GrpcLimits::default();
+        millis(
+            raw.grpc_handshake_timeout_ms,
+            "grpc_handshake_timeout_ms",
+            10,
+            &mut grpc.handshake_timeout,
+        );
+        millis(
+            raw.grpc_idle_timeout_ms,
+            "grpc_idle_timeout_ms",
+            100,
+            &mut grpc.idle_timeout,
+        );
+        if let Some(max) = raw.grpc_max_connections {
+            match usize::try_from(*max.get_ref()) {
+                Ok(n) if n >= 1 => grpc.max_connections = n,
+                _ => self.report(
+                    Some(max.span()),
+                    "supervisor.grpc_max_connections".into(),
+                    format!("must be at least 1, got {}", max.get_ref()),
+                ),
+            }
+        }
         Some(SupervisorConfig {
             bind: bind?,
             control,
@@ -727,6 +780,7 @@ impl Checker<'_> {
             sampler,
             sample_interval,
             lifecycle,
+            grpc,
         })
     }
 

@@ -10,6 +10,7 @@
 pub mod adopt;
 pub mod bootstrap;
 pub mod config;
+pub mod grpc_port;
 pub mod instance;
 pub mod manager;
 pub mod orca;
@@ -18,6 +19,7 @@ pub mod registry;
 pub mod run;
 pub mod sampler;
 pub mod status;
+pub mod throttle;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.

@@ -29,6 +29,7 @@ use tokio::{
 use crate::{
     adopt,
     config::{self, Balancing, Config, SamplerSetting},
+    grpc_port::{self, Admission},
     instance::{InstanceLock, LockError},
     manager::{self, Children, Lanes, Manager},
     orca::OrcaService,
@@ -210,6 +211,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // First of all: a second supervisor on this socket stops here, before it touches anything. Held
     // until this function returns (after the socket file is removed).
     let lock = InstanceLock::acquire(&control)?;
+    let nofile = grpc_port::raise_nofile_limit();
     let sources = choose_sampler(&config)?;
     let registry = Arc::new(Registry::new(config.services.keys().cloned()));
     let children = Arc::new(Children::default());
@@ -295,9 +297,22 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         let timeout = ADOPT_TIMEOUT.min(config.supervisor.lifecycle.register_timeout);
         adopt::await_registrations(&registry, &children, &adopted_pids, timeout).await;
     }
+    let lanes = manager::lane_capacity(&config);
+    let cap = grpc_port::connection_cap(&config.supervisor.grpc, nofile, lanes);
+    if cap < config.supervisor.grpc.max_connections {
+        tracing::warn!(
+            cap,
+            configured = config.supervisor.grpc.max_connections,
+            open_files = ?nofile,
+            reserved = grpc_port::reserved_fds(lanes),
+            "gRPC connections capped below supervisor.grpc_max_connections by the open-file limit"
+        );
+    }
+    let admission = Admission::new(config.supervisor.grpc, cap);
     let mut xds_task = tokio::spawn(xds::serve(
         vec![grpc],
         orca_listeners,
+        admission,
         registry.subscribe(),
         xds_options_rx,
         acks,

@@ -23,8 +23,8 @@ use envoy_types::pb::envoy::service::{
     endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryServiceServer,
 };
 use tokio::{net::TcpListener, sync::watch};
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Server, server::Router};
+use tower::layer::util::{Identity, Stack};
 
 use self::{
     acks::Acks,
@@ -32,7 +32,26 @@ use self::{
     resources::{Balancer, ClusterOptions, EdsSource},
     transport::XdsService,
 };
-use crate::{orca::OrcaService, registry::Snapshot};
+use crate::{
+    grpc_port::{self, Admission, TrackStreamsLayer},
+    orca::OrcaService,
+    registry::Snapshot,
+};
+
+/// The gRPC server the port runs: every request counted as a stream of its connection.
+pub type GrpcRouter = Router<Stack<TrackStreamsLayer, Identity>>;
+
+/// How often the server pings a connection's peer, and how long it waits for the answer before it
+/// drops the connection: a peer that vanished without a FIN gives its descriptor back.
+const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(30), Duration::from_secs(10));
+
+/// The gRPC server's settings, for xDS and ORCA alike.
+fn server() -> Server<Stack<TrackStreamsLayer, Identity>> {
+    Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE.0))
+        .http2_keepalive_timeout(Some(KEEPALIVE.1))
+        .layer(TrackStreamsLayer)
+}
 
 /// Options of the control plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -131,9 +150,9 @@ pub fn spawn_cache_following(
 
 /// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]), recording each stream's
 /// ACKs in `acks`; add more services to it before serving.
-pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Router {
+pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> GrpcRouter {
     let service = XdsService::new(resources, acks);
-    Server::builder()
+    server()
         .add_service(ClusterDiscoveryServiceServer::new(service.clone()))
         .add_service(EndpointDiscoveryServiceServer::new(service.clone()))
         .add_service(AggregatedDiscoveryServiceServer::new(service))
@@ -144,11 +163,15 @@ pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Ro
 /// that the main address does not cover: they serve no xDS), until `shutdown` completes. Every xDS
 /// stream records how far its Envoy has ACKed in `acks` while it is open.
 ///
+/// Every connection, on either set of listeners, goes through `admission` (see [`grpc_port`]).
+///
 /// On shutdown the cache stops, which ends every open xDS stream, and the servers then finish
 /// gracefully. The returned future must be polled for the server to make progress.
+#[allow(clippy::too_many_arguments, reason = "the parts run wires together")]
 pub async fn serve(
     listeners: Vec<TcpListener>,
     orca_listeners: Vec<TcpListener>,
+    admission: Arc<Admission>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     options: watch::Receiver<XdsOptions>,
     acks: Arc<Acks>,
@@ -167,11 +190,10 @@ pub async fn serve(
                     tracing::info!(%addr, "Serving ORCA only");
                 }
             }
-            let incoming =
-                futures::stream::select_all(orca_listeners.into_iter().map(TcpListenerStream::new));
+            let incoming = grpc_port::incoming(orca_listeners, admission.clone());
             let mut stop = stopping.subscribe();
             Some(tokio::spawn(
-                Server::builder()
+                server()
                     .add_service(orca.clone().into_server())
                     .serve_with_incoming_shutdown(incoming, async move {
                         let _ = stop.wait_for(|stop| *stop).await;
@@ -185,7 +207,7 @@ pub async fn serve(
             tracing::info!(%addr, orca = orca.is_some(), "Serving xDS");
         }
     }
-    let incoming = futures::stream::select_all(listeners.into_iter().map(TcpListenerStream::new));
+    let incoming = grpc_port::incoming(listeners, admission);
     let mut router = router(resources, acks);
     if let Some(orca) = orca {
         router = router.add_service(orca.into_server());

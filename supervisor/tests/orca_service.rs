@@ -33,6 +33,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
     tokio::spawn(xds::serve(
         vec![listener],
         vec![],
+        peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
         registry.subscribe(),
         tokio::sync::watch::channel(XdsOptions::default()).1,
         Arc::new(Acks::default()),

@@ -87,6 +87,7 @@ impl Server {
         let task = runtime.spawn(xds::serve(
             vec![listener],
             vec![],
+            peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
             registry.subscribe(),
             tokio::sync::watch::channel(XdsOptions::default()).1,
             acks,

@@ -60,6 +60,7 @@ impl Server {
         let task = tokio::spawn(xds::serve(
             vec![listener],
             vec![],
+            peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
             snapshots,
             tokio::sync::watch::channel(XdsOptions::default()).1,
             Arc::new(Acks::default()),

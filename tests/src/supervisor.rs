@@ -79,6 +79,22 @@ impl Supervisor {
         supervisor
     }
 
+    /// Like [`Supervisor::start`], but started through `wrapper` (a program and its arguments that
+    /// exec the rest, e.g. `prlimit --nofile=1024:1024 --`), so the supervisor keeps the pid.
+    #[track_caller]
+    pub fn start_wrapped_in(wrapper: &[&str], config_toml: &str) -> Self {
+        let temp = tempfile::Builder::new()
+            .prefix("peregrine-")
+            .tempdir()
+            .expect("a temp dir");
+        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
+        let mut supervisor =
+            Self::start_wrapped(wrapper, &peregrine_path(), temp.path(), &config_toml, false)
+                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        supervisor._temp = Some(temp);
+        supervisor
+    }
+
     /// Like [`Supervisor::start`], but with no capabilities at all, even as root (through `setpriv`,
     /// which execs, so the supervisor keeps the pid): what a machine that forbids eBPF looks like.
     #[track_caller]
