@@ -42,6 +42,7 @@ pub fn report(
     orca: &OrcaByHostname,
     streams: &[StreamSync],
 ) -> v1::Status {
+    let now = tokio::time::Instant::now();
     // Every slot the manager runs, and every registered worker instance (a slot being replaced has a
     // serving one and a draining one; the slot's restart record goes with each).
     let mut rows: BTreeMap<(&str, u32, u32), v1::WorkerStatus> = BTreeMap::new();
@@ -92,6 +93,12 @@ pub fn report(
                 node: s.node.clone(),
                 kind: s.kind.to_string(),
                 synced_revision: s.synced_revision,
+                silent_ms: s
+                    .unanswered_since
+                    .filter(|_| s.is_silent(now))
+                    .map(|since| {
+                        u64::try_from(now.duration_since(since).as_millis()).unwrap_or(u64::MAX)
+                    }),
             })
             .collect(),
         workers: rows
@@ -297,6 +304,9 @@ pub struct XdsStreamView {
     pub kind: String,
     /// The highest revision Envoy has ACKed on it, `null` before its first ACK.
     pub synced_revision: Option<u64>,
+    /// For how long, in milliseconds, it has owed an answer to an endpoints response, once that is
+    /// longer than the silence grace (5 s); `null` otherwise. Drains do not wait for a silent stream.
+    pub silent_ms: Option<u64>,
 }
 
 /// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
@@ -373,7 +383,15 @@ impl StatusView {
                 let synced = s
                     .synced_revision
                     .map_or_else(|| "not synced yet".to_owned(), |r| format!("synced {r}"));
-                format!("{} ({}) {synced}", s.node, s.kind)
+                match s.silent_ms {
+                    Some(ms) => format!(
+                        "{} ({}) {synced}, silent for {:.0} s (drains do not wait for it)",
+                        s.node,
+                        s.kind,
+                        ms as f64 / 1000.0
+                    ),
+                    None => format!("{} ({}) {synced}", s.node, s.kind),
+                }
             })
             .collect();
         format!("xds: revision {}; {}\n", self.revision, streams.join(", "))
@@ -396,6 +414,7 @@ impl From<v1::Status> for StatusView {
                     node: s.node,
                     kind: s.kind,
                     synced_revision: s.synced_revision,
+                    silent_ms: s.silent_ms,
                 })
                 .collect(),
         }
@@ -695,12 +714,23 @@ mod tests {
                 node: "envoy-a".into(),
                 kind: StreamKind::Eds,
                 synced_revision: Some(2),
+                unanswered_since: None,
             },
             StreamSync {
                 id: 4,
                 node: "envoy-b".into(),
                 kind: StreamKind::Ads,
                 synced_revision: None,
+                unanswered_since: None,
+            },
+            StreamSync {
+                id: 5,
+                node: "script".into(),
+                kind: StreamKind::Eds,
+                synced_revision: None,
+                unanswered_since: Some(
+                    tokio::time::Instant::now() - crate::xds::acks::SILENCE_GRACE * 2,
+                ),
             },
         ];
         let view = StatusView::from(report(
@@ -713,7 +743,7 @@ mod tests {
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
-xds: revision 2; envoy-a (eds) synced 2, envoy-b (ads) not synced yet
+xds: revision 2; envoy-a (eds) synced 2, envoy-b (ads) not synced yet, script (eds) not synced yet, silent for 10 s (drains do not wait for it)
 SERVICE  WORKER  PID  STATE       ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
 api           1  300  ready       unix:/run/api-1.sock          -          -      -         -       -         2
 web           0  100  ready       [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0

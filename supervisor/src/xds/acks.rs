@@ -11,6 +11,12 @@
 //! replaces a changed cluster's EDS stream (and reconnects after a blip) within that time, and its new
 //! stream must ACK too. An Envoy that does not come back stops counting when the grace ends.
 //!
+//! A stream that has owed an answer (an ACK or a NACK) to an endpoints response for
+//! [`SILENCE_GRACE`] is *silent*: Envoy answers within milliseconds, so such a stream is not an Envoy
+//! that matters (a script that never ACKs, a wedged proxy), and it stops counting until it answers
+//! again. Without this, anyone who can open an EDS stream could hold every drain to its timeout.
+//! `peregrine status` shows silent streams as such.
+//!
 //! Invariant: this module knows nothing of the protocol; the rules that move a synced revision live in
 //! the transport's pure per-stream state.
 
@@ -37,6 +43,11 @@ pub struct Acks {
 /// How long an Envoy whose endpoint stream ended still counts as connected (see the module docs).
 pub const RECONNECT_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a stream may owe an answer to an endpoints response before it stops counting (see the
+/// module docs): Envoy answers in milliseconds, even loaded; this is well inside the default
+/// `drain_timeout_ms` of 10 s.
+pub const SILENCE_GRACE: Duration = Duration::from_secs(5);
+
 /// One open endpoint-serving stream and how far it has ACKed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamSync {
@@ -49,6 +60,23 @@ pub struct StreamSync {
     /// The highest registry revision at which Envoy has ACKed every endpoints response the stream
     /// owed; `None` until it first has.
     pub synced_revision: Option<u64>,
+    /// Since when the stream has owed an answer (ACK or NACK) to its last endpoints response; `None`
+    /// when it has answered everything.
+    pub unanswered_since: Option<Instant>,
+}
+
+// === impl StreamSync ===
+
+impl StreamSync {
+    /// Whether the stream has owed an answer for longer than [`SILENCE_GRACE`] at `now`.
+    pub fn is_silent(&self, now: Instant) -> bool {
+        self.silent_from().is_some_and(|at| at <= now)
+    }
+
+    /// When the stream turns silent if it goes on owing its answer.
+    fn silent_from(&self) -> Option<Instant> {
+        self.unanswered_since.map(|since| since + SILENCE_GRACE)
+    }
 }
 
 /// What [`Acks::wait_synced`] found.
@@ -59,6 +87,8 @@ pub struct SyncOutcome {
     /// The endpoint-serving streams that had not when the wait ended; empty when everything was
     /// ACKed in time.
     pub lagging: Vec<StreamSync>,
+    /// The streams not waited for because they are silent (see the module docs).
+    pub silent: Vec<StreamSync>,
 }
 
 /// A stream as the registry of streams knows it.
@@ -81,7 +111,8 @@ pub(crate) struct Registered {
 impl Acks {
     /// Waits until every open stream that serves endpoints (dedicated EDS, or ADS with an endpoint
     /// subscription) has ACKed everything it was owed at registry revision `revision` (or later), or
-    /// until `timeout`. Streams that close stop counting. With no such stream it returns at once.
+    /// until `timeout`. Streams that close, or turn silent, stop counting. With no such stream it
+    /// returns at once.
     ///
     /// A stream opened while waiting counts from its first request on, and owes its first response
     /// like any other; a stream Envoy has not opened yet is not waited for (on dedicated streams Envoy
@@ -129,16 +160,25 @@ impl Acks {
                 node: node.clone(),
                 kind: *kind,
                 synced_revision: None,
+                unanswered_since: None,
             })
             .collect();
-        let grace_ends = departed.values().map(|(at, _)| *at + RECONNECT_GRACE).min();
-        let (synced, mut lagging): (Vec<_>, Vec<_>) = streams
+        let (synced, unsynced): (Vec<_>, Vec<_>) = streams
             .into_iter()
             .partition(|s| s.synced_revision.is_some_and(|r| r >= revision));
+        let (silent, mut lagging): (Vec<_>, Vec<_>) =
+            unsynced.into_iter().partition(|s| s.is_silent(now));
+        // A departed Envoy's grace ending, or a lagging stream turning silent, changes the outcome.
+        let grace_ends = departed
+            .values()
+            .map(|(at, _)| *at + RECONNECT_GRACE)
+            .chain(lagging.iter().filter_map(StreamSync::silent_from))
+            .min();
         lagging.extend(waiting);
         let outcome = SyncOutcome {
             synced: synced.len(),
             lagging,
+            silent,
         };
         (outcome, grace_ends)
     }
@@ -154,6 +194,7 @@ impl Acks {
             node,
             kind,
             synced_revision: None,
+            unanswered_since: None,
         };
         let tracked = Tracked {
             sync,
@@ -183,16 +224,23 @@ impl SyncOutcome {
 // === impl Registered ===
 
 impl Registered {
-    /// Publishes whether the stream serves endpoints and its synced revision; wakes waiters if either
-    /// changed.
-    pub(crate) fn publish(&self, endpoints: bool, synced_revision: Option<u64>) {
+    /// Publishes whether the stream serves endpoints, its synced revision and since when it has owed
+    /// an answer; wakes waiters if any changed.
+    pub(crate) fn publish(
+        &self,
+        endpoints: bool,
+        synced_revision: Option<u64>,
+        unanswered_since: Option<Instant>,
+    ) {
         let changed = match self.acks.lock().get_mut(&self.id) {
             Some(tracked)
                 if tracked.endpoints != endpoints
-                    || tracked.sync.synced_revision != synced_revision =>
+                    || tracked.sync.synced_revision != synced_revision
+                    || tracked.sync.unanswered_since != unanswered_since =>
             {
                 tracked.endpoints = endpoints;
                 tracked.sync.synced_revision = synced_revision;
+                tracked.sync.unanswered_since = unanswered_since;
                 true
             }
             _ => false,
@@ -238,7 +286,8 @@ mod tests {
             outcome,
             SyncOutcome {
                 synced: 0,
-                lagging: vec![]
+                lagging: vec![],
+                silent: vec![],
             }
         );
         assert!(outcome.is_synced());
@@ -250,9 +299,9 @@ mod tests {
     async fn wait_synced_times_out_listing_the_lagging_stream() {
         let acks = acks();
         let ahead = acks.register(1, "envoy-a".into(), StreamKind::Eds);
-        ahead.publish(true, Some(5));
+        ahead.publish(true, Some(5), None);
         let behind = acks.register(2, "envoy-b".into(), StreamKind::Ads);
-        behind.publish(true, Some(4));
+        behind.publish(true, Some(4), None);
         let outcome = acks.wait_synced(5, Duration::from_millis(50)).await;
         assert!(!outcome.is_synced());
         assert_eq!(outcome.synced, 1);
@@ -263,6 +312,7 @@ mod tests {
                 node: "envoy-b".into(),
                 kind: StreamKind::Ads,
                 synced_revision: Some(4),
+                unanswered_since: None,
             }]
         );
         assert_eq!(acks.streams().len(), 2);
@@ -272,17 +322,18 @@ mod tests {
     async fn an_ack_releases_a_waiter() {
         let acks = acks();
         let stream = acks.register(1, "envoy".into(), StreamKind::Eds);
-        stream.publish(true, Some(2));
+        stream.publish(true, Some(2), None);
         let waiter = acks.wait_synced(3, LONG);
         tokio::pin!(waiter);
         assert!(futures::poll!(waiter.as_mut()).is_pending());
-        stream.publish(true, Some(3));
+        stream.publish(true, Some(3), None);
         let outcome = tokio::time::timeout(LONG, waiter).await.unwrap();
         assert_eq!(
             outcome,
             SyncOutcome {
                 synced: 1,
-                lagging: vec![]
+                lagging: vec![],
+                silent: vec![],
             }
         );
     }
@@ -291,7 +342,7 @@ mod tests {
     async fn an_envoy_whose_stream_closed_is_waited_for_until_the_grace_ends() {
         let acks = acks();
         let stream = acks.register(1, "envoy".into(), StreamKind::Eds);
-        stream.publish(true, None);
+        stream.publish(true, None, None);
         let waiter = acks.wait_synced(1, LONG);
         tokio::pin!(waiter);
         assert!(futures::poll!(waiter.as_mut()).is_pending());
@@ -307,7 +358,8 @@ mod tests {
             outcome,
             SyncOutcome {
                 synced: 0,
-                lagging: vec![]
+                lagging: vec![],
+                silent: vec![],
             }
         );
         assert!(acks.streams().is_empty());
@@ -317,14 +369,14 @@ mod tests {
     async fn a_reconnected_envoy_releases_a_waiter_once_its_new_stream_acked() {
         let acks = acks();
         let old = acks.register(1, "envoy".into(), StreamKind::Eds);
-        old.publish(true, Some(1));
+        old.publish(true, Some(1), None);
         let waiter = acks.wait_synced(2, LONG);
         tokio::pin!(waiter);
         drop(old);
         let new = acks.register(2, "envoy".into(), StreamKind::Eds);
-        new.publish(true, None);
+        new.publish(true, None, None);
         assert!(futures::poll!(waiter.as_mut()).is_pending());
-        new.publish(true, Some(2));
+        new.publish(true, Some(2), None);
         let outcome = tokio::time::timeout(Duration::from_millis(500), waiter)
             .await
             .expect("released by the ACK, not by the grace");
@@ -337,7 +389,7 @@ mod tests {
         let acks = acks();
         drop({
             let stream = acks.register(1, "gone".into(), StreamKind::Ads);
-            stream.publish(true, Some(1));
+            stream.publish(true, Some(1), None);
             stream
         });
         let outcome = acks.wait_synced(1, Duration::from_millis(10)).await;
@@ -352,5 +404,32 @@ mod tests {
                 .await
                 .is_synced()
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_never_answers_stops_counting_after_the_silence_grace() {
+        let acks = acks();
+        let envoy = acks.register(1, "envoy".into(), StreamKind::Eds);
+        envoy.publish(true, Some(1), None);
+        let script = acks.register(2, "script".into(), StreamKind::Eds);
+        script.publish(true, None, Some(Instant::now()));
+        // The Envoy ACKs at once; the script never does: the wait ends when the script turns silent,
+        // not at the timeout.
+        envoy.publish(true, Some(2), None);
+        let started = Instant::now();
+        let outcome = acks.wait_synced(2, Duration::from_secs(60)).await;
+        assert_eq!(started.elapsed(), SILENCE_GRACE);
+        assert!(outcome.is_synced(), "{outcome:?}");
+        assert_eq!(outcome.synced, 1);
+        assert_eq!(outcome.silent.len(), 1);
+        assert_eq!(outcome.silent[0].node, "script");
+        // Once silent, it is not waited for at all.
+        let started = Instant::now();
+        assert!(acks.wait_synced(2, LONG).await.is_synced());
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        // It counts again as soon as it answers.
+        script.publish(true, Some(1), None);
+        let outcome = acks.wait_synced(2, Duration::from_millis(10)).await;
+        assert_eq!(outcome.lagging.len(), 1, "{outcome:?}");
     }
 }

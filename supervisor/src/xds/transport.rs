@@ -45,7 +45,10 @@ use envoy_types::pb::{
     },
     google::rpc::Status as RpcStatus,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::{
+    sync::{mpsc, watch},
+    time::Instant,
+};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
@@ -334,6 +337,10 @@ async fn run_stream<W: Send + 'static>(
         let registered = acks.register(id, node.clone(), kind);
         let mut state = Stream::<W>::new(kind, node);
         let mut next = Some(first);
+        // Since when the client has owed an answer to an endpoints response, without answering any
+        // (a late answer to an outdated response restarts the clock: that client is alive).
+        let mut silent_since = None;
+        let mut replies = 0;
         loop {
             let responses = if let Some(request) = next.take() {
                 // Not marked seen: if the request is ignored (a stale nonce), `changed()` below still
@@ -374,7 +381,12 @@ async fn run_stream<W: Send + 'static>(
                     () = tx.closed() => return,
                 }
             };
-            registered.publish(state.serves_endpoints(), state.synced_revision());
+            let answered = std::mem::replace(&mut replies, state.replies()) != replies;
+            silent_since = state.awaiting_reply().then(|| match silent_since {
+                Some(since) if !answered => since,
+                _ => Instant::now(),
+            });
+            registered.publish(state.serves_endpoints(), state.synced_revision(), silent_since);
             for response in responses {
                 if tx.send(Ok(response)).await.is_err() {
                     return;
@@ -408,6 +420,12 @@ struct EndpointSync {
     pending: Option<(String, u64)>,
     /// The highest revision at which every EDS response owed was ACKed.
     synced: Option<u64>,
+    /// The nonce of the last EDS response, until the client answers it (an ACK or a NACK): while set,
+    /// the client owes an answer.
+    unanswered: Option<String>,
+    /// How many endpoints requests echoed a nonce (current or outdated): a client that answers, if
+    /// late, is alive.
+    replies: u64,
 }
 
 /// What a request says about the last response of its type.
@@ -500,6 +518,14 @@ impl<'a> Reply<'a> {
 // === impl EndpointSync ===
 
 impl EndpointSync {
+    /// The client answered (ACKed or NACKed) the endpoints response `nonce`, or an outdated one.
+    fn replied(&mut self, nonce: &str) {
+        self.replies += 1;
+        if self.unanswered.as_deref() == Some(nonce) {
+            self.unanswered = None;
+        }
+    }
+
     /// The client ACKed the endpoints response `nonce`.
     fn acked(&mut self, nonce: &str) {
         if self.pending.as_ref().is_some_and(|(n, _)| n == nonce) {
@@ -515,6 +541,7 @@ impl EndpointSync {
     /// response it sent for them, if any; `held` says endpoints were held back for their cluster.
     fn answered(&mut self, revision: u64, sent: Option<String>, held: bool) {
         if let Some(nonce) = sent {
+            self.unanswered = Some(nonce.clone());
             self.pending = Some((nonce, revision));
         } else if self.pending.is_none() && !held {
             self.synced = self.synced.max(Some(revision));
@@ -545,6 +572,16 @@ impl<W> Stream<W> {
     /// The highest registry revision at which the client ACKed every endpoints response owed.
     fn synced_revision(&self) -> Option<u64> {
         self.sync.synced
+    }
+
+    /// Whether the client has not yet answered the last endpoints response (neither ACK nor NACK).
+    fn awaiting_reply(&self) -> bool {
+        self.sync.unanswered.is_some()
+    }
+
+    /// How many answers to endpoints responses (current or outdated) the client has sent.
+    fn replies(&self) -> u64 {
+        self.sync.replies
     }
 }
 
@@ -578,8 +615,17 @@ impl StreamRules for StreamState {
             type_url,
             Some(&request.version_info),
         ) {
-            Reply::Stale => return Ok(Vec::new()),
-            Reply::Nack => {}
+            Reply::Stale => {
+                if type_url == ENDPOINT_TYPE_URL {
+                    self.sync.replied(&request.response_nonce);
+                }
+                return Ok(Vec::new());
+            }
+            Reply::Nack => {
+                if type_url == ENDPOINT_TYPE_URL {
+                    self.sync.replied(&request.response_nonce);
+                }
+            }
             Reply::None => {
                 tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
                 // A new subscription is owed a response, whatever was sent before.
@@ -588,6 +634,7 @@ impl StreamRules for StreamState {
             Reply::Ack(nonce) => {
                 if type_url == ENDPOINT_TYPE_URL {
                     self.sync.acked(nonce);
+                    self.sync.replied(nonce);
                 }
             }
         }
@@ -827,6 +874,25 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(state.synced_revision(), Some(2));
+    }
+
+    #[test]
+    fn a_stream_owes_an_answer_until_it_acks_or_nacks_the_last_endpoints_response() {
+        let mut fixture = Fixture::new();
+        let mut state = eds_synced_at_one(&mut fixture);
+        assert!(!state.awaiting_reply());
+        let r2 = fixture.register("a", 1, 11);
+        let first = state.on_resources(&r2);
+        assert!(state.awaiting_reply());
+        let r3 = fixture.register("a", 2, 12);
+        let second = state.on_resources(&r3);
+        // An answer to an outdated response is not an answer to the last one.
+        state.on_request(ack(&first[0], &["a"]), &r3).unwrap();
+        assert!(state.awaiting_reply());
+        // A NACK is an answer: the client is there, it just rejected the content.
+        state.on_request(nack(&second[0], &["a"]), &r3).unwrap();
+        assert!(!state.awaiting_reply());
+        assert_eq!(state.synced_revision(), Some(1));
     }
 
     #[test]

@@ -196,7 +196,13 @@ impl StreamRules for DeltaStreamState {
             type_url,
             None,
         ) {
-            Reply::Ack(nonce) if type_url == ENDPOINT_TYPE_URL => self.sync.acked(nonce),
+            Reply::Ack(nonce) if type_url == ENDPOINT_TYPE_URL => {
+                self.sync.acked(nonce);
+                self.sync.replied(nonce);
+            }
+            Reply::Nack | Reply::Stale if type_url == ENDPOINT_TYPE_URL => {
+                self.sync.replied(&request.response_nonce);
+            }
             Reply::Ack(_) | Reply::Nack | Reply::Stale | Reply::None => {}
         }
         if !request.resource_names_subscribe.is_empty()

@@ -1,0 +1,98 @@
+//! An EDS stream that never ACKs (anyone who can reach the gRPC port can open one) does not hold up
+//! drains: once it has owed its answer for the silence grace, a rolling restart of the real
+//! supervisor's workers goes at the speed of the drains, and `peregrine status` names the stream as
+//! silent.
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::{
+    config::core::v3::Node,
+    service::{
+        discovery::v3::DiscoveryRequest,
+        endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient,
+    },
+};
+use peregrine_e2e::{Supervisor, free_port, wait_until};
+use peregrine_supervisor::xds::acks::SILENCE_GRACE;
+use tokio_stream::wrappers::ReceiverStream;
+
+const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
+#[test]
+fn a_stream_that_never_acks_does_not_stall_a_rolling_restart() {
+    let grpc = free_port();
+    let supervisor = Supervisor::start(&format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{{dir}}/peregrine.sock"
+sampler = "off"
+
+[service.web]
+count = 2
+"#
+    ));
+    wait_until(Duration::from_secs(30), "two workers registered", || {
+        (supervisor.status_pids().ok()?.len() == 2).then_some(())
+    });
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // The script: subscribe to the service's endpoints, take the first response, never answer.
+    let (_requests, mut responses) = runtime.block_on(async {
+        let mut client =
+            EndpointDiscoveryServiceClient::connect(format!("http://127.0.0.1:{grpc}"))
+                .await
+                .expect("connected");
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(DiscoveryRequest {
+            node: Some(Node {
+                id: "never-acks".into(),
+                ..Default::default()
+            }),
+            type_url: EDS.into(),
+            resource_names: vec!["web".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let responses = client
+            .stream_endpoints(ReceiverStream::new(rx))
+            .await
+            .expect("stream opened")
+            .into_inner();
+        (tx, responses)
+    });
+    let first = runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), responses.message()).await
+    });
+    assert!(matches!(first, Ok(Ok(Some(_)))), "{first:?}");
+    let opened = Instant::now();
+    let table = wait_until(SILENCE_GRACE * 3, "the stream shown as silent", || {
+        let table = supervisor.status_table().ok()?;
+        table
+            .contains("never-acks (eds) not synced yet, silent for")
+            .then_some(table)
+    });
+    assert!(
+        opened.elapsed() >= SILENCE_GRACE - Duration::from_millis(100),
+        "{table}"
+    );
+
+    // Two drains; each waited 10 s (drain_timeout_ms) for the script before.
+    let started = Instant::now();
+    let output = supervisor.control("restart", &[]).expect("restart");
+    let took = started.elapsed();
+    assert!(output.contains("2 replaced"), "{output}");
+    assert!(
+        took < Duration::from_secs(4),
+        "the restart took {took:?}: {output}"
+    );
+    let logs = supervisor.logs();
+    assert!(
+        logs.contains(r#"silent=["never-acks"]"#),
+        "the drain says whom it did not wait for:\n{logs}"
+    );
+    assert!(
+        !logs.contains("Not every Envoy ACKed the drain in time"),
+        "{logs}"
+    );
+    drop(responses);
+}
