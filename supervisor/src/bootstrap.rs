@@ -54,8 +54,11 @@ pub struct BootstrapInput {
     pub listener_address: SocketAddr,
     /// Envoy's admin listener; `127.0.0.1:9901` by default.
     pub admin_address: SocketAddr,
-    /// The timeout of each try of a request; 15 s by default.
+    /// The timeout of each try of a request; 15 s by default. A try that times out is retried on
+    /// another worker (a stopped or hung worker's requests are not lost to it).
     pub per_try_timeout: std::time::Duration,
+    /// The timeout of a request, all its tries together (the route's `timeout`); 15 s by default.
+    pub timeout: std::time::Duration,
     /// The routed services.
     pub services: Vec<BootstrapService>,
     /// Fetch clusters (and so endpoints) over one ADS stream instead of dedicated CDS and EDS streams;
@@ -76,6 +79,7 @@ impl Default for BootstrapInput {
             listener_address: (Ipv4Addr::UNSPECIFIED, 10000).into(),
             admin_address: (Ipv4Addr::LOCALHOST, 9901).into(),
             per_try_timeout: std::time::Duration::from_secs(15),
+            timeout: std::time::Duration::from_secs(15),
             services: Vec::new(),
             ads: false,
             xds: XdsVariant::StateOfTheWorld,
@@ -133,6 +137,7 @@ static_resources:
         out.push_str("                    []\n");
     }
     let per_try = format_duration(input.per_try_timeout);
+    let timeout = format_duration(input.timeout);
     for (index, (domains, services)) in hosts.iter().enumerate() {
         let _ = write!(
             out,
@@ -154,8 +159,9 @@ static_resources:
                             prefix: {prefix}
                           route:
                             cluster: {cluster}
+                            timeout: {timeout}
                             retry_policy:
-                              retry_on: connect-failure,reset,refused-stream
+                              retry_on: connect-failure,reset,refused-stream,gateway-error
                               num_retries: 3
                               per_try_timeout: {per_try}
                               retry_host_predicate:
@@ -374,6 +380,8 @@ mod tests {
         );
         assert!(yaml.contains("validate_clusters: false"));
         assert!(yaml.contains("per_try_timeout: 15s"));
+        assert!(yaml.contains("\n                            timeout: 15s\n"));
+        assert!(yaml.contains("retry_on: connect-failure,reset,refused-stream,gateway-error"));
     }
 
     #[test]

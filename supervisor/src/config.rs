@@ -222,6 +222,12 @@ pub struct EnvoyConfig {
     pub ads: bool,
     /// Which variant of the xDS protocol Envoy speaks on those streams.
     pub xds: XdsVariant,
+    /// A request's timeout in the routes, all tries together (`timeout_ms`, 15 s: Envoy's default).
+    pub timeout: Duration,
+    /// The timeout of each try (`per_try_timeout_ms`, 15 s); a try that times out is retried on
+    /// another worker. Lower it to what the slowest request of the services takes, so that a stalled
+    /// worker's requests move on sooner.
+    pub per_try_timeout: Duration,
 }
 
 /// `envoy.xds`: the variant of the xDS protocol Envoy speaks.
@@ -406,6 +412,8 @@ struct RawEnvoy {
     #[serde(default)]
     ads: bool,
     xds: Option<Spanned<String>>,
+    timeout_ms: Option<Spanned<i64>>,
+    per_try_timeout_ms: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -856,12 +864,34 @@ impl Checker<'_> {
                 }
             },
         };
+        let mut timeout = Duration::from_secs(15);
+        let mut per_try_timeout = Duration::from_secs(15);
+        let per_try_span = raw.per_try_timeout_ms.as_ref().map(|v| v.span());
+        self.millis(raw.timeout_ms, "envoy.timeout_ms", 1, &mut timeout);
+        self.millis(
+            raw.per_try_timeout_ms,
+            "envoy.per_try_timeout_ms",
+            1,
+            &mut per_try_timeout,
+        );
+        if per_try_timeout > timeout {
+            self.report(
+                per_try_span,
+                "envoy.per_try_timeout_ms".into(),
+                format!(
+                    "must not be longer than envoy.timeout_ms ({} ms), which bounds all tries",
+                    timeout.as_millis()
+                ),
+            );
+        }
         Some(EnvoyConfig {
             node,
             listen: listen?,
             admin: admin?,
             ads: raw.ads,
             xds,
+            timeout,
+            per_try_timeout,
         })
     }
 
@@ -1623,6 +1653,46 @@ count = 0
         assert_eq!(
             absolute_in(Path::new("/nonexistent/dir"), Path::new("../x/./y.sock")),
             Path::new("/nonexistent/x/y.sock")
+        );
+    }
+
+    #[test]
+    fn route_and_try_timeouts() {
+        let config =
+            parse("[envoy]\ntimeout_ms = 20000\nper_try_timeout_ms = 500\n[service.a]\n").unwrap();
+        assert_eq!(config.envoy.timeout, Duration::from_secs(20));
+        assert_eq!(config.envoy.per_try_timeout, Duration::from_millis(500));
+        let defaults = parse("[service.a]\n").unwrap();
+        assert_eq!(defaults.envoy.timeout, Duration::from_secs(15));
+        assert_eq!(defaults.envoy.per_try_timeout, Duration::from_secs(15));
+        let got =
+            problems("[envoy]\ntimeout_ms = 1000\n\nper_try_timeout_ms = 2000\n[service.a]\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with("line 4: envoy.per_try_timeout_ms: must not be longer"),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn grpc_limits() {
+        let config = parse(
+            "[supervisor]\ngrpc_max_connections = 100\ngrpc_handshake_timeout_ms = 500\n\
+             grpc_idle_timeout_ms = 2000\n[service.a]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.supervisor.grpc,
+            GrpcLimits {
+                max_connections: 100,
+                handshake_timeout: Duration::from_millis(500),
+                idle_timeout: Duration::from_secs(2),
+            }
+        );
+        let got = problems("[supervisor]\ngrpc_max_connections = 0\n[service.a]\n");
+        assert!(
+            got[0].starts_with("line 2: supervisor.grpc_max_connections"),
+            "{got:?}"
         );
     }
 }

@@ -33,6 +33,8 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
         admin_address: config.envoy.admin,
         ads: config.envoy.ads,
         xds: config.envoy.xds,
+        timeout: config.envoy.timeout,
+        per_try_timeout: config.envoy.per_try_timeout,
         services: config
             .services
             .values()
@@ -43,6 +45,5 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
                 hash_on: s.balancing.hash_on().cloned(),
             })
             .collect(),
-        ..bootstrap::BootstrapInput::default()
     })
 }

@@ -92,6 +92,30 @@ impl WorkerState {
     }
 }
 
+/// Why a worker that has requests to serve serves none (see [`crate::sampler::stall`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stall {
+    /// The process is stopped (SIGSTOP, a tracer).
+    Stopped,
+    /// It leaves bytes unread in its sockets and serves nothing, off the CPU.
+    NotReading {
+        /// The bytes waiting in its sockets when it was judged.
+        queued_bytes: u64,
+    },
+}
+
+impl std::fmt::Display for Stall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stall::Stopped => f.write_str("stopped (SIGSTOP or a tracer)"),
+            Stall::NotReading { queued_bytes } => write!(
+                f,
+                "not reading its connections ({queued_bytes} bytes waiting, no request served, off the CPU)"
+            ),
+        }
+    }
+}
+
 /// A worker instance's key in its service: slot index, then process id (a slot may hold an instance
 /// that serves and others that drain).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -118,6 +142,9 @@ pub struct Worker {
     pub listener: Listener,
     /// Its state.
     pub state: WorkerState,
+    /// Why it serves nothing though requests wait for it, while it does: Envoy is told to send it
+    /// nothing new (EDS `UNHEALTHY`) until it moves again.
+    pub stalled: Option<Stall>,
 }
 
 impl Worker {
@@ -142,6 +169,7 @@ impl Worker {
                 addresses,
             },
             state: WorkerState::Ready,
+            stalled: None,
         }
     }
 }
@@ -386,6 +414,25 @@ impl Registry {
             }
             Ok::<_, RegistryError>(changed)
         });
+    }
+
+    /// Records whether the instance `pid` of `service`'s slot `index` is stalled; publishes a new
+    /// snapshot if that changed. Returns whether it did.
+    pub fn set_stalled(&self, service: &str, index: u32, pid: u32, stall: Option<Stall>) -> bool {
+        self.update(|state| {
+            let worker = state
+                .services
+                .get_mut(service)
+                .and_then(|view| view.workers.get_mut(&WorkerKey { index, pid }));
+            Ok::<_, RegistryError>(match worker {
+                Some(worker) if worker.stalled != stall => {
+                    worker.stalled = stall;
+                    true
+                }
+                _ => false,
+            })
+        })
+        .unwrap_or(false)
     }
 
     /// Publishes the workers' loads of one sample (replacing the previous sample's).

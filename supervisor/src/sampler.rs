@@ -12,12 +12,19 @@
 //! [`rates::step`], and publishes the lot as one [`Loads`] value on the registry's load channel. A
 //! worker's first reading is its baseline: its rates are `None` until the second.
 //!
-//! Invariant: the sampler only reads the endpoint snapshot and writes loads; it never changes which
-//! workers exist, and loads never cause an endpoint snapshot (xDS rebuilds on each of those).
+//! A worker that served nothing in an interval is also looked at for a stall ([`stall`]): stopped,
+//! or leaving requests unread. A stall, and its end, is the one thing the sampler writes into the
+//! endpoint snapshot ([`Registry::set_stalled`]): Envoy must stop sending to such a worker, and an
+//! idle-looking load report would do the opposite.
+//!
+//! Invariant: the sampler reads the endpoint snapshot and writes loads, and of endpoints only a
+//! worker's stall; it never changes which workers exist, and loads never cause an endpoint snapshot
+//! (xDS rebuilds on each of those).
 
 pub mod ebpf;
 pub mod procfs;
 pub mod rates;
+pub mod stall;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -33,7 +40,7 @@ use tokio::sync::watch;
 
 use crate::{
     manager::{Children, CounterRef},
-    registry::{Loads, Registry, SamplerInfo, Snapshot, WorkerLoad},
+    registry::{Address, Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
 };
 
 /// Which kind of scheduler source runs.
@@ -221,8 +228,27 @@ pub async fn run(
             (sampler, loads)
         });
         match tick.await {
-            Ok((sampler, loads)) => {
-                registry.publish_loads(Loads::new(Some(info), loads));
+            Ok((sampler, sample)) => {
+                registry.publish_loads(Loads::new(Some(info), sample.loads));
+                for change in sample.stalls {
+                    let StallChange {
+                        service,
+                        index,
+                        pid,
+                        stall,
+                    } = change;
+                    if !registry.set_stalled(&service, index, pid, stall) {
+                        continue;
+                    }
+                    match stall {
+                        Some(stall) => {
+                            tracing::warn!(%service, index, pid, %stall, "Worker stalled: Envoy sends it no new request until it moves again")
+                        }
+                        None => {
+                            tracing::info!(%service, index, pid, "Stalled worker moves again: back in rotation")
+                        }
+                    }
+                }
                 state = Some(sampler);
             }
             Err(error) => {
@@ -252,6 +278,37 @@ struct Tracked {
     history: Option<rates::History>,
     /// Whether a read error other than "gone" was logged already (once per instance is enough).
     warned: bool,
+    /// Whether the last sample found bytes it left unread (see [`stall::judge`]).
+    suspect: bool,
+    /// Its stall, as last published.
+    stall: Option<Stall>,
+}
+
+/// What one tick found.
+#[derive(Debug, Default)]
+struct Sample {
+    loads: Vec<WorkerLoad>,
+    /// Workers whose stall began or ended.
+    stalls: Vec<StallChange>,
+}
+
+/// A worker whose stall began (`Some`) or ended (`None`).
+#[derive(Debug, PartialEq, Eq)]
+struct StallChange {
+    service: String,
+    index: u32,
+    pid: u32,
+    stall: Option<Stall>,
+}
+
+/// A tracked worker in this tick's snapshot.
+#[derive(Debug)]
+struct Current {
+    lane: usize,
+    service: String,
+    index: u32,
+    /// The TCP ports it listens on (its own: no other process listens there).
+    ports: Vec<u16>,
 }
 
 impl Sampler {
@@ -263,11 +320,30 @@ impl Sampler {
         }
     }
 
-    /// One sample of every worker in `snapshot`: the loads to publish.
-    fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Vec<WorkerLoad> {
+    /// One sample of every worker in `snapshot`: the loads to publish, and the stalls that changed.
+    fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Sample {
+        self.tick_with(snapshot, now, wall, &mut Queues::default())
+    }
+
+    fn tick_with(
+        &mut self,
+        snapshot: &Snapshot,
+        now: Instant,
+        wall: SystemTime,
+        queues: &mut Queues,
+    ) -> Sample {
         let workers = self.reconcile(snapshot);
-        let mut loads = Vec::with_capacity(workers.len());
-        for (lane, service, index) in workers {
+        let mut sample = Sample {
+            loads: Vec::with_capacity(workers.len()),
+            stalls: Vec::new(),
+        };
+        for Current {
+            lane,
+            service,
+            index,
+            ports,
+        } in workers
+        {
             let Some(tracked) = self.tracked.get_mut(&lane) else {
                 continue;
             };
@@ -292,22 +368,59 @@ impl Sampler {
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
             tracked.history = Some(history);
-            loads.push(history.load(service, index, rates, wall));
+            // Only a worker that served nothing can be stalled; one that did is not.
+            let (stall, suspect) = match rates {
+                Some(rates) if rates.requests_per_second == 0.0 => {
+                    let seen = stall::Observation {
+                        state: std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                            .ok()
+                            .as_deref()
+                            .and_then(stall::process_state),
+                        cpu_cores: rates.cpu_cores,
+                        queued_bytes: (!ports.is_empty()).then(|| queues.on(&ports)),
+                    };
+                    stall::judge(seen, tracked.suspect)
+                }
+                Some(_) => (None, false),
+                // A baseline tells nothing yet.
+                None => (tracked.stall, tracked.suspect),
+            };
+            tracked.suspect = suspect;
+            if tracked.stall != stall {
+                tracked.stall = stall;
+                sample.stalls.push(StallChange {
+                    service: service.clone(),
+                    index,
+                    pid,
+                    stall,
+                });
+            }
+            sample.loads.push(history.load(service, index, rates, wall));
         }
-        loads
+        sample
     }
 
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
-    /// tracked workers as (lane, service, index), by lane.
-    fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<(usize, String, u32)> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef)> = BTreeMap::new();
+    /// tracked workers, by lane.
+    fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
+        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, Vec<u16>)> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
                 if let Some(child) = self.children.child(worker.pid) {
+                    let mut ports: Vec<u16> = worker
+                        .listener
+                        .addresses
+                        .iter()
+                        .filter_map(|a| match a {
+                            Address::Tcp(addr) => Some(addr.port()),
+                            Address::Unix(_) => None,
+                        })
+                        .collect();
+                    ports.dedup();
                     current.insert(
                         child.lane,
-                        (worker.pid, service, worker.index, child.counter),
+                        (worker.pid, service, worker.index, child.counter, ports),
                     );
                 }
             }
@@ -322,7 +435,7 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter)) in current {
+        for (lane, (pid, service, index, counter, ports)) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
@@ -334,6 +447,8 @@ impl Sampler {
                                 counter,
                                 history: None,
                                 warned: false,
+                                suspect: false,
+                                stall: None,
                             },
                         );
                     }
@@ -345,9 +460,27 @@ impl Sampler {
                     }
                 }
             }
-            workers.push((lane, service.to_owned(), index));
+            workers.push(Current {
+                lane,
+                service: service.to_owned(),
+                index,
+                ports,
+            });
         }
         workers
+    }
+}
+
+/// The TCP queues of this tick, read from `/proc/net` the first time a worker needs them (most ticks
+/// never do: only a worker that served nothing is looked at).
+#[derive(Debug, Default)]
+struct Queues(Option<std::collections::HashMap<u16, u64>>);
+
+impl Queues {
+    /// The bytes queued on the sockets of `ports`.
+    fn on(&mut self, ports: &[u16]) -> u64 {
+        let queues = self.0.get_or_insert_with(stall::read_queues);
+        ports.iter().filter_map(|port| queues.get(port)).sum()
     }
 }
 
@@ -445,7 +578,7 @@ mod tests {
         let t0 = Instant::now();
         let wall = SystemTime::UNIX_EPOCH;
 
-        let first = sampler.tick(&registry.snapshot(), t0, wall);
+        let first = sampler.tick(&registry.snapshot(), t0, wall).loads;
         assert_eq!(first.len(), 2);
         assert_eq!(
             (first[0].service.as_str(), first[0].index, first[0].pid),
@@ -463,7 +596,9 @@ mod tests {
             },
         );
         counters.region().slot(1).store(30, Ordering::Relaxed);
-        let second = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(1), wall);
+        let second = sampler
+            .tick(&registry.snapshot(), t0 + Duration::from_secs(1), wall)
+            .loads;
         assert_eq!(second[0].cpu_cores, Some(0.5));
         assert_eq!(second[0].runq_wait_cores, Some(0.25));
         assert_eq!(second[0].requests_per_second, Some(20.0));
@@ -478,18 +613,24 @@ mod tests {
             .unwrap()
             .insert(101, SchedTotals::default());
         counters.region().slot(3).store(2, Ordering::Relaxed);
-        let both = sampler.tick(&registry.snapshot(), t0 + Duration::from_millis(1500), wall);
+        let both = sampler
+            .tick(&registry.snapshot(), t0 + Duration::from_millis(1500), wall)
+            .loads;
         let pids: Vec<u32> = both.iter().map(|l| l.pid).collect();
         assert_eq!(pids, [100, 200, 101], "by lane");
         assert_eq!((both[2].cpu_cores, both[2].requests_total), (None, 2));
         children.remove_for_test(100);
         assert!(registry.deregister("a", 1, 100));
-        let third = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall);
+        let third = sampler
+            .tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall)
+            .loads;
         assert_eq!(third.len(), 2);
         assert_eq!((third[1].pid, third[1].requests_total), (101, 2));
         // A vanished process is left out; the registry still lists it until the manager reaps it.
         fake.totals.lock().unwrap().remove(&200);
-        let fourth = sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall);
+        let fourth = sampler
+            .tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall)
+            .loads;
         assert_eq!(fourth.iter().map(|l| l.pid).collect::<Vec<_>>(), [101]);
         children.remove_for_test(200);
         assert!(registry.deregister("b", 0, 200));
@@ -506,6 +647,106 @@ mod tests {
                 "untrack 2 200"
             ]
         );
+    }
+
+    #[test]
+    fn a_stopped_worker_and_one_that_leaves_bytes_unread_are_stalled_until_they_move() {
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(4).unwrap());
+        let registry = Registry::new(["a".to_string()]);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        // A real process to stop and continue.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let rustix_pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+        children.insert_with_lane_for_test(pid, "a", 0, 0, &counters);
+        register(&registry, "a", 0, pid);
+        fake.totals
+            .lock()
+            .unwrap()
+            .insert(pid, SchedTotals::default());
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH;
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut quiet = Queues(Some(HashMap::new()));
+        let snapshot = registry.snapshot();
+        assert!(
+            sampler
+                .tick_with(&snapshot, at(0), wall, &mut quiet)
+                .stalls
+                .is_empty()
+        );
+        assert!(
+            sampler
+                .tick_with(&snapshot, at(1), wall, &mut quiet)
+                .stalls
+                .is_empty(),
+            "idle"
+        );
+
+        rustix::process::kill_process(rustix_pid, rustix::process::Signal::STOP).unwrap();
+        let stopped = crate::sampler::tests::wait_for_state(pid, 'T');
+        assert!(stopped, "the child stopped");
+        let sample = sampler.tick_with(&snapshot, at(2), wall, &mut quiet);
+        assert_eq!(
+            sample.stalls,
+            [StallChange {
+                service: "a".into(),
+                index: 0,
+                pid,
+                stall: Some(Stall::Stopped)
+            }]
+        );
+        assert!(
+            sampler
+                .tick_with(&snapshot, at(3), wall, &mut quiet)
+                .stalls
+                .is_empty(),
+            "no change"
+        );
+        rustix::process::kill_process(rustix_pid, rustix::process::Signal::CONT).unwrap();
+        assert!(crate::sampler::tests::wait_for_state(pid, 'S'));
+        let sample = sampler.tick_with(&snapshot, at(4), wall, &mut quiet);
+        assert_eq!(sample.stalls.len(), 1);
+        assert_eq!(sample.stalls[0].stall, None, "moving again");
+
+        // Bytes wait on its port (9000, see `register`) through two samples: not reading.
+        let mut waiting = Queues(Some(HashMap::from([(9000, 512)])));
+        assert!(
+            sampler
+                .tick_with(&snapshot, at(5), wall, &mut waiting)
+                .stalls
+                .is_empty(),
+            "suspect"
+        );
+        let sample = sampler.tick_with(&snapshot, at(6), wall, &mut waiting);
+        assert_eq!(
+            sample.stalls[0].stall,
+            Some(Stall::NotReading { queued_bytes: 512 })
+        );
+        // It serves a request: not stalled.
+        counters.region().slot(0).store(1, Ordering::Relaxed);
+        let sample = sampler.tick_with(&snapshot, at(7), wall, &mut waiting);
+        assert_eq!(sample.stalls[0].stall, None);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// Waits (up to 5 s) until process `pid` is in scheduler state `state`.
+    fn wait_for_state(pid: u32, state: char) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if stall::process_state(&stat) == Some(state) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        false
     }
 
     #[tokio::test]

@@ -63,7 +63,11 @@ pub fn report(
                 .entry((service, key.index, key.pid))
                 .or_insert_with(|| record.unwrap_or_default());
             row.pid = Some(worker.pid);
-            row.state = worker.state.as_str().to_owned();
+            row.state = match (worker.state, worker.stalled) {
+                (crate::registry::WorkerState::Ready, Some(_)) => "stalled".to_owned(),
+                (state, _) => state.as_str().to_owned(),
+            };
+            row.stall = worker.stalled.map(|s| s.to_string()).unwrap_or_default();
             row.hostname = worker.hostname.clone();
             row.addresses = worker
                 .listener
@@ -325,11 +329,15 @@ pub struct WorkerRow {
     /// How often the slot's worker was restarted.
     pub restarts: u64,
     /// `ready` (a worker is registered and serving), `draining` (registered, about to stop: Envoy
-    /// sends it no new requests; its successor, if any, has a row of its own), `crash-loop` (its
+    /// sends it no new requests; its successor, if any, has a row of its own), `stalled` (registered
+    /// but stopped or not reading its connections: Envoy sends it nothing new), `crash-loop` (its
     /// workers keep exiting at start and the restart delay grows) or `starting`.
     pub state: &'static str,
     /// How the slot's last worker ended, `null` before the first exit.
     pub last_exit: Option<String>,
+    /// Why a `stalled` worker is stalled (Envoy sends it nothing new until it moves again), `null`
+    /// otherwise.
+    pub stall: Option<String>,
     /// The delay before the restart after that exit, in milliseconds.
     pub restart_delay_ms: Option<u64>,
     /// CPU use in cores (from the second sample on).
@@ -432,10 +440,10 @@ impl From<v1::WorkerStatus> for WorkerRow {
             addresses: row.addresses,
             restarts: row.restarts,
             state: if row.pid.is_some() {
-                if row.state == "draining" {
-                    "draining"
-                } else {
-                    "ready"
+                match row.state.as_str() {
+                    "draining" => "draining",
+                    "stalled" => "stalled",
+                    _ => "ready",
                 }
             } else if row.crash_looping {
                 "crash-loop"
@@ -443,6 +451,7 @@ impl From<v1::WorkerStatus> for WorkerRow {
                 "starting"
             },
             last_exit: Some(row.last_exit).filter(|e| !e.is_empty()),
+            stall: Some(row.stall).filter(|s| !s.is_empty()),
             restart_delay_ms: row.restart_delay_ms,
             cpu_cores: load.and_then(|l| l.cpu_cores),
             runq_wait_cores: load.and_then(|l| l.runq_wait_cores),

@@ -14,7 +14,8 @@ use envoy_types::pb::{
     envoy::{
         config::{
             cluster::v3::{
-                Cluster, LoadBalancingPolicy, OutlierDetection,
+                CircuitBreakers, Cluster, LoadBalancingPolicy, OutlierDetection,
+                circuit_breakers::{Thresholds, thresholds::RetryBudget},
                 cluster::{ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbPolicy},
                 load_balancing_policy::Policy,
             },
@@ -232,13 +233,34 @@ fn cswrr(orca: &OrcaPolicy) -> ClientSideWeightedRoundRobin {
     }
 }
 
+/// Retries as a share of the requests in flight (a quarter, and at least 64 at once) instead of
+/// Envoy's default of 3 retries at once: when a worker stalls, every request in its hands times out
+/// at about the same moment, and each must be retried on another worker, not fail with "retry
+/// overflow".
+fn retry_budget() -> CircuitBreakers {
+    CircuitBreakers {
+        thresholds: vec![Thresholds {
+            retry_budget: Some(RetryBudget {
+                budget_percent: Some(envoy_types::pb::envoy::r#type::v3::Percent { value: 25.0 }),
+                min_retry_concurrency: Some(UInt32Value { value: 64 }),
+                budget_interval: None,
+            }),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
 /// Outlier detection for load-balanced clusters: a worker that stops answering is ejected. Under
 /// CSWRR a worker whose ORCA reports stop keeps a median weight, so reports are no health signal;
-/// five consecutive errors (5xx or connection failures, which count as 5xx here) eject a worker for
-/// 5 s and longer each time, never more than half of a service's workers at once.
+/// five consecutive errors (5xx or connection failures, which count as 5xx here), or three
+/// consecutive gateway failures (502, 503, 504: Envoy's own timeouts of a try count as 504), eject a
+/// worker for 5 s and longer each time, never more than half of a service's workers at once.
 fn outlier_detection() -> OutlierDetection {
     OutlierDetection {
         consecutive_5xx: Some(UInt32Value { value: 5 }),
+        consecutive_gateway_failure: Some(UInt32Value { value: 3 }),
+        enforcing_consecutive_gateway_failure: Some(UInt32Value { value: 100 }),
         interval: Some(duration(Duration::from_secs(1))),
         base_ejection_time: Some(duration(Duration::from_secs(5))),
         max_ejection_percent: Some(UInt32Value { value: 50 }),
@@ -288,6 +310,7 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
         } as i32,
         load_balancing_policy: typed_policy(&balancer),
         outlier_detection: matches!(balancer, Balancer::Orca(_)).then(outlier_detection),
+        circuit_breakers: Some(retry_budget()),
         // One entry only: prost encodes a map in its iteration order, and the cache versions
         // resources by their encoding, so a second entry would make versions flap.
         typed_extension_protocol_options: HashMap::from([(
@@ -317,10 +340,12 @@ pub fn make_load_assignment(
                 .unwrap_or(1);
             LbEndpoint {
                 // A draining worker keeps its endpoint but gets no new requests (and, unlike an
-                // unhealthy one, causes no spill-over to other priorities).
-                health_status: match worker.state {
-                    WorkerState::Ready => HealthStatus::Healthy,
-                    WorkerState::Draining => HealthStatus::Draining,
+                // unhealthy one, causes no spill-over to other priorities). A stalled one is
+                // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
+                health_status: match (worker.state, worker.stalled) {
+                    (WorkerState::Draining, _) => HealthStatus::Draining,
+                    (WorkerState::Ready, Some(_)) => HealthStatus::Unhealthy,
+                    (WorkerState::Ready, None) => HealthStatus::Healthy,
                 } as i32,
                 // Weight 1 is Envoy's default: left out, so unweighted services keep their bytes.
                 load_balancing_weight: (weight != 1).then_some(UInt32Value { value: weight }),
@@ -530,6 +555,19 @@ mod tests {
                 nanos: 0,
             }),
             lb_policy: LbPolicy::RoundRobin as i32,
+            circuit_breakers: Some(CircuitBreakers {
+                thresholds: vec![Thresholds {
+                    retry_budget: Some(RetryBudget {
+                        budget_percent: Some(envoy_types::pb::envoy::r#type::v3::Percent {
+                            value: 25.0,
+                        }),
+                        min_retry_concurrency: Some(UInt32Value { value: 64 }),
+                        budget_interval: None,
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
             typed_extension_protocol_options: HashMap::from([(
                 HTTP_PROTOCOL_OPTIONS_KEY.to_string(),
                 pack(&HttpProtocolOptions {
