@@ -250,7 +250,9 @@ fn init_tracing() {
         .ok()
         .and_then(|f| EnvFilter::try_new(f).ok())
         .unwrap_or_else(|| {
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))
+            // h2 warns once per frame about what any peer can send (a PING ACK it never asked
+            // for, say): by default only its errors are logged. RUST_LOG=h2=warn shows them.
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,h2=error"))
         });
     tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -309,6 +309,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         );
     }
     let admission = Admission::new(config.supervisor.grpc, cap);
+    grpc_port::spawn_trimmer(&admission);
     let mut xds_task = tokio::spawn(xds::serve(
         vec![grpc],
         orca_listeners,
