@@ -14,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cpus;
 mod envoy;
 mod http;
 pub mod load;

@@ -46,15 +46,7 @@ impl Supervisor {
     /// When `peregrine` cannot be built or started.
     #[track_caller]
     pub fn start(config_toml: &str) -> Self {
-        let temp = tempfile::Builder::new()
-            .prefix("peregrine-")
-            .tempdir()
-            .expect("a temp dir");
-        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
-        let mut supervisor = Self::start_in(&peregrine_path(), temp.path(), &config_toml)
-            .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
-        supervisor._temp = Some(temp);
-        supervisor
+        Self::start_in_temp(&[], config_toml, false)
     }
 
     /// Writes `config_toml` to `dir/peregrine.toml` and starts `binary run` on it, logging into `dir`.
@@ -67,50 +59,39 @@ impl Supervisor {
     /// directory: every path in the config is relative unless it says otherwise.
     #[track_caller]
     pub fn start_relative(config_toml: &str) -> Self {
-        let temp = tempfile::Builder::new()
-            .prefix("peregrine-")
-            .tempdir()
-            .expect("a temp dir");
-        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
-        let mut supervisor =
-            Self::start_wrapped(&[], &peregrine_path(), temp.path(), &config_toml, true)
-                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
-        supervisor._temp = Some(temp);
-        supervisor
+        Self::start_in_temp(&[], config_toml, true)
     }
 
     /// Like [`Supervisor::start`], but started through `wrapper` (a program and its arguments that
     /// exec the rest, e.g. `prlimit --nofile=1024:1024 --`), so the supervisor keeps the pid.
     #[track_caller]
     pub fn start_wrapped_in(wrapper: &[&str], config_toml: &str) -> Self {
-        let temp = tempfile::Builder::new()
-            .prefix("peregrine-")
-            .tempdir()
-            .expect("a temp dir");
-        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
-        let mut supervisor =
-            Self::start_wrapped(wrapper, &peregrine_path(), temp.path(), &config_toml, false)
-                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
-        supervisor._temp = Some(temp);
-        supervisor
+        Self::start_in_temp(wrapper, config_toml, false)
     }
 
     /// Like [`Supervisor::start`], but with no capabilities at all, even as root (through `setpriv`,
     /// which execs, so the supervisor keeps the pid): what a machine that forbids eBPF looks like.
     #[track_caller]
     pub fn start_without_capabilities(config_toml: &str) -> Self {
+        let wrapper = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"];
+        Self::start_in_temp(&wrapper, config_toml, false)
+    }
+
+    /// [`Supervisor::start_wrapped`] in a fresh temporary directory (`{dir}` in `config_toml`),
+    /// removed when the supervisor is dropped.
+    #[track_caller]
+    fn start_in_temp(wrapper: &[&str], config_toml: &str, relative: bool) -> Self {
         let temp = tempfile::Builder::new()
             .prefix("peregrine-")
             .tempdir()
             .expect("a temp dir");
         let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
-        let wrapper = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"];
         let mut supervisor = Self::start_wrapped(
-            &wrapper,
+            wrapper,
             &peregrine_path(),
             temp.path(),
             &config_toml,
-            false,
+            relative,
         )
         .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
         supervisor._temp = Some(temp);

@@ -201,6 +201,16 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
         eprintln!("skipped: needs two CPUs");
         return;
     }
+    // The shares below compare a hogged core with a free one: other processes on the cores (a
+    // build, another test) would hog both. Wait for the machine to be quiet, for a while.
+    if let Err(busy) = peregrine_e2e::cpus::wait_for_idle_cpus(0.25, Duration::from_secs(60)) {
+        eprintln!(
+            "skipped: the CPUs stayed {:.0}% busy with other processes for a minute; the hog \
+             comparison needs them free",
+            busy * 100.0
+        );
+        return;
+    }
     // Two services with the same two workers, pinned: worker 0 to CPU 0 (where the hog will run),
     // worker 1 to CPU 1. `cswrr` is balanced on ORCA reports, `rr` by round robin.
     let peregrine = peregrine_path();
