@@ -40,7 +40,7 @@ use tokio::sync::watch;
 
 use crate::{
     manager::{Children, CounterRef},
-    registry::{Address, Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
+    registry::{Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
 };
 
 /// Which kind of scheduler source runs.
@@ -307,8 +307,6 @@ struct Current {
     lane: usize,
     service: String,
     index: u32,
-    /// The TCP ports it listens on (its own: no other process listens there).
-    ports: Vec<u16>,
 }
 
 impl Sampler {
@@ -322,15 +320,16 @@ impl Sampler {
 
     /// One sample of every worker in `snapshot`: the loads to publish, and the stalls that changed.
     fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Sample {
-        self.tick_with(snapshot, now, wall, &mut Queues::default())
+        self.tick_with(snapshot, now, wall, stall::queued_in)
     }
 
+    /// [`Sampler::tick`], with `queued` telling what waits in a process's sockets.
     fn tick_with(
         &mut self,
         snapshot: &Snapshot,
         now: Instant,
         wall: SystemTime,
-        queues: &mut Queues,
+        queued: impl Fn(u32) -> Option<u64>,
     ) -> Sample {
         let workers = self.reconcile(snapshot);
         let mut sample = Sample {
@@ -341,7 +340,6 @@ impl Sampler {
             lane,
             service,
             index,
-            ports,
         } in workers
         {
             let Some(tracked) = self.tracked.get_mut(&lane) else {
@@ -377,7 +375,7 @@ impl Sampler {
                             .as_deref()
                             .and_then(stall::process_state),
                         cpu_cores: rates.cpu_cores,
-                        queued_bytes: (!ports.is_empty()).then(|| queues.on(&ports)),
+                        queued_bytes: queued(pid),
                     };
                     stall::judge(seen, tracked.suspect)
                 }
@@ -403,24 +401,14 @@ impl Sampler {
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, Vec<u16>)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef)> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
                 if let Some(child) = self.children.child(worker.pid) {
-                    let mut ports: Vec<u16> = worker
-                        .listener
-                        .addresses
-                        .iter()
-                        .filter_map(|a| match a {
-                            Address::Tcp(addr) => Some(addr.port()),
-                            Address::Unix(_) => None,
-                        })
-                        .collect();
-                    ports.dedup();
                     current.insert(
                         child.lane,
-                        (worker.pid, service, worker.index, child.counter, ports),
+                        (worker.pid, service, worker.index, child.counter),
                     );
                 }
             }
@@ -435,7 +423,7 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, ports)) in current {
+        for (lane, (pid, service, index, counter)) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
@@ -464,23 +452,9 @@ impl Sampler {
                 lane,
                 service: service.to_owned(),
                 index,
-                ports,
             });
         }
         workers
-    }
-}
-
-/// The TCP queues of this tick, read from `/proc/net` the first time a worker needs them (most ticks
-/// never do: only a worker that served nothing is looked at).
-#[derive(Debug, Default)]
-struct Queues(Option<std::collections::HashMap<u16, u64>>);
-
-impl Queues {
-    /// The bytes queued on the sockets of `ports`.
-    fn on(&mut self, ports: &[u16]) -> u64 {
-        let queues = self.0.get_or_insert_with(stall::read_queues);
-        ports.iter().filter_map(|port| queues.get(port)).sum()
     }
 }
 
@@ -672,17 +646,17 @@ mod tests {
         let t0 = Instant::now();
         let wall = SystemTime::UNIX_EPOCH;
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let mut quiet = Queues(Some(HashMap::new()));
+        let quiet = |_| Some(0);
         let snapshot = registry.snapshot();
         assert!(
             sampler
-                .tick_with(&snapshot, at(0), wall, &mut quiet)
+                .tick_with(&snapshot, at(0), wall, quiet)
                 .stalls
                 .is_empty()
         );
         assert!(
             sampler
-                .tick_with(&snapshot, at(1), wall, &mut quiet)
+                .tick_with(&snapshot, at(1), wall, quiet)
                 .stalls
                 .is_empty(),
             "idle"
@@ -691,7 +665,7 @@ mod tests {
         rustix::process::kill_process(rustix_pid, rustix::process::Signal::STOP).unwrap();
         let stopped = crate::sampler::tests::wait_for_state(pid, 'T');
         assert!(stopped, "the child stopped");
-        let sample = sampler.tick_with(&snapshot, at(2), wall, &mut quiet);
+        let sample = sampler.tick_with(&snapshot, at(2), wall, quiet);
         assert_eq!(
             sample.stalls,
             [StallChange {
@@ -703,34 +677,34 @@ mod tests {
         );
         assert!(
             sampler
-                .tick_with(&snapshot, at(3), wall, &mut quiet)
+                .tick_with(&snapshot, at(3), wall, quiet)
                 .stalls
                 .is_empty(),
             "no change"
         );
         rustix::process::kill_process(rustix_pid, rustix::process::Signal::CONT).unwrap();
         assert!(crate::sampler::tests::wait_for_state(pid, 'S'));
-        let sample = sampler.tick_with(&snapshot, at(4), wall, &mut quiet);
+        let sample = sampler.tick_with(&snapshot, at(4), wall, quiet);
         assert_eq!(sample.stalls.len(), 1);
         assert_eq!(sample.stalls[0].stall, None, "moving again");
 
-        // Bytes wait on its port (9000, see `register`) through two samples: not reading.
-        let mut waiting = Queues(Some(HashMap::from([(9000, 512)])));
+        // Bytes wait in its sockets through two samples: not reading.
+        let waiting = |_| Some(512);
         assert!(
             sampler
-                .tick_with(&snapshot, at(5), wall, &mut waiting)
+                .tick_with(&snapshot, at(5), wall, waiting)
                 .stalls
                 .is_empty(),
             "suspect"
         );
-        let sample = sampler.tick_with(&snapshot, at(6), wall, &mut waiting);
+        let sample = sampler.tick_with(&snapshot, at(6), wall, waiting);
         assert_eq!(
             sample.stalls[0].stall,
             Some(Stall::NotReading { queued_bytes: 512 })
         );
         // It serves a request: not stalled.
         counters.region().slot(0).store(1, Ordering::Relaxed);
-        let sample = sampler.tick_with(&snapshot, at(7), wall, &mut waiting);
+        let sample = sampler.tick_with(&snapshot, at(7), wall, waiting);
         assert_eq!(sample.stalls[0].stall, None);
         child.kill().unwrap();
         child.wait().unwrap();

@@ -7,16 +7,16 @@
 //! served no request during the last interval:
 //!
 //! - its state in `/proc/PID/stat`: `T` (stopped by a signal) or `t` (stopped by a tracer);
-//! - bytes waiting in its sockets: for every TCP socket on its own port (its listener's accept queue,
-//!   and its connections' receive queues, from `/proc/net/tcp` and `tcp6`), what the kernel holds that
-//!   the worker has not taken. An idle worker takes everything at once; a worker that leaves bytes
-//!   unread through two samples in a row while serving nothing, on less than
+//! - what waits in its own sockets ([`queued_in`]): for each socket descriptor it holds, taken with
+//!   `pidfd_getfd(2)`, the bytes unread on a connection (`FIONREAD`) or the connections not yet
+//!   accepted on a TCP listener (`TCP_INFO`). An idle worker takes everything at once; a worker that
+//!   leaves something waiting through two samples in a row while serving nothing, on less than
 //!   [`BUSY_CORES`] of CPU, is not reading. (A worker busy with one long request is on a CPU: it is
 //!   loaded, not stalled, and its load report says so.)
 //!
-//! Workers on Unix sockets are judged by their state alone: `/proc/net/unix` shows no queues.
-
-use std::collections::HashMap;
+//! The cost is the worker's own descriptors, not the host's sockets: scanning `/proc/net/tcp`
+//! instead (every socket of the namespace, tens of thousands of TIME_WAIT ones under load) took
+//! enough kernel time on a worker's core to skew the very loads the sampler measures.
 
 use crate::registry::Stall;
 
@@ -61,48 +61,63 @@ pub fn judge(seen: Observation, suspect_before: bool) -> (Option<Stall>, bool) {
     }
 }
 
-/// The bytes queued per local TCP port, from the text of `/proc/net/tcp` or `/proc/net/tcp6`: the
-/// receive queue of each connection, and the accept queue of each listener (what the kernel shows
-/// as `rx_queue` for a socket in LISTEN).
-pub fn queued_by_port(text: &str, into: &mut HashMap<u16, u64>) {
-    for line in text.lines().skip(1) {
-        let mut fields = line.split_whitespace();
-        let (Some(_slot), Some(local), Some(_remote), Some(_state), Some(queues)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let Some(port) = local
-            .rsplit_once(':')
-            .and_then(|(_, port)| u16::from_str_radix(port, 16).ok())
+/// What waits in the sockets process `pid` holds: unread bytes on its connections, plus connections
+/// not yet accepted on its TCP listeners. `None` when its descriptors cannot be read (it is gone, or
+/// not ours to look at).
+pub fn queued_in(pid: u32) -> Option<u64> {
+    use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
+    let pid_number = Pid::from_raw(i32::try_from(pid).ok()?)?;
+    let pidfd = rustix::process::pidfd_open(pid_number, PidfdFlags::empty()).ok()?;
+    let mut queued = 0;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten() {
+        let is_socket = std::fs::read_link(entry.path()).is_ok_and(|target| {
+            target
+                .as_os_str()
+                .as_encoded_bytes()
+                .starts_with(b"socket:")
+        });
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
         else {
             continue;
         };
-        let Some(rx) = queues
-            .split_once(':')
-            .and_then(|(_, rx)| u64::from_str_radix(rx, 16).ok())
-        else {
+        if !is_socket {
             continue;
-        };
-        if rx > 0 {
-            *into.entry(port).or_default() += rx;
         }
+        // A duplicate shares the socket; closing it closes nothing of the worker's.
+        let Ok(socket) = rustix::process::pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()) else {
+            continue;
+        };
+        queued += if rustix::net::sockopt::socket_acceptconn(&socket).unwrap_or(false) {
+            accept_queue(&socket).unwrap_or(0)
+        } else {
+            rustix::io::ioctl_fionread(&socket).unwrap_or(0)
+        };
     }
+    Some(queued)
 }
 
-/// Reads the queues of every TCP socket of this network namespace, by local port.
-pub fn read_queues() -> HashMap<u16, u64> {
-    let mut queues = HashMap::new();
-    for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        if let Ok(text) = std::fs::read_to_string(file) {
-            queued_by_port(&text, &mut queues);
-        }
-    }
-    queues
+/// The connections waiting to be accepted on a TCP listener (`tcpi_unacked` of `TCP_INFO`, which
+/// holds the accept queue's length for a socket in LISTEN); `None` for another kind of socket.
+fn accept_queue(listener: &std::os::fd::OwnedFd) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    let mut info = std::mem::MaybeUninit::<libc::tcp_info>::zeroed();
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is a writable buffer of `len` bytes, zeroed so that a shorter answer leaves
+    // valid values; the descriptor is open for the duration of the call.
+    let status = unsafe {
+        libc::getsockopt(
+            listener.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: zero-initialised, and the kernel wrote at most `len` bytes of a `tcp_info`.
+    (status == 0).then(|| u64::from(unsafe { info.assume_init() }.tcpi_unacked))
 }
 
 #[cfg(test)]
@@ -120,20 +135,34 @@ mod tests {
         assert_eq!(process_state("42 (x"), None);
     }
 
-    const TCP: &str = "\
-  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:1F90 00000000:0000 0A 00000000:00000003 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
-   1: 0100007F:1F90 0100007F:D431 01 00000000:00000200 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1
-   2: 0100007F:0050 0100007F:D432 01 00000010:00000000 00:00000000 00000000     0        0 3 1 0 20 4 30 10 -1
-";
-
     #[test]
-    fn sums_accept_and_receive_queues_by_local_port() {
-        let mut queues = HashMap::new();
-        queued_by_port(TCP, &mut queues);
-        // Port 8080: 3 connections waiting to be accepted, 512 bytes unread.
-        assert_eq!(queues.get(&8080), Some(&(3 + 0x200)));
-        assert_eq!(queues.get(&80), None, "only a send queue");
+    fn counts_unread_bytes_and_unaccepted_connections_of_a_process() {
+        use std::io::Write;
+        // This very process holds the sockets: a listener with one connection waiting, and an
+        // accepted connection with 5 bytes unread.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let before = queued_in(std::process::id()).unwrap();
+        let mut first = std::net::TcpStream::connect(addr).unwrap();
+        let (_accepted, _) = listener.accept().unwrap();
+        first.write_all(b"hello").unwrap();
+        let _waiting = std::net::TcpStream::connect(addr).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut queued = 0;
+        while std::time::Instant::now() < deadline {
+            queued = queued_in(std::process::id()).unwrap() - before;
+            if queued == 6 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(
+            queued,
+            5 + 1,
+            "5 bytes unread and 1 connection not accepted"
+        );
+        assert_eq!(queued_in(u32::MAX), None);
+        assert_eq!(queued_in(0x3fff_fff0), None, "no such process");
     }
 
     #[test]
