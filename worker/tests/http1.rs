@@ -734,3 +734,170 @@ fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_first_byte_timeout() {
         "the connection stayed open {elapsed:?} while the client trickled its preface"
     );
 }
+
+#[test]
+fn http11_needs_exactly_one_host() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    for request in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+    ] {
+        let mut client = server.connect();
+        client.send(request);
+        assert_eq!(
+            client.response(false).status,
+            400,
+            "{}",
+            String::from_utf8_lossy(request)
+        );
+        client.expect_close();
+    }
+    // HTTP/1.0 may leave it out.
+    let mut client = server.connect();
+    client.send(b"GET /old HTTP/1.0\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+}
+
+/// The 17 bytes of an HTTP/2 GOAWAY frame with `PROTOCOL_ERROR` on stream 0, last stream 0.
+const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+
+#[test]
+fn a_broken_http2_preface_gets_goaway_not_an_http1_answer() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    // What h2spec 3.5/2 sends, and a preface wrong after `PRI `.
+    for preface in [
+        &b"INVALID CONNECTION PREFACE\r\n\r\n"[..],
+        b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n",
+        b"PRI * HTTP/1.1\r\n\r\n",
+    ] {
+        let mut client = server.connect();
+        client.send(preface);
+        let mut got = Vec::new();
+        client.stream.read_to_end(&mut got).unwrap();
+        assert_eq!(
+            got,
+            GOAWAY_PROTOCOL_ERROR,
+            "{}: {}",
+            String::from_utf8_lossy(preface),
+            String::from_utf8_lossy(&got)
+        );
+    }
+    // A request that names no HTTP/1 version after a good one is an HTTP/1 client's mistake: 400.
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/3\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    assert_eq!(client.response(false).status, 400);
+}
+
+#[test]
+fn a_silent_connection_is_closed_at_the_first_byte_timeout() {
+    let mut config = Config::default();
+    config.limits.first_byte_timeout = Duration::from_millis(300);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    for first in [&b""[..], b"PRI * HTTP/2.0\r\n\r\nSM"] {
+        let mut client = server.connect();
+        client.send(first);
+        let started = std::time::Instant::now();
+        client.expect_close();
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(3),
+            "{:?} closed after {elapsed:?}",
+            String::from_utf8_lossy(first)
+        );
+    }
+}
+
+#[test]
+fn the_idle_timeout_counts_from_the_last_request() {
+    let mut config = Config::default();
+    config.limits.idle_timeout = Duration::from_millis(1000);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    // Part of the way into the timeout, another request: the timeout starts again from here, and
+    // no later (the timer is not merely re-armed when it fires, which would close at twice that).
+    thread::sleep(Duration::from_millis(600));
+    client.send(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    let idle_since = std::time::Instant::now();
+    client.expect_close();
+    let idle = idle_since.elapsed();
+    assert!(
+        idle >= Duration::from_millis(900) && idle < Duration::from_millis(1300),
+        "closed {idle:?} after the last response"
+    );
+}
+
+#[test]
+fn a_stalled_body_is_answered_408() {
+    let mut config = Config::default();
+    config.limits.body_read_timeout = Duration::from_millis(300);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nhalf");
+    let started = std::time::Instant::now();
+    assert_eq!(client.response(false).status, 408);
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    client.expect_close();
+    // A body that keeps coming, but too slowly for the whole-body timeout, is cut off too.
+    let mut config = Config::default();
+    config.limits.body_timeout = Duration::from_millis(500);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if client.stream.write_all(b"x").is_err() {
+            break client.response(false).status;
+        }
+        thread::sleep(Duration::from_millis(50));
+        let mut peek = [0u8; 1];
+        client.stream.set_nonblocking(true).unwrap();
+        let answered = matches!(client.stream.peek(&mut peek), Ok(n) if n > 0);
+        client.stream.set_nonblocking(false).unwrap();
+        if answered {
+            break client.response(false).status;
+        }
+    };
+    assert_eq!(status, 408);
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(450) && elapsed < Duration::from_secs(3),
+        "{elapsed:?}"
+    );
+}
+
+#[test]
+fn a_request_over_the_worker_budget_is_answered_503_and_closed() {
+    let config = Config {
+        max_buffered_body_bytes: 256 * 1024,
+        ..Config::default()
+    };
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut first = server.connect();
+    first.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    first.send(&[b'a'; 1000]);
+    // The first body holds most of the budget while it lasts; a second one finds no room.
+    let mut second = server.connect();
+    second.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    let res = second.response(false);
+    assert_eq!(res.status, 503);
+    assert_eq!(res.header("connection"), Some("close"));
+    second.expect_close();
+    // The first completes, and its budget is free again.
+    first.send(&[b'a'; 199_000]);
+    let res = first.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body.len(), "POST / ".len() + 200_000);
+    // The answer to a next request on that connection comes after its buffer was given back (the
+    // large response may be written before that).
+    first.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(first.response(false).status, 200);
+    let mut third = server.connect();
+    third.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    third.send(&[b'b'; 200_000]);
+    assert_eq!(third.response(false).status, 200);
+}
