@@ -256,151 +256,156 @@ where
     let mut aborted = false;
     let mut busy = false;
 
+    // `h2` logs some of the peer's mistakes once per frame; they are rate-limited while it runs.
     poll_fn(|cx| {
-        loop {
-            let mut progress = false;
+        crate::log_limit::quiet_h2(|| {
+            loop {
+                let mut progress = false;
 
-            if !draining && stop.as_mut().poll(cx).is_ready() {
-                tracing::debug!("Shutting down: GOAWAY");
-                conn.graceful_shutdown();
-                draining = true;
-            }
-
-            // The `h2` connection: frames in and out, new streams.
-            match conn.poll_accept(cx) {
-                Poll::Ready(Some(Ok((request, respond)))) => {
-                    resets.streams.set(resets.streams.get() + 1);
-                    let span = tracing::debug_span!("stream", id = respond.stream_id().as_u32());
-                    if request.body().is_end_stream() {
-                        // No body to read (a GET, say): straight to the application.
-                        let (parts, _) = request.into_parts();
-                        queued.push_back(Received {
-                            head_only: parts.method == Method::HEAD,
-                            request: Request::from_parts(parts, RequestBody::default()),
-                            respond,
-                            charge: None,
-                            span,
-                        });
-                    } else {
-                        receiving.push(
-                            receive(request, respond, limits, &bodies, &resets, span.clone())
-                                .instrument(span),
-                        );
-                    }
-                    progress = true;
+                if !draining && stop.as_mut().poll(cx).is_ready() {
+                    tracing::debug!("Shutting down: GOAWAY");
+                    conn.graceful_shutdown();
+                    draining = true;
                 }
-                Poll::Ready(Some(Err(error))) => {
-                    return Poll::Ready(Err(if aborted {
-                        resets.error()
-                    } else {
-                        ConnectionError::Connection(error)
-                    }));
-                }
-                Poll::Ready(None) => {
-                    tracing::debug!("HTTP/2 connection closed");
-                    return Poll::Ready(if aborted { Err(resets.error()) } else { Ok(()) });
-                }
-                Poll::Pending => {}
-            }
 
-            // Request bodies.
-            while let Poll::Ready(Some(received)) = receiving.poll_next_unpin(cx) {
-                progress = true;
-                queued.extend(received);
-            }
-
-            // The application, one call at a time.
-            while !queued.is_empty() {
-                let call = match service.poll_ready(cx) {
-                    Poll::Pending => break,
-                    Poll::Ready(Ok(())) => None,
-                    Poll::Ready(Err(error)) => Some(error.into()),
-                };
-                let Some(Received {
-                    request,
-                    mut respond,
-                    head_only,
-                    charge,
-                    span,
-                }) = queued.pop_front()
-                else {
-                    break;
-                };
-                progress = true;
-                // A stream the peer reset while it waited (a proxy whose client went away while this
-                // thread was busy, say) costs the application nothing.
-                if let Poll::Ready(reset) =
-                    respond.poll_reset(&mut Context::from_waker(Waker::noop()))
-                {
-                    if reset.is_ok() {
-                        resets.record(Instant::now());
-                    }
-                    span.in_scope(|| tracing::debug!("Stream reset before the call, skipped"));
-                    continue;
-                }
-                crate::counter::record_request();
-                let call = match call {
-                    None => Ok(service.call(request)),
-                    Some(error) => Err(error),
-                };
-                responding
-                    .push(respond_to(call, respond, head_only, charge, &resets).instrument(span));
-            }
-
-            // Responses.
-            while let Poll::Ready(Some(())) = responding.poll_next_unpin(cx) {
-                progress = true;
-            }
-
-            if !aborted
-                && resets.changed.take()
-                && resets.too_many(limits.premature_reset_min_streams, Instant::now())
-            {
-                tracing::warn!(
-                    resets = resets.resets.get(),
-                    streams = resets.streams.get(),
-                    window_ms = limits.premature_reset_window.as_millis() as u64,
-                    "Peer resets too many streams, closing the connection"
-                );
-                conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
-                aborted = true;
-                draining = true;
-                progress = true;
-            }
-
-            // The idle timer runs while no stream is in flight.
-            let in_flight = receiving.len() + queued.len() + responding.len();
-            if let Some(timeout) = limits.idle_timeout
-                && !draining
-            {
-                if in_flight > 0 {
-                    busy = true;
-                } else {
-                    if busy {
-                        busy = false;
-                        idle.as_mut().reset(Instant::now() + timeout);
-                    }
-                    if idle.as_mut().poll(cx).is_ready() {
-                        tracing::debug!("Idle connection: GOAWAY");
-                        conn.graceful_shutdown();
-                        draining = true;
-                        giving_up = true;
-                        give_up
-                            .as_mut()
-                            .reset(Instant::now() + limits.handshake_timeout);
+                // The `h2` connection: frames in and out, new streams.
+                match conn.poll_accept(cx) {
+                    Poll::Ready(Some(Ok((request, respond)))) => {
+                        resets.streams.set(resets.streams.get() + 1);
+                        let span =
+                            tracing::debug_span!("stream", id = respond.stream_id().as_u32());
+                        if request.body().is_end_stream() {
+                            // No body to read (a GET, say): straight to the application.
+                            let (parts, _) = request.into_parts();
+                            queued.push_back(Received {
+                                head_only: parts.method == Method::HEAD,
+                                request: Request::from_parts(parts, RequestBody::default()),
+                                respond,
+                                charge: None,
+                                span,
+                            });
+                        } else {
+                            receiving.push(
+                                receive(request, respond, limits, &bodies, &resets, span.clone())
+                                    .instrument(span),
+                            );
+                        }
                         progress = true;
                     }
+                    Poll::Ready(Some(Err(error))) => {
+                        return Poll::Ready(Err(if aborted {
+                            resets.error()
+                        } else {
+                            ConnectionError::Connection(error)
+                        }));
+                    }
+                    Poll::Ready(None) => {
+                        tracing::debug!("HTTP/2 connection closed");
+                        return Poll::Ready(if aborted { Err(resets.error()) } else { Ok(()) });
+                    }
+                    Poll::Pending => {}
+                }
+
+                // Request bodies.
+                while let Poll::Ready(Some(received)) = receiving.poll_next_unpin(cx) {
+                    progress = true;
+                    queued.extend(received);
+                }
+
+                // The application, one call at a time.
+                while !queued.is_empty() {
+                    let call = match service.poll_ready(cx) {
+                        Poll::Pending => break,
+                        Poll::Ready(Ok(())) => None,
+                        Poll::Ready(Err(error)) => Some(error.into()),
+                    };
+                    let Some(Received {
+                        request,
+                        mut respond,
+                        head_only,
+                        charge,
+                        span,
+                    }) = queued.pop_front()
+                    else {
+                        break;
+                    };
+                    progress = true;
+                    // A stream the peer reset while it waited (a proxy whose client went away while this
+                    // thread was busy, say) costs the application nothing.
+                    if let Poll::Ready(reset) =
+                        respond.poll_reset(&mut Context::from_waker(Waker::noop()))
+                    {
+                        if reset.is_ok() {
+                            resets.record(Instant::now());
+                        }
+                        span.in_scope(|| tracing::debug!("Stream reset before the call, skipped"));
+                        continue;
+                    }
+                    crate::counter::record_request();
+                    let call = match call {
+                        None => Ok(service.call(request)),
+                        Some(error) => Err(error),
+                    };
+                    responding.push(
+                        respond_to(call, respond, head_only, charge, &resets).instrument(span),
+                    );
+                }
+
+                // Responses.
+                while let Poll::Ready(Some(())) = responding.poll_next_unpin(cx) {
+                    progress = true;
+                }
+
+                if !aborted
+                    && resets.changed.take()
+                    && resets.too_many(limits.premature_reset_min_streams, Instant::now())
+                {
+                    tracing::warn!(
+                        resets = resets.resets.get(),
+                        streams = resets.streams.get(),
+                        window_ms = limits.premature_reset_window.as_millis() as u64,
+                        "Peer resets too many streams, closing the connection"
+                    );
+                    conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                    aborted = true;
+                    draining = true;
+                    progress = true;
+                }
+
+                // The idle timer runs while no stream is in flight.
+                let in_flight = receiving.len() + queued.len() + responding.len();
+                if let Some(timeout) = limits.idle_timeout
+                    && !draining
+                {
+                    if in_flight > 0 {
+                        busy = true;
+                    } else {
+                        if busy {
+                            busy = false;
+                            idle.as_mut().reset(Instant::now() + timeout);
+                        }
+                        if idle.as_mut().poll(cx).is_ready() {
+                            tracing::debug!("Idle connection: GOAWAY");
+                            conn.graceful_shutdown();
+                            draining = true;
+                            giving_up = true;
+                            give_up
+                                .as_mut()
+                                .reset(Instant::now() + limits.handshake_timeout);
+                            progress = true;
+                        }
+                    }
+                }
+                if giving_up && in_flight == 0 && give_up.as_mut().poll(cx).is_ready() {
+                    tracing::debug!("The idle peer did not answer GOAWAY, closing");
+                    return Poll::Ready(Ok(()));
+                }
+
+                if !progress {
+                    return Poll::Pending;
                 }
             }
-            if giving_up && in_flight == 0 && give_up.as_mut().poll(cx).is_ready() {
-                tracing::debug!("The idle peer did not answer GOAWAY, closing");
-                return Poll::Ready(Ok(()));
-            }
-
-            if !progress {
-                return Poll::Pending;
-            }
-        }
+        })
     })
     .await
 }
