@@ -7,11 +7,13 @@
 //! dropping it drops them all. Nothing is spawned. Each turn it:
 //!
 //! 1. polls the `h2` connection, which reads and writes frames and hands over new streams;
-//! 2. reads each stream's request body (releasing flow-control capacity as it consumes it, so a body
-//!    larger than the window flows; a body over [`Limits::max_body_bytes`] is answered with `413`);
+//! 2. reads each stream's request body (releasing flow-control capacity as it consumes and charges it,
+//!    so a body larger than the window flows; a body over [`Limits::max_body_bytes`] is answered with
+//!    `413`, one that finds no room in the connection's or the worker's body budget `503`, one that
+//!    pauses for [`Limits::body_read_timeout`] or outlasts [`Limits::body_timeout`] `408`);
 //! 3. hands complete requests to the application one at a time, in the order they completed
 //!    (`poll_ready` then `call`: the service is `&mut` per connection), counting each in
-//!    [`crate::counter`];
+//!    [`crate::counter`]; a stream the peer reset while it waited is dropped without a call;
 //! 4. drives every call's future and response concurrently: the head, then the body's DATA frames under
 //!    flow control (capacity is reserved and awaited per chunk, so a slow reader holds back only its own
 //!    stream), then trailers if any. An application error becomes a `500` on that stream only; a
@@ -22,18 +24,30 @@
 //! **Shutdown.** When `stopped` turns true (or its sender is dropped), the connection sends GOAWAY
 //! (`h2`'s graceful shutdown: GOAWAY with the last stream id after a PING round trip), refuses new
 //! streams, lets the streams in flight finish and then returns `Ok(())`. A connection without streams for
-//! [`Limits::idle_timeout`] shuts down the same way. There is no drain deadline here: the server's drain
-//! timeout bounds how long it waits for connections.
+//! [`Limits::idle_timeout`] shuts down the same way, and returns if the peer has not answered within
+//! [`Limits::handshake_timeout`] (a peer that never reads never acknowledges the PING). The handshake
+//! itself must complete within [`Limits::handshake_timeout`]. There is no drain deadline here: the
+//! server's drain timeout bounds how long it waits for connections.
 //!
-//! **Abuse.** Rapid reset (streams opened and reset at once) is bounded twice: `h2` closes the
-//! connection with `ENHANCE_YOUR_CALM` when more than [`Limits::max_pending_accept_reset_streams`] reset
-//! streams wait to be accepted, and this module does the same when, after
-//! [`Limits::premature_reset_min_streams`] streams, more than half of the connection's streams were reset
-//! by the peer before their response completed (Envoy's rule). Locally caused resets are bounded by
+//! **Abuse.** Rapid reset (streams opened and reset at once) is caught by a rate: the connection is
+//! closed with `ENHANCE_YOUR_CALM` when, within the last [`Limits::premature_reset_window`], the peer
+//! reset at least [`Limits::premature_reset_min_streams`] streams before their response completed and
+//! more streams than completed in that window. A count over the connection's life would catch a proxy:
+//! Envoy resets a stream whenever its client goes away, and while this thread is busy in a long call,
+//! those resets pile up, and the streams that complete meanwhile are few. `h2`'s own cap,
+//! [`Limits::max_pending_accept_reset_streams`], counts reset streams not yet accepted, which is
+//! exactly what piles up while the thread is busy; it is sized to bound the accept queue's memory,
+//! not to detect anything. A reset stream costs the application nothing (it is never called), so a
+//! flood costs frames only. Locally caused resets are bounded by
 //! [`Limits::max_local_error_reset_streams`], the header list by [`Limits::max_header_list_size`].
+//! `h2` logs some peer mistakes at WARN per frame (an unsolicited PING acknowledgement); while it runs,
+//! its warnings are rate-limited (one line per 5 s, then a count of those suppressed).
 //!
-//! Memory: a connection holds at most `max_concurrent_streams` request bodies of at most
-//! `max_body_bytes` each, plus `max_send_buffer_size` of response data per stream in `h2`.
+//! **Memory.** Request bodies a connection holds (read, and not yet done with: until their response
+//! is sent) are charged to a budget of [`Limits::max_connection_body_bytes`] within the worker's
+//! ([`crate::server::Config::max_buffered_body_bytes`]); capacity is released only for charged bytes, and
+//! the connection window is at most that budget, so what the peer can make this side hold, read or not,
+//! is bounded by it. Responses add at most `max_send_buffer_size` per stream in `h2`.
 //!
 //! Architecture Invariant: nothing here knows how a connection was accepted or detected as HTTP/2, nor
 //! which runtime drives it beyond the [`Io`] trait.
@@ -84,7 +98,7 @@ use crate::{
 /// | `max_send_buffer_size` | 256 KiB |
 /// | `max_pending_accept_reset_streams` | 1024 |
 /// | `max_local_error_reset_streams` | 1024 |
-/// | `premature_reset_min_streams` | 100 |
+/// | `premature_reset_min_streams` | 200 |
 /// | `premature_reset_window` | 10 s |
 /// | `handshake_timeout` | 10 s |
 /// | `body_read_timeout` | 10 s |
@@ -157,7 +171,7 @@ impl Default for Limits {
             max_send_buffer_size: 256 * 1024,
             max_pending_accept_reset_streams: 1024,
             max_local_error_reset_streams: 1024,
-            premature_reset_min_streams: 100,
+            premature_reset_min_streams: 200,
             premature_reset_window: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(10),
