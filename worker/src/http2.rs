@@ -148,7 +148,7 @@ pub struct Limits {
     /// The sliding window of the premature-reset rule.
     pub premature_reset_window: Duration,
     /// How long a new connection has to complete the HTTP/2 handshake (preface and SETTINGS), and a
-    /// peer sent GOAWAY for idleness has to answer it before the socket is closed.
+    /// peer sent GOAWAY for idleness or abuse has to answer (or read) it before the socket is closed.
     pub handshake_timeout: Duration,
     /// How long a request body may go without a DATA frame; then it is answered `408`.
     pub body_read_timeout: Duration,
@@ -262,8 +262,8 @@ where
     let mut queued: VecDeque<Received> = VecDeque::new();
     let mut responding = FuturesUnordered::new();
     let mut idle = pin!(tokio::time::sleep(limits.idle_timeout.unwrap_or_default()));
-    // Set when the connection sent GOAWAY for idleness: a peer that does not answer (its PING) by then
-    // is not waited for.
+    // Set when the connection sent GOAWAY for idleness or abuse: a peer that has not answered (the
+    // PING of a graceful GOAWAY) or read it by then is not waited for.
     let mut give_up = pin!(tokio::time::sleep(Duration::ZERO));
     let mut giving_up = false;
     let mut draining = false;
@@ -383,6 +383,11 @@ where
                     conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
                     aborted = true;
                     draining = true;
+                    // A flooding peer need not read its GOAWAY: it is not waited for long.
+                    giving_up = true;
+                    give_up
+                        .as_mut()
+                        .reset(Instant::now() + limits.handshake_timeout);
                     progress = true;
                 }
 
@@ -410,9 +415,10 @@ where
                         }
                     }
                 }
-                if giving_up && in_flight == 0 && give_up.as_mut().poll(cx).is_ready() {
-                    tracing::debug!("The idle peer did not answer GOAWAY, closing");
-                    return Poll::Ready(Ok(()));
+                if giving_up && (aborted || in_flight == 0) && give_up.as_mut().poll(cx).is_ready()
+                {
+                    tracing::debug!("The peer did not answer GOAWAY in time, closing");
+                    return Poll::Ready(if aborted { Err(resets.error()) } else { Ok(()) });
                 }
 
                 if !progress {
