@@ -142,8 +142,8 @@ pub(crate) enum Reject {
     ExpectationFailed,
     /// The head did not arrive within the header timeout: `408`.
     Timeout,
-    /// The request line names no HTTP/1 version (`INVALID CONNECTION PREFACE`, say): `400`, or, as the
-    /// first bytes of a connection, an HTTP/2 GOAWAY (the peer may have meant HTTP/2).
+    /// The request line names no HTTP version at all (`INVALID CONNECTION PREFACE`, say): `400`, or, as
+    /// the first bytes of a connection, an HTTP/2 GOAWAY (the peer may have meant HTTP/2).
     NotHttp1,
 }
 
@@ -229,7 +229,16 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
         }
         Ok(httparse::Status::Partial) => return Ok(NEED_HEAD),
         Err(httparse::Error::TooManyHeaders) => return Err(Reject::HeadTooLarge),
-        Err(httparse::Error::Version) => return Err(Reject::NotHttp1),
+        Err(httparse::Error::Version) => {
+            // `GET / HTTP/1.2` is an HTTP client asking for a version we lack; a request line with no
+            // `HTTP/` at all is no HTTP/1 client.
+            let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+            return Err(if line.windows(5).any(|w| w == b"HTTP/") {
+                Reject::BadRequest("unsupported http version")
+            } else {
+                Reject::NotHttp1
+            });
+        }
         Err(_) => return Err(Reject::BadRequest("malformed request head")),
     };
     let version = match req.version {
@@ -1097,6 +1106,18 @@ mod tests {
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab",
         );
         assert_eq!(ok.unwrap().unwrap().request.body().as_bytes(), "ab");
+    }
+
+    #[test]
+    fn a_request_line_without_an_http_version_is_not_http1() {
+        assert_eq!(
+            parse_both(b"INVALID CONNECTION PREFACE\r\n\r\n").unwrap_err(),
+            Reject::NotHttp1
+        );
+        assert_eq!(
+            parse_both(b"GET / HTTP/1.2\r\nHost: x\r\n\r\n").unwrap_err(),
+            Reject::BadRequest("unsupported http version")
+        );
     }
 
     #[test]

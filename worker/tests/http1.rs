@@ -785,8 +785,12 @@ fn a_broken_http2_preface_gets_goaway_not_an_http1_answer() {
     }
     // A request that names no HTTP/1 version after a good one is an HTTP/1 client's mistake: 400.
     let mut client = server.connect();
-    client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/3\r\n\r\n");
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nINVALID REQUEST LINE\r\n\r\n");
     assert_eq!(client.response(false).status, 200);
+    assert_eq!(client.response(false).status, 400);
+    // So is an HTTP version we do not speak.
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.2\r\nHost: x\r\n\r\n");
     assert_eq!(client.response(false).status, 400);
 }
 
