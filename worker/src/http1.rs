@@ -20,6 +20,7 @@ use std::{
     io,
     mem::MaybeUninit,
     pin::{Pin, pin},
+    rc::Rc,
     task::{Context, Poll, Waker},
     time::{Duration, Instant},
 };
@@ -31,6 +32,7 @@ use http_body_util::BodyExt;
 
 use crate::{
     BoxError,
+    budget::{Budget, Charge},
     service::{HttpService, RequestBody},
     stream::Io,
 };
@@ -43,13 +45,34 @@ const STACK_HEADERS: usize = 128;
 
 /// The limits a connection enforces on requests.
 ///
-/// The defaults are: a 16 KiB request head, 100 header fields, a 1 MiB body, 10 s to send a request
-/// head once it has begun, and 60 s of idleness between requests on a kept-alive connection.
+/// The defaults:
+///
+/// | field | default |
+/// |---|---|
+/// | `first_byte_timeout` | 10 s |
+/// | `header_timeout` | 10 s |
+/// | `body_read_timeout` | 10 s |
+/// | `body_timeout` | 60 s |
+/// | `idle_timeout` | 60 s |
+/// | `max_head_bytes` | 16 KiB |
+/// | `max_headers` | 100 |
+/// | `max_body_bytes` | 1 MiB |
+///
+/// A connection buffers at most one request at a time: its head, its body (at most `max_body_bytes`)
+/// and one read; what its buffer holds beyond `max_head_bytes` plus 16 KiB is charged to the worker's
+/// budget ([`crate::server::Config::max_buffered_body_bytes`]), and a request that finds no room there is
+/// answered `503` with `connection: close`. The buffer shrinks back once a large request is done.
 #[derive(Clone, Debug)]
 pub struct Limits {
+    /// How long a new connection may stay silent before its first byte; then it is closed.
+    pub first_byte_timeout: Duration,
     /// How long a client may take to send a whole request head, from its first byte; a slower client is
     /// answered `408` and cut off.
     pub header_timeout: Duration,
+    /// How long a request body may go without a byte arriving; then it is answered `408` and cut off.
+    pub body_read_timeout: Duration,
+    /// How long a whole request body may take, from the end of its head; then `408` and cut off.
+    pub body_timeout: Duration,
     /// How long a kept-alive connection may wait for its next request before it is closed.
     pub idle_timeout: Duration,
     /// The largest request head (request line and header fields), in bytes; more is answered with `431`.
@@ -63,7 +86,10 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
+            first_byte_timeout: Duration::from_secs(10),
             header_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(60),
             max_head_bytes: 16 * 1024,
             max_headers: 100,
@@ -91,11 +117,13 @@ pub(crate) struct Parsed {
 pub(crate) enum Progress {
     /// A whole request.
     Complete(Parsed),
-    /// More bytes are needed. `head_done` says the head is complete (only the body is missing), and
-    /// `expects_continue` that the client waits for `100 Continue` before sending it.
+    /// More bytes are needed. `head_done` says the head is complete (only the body is missing),
+    /// `expects_continue` that the client waits for `100 Continue` before sending it, and `need` how
+    /// many bytes the whole request takes, when its `content-length` says.
     Partial {
         head_done: bool,
         expects_continue: bool,
+        need: Option<usize>,
     },
 }
 
@@ -114,6 +142,9 @@ pub(crate) enum Reject {
     ExpectationFailed,
     /// The head did not arrive within the header timeout: `408`.
     Timeout,
+    /// The request line names no HTTP version at all (`INVALID CONNECTION PREFACE`, say): `400`, or, as
+    /// the first bytes of a connection, an HTTP/2 GOAWAY (the peer may have meant HTTP/2).
+    NotHttp1,
 }
 
 impl Reject {
@@ -125,6 +156,7 @@ impl Reject {
             Reject::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Reject::ExpectationFailed => StatusCode::EXPECTATION_FAILED,
             Reject::Timeout => StatusCode::REQUEST_TIMEOUT,
+            Reject::NotHttp1 => StatusCode::BAD_REQUEST,
         }
     }
 }
@@ -173,6 +205,7 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
     const NEED_HEAD: Progress = Progress::Partial {
         head_done: false,
         expects_continue: false,
+        need: None,
     };
     // The usual limit fits on the stack, left uninitialised (httparse writes what it uses): no
     // allocation and no 4 KiB of initialisation per request.
@@ -196,6 +229,16 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
         }
         Ok(httparse::Status::Partial) => return Ok(NEED_HEAD),
         Err(httparse::Error::TooManyHeaders) => return Err(Reject::HeadTooLarge),
+        Err(httparse::Error::Version) => {
+            // `GET / HTTP/1.2` is an HTTP client asking for a version we lack; a request line with no
+            // `HTTP/` at all is no HTTP/1 client.
+            let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+            return Err(if line.windows(5).any(|w| w == b"HTTP/") {
+                Reject::BadRequest("unsupported http version")
+            } else {
+                Reject::NotHttp1
+            });
+        }
         Err(_) => return Err(Reject::BadRequest("malformed request head")),
     };
     let version = match req.version {
@@ -215,9 +258,11 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
     // Whether any field bears on framing or the connection; most requests (a GET with a few fields)
     // carry none, and then the lookups below, a hash each, are skipped.
     let mut framing_fields = false;
+    let mut hosts = 0;
     for field in req.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| Reject::BadRequest("invalid header name"))?;
+        hosts += usize::from(name == header::HOST);
         framing_fields |= name == header::CONNECTION
             || name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
@@ -227,6 +272,12 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
         headers.append(name, value);
     }
 
+    // RFC 9112, section 3.2: exactly one `Host` in HTTP/1.1; HTTP/1.0 may omit it, never repeat it.
+    match hosts {
+        0 if version == Version::HTTP_11 => return Err(Reject::BadRequest("no host header")),
+        0 | 1 => {}
+        _ => return Err(Reject::BadRequest("more than one host header")),
+    }
     let (keep_alive, expects_continue, content_length, chunked) = if framing_fields {
         (
             keep_alive(version, &headers),
@@ -237,9 +288,10 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
     } else {
         (version == Version::HTTP_11, false, None, false)
     };
-    let need_body = Progress::Partial {
+    let need_body = |need| Progress::Partial {
         head_done: true,
         expects_continue,
+        need,
     };
     let (body, len) = match (content_length, chunked) {
         (Some(_), true) => {
@@ -253,13 +305,13 @@ pub(crate) fn parse(src: Source<'_>, limits: &Limits) -> Result<Progress, Reject
                 return Err(Reject::BodyTooLarge);
             }
             let Some(body) = buf.get(head_len..head_len + n) else {
-                return Ok(need_body);
+                return Ok(need_body(Some(head_len + n)));
             };
             (src.bytes(body), head_len + n)
         }
         (None, true) => match decode_chunked(&buf[head_len..], limits)? {
             Some((body, n)) => (Bytes::from(body), head_len + n),
-            None => return Ok(need_body),
+            None => return Ok(need_body(None)),
         },
         (None, false) => (Bytes::new(), head_len),
     };
@@ -681,8 +733,10 @@ const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 ///
 /// After `shutdown` fires, the requests already read are answered (with `connection: close`) and the
 /// connection closes. A request head that takes longer than [`Limits::header_timeout`] is answered
-/// `408`; a connection idle for [`Limits::idle_timeout`] closes (within twice that: the timer is
-/// re-armed only when it fires). Returns an error only for a failed read or write.
+/// `408`, and so is a body that pauses for [`Limits::body_read_timeout`] or takes longer than
+/// [`Limits::body_timeout`]; a connection idle for [`Limits::idle_timeout`] closes. The input buffer is
+/// charged to `bodies` beyond a head and a read; a request it cannot grow for is answered `503` and
+/// the connection closes. Returns an error only for a failed read or write.
 ///
 /// `already_read` holds the bytes read before the connection was handed over (to tell HTTP/1 from
 /// HTTP/2); they are parsed first.
@@ -691,6 +745,7 @@ pub(crate) async fn serve_connection<I, S>(
     already_read: Vec<u8>,
     mut service: S,
     limits: &Limits,
+    bodies: &Rc<Budget>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> io::Result<()>
 where
@@ -700,17 +755,28 @@ where
     let mut input: Vec<u8> = already_read;
     input.reserve(READ_CHUNK);
     let mut output: Vec<u8> = Vec::new();
+    // What `input` holds beyond a head and a read is charged to the worker's budget.
+    let allowance = limits.max_head_bytes + READ_CHUNK;
+    let mut charge = Charge::new(bodies);
     // When the head now at the front of `input` was first seen incomplete.
     let mut head_since: Option<Instant> = None;
-    // Whether a request was served since the idle timer last fired.
-    let mut active = false;
+    // When the body now at the front of `input` began (its head ended), and when a byte of it last came.
+    let mut body_since: Option<Instant> = None;
+    let mut body_progress: Option<Instant> = None;
+    // When the connection last began to wait for a request; the idle timer is re-armed from it only
+    // when it fires, so requests cost no timer work.
+    let mut idle_since = Instant::now();
+    let mut served_since_wait = false;
     let mut idle_timer = pin!(tokio::time::sleep(limits.idle_timeout));
     // Whether `100 Continue` went out for the request at the front of `input`.
     let mut continued = false;
+    let mut first_request = true;
     loop {
         let mut close = false;
         let mut start = 0;
         let mut head_pending = false;
+        let mut body_pending = false;
+        let mut need = None;
         let shared = (input.len() < SHARE_BELOW).then(|| Bytes::copy_from_slice(&input));
         while !close {
             let src = match &shared {
@@ -722,12 +788,22 @@ where
                 Ok(Progress::Partial {
                     head_done,
                     expects_continue,
+                    need: needed,
                 }) => {
                     head_pending = !head_done && start < input.len();
+                    body_pending = head_done;
+                    need = needed;
                     if expects_continue && !continued {
                         output.extend_from_slice(CONTINUE);
                         continued = true;
                     }
+                    break;
+                }
+                Err(Reject::NotHttp1) if first_request => {
+                    // No HTTP/1 version: the peer may be an HTTP/2 client with a broken preface.
+                    tracing::debug!("Not HTTP/1, answering an HTTP/2 GOAWAY");
+                    output.extend_from_slice(&crate::server::GOAWAY_PROTOCOL_ERROR);
+                    close = true;
                     break;
                 }
                 Err(reject) => {
@@ -739,8 +815,11 @@ where
             };
             start += parsed.len;
             continued = false;
+            first_request = false;
             head_since = None;
-            active = true;
+            body_since = None;
+            body_progress = None;
+            served_since_wait = true;
             crate::counter::record_request();
             let version = parsed.request.version();
             let head_only = parsed.request.method() == Method::HEAD;
@@ -786,6 +865,7 @@ where
             }
             close = !keep_alive;
         }
+        drop(shared);
         input.drain(..start);
 
         if close {
@@ -794,16 +874,47 @@ where
             return Ok(());
         }
 
-        if input.capacity() - input.len() < READ_CHUNK / 2 {
-            input.reserve(READ_CHUNK);
+        // A large request is done: give its buffer back rather than keep it for the connection's life.
+        if input.capacity() > 2 * allowance && input.len() < READ_CHUNK {
+            input.shrink_to(READ_CHUNK);
+        }
+        match need {
+            // The body's size is known: room for exactly the rest of the request, no doubling.
+            Some(need) if body_pending && need > input.capacity() => {
+                input.reserve_exact(need - input.len());
+            }
+            _ if input.capacity() - input.len() < READ_CHUNK / 2 => input.reserve(READ_CHUNK),
+            _ => {}
+        }
+        if !charge.set(input.capacity().saturating_sub(allowance)) {
+            tracing::debug!(
+                buffered = bodies.used(),
+                wanted = input.capacity(),
+                "The worker's request-body budget is spent, answering 503"
+            );
+            encode_error(&mut output, StatusCode::SERVICE_UNAVAILABLE);
+            flush(&io, &mut output).await?;
+            io.shutdown();
+            return Ok(());
         }
         let idle = input.is_empty();
-        let head_deadline = if head_pending {
-            Some(*head_since.get_or_insert_with(Instant::now) + limits.header_timeout)
+        let now = Instant::now();
+        let deadline = if head_pending {
+            Some(*head_since.get_or_insert(now) + limits.header_timeout)
+        } else if body_pending {
+            head_since = None;
+            let since = *body_since.get_or_insert(now);
+            let progress = body_progress.unwrap_or(since);
+            Some((since + limits.body_timeout).min(progress + limits.body_read_timeout))
         } else {
             head_since = None;
+            body_since = None;
+            body_progress = None;
             None
         };
+        if idle && std::mem::take(&mut served_since_wait) {
+            idle_since = now;
+        }
         // The responses go out while the next read is already submitted: both operations reach the
         // kernel in the same submission, one event-loop turn per request instead of two.
         let next = async {
@@ -818,11 +929,9 @@ where
                         (result, buf) = &mut read => return Next::Read(result, buf),
                         _ = shutdown.changed() => return Next::Close,
                         () = idle_timer.as_mut() => {
-                            // One timer per connection, re-armed only when it fires: no timer work
-                            // per request. A connection idle since the last firing is closed.
-                            if std::mem::take(&mut active) {
-                                let next = tokio::time::Instant::now() + limits.idle_timeout;
-                                idle_timer.as_mut().reset(next);
+                            let due = idle_since + limits.idle_timeout;
+                            if Instant::now() < due {
+                                idle_timer.as_mut().reset(due.into());
                                 continue;
                             }
                             tracing::debug!("Idle timeout, closing");
@@ -830,10 +939,10 @@ where
                         }
                     }
                 }
-            } else if let Some(deadline) = head_deadline {
+            } else if let Some(deadline) = deadline {
                 tokio::select! {
                     (result, buf) = read => Next::Read(result, buf),
-                    () = tokio::time::sleep_until(deadline.into()) => Next::HeadTimeout,
+                    () = tokio::time::sleep_until(deadline.into()) => Next::Timeout,
                 }
             } else {
                 let (result, buf) = read.await;
@@ -849,13 +958,16 @@ where
                     // The client closed; a partial request left in the buffer is dropped.
                     return Ok(());
                 }
+                if body_pending {
+                    body_progress = Some(Instant::now());
+                }
             }
             Next::Close => {
                 io.shutdown();
                 return Ok(());
             }
-            Next::HeadTimeout => {
-                tracing::debug!("Request head timeout, answering 408");
+            Next::Timeout => {
+                tracing::debug!(body = body_pending, "Request timeout, answering 408");
                 encode_error(&mut output, Reject::Timeout.status());
                 flush(&io, &mut output).await?;
                 io.shutdown();
@@ -871,8 +983,8 @@ enum Next {
     Read(io::Result<usize>, Vec<u8>),
     /// Shutdown began or the idle timeout passed while the connection was idle.
     Close,
-    /// The request head did not arrive in time.
-    HeadTimeout,
+    /// The request head or body did not arrive in time.
+    Timeout,
 }
 
 #[cfg(test)]
@@ -912,7 +1024,7 @@ mod tests {
 
     #[test]
     fn parses_pipelined_requests() {
-        let got = parse_all(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nPOST /b HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcGET /c HTTP/1.0\r\n\r\n")
+        let got = parse_all(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabcGET /c HTTP/1.0\r\n\r\n")
             .unwrap();
         assert_eq!(got.len(), 3);
         assert_eq!(got[0].request.uri(), "/a");
@@ -924,7 +1036,7 @@ mod tests {
 
     #[test]
     fn waits_for_a_whole_request() {
-        let full = b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
+        let full = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello";
         for n in 0..full.len() {
             assert!(complete(&full[..n]).unwrap().is_none(), "complete at {n}");
         }
@@ -934,15 +1046,17 @@ mod tests {
     #[test]
     fn keep_alive_follows_version_and_connection() {
         let ka = |s: &[u8]| complete(s).unwrap().unwrap().keep_alive;
-        assert!(ka(b"GET / HTTP/1.1\r\n\r\n"));
-        assert!(!ka(b"GET / HTTP/1.1\r\nConnection: Close\r\n\r\n"));
+        assert!(ka(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"));
+        assert!(!ka(
+            b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Close\r\n\r\n"
+        ));
         assert!(!ka(b"GET / HTTP/1.0\r\n\r\n"));
         assert!(ka(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
     }
 
     #[test]
     fn decodes_chunked_bodies() {
-        let req = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: y\r\n\r\n";
+        let req = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: y\r\n\r\n";
         for n in 0..req.len() {
             assert!(complete(&req[..n]).unwrap().is_none(), "complete at {n}");
         }
@@ -955,27 +1069,27 @@ mod tests {
     fn refuses_bad_framing() {
         let cases: [(&[u8], Reject); 7] = [
             (
-                b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
                 Reject::BadRequest("both content-length and transfer-encoding"),
             ),
             (
-                b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
                 Reject::BadRequest("differing content-length values"),
             ),
             (
-                b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
                 Reject::BadRequest("invalid content-length"),
             ),
             (
-                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
                 Reject::BadRequest("invalid chunk size"),
             ),
             (
-                b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
                 Reject::UnsupportedCoding,
             ),
             (
-                b"POST / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n",
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n",
                 Reject::BodyTooLarge,
             ),
             (
@@ -988,17 +1102,31 @@ mod tests {
             assert_eq!(got, want, "{}", String::from_utf8_lossy(req));
         }
         // Equal repeated lengths are one length.
-        let ok = complete(b"POST / HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab");
+        let ok = complete(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab",
+        );
         assert_eq!(ok.unwrap().unwrap().request.body().as_bytes(), "ab");
     }
 
     #[test]
+    fn a_request_line_without_an_http_version_is_not_http1() {
+        assert_eq!(
+            parse_both(b"INVALID CONNECTION PREFACE\r\n\r\n").unwrap_err(),
+            Reject::NotHttp1
+        );
+        assert_eq!(
+            parse_both(b"GET / HTTP/1.2\r\nHost: x\r\n\r\n").unwrap_err(),
+            Reject::BadRequest("unsupported http version")
+        );
+    }
+
+    #[test]
     fn refuses_oversized_heads() {
-        let mut long = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
+        let mut long = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
         long.extend(std::iter::repeat_n(b'a', 20 * 1024));
         // Even before the head is complete.
         assert_eq!(parse_both(&long).unwrap_err(), Reject::HeadTooLarge);
-        let mut many = b"GET / HTTP/1.1\r\n".to_vec();
+        let mut many = b"GET / HTTP/1.1\r\nHost: x\r\n".to_vec();
         for i in 0..101 {
             many.extend(format!("X-{i}: v\r\n").as_bytes());
         }
@@ -1008,27 +1136,30 @@ mod tests {
 
     #[test]
     fn refuses_obs_fold_and_odd_expectations() {
-        let folded = b"GET / HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n";
+        let folded = b"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n";
         assert!(matches!(complete(folded), Err(Reject::BadRequest(_))));
-        let expect = b"POST / HTTP/1.1\r\nExpect: teapot\r\nContent-Length: 1\r\n\r\n";
+        let expect = b"POST / HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 1\r\n\r\n";
         assert_eq!(complete(expect).unwrap_err(), Reject::ExpectationFailed);
     }
 
     #[test]
     fn reports_a_waiting_100_continue() {
-        let head = b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
+        let head =
+            b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
         assert!(matches!(
             parse_both(head).unwrap(),
             Progress::Partial {
                 head_done: true,
-                expects_continue: true
+                expects_continue: true,
+                need: Some(_),
             }
         ));
         assert!(matches!(
             parse_both(&head[..10]).unwrap(),
             Progress::Partial {
                 head_done: false,
-                expects_continue: false
+                expects_continue: false,
+                need: None,
             }
         ));
         // HTTP/1.0 clients never get 100 Continue.

@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod budget;
 #[allow(
     unsafe_code,
     reason = "maps the shared counter region; each use has a SAFETY line"
@@ -26,6 +27,7 @@ pub mod hello;
 pub mod http1;
 pub mod http2;
 pub mod listen;
+mod log_limit;
 pub mod register;
 pub mod server;
 pub mod service;

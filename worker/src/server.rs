@@ -23,16 +23,19 @@ use tracing::Instrument;
 
 use crate::{
     BoxError,
+    budget::{self, Budget},
     http1::{self, Limits},
     http2,
     listen::{BoundAddr, BoundListener, Listener},
+    log_limit::{LogLimit, Verdict},
     service::HttpService,
     stream::{Io, Stream},
 };
 
 /// How the server runs connections.
 ///
-/// The defaults are [`Limits::default`], [`http2::Limits::default`] and a drain timeout of 5 seconds.
+/// The defaults are [`Limits::default`], [`http2::Limits::default`], a drain timeout of 5 seconds and
+/// 128 MiB of request bodies buffered at once.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// The limits every HTTP/1 request is held to.
@@ -41,6 +44,10 @@ pub struct Config {
     pub http2: http2::Limits,
     /// How long in-flight connections may take to finish after shutdown begins.
     pub drain_timeout: Duration,
+    /// How many bytes of request bodies the worker buffers at once, over all connections and both
+    /// protocols. A request that would take more is answered `503` (HTTP/1: with `connection: close`;
+    /// HTTP/2: on that stream only); see the protocol modules for what each one charges.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for Config {
@@ -49,6 +56,7 @@ impl Default for Config {
             limits: Limits::default(),
             http2: http2::Limits::default(),
             drain_timeout: Duration::from_secs(5),
+            max_buffered_body_bytes: 128 * 1024 * 1024,
         }
     }
 }
@@ -81,10 +89,12 @@ where
     S: HttpService,
 {
     let (stop, stopped) = watch::channel(false);
+    budget::return_large_frees();
     let shared = Rc::new(Shared {
         make_service,
         limits: config.limits,
         http2: config.http2,
+        bodies: Budget::new(config.max_buffered_body_bytes, None),
         connections: Cell::new(0),
         drained: Notify::new(),
     });
@@ -138,6 +148,8 @@ struct Shared<F> {
     make_service: F,
     limits: Limits,
     http2: http2::Limits,
+    /// The worker's budget of buffered request-body bytes.
+    bodies: Rc<Budget>,
     connections: Cell<usize>,
     drained: Notify,
 }
@@ -192,6 +204,8 @@ async fn accept_loop<F, S>(
     F: Fn() -> S + 'static,
     S: HttpService,
 {
+    let mut failures = LogLimit::default();
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
         if *stopped.borrow_and_update() {
             return;
@@ -201,11 +215,28 @@ async fn accept_loop<F, S>(
             _ = stopped.changed() => return,
         };
         let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
+            Ok(accepted) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                accepted
+            }
             Err(error) => {
-                // Typically EMFILE: back off a little rather than spin.
-                tracing::warn!(%addr, %error, "Accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Typically EMFILE: the condition lasts until connections close, so back off
+                // (doubling, up to a second) rather than spin, and say so once per interval.
+                if let Verdict::Log { suppressed, over } = failures.hit(Instant::now()) {
+                    tracing::warn!(
+                        %addr,
+                        %error,
+                        suppressed,
+                        over_ms = over.as_millis() as u64,
+                        backoff_ms = backoff.as_millis() as u64,
+                        "Accept failed"
+                    );
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    _ = stopped.changed() => return,
+                }
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                 continue;
             }
         };
@@ -233,19 +264,28 @@ async fn accept_loop<F, S>(
                         already_read,
                         service,
                         &shared.limits,
+                        &shared.bodies,
                         stopped,
                     )
                     .await
                     .map_err(BoxError::from),
-                    Protocol::Http2 => http2::serve_connection(
-                        Rc::new(stream),
-                        already_read,
-                        service,
-                        &shared.http2,
-                        stopped,
-                    )
-                    .await
-                    .map_err(BoxError::from),
+                    Protocol::Http2 => {
+                        let stream = Rc::new(stream);
+                        let result = http2::serve_connection(
+                            stream.clone(),
+                            already_read,
+                            service,
+                            &shared.http2,
+                            &shared.bodies,
+                            stopped,
+                        )
+                        .await;
+                        // A read the adapter left in flight keeps the descriptor open until it
+                        // completes, which a silent peer never lets happen: shutting the socket down
+                        // completes it, so the connection really closes now.
+                        stream.shutdown();
+                        result.map_err(BoxError::from)
+                    }
                 };
                 if let Err(error) = result {
                     tracing::debug!(%error, ?protocol, "Connection failed");
@@ -264,41 +304,95 @@ enum Protocol {
     Http2,
 }
 
-/// The start of the HTTP/2 client preface; `PRI` is reserved as an HTTP/1 method for exactly this.
-const PREFACE_START: &[u8] = b"PRI * HTTP/2.0\r\n";
+/// How long the accept loop waits after its first failure in a row, and at most.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// The HTTP/2 client preface; `PRI` is reserved as an HTTP/1 method for exactly this.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// What a connection whose first bytes begin `PRI ` must continue with to be HTTP/2.
+const PRI: &[u8] = b"PRI ";
 
 /// Reads until the first bytes tell HTTP/1 from HTTP/2; returns the protocol and the bytes read, or
-/// `None` when the client closes, has not told within the idle timeout (however it trickles its
-/// bytes), or shutdown begins first.
+/// `None` when the client closes, has not told within [`Limits::first_byte_timeout`] (however it
+/// trickles its bytes), sent a broken HTTP/2 preface (answered with GOAWAY), or shutdown begins first.
+/// Every `None` but the client's own close shuts the socket down, which also completes the read in
+/// flight: dropping that read alone would keep the descriptor open until the peer sends something.
 async fn sniff(
     stream: &Stream,
     limits: &Limits,
     mut stopped: watch::Receiver<bool>,
 ) -> io::Result<Option<(Protocol, Vec<u8>)>> {
     let mut buf = Vec::with_capacity(16 * 1024);
-    let deadline = tokio::time::Instant::now() + limits.idle_timeout;
+    let deadline = tokio::time::Instant::now() + limits.first_byte_timeout;
     loop {
         if *stopped.borrow_and_update() {
+            stream.shutdown();
             return Ok(None);
         }
-        let (result, read) = tokio::select! {
-            r = stream.read(buf) => r,
-            _ = stopped.changed() => return Ok(None),
-            () = tokio::time::sleep_until(deadline) => return Ok(None),
+        let (result, read) = {
+            let read = stream.read(buf);
+            let mut read = std::pin::pin!(read);
+            tokio::select! {
+                r = &mut read => r,
+                _ = stopped.changed() => {
+                    stream.shutdown();
+                    read.await
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::debug!("No request within the first-byte timeout, closing");
+                    stream.shutdown();
+                    let _ = read.await;
+                    return Ok(None);
+                }
+            }
         };
         buf = read;
         if result? == 0 {
             return Ok(None);
         }
-        let n = buf.len().min(PREFACE_START.len());
-        if buf[..n] != PREFACE_START[..n] {
-            return Ok(Some((Protocol::Http1, buf)));
-        }
-        if n == PREFACE_START.len() {
-            return Ok(Some((Protocol::Http2, buf)));
+        match classify(&buf) {
+            Some(Ok(protocol)) => return Ok(Some((protocol, buf))),
+            Some(Err(BadPreface)) => {
+                tracing::debug!("Invalid HTTP/2 preface, answering GOAWAY");
+                let (written, _) = stream.write_all(GOAWAY_PROTOCOL_ERROR.to_vec()).await;
+                stream.shutdown();
+                written?;
+                return Ok(None);
+            }
+            None => {}
         }
     }
 }
+
+/// A connection that began like the HTTP/2 preface (`PRI `) and then differed from it.
+#[derive(Debug, PartialEq, Eq)]
+struct BadPreface;
+
+/// Tells the protocol from a connection's first bytes; `None` while they cannot tell yet.
+fn classify(buf: &[u8]) -> Option<Result<Protocol, BadPreface>> {
+    let n = buf.len().min(PREFACE.len());
+    if buf[..n] == PREFACE[..n] {
+        return (n == PREFACE.len()).then_some(Ok(Protocol::Http2));
+    }
+    if buf.len() >= PRI.len() && buf.starts_with(PRI) {
+        // `PRI` is no HTTP/1 method anyone uses: the peer meant HTTP/2 and got its preface wrong.
+        return Some(Err(BadPreface));
+    }
+    Some(Ok(Protocol::Http1))
+}
+
+/// An HTTP/2 GOAWAY frame, last stream 0, `PROTOCOL_ERROR`: the answer to a broken preface (RFC 9113,
+/// section 3.4), sent before the connection closes.
+pub(crate) const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [
+    0, 0, 8, // length
+    7, // type: GOAWAY
+    0, // flags
+    0, 0, 0, 0, // stream 0
+    0, 0, 0, 0, // last stream id
+    0, 0, 0, 1, // PROTOCOL_ERROR
+];
 
 /// Counts a connection out when its task ends, however it ends.
 struct Guard<'a, F>(&'a Shared<F>);
@@ -310,5 +404,25 @@ impl<F> Drop for Guard<'_, F> {
         if n == 0 {
             self.0.drained.notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_preface_decides_the_protocol() {
+        assert_eq!(classify(b"GET / HTTP/1.1\r\n"), Some(Ok(Protocol::Http1)));
+        assert_eq!(classify(b"G"), Some(Ok(Protocol::Http1)));
+        assert_eq!(classify(b"PRI * HTTP/2.0\r\n"), None, "not whole yet");
+        assert_eq!(classify(b"PR"), None);
+        assert_eq!(classify(PREFACE), Some(Ok(Protocol::Http2)));
+        let mut more = PREFACE.to_vec();
+        more.extend_from_slice(&[0, 0, 0, 4]);
+        assert_eq!(classify(&more), Some(Ok(Protocol::Http2)));
+        assert_eq!(classify(b"PRI * HTTP/2.0\r\n\r\nXX"), Some(Err(BadPreface)));
+        assert_eq!(classify(b"PRI / HTTP/1.1\r\n"), Some(Err(BadPreface)));
+        assert_eq!(classify(b"PRIX"), Some(Ok(Protocol::Http1)));
     }
 }

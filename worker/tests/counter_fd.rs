@@ -62,7 +62,7 @@ fn the_worker_keeps_the_counter_descriptor_open() {
     // A request is counted in the slot, and the worker has not closed the descriptor after mapping it.
     let mut http = TcpStream::connect(sa).unwrap();
     http.set_read_timeout(Some(STEP)).unwrap();
-    http.write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut response = String::new();
     http.read_to_string(&mut response).unwrap();

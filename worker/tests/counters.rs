@@ -50,7 +50,7 @@ fn requests_are_counted_in_the_shared_slot() {
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     stream
-        .write_all(&b"GET / HTTP/1.1\r\n\r\n".repeat(5))
+        .write_all(&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".repeat(5))
         .unwrap();
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];

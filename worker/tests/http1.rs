@@ -245,7 +245,7 @@ fn pipelined_requests_are_answered_in_order() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
     client.send(
-        b"GET /1 HTTP/1.1\r\n\r\nPOST /2 HTTP/1.1\r\nContent-Length: 4\r\n\r\nbodyGET /3 HTTP/1.1\r\n\r\n",
+        b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\nPOST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbodyGET /3 HTTP/1.1\r\nHost: x\r\n\r\n",
     );
     assert_eq!(client.response(false).body, b"GET /1 ");
     assert_eq!(client.response(false).body, b"POST /2 body");
@@ -279,7 +279,7 @@ fn connection_close_closes() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
     // The second request follows the one asking to close: it must not be answered.
-    client.send(b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\nGET /b HTTP/1.1\r\n\r\n");
+    client.send(b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n");
     let res = client.response(false);
     assert_eq!(res.body, b"GET /a ");
     assert_eq!(res.header("connection"), Some("close"));
@@ -290,14 +290,14 @@ fn connection_close_closes() {
 fn chunked_request_bodies_are_decoded() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n");
+    client.send(b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nWiki\r\n");
     // The rest arrives separately.
     client.send(b"5;x=y\r\npedia\r\n0\r\n\r\n");
     let res = client.response(false);
     assert_eq!(res.status, 200);
     assert_eq!(res.body, b"POST /c Wikipedia");
     // The connection is still usable.
-    client.send(b"GET /after HTTP/1.1\r\n\r\n");
+    client.send(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n");
     assert_eq!(client.response(false).body, b"GET /after ");
 }
 
@@ -305,7 +305,7 @@ fn chunked_request_bodies_are_decoded() {
 fn a_bad_chunk_size_is_a_bad_request() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nxyz\r\n");
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nxyz\r\n");
     assert_eq!(client.response(false).status, 400);
     client.expect_close();
 }
@@ -315,7 +315,7 @@ fn content_length_with_transfer_encoding_is_refused_and_closed() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
     client.send(
-        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     );
     let res = client.response(false);
     assert_eq!(res.status, 400);
@@ -327,7 +327,7 @@ fn content_length_with_transfer_encoding_is_refused_and_closed() {
 fn differing_content_lengths_are_refused() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab");
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab");
     assert_eq!(client.response(false).status, 400);
     client.expect_close();
 }
@@ -336,7 +336,7 @@ fn differing_content_lengths_are_refused() {
 fn oversized_headers_are_refused() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    let mut req = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
+    let mut req = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
     req.extend(std::iter::repeat_n(b'a', 32 * 1024));
     req.extend(b"\r\n\r\n");
     // The server may close before reading everything; a failed write is fine.
@@ -350,7 +350,7 @@ fn oversized_headers_are_refused() {
 fn an_oversized_body_is_refused() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"POST / HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n");
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n");
     assert_eq!(client.response(false).status, 413);
     client.expect_close();
 }
@@ -369,7 +369,7 @@ fn garbage_is_a_bad_request() {
 fn head_has_headers_but_no_body() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"HEAD /h HTTP/1.1\r\n\r\nGET /g HTTP/1.1\r\n\r\n");
+    client.send(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /g HTTP/1.1\r\nHost: x\r\n\r\n");
     let head = client.response(true);
     assert_eq!(head.status, 200);
     assert_eq!(head.header("content-length"), Some("8"));
@@ -389,7 +389,7 @@ fn serves_on_every_localhost_address() {
             stream,
             buf: Vec::new(),
         };
-        client.send(b"GET / HTTP/1.1\r\n\r\n");
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(client.response(false).status, 200, "{sa}");
     }
 }
@@ -407,7 +407,7 @@ fn serves_on_a_unix_socket() {
         buf: Vec::new(),
     };
     for _ in 0..2 {
-        client.send(b"POST /u HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi");
+        client.send(b"POST /u HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi");
         assert_eq!(client.response(false).body, b"POST /u hi");
     }
 }
@@ -417,7 +417,7 @@ fn shutdown_closes_idle_connections_and_stops_accepting() {
     let mut server = TestServer::start("http://127.0.0.1:0");
     let addr = server.tcp_addr();
     let mut client = server.connect();
-    client.send(b"GET / HTTP/1.1\r\n\r\n");
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
     assert_eq!(client.response(false).status, 200);
     server.stop();
     client.expect_close();
@@ -431,12 +431,12 @@ fn a_body_larger_than_one_read_is_read_whole() {
     let mut client = server.connect();
     let body: Vec<u8> = (0..200 * 1024).map(|i| b'a' + (i % 26) as u8).collect();
     let mut req = format!(
-        "PUT /big HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        "PUT /big HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
         body.len()
     )
     .into_bytes();
     req.extend_from_slice(&body);
-    req.extend_from_slice(b"GET /next HTTP/1.1\r\n\r\n");
+    req.extend_from_slice(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n");
     client.send(&req);
     let res = client.response(false);
     assert_eq!(res.status, 200);
@@ -481,7 +481,7 @@ fn shutdown_lets_in_flight_requests_finish() {
     };
     let mut server = TestServer::start_with("http://127.0.0.1:0", move || gate.clone());
     let mut client = server.connect();
-    client.send(b"GET /slow HTTP/1.1\r\n\r\n");
+    client.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n");
     in_flight.recv_timeout(STEP).unwrap();
 
     server.begin_stop();
@@ -603,7 +603,7 @@ fn bodies_of_unknown_size_are_chunked_and_large_ones_streamed() {
     let server = TestServer::start_with("http://127.0.0.1:0", || Streamer);
     let mut client = server.connect();
     // 300 KB: more than one flush of the output buffer.
-    client.send(b"GET /300 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\n");
+    client.send(b"GET /300 HTTP/1.1\r\nHost: x\r\n\r\nGET /2 HTTP/1.1\r\nHost: x\r\n\r\n");
     for n in [300, 2] {
         let (status, headers) = read_head(&mut client);
         assert_eq!(status, 200);
@@ -636,7 +636,7 @@ fn bodies_of_unknown_size_are_chunked_and_large_ones_streamed() {
 fn a_failing_body_cuts_the_connection() {
     let server = TestServer::start_with("http://127.0.0.1:0", || Streamer);
     let mut client = server.connect();
-    client.send(b"GET /fail HTTP/1.1\r\n\r\n");
+    client.send(b"GET /fail HTTP/1.1\r\nHost: x\r\n\r\n");
     let (status, _) = read_head(&mut client);
     assert_eq!(status, 200);
     // The chunked body never gets its last chunk: the connection ends instead.
@@ -651,7 +651,8 @@ fn a_failing_body_cuts_the_connection() {
 fn expect_100_continue_gets_an_interim_response_first() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"POST /up HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n");
+    client
+        .send(b"POST /up HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n");
     let (status, _) = read_head(&mut client);
     assert_eq!(
         status, 100,
@@ -662,7 +663,7 @@ fn expect_100_continue_gets_an_interim_response_first() {
     assert_eq!(res.status, 200);
     assert_eq!(res.body, b"POST /up hello");
     // A body over the limit is refused without asking for it.
-    client.send(b"POST /big HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 99999999\r\n\r\n");
+    client.send(b"POST /big HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 99999999\r\n\r\n");
     let res = client.response(false);
     assert_eq!(res.status, 413);
     client.expect_close();
@@ -672,13 +673,14 @@ fn expect_100_continue_gets_an_interim_response_first() {
 fn obs_fold_is_a_bad_request() {
     let server = TestServer::start("http://127.0.0.1:0");
     let mut client = server.connect();
-    client.send(b"GET / HTTP/1.1\r\nX-A: a\r\n folded\r\n\r\n");
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n folded\r\n\r\n");
     assert_eq!(client.response(false).status, 400);
     client.expect_close();
 }
 
 fn short_timeouts() -> Config {
     let mut config = Config::default();
+    config.limits.first_byte_timeout = Duration::from_millis(300);
     config.limits.header_timeout = Duration::from_millis(300);
     config.limits.idle_timeout = Duration::from_millis(300);
     config
@@ -689,7 +691,7 @@ fn a_slow_request_head_is_cut_off_with_408() {
     let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
     let mut client = server.connect();
     let started = std::time::Instant::now();
-    client.send(b"GET / HTTP/1.1\r\nX-Slow: ");
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ");
     let res = client.response(false);
     assert_eq!(res.status, 408);
     assert!(started.elapsed() >= Duration::from_millis(300));
@@ -700,7 +702,7 @@ fn a_slow_request_head_is_cut_off_with_408() {
 fn an_idle_connection_times_out() {
     let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
     let mut client = server.connect();
-    client.send(b"GET /a HTTP/1.1\r\n\r\n");
+    client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
     assert_eq!(client.response(false).status, 200);
     let idle_since = std::time::Instant::now();
     client.expect_close();
@@ -708,7 +710,7 @@ fn an_idle_connection_times_out() {
 }
 
 #[test]
-fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_idle_timeout() {
+fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_first_byte_timeout() {
     let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, short_timeouts());
     let mut client = server.connect();
     client
@@ -717,7 +719,7 @@ fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_idle_timeout() {
         .unwrap();
     let started = std::time::Instant::now();
     // One byte of the HTTP/2 preface every 100 ms: the server cannot tell the protocol yet, and must not
-    // wait more than its idle timeout (300 ms here) for it in all.
+    // wait more than its first-byte timeout (300 ms here) for it in all.
     for byte in b"PRI * HTTP/2.0\r\n" {
         let _ = client.stream.write_all(&[*byte]);
         thread::sleep(Duration::from_millis(100));
@@ -731,4 +733,175 @@ fn a_preface_trickled_byte_by_byte_is_cut_off_at_the_idle_timeout() {
         elapsed < Duration::from_millis(1000),
         "the connection stayed open {elapsed:?} while the client trickled its preface"
     );
+}
+
+#[test]
+fn http11_needs_exactly_one_host() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    for request in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+    ] {
+        let mut client = server.connect();
+        client.send(request);
+        assert_eq!(
+            client.response(false).status,
+            400,
+            "{}",
+            String::from_utf8_lossy(request)
+        );
+        client.expect_close();
+    }
+    // HTTP/1.0 may leave it out.
+    let mut client = server.connect();
+    client.send(b"GET /old HTTP/1.0\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+}
+
+/// The 17 bytes of an HTTP/2 GOAWAY frame with `PROTOCOL_ERROR` on stream 0, last stream 0.
+const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+
+#[test]
+fn a_broken_http2_preface_gets_goaway_not_an_http1_answer() {
+    let server = TestServer::start("http://127.0.0.1:0");
+    // What h2spec 3.5/2 sends, and a preface wrong after `PRI `.
+    for preface in [
+        &b"INVALID CONNECTION PREFACE\r\n\r\n"[..],
+        b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n",
+        b"PRI * HTTP/1.1\r\n\r\n",
+    ] {
+        let mut client = server.connect();
+        client.send(preface);
+        let mut got = Vec::new();
+        client.stream.read_to_end(&mut got).unwrap();
+        assert_eq!(
+            got,
+            GOAWAY_PROTOCOL_ERROR,
+            "{}: {}",
+            String::from_utf8_lossy(preface),
+            String::from_utf8_lossy(&got)
+        );
+    }
+    // A request that names no HTTP/1 version after a good one is an HTTP/1 client's mistake: 400.
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nINVALID REQUEST LINE\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    assert_eq!(client.response(false).status, 400);
+    // So is an HTTP version we do not speak.
+    let mut client = server.connect();
+    client.send(b"GET / HTTP/1.2\r\nHost: x\r\n\r\n");
+    assert_eq!(client.response(false).status, 400);
+}
+
+#[test]
+fn a_silent_connection_is_closed_at_the_first_byte_timeout() {
+    let mut config = Config::default();
+    config.limits.first_byte_timeout = Duration::from_millis(300);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    for first in [&b""[..], b"PRI * HTTP/2.0\r\n\r\nSM"] {
+        let mut client = server.connect();
+        client.send(first);
+        let started = std::time::Instant::now();
+        client.expect_close();
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(3),
+            "{:?} closed after {elapsed:?}",
+            String::from_utf8_lossy(first)
+        );
+    }
+}
+
+#[test]
+fn the_idle_timeout_counts_from_the_last_request() {
+    let mut config = Config::default();
+    config.limits.idle_timeout = Duration::from_millis(1000);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    // Part of the way into the timeout, another request: the timeout starts again from here, and
+    // no later (the timer is not merely re-armed when it fires, which would close at twice that).
+    thread::sleep(Duration::from_millis(600));
+    client.send(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(client.response(false).status, 200);
+    let idle_since = std::time::Instant::now();
+    client.expect_close();
+    let idle = idle_since.elapsed();
+    assert!(
+        idle >= Duration::from_millis(900) && idle < Duration::from_millis(1300),
+        "closed {idle:?} after the last response"
+    );
+}
+
+#[test]
+fn a_stalled_body_is_answered_408() {
+    let mut config = Config::default();
+    config.limits.body_read_timeout = Duration::from_millis(300);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nhalf");
+    let started = std::time::Instant::now();
+    assert_eq!(client.response(false).status, 408);
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    client.expect_close();
+    // A body that keeps coming, but too slowly for the whole-body timeout, is cut off too.
+    let mut config = Config::default();
+    config.limits.body_timeout = Duration::from_millis(500);
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut client = server.connect();
+    client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if client.stream.write_all(b"x").is_err() {
+            break client.response(false).status;
+        }
+        thread::sleep(Duration::from_millis(50));
+        let mut peek = [0u8; 1];
+        client.stream.set_nonblocking(true).unwrap();
+        let answered = matches!(client.stream.peek(&mut peek), Ok(n) if n > 0);
+        client.stream.set_nonblocking(false).unwrap();
+        if answered {
+            break client.response(false).status;
+        }
+    };
+    assert_eq!(status, 408);
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(450) && elapsed < Duration::from_secs(3),
+        "{elapsed:?}"
+    );
+}
+
+#[test]
+fn a_request_over_the_worker_budget_is_answered_503_and_closed() {
+    let config = Config {
+        max_buffered_body_bytes: 256 * 1024,
+        ..Config::default()
+    };
+    let server = TestServer::start_with_config("http://127.0.0.1:0", || Echo, config);
+    let mut first = server.connect();
+    first.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    first.send(&[b'a'; 1000]);
+    // The first body holds most of the budget while it lasts; a second one finds no room.
+    let mut second = server.connect();
+    second.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    let res = second.response(false);
+    assert_eq!(res.status, 503);
+    assert_eq!(res.header("connection"), Some("close"));
+    second.expect_close();
+    // The first completes, and its budget is free again.
+    first.send(&[b'a'; 199_000]);
+    let res = first.response(false);
+    assert_eq!(res.status, 200);
+    assert_eq!(res.body.len(), "POST / ".len() + 200_000);
+    // The answer to a next request on that connection comes after its buffer was given back (the
+    // large response may be written before that).
+    first.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(first.response(false).status, 200);
+    let mut third = server.connect();
+    third.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n");
+    third.send(&[b'b'; 200_000]);
+    assert_eq!(third.response(false).status, 200);
 }

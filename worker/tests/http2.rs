@@ -64,6 +64,7 @@ type Body = UnsyncBoxBody<Bytes, Infallible>;
 /// - `/echo`: the request body;
 /// - `/fail`: an application error;
 /// - `/slow?MS`: `slow` after MS milliseconds;
+/// - `/block?MS`: blocks the server's thread for MS milliseconds in the call, then answers 404;
 /// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer.
 #[derive(Clone, Debug)]
 struct App {
@@ -81,6 +82,11 @@ impl Service<Request<RequestBody>> for App {
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        if req.uri().path() == "/block" {
+            // Holds the server's only thread, as a CPU-bound call does.
+            let ms = req.uri().query().and_then(|q| q.parse().ok()).unwrap_or(0);
+            thread::sleep(Duration::from_millis(ms));
+        }
         Box::pin(async move {
             let query = req.uri().query().unwrap_or_default().to_owned();
             let mut args = query.split('&').map(|a| a.parse::<u64>().unwrap_or(0));
@@ -322,7 +328,12 @@ async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
     const STREAMS: u64 = 500;
     const LEN: usize = 256 * 1024;
-    let server = TestServer::start(Limits::default());
+    // 256 streams buffer 64 MiB at once here, more than a connection may by default (the budget has
+    // its own tests); the adapter is what is tested.
+    let server = TestServer::start(Limits {
+        max_connection_body_bytes: 256 * 1024 * 1024,
+        ..Limits::default()
+    });
     let requests_before = peregrine_worker::requests();
     run(async {
         let (client, connection) = connect(server.addr, |_| {}).await;
@@ -739,4 +750,148 @@ fn throughput() {
         window / 1024,
         mib / elapsed.as_secs_f64()
     );
+}
+
+/// A proxy's clients cancel while the server's thread is busy: the resets pile up in `h2`'s accept
+/// queue (not accepted while the thread is blocked), and the connection, which carries other requests,
+/// must stay open.
+#[test]
+fn cancellations_while_the_thread_is_busy_keep_the_connection() {
+    const CANCELLED: usize = 60;
+    let server = TestServer::start(Limits::default());
+    run(async {
+        let (client, connection) = connect(server.addr, |_| {}).await;
+        let blocking = {
+            let client = client.clone();
+            tokio::spawn(async move {
+                request(&client, Method::GET, "/block?700", Upload::Nothing).await
+            })
+        };
+        eventually("the server blocks in a call", || {
+            server.calls.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+        for _ in 0..CANCELLED {
+            let mut ready = client.clone().ready().await.unwrap();
+            let request = Request::get("http://localhost/slow?1000").body(()).unwrap();
+            let (_response, mut stream) = ready.send_request(request, false).unwrap();
+            stream.send_reset(Reason::CANCEL);
+            tokio::task::yield_now().await;
+        }
+        let (status, _) = blocking.await.unwrap().expect("the busy request failed");
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, body) = request(&client, Method::GET, "/slow?0", Upload::Nothing)
+            .await
+            .expect("the connection was closed");
+        assert_eq!((status, body.as_slice()), (StatusCode::OK, &b"slow"[..]));
+        assert!(!connection.is_finished(), "the connection ended");
+        drop(client);
+        connection.await.unwrap().unwrap();
+    });
+    server.next_result().unwrap();
+    // The cancelled streams cost the application nothing: only the two requests were called.
+    assert_eq!(server.calls.load(Ordering::SeqCst), 2);
+}
+
+/// Writes `bytes` on a raw connection, then reads until the server closes it (bounded by [`STEP`]);
+/// returns what it read and when it closed.
+async fn raw_until_close(addr: SocketAddr, bytes: &[u8]) -> (Vec<u8>, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(bytes).await.unwrap();
+    let started = Instant::now();
+    let mut got = Vec::new();
+    tokio::time::timeout(STEP, async {
+        let mut chunk = [0u8; 4096];
+        loop {
+            match tcp.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await
+    .expect("the server kept the connection open");
+    (got, started.elapsed())
+}
+
+/// The client preface and an empty SETTINGS frame.
+const PREFACE_AND_SETTINGS: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+#[test]
+fn an_idle_peer_that_never_answers_goaway_is_closed() {
+    let limits = Limits {
+        idle_timeout: Some(Duration::from_millis(300)),
+        handshake_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        // It never reads, so never answers the server's PING.
+        let (got, closed_after) = raw_until_close(server.addr, PREFACE_AND_SETTINGS).await;
+        assert!(
+            closed_after >= Duration::from_millis(500) && closed_after < Duration::from_secs(3),
+            "closed after {closed_after:?}"
+        );
+        // The server's frames: SETTINGS, then GOAWAY (type 7) among them.
+        assert!(
+            got.windows(4).any(|w| w[3] == 7 && w[..3] == [0, 0, 8]),
+            "no GOAWAY in {got:?}"
+        );
+    });
+    server.next_result().unwrap();
+}
+
+#[test]
+fn a_half_preface_is_closed_at_the_handshake_timeout() {
+    let limits = Limits {
+        handshake_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        let (_, closed_after) = raw_until_close(server.addr, b"PRI * HTTP/2.0\r\n\r\nSM\r\n").await;
+        assert!(
+            closed_after >= Duration::from_millis(250) && closed_after < Duration::from_secs(3),
+            "closed after {closed_after:?}"
+        );
+    });
+    assert!(matches!(
+        server.next_result(),
+        Err(ConnectionError::HandshakeTimeout)
+    ));
+}
+
+#[test]
+fn a_stalled_body_is_answered_408() {
+    let limits = Limits {
+        body_read_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let server = TestServer::start(limits);
+    run(async {
+        let (client, _connection) = connect(server.addr, |_| {}).await;
+        let mut ready = client.clone().ready().await.unwrap();
+        let request = Request::post("http://localhost/echo").body(()).unwrap();
+        let (response, mut stream) = ready.send_request(request, false).unwrap();
+        stream
+            .send_data(Bytes::from_static(b"part of it"), false)
+            .unwrap();
+        let started = Instant::now();
+        let response = tokio::time::timeout(STEP, response)
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+        assert!(started.elapsed() >= Duration::from_millis(250));
+        // The connection goes on serving.
+        let (status, _) = request_on(&client).await;
+        assert_eq!(status, StatusCode::OK);
+    });
+}
+
+async fn request_on(client: &SendRequest<Bytes>) -> (StatusCode, Vec<u8>) {
+    request(client, Method::GET, "/slow?0", Upload::Nothing)
+        .await
+        .unwrap()
 }

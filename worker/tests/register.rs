@@ -48,7 +48,7 @@ fn get(addr: std::net::SocketAddr) -> String {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(STEP)).unwrap();
     stream
-        .write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut out = String::new();
     stream.read_to_string(&mut out).unwrap();

@@ -1,0 +1,166 @@
+//! Out of file descriptors, the accept loop backs off and says so once, not once per attempt; it accepts
+//! again once descriptors are free.
+//!
+//! A test binary of its own: it lowers this process's descriptor limit and installs a global `tracing`
+//! subscriber that counts the server's warnings.
+
+use std::{
+    convert::Infallible,
+    future::{Ready, ready},
+    io::{Read, Write},
+    net::TcpStream,
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
+    task::{Context, Poll},
+    thread,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use peregrine_worker::{
+    RequestBody,
+    listen::{self, BoundAddr},
+    server::{self, Config},
+};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+use tower::Service;
+use tracing::{
+    Event, Level, Metadata,
+    span::{Attributes, Id, Record},
+    subscriber::Interest,
+};
+
+/// Warnings logged by the accept loops.
+static ACCEPT_WARNINGS: AtomicUsize = AtomicUsize::new(0);
+
+struct Counter {
+    next_id: AtomicU64,
+}
+
+impl tracing::Subscriber for Counter {
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+        Interest::always()
+    }
+
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+
+    fn event(&self, event: &Event<'_>) {
+        let metadata = event.metadata();
+        if *metadata.level() == Level::WARN && metadata.target() == "peregrine_worker::server" {
+            ACCEPT_WARNINGS.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn enter(&self, _: &Id) {}
+
+    fn exit(&self, _: &Id) {}
+}
+
+#[derive(Clone, Debug)]
+struct Ok200;
+
+impl Service<Request<RequestBody>> for Ok200 {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
+        ready(Ok(Response::new(Full::from("ok"))))
+    }
+}
+
+fn open_descriptors() -> u64 {
+    std::fs::read_dir("/proc/self/fd").unwrap().count() as u64
+}
+
+#[test]
+fn emfile_is_logged_once_per_interval_and_accepting_resumes() {
+    tracing::subscriber::set_global_default(Counter {
+        next_id: AtomicU64::new(1),
+    })
+    .unwrap();
+    let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listeners
+        .iter()
+        .find_map(|l| match &l.addr {
+            BoundAddr::Ip(sa) => Some(*sa),
+            BoundAddr::Unix(_) => None,
+        })
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = thread::spawn(move || {
+        tokio_uring::start(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            server::serve(listeners, || Ok200, Config::default(), shutdown)
+                .await
+                .unwrap();
+        });
+    });
+    // The server is up once it answers.
+    let mut probe = TcpStream::connect(addr).unwrap();
+    probe
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    probe.read_to_end(&mut Vec::new()).unwrap();
+    drop(probe);
+
+    // Room for the clients' sockets only: every accept fails with EMFILE.
+    let limit = getrlimit(Resource::Nofile);
+    let clients = 4;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open_descriptors() + clients),
+            maximum: limit.maximum,
+        },
+    )
+    .unwrap();
+    let waiting: Vec<TcpStream> = (0..clients)
+        .filter_map(|_| TcpStream::connect(addr).ok())
+        .collect();
+    assert!(!waiting.is_empty(), "no client could connect");
+    // A window during which the loop, retrying every 50 ms as it did, would have warned 30 times.
+    // What is measured is a rate, so the window is fixed.
+    let window = Duration::from_millis(1500);
+    thread::sleep(window);
+    let warnings = ACCEPT_WARNINGS.load(Ordering::SeqCst);
+    setrlimit(Resource::Nofile, limit).unwrap();
+    eprintln!("{warnings} accept warnings in {window:?} of EMFILE");
+    assert!(
+        warnings >= 1,
+        "the accept never failed: the test proves nothing"
+    );
+    assert!(warnings <= 1, "{warnings} warnings in {window:?}");
+
+    // Descriptors are back: the waiting clients are served (the back-off is at most a second).
+    for mut client in waiting {
+        client
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut response = Vec::new();
+        client.read_to_end(&mut response).unwrap();
+        assert!(response.starts_with(b"HTTP/1.1 200 OK\r\n"), "{response:?}");
+    }
+    let _ = stop.send(());
+    server.join().unwrap();
+}
