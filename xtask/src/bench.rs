@@ -12,10 +12,13 @@
 //!   robin, least request and ORCA-weighted round robin through the real Envoy while one worker's core
 //!   is shared with a CPU hog, or the worker gets CPU-heavy requests past Envoy; with a plot of the
 //!   shares, utilizations and weights over time ([`balance`]).
+//! - `attacks [--connections N] [--bodies N]`: a flood of connections to the gRPC port and of
+//!   unfinished request bodies to a worker, at the size they were found at ([`attacks`]).
 //! - `lifecycle [--rounds N] [--batches N,N...]`: a rolling restart of 8 workers (`restart_batch` 1 and
 //!   4) and a SIGKILLed supervisor adopting its workers again, under load through the real Envoy
 //!   ([`lifecycle`]).
 
+mod attacks;
 mod balance;
 mod hashing;
 mod http;
@@ -38,9 +41,10 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("hashing") => hashing::run(&args[1..]),
         Some("balance") => balance::run(&args[1..]),
         Some("lifecycle") => lifecycle::run(&args[1..]),
+        Some("attacks") => attacks::run(&args[1..]),
         Some(other) => {
             bail!(
-                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance` or `lifecycle`"
+                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance`, `lifecycle` or `attacks`"
             )
         }
         None => bail!(
