@@ -120,7 +120,7 @@ pub async fn serve(
                     async move {
                         match handle(stream, &registry, &children, &acks, &commands).await {
                             Ok(()) => {}
-                            // A connect-and-close (e.g. a second supervisor probing the socket).
+                            // A connect-and-close (a client that gave up, a port scan of sorts).
                             Err(reason @ Closed::EarlyEof) => {
                                 tracing::debug!(%reason, "Registration connection closed");
                             }

@@ -1,9 +1,11 @@
 //! `peregrine run`: wires the parts together and runs them until SIGINT or SIGTERM.
 //!
-//! Order of start: the sampler's sources ([`choose_sampler`]: an unavailable sampler fails before
-//! anything starts), registry, registration socket, gRPC listener (so a bad address fails before any
-//! worker starts), adoption of an earlier supervisor's workers and the slot tasks, the registration
-//! server, xDS (once adopted workers have registered again), then the sampling loop. Restarts and
+//! Order of start: the control socket's instance lock ([`InstanceLock`]: a second supervisor on the
+//! socket stops here), the open-file limit raised, the sampler's sources ([`choose_sampler`]: an
+//! unavailable sampler fails before anything starts), registry, registration socket, gRPC listener
+//! (so a bad address fails before any worker starts), adoption of an earlier supervisor's workers
+//! (those of the lock's lineage) and the slot tasks, the registration server, xDS behind the gRPC
+//! port's admission (once adopted workers have registered again), then the sampling loop. Restarts and
 //! reloads (control socket, SIGHUP) run one at a time in an operation task. Order of stop: workers
 //! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
 //! registration socket file is removed.
