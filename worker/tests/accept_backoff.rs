@@ -4,83 +4,31 @@
 //! A test binary of its own: it lowers this process's descriptor limit and installs a global `tracing`
 //! subscriber that counts the server's warnings.
 
+mod common;
+
+use common::{EventCounter, Ok200};
 use std::{
-    convert::Infallible,
-    future::{Ready, ready},
     io::{Read, Write},
     net::TcpStream,
-    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
-    task::{Context, Poll},
+    sync::atomic::{AtomicUsize, Ordering},
     thread,
     time::Duration,
 };
 
-use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::Full;
 use peregrine_worker::{
-    RequestBody,
     listen::{self, BoundAddr},
     server::{self, Config},
 };
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-use tower::Service;
-use tracing::{
-    Event, Level, Metadata,
-    span::{Attributes, Id, Record},
-    subscriber::Interest,
-};
+use tracing::Level;
 
 /// Warnings logged by the accept loops.
 static ACCEPT_WARNINGS: AtomicUsize = AtomicUsize::new(0);
 
-struct Counter {
-    next_id: AtomicU64,
-}
-
-impl tracing::Subscriber for Counter {
-    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
-        Interest::always()
-    }
-
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(self.next_id.fetch_add(1, Ordering::Relaxed))
-    }
-
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-
-    fn event(&self, event: &Event<'_>) {
-        let metadata = event.metadata();
-        if *metadata.level() == Level::WARN && metadata.target() == "peregrine_worker::server" {
-            ACCEPT_WARNINGS.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn enter(&self, _: &Id) {}
-
-    fn exit(&self, _: &Id) {}
-}
-
-#[derive(Clone, Debug)]
-struct Ok200;
-
-impl Service<Request<RequestBody>> for Ok200 {
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
-        ready(Ok(Response::new(Full::from("ok"))))
+/// Counts the accept loops' warnings.
+fn count(metadata: &tracing::Metadata<'_>) {
+    if *metadata.level() == Level::WARN && metadata.target() == "peregrine_worker::server" {
+        ACCEPT_WARNINGS.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -90,10 +38,7 @@ fn open_descriptors() -> u64 {
 
 #[test]
 fn emfile_is_logged_once_per_interval_and_accepting_resumes() {
-    tracing::subscriber::set_global_default(Counter {
-        next_id: AtomicU64::new(1),
-    })
-    .unwrap();
+    EventCounter::install(count);
     let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listeners
         .iter()

@@ -5,49 +5,18 @@
 //! A test binary of its own: it measures this process's resident memory and depends on the
 //! allocator's process-wide state.
 
-use std::{
-    convert::Infallible,
-    future::{Ready, ready},
-    hint::black_box,
-    task::{Context, Poll},
-    thread,
-};
+mod common;
 
-use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::Full;
+use common::{Ok200, rss};
+use std::{hint::black_box, thread};
+
 use peregrine_worker::{
-    RequestBody, listen,
+    listen,
     server::{self, Config},
 };
-use tower::Service;
 
 fn rss_mib() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse::<usize>()
-        .unwrap()
-        / 1024
-}
-
-#[derive(Clone, Debug)]
-struct Ok200;
-
-impl Service<Request<RequestBody>> for Ok200 {
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
-        ready(Ok(Response::new(Full::from("ok"))))
-    }
+    rss() / (1024 * 1024)
 }
 
 /// `n` buffers of `len` bytes, every page touched, each followed by a small allocation that outlives

@@ -6,26 +6,23 @@
 //! A test binary of its own, with one test: it measures this process's resident memory
 //! (`/proc/self/status`), which another test running beside it would disturb.
 
+mod common;
+
+use common::{Ok200, rss};
 use std::{
-    convert::Infallible,
-    future::{Ready, ready},
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
     sync::mpsc,
-    task::{Context, Poll},
     thread,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http::{Method, Request, StatusCode};
 use peregrine_worker::{
-    RequestBody,
     listen::{self, BoundAddr},
     server::{self, Config},
 };
-use tower::Service;
 
 /// How long any single step of the test may take.
 const STEP: Duration = Duration::from_secs(10);
@@ -41,39 +38,6 @@ const BUDGET: usize = 16 * 1024 * 1024;
 const H1_CONNECTIONS: usize = 150;
 const H2_STREAMS: usize = 200;
 const MAX_GROWTH: usize = BUDGET + H1_CONNECTIONS * 32 * 1024 + 24 * 1024 * 1024;
-
-/// Answers `ok`; never reached by a stalled body.
-#[derive(Clone, Debug)]
-struct Ok200;
-
-impl Service<Request<RequestBody>> for Ok200 {
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
-        ready(Ok(Response::new(Full::from("ok"))))
-    }
-}
-
-/// The resident memory of this process, in bytes.
-fn rss() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .expect("VmRSS in /proc/self/status");
-    let kib: usize = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap();
-    kib * 1024
-}
 
 /// How close to its baseline resident memory must come back once the connections are gone.
 const RETURNED_WITHIN: usize = 8 * 1024 * 1024;

@@ -3,87 +3,34 @@
 //!
 //! A test binary of its own: it installs a global `tracing` subscriber that counts warnings.
 
+mod common;
+
+use common::{EventCounter, Ok200};
 use std::{
-    convert::Infallible,
-    future::{Ready, ready},
     io::{Read, Write},
     net::TcpStream,
-    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
-    task::{Context, Poll},
+    sync::atomic::{AtomicUsize, Ordering},
     thread,
     time::Duration,
 };
 
-use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::Full;
 use peregrine_worker::{
-    RequestBody,
     listen::{self, BoundAddr},
     server::{self, Config},
 };
-use tower::Service;
-use tracing::{
-    Event, Level, Metadata,
-    span::{Attributes, Id, Record},
-    subscriber::Interest,
-};
+use tracing::Level;
 
 /// Warnings (and errors) logged by `h2`, and every warning.
 static H2_WARNINGS: AtomicUsize = AtomicUsize::new(0);
 static WARNINGS: AtomicUsize = AtomicUsize::new(0);
 
-/// Counts warnings; nothing else.
-struct Counter {
-    next_id: AtomicU64,
-}
-
-impl tracing::Subscriber for Counter {
-    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
-        Interest::always()
-    }
-
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(self.next_id.fetch_add(1, Ordering::Relaxed))
-    }
-
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-
-    fn event(&self, event: &Event<'_>) {
-        let metadata = event.metadata();
-        if *metadata.level() <= Level::WARN {
-            WARNINGS.fetch_add(1, Ordering::SeqCst);
-            if metadata.target().starts_with("h2") {
-                H2_WARNINGS.fetch_add(1, Ordering::SeqCst);
-            }
+/// Counts warnings, and `h2`'s apart.
+fn count(metadata: &tracing::Metadata<'_>) {
+    if *metadata.level() <= Level::WARN {
+        WARNINGS.fetch_add(1, Ordering::SeqCst);
+        if metadata.target().starts_with("h2") {
+            H2_WARNINGS.fetch_add(1, Ordering::SeqCst);
         }
-    }
-
-    fn enter(&self, _: &Id) {}
-
-    fn exit(&self, _: &Id) {}
-}
-
-#[derive(Clone, Debug)]
-struct Ok200;
-
-impl Service<Request<RequestBody>> for Ok200 {
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
-        ready(Ok(Response::new(Full::from("ok"))))
     }
 }
 
@@ -108,10 +55,7 @@ fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
 #[test]
 fn unsolicited_ping_acks_do_not_flood_the_log() {
     const ACKS: usize = 500;
-    tracing::subscriber::set_global_default(Counter {
-        next_id: AtomicU64::new(1),
-    })
-    .unwrap();
+    EventCounter::install(count);
     let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listeners
         .iter()

@@ -100,3 +100,85 @@ pub(crate) fn socket_addr(register: &Register) -> std::net::SocketAddr {
     };
     format!("{}:{}", sa.ip, sa.port).parse().unwrap()
 }
+
+/// An application that answers every request `200 ok`.
+#[derive(Clone, Debug)]
+pub(crate) struct Ok200;
+
+impl tower::Service<http::Request<peregrine_worker::RequestBody>> for Ok200 {
+    type Response = http::Response<http_body_util::Full<bytes::Bytes>>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<peregrine_worker::RequestBody>) -> Self::Future {
+        std::future::ready(Ok(http::Response::new(http_body_util::Full::from("ok"))))
+    }
+}
+
+/// This process's resident memory, in bytes (`VmRSS` of `/proc/self/status`).
+pub(crate) fn rss() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS in /proc/self/status");
+    kib * 1024
+}
+
+/// A global `tracing` subscriber that hands every event's metadata to `on_event` (which counts what
+/// its test looks for) and records nothing else.
+pub(crate) struct EventCounter {
+    next_id: std::sync::atomic::AtomicU64,
+    on_event: fn(&tracing::Metadata<'_>),
+}
+
+impl EventCounter {
+    /// Installs one as the global subscriber of this test binary.
+    pub(crate) fn install(on_event: fn(&tracing::Metadata<'_>)) {
+        tracing::subscriber::set_global_default(EventCounter {
+            next_id: std::sync::atomic::AtomicU64::new(1),
+            on_event,
+        })
+        .expect("the only global subscriber of this binary");
+    }
+}
+
+impl tracing::Subscriber for EventCounter {
+    fn register_callsite(
+        &self,
+        _: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        tracing::subscriber::Interest::always()
+    }
+
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(
+            self.next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        (self.on_event)(event.metadata());
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
