@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{EventCounter, Ok200};
+use common::{EventCounter, start_server};
 use std::{
     io::{Read, Write},
     net::TcpStream,
@@ -15,10 +15,7 @@ use std::{
     time::Duration,
 };
 
-use peregrine_worker::{
-    listen::{self, BoundAddr},
-    server::{self, Config},
-};
+use peregrine_worker::server::Config;
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 use tracing::Level;
 
@@ -39,25 +36,7 @@ fn open_descriptors() -> u64 {
 #[test]
 fn emfile_is_logged_once_per_interval_and_accepting_resumes() {
     EventCounter::install(count);
-    let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = listeners
-        .iter()
-        .find_map(|l| match &l.addr {
-            BoundAddr::Ip(sa) => Some(*sa),
-            BoundAddr::Unix(_) => None,
-        })
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = thread::spawn(move || {
-        tokio_uring::start(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            server::serve(listeners, || Ok200, Config::default(), shutdown)
-                .await
-                .unwrap();
-        });
-    });
+    let (addr, stop, server) = start_server(Config::default());
     // The server is up once it answers.
     let mut probe = TcpStream::connect(addr).unwrap();
     probe

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Ok200, rss};
+use common::{rss, start_server};
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
@@ -19,10 +19,7 @@ use std::{
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
-use peregrine_worker::{
-    listen::{self, BoundAddr},
-    server::{self, Config},
-};
+use peregrine_worker::server::Config;
 
 /// How long any single step of the test may take.
 const STEP: Duration = Duration::from_secs(10);
@@ -62,35 +59,6 @@ fn wait_for_rss_below(bound: usize) -> usize {
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
-}
-
-fn start_server(
-    config: Config,
-) -> (
-    SocketAddr,
-    tokio::sync::oneshot::Sender<()>,
-    thread::JoinHandle<()>,
-) {
-    let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = listeners
-        .iter()
-        .find_map(|l| match &l.addr {
-            BoundAddr::Ip(sa) => Some(*sa),
-            BoundAddr::Unix(_) => None,
-        })
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let thread = thread::spawn(move || {
-        tokio_uring::start(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            server::serve(listeners, || Ok200, config, shutdown)
-                .await
-                .unwrap();
-        });
-    });
-    (addr, stop, thread)
 }
 
 /// Samples resident memory every few milliseconds until dropped; keeps the highest reading.
@@ -191,18 +159,7 @@ fn stalled_bodies_stay_within_the_budget_and_are_cut_off() {
         mib(growth),
         mib(MAX_GROWTH),
     );
-    assert!(
-        growth < MAX_GROWTH,
-        "resident memory grew by {:.1} MiB",
-        mib(growth)
-    );
-    for (status, n) in &statuses {
-        assert!(
-            matches!(status, Some(503 | 408)),
-            "{n} connections ended with {status:?}"
-        );
-    }
-    assert!(statuses.contains_key(&Some(408)), "no body timed out");
+    assert_bounded_and_refused(growth, &statuses, "connections");
     assert!(
         statuses.contains_key(&Some(503)),
         "the budget never ran out"
@@ -235,23 +192,33 @@ fn stalled_bodies_stay_within_the_budget_and_are_cut_off() {
         mib(MAX_GROWTH),
         started.elapsed(),
     );
-    assert!(
-        growth < MAX_GROWTH,
-        "resident memory grew by {:.1} MiB",
-        mib(growth)
-    );
-    for (status, n) in &statuses {
-        assert!(
-            matches!(status, Some(503 | 408)),
-            "{n} streams ended with {status:?}"
-        );
-    }
-    assert!(statuses.contains_key(&Some(408)), "no body timed out");
+    assert_bounded_and_refused(growth, &statuses, "streams");
 
     let returned = wait_for_rss_below(baseline + RETURNED_WITHIN);
     eprintln!("http/2: after the answers {:.1} MiB", mib(returned));
     let _ = stop.send(());
     server.join().unwrap();
+}
+
+/// Resident memory grew by less than [`MAX_GROWTH`], and every one of the `what` (connections or
+/// streams) was refused: `503` (no room in the budget) or `408` (its body stalled), some of them `408`.
+fn assert_bounded_and_refused(
+    growth: usize,
+    statuses: &std::collections::BTreeMap<Option<u16>, usize>,
+    what: &str,
+) {
+    assert!(
+        growth < MAX_GROWTH,
+        "resident memory grew by {:.1} MiB",
+        mib(growth)
+    );
+    for (status, n) in statuses {
+        assert!(
+            matches!(status, Some(503 | 408)),
+            "{n} {what} ended with {status:?}"
+        );
+    }
+    assert!(statuses.contains_key(&Some(408)), "no body timed out");
 }
 
 /// Opens [`H2_STREAMS`] streams on one connection, sends [`SENT`] bytes of each body and waits for

@@ -5,19 +5,15 @@
 
 mod common;
 
-use common::{EventCounter, Ok200};
+use common::{EventCounter, start_server};
 use std::{
     io::{Read, Write},
     net::TcpStream,
     sync::atomic::{AtomicUsize, Ordering},
-    thread,
     time::Duration,
 };
 
-use peregrine_worker::{
-    listen::{self, BoundAddr},
-    server::{self, Config},
-};
+use peregrine_worker::server::Config;
 use tracing::Level;
 
 /// Warnings (and errors) logged by `h2`, and every warning.
@@ -56,25 +52,7 @@ fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
 fn unsolicited_ping_acks_do_not_flood_the_log() {
     const ACKS: usize = 500;
     EventCounter::install(count);
-    let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = listeners
-        .iter()
-        .find_map(|l| match &l.addr {
-            BoundAddr::Ip(sa) => Some(*sa),
-            BoundAddr::Unix(_) => None,
-        })
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = thread::spawn(move || {
-        tokio_uring::start(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            server::serve(listeners, || Ok200, Config::default(), shutdown)
-                .await
-                .unwrap();
-        });
-    });
+    let (addr, stop, server) = start_server(Config::default());
 
     let mut tcp = TcpStream::connect(addr).unwrap();
     tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

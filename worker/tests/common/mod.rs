@@ -182,3 +182,34 @@ impl tracing::Subscriber for EventCounter {
 
     fn exit(&self, _: &tracing::span::Id) {}
 }
+
+/// Starts a server of [`Ok200`] under `config` on a free port of 127.0.0.1, on an io_uring thread of
+/// its own; returns its address, the sender that stops it, and its thread.
+pub(crate) fn start_server(
+    config: peregrine_worker::server::Config,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    thread::JoinHandle<()>,
+) {
+    let listeners = peregrine_worker::listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listeners
+        .iter()
+        .find_map(|l| match &l.addr {
+            peregrine_worker::listen::BoundAddr::Ip(sa) => Some(*sa),
+            peregrine_worker::listen::BoundAddr::Unix(_) => None,
+        })
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = thread::spawn(move || {
+        tokio_uring::start(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            peregrine_worker::server::serve(listeners, || Ok200, config, shutdown)
+                .await
+                .unwrap();
+        });
+    });
+    (addr, stop, thread)
+}
