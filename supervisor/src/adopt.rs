@@ -139,12 +139,14 @@ pub fn scan(control: &Path, lineage: &Lineage) -> Vec<Found> {
         .flatten()
         .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-            if pid == own {
+            // Other users' processes are passed over without a pidfd.
+            if pid == own || entry.metadata().ok()?.uid() != uid {
                 return None;
             }
             // The pidfd first: whatever is read below is then known to be of this very process if
-            // it is still alive afterwards. A process may exit or deny access at any step: it is
-            // then not a worker to adopt.
+            // it is still alive afterwards (its owner is looked at again: the pid may have been
+            // reused since). A process may exit or deny access at any step: it is then not a
+            // worker to adopt.
             let pidfd = open(pid).ok()?;
             if entry.metadata().ok()?.uid() != uid {
                 return None;

@@ -299,7 +299,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         let timeout = ADOPT_TIMEOUT.min(config.supervisor.lifecycle.register_timeout);
         adopt::await_registrations(&registry, &children, &adopted_pids, timeout).await;
     }
-    let lanes = manager::lane_capacity(&config);
+    let lanes = sources.lanes.capacity();
     let cap = grpc_port::connection_cap(&config.supervisor.grpc, nofile, lanes);
     if cap < config.supervisor.grpc.max_connections {
         tracing::warn!(
