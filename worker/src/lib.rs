@@ -31,10 +31,11 @@ mod log_limit;
 pub mod register;
 pub mod server;
 pub mod service;
-pub mod settings;
 mod stream;
 mod uring_io;
-pub mod url;
+
+/// The supervisor–worker contract, re-exported: a worker is started with these settings.
+pub use peregrine_contract::{settings, url};
 
 use std::{future::Future, io, pin::Pin};
 

@@ -18,7 +18,7 @@ use std::{
 
 use socket2::{Domain, SockAddr, Socket, Type};
 
-use crate::url::BindUrl;
+use peregrine_contract::url::BindUrl;
 
 /// The listen backlog of every listener.
 pub const BACKLOG: i32 = 1024;

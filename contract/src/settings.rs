@@ -14,7 +14,7 @@ pub const ENV_INDEX: &str = "PEREGRINE_WORKER_INDEX";
 pub const ENV_URL: &str = "PEREGRINE_URL";
 /// The path of the supervisor's registration socket.
 pub const ENV_CONTROL: &str = "PEREGRINE_CONTROL_SOCKET";
-/// The inherited file descriptor of the request counter region (see [`crate::counter`]); optional.
+/// The inherited file descriptor of the request counter region (see the worker's `counter` module); optional.
 ///
 /// The worker keeps this descriptor open for as long as it lives: a supervisor that adopts the worker
 /// after the one that started it has gone takes a duplicate of it with `pidfd_getfd(2)`, to go on reading
