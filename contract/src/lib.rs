@@ -2,13 +2,17 @@
 //!
 //! - [`settings`]: the environment a supervisor starts a worker with (the names are the contract),
 //! - [`url`]: the bind url of a worker's own listener,
-//! - [`procfs`]: the kernel's accounting of a process as procfs shows it, read one way by every part.
+//! - [`procfs`]: the kernel's accounting of a process as procfs shows it, read one way by every part,
+//! - [`ErrorChain`]: an error and its causes on one line, printed one way by every part.
 //!
 //! Invariant: this crate knows no runtime, no HTTP and no xDS; it depends on std, `rustix` and
 //! `thiserror` only, so that linking it pulls nothing of one part into another.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod error_chain;
 pub mod procfs;
 pub mod settings;
 pub mod url;
+
+pub use error_chain::ErrorChain;
