@@ -2,6 +2,7 @@
 //!
 //! - [`settings`]: the environment a supervisor starts a worker with (the names are the contract),
 //! - [`url`]: the bind url of a worker's own listener,
+//! - [`counters`]: the request counters' layout and region, over [`shm`], the one checked `mmap`,
 //! - [`procfs`]: the kernel's accounting of a process as procfs shows it, read one way by every part,
 //! - [`ErrorChain`]: an error and its causes on one line, printed one way by every part.
 //!
@@ -10,9 +11,12 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod counters;
 mod error_chain;
 pub mod procfs;
 pub mod settings;
+#[allow(unsafe_code, reason = "maps shared memory; each use has a SAFETY line")]
+pub mod shm;
 pub mod url;
 
 pub use error_chain::ErrorChain;

@@ -14,14 +14,15 @@ pub const ENV_INDEX: &str = "PEREGRINE_WORKER_INDEX";
 pub const ENV_URL: &str = "PEREGRINE_URL";
 /// The path of the supervisor's registration socket.
 pub const ENV_CONTROL: &str = "PEREGRINE_CONTROL_SOCKET";
-/// The inherited file descriptor of the request counter region (see the worker's `counter` module); optional.
+/// The inherited file descriptor of the request counter region (see [`crate::counters`]); optional.
 ///
 /// The worker keeps this descriptor open for as long as it lives: a supervisor that adopts the worker
 /// after the one that started it has gone takes a duplicate of it with `pidfd_getfd(2)`, to go on reading
 /// the worker's request counter.
 pub const ENV_COUNTERS_FD: &str = "PEREGRINE_COUNTERS_FD";
-/// The worker's slot in the request counter region; set together with [`ENV_COUNTERS_FD`].
-pub const ENV_COUNTERS_SLOT: &str = "PEREGRINE_COUNTERS_SLOT";
+/// The worker's lane in the request counter region (see [`crate::counters`]); set together with
+/// [`ENV_COUNTERS_FD`].
+pub const ENV_COUNTERS_LANE: &str = "PEREGRINE_COUNTERS_LANE";
 /// How long, in milliseconds, the worker serves without an accepted registration (its supervisor gone
 /// and no other one answering on the control socket) before it stops on its own; `0` means never.
 /// Optional: [`DEFAULT_ORPHAN_TIMEOUT`] when unset.
@@ -41,26 +42,26 @@ pub const DEFAULT_ORPHAN_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Settings {
     /// The service name.
     pub service: String,
-    /// The slot index.
+    /// The worker's slot within its service, `0..count`.
     pub index: u32,
     /// Where to bind.
     pub url: BindUrl,
     /// The registration socket.
     pub control: PathBuf,
     /// Where to count requests for outside readers, if the supervisor provides a region.
-    pub counters: Option<CounterSlot>,
+    pub counters: Option<CounterLane>,
     /// How long to serve without a supervisor before stopping; [`Duration::ZERO`] means never (see
     /// [`ENV_ORPHAN_TIMEOUT`]).
     pub orphan_timeout: Duration,
 }
 
-/// A slot in an inherited request counter region.
+/// A lane in an inherited request counter region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CounterSlot {
+pub struct CounterLane {
     /// The inherited file descriptor number.
     pub fd: i32,
-    /// The slot index.
-    pub slot: u32,
+    /// The lane: the counter at byte `64 * lane`.
+    pub lane: u32,
 }
 
 /// A missing or invalid setting.
@@ -77,7 +78,7 @@ pub enum SettingsError {
     Url(#[source] UrlError),
     /// The counter settings are invalid or incomplete.
     #[error(
-        "{ENV_COUNTERS_FD} and {ENV_COUNTERS_SLOT} must both be non-negative integers, got {0:?} and {1:?}"
+        "{ENV_COUNTERS_FD} and {ENV_COUNTERS_LANE} must both be non-negative integers, got {0:?} and {1:?}"
     )]
     Counters(Option<String>, Option<String>),
     /// The orphan timeout is not a number of milliseconds.
@@ -97,16 +98,16 @@ impl Settings {
     pub fn from_map(vars: &HashMap<String, String>) -> Result<Self, SettingsError> {
         let get = |k: &'static str| vars.get(k).ok_or(SettingsError::Missing(k));
         let index = get(ENV_INDEX)?;
-        let counters = match (vars.get(ENV_COUNTERS_FD), vars.get(ENV_COUNTERS_SLOT)) {
+        let counters = match (vars.get(ENV_COUNTERS_FD), vars.get(ENV_COUNTERS_LANE)) {
             (None, None) => None,
-            (fd, slot) => {
-                let bad = || SettingsError::Counters(fd.cloned(), slot.cloned());
-                Some(CounterSlot {
+            (fd, lane) => {
+                let bad = || SettingsError::Counters(fd.cloned(), lane.cloned());
+                Some(CounterLane {
                     fd: fd
                         .and_then(|f| f.parse().ok())
                         .filter(|f| *f >= 0)
                         .ok_or_else(bad)?,
-                    slot: slot.and_then(|s| s.parse().ok()).ok_or_else(bad)?,
+                    lane: lane.and_then(|s| s.parse().ok()).ok_or_else(bad)?,
                 })
             }
         };
@@ -143,7 +144,7 @@ impl Settings {
         ];
         if let Some(counters) = self.counters {
             env.push((ENV_COUNTERS_FD, counters.fd.to_string()));
-            env.push((ENV_COUNTERS_SLOT, counters.slot.to_string()));
+            env.push((ENV_COUNTERS_LANE, counters.lane.to_string()));
         }
         env
     }
@@ -160,7 +161,7 @@ mod tests {
             index: 3,
             url: "http://localhost:0".parse().unwrap(),
             control: "/run/peregrine.sock".into(),
-            counters: Some(CounterSlot { fd: 3, slot: 7 }),
+            counters: Some(CounterLane { fd: 3, lane: 7 }),
             orphan_timeout: Duration::from_millis(1500),
         };
         let map = settings
@@ -223,7 +224,7 @@ mod tests {
             Settings::from_map(&map),
             Err(SettingsError::Counters(..))
         ));
-        map.insert(ENV_COUNTERS_SLOT.into(), "x".into());
+        map.insert(ENV_COUNTERS_LANE.into(), "x".into());
         assert!(matches!(
             Settings::from_map(&map),
             Err(SettingsError::Counters(..))

@@ -1,5 +1,7 @@
 //! The layouts shared with the kernel program, mirrored from `src/bpf/sampler.h`. The asserts fail the
-//! build if either side changes alone.
+//! build if either side changes alone. The request counter's layout has its one home in
+//! [`peregrine_contract::counters`] (the worker and the supervisor map it too); it is asserted here
+//! against the header's.
 
 use std::mem::{offset_of, size_of};
 
@@ -17,17 +19,10 @@ pub struct Cell {
     _reserved: [u64; 5],
 }
 
-/// `struct peregrine_counter`: one worker slot's request counter.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Counter {
-    /// Requests served by the slot's current worker.
-    pub requests: u64,
-    _reserved: [u64; 7],
-}
-
-/// `PEREGRINE_LINE`: every shared entry is one cache line.
-pub const LINE: usize = 64;
+/// `struct peregrine_counter`: one lane's request counter; defined with the counters' layout.
+pub use peregrine_contract::counters::Counter;
+/// `PEREGRINE_LINE`: every shared entry is one cache line, the request counters' too.
+pub use peregrine_contract::counters::LINE;
 
 const _: () = assert!(size_of::<Cell>() == LINE);
 const _: () = assert!(offset_of!(Cell, tgid) == 0);

@@ -4,8 +4,7 @@ use std::{
     io,
     mem::offset_of,
     os::fd::{AsFd, BorrowedFd},
-    ptr::NonNull,
-    sync::atomic::{AtomicU32, AtomicU64, Ordering},
+    sync::atomic::Ordering,
 };
 
 use aya::{
@@ -13,7 +12,7 @@ use aya::{
     maps::{HashMap, Map, MapData, MapError},
     programs::{BtfTracePoint, ProgramError},
 };
-use rustix::mm::{MapFlags, ProtFlags};
+use peregrine_contract::shm::{Access, SharedMemory, ShmError};
 
 use crate::layout::{Cell, LINE};
 
@@ -67,8 +66,11 @@ pub enum Error {
         name: &'static str,
         /// The cause.
         #[source]
-        source: io::Error,
+        source: ShmError,
     },
+    /// The number of possible CPUs could not be read.
+    #[error("cannot read the number of possible CPUs")]
+    Cpus(#[source] io::Error),
     /// This process runs in a nested pid namespace (a container), where its pids are not the
     /// kernel's that the programs see.
     #[error(
@@ -102,7 +104,7 @@ pub struct Probe {
     _ebpf: Ebpf,
     tracked: HashMap<MapData, u32, u32>,
     runnable: HashMap<MapData, u32, u64>,
-    cells: Mapping,
+    cells: SharedMemory,
     counters: MapData,
     slots: u32,
     cpus: u32,
@@ -118,10 +120,7 @@ impl Probe {
             return Err(Error::PidNamespace);
         }
         let slots = slots.max(1);
-        let cpus = aya::util::nr_cpus().map_err(|(_, e)| Error::Mmap {
-            name: "cells",
-            source: e,
-        })? as u32;
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| Error::Cpus(e))? as u32;
         let btf = Btf::from_sys_fs().map_err(Error::Btf)?;
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&btf))
@@ -162,7 +161,15 @@ impl Probe {
                 source,
             })?;
         let cells = array_data(take_map(&mut ebpf, "cells")?, "cells")?;
-        let cells = Mapping::new(&cells, (cpus * slots) as usize * LINE, "cells")?;
+        let cells = SharedMemory::map(
+            cells.fd().as_fd(),
+            (cpus * slots) as usize * LINE,
+            Access::ReadOnly,
+        )
+        .map_err(|source| Error::Mmap {
+            name: "cells",
+            source,
+        })?;
         let counters = array_data(take_map(&mut ebpf, "counters")?, "counters")?;
         Ok(Probe {
             _ebpf: ebpf,
@@ -251,22 +258,20 @@ impl Probe {
         }
         for cpu in 0..self.cpus {
             let cell = (cpu * self.slots + slot) as usize * LINE;
-            let tgid = self.cells.u32_at(cell + offset_of!(Cell, tgid));
-            if tgid.load(Ordering::Acquire) != pid {
+            let tgid = |order| self.cells.load_u32(cell + offset_of!(Cell, tgid), order);
+            if tgid(Ordering::Acquire) != pid {
                 continue;
             }
             let on_cpu = self
                 .cells
-                .u64_at(cell + offset_of!(Cell, on_cpu_ns))
-                .load(Ordering::Relaxed);
+                .load_u64(cell + offset_of!(Cell, on_cpu_ns), Ordering::Relaxed);
             let waiting = self
                 .cells
-                .u64_at(cell + offset_of!(Cell, runq_wait_ns))
-                .load(Ordering::Relaxed);
+                .load_u64(cell + offset_of!(Cell, runq_wait_ns), Ordering::Relaxed);
             // The cell was reset for another process while it was read: it is no longer this one's.
             // (The fence keeps the loads above from moving after this second look at the tag.)
             std::sync::atomic::fence(Ordering::Acquire);
-            if tgid.load(Ordering::Relaxed) != pid {
+            if tgid(Ordering::Relaxed) != pid {
                 continue;
             }
             totals.on_cpu_ns += on_cpu;
@@ -305,66 +310,5 @@ fn array_data(map: Map, name: &'static str) -> Result<MapData, Error> {
     match map {
         Map::Array(data) => Ok(data),
         _ => Err(Error::NotAnArray(name)),
-    }
-}
-
-/// A read-only shared mapping of an mmapable array map.
-#[derive(Debug)]
-struct Mapping {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the mapping is only read, through atomics, and unmapped once on drop.
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    fn new(map: &MapData, bytes: usize, name: &'static str) -> Result<Mapping, Error> {
-        let page = rustix::param::page_size();
-        let len = bytes.div_ceil(page) * page;
-        // SAFETY: a fresh shared read-only mapping of the map's value area (offset 0), no larger than
-        // the map (`bytes` is max_entries * value size); the kernel picks the address. It stays mapped
-        // until `Drop`.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ,
-                MapFlags::SHARED,
-                map.fd().as_fd(),
-                0,
-            )
-        }
-        .map_err(|e| Error::Mmap {
-            name,
-            source: e.into(),
-        })?;
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Mmap {
-            name,
-            source: io::Error::other("mmap returned null"),
-        })?;
-        Ok(Mapping { base, len })
-    }
-
-    fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len);
-        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); the kernel
-        // writes these words with plain aligned stores, which an atomic load observes whole.
-        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU64>() }
-    }
-
-    fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len);
-        // SAFETY: as in `u64_at`.
-        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU32>() }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: exactly what `mmap` returned; references from `u64_at`/`u32_at` borrow `self`.
-        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }

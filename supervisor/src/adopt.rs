@@ -33,20 +33,23 @@ use std::{
     time::{Duration, Instant},
 };
 
-use peregrine_worker::{
-    counter::{CounterRegion, SLOT_BYTES},
+use peregrine_contract::{
+    ErrorChain,
+    counters::CounterRegion,
+    procfs::Stat,
     settings::{
-        ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_SLOT, ENV_INDEX, ENV_LINEAGE, ENV_SERVICE,
+        ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX, ENV_LINEAGE, ENV_SERVICE,
     },
+    shm::ShmError,
 };
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 
 use crate::{
+    children::{Children, CounterRef, Counters, Slot},
     config::Config,
     instance::Lineage,
-    manager::{Adopted, Children, CounterRef, Slot},
+    manager::Adopted,
     registry::Registry,
-    sampler::Counters,
 };
 
 /// What a worker's environment and `/proc/PID/stat` say about it.
@@ -110,7 +113,7 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
         let counter = worker.described.counter.and_then(|(fd, index)| {
             counter_of(&worker.pidfd, fd, index)
                 .inspect_err(|error| {
-                    tracing::warn!(pid = worker.pid, %error, "Cannot take the adopted worker's request counter: its requests go uncounted")
+                    tracing::warn!(pid = worker.pid, error = %ErrorChain(error), "Cannot take the adopted worker's request counter: its requests go uncounted")
                 })
                 .ok()
         });
@@ -183,13 +186,11 @@ fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Optio
     let text = |name: &str| std::str::from_utf8(get(name)?).ok();
     let service = text(ENV_SERVICE)?.to_owned();
     let index = text(ENV_INDEX)?.parse().ok()?;
-    let counter = match (text(ENV_COUNTERS_FD), text(ENV_COUNTERS_SLOT)) {
-        (Some(fd), Some(slot)) => Some((fd.parse().ok()?, slot.parse().ok()?)),
+    let counter = match (text(ENV_COUNTERS_FD), text(ENV_COUNTERS_LANE)) {
+        (Some(fd), Some(lane)) => Some((fd.parse().ok()?, lane.parse().ok()?)),
         _ => None,
     };
-    // The command name (field 2) is in parentheses and may hold spaces: count fields after it.
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let started = after_name.split_whitespace().nth(19)?.parse().ok()?;
+    let started = Stat::parse(stat)?.starttime;
     Some(Described {
         slot: Slot { service, index },
         counter,
@@ -255,17 +256,11 @@ fn alive(pidfd: &OwnedFd) -> bool {
 }
 
 /// Maps counter `index` of the region behind the worker's descriptor `fd`, once it is known to be a
-/// region that holds that line: mapping past its end would end in SIGBUS at the first read, not in an
-/// error.
-fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> std::io::Result<CounterRef> {
-    let duplicate = rustix::process::pidfd_getfd(pidfd, fd, PidfdGetfdFlags::empty())?;
-    let needed = (index as u64 + 1) * SLOT_BYTES as u64;
-    let size = region_size(&duplicate)?;
-    if size < needed {
-        return Err(std::io::Error::other(format!(
-            "descriptor {fd} is not a counter region with line {index}: {size} bytes, {needed} needed"
-        )));
-    }
+/// region that holds that line ([`CounterRegion::map`] checks): the descriptor is named by another
+/// process's environment, and mapping past a region's end would end in SIGBUS, not in an error.
+fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> Result<CounterRef, ShmError> {
+    let duplicate = rustix::process::pidfd_getfd(pidfd, fd, PidfdGetfdFlags::empty())
+        .map_err(std::io::Error::from)?;
     let region = CounterRegion::map(duplicate.as_fd(), index + 1)?;
     Ok(CounterRef::new(
         Arc::new(Counters::new(duplicate, region)),
@@ -273,34 +268,10 @@ fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> std::io::Result<Counter
     ))
 }
 
-/// The size of a counter region: a memfd (a regular file), or the eBPF sampler's array map, whose size
-/// its `fdinfo` gives (`max_entries` values of `value_size` bytes).
-fn region_size(region: &OwnedFd) -> std::io::Result<u64> {
-    use std::os::fd::AsRawFd;
-    let stat = rustix::fs::fstat(region)?;
-    if rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile {
-        return Ok(stat.st_size as u64);
-    }
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", region.as_raw_fd()))?;
-    map_size(&info).ok_or_else(|| std::io::Error::other("neither a memfd nor a BPF array map"))
-}
-
-/// The bytes of a BPF array map, from its `/proc/self/fdinfo` text.
-fn map_size(fdinfo: &str) -> Option<u64> {
-    let field = |name: &str| {
-        fdinfo.lines().find_map(|line| {
-            let (key, value) = line.split_once(':')?;
-            (key.trim() == name).then(|| value.trim().parse::<u64>().ok())?
-        })
-    };
-    // BPF_MAP_TYPE_ARRAY
-    (field("map_type")? == 2).then_some(())?;
-    field("max_entries")?.checked_mul(field("value_size")?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use peregrine_contract::counters::LINE;
 
     const STAT: &str =
         "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";
@@ -324,7 +295,7 @@ mod tests {
             (ENV_SERVICE, "web"),
             (ENV_INDEX, "3"),
             (ENV_COUNTERS_FD, "5"),
-            (ENV_COUNTERS_SLOT, "17"),
+            (ENV_COUNTERS_LANE, "17"),
         ]);
         let control = Path::new("/run/peregrine.sock");
         assert_eq!(
@@ -416,23 +387,24 @@ mod tests {
     }
 
     #[test]
-    fn a_bpf_array_maps_size_comes_from_its_fdinfo() {
-        let info = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\nmap_type:\t2\n\
-                    key_size:\t4\nvalue_size:\t64\nmax_entries:\t16\nmap_flags:\t0x400\n";
-        assert_eq!(map_size(info), Some(1024));
-        assert_eq!(
-            map_size(&info.replace("map_type:\t2", "map_type:\t1")),
-            None,
-            "a hash map"
-        );
-        assert_eq!(map_size("pos:\t0\n"), None);
-    }
-
-    #[test]
     fn a_descriptor_too_small_for_the_counter_line_is_refused_not_mapped() {
         let (fd, _region) = CounterRegion::create(2).unwrap();
-        assert!(region_size(&fd).unwrap() >= 2 * SLOT_BYTES as u64);
+        let lines = rustix::param::page_size() / LINE;
+        let me = rustix::process::pidfd_open(
+            rustix::process::getpid(),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(counter_of(&me, fd.as_raw_fd(), lines - 1).is_ok());
+        assert!(matches!(
+            counter_of(&me, fd.as_raw_fd(), lines),
+            Err(ShmError::TooSmall { .. })
+        ));
         let file = tempfile::tempfile().unwrap();
-        assert_eq!(region_size(&OwnedFd::from(file)).unwrap(), 0);
+        assert!(matches!(
+            counter_of(&me, file.as_raw_fd(), 0),
+            Err(ShmError::TooSmall { size: 0, .. })
+        ));
     }
 }

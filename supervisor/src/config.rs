@@ -17,7 +17,7 @@ use std::{
     time::Duration,
 };
 
-use peregrine_worker::url::BindUrl;
+use peregrine_contract::url::BindUrl;
 use serde::Deserialize;
 use toml::Spanned;
 

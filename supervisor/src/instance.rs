@@ -8,7 +8,7 @@
 //!
 //! The file also holds the socket's *lineage*: 128 random bits, made when the file is first created and
 //! kept by every supervisor that takes the lock after it. Each worker is started with the lineage in
-//! its environment ([`ENV_LINEAGE`](peregrine_worker::settings::ENV_LINEAGE)); a later supervisor adopts,
+//! its environment ([`ENV_LINEAGE`](peregrine_contract::settings::ENV_LINEAGE)); a later supervisor adopts,
 //! or stops, only processes that carry the lineage read from the lock file. A process of another
 //! supervisor (another socket, or the same socket name in another directory) carries another lineage,
 //! and a process that merely names this socket in its environment does not know the lineage: the file

@@ -9,6 +9,7 @@
 
 pub mod adopt;
 pub mod bootstrap;
+pub mod children;
 pub mod config;
 pub mod grpc_port;
 pub mod instance;

@@ -224,23 +224,13 @@ fn status(socket: &std::path::Path, json: bool) -> ExitCode {
 }
 
 fn config_error(error: &peregrine_supervisor::config::ConfigError) -> ExitCode {
-    eprintln!("error: {}", error_chain(error));
+    eprintln!("error: {}", peregrine_contract::ErrorChain(error));
     ExitCode::from(EXIT_USAGE)
 }
 
 fn fail(error: &anyhow::Error) -> ExitCode {
     eprintln!("error: {error:#}");
     ExitCode::FAILURE
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
 }
 
 /// Logs go to stderr; `RUST_LOG` (or `PEREGRINE_LOG`) sets the filter, `info` by default.

@@ -37,8 +37,8 @@ use tokio::{
 use tracing::Instrument;
 
 use crate::{
+    children::{Children, Slot},
     instance::InstanceLock,
-    manager::{Children, Slot},
     registry::{Address, Protocol, Registry, Worker},
     status,
     xds::acks::Acks,

@@ -30,7 +30,7 @@ use std::{
 
 use tokio::sync::watch;
 
-pub use self::load::{Loads, SamplerInfo, SlotStatus, Slots, WorkerLoad};
+pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
 pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 
 /// An application protocol a worker's listener speaks.

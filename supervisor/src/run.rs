@@ -19,8 +19,7 @@ use std::{
     time::Duration,
 };
 
-use peregrine_worker::url::BindUrl;
-
+use peregrine_contract::url::BindUrl;
 use peregrine_proto::v1;
 use tokio::{
     net::TcpListener,
@@ -30,14 +29,15 @@ use tokio::{
 
 use crate::{
     adopt,
+    children::{self, Children, Counters, Lanes},
     config::{self, Balancing, Config, SamplerSetting},
     grpc_port::{self, Admission},
     instance::{InstanceLock, LockError},
-    manager::{self, Children, Lanes, Manager},
+    manager::{self, Manager},
     orca::OrcaService,
     registration,
     registry::Registry,
-    sampler::{self, Counters, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
+    sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
     xds::{
         self,
         acks::Acks,
@@ -76,7 +76,7 @@ pub enum RunError {
     Workers(#[source] io::Error),
     /// The request counter region could not be created.
     #[error("cannot create the request counter region")]
-    Counters(#[source] io::Error),
+    Counters(#[source] peregrine_contract::shm::ShmError),
     /// An address Envoy's ORCA streams need could not be bound.
     #[error(
         "cannot listen on {addr} for ORCA: the workers of {services} listen on {ip}, and Envoy opens \
@@ -130,7 +130,7 @@ pub struct SamplerSources {
 /// - `"off"`: no scheduler source; workers still count requests in a memfd.
 pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
     let setting = config.supervisor.sampler;
-    let slots = manager::lane_capacity(config);
+    let slots = children::lane_capacity(config);
     let lanes = Lanes::new(slots);
     let memfd = || {
         Counters::memfd(slots)
@@ -483,7 +483,7 @@ async fn apply(
     };
     if let Some(service) = restart {
         let service = Some(service).filter(|s| !s.is_empty());
-        let replaced: BTreeSet<manager::Slot> =
+        let replaced: BTreeSet<children::Slot> =
             report.replaced.iter().map(|r| r.slot.clone()).collect();
         let restarted = manager.restart(service.as_deref(), &replaced).await;
         report.merge(restarted);
@@ -494,7 +494,7 @@ async fn apply(
         replaced: report.replaced.len() as u32,
         added: report.added.len() as u32,
         removed: report.removed.len() as u32,
-        failures: report.failures,
+        failures: report.failures.iter().map(ToString::to_string).collect(),
     }
 }
 

@@ -29,44 +29,20 @@ pub mod stall;
 use std::{
     collections::{BTreeMap, HashMap},
     fmt, io,
-    os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
 
-use peregrine_worker::counter::CounterRegion;
 use tokio::sync::watch;
 
+pub use peregrine_contract::ErrorChain;
+
+pub use crate::registry::SamplerKind;
 use crate::{
-    manager::{Children, CounterRef},
+    children::{Children, CounterRef},
     registry::{Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
 };
-
-/// Which kind of scheduler source runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SamplerKind {
-    /// Scheduler events counted in the kernel by eBPF programs.
-    Ebpf,
-    /// `/proc/<pid>/task/*/schedstat`.
-    Procfs,
-}
-
-impl SamplerKind {
-    /// `"ebpf"` or `"procfs"`, as in the configuration.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SamplerKind::Ebpf => "ebpf",
-            SamplerKind::Procfs => "procfs",
-        }
-    }
-}
-
-impl fmt::Display for SamplerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// Cumulative scheduler time of one process (all its threads) since an arbitrary baseline.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -151,39 +127,6 @@ pub trait SchedSource: Send {
 impl fmt::Debug for dyn SchedSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "SchedSource({})", self.kind())
-    }
-}
-
-/// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
-///
-/// The eBPF sampler's `BPF_F_MMAPABLE` `counters` map ([`ebpf::EbpfSource::load`]), or a memfd of the
-/// same layout ([`Counters::memfd`]).
-#[derive(Debug)]
-pub struct Counters {
-    fd: OwnedFd,
-    region: CounterRegion,
-}
-
-impl Counters {
-    /// A region behind `fd`, mapped as `region`.
-    pub fn new(fd: OwnedFd, region: CounterRegion) -> Self {
-        Counters { fd, region }
-    }
-
-    /// A fresh zeroed memfd region of `slots` counters.
-    pub fn memfd(slots: usize) -> io::Result<Self> {
-        let (fd, region) = CounterRegion::create(slots)?;
-        Ok(Counters { fd, region })
-    }
-
-    /// The descriptor workers inherit.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    /// The supervisor's mapping.
-    pub fn region(&self) -> &CounterRegion {
-        &self.region
     }
 }
 
@@ -458,26 +401,12 @@ impl Sampler {
     }
 }
 
-/// An error with its causes, `: `-separated, for one log field.
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a dyn std::error::Error);
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::{Mutex, atomic::Ordering};
 
     use super::*;
+    use crate::children::Counters;
     use crate::registry::{Address, Protocol, Worker};
 
     /// A source whose totals the test sets, and which records what it was asked.
@@ -548,7 +477,7 @@ mod tests {
             ),
             (200, SchedTotals::default()),
         ]);
-        counters.region().slot(1).store(10, Ordering::Relaxed);
+        counters.region().lane(1).store(10, Ordering::Relaxed);
         let t0 = Instant::now();
         let wall = SystemTime::UNIX_EPOCH;
 
@@ -569,7 +498,7 @@ mod tests {
                 runq_wait_ns: 250_000_000,
             },
         );
-        counters.region().slot(1).store(30, Ordering::Relaxed);
+        counters.region().lane(1).store(30, Ordering::Relaxed);
         let second = sampler
             .tick(&registry.snapshot(), t0 + Duration::from_secs(1), wall)
             .loads;
@@ -586,14 +515,14 @@ mod tests {
             .lock()
             .unwrap()
             .insert(101, SchedTotals::default());
-        counters.region().slot(3).store(2, Ordering::Relaxed);
+        counters.region().lane(3).store(2, Ordering::Relaxed);
         let both = sampler
             .tick(&registry.snapshot(), t0 + Duration::from_millis(1500), wall)
             .loads;
         let pids: Vec<u32> = both.iter().map(|l| l.pid).collect();
         assert_eq!(pids, [100, 200, 101], "by lane");
         assert_eq!((both[2].cpu_cores, both[2].requests_total), (None, 2));
-        children.remove_for_test(100);
+        children.remove(100);
         assert!(registry.deregister("a", 1, 100));
         let third = sampler
             .tick(&registry.snapshot(), t0 + Duration::from_secs(2), wall)
@@ -606,7 +535,7 @@ mod tests {
             .tick(&registry.snapshot(), t0 + Duration::from_secs(3), wall)
             .loads;
         assert_eq!(fourth.iter().map(|l| l.pid).collect::<Vec<_>>(), [101]);
-        children.remove_for_test(200);
+        children.remove(200);
         assert!(registry.deregister("b", 0, 200));
         sampler.tick(&registry.snapshot(), t0 + Duration::from_secs(4), wall);
 
@@ -703,7 +632,7 @@ mod tests {
             Some(Stall::NotReading { queued_bytes: 512 })
         );
         // It serves a request: not stalled.
-        counters.region().slot(0).store(1, Ordering::Relaxed);
+        counters.region().lane(0).store(1, Ordering::Relaxed);
         let sample = sampler.tick_with(&snapshot, at(7), wall, waiting);
         assert_eq!(sample.stalls[0].stall, None);
         child.kill().unwrap();

@@ -11,15 +11,11 @@
 //!
 //! Invariants: the worker runs one thread and never shares a listener (no `SO_REUSEPORT`); the library
 //! never installs a `tracing` subscriber (the binary does); the worker knows nothing of Envoy or xDS.
-// Unsafe code is denied but for the shared-memory request counter, which maps memory.
+// Unsafe code is denied but where a module says why.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod budget;
-#[allow(
-    unsafe_code,
-    reason = "maps the shared counter region; each use has a SAFETY line"
-)]
 pub mod counter;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -77,8 +73,8 @@ pub enum WorkerError {
     #[error("cannot serve")]
     Serve(#[from] ServeError),
     /// The inherited request counter region could not be mapped.
-    #[error("cannot map the request counter region")]
-    Counters(#[source] io::Error),
+    #[error("cannot attach the request counter")]
+    Counters(#[from] counter::AttachError),
     /// A later supervisor refused to register the worker again: it is no longer wanted, so it stopped.
     #[error("stopped: a new supervisor refused to register the worker again")]
     Unwanted(#[source] RegisterError),
@@ -97,17 +93,17 @@ pub fn runtime_builder() -> tokio_uring::Builder {
     builder
 }
 
-/// Maps the counter slot the supervisor gave this worker.
+/// Maps the counter lane the supervisor gave this worker.
 ///
 /// The inherited descriptor stays open for the life of the process, never closed: a supervisor that
 /// adopts this worker later takes a duplicate of it with `pidfd_getfd(2)` to go on reading its counter.
 #[allow(unsafe_code, reason = "borrows the inherited descriptor")]
-fn attach_counters(counters: settings::CounterSlot) -> io::Result<()> {
+fn attach_counters(counters: settings::CounterLane) -> Result<(), counter::AttachError> {
     use std::os::fd::BorrowedFd;
     // SAFETY: the supervisor opened this descriptor for this process and named it in the environment;
     // nothing in this process owns or closes it, so it stays open for the life of the process.
     let fd = unsafe { BorrowedFd::borrow_raw(counters.fd) };
-    counter::attach(fd, counters.slot as usize)
+    counter::attach(fd, counters.lane as usize)
 }
 
 /// Runs the built-in hello app with the settings from the environment, until SIGTERM or SIGINT.
@@ -156,7 +152,7 @@ where
     S: HttpService,
 {
     if let Some(counters) = settings.counters {
-        attach_counters(counters).map_err(WorkerError::Counters)?;
+        attach_counters(counters)?;
     }
     let listeners = listen::bind(&settings.url)?;
     let addresses: Vec<BoundAddr> = listeners.iter().map(|l| l.addr.clone()).collect();

@@ -14,11 +14,11 @@ use std::{
     thread,
 };
 
+use peregrine_contract::counters::CounterRegion;
 use peregrine_proto::v1::{Registered, supervisor_message};
 use peregrine_worker::{
     Hello, Settings,
-    counter::CounterRegion,
-    settings::{CounterSlot, DEFAULT_ORPHAN_TIMEOUT},
+    settings::{CounterLane, DEFAULT_ORPHAN_TIMEOUT},
 };
 
 mod common;
@@ -36,9 +36,9 @@ fn the_worker_keeps_the_counter_descriptor_open() {
         index: 1,
         url: "http://127.0.0.1:0".parse().unwrap(),
         control: control.clone(),
-        counters: Some(CounterSlot {
+        counters: Some(CounterLane {
             fd: fd.as_raw_fd(),
-            slot: 1,
+            lane: 1,
         }),
         orphan_timeout: DEFAULT_ORPHAN_TIMEOUT,
     };
@@ -59,7 +59,7 @@ fn the_worker_keeps_the_counter_descriptor_open() {
     );
     let sa = socket_addr(&register);
 
-    // A request is counted in the slot, and the worker has not closed the descriptor after mapping it.
+    // A request is counted in the lane, and the worker has not closed the descriptor after mapping it.
     let mut http = TcpStream::connect(sa).unwrap();
     http.set_read_timeout(Some(STEP)).unwrap();
     http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -67,7 +67,7 @@ fn the_worker_keeps_the_counter_descriptor_open() {
     let mut response = String::new();
     http.read_to_string(&mut response).unwrap();
     assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
-    assert_eq!(supervisor_view.slot(1).load(Ordering::Relaxed), 1);
+    assert_eq!(supervisor_view.lane(1).load(Ordering::Relaxed), 1);
     rustix::io::fcntl_getfd(fd.as_fd()).expect("the counter descriptor is open while serving");
 
     stop.send(()).unwrap();

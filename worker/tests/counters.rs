@@ -1,4 +1,4 @@
-//! The request counter in shared memory: a worker given a slot of a counter region counts every request
+//! The request counter in shared memory: a worker given a lane of a counter region counts every request
 //! there, where another mapping (the supervisor's) reads it without asking the worker.
 //!
 //! A test binary of its own: attaching the counter is once per process.
@@ -12,20 +12,19 @@ use std::{
     time::Duration,
 };
 
+use peregrine_contract::counters::CounterRegion;
 use peregrine_worker::{
-    Hello,
-    counter::{self, CounterRegion},
-    listen,
+    Hello, counter, listen,
     server::{self, Config},
 };
 
 #[test]
-fn requests_are_counted_in_the_shared_slot() {
+fn requests_are_counted_in_the_shared_lane() {
     let (fd, supervisor_view) = CounterRegion::create(4).unwrap();
     counter::attach(fd.as_fd(), 2).unwrap();
     assert!(
         counter::attach(fd.as_fd(), 1).is_err(),
-        "a worker counts in one slot only"
+        "a worker counts in one lane only"
     );
 
     let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
@@ -59,11 +58,11 @@ fn requests_are_counted_in_the_shared_slot() {
         assert_ne!(n, 0, "the server closed early");
         seen.extend_from_slice(&buf[..n]);
     }
-    assert_eq!(supervisor_view.slot(2).load(Ordering::Relaxed), 5);
+    assert_eq!(supervisor_view.lane(2).load(Ordering::Relaxed), 5);
     assert_eq!(
-        supervisor_view.slot(1).load(Ordering::Relaxed),
+        supervisor_view.lane(1).load(Ordering::Relaxed),
         0,
-        "other slots are untouched"
+        "other lanes are untouched"
     );
 
     drop(stream);

@@ -6,10 +6,34 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    fmt,
     time::{Duration, SystemTime},
 };
 
-use crate::sampler::SamplerKind;
+/// Which kind of scheduler source runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SamplerKind {
+    /// Scheduler events counted in the kernel by eBPF programs.
+    Ebpf,
+    /// `/proc/<pid>/task/*/schedstat`.
+    Procfs,
+}
+
+impl SamplerKind {
+    /// `"ebpf"` or `"procfs"`, as in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SamplerKind::Ebpf => "ebpf",
+            SamplerKind::Procfs => "procfs",
+        }
+    }
+}
+
+impl fmt::Display for SamplerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// One worker instance's sampled load.
 #[derive(Clone, Debug, PartialEq)]

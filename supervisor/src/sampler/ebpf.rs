@@ -4,13 +4,11 @@
 
 use std::{os::fd::AsFd, sync::Arc};
 
+use peregrine_contract::{counters::CounterRegion, shm::ShmError};
 use peregrine_ebpf::Probe;
-use peregrine_worker::counter::{CounterRegion, SLOT_BYTES};
 
-use super::{Counters, SampleError, SamplerKind, SchedSource, SchedTotals};
-
-// The counters map and the worker's counter region are one layout.
-const _: () = assert!(size_of::<peregrine_ebpf::Counter>() == SLOT_BYTES);
+use super::{SampleError, SamplerKind, SchedSource, SchedTotals};
+use crate::children::Counters;
 
 /// The loaded probe, as a [`SchedSource`].
 #[derive(Debug)]
@@ -33,7 +31,7 @@ impl EbpfSource {
     }
 }
 
-fn counters_of(probe: &Probe, slots: usize) -> std::io::Result<Counters> {
+fn counters_of(probe: &Probe, slots: usize) -> Result<Counters, ShmError> {
     // Its own descriptor of the map: the workers inherit it, and it keeps the map alive.
     let fd = probe.counters().try_clone_to_owned()?;
     let region = CounterRegion::map(fd.as_fd(), slots)?;

@@ -1,0 +1,258 @@
+//! The process table: which live processes are this supervisor's workers, in which slot and lane, and
+//! where each counts its requests.
+//!
+//! - [`Slot`]: a service and an index in `0..count`; the unit the manager runs one task for.
+//! - [`Lanes`]: the lanes of the request counter region and of the scheduler source, one per live
+//!   worker *instance* (a slot being replaced holds two for a while), handed out and returned on drop.
+//! - [`Counters`]: the shared request counter region (its descriptor, which workers inherit, and the
+//!   supervisor's mapping); [`CounterRef`] is one worker's line of it.
+//! - [`Children`]: live worker pids to their [`Child`] entry (slot, lane, counter).
+//!
+//! The manager writes the table (a spawn, an adoption, a reap); registration asks it whether a
+//! connecting process is one of ours and for which slot; the sampler asks where each worker counts.
+//!
+//! Invariant: this module knows processes, not state: whether a worker is registered, serving or
+//! draining is the registry's alone. An entry exists from just before a worker can register (the
+//! table is locked across the spawn) until its process has been reaped.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
+    sync::{Arc, Mutex, atomic::Ordering},
+};
+
+use peregrine_contract::{counters::CounterRegion, shm::ShmError};
+
+use crate::config::Config;
+
+/// A worker slot: a service and an index in `0..count`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Slot {
+    /// The service.
+    pub service: String,
+    /// The index.
+    pub index: u32,
+}
+
+impl std::fmt::Display for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.service, self.index)
+    }
+}
+
+/// A line of a request counter region: where one worker instance counts its requests.
+#[derive(Clone, Debug)]
+pub struct CounterRef {
+    region: Arc<Counters>,
+    index: usize,
+}
+
+impl CounterRef {
+    /// Line `index` of `region`.
+    pub fn new(region: Arc<Counters>, index: usize) -> Self {
+        CounterRef { region, index }
+    }
+
+    /// The requests counted so far.
+    pub fn load(&self) -> u64 {
+        self.region
+            .region()
+            .lane(self.index)
+            .load(Ordering::Relaxed)
+    }
+}
+
+/// A live worker process of this supervisor.
+#[derive(Clone, Debug)]
+pub struct Child {
+    /// Its slot.
+    pub slot: Slot,
+    /// Its lane: its own line in the request counter region (unless adopted) and its slot in the
+    /// scheduler source; no two live workers share one.
+    pub lane: usize,
+    /// Where it counts its requests.
+    pub counter: CounterRef,
+}
+
+/// Live worker processes by pid.
+#[derive(Debug, Default)]
+pub struct Children {
+    by_pid: Mutex<HashMap<u32, Child>>,
+}
+
+impl Children {
+    /// The slot of the live worker with process id `pid`, if it is one of ours.
+    pub fn slot_of(&self, pid: u32) -> Option<Slot> {
+        self.lock().get(&pid).map(|c| c.slot.clone())
+    }
+
+    /// The live worker with process id `pid`, if it is one of ours.
+    pub fn child(&self, pid: u32) -> Option<Child> {
+        self.lock().get(&pid).cloned()
+    }
+
+    /// Adds a live worker: one this supervisor adopted.
+    pub fn insert(&self, pid: u32, child: Child) {
+        self.lock().insert(pid, child);
+    }
+
+    /// Starts a worker with `spawn` (which returns its pid and anything else the caller needs) and
+    /// adds it as `child`. The table is locked across the spawn, so a registration from the new pid
+    /// waits for its entry instead of racing it.
+    pub fn spawn<T>(
+        &self,
+        child: Child,
+        spawn: impl FnOnce() -> std::io::Result<(u32, T)>,
+    ) -> std::io::Result<(u32, T)> {
+        let mut map = self.lock();
+        let (pid, more) = spawn()?;
+        map.insert(pid, child);
+        Ok((pid, more))
+    }
+
+    /// Forgets a worker whose process has exited.
+    pub fn remove(&self, pid: u32) -> Option<Child> {
+        self.lock().remove(&pid)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn insert_for_test(&self, pid: u32, service: &str, index: u32) {
+        let counters = Arc::new(Counters::memfd(1).expect("a memfd"));
+        self.insert_with_lane_for_test(pid, service, index, 0, &counters);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn insert_with_lane_for_test(
+        &self,
+        pid: u32,
+        service: &str,
+        index: u32,
+        lane: usize,
+        counters: &Arc<Counters>,
+    ) {
+        let child = Child {
+            slot: Slot {
+                service: service.into(),
+                index,
+            },
+            lane,
+            counter: CounterRef::new(counters.clone(), lane),
+        };
+        self.lock().insert(pid, child);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Child>> {
+        self.by_pid.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The lanes of the request counter region and of the scheduler source: one per live worker instance.
+///
+/// A slot being replaced holds two instances for a while (the new one registering, the old one
+/// draining), so there are more lanes than slots; a worker's lane goes back to the pool when it has
+/// exited.
+#[derive(Debug)]
+pub struct Lanes {
+    free: Mutex<BTreeSet<usize>>,
+    capacity: usize,
+}
+
+/// A lane taken from [`Lanes`]; it returns when dropped.
+#[derive(Debug)]
+pub struct Lane {
+    lanes: Arc<Lanes>,
+    index: usize,
+}
+
+impl Lanes {
+    /// `capacity` lanes, all free.
+    pub fn new(capacity: usize) -> Arc<Self> {
+        Arc::new(Lanes {
+            free: Mutex::new((0..capacity).collect()),
+            capacity,
+        })
+    }
+
+    /// How many lanes there are.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// How many lanes are free.
+    pub fn free(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// The lowest free lane.
+    pub fn take(self: &Arc<Self>) -> Option<Lane> {
+        let index = self.lock().pop_first()?;
+        Some(Lane {
+            lanes: self.clone(),
+            index,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<usize>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Lane {
+    /// Its number.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        self.lanes.lock().insert(self.index);
+    }
+}
+
+/// The number of lanes a supervisor starts with for `config`: room for every worker twice over (each
+/// slot replaced at once, or the config scaled up), and at least [`MIN_LANES`].
+pub fn lane_capacity(config: &Config) -> usize {
+    (slot_count(config) * 2).max(MIN_LANES)
+}
+
+/// The fewest lanes a supervisor has, so that a small config can grow by reload.
+pub const MIN_LANES: usize = 64;
+
+/// How many worker slots `config` has.
+pub fn slot_count(config: &Config) -> usize {
+    config.services.values().map(|s| s.count as usize).sum()
+}
+
+/// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
+///
+/// The eBPF sampler's `BPF_F_MMAPABLE` `counters` map ([`crate::sampler::ebpf::EbpfSource::load`]), or a memfd of the
+/// same layout ([`Counters::memfd`]).
+#[derive(Debug)]
+pub struct Counters {
+    fd: OwnedFd,
+    region: CounterRegion,
+}
+
+impl Counters {
+    /// A region behind `fd`, mapped as `region`.
+    pub fn new(fd: OwnedFd, region: CounterRegion) -> Self {
+        Counters { fd, region }
+    }
+
+    /// A fresh zeroed memfd region of `lanes` counters.
+    pub fn memfd(lanes: usize) -> Result<Self, ShmError> {
+        let (fd, region) = CounterRegion::create(lanes)?;
+        Ok(Counters { fd, region })
+    }
+
+    /// The descriptor workers inherit.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The supervisor's mapping.
+    pub fn region(&self) -> &CounterRegion {
+        &self.region
+    }
+}

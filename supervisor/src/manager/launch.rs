@@ -1,0 +1,145 @@
+//! What a slot's worker is started with, and the spawn itself.
+//!
+//! Invariant: the request counter region is the one descriptor a worker inherits, and its lane is
+//! zeroed before the worker starts, so a lane counts exactly its current worker's requests.
+
+use std::{
+    io,
+    os::fd::{AsRawFd, BorrowedFd},
+    os::unix::process::CommandExt,
+    path::PathBuf,
+    process::{Command, Stdio},
+    sync::{Arc, atomic::Ordering},
+};
+
+use peregrine_contract::{
+    settings::{CounterLane, ENV_LINEAGE, Settings},
+    url::BindUrl,
+};
+use rustix::io::FdFlags;
+
+use super::Context;
+use crate::{
+    children::Counters,
+    config::{INDEX_PLACEHOLDER, Program, ServiceConfig, SupervisorConfig},
+};
+
+/// What a slot task needs to start its worker.
+#[derive(Clone, Debug)]
+pub(super) struct Launch {
+    pub(super) program: PathBuf,
+    args: Vec<String>,
+    /// The service's own environment.
+    env: Vec<(String, String)>,
+    /// The worker's settings; the counter lane is filled in at each start.
+    pub(super) settings: Settings,
+    /// The request counter region, inherited by the worker.
+    counters: Arc<Counters>,
+}
+
+/// What, in a service's config, its workers are started with: a change replaces them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct LaunchKey {
+    command: crate::config::WorkerCommand,
+    url: String,
+    env: std::collections::BTreeMap<String, String>,
+}
+
+impl LaunchKey {
+    pub(super) fn of(service: &ServiceConfig) -> Self {
+        LaunchKey {
+            command: service.command.clone(),
+            url: service.url.clone(),
+            env: service.env.clone(),
+        }
+    }
+}
+
+impl Launch {
+    pub(super) fn new(
+        service: &ServiceConfig,
+        index: u32,
+        supervisor: &SupervisorConfig,
+        context: &Context,
+    ) -> io::Result<Self> {
+        let program = match &service.command.program {
+            Program::Peregrine => std::env::current_exe()?,
+            Program::Path(path) => path.clone(),
+        };
+        // `{index}` in an argument is the worker's index (e.g. `taskset -c {index}` pins each worker to
+        // its own CPU).
+        let args = service
+            .command
+            .args
+            .iter()
+            .map(|arg| arg.replace(INDEX_PLACEHOLDER, &index.to_string()))
+            .collect();
+        let settings = Settings {
+            service: service.name.clone(),
+            index,
+            url: service.url_for(index),
+            control: supervisor.control.clone(),
+            counters: None,
+            orphan_timeout: supervisor.lifecycle.orphan_timeout,
+        };
+        Ok(Launch {
+            program,
+            args,
+            env: service
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .chain([(ENV_LINEAGE.to_owned(), context.lineage.as_str().to_owned())])
+                .collect(),
+            settings,
+            counters: context.counters.clone(),
+        })
+    }
+
+    /// Starts a worker that counts its requests in line `lane`, zeroed first.
+    pub(super) fn spawn(&self, lane: usize) -> io::Result<u32> {
+        // No worker counts in this lane now, so nothing counts in it until the new one starts.
+        self.counters
+            .region()
+            .lane(lane)
+            .store(0, Ordering::Relaxed);
+        let counters = self.counters.fd().as_raw_fd();
+        let settings = Settings {
+            counters: Some(CounterLane {
+                fd: counters,
+                lane: u32::try_from(lane).map_err(io::Error::other)?,
+            }),
+            ..self.settings.clone()
+        };
+        let mut command = Command::new(&self.program);
+        command
+            .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(settings.to_env())
+            .stdin(Stdio::null())
+            // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order. Workers
+            // outlive a supervisor that dies, and re-register with the next one.
+            .process_group(0);
+        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2), which is
+        // async-signal-safe; it touches no memory shared with the parent. The counter descriptor is
+        // owned by `self.counters`, open while `self` lives, so it is valid in the child.
+        unsafe {
+            command.pre_exec(move || {
+                // The counter region is the one descriptor the worker inherits.
+                rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(counters), FdFlags::empty())?;
+                Ok(())
+            });
+        }
+        let child = command.spawn()?;
+        // The pid is reaped through its pidfd, not through `Child`.
+        Ok(child.id())
+    }
+}
+
+/// Whether two workers cannot listen on `url` at once: a given TCP port, or a Unix socket path.
+pub(super) fn fixed_address(url: &BindUrl) -> bool {
+    match url {
+        BindUrl::Tcp { port, .. } => *port != 0,
+        BindUrl::Unix { .. } => true,
+    }
+}

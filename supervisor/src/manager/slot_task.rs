@@ -1,0 +1,727 @@
+//! One slot's task: starts its worker, restarts it after it exits (with backoff), replaces and
+//! removes it on command, and drains and stops it on shutdown.
+//!
+//! Every stop is a drain ([`SlotTask::retire`]): the worker is marked draining in the registry (EDS
+//! publishes `health_status: DRAINING`), the task waits until every Envoy endpoint stream has ACKed
+//! that revision ([`Acks::wait_synced`], bounded by `drain_timeout`), then SIGTERM, and SIGKILL after
+//! `stop_timeout`. A replacement starts first and registers (its predecessor turns draining in the
+//! same snapshot) before the predecessor is retired, unless both would need the same fixed address.
+//!
+//! Invariant: the task is the only writer of its slot's entries, in the process table and in the
+//! registry's slot status; a worker's endpoint is only ever drained or removed here, never added.
+
+use std::{
+    io,
+    os::fd::OwnedFd,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use peregrine_contract::ErrorChain;
+use rustix::process::{PidfdFlags, Signal};
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, watch},
+};
+
+use super::{
+    Context, Replaced, SlotCommand,
+    backoff::Backoff,
+    launch::{Launch, fixed_address},
+    process::{Ending, Exit, exited, pid_of, signal},
+};
+#[cfg(doc)]
+use crate::xds::acks::Acks;
+use crate::{
+    children::{Child, CounterRef, Lane, Slot},
+    config::Lifecycle,
+};
+
+/// Why a worker could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Every lane is taken by a live worker.
+    #[error("every counter lane is in use")]
+    NoLane,
+    /// The process could not be spawned or watched.
+    #[error(transparent)]
+    Spawn(#[from] io::Error),
+}
+
+/// What became of a slot whose replacement failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// The worker that was to be replaced keeps serving.
+    OldKeepsServing,
+    /// It was stopped first (its successor needed its fixed address); the slot starts again with
+    /// backoff.
+    RestartWithBackoff,
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Fallback::OldKeepsServing => "the old one keeps serving",
+            Fallback::RestartWithBackoff => "the slot is restarted with backoff",
+        })
+    }
+}
+
+/// Why a slot's worker was not replaced.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplaceError {
+    /// The new launch could not be prepared (its program could not be found).
+    #[error("cannot prepare")]
+    Prepare(#[source] io::Error),
+    /// The slot's task is gone.
+    #[error("its task has stopped")]
+    TaskStopped,
+    /// The new worker could not be started.
+    #[error("cannot start")]
+    Start(#[source] StartError),
+    /// The new worker exited before it registered.
+    #[error("the new worker ended before registering ({ending}); {fallback}")]
+    ExitedBeforeRegistering {
+        /// How it ended.
+        ending: Ending,
+        /// What the slot does instead.
+        fallback: Fallback,
+    },
+    /// The new worker did not register within the register timeout; it was stopped.
+    #[error("the new worker did not register within {timeout:?}; {fallback}")]
+    RegisterTimeout {
+        /// The timeout.
+        timeout: Duration,
+        /// What the slot does instead.
+        fallback: Fallback,
+    },
+    /// The supervisor began to stop meanwhile.
+    #[error("the supervisor is stopping")]
+    Stopping,
+}
+
+/// A worker of an earlier supervisor that this one takes over.
+#[derive(Debug)]
+pub struct Adopted {
+    /// Its process id.
+    pub pid: u32,
+    /// A pidfd of it.
+    pub pidfd: OwnedFd,
+    /// Where it counts its requests (the earlier supervisor's region, taken from the worker).
+    pub counter: Option<CounterRef>,
+}
+
+impl Adopted {
+    pub(super) fn into_instance(
+        self,
+        slot: &Slot,
+        context: &Context,
+    ) -> Result<Instance, StartError> {
+        let lane = context.lanes.take().ok_or(StartError::NoLane)?;
+        let counter = self
+            .counter
+            .unwrap_or_else(|| CounterRef::new(context.counters.clone(), lane.index()));
+        // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
+        // dropped; it is never closed or replaced while registered.
+        let pidfd = unsafe { AsyncFd::register(self.pidfd) }.map_err(io::Error::from)?;
+        context.children.insert(
+            self.pid,
+            Child {
+                slot: slot.clone(),
+                lane: lane.index(),
+                counter,
+            },
+        );
+        Ok(Instance {
+            pid: self.pid,
+            pidfd,
+            lane,
+            started: Instant::now(),
+        })
+    }
+}
+
+/// One running worker process of a slot.
+#[derive(Debug)]
+pub(super) struct Instance {
+    pid: u32,
+    pidfd: AsyncFd<OwnedFd>,
+    /// Held while the process lives; freed when it has exited.
+    #[allow(dead_code, reason = "held for its Drop")]
+    lane: Lane,
+    started: Instant,
+}
+
+/// One slot's task: starts its worker, restarts it after it exits (with backoff), replaces and
+/// removes it on command, and drains and stops it on shutdown.
+pub(super) struct SlotTask {
+    pub(super) slot: Slot,
+    pub(super) launch: Launch,
+    pub(super) backoff: Backoff,
+    pub(super) lifecycle: Lifecycle,
+    pub(super) context: Arc<Context>,
+    pub(super) shutdown: watch::Receiver<bool>,
+    /// `None` once the manager has dropped its end.
+    pub(super) commands: Option<mpsc::Receiver<SlotCommand>>,
+    pub(super) restarts: u64,
+}
+
+/// What woke a slot task.
+enum Event {
+    Exited(io::Result<Exit>),
+    Healthy,
+    /// An adopted worker had its time to register again.
+    AdoptionDue,
+    Command(Option<SlotCommand>),
+    Shutdown,
+}
+
+/// How waiting for a new worker's registration ended.
+enum Registration {
+    Registered,
+    Exited(io::Result<Exit>),
+    TimedOut,
+    Shutdown,
+}
+
+impl SlotTask {
+    /// Whether the supervisor is stopping (the flag is set, or its sender is gone).
+    fn stopping(&self) -> bool {
+        *self.shutdown.borrow() || self.shutdown.has_changed().is_err()
+    }
+
+    pub(super) async fn run(mut self, mut current: Option<Instance>) {
+        self.context
+            .registry
+            .set_restarts(&self.slot.service, self.slot.index, 0);
+        let healthy_after = self.backoff.policy().healthy_after;
+        let mut healthy_at = current.as_ref().map(|i| i.started + healthy_after);
+        // A worker adopted from an earlier supervisor must register again; one that does not (hung,
+        // or not a worker after all) is replaced.
+        let mut adoption_due = current
+            .as_ref()
+            .map(|i| i.started + self.lifecycle.register_timeout);
+        loop {
+            if self.stopping() {
+                if let Some(instance) = current.take() {
+                    self.retire(instance, "the supervisor is stopping").await;
+                }
+                return;
+            }
+            let Some(instance) = current.as_ref() else {
+                match self.start().await {
+                    Ok(instance) => {
+                        healthy_at = Some(instance.started + healthy_after);
+                        current = Some(instance);
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, program = %self.launch.program.display(), "Cannot start worker");
+                        let command = self
+                            .pause_after_exit(Duration::ZERO, format!("cannot start: {error}"))
+                            .await;
+                        if self.handle_idle(command, &mut current).await {
+                            return;
+                        }
+                        // A replacement that came meanwhile is a new start, watched like one.
+                        if let Some(instance) = &current {
+                            healthy_at = Some(instance.started + healthy_after);
+                        }
+                    }
+                }
+                continue;
+            };
+            let event = tokio::select! {
+                exit = exited(&instance.pidfd) => Event::Exited(exit),
+                () = sleep_until_some(healthy_at) => Event::Healthy,
+                () = sleep_until_some(adoption_due) => Event::AdoptionDue,
+                command = recv(&mut self.commands) => Event::Command(command),
+                () = stopped(&mut self.shutdown) => Event::Shutdown,
+            };
+            match event {
+                Event::Shutdown => {}
+                Event::AdoptionDue => {
+                    adoption_due = None;
+                    let pid = instance.pid;
+                    let registered = self
+                        .context
+                        .registry
+                        .snapshot()
+                        .instance(&self.slot.service, self.slot.index, pid)
+                        .is_some();
+                    if !registered {
+                        tracing::warn!(pid, timeout = ?self.lifecycle.register_timeout, "The adopted worker did not register again in time; replacing it");
+                        match self.replace_with(None, &mut current).await {
+                            Ok(replaced) => {
+                                healthy_at = Some(Instant::now() + healthy_after);
+                                tracing::info!(new = replaced.new, "Adopted worker replaced");
+                            }
+                            Err(error) => {
+                                tracing::warn!(error = %ErrorChain(&error), "Cannot replace the adopted worker")
+                            }
+                        }
+                    }
+                }
+                Event::Healthy => {
+                    healthy_at = None;
+                    self.context
+                        .registry
+                        .update_slot(&self.slot.service, self.slot.index, |s| {
+                            s.crash_looping = false
+                        });
+                }
+                Event::Exited(exit) => {
+                    let instance = current.take().expect("an instance is running");
+                    let uptime = instance.started.elapsed();
+                    let exit = self.reap(instance, exit);
+                    healthy_at = None;
+                    if self.stopping() {
+                        return;
+                    }
+                    let command = self.pause_after_exit(uptime, exit.to_string()).await;
+                    if self.handle_idle(command, &mut current).await {
+                        return;
+                    }
+                    if let Some(instance) = &current {
+                        healthy_at = Some(instance.started + healthy_after);
+                    }
+                }
+                Event::Command(None) => self.commands = None,
+                Event::Command(Some(SlotCommand::Replace { launch, done })) => {
+                    let result = self.replace_with(launch, &mut current).await;
+                    if result.is_ok() {
+                        healthy_at = Some(Instant::now() + healthy_after);
+                    }
+                    let _ = done.send(result);
+                }
+                Event::Command(Some(SlotCommand::Remove { done })) => {
+                    self.remove(&mut current).await;
+                    let _ = done.send(());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles a command that arrived while no worker ran (during a backoff pause); returns whether
+    /// the task must end.
+    async fn handle_idle(
+        &mut self,
+        command: Option<SlotCommand>,
+        current: &mut Option<Instance>,
+    ) -> bool {
+        match command {
+            None => false,
+            Some(SlotCommand::Replace { launch, done }) => {
+                self.backoff = Backoff::new(self.backoff.policy());
+                let _ = done.send(self.replace_with(launch, current).await);
+                false
+            }
+            Some(SlotCommand::Remove { done }) => {
+                self.remove(current).await;
+                let _ = done.send(());
+                true
+            }
+        }
+    }
+
+    /// Replaces the worker, with `launch` if given; if the replacement fails, the slot keeps its
+    /// previous launch (a later reload tries the new one again).
+    async fn replace_with(
+        &mut self,
+        launch: Option<Box<Launch>>,
+        current: &mut Option<Instance>,
+    ) -> Result<Replaced, ReplaceError> {
+        let previous = launch.map(|launch| std::mem::replace(&mut self.launch, *launch));
+        let old = current.as_ref().map(|i| i.pid);
+        let old_url = previous
+            .as_ref()
+            .unwrap_or(&self.launch)
+            .settings
+            .url
+            .clone();
+        let exclusive = current.is_some()
+            && old_url == self.launch.settings.url
+            && fixed_address(&self.launch.settings.url);
+        match self.replace(current, exclusive).await {
+            Ok(new) => Ok(Replaced {
+                slot: self.slot.clone(),
+                old,
+                new,
+            }),
+            Err(error) => {
+                if let Some(previous) = previous {
+                    self.launch = previous;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Drains and stops the worker and forgets the slot: it was removed from the config.
+    async fn remove(&mut self, current: &mut Option<Instance>) {
+        if let Some(instance) = current.take() {
+            self.retire(instance, "its slot was removed from the config")
+                .await;
+        }
+        self.context
+            .registry
+            .remove_slot(&self.slot.service, self.slot.index);
+    }
+
+    /// Records an unexpected exit and waits out the backoff delay; returns early with a command that
+    /// arrived meanwhile.
+    async fn pause_after_exit(&mut self, uptime: Duration, exit: String) -> Option<SlotCommand> {
+        let healthy_after = self.backoff.policy().healthy_after;
+        let delay = self.backoff.after_exit(uptime);
+        self.restarts += 1;
+        let crash_looping = uptime < healthy_after;
+        let restarts = self.restarts;
+        self.context
+            .registry
+            .update_slot(&self.slot.service, self.slot.index, |s| {
+                s.restarts = restarts;
+                s.last_exit = Some(exit.clone());
+                s.restart_delay = Some(delay);
+                s.crash_looping = crash_looping;
+            });
+        tracing::warn!(
+            exit,
+            ?delay,
+            restarts,
+            crash_looping,
+            "Restarting worker after backoff"
+        );
+        let commands = &mut self.commands;
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => None,
+            () = stopped(&mut self.shutdown) => None,
+            command = recv(commands) => {
+                if command.is_none() {
+                    *commands = None;
+                }
+                command
+            }
+        }
+    }
+
+    /// Starts a worker in a free lane.
+    async fn start(&self) -> Result<Instance, StartError> {
+        let lane = self.context.lanes.take().ok_or(StartError::NoLane)?;
+        let child = Child {
+            slot: self.slot.clone(),
+            lane: lane.index(),
+            counter: CounterRef::new(self.context.counters.clone(), lane.index()),
+        };
+        let (pid, pidfd) = self.context.children.spawn(child, || {
+            let pid = self.launch.spawn(lane.index())?;
+            let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
+            Ok((pid, pidfd))
+        })?;
+        tracing::info!(pid, lane = lane.index(), restarts = self.restarts, program = %self.launch.program.display(), "Worker started");
+        Ok(Instance {
+            pid,
+            // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
+            // dropped; it is never closed or replaced while registered.
+            pidfd: unsafe { AsyncFd::register(pidfd) }.map_err(io::Error::from)?,
+            lane,
+            started: Instant::now(),
+        })
+    }
+
+    /// Starts a new worker and, once it has registered, drains and stops `current`; returns the new
+    /// worker's pid. If the new worker fails, `current` keeps serving.
+    ///
+    /// A worker with a fixed address (a given TCP port, a Unix path) cannot run beside a successor at
+    /// the same address (no SO_REUSEPORT, and a live Unix socket is not taken over): then `current` is
+    /// drained and stopped first, and the slot is empty until the new worker registers (the service's
+    /// other workers carry its traffic).
+    async fn replace(
+        &mut self,
+        current: &mut Option<Instance>,
+        exclusive: bool,
+    ) -> Result<u32, ReplaceError> {
+        let fallback = if exclusive {
+            if let Some(old) = current.take() {
+                self.retire(old, "its successor needs its address").await;
+            }
+            Fallback::RestartWithBackoff
+        } else {
+            Fallback::OldKeepsServing
+        };
+        let new = self.start().await.map_err(ReplaceError::Start)?;
+        match self.await_registration(&new, current).await {
+            Registration::Registered => {}
+            Registration::Exited(exit) => {
+                let ending = self.reap(new, exit);
+                return Err(ReplaceError::ExitedBeforeRegistering { ending, fallback });
+            }
+            Registration::TimedOut => {
+                let timeout = self.lifecycle.register_timeout;
+                self.retire(new, "it did not register in time").await;
+                return Err(ReplaceError::RegisterTimeout { timeout, fallback });
+            }
+            Registration::Shutdown => {
+                self.retire(new, "the supervisor is stopping").await;
+                return Err(ReplaceError::Stopping);
+            }
+        }
+        let pid = new.pid;
+        tracing::info!(pid, "Replacement registered");
+        if let Some(old) = current.replace(new) {
+            self.retire(old, "it was replaced").await;
+        }
+        Ok(pid)
+    }
+
+    /// Waits until `new` has registered; if `current` exits meanwhile, it is reaped.
+    async fn await_registration(
+        &mut self,
+        new: &Instance,
+        current: &mut Option<Instance>,
+    ) -> Registration {
+        let deadline = tokio::time::Instant::now() + self.lifecycle.register_timeout;
+        let mut snapshots = self.context.registry.subscribe();
+        loop {
+            let registered = snapshots
+                .borrow_and_update()
+                .instance(&self.slot.service, self.slot.index, new.pid)
+                .is_some();
+            if registered {
+                return Registration::Registered;
+            }
+            let old_exit = async {
+                match current.as_ref() {
+                    Some(old) => exited(&old.pidfd).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        return Registration::Shutdown;
+                    }
+                }
+                exit = exited(&new.pidfd) => return Registration::Exited(exit),
+                exit = old_exit => {
+                    let old = current.take().expect("the old worker was running");
+                    let uptime = old.started.elapsed();
+                    self.reap(old, exit);
+                    tracing::warn!(?uptime, "The worker being replaced exited before its successor registered");
+                }
+                () = tokio::time::sleep_until(deadline) => return Registration::TimedOut,
+                () = stopped(&mut self.shutdown) => return Registration::Shutdown,
+            }
+        }
+    }
+
+    /// Drains and stops `instance`: marks it draining, waits until every connected Envoy has ACKed that
+    /// (at most `drain_timeout`), then SIGTERM, and SIGKILL after `stop_timeout`.
+    async fn retire(&self, instance: Instance, why: &str) -> Ending {
+        let Slot { service, index } = &self.slot;
+        let pid = instance.pid;
+        let begun = Instant::now();
+        if let Some(revision) = self.context.registry.drain(service, *index, pid) {
+            tracing::info!(pid, why, revision, "Draining worker");
+            let synced = self
+                .context
+                .acks
+                .wait_synced(revision, self.lifecycle.drain_timeout);
+            tokio::select! {
+                outcome = synced => {
+                    let silent: Vec<&str> = outcome.silent.iter().map(|s| s.node.as_str()).collect();
+                    if outcome.is_synced() {
+                        tracing::info!(pid, streams = outcome.synced, ?silent, waited = ?begun.elapsed(), "Every Envoy has the worker as draining");
+                    } else {
+                        tracing::warn!(pid, lagging = ?outcome.lagging, ?silent, timeout = ?self.lifecycle.drain_timeout, "Not every Envoy ACKed the drain in time; stopping the worker anyway");
+                    }
+                }
+                exit = exited(&instance.pidfd) => return self.reap(instance, exit),
+            }
+        }
+        tracing::debug!(pid, why, "Stopping worker");
+        signal(&instance.pidfd, Signal::TERM);
+        let exit = match tokio::time::timeout(self.lifecycle.stop_timeout, exited(&instance.pidfd))
+            .await
+        {
+            Ok(exit) => exit,
+            Err(_) => {
+                tracing::warn!(pid, timeout = ?self.lifecycle.stop_timeout, "Worker did not stop in time; killing it");
+                signal(&instance.pidfd, Signal::KILL);
+                exited(&instance.pidfd).await
+            }
+        };
+        self.reap(instance, exit)
+    }
+
+    /// Forgets an exited worker: it leaves the process table and the registry; its lane is freed.
+    /// Returns how it ended, for the slot's status.
+    fn reap(&self, instance: Instance, exit: io::Result<Exit>) -> Ending {
+        let pid = instance.pid;
+        self.context.children.remove(pid);
+        let removed = self
+            .context
+            .registry
+            .deregister(&self.slot.service, self.slot.index, pid);
+        let uptime = instance.started.elapsed();
+        match exit {
+            Ok(exit) => {
+                tracing::info!(pid, %exit, ?uptime, deregistered = removed, "Worker exited");
+                Ending::Exit(exit)
+            }
+            Err(error) => {
+                tracing::error!(pid, %error, "Lost track of worker");
+                Ending::Lost(error.to_string())
+            }
+        }
+    }
+}
+
+/// Resolves once the supervisor is stopping: the flag is set, or its sender is gone.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+/// The next command, or never once the channel is gone.
+async fn recv(commands: &mut Option<mpsc::Receiver<SlotCommand>>) -> Option<SlotCommand> {
+    match commands {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at`, or for ever if `None`.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        collections::HashMap,
+        process::{Command, Stdio},
+    };
+
+    use super::*;
+    use crate::{
+        children::{Counters, Lanes},
+        config::{Config, RestartPolicy},
+        registry::Registry,
+    };
+
+    fn watched(pid: u32) -> AsyncFd<OwnedFd> {
+        let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty()).unwrap();
+        // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until dropped.
+        unsafe { AsyncFd::register(pidfd) }.unwrap()
+    }
+
+    /// A slot task for `web[0]` that starts nothing, with `lifecycle`.
+    fn task(lifecycle: Lifecycle) -> SlotTask {
+        let counters = Arc::new(Counters::memfd(4).unwrap());
+        let context = Arc::new(Context {
+            registry: Arc::new(Registry::new(["web".to_string()])),
+            children: Arc::default(),
+            lanes: Lanes::new(4),
+            acks: Arc::default(),
+            counters,
+            lineage: crate::instance::Lineage::random().unwrap(),
+        });
+        let slot = Slot {
+            service: "web".into(),
+            index: 0,
+        };
+        let config = Config::parse(
+            "[service.web]\n",
+            std::path::Path::new("/tmp"),
+            &HashMap::new(),
+        )
+        .unwrap();
+        SlotTask {
+            slot,
+            launch: Launch::new(&config.services["web"], 0, &config.supervisor, &context).unwrap(),
+            backoff: Backoff::new(RestartPolicy::default()),
+            lifecycle,
+            context,
+            shutdown: watch::channel(false).1,
+            commands: None,
+            restarts: 0,
+        }
+    }
+
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by exited"
+    )]
+    #[tokio::test]
+    async fn notices_an_exit_through_the_pidfd_and_reaps_it() {
+        let child = Command::new("sh").args(["-c", "exit 7"]).spawn().unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), exited(&watched(child.id())))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(exit, Exit::Code(7));
+    }
+
+    #[tokio::test]
+    async fn an_adopted_process_that_exits_has_an_unknown_status() {
+        // The shell's background child is not ours once the shell has exited: like a worker of an
+        // earlier supervisor, it can be watched but not reaped.
+        let output = Command::new("sh")
+            .args(["-c", "sleep 0.3 >/dev/null 2>&1 & echo $!"])
+            .output()
+            .unwrap();
+        let pid: u32 = String::from_utf8(output.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), exited(&watched(pid)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(exit, Exit::Unknown);
+    }
+
+    #[allow(
+        clippy::zombie_processes,
+        reason = "reaped through its pidfd by retire"
+    )]
+    #[tokio::test]
+    async fn stops_a_worker_with_sigterm_then_sigkill() {
+        // This child ignores SIGTERM, so the stop escalates to SIGKILL after the timeout. It says when
+        // the trap is set, so the SIGTERM cannot arrive before it.
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "trap '' TERM; echo trapped; while :; do sleep 1; done",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "trapped\n");
+        let task = task(Lifecycle {
+            stop_timeout: Duration::from_millis(200),
+            ..Lifecycle::default()
+        });
+        let instance = Instance {
+            pid: child.id(),
+            pidfd: watched(child.id()),
+            lane: task.context.lanes.take().unwrap(),
+            started: Instant::now(),
+        };
+        let exit = tokio::time::timeout(Duration::from_secs(10), task.retire(instance, "a test"))
+            .await
+            .unwrap();
+        assert_eq!(exit, Ending::Exit(Exit::Signal(9)));
+        assert_eq!(exit.to_string(), "signal 9");
+        assert_eq!(task.context.lanes.free(), 4, "the lane is free again");
+    }
+}
