@@ -28,8 +28,7 @@ pub mod stall;
 
 use std::{
     collections::{BTreeMap, HashMap},
-    fmt, io,
-    path::PathBuf,
+    fmt,
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
@@ -37,6 +36,7 @@ use std::{
 use tokio::sync::watch;
 
 pub use peregrine_contract::ErrorChain;
+use peregrine_contract::procfs::ProcError;
 
 pub use crate::registry::SamplerKind;
 use crate::{
@@ -80,31 +80,17 @@ pub enum SampleError {
         /// The process.
         pid: u32,
     },
-    /// A file could not be read.
-    #[error("cannot read {path}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: io::Error,
-    },
-    /// A file did not have the expected format.
-    #[error("{path}: unexpected content {content:?}")]
-    Malformed {
-        /// The file.
-        path: PathBuf,
-        /// What it held.
-        content: String,
-    },
-    /// A backend-specific failure (e.g. a BPF map operation).
+    /// A procfs file could not be read or parsed.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    /// A BPF map operation failed.
     #[error("{what}")]
-    Backend {
+    Ebpf {
         /// What failed.
-        what: String,
-        /// The cause.
+        what: &'static str,
+        /// The cause (boxed: the loader's error is large, and this one is rare).
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: Box<peregrine_ebpf::Error>,
     },
 }
 
@@ -313,10 +299,7 @@ impl Sampler {
             let (stall, suspect) = match rates {
                 Some(rates) if rates.requests_per_second == 0.0 => {
                     let seen = stall::Observation {
-                        state: std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                            .ok()
-                            .as_deref()
-                            .and_then(stall::process_state),
+                        state: peregrine_contract::procfs::stat(pid).ok().map(|s| s.state),
                         cpu_cores: rates.cpu_cores,
                         queued_bytes: queued(pid),
                     };
@@ -643,8 +626,7 @@ mod tests {
     fn wait_for_state(pid: u32, state: char) -> bool {
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            if stall::process_state(&stat) == Some(state) {
+            if peregrine_contract::procfs::stat(pid).is_ok_and(|s| s.state == state) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(2));

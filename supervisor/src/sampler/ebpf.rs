@@ -38,10 +38,10 @@ fn counters_of(probe: &Probe, slots: usize) -> Result<Counters, ShmError> {
     Ok(Counters::new(fd, region))
 }
 
-fn backend(what: &str, error: peregrine_ebpf::Error) -> SampleError {
-    SampleError::Backend {
-        what: what.into(),
-        source: Box::new(error),
+fn backend(what: &'static str, source: peregrine_ebpf::Error) -> SampleError {
+    SampleError::Ebpf {
+        what,
+        source: Box::new(source),
     }
 }
 

@@ -11,9 +11,10 @@
 
 use std::{
     collections::HashMap,
-    io,
     path::{Path, PathBuf},
 };
+
+use peregrine_contract::procfs::{self, ProcError};
 
 use super::{SampleError, SamplerKind, SchedSource, SchedTotals};
 
@@ -56,23 +57,24 @@ impl ProcfsSource {
     /// `CONFIG_SCHED_INFO`, which every mainstream distribution's is).
     pub fn available(&self) -> Result<(), SampleError> {
         let path = self.root.join("self/schedstat");
-        read_schedstat(&path).map(drop)
+        read_schedstat(&path).map(drop).map_err(SampleError::from)
     }
 
     /// The current numbers of every thread of `pid`.
     fn threads(&self, pid: u32) -> Result<HashMap<u32, SchedTotals>, SampleError> {
         let dir = self.root.join(pid.to_string()).join("task");
-        let entries = match std::fs::read_dir(&dir) {
+        let io_error = |source| ProcError::Io {
+            path: dir.clone(),
+            source,
+        };
+        let entries = match std::fs::read_dir(&dir).map_err(io_error) {
             Ok(entries) => entries,
-            Err(e) if gone(&e) => return Err(SampleError::Gone { pid }),
-            Err(source) => return Err(SampleError::Io { path: dir, source }),
+            Err(error) if error.is_gone() => return Err(SampleError::Gone { pid }),
+            Err(error) => return Err(error.into()),
         };
         let mut threads = HashMap::new();
         for entry in entries {
-            let entry = entry.map_err(|source| SampleError::Io {
-                path: dir.clone(),
-                source,
-            })?;
+            let entry = entry.map_err(io_error)?;
             let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse().ok()) else {
                 continue;
             };
@@ -81,8 +83,8 @@ impl ProcfsSource {
                     threads.insert(tid, totals);
                 }
                 // The thread exited between the listing and the read.
-                Err(SampleError::Io { source, .. }) if gone(&source) => {}
-                Err(error) => return Err(error),
+                Err(error) if error.is_gone() => {}
+                Err(error) => return Err(error.into()),
             }
         }
         if threads.is_empty() {
@@ -145,33 +147,12 @@ impl Process {
     }
 }
 
-/// Whether an error means the process or thread no longer exists.
-fn gone(error: &io::Error) -> bool {
-    // ESRCH: reading a file of a task that exited after it was opened.
-    error.kind() == io::ErrorKind::NotFound
-        || error.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error())
-}
-
 /// Reads one `schedstat` file: on-CPU and run-queue nanoseconds.
-fn read_schedstat(path: &Path) -> Result<SchedTotals, SampleError> {
-    let text = std::fs::read_to_string(path).map_err(|source| SampleError::Io {
-        path: path.to_owned(),
-        source,
-    })?;
-    parse_schedstat(&text).ok_or_else(|| SampleError::Malformed {
-        path: path.to_owned(),
-        content: text.chars().take(100).collect(),
-    })
-}
-
-/// Parses `"<on-cpu ns> <run-queue ns> <timeslices>\n"`.
-fn parse_schedstat(text: &str) -> Option<SchedTotals> {
-    let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
-    let on_cpu_ns = fields.next()?.ok()?;
-    let runq_wait_ns = fields.next()?.ok()?;
-    Some(SchedTotals {
-        on_cpu_ns,
-        runq_wait_ns,
+fn read_schedstat(path: &Path) -> Result<SchedTotals, ProcError> {
+    let read = procfs::read_schedstat(path)?;
+    Ok(SchedTotals {
+        on_cpu_ns: read.on_cpu_ns,
+        runq_wait_ns: read.runq_wait_ns,
     })
 }
 
@@ -192,20 +173,6 @@ mod tests {
         while start.elapsed() < duration {
             x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
         }
-    }
-
-    #[test]
-    fn parses_schedstat() {
-        assert_eq!(
-            parse_schedstat("192990058 196080674 118\n"),
-            Some(SchedTotals {
-                on_cpu_ns: 192_990_058,
-                runq_wait_ns: 196_080_674
-            })
-        );
-        assert_eq!(parse_schedstat("12\n"), None);
-        assert_eq!(parse_schedstat("a b c\n"), None);
-        assert_eq!(parse_schedstat(""), None);
     }
 
     #[test]

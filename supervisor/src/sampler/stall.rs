@@ -23,15 +23,6 @@ use crate::registry::Stall;
 /// A worker using at least this much CPU over an interval is busy, not stalled.
 pub const BUSY_CORES: f64 = 0.05;
 
-/// The scheduler state letter of `/proc/PID/stat` (field 3).
-pub fn process_state(stat: &str) -> Option<char> {
-    stat.get(stat.rfind(')')? + 1..)?
-        .split_whitespace()
-        .next()?
-        .chars()
-        .next()
-}
-
 /// What one sample saw of a worker that served no request in the interval.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Observation {
@@ -123,17 +114,6 @@ fn accept_queue(listener: &std::os::fd::OwnedFd) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reads_the_state_letter_after_the_command_name() {
-        assert_eq!(process_state("42 (peregrine) S 1 42"), Some('S'));
-        assert_eq!(
-            process_state("42 (a) b) T 1 42"),
-            Some('T'),
-            "a name with ')'"
-        );
-        assert_eq!(process_state("42 (x"), None);
-    }
 
     #[test]
     fn counts_unread_bytes_and_unaccepted_connections_of_a_process() {
