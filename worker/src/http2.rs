@@ -198,6 +198,19 @@ impl Limits {
     }
 }
 
+/// An HTTP/2 GOAWAY frame, last stream 0, `PROTOCOL_ERROR`: the answer to a broken preface (RFC 9113,
+/// section 3.4), sent before the connection closes. `server` sends it to a connection that begins
+/// `PRI ` but is not the preface, and `http1` to one whose first request line names no HTTP version:
+/// either peer meant HTTP/2, and an HTTP/1 answer would be garbage to it.
+pub(crate) const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [
+    0, 0, 8, // length
+    7, // type: GOAWAY
+    0, // flags
+    0, 0, 0, 0, // stream 0
+    0, 0, 0, 0, // last stream id
+    0, 0, 0, 1, // PROTOCOL_ERROR
+];
+
 /// Why an HTTP/2 connection ended with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectionError {
