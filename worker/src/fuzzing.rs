@@ -100,7 +100,7 @@ pub fn http1_connection(input: &[u8], cuts: &[usize]) -> Vec<u8> {
 /// Asserts that `out` is a sequence of complete HTTP/1.1 responses (interim `100 Continue` allowed).
 fn check_responses(mut out: &[u8], input: &[u8]) {
     // Bytes that name no HTTP/1 version are answered as a broken HTTP/2 preface.
-    if out == crate::server::GOAWAY_PROTOCOL_ERROR {
+    if out == crate::http2::GOAWAY_PROTOCOL_ERROR {
         return;
     }
     let mut finals = 0;

@@ -49,34 +49,43 @@
 //! the connection window is at most that budget, so what the peer can make this side hold, read or not,
 //! is bounded by it. Responses add at most `max_send_buffer_size` per stream in `h2`.
 //!
+//! The parts: this module holds the settings and the connection's loop; `request` reads and charges
+//! request bodies, `response` drives calls to responses sent under flow control, and `resets` keeps the
+//! rapid-reset rate.
+//!
 //! Architecture Invariant: nothing here knows how a connection was accepted or detected as HTTP/2, nor
 //! which runtime drives it beyond the [`Io`] trait.
 
+mod request;
+mod resets;
+mod response;
+
 use std::{
-    cell::Cell,
     collections::VecDeque,
     future::{Future, poll_fn},
-    pin::pin,
+    pin::{Pin, pin},
     rc::Rc,
-    task::{Context, Poll, Waker, ready},
+    task::{Context, Poll, Waker},
     time::Duration,
 };
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{StreamExt, stream::FuturesUnordered};
-use h2::{
-    Reason, RecvStream, SendStream,
-    server::{Builder, SendResponse},
+use h2::{Reason, server::Builder};
+use http::{Method, Request};
+use tokio::{
+    sync::watch,
+    time::{Instant, Sleep},
 };
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body::Body;
-use http_body_util::BodyExt;
-use tokio::{sync::watch, time::Instant};
 use tracing::Instrument;
 
+use self::{
+    request::{Received, receive},
+    resets::Resets,
+    response::respond_to,
+};
 use crate::{
-    BoxError,
-    budget::{Budget, Charge},
+    budget::Budget,
     service::{HttpService, RequestBody},
     stream::{Io, Stream},
     uring_io::UringIo,
@@ -198,6 +207,19 @@ impl Limits {
     }
 }
 
+/// An HTTP/2 GOAWAY frame, last stream 0, `PROTOCOL_ERROR`: the answer to a broken preface (RFC 9113,
+/// section 3.4), sent before the connection closes. `server` sends it to a connection that begins
+/// `PRI ` but is not the preface, and `http1` to one whose first request line names no HTTP version:
+/// either peer meant HTTP/2, and an HTTP/1 answer would be garbage to it.
+pub(crate) const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [
+    0, 0, 8, // length
+    7, // type: GOAWAY
+    0, // flags
+    0, 0, 0, 0, // stream 0
+    0, 0, 0, 0, // last stream id
+    0, 0, 0, 1, // PROTOCOL_ERROR
+];
+
 /// Why an HTTP/2 connection ended with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectionError {
@@ -262,11 +284,11 @@ where
     let mut queued: VecDeque<Received> = VecDeque::new();
     let mut responding = FuturesUnordered::new();
     let mut idle = pin!(tokio::time::sleep(limits.idle_timeout.unwrap_or_default()));
-    // Set when the connection sent GOAWAY for idleness or abuse: a peer that has not answered (the
-    // PING of a graceful GOAWAY) or read it by then is not waited for.
-    let mut give_up = pin!(tokio::time::sleep(Duration::ZERO));
-    let mut giving_up = false;
-    let mut draining = false;
+    let mut closing = Closing {
+        draining: false,
+        giving_up: false,
+        give_up: pin!(tokio::time::sleep(Duration::ZERO)),
+    };
     let mut aborted = false;
     let mut busy = false;
 
@@ -276,10 +298,10 @@ where
             loop {
                 let mut progress = false;
 
-                if !draining && stop.as_mut().poll(cx).is_ready() {
+                if !closing.draining && stop.as_mut().poll(cx).is_ready() {
                     tracing::debug!("Shutting down: GOAWAY");
                     conn.graceful_shutdown();
-                    draining = true;
+                    closing.draining = true;
                 }
 
                 // The `h2` connection: frames in and out, new streams.
@@ -382,19 +404,15 @@ where
                     );
                     conn.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
                     aborted = true;
-                    draining = true;
                     // A flooding peer need not read its GOAWAY: it is not waited for long.
-                    giving_up = true;
-                    give_up
-                        .as_mut()
-                        .reset(Instant::now() + limits.handshake_timeout);
+                    closing.give_up_after(limits.handshake_timeout);
                     progress = true;
                 }
 
                 // The idle timer runs while no stream is in flight.
                 let in_flight = receiving.len() + queued.len() + responding.len();
                 if let Some(timeout) = limits.idle_timeout
-                    && !draining
+                    && !closing.draining
                 {
                     if in_flight > 0 {
                         busy = true;
@@ -406,16 +424,14 @@ where
                         if idle.as_mut().poll(cx).is_ready() {
                             tracing::debug!("Idle connection: GOAWAY");
                             conn.graceful_shutdown();
-                            draining = true;
-                            giving_up = true;
-                            give_up
-                                .as_mut()
-                                .reset(Instant::now() + limits.handshake_timeout);
+                            closing.give_up_after(limits.handshake_timeout);
                             progress = true;
                         }
                     }
                 }
-                if giving_up && (aborted || in_flight == 0) && give_up.as_mut().poll(cx).is_ready()
+                if closing.giving_up
+                    && (aborted || in_flight == 0)
+                    && closing.give_up.as_mut().poll(cx).is_ready()
                 {
                     tracing::debug!("The peer did not answer GOAWAY in time, closing");
                     return Poll::Ready(if aborted { Err(resets.error()) } else { Ok(()) });
@@ -428,6 +444,27 @@ where
         })
     })
     .await
+}
+
+/// How far a connection is in closing.
+struct Closing<'t> {
+    /// A GOAWAY went out: the streams in flight finish, no new ones are accepted.
+    draining: bool,
+    /// Set when the connection sent GOAWAY for idleness or abuse: a peer that has not answered (the
+    /// PING of a graceful GOAWAY) or read it once `give_up` fires is not waited for.
+    giving_up: bool,
+    give_up: Pin<&'t mut Sleep>,
+}
+
+// === impl Closing ===
+
+impl Closing<'_> {
+    /// After a GOAWAY the peer must answer or read: drains, and waits at most `timeout` for the peer.
+    fn give_up_after(&mut self, timeout: Duration) {
+        self.draining = true;
+        self.giving_up = true;
+        self.give_up.as_mut().reset(Instant::now() + timeout);
+    }
 }
 
 /// Serves HTTP/2 on an accepted TCP stream, like [`serve_connection`]; for tests that drive the server
@@ -458,480 +495,4 @@ pub async fn serve_tcp<S: HttpService>(
 /// Completes once `stopped` is true or its sender is gone.
 async fn wait_stopped(mut stopped: watch::Receiver<bool>) {
     let _ = stopped.wait_for(|stopped| *stopped).await;
-}
-
-/// Counts the connection's streams, those the peer reset before their response completed and those
-/// that completed, the last two also over a sliding window (see [`Limits::premature_reset_min_streams`]).
-#[derive(Debug)]
-struct Resets {
-    streams: Cell<u64>,
-    resets: Cell<u64>,
-    /// Set by every reset, taken by the check.
-    changed: Cell<bool>,
-    recent: Cell<Recent>,
-}
-
-/// Resets and completions in the current window and the one before it.
-#[derive(Debug, Clone, Copy)]
-struct Recent {
-    window: Duration,
-    start: Instant,
-    resets: [u64; 2],
-    completed: [u64; 2],
-}
-
-// === impl Recent ===
-
-impl Recent {
-    /// Moves the window on to `now`.
-    fn roll(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.start);
-        if elapsed < self.window {
-            return;
-        }
-        if elapsed < 2 * self.window {
-            self.resets = [self.resets[1], 0];
-            self.completed = [self.completed[1], 0];
-            self.start += self.window;
-        } else {
-            self.resets = [0, 0];
-            self.completed = [0, 0];
-            self.start = now;
-        }
-    }
-
-    /// The count over the last window: all of the current one and the part of the previous one the
-    /// window still covers.
-    fn estimate(&self, counts: [u64; 2], now: Instant) -> f64 {
-        let into =
-            now.saturating_duration_since(self.start).as_secs_f64() / self.window.as_secs_f64();
-        counts[1] as f64 + counts[0] as f64 * (1.0 - into.min(1.0))
-    }
-}
-
-// === impl Resets ===
-
-impl Resets {
-    fn new(window: Duration, now: Instant) -> Self {
-        Resets {
-            streams: Cell::new(0),
-            resets: Cell::new(0),
-            changed: Cell::new(false),
-            recent: Cell::new(Recent {
-                window: window.max(Duration::from_millis(1)),
-                start: now,
-                resets: [0, 0],
-                completed: [0, 0],
-            }),
-        }
-    }
-
-    fn update(&self, now: Instant, f: impl FnOnce(&mut Recent)) {
-        let mut recent = self.recent.get();
-        recent.roll(now);
-        f(&mut recent);
-        self.recent.set(recent);
-    }
-
-    /// A stream reset by the peer before its response completed.
-    fn record(&self, now: Instant) {
-        self.resets.set(self.resets.get() + 1);
-        self.changed.set(true);
-        self.update(now, |r| r.resets[1] += 1);
-    }
-
-    /// A stream whose response completed.
-    fn completed(&self, now: Instant) {
-        self.update(now, |r| r.completed[1] += 1);
-    }
-
-    /// Whether the last window saw at least `min_resets` premature resets, and more of them than
-    /// completed streams: a client that cancels now and then, or a proxy whose clients cancel while
-    /// this thread is busy, stays well below; a rapid-reset flood reaches it within `min_resets`.
-    fn too_many(&self, min_resets: u64, now: Instant) -> bool {
-        let mut recent = self.recent.get();
-        recent.roll(now);
-        self.recent.set(recent);
-        let resets = recent.estimate(recent.resets, now);
-        let completed = recent.estimate(recent.completed, now);
-        resets >= min_resets as f64 && resets > completed
-    }
-
-    fn error(&self) -> ConnectionError {
-        ConnectionError::TooManyResets {
-            resets: self.resets.get(),
-            streams: self.streams.get(),
-        }
-    }
-}
-
-/// A request whose body has been read, waiting for the application.
-struct Received {
-    request: Request<RequestBody>,
-    respond: SendResponse<Bytes>,
-    head_only: bool,
-    /// The budget its body holds, given back once its response is done.
-    charge: Option<Charge>,
-    span: tracing::Span,
-}
-
-/// Reads a request's body under flow control: `None` when the stream is done already (refused with
-/// `413`, `503` when the body finds no room in the connection's or the worker's budget, `408` when it
-/// pauses or lasts too long, or reset by the peer).
-///
-/// Capacity is released (the peer may send more) only for bytes charged to `bodies`.
-async fn receive(
-    request: Request<RecvStream>,
-    mut respond: SendResponse<Bytes>,
-    limits: &Limits,
-    bodies: &Rc<Budget>,
-    resets: &Resets,
-    span: tracing::Span,
-) -> Option<Received> {
-    let max_body = limits.max_body_bytes;
-    let (parts, mut body) = request.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max_body as u64) {
-        send_error(&mut respond, StatusCode::PAYLOAD_TOO_LARGE);
-        return None;
-    }
-    let mut charge = Charge::new(bodies);
-    // A declared body is charged whole at once (its buffer is allocated whole).
-    if let Some(n) = declared
-        && !charge.grow(n as usize)
-    {
-        tracing::debug!(
-            buffered = bodies.used(),
-            "No room for the request body, answering 503"
-        );
-        send_error(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-        return None;
-    }
-    let started = Instant::now();
-    let mut last = started;
-    let mut data = BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
-    let mut first: Option<Bytes> = None;
-    loop {
-        let deadline = (started + limits.body_timeout).min(last + limits.body_read_timeout);
-        let chunk = match tokio::time::timeout_at(deadline, body.data()).await {
-            Err(_) => {
-                tracing::debug!("Request body timeout, answering 408");
-                send_error(&mut respond, StatusCode::REQUEST_TIMEOUT);
-                return None;
-            }
-            Ok(None) => break,
-            Ok(Some(chunk)) => chunk,
-        };
-        last = Instant::now();
-        let chunk = match chunk {
-            Ok(chunk) => chunk,
-            Err(error) => {
-                if error.is_reset() && error.is_remote() {
-                    resets.record(last);
-                }
-                tracing::debug!(%error, "Request body failed");
-                return None;
-            }
-        };
-        let len = first.as_ref().map_or(0, Bytes::len) + data.len() + chunk.len();
-        if len > max_body {
-            send_error(&mut respond, StatusCode::PAYLOAD_TOO_LARGE);
-            return None;
-        }
-        if len > charge.held() && !charge.set(len) {
-            tracing::debug!(
-                buffered = bodies.used(),
-                "No room for the request body, answering 503"
-            );
-            send_error(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-            return None;
-        }
-        // The peer may send more once this side has taken (and charged) the bytes.
-        let _ = body.flow_control().release_capacity(chunk.len());
-        // A body in one DATA frame is kept as it is; more are joined.
-        match first.take() {
-            None if data.is_empty() => first = Some(chunk),
-            None => data.extend_from_slice(&chunk),
-            Some(head) => {
-                data.extend_from_slice(&head);
-                data.extend_from_slice(&chunk);
-            }
-        }
-    }
-    // Request trailers are read by `h2` and dropped: a `RequestBody` has none.
-    let body = first.unwrap_or_else(|| data.freeze());
-    let head_only = parts.method == Method::HEAD;
-    Some(Received {
-        request: Request::from_parts(parts, RequestBody::new(body)),
-        respond,
-        head_only,
-        charge: Some(charge),
-        span,
-    })
-}
-
-/// Sends a short plain-text error response and ends the stream.
-fn send_error(respond: &mut SendResponse<Bytes>, status: StatusCode) {
-    let reason = status.canonical_reason().unwrap_or("Error");
-    let mut head = Response::new(());
-    *head.status_mut() = status;
-    head.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    // The body is small: it is buffered whatever the window, and the stream is gone if this fails.
-    if let Ok(mut send) = respond.send_response(head, false) {
-        let _ = send.send_data(Bytes::from(format!("{reason}\n")), true);
-    }
-}
-
-/// Why sending a response stopped early.
-#[derive(Debug, thiserror::Error)]
-enum SendError {
-    /// The peer reset the stream.
-    #[error("the peer reset the stream ({0:?})")]
-    Reset(Reason),
-    /// The stream or the connection failed.
-    #[error("the stream failed")]
-    H2(#[source] h2::Error),
-    /// The stream can no longer send (closed under us).
-    #[error("the stream closed")]
-    Closed,
-    /// The response body failed; the stream was reset.
-    #[error("the response body failed")]
-    Body(#[source] BoxError),
-}
-
-impl From<h2::Error> for SendError {
-    fn from(error: h2::Error) -> Self {
-        match error.reason() {
-            Some(reason) if error.is_reset() && error.is_remote() => SendError::Reset(reason),
-            _ => SendError::H2(error),
-        }
-    }
-}
-
-/// Runs one call and sends its response; an error becomes a `500`, a reset by the peer drops the call.
-async fn respond_to<F, B, E>(
-    call: Result<F, BoxError>,
-    mut respond: SendResponse<Bytes>,
-    head_only: bool,
-    charge: Option<Charge>,
-    resets: &Resets,
-) where
-    F: Future<Output = Result<Response<B>, E>>,
-    E: Into<BoxError>,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    let response = match call {
-        Ok(future) => tokio::select! {
-            biased;
-            reset = poll_fn(|cx| respond.poll_reset(cx)) => {
-                if let Ok(reason) = reset {
-                    resets.record(Instant::now());
-                    tracing::debug!(?reason, "Stream reset by the peer during the call");
-                }
-                return;
-            }
-            response = future => response.map_err(Into::into),
-        },
-        Err(error) => Err(error),
-    };
-    let response = match response {
-        Ok(response) => response,
-        Err(error) => {
-            tracing::warn!(%error, "Application failed, answering 500");
-            send_error(&mut respond, StatusCode::INTERNAL_SERVER_ERROR);
-            resets.completed(Instant::now());
-            return;
-        }
-    };
-    let sent = send_response(respond, response, head_only).await;
-    // The request body's bytes are the application's no more.
-    drop(charge);
-    match sent {
-        Ok(()) => resets.completed(Instant::now()),
-        Err(SendError::Reset(reason)) => {
-            resets.record(Instant::now());
-            tracing::debug!(?reason, "Stream reset by the peer during the response");
-        }
-        Err(error) => {
-            tracing::debug!(%error, source = ?std::error::Error::source(&error), "Sending the response failed")
-        }
-    }
-}
-
-/// Response header fields HTTP/2 forbids (RFC 9113, section 8.2.2).
-const CONNECTION_SPECIFIC: [&str; 5] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// Sends a response: the head, the body under flow control, trailers if any.
-async fn send_response<B>(
-    mut respond: SendResponse<Bytes>,
-    response: Response<B>,
-    head_only: bool,
-) -> Result<(), SendError>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    let (mut parts, body) = response.into_parts();
-    for name in CONNECTION_SPECIFIC {
-        parts.headers.remove(name);
-    }
-    // A body of known size says so, as over HTTP/1 (Envoy and clients use it to size buffers).
-    if let Some(len) = body.size_hint().exact()
-        && !parts.headers.contains_key(header::CONTENT_LENGTH)
-        && !matches!(parts.status.as_u16(), 100..=199 | 204 | 304)
-    {
-        parts
-            .headers
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-    }
-    let end = head_only || body.is_end_stream();
-    let mut send = respond.send_response(Response::from_parts(parts, ()), end)?;
-    if end {
-        return Ok(());
-    }
-    let mut body = pin!(body);
-    loop {
-        let frame = tokio::select! {
-            biased;
-            reset = poll_fn(|cx| send.poll_reset(cx)) => return Err(match reset {
-                Ok(reason) => SendError::Reset(reason),
-                Err(error) => error.into(),
-            }),
-            frame = body.frame() => frame,
-        };
-        let frame = match frame {
-            None => {
-                send.send_data(Bytes::new(), true)?;
-                return Ok(());
-            }
-            Some(Err(error)) => {
-                send.send_reset(Reason::INTERNAL_ERROR);
-                return Err(SendError::Body(error.into()));
-            }
-            Some(Ok(frame)) => frame,
-        };
-        match frame.into_data() {
-            Ok(mut data) => {
-                let data = data.copy_to_bytes(data.remaining());
-                let end = body.is_end_stream();
-                send_data(&mut send, data, end).await?;
-                if end {
-                    return Ok(());
-                }
-            }
-            Err(frame) => {
-                if let Ok(trailers) = frame.into_trailers() {
-                    send_trailers(&mut send, trailers)?;
-                    return Ok(());
-                }
-            }
-        }
-    }
-}
-
-fn send_trailers(send: &mut SendStream<Bytes>, trailers: HeaderMap) -> Result<(), SendError> {
-    send.send_trailers(trailers)?;
-    Ok(())
-}
-
-/// Sends `data` as the window allows: reserves capacity for what is left, waits for some, sends that much.
-async fn send_data(
-    send: &mut SendStream<Bytes>,
-    mut data: Bytes,
-    end: bool,
-) -> Result<(), SendError> {
-    if data.is_empty() {
-        if end {
-            send.send_data(data, true)?;
-        }
-        return Ok(());
-    }
-    while !data.is_empty() {
-        send.reserve_capacity(data.len());
-        let capacity = poll_fn(|cx| poll_some_capacity(send, cx)).await?;
-        let chunk = data.split_to(capacity.min(data.len()));
-        send.send_data(chunk, end && data.is_empty())?;
-    }
-    Ok(())
-}
-
-/// Ready once the stream has send capacity, with how much.
-fn poll_some_capacity(
-    send: &mut SendStream<Bytes>,
-    cx: &mut Context<'_>,
-) -> Poll<Result<usize, SendError>> {
-    loop {
-        let capacity = send.capacity();
-        if capacity > 0 {
-            return Poll::Ready(Ok(capacity));
-        }
-        match ready!(send.poll_capacity(cx)) {
-            Some(Ok(_)) => {}
-            Some(Err(error)) => return Poll::Ready(Err(error.into())),
-            None => return Poll::Ready(Err(SendError::Closed)),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn premature_resets_count_after_the_minimum_within_the_window() {
-        let start = Instant::now();
-        let window = Duration::from_secs(10);
-        let resets = Resets::new(window, start);
-        for _ in 0..99 {
-            resets.record(start);
-        }
-        assert!(!resets.too_many(100, start), "below the minimum");
-        resets.record(start);
-        assert!(resets.too_many(100, start));
-        // As many completions: a client that cancels half of what it asks for.
-        for _ in 0..100 {
-            resets.completed(start);
-        }
-        assert!(!resets.too_many(100, start));
-    }
-
-    #[test]
-    fn old_resets_leave_the_window() {
-        let start = Instant::now();
-        let window = Duration::from_secs(10);
-        let resets = Resets::new(window, start);
-        // 45 cancellations every 10 s, for a minute, with nothing completed (a busy thread): never
-        // 100 within one window.
-        for tick in 0..6u32 {
-            let at = start + window * tick + Duration::from_millis(1);
-            for _ in 0..45 {
-                resets.record(at);
-            }
-            assert!(!resets.too_many(100, at), "tick {tick}");
-        }
-        // Half a window later, the previous window counts half.
-        let later = start + window * 6 + window / 2;
-        resets.record(later);
-        assert!(!resets.too_many(100, later));
-        // Long after, a burst of 100 is caught at once, however much came before.
-        let much_later = later + window * 5;
-        for _ in 0..100 {
-            resets.record(much_later);
-        }
-        assert!(resets.too_many(100, much_later));
-    }
 }

@@ -356,7 +356,9 @@ async fn sniff(
             Some(Ok(protocol)) => return Ok(Some((protocol, buf))),
             Some(Err(BadPreface)) => {
                 tracing::debug!("Invalid HTTP/2 preface, answering GOAWAY");
-                let (written, _) = stream.write_all(GOAWAY_PROTOCOL_ERROR.to_vec()).await;
+                let (written, _) = stream
+                    .write_all(http2::GOAWAY_PROTOCOL_ERROR.to_vec())
+                    .await;
                 stream.shutdown();
                 written?;
                 return Ok(None);
@@ -382,17 +384,6 @@ fn classify(buf: &[u8]) -> Option<Result<Protocol, BadPreface>> {
     }
     Some(Ok(Protocol::Http1))
 }
-
-/// An HTTP/2 GOAWAY frame, last stream 0, `PROTOCOL_ERROR`: the answer to a broken preface (RFC 9113,
-/// section 3.4), sent before the connection closes.
-pub(crate) const GOAWAY_PROTOCOL_ERROR: [u8; 17] = [
-    0, 0, 8, // length
-    7, // type: GOAWAY
-    0, // flags
-    0, 0, 0, 0, // stream 0
-    0, 0, 0, 0, // last stream id
-    0, 0, 0, 1, // PROTOCOL_ERROR
-];
 
 /// Counts a connection out when its task ends, however it ends.
 struct Guard<'a, F>(&'a Shared<F>);

@@ -315,6 +315,27 @@ async fn request(
     Ok((status, body))
 }
 
+/// Sends `len` bytes of the content with `seed` to `/echo`, declaring their length when
+/// `content_length`; returns the response head and its body stream.
+async fn echo(
+    client: &SendRequest<Bytes>,
+    seed: u64,
+    len: usize,
+    content_length: bool,
+) -> Response<h2::RecvStream> {
+    let body = Upload::Content { seed, len };
+    send(client, Method::POST, "/echo", body, content_length)
+        .await
+        .unwrap()
+}
+
+/// Waits for every task in `tasks`; a task's panic fails the test.
+async fn join_all(mut tasks: JoinSet<()>) {
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+}
+
 /// Waits until `condition` holds, checking every few milliseconds, for at most [`STEP`].
 async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + STEP;
@@ -341,15 +362,7 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
         for seed in 0..STREAMS {
             let client = client.clone();
             streams.spawn(async move {
-                let response = send(
-                    &client,
-                    Method::POST,
-                    "/echo",
-                    Upload::Content { seed, len: LEN },
-                    seed % 2 == 0,
-                )
-                .await
-                .unwrap();
+                let response = echo(&client, seed, LEN, seed % 2 == 0).await;
                 assert_eq!(response.status(), StatusCode::OK);
                 // Checked as it arrives: nothing is kept.
                 let mut body = response.into_body();
@@ -363,9 +376,7 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
                 assert_eq!(offset, LEN, "stream {seed}");
             });
         }
-        while let Some(done) = streams.join_next().await {
-            done.unwrap();
-        }
+        join_all(streams).await;
         drop(client);
         connection.await.unwrap().unwrap();
     });
@@ -381,8 +392,9 @@ fn a_stalled_reader_and_a_tiny_window_lose_nothing() {
     let server = TestServer::start(Limits::default());
     run(async {
         // A 1 KiB stream window: every response needs hundreds of WINDOW_UPDATE rounds.
+        const WINDOW: u32 = 1024;
         let (client, connection) = connect(server.addr, |b| {
-            b.initial_window_size(1024);
+            b.initial_window_size(WINDOW);
         })
         .await;
         let mut heads = Vec::new();
@@ -399,8 +411,14 @@ fn a_stalled_reader_and_a_tiny_window_lose_nothing() {
             assert_eq!(response.status(), StatusCode::OK);
             heads.push((seed, response));
         }
-        // No body is read (no capacity released) for a while; the connection still serves others.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // No body is read (no capacity released): every stream stalls once the server has filled
+        // its window, and the connection still serves others.
+        eventually("every stalled stream's window is full", || {
+            heads.iter_mut().all(|(_, response)| {
+                response.body_mut().flow_control().used_capacity() >= WINDOW as usize
+            })
+        })
+        .await;
         let (status, body) = tokio::time::timeout(
             STEP,
             request(
@@ -415,6 +433,8 @@ fn a_stalled_reader_and_a_tiny_window_lose_nothing() {
         .unwrap();
         assert_eq!(status, StatusCode::OK);
         check(99, 0, &body);
+        // The readers stay stalled a while longer: that slowness is what is tested (nothing may give
+        // up on them or lose their bytes), so this sleep is not a wait for anything.
         tokio::time::sleep(Duration::from_millis(300)).await;
         // Now every body is read, concurrently.
         let mut readers = JoinSet::new();
@@ -427,9 +447,7 @@ fn a_stalled_reader_and_a_tiny_window_lose_nothing() {
                 assert_eq!(trailers["x-seed"], seed.to_string().as_str());
             });
         }
-        while let Some(done) = readers.join_next().await {
-            done.unwrap();
-        }
+        join_all(readers).await;
         drop(client);
         connection.await.unwrap().unwrap();
     });
@@ -466,9 +484,7 @@ fn an_application_error_is_a_500_on_that_stream_only() {
                 }
             });
         }
-        while let Some(done) = streams.join_next().await {
-            done.unwrap();
-        }
+        join_all(streams).await;
     });
 }
 
@@ -564,6 +580,7 @@ fn graceful_shutdown_finishes_streams_in_flight_and_refuses_new_ones() {
                 // Streams opened before the final GOAWAY are still served.
                 Ok((status, _)) => assert_eq!(status, StatusCode::OK),
             }
+            // The interval between tries of a condition bounded by the deadline above.
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         while let Some(done) = in_flight.join_next().await {
@@ -726,22 +743,12 @@ fn throughput() {
         for seed in 0..STREAMS {
             let client = client.clone();
             streams.spawn(async move {
-                let response = send(
-                    &client,
-                    Method::POST,
-                    "/echo",
-                    Upload::Content { seed, len: LEN },
-                    true,
-                )
-                .await
-                .unwrap();
+                let response = echo(&client, seed, LEN, true).await;
                 let (body, _) = read_body(response.into_body()).await.unwrap();
                 assert_eq!(body.len(), LEN);
             });
         }
-        while let Some(done) = streams.join_next().await {
-            done.unwrap();
-        }
+        join_all(streams).await;
         started.elapsed()
     });
     let mib = (2 * STREAMS as usize * LEN) as f64 / (1024.0 * 1024.0);
