@@ -184,7 +184,7 @@ async fn handle(
     };
     let worker = match admit(&stream, message, children) {
         Ok(worker) => worker,
-        Err(reason) => return Err(refuse(&mut stream, reason).await),
+        Err(refusal) => return Err(refuse(&mut stream, refusal.to_string()).await),
     };
     let (service, index, pid) = (worker.service.clone(), worker.index, worker.pid);
     let hostname = worker.hostname.clone();
@@ -218,8 +218,8 @@ async fn answer_status(
     registry: &Registry,
     acks: &Acks,
 ) -> Result<(), Closed> {
-    if let Err(reason) = same_user(stream) {
-        return Err(refuse(stream, reason).await);
+    if let Err(refusal) = same_user(stream) {
+        return Err(refuse(stream, refusal.to_string()).await);
     }
     let report = status::report(
         &registry.snapshot(),
@@ -243,8 +243,8 @@ async fn answer_control(
     request: v1::ControlRequest,
     commands: &Commands,
 ) -> Result<(), Closed> {
-    if let Err(reason) = same_user(stream) {
-        return Err(refuse(stream, reason).await);
+    if let Err(refusal) = same_user(stream) {
+        return Err(refuse(stream, refusal.to_string()).await);
     }
     tracing::info!(?request, "Control command received");
     let (tx, rx) = oneshot::channel();
@@ -294,107 +294,175 @@ async fn read_message(
     }
 }
 
-/// The peer's credentials, if its user is the supervisor's effective user.
-fn same_user(stream: &UnixStream) -> Result<tokio::net::unix::UCred, String> {
-    let cred = stream
-        .peer_cred()
-        .map_err(|e| format!("cannot read peer credentials: {e}"))?;
-    let our_uid = rustix::process::geteuid().as_raw();
-    if cred.uid() != our_uid {
-        return Err(format!(
-            "peer uid {} is not the supervisor's uid {our_uid}",
-            cred.uid()
-        ));
+/// Why a peer on the control socket was refused: sent back as the `Refused` reason, and logged.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The peer's credentials could not be read.
+    #[error("cannot read peer credentials: {0}")]
+    Credentials(std::io::Error),
+    /// The peer runs as another user.
+    #[error("peer uid {peer} is not the supervisor's uid {ours}")]
+    OtherUser {
+        /// The peer's uid.
+        peer: u32,
+        /// The supervisor's.
+        ours: u32,
+    },
+    /// The kernel gave no pid for the peer.
+    #[error("peer pid unknown")]
+    PidUnknown,
+    /// The peer is not in the process table.
+    #[error("process {0} is not a worker of this supervisor")]
+    NotOurs(u32),
+    /// The first message was not a registration.
+    #[error("expected a register message")]
+    NotRegister,
+    /// The message names another pid than the peer's.
+    #[error("message claims pid {claimed} but the peer is process {peer}")]
+    PidMismatch {
+        /// The pid in the message.
+        claimed: u32,
+        /// The peer's.
+        peer: u32,
+    },
+    /// The message names another slot than the one the process was started in.
+    #[error("process {pid} was started as {started}, not {claimed}")]
+    SlotMismatch {
+        /// The peer.
+        pid: u32,
+        /// Its slot in the process table.
+        started: Slot,
+        /// The slot the message names.
+        claimed: Slot,
+    },
+    /// The listener is missing or malformed.
+    #[error("{0}")]
+    Listener(#[from] ListenerError),
+}
+
+/// What is wrong with a registered listener.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ListenerError {
+    /// No listener in the message.
+    #[error("register has no listener")]
+    Missing,
+    /// A protocol this supervisor does not know.
+    #[error("unknown protocol {0}")]
+    UnknownProtocol(i32),
+    /// No protocol at all.
+    #[error("listener names no protocol")]
+    NoProtocol,
+    /// An address that is not an IP.
+    #[error("invalid ip address {0:?}")]
+    Ip(String),
+    /// Port 0 or above 65535.
+    #[error("invalid port {0}")]
+    Port(u32),
+    /// A relative Unix path.
+    #[error("unix path {0:?} is not absolute")]
+    RelativeUnixPath(String),
+    /// An address with neither form.
+    #[error("empty address")]
+    EmptyAddress,
+    /// No address at all.
+    #[error("listener has no address")]
+    NoAddress,
+}
+
+/// The peer's credentials, if it runs as the supervisor's user.
+fn same_user(stream: &UnixStream) -> Result<tokio::net::unix::UCred, Refusal> {
+    let cred = stream.peer_cred().map_err(Refusal::Credentials)?;
+    let ours = rustix::process::geteuid().as_raw();
+    if cred.uid() != ours {
+        return Err(Refusal::OtherUser {
+            peer: cred.uid(),
+            ours,
+        });
     }
     Ok(cred)
 }
 
-/// Checks a registration against the peer's credentials and the manager's children.
+/// Checks a registration against the peer's credentials and the process table.
 fn admit(
     stream: &UnixStream,
     message: WorkerMessage,
     children: &Children,
-) -> Result<Worker, String> {
+) -> Result<Worker, Refusal> {
     let cred = same_user(stream)?;
-    let peer_pid = cred
+    let peer = cred
         .pid()
         .and_then(|p| u32::try_from(p).ok())
-        .ok_or("peer pid unknown")?;
-    let Some(slot) = children.slot_of(peer_pid) else {
-        return Err(format!(
-            "process {peer_pid} is not a worker of this supervisor"
-        ));
-    };
+        .ok_or(Refusal::PidUnknown)?;
+    let slot = children.slot_of(peer).ok_or(Refusal::NotOurs(peer))?;
     let Some(worker_message::Message::Register(register)) = message.message else {
-        return Err("expected a register message".into());
+        return Err(Refusal::NotRegister);
     };
-    if register.pid != peer_pid {
-        return Err(format!(
-            "message claims pid {} but the peer is process {peer_pid}",
-            register.pid
-        ));
+    if register.pid != peer {
+        return Err(Refusal::PidMismatch {
+            claimed: register.pid,
+            peer,
+        });
     }
     let claimed = Slot {
         service: register.service.clone(),
         index: register.index,
     };
     if claimed != slot {
-        return Err(format!(
-            "process {peer_pid} was started as {}[{}], not {}[{}]",
-            slot.service, slot.index, claimed.service, claimed.index
-        ));
+        return Err(Refusal::SlotMismatch {
+            pid: peer,
+            started: slot,
+            claimed,
+        });
     }
-    let wire = register.listener.ok_or("register has no listener")?;
+    let wire = register.listener.ok_or(ListenerError::Missing)?;
     let name = wire.name.clone();
     let scheme = wire.scheme.clone();
     let (protocols, addresses) = listener_from(wire)?;
-    let mut worker = Worker::ready(&slot.service, slot.index, peer_pid, protocols, addresses);
+    let mut worker = Worker::ready(&slot.service, slot.index, peer, protocols, addresses);
     worker.listener.name = name;
     worker.listener.scheme = scheme;
     Ok(worker)
 }
 
 /// Converts and checks a listener's protocols and addresses from the wire.
-fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>), String> {
+fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>), ListenerError> {
     let mut protocols = Vec::new();
     for p in &listener.protocols {
         let protocol = match v1::Protocol::try_from(*p) {
             Ok(v1::Protocol::Http1) => Protocol::Http1,
             Ok(v1::Protocol::Http2) => Protocol::Http2,
-            _ => return Err(format!("unknown protocol {p}")),
+            _ => return Err(ListenerError::UnknownProtocol(*p)),
         };
         if !protocols.contains(&protocol) {
             protocols.push(protocol);
         }
     }
     if protocols.is_empty() {
-        return Err("listener names no protocol".into());
+        return Err(ListenerError::NoProtocol);
     }
     let mut addresses = Vec::new();
     for address in listener.addresses {
         let address = match address.address {
             Some(v1::address::Address::Socket(s)) => {
-                let ip: IpAddr =
-                    s.ip.parse()
-                        .map_err(|_| format!("invalid ip address {:?}", s.ip))?;
+                let ip: IpAddr = s.ip.parse().map_err(|_| ListenerError::Ip(s.ip.clone()))?;
                 let port = u16::try_from(s.port)
                     .ok()
                     .filter(|p| *p != 0)
-                    .ok_or_else(|| format!("invalid port {}", s.port))?;
+                    .ok_or(ListenerError::Port(s.port))?;
                 Address::Tcp(SocketAddr::new(ip, port))
             }
             Some(v1::address::Address::UnixPath(path)) if path.starts_with('/') => {
                 Address::Unix(path.into())
             }
             Some(v1::address::Address::UnixPath(path)) => {
-                return Err(format!("unix path {path:?} is not absolute"));
+                return Err(ListenerError::RelativeUnixPath(path));
             }
-            None => return Err("empty address".into()),
+            None => return Err(ListenerError::EmptyAddress),
         };
         addresses.push(address);
     }
     if addresses.is_empty() {
-        return Err("listener has no address".into());
+        return Err(ListenerError::NoAddress);
     }
     Ok((protocols, addresses))
 }
@@ -588,6 +656,23 @@ mod tests {
     async fn refuses_claims_that_do_not_match_the_peer() {
         let fx = Fixture::new();
         fx.children.insert_for_test(own_pid(), "web", 0);
+        let (stream, _peer) = UnixStream::pair().unwrap();
+        let check = |message: WorkerMessage, expected: fn(&Refusal) -> bool| {
+            let refusal = admit(&stream, message, &fx.children).unwrap_err();
+            assert!(expected(&refusal), "{refusal:?}");
+        };
+        check(
+            register_message("web", 0, own_pid() + 1, 8080),
+            |r| matches!(r, Refusal::PidMismatch { claimed, .. } if *claimed == own_pid() + 1),
+        );
+        check(register_message("web", 1, own_pid(), 8080), |r| {
+            matches!(r, Refusal::SlotMismatch { started, claimed, .. }
+                if started.index == 0 && claimed.index == 1)
+        });
+        check(register_message("web", 0, own_pid(), 0), |r| {
+            matches!(r, Refusal::Listener(ListenerError::Port(0)))
+        });
+        // The same refusals reach the peer as their text.
         for (message, expected) in [
             (
                 register_message("web", 0, own_pid() + 1, 8080),
