@@ -4,7 +4,10 @@
 //! missing tool fails the build.
 
 #[path = "build/compile.rs"]
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with the crate's unit tests, which use helpers the build does not"
+)]
 mod compile;
 
 use std::path::PathBuf;

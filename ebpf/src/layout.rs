@@ -5,7 +5,7 @@
 
 use std::mem::{offset_of, size_of};
 
-/// `struct peregrine_cell`: one worker slot's scheduler totals as seen by one CPU.
+/// `struct peregrine_cell`: one worker lane's scheduler totals as seen by one CPU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cell {

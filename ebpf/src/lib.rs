@@ -1,8 +1,8 @@
 //! Peregrine's eBPF sampler: the kernel program (C, CO-RE, in `src/bpf/`, built by `build.rs` with
 //! clang) and its loader on aya.
 //!
-//! [`Probe::load`] loads and attaches the program for a fixed number of worker slots. The supervisor
-//! then [`track`](Probe::track)s each worker's pid in its slot and [`read`](Probe::read)s the slot's
+//! [`Probe::load`] loads and attaches the program for a fixed number of worker lanes. The supervisor
+//! then [`track`](Probe::track)s each worker's pid in its lane and [`read`](Probe::read)s the lane's
 //! totals: on-CPU and run-queue wait nanoseconds, summed over CPUs from a memory-mapped map, so a read
 //! costs no syscall. The request counters live in an mmapable map too; its descriptor
 //! ([`Probe::counters`]) is handed to the workers, which count in it directly.
@@ -24,5 +24,8 @@ pub fn object() -> Result<&'static [u8], &'static str> {
 
 #[cfg(test)]
 #[path = "../build/compile.rs"]
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with build.rs; the unit tests use only its parsing helpers"
+)]
 mod compile;

@@ -77,17 +77,17 @@ pub enum Error {
         "this process runs in a nested pid namespace: the eBPF programs see the host's pids, not these"
     )]
     PidNamespace,
-    /// A slot outside `0..slots`.
-    #[error("slot {slot} is out of range 0..{slots}")]
-    SlotOutOfRange {
-        /// The slot.
-        slot: u32,
+    /// A lane outside `0..lanes`.
+    #[error("lane {lane} is out of range 0..{lanes}")]
+    LaneOutOfRange {
+        /// The lane.
+        lane: u32,
         /// How many there are.
-        slots: u32,
+        lanes: u32,
     },
 }
 
-/// Cumulative scheduler time of one process (all its threads) since it was first seen in its slot.
+/// Cumulative scheduler time of one process (all its threads) since it was first seen in its lane.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedTotals {
     /// Nanoseconds on a CPU.
@@ -106,30 +106,30 @@ pub struct Probe {
     runnable: HashMap<MapData, u32, u64>,
     cells: SharedMemory,
     counters: MapData,
-    slots: u32,
+    lanes: u32,
     cpus: u32,
 }
 
 impl Probe {
-    /// Loads the program for `slots` worker slots and attaches it to the scheduler's tracepoints.
-    pub fn load(slots: u32) -> Result<Probe, Error> {
+    /// Loads the program for `lanes` worker lanes and attaches it to the scheduler's tracepoints.
+    pub fn load(lanes: u32) -> Result<Probe, Error> {
         let object = crate::object().map_err(Error::NotBuilt)?;
         // The programs see the kernel's (initial namespace) pids; pids tracked from a nested pid
         // namespace would never match, and every worker would read as idle.
         if nested_pid_namespace() {
             return Err(Error::PidNamespace);
         }
-        let slots = slots.max(1);
+        let lanes = lanes.max(1);
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| Error::Cpus(e))? as u32;
         let btf = Btf::from_sys_fs().map_err(Error::Btf)?;
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&btf))
-            .override_global("slots", &slots, true)
+            .override_global("lanes", &lanes, true)
             .override_global("nr_cpus", &cpus, true)
-            // Room for a departing and an arriving process per slot.
-            .map_max_entries("tracked", slots * 2)
-            .map_max_entries("cells", cpus * slots)
-            .map_max_entries("counters", slots)
+            // Room for a departing and an arriving process per lane.
+            .map_max_entries("tracked", lanes * 2)
+            .map_max_entries("cells", cpus * lanes)
+            .map_max_entries("counters", lanes)
             .load(object)
             .map_err(Error::Load)?;
         for (program, tracepoint) in PROGRAMS {
@@ -163,7 +163,7 @@ impl Probe {
         let cells = array_data(take_map(&mut ebpf, "cells")?, "cells")?;
         let cells = SharedMemory::map(
             cells.fd().as_fd(),
-            (cpus * slots) as usize * LINE,
+            (cpus * lanes) as usize * LINE,
             Access::ReadOnly,
         )
         .map_err(|source| Error::Mmap {
@@ -177,32 +177,32 @@ impl Probe {
             runnable,
             cells,
             counters,
-            slots,
+            lanes,
             cpus,
         })
     }
 
-    /// The request counters' map (BPF_F_MMAPABLE, one [`crate::Counter`] per slot): hand it to the
+    /// The request counters' map (BPF_F_MMAPABLE, one [`crate::Counter`] per lane): hand it to the
     /// workers, and map it to read their counts.
     pub fn counters(&self) -> BorrowedFd<'_> {
         self.counters.fd().as_fd()
     }
 
-    /// How many slots the probe was loaded for.
-    pub fn slots(&self) -> u32 {
-        self.slots
+    /// How many lanes the probe was loaded for.
+    pub fn lanes(&self) -> u32 {
+        self.lanes
     }
 
-    /// Starts accounting process `pid` (all its threads) to `slot`.
-    pub fn track(&mut self, slot: u32, pid: u32) -> Result<(), Error> {
-        if slot >= self.slots {
-            return Err(Error::SlotOutOfRange {
-                slot,
-                slots: self.slots,
+    /// Starts accounting process `pid` (all its threads) to `lane`.
+    pub fn track(&mut self, lane: u32, pid: u32) -> Result<(), Error> {
+        if lane >= self.lanes {
+            return Err(Error::LaneOutOfRange {
+                lane,
+                lanes: self.lanes,
             });
         }
         self.tracked
-            .insert(pid, slot, 0)
+            .insert(pid, lane, 0)
             .map_err(|source| Error::Map {
                 name: "tracked",
                 source,
@@ -249,15 +249,15 @@ impl Probe {
         Ok(n)
     }
 
-    /// The totals of process `pid` in `slot`, summed over CPUs. Reads shared memory only: no syscall.
-    /// CPUs that have not run the process since it entered the slot contribute nothing.
-    pub fn read(&self, slot: u32, pid: u32) -> SchedTotals {
+    /// The totals of process `pid` in `lane`, summed over CPUs. Reads shared memory only: no syscall.
+    /// CPUs that have not run the process since it entered the lane contribute nothing.
+    pub fn read(&self, lane: u32, pid: u32) -> SchedTotals {
         let mut totals = SchedTotals::default();
-        if slot >= self.slots {
+        if lane >= self.lanes {
             return totals;
         }
         for cpu in 0..self.cpus {
-            let cell = (cpu * self.slots + slot) as usize * LINE;
+            let cell = (cpu * self.lanes + lane) as usize * LINE;
             let tgid = |order| self.cells.load_u32(cell + offset_of!(Cell, tgid), order);
             if tgid(Ordering::Acquire) != pid {
                 continue;

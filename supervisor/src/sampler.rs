@@ -3,8 +3,9 @@
 //! Two inputs per worker. Its scheduler time (on a CPU, and runnable but waiting for one) comes from a
 //! [`SchedSource`]: [`ebpf::EbpfSource`] counts it in the kernel from scheduler events (a read is a
 //! look at shared memory); [`procfs::ProcfsSource`] reads `/proc/<pid>/task/*/schedstat` where eBPF
-//! cannot load. Its requests come from its slot of the shared [`Counters`] region, which
-//! the manager zeroes before it starts each worker, so a slot's count is exactly what its current worker
+//! cannot load. Its requests come from its lane of the shared
+//! [`Counters`](crate::children::Counters) region, which
+//! the manager zeroes before it starts each worker, so a lane's count is exactly what its current worker
 //! served.
 //!
 //! [`run`] is the loop: on every tick it reconciles the tracked workers with the registry's snapshot
@@ -72,11 +73,11 @@ pub enum SampleError {
         /// The process.
         pid: u32,
     },
-    /// The slot is not tracked for this process.
-    #[error("slot {slot} does not track process {pid}")]
+    /// The lane is not tracked for this process.
+    #[error("lane {lane} does not track process {pid}")]
     NotTracked {
-        /// The slot.
-        slot: usize,
+        /// The lane.
+        lane: usize,
         /// The process.
         pid: u32,
     },
@@ -96,18 +97,18 @@ pub enum SampleError {
 
 /// Where the sampler reads the scheduler time of worker processes.
 ///
-/// `slot` is the worker's global slot number (services in name order, then index), which also indexes
-/// the request counter region. The loop calls [`track`](SchedSource::track) once per worker instance
+/// `lane` is the worker instance's lane ([`crate::children::Lanes`]), which also indexes the request
+/// counter region. The loop calls [`track`](SchedSource::track) once per worker instance
 /// before reading it, and [`untrack`](SchedSource::untrack) once it is gone or replaced.
 pub trait SchedSource: Send {
     /// Which kind of source this is.
     fn kind(&self) -> SamplerKind;
-    /// Starts following process `pid` in `slot` (replacing whatever the slot followed).
-    fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError>;
-    /// Stops following process `pid` in `slot`.
-    fn untrack(&mut self, slot: usize, pid: u32);
+    /// Starts following process `pid` in `lane` (replacing whatever the lane followed).
+    fn track(&mut self, lane: usize, pid: u32) -> Result<(), SampleError>;
+    /// Stops following process `pid` in `lane`.
+    fn untrack(&mut self, lane: usize, pid: u32);
     /// The process's cumulative scheduler time. [`SampleError::Gone`] when it has exited.
-    fn read(&mut self, slot: usize, pid: u32) -> Result<SchedTotals, SampleError>;
+    fn read(&mut self, lane: usize, pid: u32) -> Result<SchedTotals, SampleError>;
 }
 
 impl fmt::Debug for dyn SchedSource {
@@ -403,20 +404,20 @@ mod tests {
         fn kind(&self) -> SamplerKind {
             SamplerKind::Procfs
         }
-        fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError> {
+        fn track(&mut self, lane: usize, pid: u32) -> Result<(), SampleError> {
             self.calls
                 .lock()
                 .unwrap()
-                .push(format!("track {slot} {pid}"));
+                .push(format!("track {lane} {pid}"));
             Ok(())
         }
-        fn untrack(&mut self, slot: usize, pid: u32) {
+        fn untrack(&mut self, lane: usize, pid: u32) {
             self.calls
                 .lock()
                 .unwrap()
-                .push(format!("untrack {slot} {pid}"));
+                .push(format!("untrack {lane} {pid}"));
         }
-        fn read(&mut self, _slot: usize, pid: u32) -> Result<SchedTotals, SampleError> {
+        fn read(&mut self, _lane: usize, pid: u32) -> Result<SchedTotals, SampleError> {
             self.totals
                 .lock()
                 .unwrap()

@@ -26,10 +26,10 @@ struct task_struct {
 } __attribute__((preserve_access_index));
 
 /* Set by the loader before the object is loaded. */
-const volatile __u32 slots = 1;
+const volatile __u32 lanes = 1;
 const volatile __u32 nr_cpus = 1;
 
-/* tgid -> worker slot; the supervisor inserts and removes entries as workers come and go. */
+/* tgid -> worker lane; the supervisor inserts and removes entries as workers come and go. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1); /* resized by the loader */
@@ -37,20 +37,20 @@ struct {
 	__type(value, __u32);
 } tracked SEC(".maps");
 
-/* struct peregrine_cell per (CPU, slot), at cpu * slots + slot; read by user space through mmap. */
+/* struct peregrine_cell per (CPU, lane), at cpu * lanes + lane; read by user space through mmap. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(map_flags, BPF_F_MMAPABLE);
-	__uint(max_entries, 1); /* resized by the loader: nr_cpus * slots */
+	__uint(max_entries, 1); /* resized by the loader: nr_cpus * lanes */
 	__type(key, __u32);
 	__type(value, struct peregrine_cell);
 } cells SEC(".maps");
 
-/* struct peregrine_counter per slot; the workers map it and count their requests. */
+/* struct peregrine_counter per lane; the workers map it and count their requests. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(map_flags, BPF_F_MMAPABLE);
-	__uint(max_entries, 1); /* resized by the loader: slots */
+	__uint(max_entries, 1); /* resized by the loader: lanes */
 	__type(key, __u32);
 	__type(value, struct peregrine_counter);
 } counters SEC(".maps");
@@ -74,12 +74,12 @@ static __always_inline int is_tracked(__u32 tgid)
 /* This CPU's cell for process tgid, or NULL if it is not tracked. */
 static __always_inline struct peregrine_cell *cell_for(__u32 tgid)
 {
-	__u32 *slot = bpf_map_lookup_elem(&tracked, &tgid);
-	if (!slot)
+	__u32 *lane = bpf_map_lookup_elem(&tracked, &tgid);
+	if (!lane)
 		return NULL;
 	__u32 cpu = bpf_get_smp_processor_id();
-	__u32 n = slots;
-	__u32 s = *slot;
+	__u32 n = lanes;
+	__u32 s = *lane;
 	if (cpu >= nr_cpus || s >= n)
 		return NULL;
 	__u32 index = cpu * n + s;
@@ -88,7 +88,7 @@ static __always_inline struct peregrine_cell *cell_for(__u32 tgid)
 		return NULL;
 	if (cell->tgid != tgid) {
 		/*
-		 * A new process in this slot. Scheduler tracepoints run with interrupts off and only
+		 * A new process in this lane. Scheduler tracepoints run with interrupts off and only
 		 * programs on this CPU write this cell, so nothing interleaves with this reset. The tag
 		 * is stored last, with a fully ordered exchange, so a reader that sees the new tag (and
 		 * checks it again after its loads) never takes the old totals for the new process's.

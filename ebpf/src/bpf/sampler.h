@@ -10,9 +10,9 @@
 #define PEREGRINE_LINE 64
 
 /*
- * Scheduler totals of one worker slot, as seen by one CPU: map `cells`, entry `cpu * slots + slot`.
+ * Scheduler totals of one worker lane, as seen by one CPU: map `cells`, entry `cpu * lanes + lane`.
  * Only programs running on `cpu` write it, so no two CPUs ever contend for a line. `tgid` says whose
- * totals these are: the first event of a new process in the slot on that CPU zeroes the cell.
+ * totals these are: the first event of a new process in the lane on that CPU zeroes the cell.
  */
 struct peregrine_cell {
 	__u32 tgid;
@@ -25,7 +25,7 @@ struct peregrine_cell {
 };
 
 /*
- * The request counter of one worker slot: map `counters` (BPF_F_MMAPABLE), entry `slot`. The worker
+ * The request counter of one worker lane: map `counters` (BPF_F_MMAPABLE), entry `lane`. The worker
  * maps the map's descriptor and increments `requests` once per request; nothing else writes it.
  * A memfd with the same layout stands in where eBPF cannot load.
  */

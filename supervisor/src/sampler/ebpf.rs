@@ -17,13 +17,13 @@ pub struct EbpfSource {
 }
 
 impl EbpfSource {
-    /// Loads and attaches the kernel program for `slots` worker slots; returns the source and the
+    /// Loads and attaches the kernel program for `lanes` worker lanes; returns the source and the
     /// request counters (the probe's map, which the workers inherit and count in).
-    pub fn load(slots: usize) -> Result<(EbpfSource, Arc<Counters>), peregrine_ebpf::Error> {
-        let slots_u32 = u32::try_from(slots.max(1)).unwrap_or(u32::MAX);
-        let probe = Probe::load(slots_u32)?;
+    pub fn load(lanes: usize) -> Result<(EbpfSource, Arc<Counters>), peregrine_ebpf::Error> {
+        let lanes_u32 = u32::try_from(lanes.max(1)).unwrap_or(u32::MAX);
+        let probe = Probe::load(lanes_u32)?;
         let counters =
-            counters_of(&probe, slots.max(1)).map_err(|source| peregrine_ebpf::Error::Mmap {
+            counters_of(&probe, lanes.max(1)).map_err(|source| peregrine_ebpf::Error::Mmap {
                 name: "counters",
                 source,
             })?;
@@ -31,10 +31,10 @@ impl EbpfSource {
     }
 }
 
-fn counters_of(probe: &Probe, slots: usize) -> Result<Counters, ShmError> {
+fn counters_of(probe: &Probe, lanes: usize) -> Result<Counters, ShmError> {
     // Its own descriptor of the map: the workers inherit it, and it keeps the map alive.
     let fd = probe.counters().try_clone_to_owned()?;
-    let region = CounterRegion::map(fd.as_fd(), slots)?;
+    let region = CounterRegion::map(fd.as_fd(), lanes)?;
     Ok(Counters::new(fd, region))
 }
 
@@ -50,30 +50,30 @@ impl SchedSource for EbpfSource {
         SamplerKind::Ebpf
     }
 
-    fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError> {
-        let slot = u32::try_from(slot).map_err(|_| SampleError::NotTracked { slot, pid })?;
+    fn track(&mut self, lane: usize, pid: u32) -> Result<(), SampleError> {
+        let lane = u32::try_from(lane).map_err(|_| SampleError::NotTracked { lane, pid })?;
         self.probe
-            .track(slot, pid)
+            .track(lane, pid)
             .map_err(|e| backend("cannot track the worker in the eBPF map", e))
     }
 
-    fn untrack(&mut self, _slot: usize, pid: u32) {
+    fn untrack(&mut self, _lane: usize, pid: u32) {
         if let Err(error) = self.probe.untrack(pid) {
             tracing::warn!(pid, error = %error, "Cannot untrack a worker in the eBPF map");
         }
     }
 
-    fn read(&mut self, slot: usize, pid: u32) -> Result<SchedTotals, SampleError> {
+    fn read(&mut self, lane: usize, pid: u32) -> Result<SchedTotals, SampleError> {
         // The cells keep a process's totals after it exits; `kill(pid, 0)` (no signal is sent) says
-        // whether it still exists, so a worker the manager has reaped (and whose slot counter it may
+        // whether it still exists, so a worker the manager has reaped (and whose lane counter it may
         // have zeroed for a successor) reads as gone.
         let alive = rustix::process::Pid::from_raw(pid as i32)
             .is_some_and(|p| rustix::process::test_kill_process(p).is_ok());
         if !alive {
             return Err(SampleError::Gone { pid });
         }
-        let slot = u32::try_from(slot).map_err(|_| SampleError::NotTracked { slot, pid })?;
-        let totals = self.probe.read(slot, pid);
+        let lane = u32::try_from(lane).map_err(|_| SampleError::NotTracked { lane, pid })?;
+        let totals = self.probe.read(lane, pid);
         Ok(SchedTotals {
             on_cpu_ns: totals.on_cpu_ns,
             runq_wait_ns: totals.runq_wait_ns,

@@ -100,10 +100,10 @@ impl SchedSource for ProcfsSource {
         SamplerKind::Procfs
     }
 
-    fn track(&mut self, slot: usize, pid: u32) -> Result<(), SampleError> {
+    fn track(&mut self, lane: usize, pid: u32) -> Result<(), SampleError> {
         let threads = self.threads(pid)?;
         self.tracked.insert(
-            slot,
+            lane,
             Process {
                 pid,
                 threads,
@@ -113,18 +113,18 @@ impl SchedSource for ProcfsSource {
         Ok(())
     }
 
-    fn untrack(&mut self, slot: usize, pid: u32) {
-        if self.tracked.get(&slot).is_some_and(|p| p.pid == pid) {
-            self.tracked.remove(&slot);
+    fn untrack(&mut self, lane: usize, pid: u32) {
+        if self.tracked.get(&lane).is_some_and(|p| p.pid == pid) {
+            self.tracked.remove(&lane);
         }
     }
 
-    fn read(&mut self, slot: usize, pid: u32) -> Result<SchedTotals, SampleError> {
-        if self.tracked.get(&slot).is_none_or(|p| p.pid != pid) {
-            return Err(SampleError::NotTracked { slot, pid });
+    fn read(&mut self, lane: usize, pid: u32) -> Result<SchedTotals, SampleError> {
+        if self.tracked.get(&lane).is_none_or(|p| p.pid != pid) {
+            return Err(SampleError::NotTracked { lane, pid });
         }
         let now = self.threads(pid)?;
-        let process = self.tracked.get_mut(&slot).expect("checked above");
+        let process = self.tracked.get_mut(&lane).expect("checked above");
         Ok(process.update(now))
     }
 }

@@ -3,7 +3,7 @@
 //! A worker's first reading (or the first after its pid changed) is a baseline: totals, no rates. Every
 //! later reading adds its increase since the previous one to the totals and divides it by the time
 //! between the two. A reading lower than the previous one (a procfs thread that exited between two
-//! samples takes its time with it; a counter read just as its slot was zeroed) adds nothing.
+//! samples takes its time with it; a counter read just as its lane was zeroed) adds nothing.
 
 use std::time::{Instant, SystemTime};
 
@@ -17,7 +17,7 @@ pub struct Reading {
     pub pid: u32,
     /// Its cumulative scheduler time, as the source reports it.
     pub sched: SchedTotals,
-    /// Its slot's request counter.
+    /// Its lane's request counter.
     pub requests: u64,
     /// When it was read.
     pub at: Instant,
