@@ -28,7 +28,7 @@ use std::{
 
 use tokio::{sync::Notify, time::Instant};
 
-use super::transport::StreamKind;
+use super::stream_kind::StreamKind;
 
 /// The ACK progress of every open xDS stream. Share it as `Arc<Acks>`.
 #[derive(Debug, Default)]
