@@ -95,8 +95,14 @@ trait StreamRules {
         resources: &Resources,
     ) -> Result<Vec<Self::Response>, Status>;
 
+    /// Returns the responses owed for `resources`, clusters first, then endpoints (`fresh` names a
+    /// type owed a response even if it would be empty), and then moves the synced revision.
+    fn respond_all(&mut self, resources: &Resources, fresh: Option<&str>) -> Vec<Self::Response>;
+
     /// Returns the responses owed after the cache published new resources.
-    fn on_resources(&mut self, resources: &Resources) -> Vec<Self::Response>;
+    fn on_resources(&mut self, resources: &Resources) -> Vec<Self::Response> {
+        self.respond_all(resources, None)
+    }
 }
 
 /// The responses of the streams whose state is `Stream<W>`.

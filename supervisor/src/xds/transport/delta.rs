@@ -223,14 +223,6 @@ impl StreamRules for DeltaStreamState {
         Ok(self.respond_all(resources, fresh))
     }
 
-    fn on_resources(&mut self, resources: &Resources) -> Vec<DeltaDiscoveryResponse> {
-        self.respond_all(resources, None)
-    }
-}
-
-impl DeltaStreamState {
-    /// Clusters first, then endpoints; `fresh` names a type owed a response even if empty. Then moves
-    /// the synced revision.
     fn respond_all(
         &mut self,
         resources: &Resources,

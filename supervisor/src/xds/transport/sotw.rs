@@ -107,14 +107,6 @@ impl StreamRules for StreamState {
         Ok(self.respond_all(resources, fresh))
     }
 
-    fn on_resources(&mut self, resources: &Resources) -> Vec<DiscoveryResponse> {
-        self.respond_all(resources, None)
-    }
-}
-
-impl StreamState {
-    /// Clusters first, then endpoints; `fresh` names a type whose subscription is owed a response even
-    /// if it would be empty. Then moves the synced revision.
     fn respond_all(
         &mut self,
         resources: &Resources,
@@ -127,7 +119,9 @@ impl StreamState {
         }
         out
     }
+}
 
+impl StreamState {
     /// Pushes the responses owed for `resources` to `out`; returns what was owed in endpoints.
     fn push_owed(
         &mut self,
