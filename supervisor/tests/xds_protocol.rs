@@ -2,6 +2,10 @@
 //!
 //! Every wait is bounded: a response must arrive within [`RESPONSE_WITHIN`], and "no response" is
 //! asserted by waiting [`SILENCE`] for one (a bound, not a sleep).
+//!
+//! Scenarios that hold for both variants are written once and listed in the table at the bottom
+//! (`scenarios!`), which runs each on state of the world and on delta. One file on purpose, though
+//! over 700 lines: it is one scripted client and the rules it checks, read top to bottom.
 
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
 
