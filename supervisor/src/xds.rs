@@ -5,7 +5,8 @@
 //! snapshot (pure functions), [`cache`] versions them per resource and per type and publishes them on
 //! a watch channel, and [`transport`] runs the gRPC streams (nonces, ACK/NACK, subscriptions) and
 //! publishes how far each Envoy has ACKed its endpoints to [`acks`], which draining waits on.
-//! The transport never builds resources and the cache never touches gRPC.
+//! The transport never builds resources and the cache never touches gRPC. [`stream_kind`] names the
+//! RPCs, for the transport and for [`acks`] alike.
 //!
 //! [`router`] builds the tonic router (other gRPC services, such as ORCA, can be added to it) and
 //! [`serve`] runs it on a listener until shutdown.
@@ -13,6 +14,7 @@
 pub mod acks;
 pub mod cache;
 pub mod resources;
+pub mod stream_kind;
 pub mod transport;
 
 use std::{collections::BTreeMap, future::Future, sync::Arc, time::Duration};

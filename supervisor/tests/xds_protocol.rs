@@ -2,6 +2,10 @@
 //!
 //! Every wait is bounded: a response must arrive within [`RESPONSE_WITHIN`], and "no response" is
 //! asserted by waiting [`SILENCE`] for one (a bound, not a sleep).
+//!
+//! Scenarios that hold for both variants are written once and listed in the table at the bottom
+//! (`scenarios!`), which runs each on state of the world and on delta. One file on purpose, though
+//! over 700 lines: it is one scripted client and the rules it checks, read top to bottom.
 
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -312,24 +316,6 @@ async fn cds_sends_the_full_set_and_versions_move_only_with_content() {
 }
 
 #[tokio::test]
-async fn a_nack_is_logged_and_not_answered_until_content_changes() {
-    let (registry, server) = registry_server(&["a"]).await;
-    let mut cds = Client::open(&server, Rpc::Cds).await;
-    cds.send(request(CDS, "", "", &[])).await;
-    let first = cds.recv().await;
-    cds.send(nack(&first, "")).await;
-    cds.expect_silence("the same content must not be resent after a NACK")
-        .await;
-
-    registry
-        .register(worker("a", 0, 10, &[Protocol::Http2]))
-        .unwrap();
-    let second = cds.recv().await;
-    assert_ne!(second.version_info, first.version_info);
-    assert_ne!(second.nonce, first.nonce);
-}
-
-#[tokio::test]
 async fn eds_answers_only_requested_names_and_pushes_new_workers() {
     let (registry, server) = registry_server(&["a", "b"]).await;
     let mut eds = Client::open(&server, Rpc::Eds).await;
@@ -410,73 +396,6 @@ async fn an_unknown_eds_name_is_remembered_and_sent_when_it_appears() {
     let got = assignments(&response);
     assert_eq!(got.keys().collect::<Vec<_>>(), ["later"]);
     assert_eq!(hostnames(&got["later"]), ["later-0-30"]);
-}
-
-#[tokio::test]
-async fn ads_sends_clusters_before_their_endpoints() {
-    let (registry, server) = registry_server(&["a"]).await;
-    let mut ads = Client::open(&server, Rpc::Ads).await;
-    // Endpoints are asked for first; they must still come after the clusters.
-    ads.send(request(EDS, "", "", &["a"])).await;
-    ads.send(request(CDS, "", "", &[])).await;
-    let mut order = Vec::new();
-    let mut last = BTreeMap::new();
-    for _ in 0..2 {
-        let response = ads.recv().await;
-        order.push(response.type_url.clone());
-        last.insert(response.type_url.clone(), response);
-    }
-    assert_eq!(order, [CDS, EDS], "clusters before endpoints on ADS");
-    let cluster = &clusters(&last[CDS])["a"];
-    let source = cluster
-        .eds_cluster_config
-        .as_ref()
-        .and_then(|c| c.eds_config.as_ref())
-        .and_then(|c| c.config_source_specifier.as_ref());
-    assert!(
-        matches!(
-            source,
-            Some(
-                envoy_types::pb::envoy::config::core::v3::config_source::ConfigSourceSpecifier::Ads(
-                    _
-                )
-            )
-        ),
-        "clusters sent over ADS fetch endpoints over ADS: {source:?}"
-    );
-    ads.send(ack(&last[CDS], &[])).await;
-    ads.send(ack(&last[EDS], &["a"])).await;
-    ads.expect_silence("after both ACKs").await;
-
-    // A change to both the cluster (HTTP/2) and its endpoints: CDS first, then EDS.
-    registry
-        .register(worker("a", 0, 10, &[Protocol::Http2]))
-        .unwrap();
-    let first = ads.recv().await;
-    let second = ads.recv().await;
-    assert_eq!(
-        [first.type_url.as_str(), second.type_url.as_str()],
-        [CDS, EDS]
-    );
-    assert_eq!(hostnames(&assignments(&second)["a"]), ["a-0-10"]);
-    ads.send(ack(&first, &[])).await;
-    ads.send(ack(&second, &["a"])).await;
-    ads.expect_silence("after both ACKs").await;
-
-    // Only the cluster changes (back to HTTP/1.1): Envoy finishes warming it only with a new EDS
-    // response, so the unchanged endpoints follow it, at the same EDS version.
-    registry
-        .register(worker("a", 0, 10, &[Protocol::Http1]))
-        .unwrap();
-    let third = ads.recv().await;
-    let fourth = ads.recv().await;
-    assert_eq!(
-        [third.type_url.as_str(), fourth.type_url.as_str()],
-        [CDS, EDS]
-    );
-    assert_ne!(third.version_info, first.version_info);
-    assert_eq!(fourth.version_info, second.version_info);
-    assert_ne!(fourth.nonce, second.nonce);
 }
 
 #[tokio::test]
@@ -646,21 +565,154 @@ async fn delta_names_removed_clusters_and_sends_names_that_appear() {
     assert_eq!(delta_names(&appeared), ["later"]);
 }
 
-#[tokio::test]
-async fn a_delta_nack_is_not_answered_with_the_same_content() {
+// === both variants ===
+
+/// One variant of the protocol as the shared scenarios drive a client of it.
+trait Variant {
+    type Request;
+    type Response: std::fmt::Debug;
+
+    /// Whether every response carries the whole subscribed set of its type.
+    const STATE_OF_THE_WORLD: bool;
+
+    async fn open(server: &Server, rpc: Rpc) -> Client<Self::Request, Self::Response>;
+    /// A first request for `type_url` naming `names`.
+    fn subscribe(type_url: &str, names: &[&str]) -> Self::Request;
+    /// The request that ACKs `response`, still subscribed to `names` (state of the world repeats
+    /// them; delta requests carry only changes).
+    fn ack(response: &Self::Response, names: &[&str]) -> Self::Request;
+    /// The request that NACKs `response`.
+    fn nack(response: &Self::Response) -> Self::Request;
+    fn type_url(response: &Self::Response) -> &str;
+    fn version(response: &Self::Response) -> &str;
+    fn nonce(response: &Self::Response) -> &str;
+    /// The resources a response carries, by name.
+    fn resources(response: &Self::Response) -> BTreeMap<String, Any>;
+}
+
+/// State of the world.
+struct Sotw;
+
+/// Delta.
+struct Delta;
+
+impl Variant for Sotw {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    const STATE_OF_THE_WORLD: bool = true;
+
+    async fn open(server: &Server, rpc: Rpc) -> Client {
+        Client::open(server, rpc).await
+    }
+
+    fn subscribe(type_url: &str, names: &[&str]) -> DiscoveryRequest {
+        request(type_url, "", "", names)
+    }
+
+    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        ack(response, names)
+    }
+
+    fn nack(response: &DiscoveryResponse) -> DiscoveryRequest {
+        nack(response, "")
+    }
+
+    fn type_url(response: &DiscoveryResponse) -> &str {
+        &response.type_url
+    }
+
+    fn version(response: &DiscoveryResponse) -> &str {
+        &response.version_info
+    }
+
+    fn nonce(response: &DiscoveryResponse) -> &str {
+        &response.nonce
+    }
+
+    fn resources(response: &DiscoveryResponse) -> BTreeMap<String, Any> {
+        let name = |any: &Any| match response.type_url.as_str() {
+            CDS => Cluster::decode(any.value.as_slice()).unwrap().name,
+            _ => {
+                ClusterLoadAssignment::decode(any.value.as_slice())
+                    .unwrap()
+                    .cluster_name
+            }
+        };
+        match response.type_url.as_str() {
+            CDS => assert_eq!(clusters(response).len(), response.resources.len()),
+            _ => assert_eq!(assignments(response).len(), response.resources.len()),
+        }
+        response
+            .resources
+            .iter()
+            .map(|any| (name(any), any.clone()))
+            .collect()
+    }
+}
+
+impl Variant for Delta {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+
+    const STATE_OF_THE_WORLD: bool = false;
+
+    async fn open(server: &Server, rpc: Rpc) -> DeltaClient {
+        Client::open_delta(server, rpc).await
+    }
+
+    fn subscribe(type_url: &str, names: &[&str]) -> DeltaDiscoveryRequest {
+        delta_request(type_url, "", names)
+    }
+
+    fn ack(response: &DeltaDiscoveryResponse, _: &[&str]) -> DeltaDiscoveryRequest {
+        delta_ack(response)
+    }
+
+    fn nack(response: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            error_detail: Some(RpcStatus {
+                code: 3,
+                message: "test rejection".into(),
+                details: Vec::new(),
+            }),
+            ..delta_ack(response)
+        }
+    }
+
+    fn type_url(response: &DeltaDiscoveryResponse) -> &str {
+        &response.type_url
+    }
+
+    fn version(response: &DeltaDiscoveryResponse) -> &str {
+        &response.system_version_info
+    }
+
+    fn nonce(response: &DeltaDiscoveryResponse) -> &str {
+        &response.nonce
+    }
+
+    fn resources(response: &DeltaDiscoveryResponse) -> BTreeMap<String, Any> {
+        delta_resources(response)
+    }
+}
+
+fn names<V: Variant>(response: &V::Response) -> Vec<String> {
+    V::resources(response).into_keys().collect()
+}
+
+/// What a response carries on variant `V` when `all` is subscribed and `changed` changed.
+fn sent<V: Variant>(all: &[&str], changed: &[&str]) -> Vec<String> {
+    let names = if V::STATE_OF_THE_WORLD { all } else { changed };
+    names.iter().map(|n| n.to_string()).collect()
+}
+
+async fn a_nack_is_not_answered_until_content_changes<V: Variant>() {
     let (registry, server) = registry_server(&["a", "b"]).await;
-    let mut cds = Client::open_delta(&server, Rpc::Cds).await;
-    cds.send(delta_request(CDS, "", &[])).await;
+    let mut cds = V::open(&server, Rpc::Cds).await;
+    cds.send(V::subscribe(CDS, &[])).await;
     let first = cds.recv().await;
-    cds.send(DeltaDiscoveryRequest {
-        error_detail: Some(RpcStatus {
-            code: 3,
-            message: "test rejection".into(),
-            details: Vec::new(),
-        }),
-        ..delta_ack(&first)
-    })
-    .await;
+    cds.send(V::nack(&first)).await;
     cds.expect_silence("the same content must not be resent after a NACK")
         .await;
 
@@ -668,46 +720,91 @@ async fn a_delta_nack_is_not_answered_with_the_same_content() {
         .register(worker("b", 0, 20, &[Protocol::Http2]))
         .unwrap();
     let second = cds.recv().await;
-    assert_eq!(delta_names(&second), ["b"], "only what changed since");
-    assert_ne!(second.nonce, first.nonce);
+    assert_eq!(
+        names::<V>(&second),
+        sent::<V>(&["a", "b"], &["b"]),
+        "delta sends only what changed since"
+    );
+    assert_ne!(V::version(&second), V::version(&first));
+    assert_ne!(V::nonce(&second), V::nonce(&first));
 }
 
-#[tokio::test]
-async fn delta_ads_sends_clusters_before_their_endpoints() {
+async fn ads_sends_clusters_before_their_endpoints<V: Variant>() {
     let (registry, server) = registry_server(&["a"]).await;
-    let mut ads = Client::open_delta(&server, Rpc::Ads).await;
-    ads.send(delta_request(EDS, "", &["a"])).await;
-    ads.send(delta_request(CDS, "", &[])).await;
+    let mut ads = V::open(&server, Rpc::Ads).await;
+    // Endpoints are asked for first; they must still come after the clusters.
+    ads.send(V::subscribe(EDS, &["a"])).await;
+    ads.send(V::subscribe(CDS, &[])).await;
     let first = ads.recv().await;
     let second = ads.recv().await;
     assert_eq!(
-        [first.type_url.as_str(), second.type_url.as_str()],
-        [CDS, EDS]
+        [V::type_url(&first), V::type_url(&second)],
+        [CDS, EDS],
+        "clusters before endpoints on ADS"
     );
-    let cluster = Cluster::decode(delta_resources(&first)["a"].value.as_slice()).unwrap();
+    let cluster = Cluster::decode(V::resources(&first)["a"].value.as_slice()).unwrap();
+    let source = cluster
+        .eds_cluster_config
+        .and_then(|c| c.eds_config)
+        .and_then(|c| c.config_source_specifier);
     assert!(
-        matches!(
-            cluster
-                .eds_cluster_config
-                .and_then(|c| c.eds_config)
-                .and_then(|c| c.config_source_specifier),
-            Some(ConfigSourceSpecifier::Ads(_))
-        ),
-        "clusters sent over delta ADS fetch endpoints over ADS"
+        matches!(source, Some(ConfigSourceSpecifier::Ads(_))),
+        "clusters sent over ADS fetch endpoints over ADS: {source:?}"
     );
-    ads.send(delta_ack(&first)).await;
-    ads.send(delta_ack(&second)).await;
+    ads.send(V::ack(&first, &[])).await;
+    ads.send(V::ack(&second, &["a"])).await;
     ads.expect_silence("after both ACKs").await;
 
-    // Only the cluster changes (HTTP/2 upstream): its unchanged endpoints follow it.
+    // A change to both the cluster (HTTP/2) and its endpoints: CDS first, then EDS.
     registry
         .register(worker("a", 0, 10, &[Protocol::Http2]))
         .unwrap();
+    let first = ads.recv().await;
+    let second = ads.recv().await;
+    assert_eq!([V::type_url(&first), V::type_url(&second)], [CDS, EDS]);
+    let endpoints = V::resources(&second);
+    assert_eq!(endpoints.keys().collect::<Vec<_>>(), ["a"]);
+    let a = ClusterLoadAssignment::decode(endpoints["a"].value.as_slice()).unwrap();
+    assert_eq!(hostnames(&a), ["a-0-10"]);
+    ads.send(V::ack(&first, &[])).await;
+    ads.send(V::ack(&second, &["a"])).await;
+    ads.expect_silence("after both ACKs").await;
+
+    // Only the cluster changes (back to HTTP/1.1): Envoy finishes warming it only with a new EDS
+    // response, so the unchanged endpoints follow it, at the same EDS version.
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
     let third = ads.recv().await;
     let fourth = ads.recv().await;
-    assert_eq!(
-        [third.type_url.as_str(), fourth.type_url.as_str()],
-        [CDS, EDS]
-    );
-    assert_eq!(delta_names(&fourth), ["a"]);
+    assert_eq!([V::type_url(&third), V::type_url(&fourth)], [CDS, EDS]);
+    assert_ne!(V::version(&third), V::version(&first));
+    assert_eq!(V::version(&fourth), V::version(&second));
+    assert_ne!(V::nonce(&fourth), V::nonce(&second));
+    assert_eq!(names::<V>(&fourth), ["a"]);
+}
+
+/// The table: every scenario in it is a test on each variant, `<scenario>::sotw` and
+/// `<scenario>::delta`.
+macro_rules! scenarios {
+    ($($scenario:ident;)*) => {
+        $(
+            mod $scenario {
+                #[tokio::test]
+                async fn sotw() {
+                    super::$scenario::<super::Sotw>().await;
+                }
+
+                #[tokio::test]
+                async fn delta() {
+                    super::$scenario::<super::Delta>().await;
+                }
+            }
+        )*
+    };
+}
+
+scenarios! {
+    a_nack_is_not_answered_until_content_changes;
+    ads_sends_clusters_before_their_endpoints;
 }

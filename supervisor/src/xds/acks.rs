@@ -28,7 +28,7 @@ use std::{
 
 use tokio::{sync::Notify, time::Instant};
 
-use super::transport::StreamKind;
+use super::stream_kind::StreamKind;
 
 /// The ACK progress of every open xDS stream. Share it as `Arc<Acks>`.
 #[derive(Debug, Default)]
@@ -275,6 +275,15 @@ mod tests {
         Arc::new(Acks::default())
     }
 
+    /// The outcome of a wait in which `synced` streams counted and all of them had ACKed.
+    fn all_synced(synced: usize) -> SyncOutcome {
+        SyncOutcome {
+            synced,
+            lagging: vec![],
+            silent: vec![],
+        }
+    }
+
     #[tokio::test]
     async fn wait_synced_returns_at_once_without_streams() {
         let acks = acks();
@@ -282,14 +291,7 @@ mod tests {
         let _cds = acks.register(1, "envoy".into(), StreamKind::Cds);
         let started = Instant::now();
         let outcome = acks.wait_synced(7, LONG).await;
-        assert_eq!(
-            outcome,
-            SyncOutcome {
-                synced: 0,
-                lagging: vec![],
-                silent: vec![],
-            }
-        );
+        assert_eq!(outcome, all_synced(0));
         assert!(outcome.is_synced());
         assert!(started.elapsed() < Duration::from_secs(1));
         assert!(acks.streams().is_empty());
@@ -328,14 +330,7 @@ mod tests {
         assert!(futures::poll!(waiter.as_mut()).is_pending());
         stream.publish(true, Some(3), None);
         let outcome = tokio::time::timeout(LONG, waiter).await.unwrap();
-        assert_eq!(
-            outcome,
-            SyncOutcome {
-                synced: 1,
-                lagging: vec![],
-                silent: vec![],
-            }
-        );
+        assert_eq!(outcome, all_synced(1));
     }
 
     #[tokio::test]
@@ -354,14 +349,7 @@ mod tests {
         let started = Instant::now();
         let outcome = tokio::time::timeout(LONG, waiter).await.unwrap();
         assert!(started.elapsed() < RECONNECT_GRACE + Duration::from_secs(1));
-        assert_eq!(
-            outcome,
-            SyncOutcome {
-                synced: 0,
-                lagging: vec![],
-                silent: vec![],
-            }
-        );
+        assert_eq!(outcome, all_synced(0));
         assert!(acks.streams().is_empty());
     }
 

@@ -343,6 +343,15 @@ mod tests {
         Cache::new("e1".into(), ClusterOptions::default())
     }
 
+    /// A registry with one worker of service `a`, a cache, and the resources it built for them.
+    fn a_with_one_worker() -> (Registry, Cache, Resources) {
+        let registry = Registry::new(["a".to_string()]);
+        registry.register(worker("a", 0, 10)).unwrap();
+        let mut cache = cache();
+        let resources = cache.build(&registry.snapshot());
+        (registry, cache, resources)
+    }
+
     #[test]
     fn versions_carry_the_epoch_and_start_at_one() {
         let registry = Registry::new(["a".to_string()]);
@@ -383,20 +392,14 @@ mod tests {
 
     #[test]
     fn an_unchanged_snapshot_keeps_every_version() {
-        let registry = Registry::new(["a".to_string()]);
-        registry.register(worker("a", 0, 10)).unwrap();
-        let mut cache = cache();
-        let before = cache.build(&registry.snapshot());
+        let (registry, mut cache, before) = a_with_one_worker();
         let after = cache.build(&registry.snapshot());
         assert_eq!(before, after);
     }
 
     #[test]
     fn a_protocol_change_moves_cds() {
-        let registry = Registry::new(["a".to_string()]);
-        registry.register(worker("a", 0, 10)).unwrap();
-        let mut cache = cache();
-        let before = cache.build(&registry.snapshot());
+        let (registry, mut cache, before) = a_with_one_worker();
         let mut h2 = worker("a", 0, 10);
         h2.listener.protocols = vec![Protocol::Http2];
         registry.register(h2).unwrap();

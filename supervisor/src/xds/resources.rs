@@ -2,6 +2,9 @@
 //!
 //! Nothing here does IO, keeps state or knows about streams: the same service view always gives the
 //! same protos, so the builders are golden-tested and the cache can hash their encodings.
+//!
+//! Longer than most modules on purpose: the builders are under 500 lines, and the rest is their golden
+//! tests, which stay beside the pure functions they pin down.
 
 use std::{
     collections::{BTreeMap, HashMap},

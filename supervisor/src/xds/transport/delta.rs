@@ -32,8 +32,11 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, Reply, Stream, StreamRules, next_nonce};
-use crate::xds::cache::{Resources, TypeResources};
+use super::{Reply, Stream, StreamRules, next_nonce};
+use crate::xds::{
+    cache::{Resources, TypeResources},
+    resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
+};
 
 /// The name that subscribes to every resource of a type.
 const WILDCARD: &str = "*";
@@ -53,7 +56,7 @@ pub(super) struct DeltaWatch {
 }
 
 /// The state of a delta stream.
-type DeltaStreamState = Stream<DeltaWatch>;
+pub(super) type DeltaStreamState = Stream<DeltaWatch>;
 
 // === impl DeltaWatch ===
 
@@ -188,22 +191,17 @@ impl StreamRules for DeltaStreamState {
         };
         let first = slot.is_none();
         let watch = slot.get_or_insert_with(DeltaWatch::default);
-        match Reply::of(
+        let reply = Reply::of(
             watch.nonce.as_deref(),
             &request.response_nonce,
             request.error_detail.as_ref(),
             &self.node,
             type_url,
             None,
-        ) {
-            Reply::Ack(nonce) if type_url == ENDPOINT_TYPE_URL => {
-                self.sync.acked(nonce);
-                self.sync.replied(nonce);
-            }
-            Reply::Nack | Reply::Stale if type_url == ENDPOINT_TYPE_URL => {
-                self.sync.replied(&request.response_nonce);
-            }
-            Reply::Ack(_) | Reply::Nack | Reply::Stale | Reply::None => {}
+        );
+        // A stale nonce still changes subscriptions (see the module docs): only the sync minds it.
+        if type_url == ENDPOINT_TYPE_URL {
+            self.sync.on_reply(&reply, &request.response_nonce);
         }
         if !request.resource_names_subscribe.is_empty()
             || !request.resource_names_unsubscribe.is_empty()
@@ -225,14 +223,6 @@ impl StreamRules for DeltaStreamState {
         Ok(self.respond_all(resources, fresh))
     }
 
-    fn on_resources(&mut self, resources: &Resources) -> Vec<DeltaDiscoveryResponse> {
-        self.respond_all(resources, None)
-    }
-}
-
-impl DeltaStreamState {
-    /// Clusters first, then endpoints; `fresh` names a type owed a response even if empty. Then moves
-    /// the synced revision.
     fn respond_all(
         &mut self,
         resources: &Resources,
@@ -274,123 +264,28 @@ impl DeltaStreamState {
     }
 }
 
+/// The rules delta has and state of the world does not; the scenarios both share are in the
+/// transport's scenario table.
 #[cfg(test)]
 mod tests {
-    use envoy_types::pb::google::rpc::Status as RpcStatus;
-
     use super::{
-        super::{StreamKind, tests::Fixture},
+        super::{
+            StreamKind,
+            scenarios::{Fixture, Variant, eds_synced_at_one},
+        },
         *,
     };
-    use crate::registry::{Address, Protocol, Worker};
 
     fn subscribe(type_url: &str, names: &[&str]) -> DeltaDiscoveryRequest {
-        DeltaDiscoveryRequest {
-            type_url: type_url.into(),
-            resource_names_subscribe: names.iter().map(|n| n.to_string()).collect(),
-            ..Default::default()
-        }
+        <DeltaWatch as Variant>::subscribe(type_url, names)
     }
 
     fn ack(response: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
-        DeltaDiscoveryRequest {
-            type_url: response.type_url.clone(),
-            response_nonce: response.nonce.clone(),
-            ..Default::default()
-        }
+        <DeltaWatch as Variant>::ack(response, &[])
     }
 
-    fn nack(response: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
-        DeltaDiscoveryRequest {
-            error_detail: Some(RpcStatus {
-                code: 3,
-                message: "rejected".into(),
-                details: vec![],
-            }),
-            ..ack(response)
-        }
-    }
-
-    fn names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
-        response.resources.iter().map(|r| r.name.as_str()).collect()
-    }
-
-    /// Registers an HTTP/2-only worker: changes the service's cluster as well as its endpoints.
-    fn register_h2(fixture: &mut Fixture, service: &str, index: u32, pid: u32) -> Resources {
-        let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
-        let worker = Worker::ready(service, index, pid, vec![Protocol::Http2], vec![addr]);
-        fixture.registry.register(worker).unwrap();
-        fixture.resources()
-    }
-
-    /// A delta EDS stream subscribed to `a`, whose first response (at revision 1) was ACKed.
-    fn eds_synced_at_one(fixture: &mut Fixture) -> DeltaStreamState {
-        let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into());
-        let out = state
-            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
-            .unwrap();
-        assert_eq!(out.len(), 1);
-        assert_eq!(names(&out[0]), ["a"]);
-        assert_eq!(
-            out[0].resources[0].version,
-            r1.endpoints.resources["a"].version
-        );
-        assert!(state.serves_endpoints());
-        assert_eq!(state.synced_revision(), None, "owed until ACKed");
-        assert!(state.on_request(ack(&out[0]), &r1).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), Some(1));
-        state
-    }
-
-    #[test]
-    fn an_ack_gets_no_reply_and_advances_the_synced_revision() {
-        let mut fixture = Fixture::new();
-        let mut state = eds_synced_at_one(&mut fixture);
-        let r2 = fixture.register("a", 1, 11);
-        let out = state.on_resources(&r2);
-        assert_eq!(out.len(), 1);
-        assert_eq!(state.synced_revision(), Some(1), "not past 1 until ACKed");
-        assert!(state.on_request(ack(&out[0]), &r2).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), Some(2));
-    }
-
-    #[test]
-    fn a_change_sends_only_the_changed_resource() {
-        let mut fixture = Fixture::new();
-        let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into());
-        let out = state
-            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a", "b"]), &r1)
-            .unwrap();
-        assert_eq!(names(&out[0]), ["a", "b"]);
-        assert!(state.on_request(ack(&out[0]), &r1).unwrap().is_empty());
-        let r2 = fixture.register("b", 0, 20);
-        let out = state.on_resources(&r2);
-        assert_eq!(out.len(), 1);
-        assert_eq!(names(&out[0]), ["b"]);
-        assert!(out[0].removed_resources.is_empty());
-        assert_eq!(out[0].system_version_info, r2.endpoints.version);
-    }
-
-    #[test]
-    fn a_nack_is_not_answered_with_the_same_content() {
-        let mut fixture = Fixture::new();
-        let mut state = eds_synced_at_one(&mut fixture);
-        let r2 = fixture.register("a", 1, 11);
-        let out = state.on_resources(&r2);
-        assert!(state.on_request(nack(&out[0]), &r2).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), Some(1));
-        // A change the stream does not serve: the rejected content is still owed, not resent.
-        let r3 = fixture.register("b", 0, 20);
-        assert!(state.on_resources(&r3).is_empty());
-        assert_eq!(state.synced_revision(), Some(1));
-        // New content, ACKed this time.
-        let r4 = fixture.register("a", 2, 12);
-        let out = state.on_resources(&r4);
-        assert_eq!(names(&out[0]), ["a"]);
-        assert!(state.on_request(ack(&out[0]), &r4).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), Some(4));
+    fn names(response: &DeltaDiscoveryResponse) -> Vec<String> {
+        <DeltaWatch as Variant>::names(response)
     }
 
     #[test]
@@ -426,7 +321,7 @@ mod tests {
     #[test]
     fn subscribe_and_unsubscribe() {
         let mut fixture = Fixture::new();
-        let mut state = eds_synced_at_one(&mut fixture);
+        let mut state = eds_synced_at_one::<DeltaWatch>(&mut fixture);
         let r1 = fixture.resources();
         // Unsubscribing sends nothing.
         let unsubscribe = DeltaDiscoveryRequest {
@@ -529,41 +424,5 @@ mod tests {
         };
         assert!(state.on_request(reconnect, &r1).unwrap().is_empty());
         assert_eq!(state.synced_revision(), Some(1));
-    }
-
-    #[test]
-    fn delta_ads_sends_clusters_before_their_endpoints() {
-        let mut fixture = Fixture::new();
-        let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaAds, "envoy".into());
-        // Endpoints before clusters: held back, so owed.
-        let out = state
-            .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
-            .unwrap();
-        assert!(out.is_empty());
-        assert_eq!(state.synced_revision(), None);
-        let out = state
-            .on_request(subscribe(CLUSTER_TYPE_URL, &[]), &r1)
-            .unwrap();
-        let types = out.iter().map(|r| r.type_url.as_str()).collect::<Vec<_>>();
-        assert_eq!(types, [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
-        assert_eq!(
-            out[0].resources[0].resource.as_ref(),
-            Some(&r1.ads_clusters.resources["a"].resource)
-        );
-        assert!(state.on_request(ack(&out[0]), &r1).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), None, "a CDS ACK does not count");
-        assert!(state.on_request(ack(&out[1]), &r1).unwrap().is_empty());
-        assert_eq!(state.synced_revision(), Some(1));
-        // Only the cluster changes (HTTP/2 upstream, same endpoints): its endpoints follow it.
-        let r2 = register_h2(&mut fixture, "a", 0, 10);
-        assert_eq!(
-            r2.endpoints.resources["a"].version,
-            r1.endpoints.resources["a"].version
-        );
-        let out = state.on_resources(&r2);
-        let types = out.iter().map(|r| r.type_url.as_str()).collect::<Vec<_>>();
-        assert_eq!(types, [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
-        assert_eq!((names(&out[0]), names(&out[1])), (vec!["a"], vec!["a"]));
     }
 }

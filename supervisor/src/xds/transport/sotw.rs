@@ -1,0 +1,221 @@
+//! State of the world: the rules of `StreamClusters`, `StreamEndpoints` and
+//! `StreamAggregatedResources` streams.
+//!
+//! Per type a stream keeps the last nonce sent, the names subscribed and what it last sent (name ->
+//! resource version). It sends a response exactly when what the client should have differs from what
+//! it was last sent, so an ACK gets no reply, a NACK is not answered with the same content again and
+//! a request naming new resources gets them even at the same version. A request echoing a stale nonce
+//! is ignored (subscriptions included: unlike delta, each request carries the whole subscription, so
+//! the next current one brings it). Every response carries the whole subscribed set of its type.
+//!
+//! Invariant: what was sent is recorded only when a response carrying it is built ([`respond`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use envoy_types::pb::envoy::{
+    config::core::v3::Node,
+    service::discovery::v3::{DiscoveryRequest, DiscoveryResponse},
+};
+use tonic::Status;
+
+use super::{Reply, Stream, StreamRules, next_nonce};
+use crate::xds::{
+    cache::{Resources, TypeResources},
+    resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
+};
+
+/// What a stream knows about one resource type.
+#[derive(Debug, Default)]
+pub(super) struct TypeWatch {
+    /// The names subscribed to (ignored for clusters, which are always the full set).
+    names: BTreeSet<String>,
+    /// The nonce of the last response sent.
+    nonce: Option<String>,
+    /// What was last sent (name -> resource version); `None` until a response is owed.
+    sent: Option<BTreeMap<String, String>>,
+}
+
+/// The state of a state-of-the-world stream.
+pub(super) type StreamState = Stream<TypeWatch>;
+
+/// What one pass over the resources owes the client in endpoints.
+#[derive(Debug, Default)]
+struct EndpointsOwed {
+    /// The nonce of the EDS response the pass sent.
+    sent: Option<String>,
+    /// Whether existing endpoints were held back because their cluster was not sent yet (ADS).
+    held: bool,
+}
+
+// === impl StreamState ===
+
+impl StreamRules for StreamState {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    fn node(request: &DiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
+    }
+
+    fn on_request(
+        &mut self,
+        request: DiscoveryRequest,
+        resources: &Resources,
+    ) -> Result<Vec<DiscoveryResponse>, Status> {
+        let Some(type_url) = self.kind.requested_type(&request.type_url)? else {
+            return Ok(Vec::new());
+        };
+        let watch = match type_url {
+            CLUSTER_TYPE_URL => self.clusters.get_or_insert_with(TypeWatch::default),
+            _ => self.endpoints.get_or_insert_with(TypeWatch::default),
+        };
+        let reply = Reply::of(
+            watch.nonce.as_deref(),
+            &request.response_nonce,
+            request.error_detail.as_ref(),
+            &self.node,
+            type_url,
+            Some(&request.version_info),
+        );
+        if type_url == ENDPOINT_TYPE_URL {
+            self.sync.on_reply(&reply, &request.response_nonce);
+        }
+        match reply {
+            Reply::Stale => return Ok(Vec::new()),
+            Reply::None => {
+                tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
+                // A new subscription is owed a response, whatever was sent before.
+                watch.sent = None;
+            }
+            Reply::Ack(_) | Reply::Nack => {}
+        }
+        if type_url == ENDPOINT_TYPE_URL {
+            let names = request.resource_names.into_iter().collect::<BTreeSet<_>>();
+            if names != watch.names {
+                // Forget what was sent for names no longer subscribed, so they are sent again if the
+                // client subscribes to them later.
+                if let Some(sent) = &mut watch.sent {
+                    sent.retain(|name, _| names.contains(name));
+                }
+                watch.names = names;
+            }
+        }
+        // A new subscription is owed a first response even if it is empty (an empty CDS response
+        // tells Envoy there are no clusters; EDS still waits for a name that exists).
+        let fresh = watch.sent.is_none().then_some(type_url);
+        watch.sent.get_or_insert_with(BTreeMap::new);
+        Ok(self.respond_all(resources, fresh))
+    }
+
+    fn respond_all(
+        &mut self,
+        resources: &Resources,
+        fresh: Option<&str>,
+    ) -> Vec<DiscoveryResponse> {
+        let mut out = Vec::new();
+        let owed = self.push_owed(resources, fresh, &mut out);
+        if self.endpoints.is_some() {
+            self.sync.answered(resources.revision, owed.sent, owed.held);
+        }
+        out
+    }
+}
+
+impl StreamState {
+    /// Pushes the responses owed for `resources` to `out`; returns what was owed in endpoints.
+    fn push_owed(
+        &mut self,
+        resources: &Resources,
+        fresh: Option<&str>,
+        out: &mut Vec<DiscoveryResponse>,
+    ) -> EndpointsOwed {
+        let ads = self.kind.is_ads();
+        let mut owed = EndpointsOwed::default();
+        if let Some(watch) = &mut self.clusters {
+            let set = resources
+                .get(CLUSTER_TYPE_URL, self.kind.eds_via())
+                .expect("clusters are served");
+            let before = watch.sent.clone().unwrap_or_default();
+            let payload = set
+                .resources
+                .values()
+                .map(|r| (r.name.clone(), r.version.clone()))
+                .collect::<BTreeMap<_, _>>();
+            let owed = fresh == Some(CLUSTER_TYPE_URL) || watch.sent.as_ref() != Some(&payload);
+            if owed {
+                out.push(respond(watch, set, payload.clone()));
+                if ads && let Some(endpoints) = &mut self.endpoints {
+                    // A new or changed cluster only finishes warming with a new EDS response: resend
+                    // the endpoints of every cluster that changed.
+                    if let Some(sent) = &mut endpoints.sent {
+                        sent.retain(|name, _| before.get(name) == payload.get(name));
+                    }
+                }
+            }
+        }
+        if let Some(watch) = &mut self.endpoints {
+            let set = resources
+                .get(ENDPOINT_TYPE_URL, self.kind.eds_via())
+                .expect("endpoints are served");
+            // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
+            // an ADS client gets endpoints only for clusters it also receives over the same stream
+            // (Envoy subscribes to CDS first whenever its clusters come over ADS).
+            let empty = BTreeMap::new();
+            let known = ads.then(|| {
+                self.clusters
+                    .as_ref()
+                    .and_then(|c| c.sent.as_ref())
+                    .unwrap_or(&empty)
+            });
+            let existing = watch
+                .names
+                .iter()
+                .filter_map(|name| set.resources.get(name));
+            let (payload, held): (Vec<_>, Vec<_>) =
+                existing.partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
+            owed.held = !held.is_empty();
+            let payload = payload
+                .into_iter()
+                .map(|r| (r.name.clone(), r.version.clone()))
+                .collect::<BTreeMap<_, _>>();
+            let changed = watch.sent.as_ref() != Some(&payload);
+            if changed && !payload.is_empty() {
+                let response = respond(watch, set, payload);
+                owed.sent = Some(response.nonce.clone());
+                out.push(response);
+            } else if payload.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
+                tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
+            }
+        }
+        owed
+    }
+}
+
+/// Builds the response carrying `payload` from `set` and records it as sent.
+fn respond(
+    watch: &mut TypeWatch,
+    set: &TypeResources,
+    payload: BTreeMap<String, String>,
+) -> DiscoveryResponse {
+    let nonce = next_nonce();
+    let response = DiscoveryResponse {
+        version_info: set.version.clone(),
+        resources: payload
+            .keys()
+            .map(|name| set.resources[name].resource.clone())
+            .collect(),
+        type_url: set.type_url.to_string(),
+        nonce: nonce.clone(),
+        ..Default::default()
+    };
+    tracing::debug!(
+        type_url = set.type_url,
+        version = %response.version_info,
+        nonce = %nonce,
+        resources = response.resources.len(),
+        "Response sent"
+    );
+    watch.nonce = Some(nonce);
+    watch.sent = Some(payload);
+    response
+}
