@@ -570,7 +570,7 @@ mod tests {
     use crate::{
         registry::{Address, Protocol, Registry, SamplerInfo, Worker},
         sampler::SamplerKind,
-        xds::transport::StreamKind,
+        xds::stream_kind::StreamKind,
     };
 
     fn load(service: &str, index: u32, pid: u32, sampled: bool) -> WorkerLoad {

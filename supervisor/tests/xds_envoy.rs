@@ -12,7 +12,7 @@ use peregrine_supervisor::{
     bootstrap::{BootstrapInput, BootstrapService, envoy_bootstrap},
     config::XdsVariant,
     registry::{Address, Protocol, Registry, Worker},
-    xds::{self, XdsOptions, acks::Acks, transport::StreamKind},
+    xds::{self, XdsOptions, acks::Acks, stream_kind::StreamKind},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);

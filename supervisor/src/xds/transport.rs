@@ -54,8 +54,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use self::{delta::DeltaWatch, sotw::TypeWatch};
-/// Re-exported where callers have always found it; its home is [`super::stream_kind`].
-pub use super::stream_kind::StreamKind;
+use super::stream_kind::StreamKind;
 use super::{acks::Acks, cache::Resources};
 
 /// The response stream of every state-of-the-world method.
