@@ -180,6 +180,14 @@ pub enum SamplerSetting {
 }
 
 impl SamplerSetting {
+    /// Every setting, for the check of `supervisor.sampler`.
+    const ALL: [SamplerSetting; 4] = [
+        SamplerSetting::Auto,
+        SamplerSetting::Ebpf,
+        SamplerSetting::Procfs,
+        SamplerSetting::Off,
+    ];
+
     /// The value as written in the file.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -339,7 +347,7 @@ impl Config {
             problems,
         };
         let config = Config::parse(&source, &base, &env).map_err(invalid)?;
-        let workers: u64 = config.services.values().map(|s| u64::from(s.count)).sum();
+        let workers = workers_in_all(&config.services);
         let limit = rustix::process::getrlimit(rustix::process::Resource::Nproc).current;
         match limit {
             // The supervisor itself is one more process of the user.
@@ -364,6 +372,11 @@ impl Config {
         let raw = RawConfig::from_toml(source).map_err(|problem| vec![problem])?;
         check::config(raw, source, base, env)
     }
+}
+
+/// How many workers `services` run, all together.
+fn workers_in_all(services: &BTreeMap<String, ServiceConfig>) -> u64 {
+    services.values().map(|s| u64::from(s.count)).sum()
 }
 
 #[cfg(test)]

@@ -5,7 +5,10 @@ use std::ops::Range;
 
 use toml::Spanned;
 
-use super::{check::Checker, raw::RawBalancing};
+use super::{
+    check::{Checker, alternatives, expected},
+    raw::RawBalancing,
+};
 
 /// How Envoy balances a service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -180,11 +183,7 @@ impl Checker<'_> {
                     key(option),
                     format!(
                         "applies to lb_policy = {}, not {name}",
-                        applies
-                            .iter()
-                            .map(|p| format!("\"{p}\""))
-                            .collect::<Vec<_>>()
-                            .join(" or ")
+                        alternatives(applies)
                     ),
                 );
             }
@@ -262,9 +261,16 @@ impl Checker<'_> {
                 self.report(
                     policy.map(|(_, s)| s),
                     key("lb_policy"),
-                    format!(
-                        "expected \"orca\", \"round_robin\", \"least_request\", \"random\", \
-                         \"ring_hash\" or \"maglev\", got {other:?}"
+                    expected(
+                        &[
+                            "orca",
+                            "round_robin",
+                            "least_request",
+                            "random",
+                            "ring_hash",
+                            "maglev",
+                        ],
+                        other,
                     ),
                 );
                 Balancing::RoundRobin
@@ -314,7 +320,7 @@ impl Checker<'_> {
             self.report(
                 Some(raw.span()),
                 key("hash_on"),
-                format!("expected \"header:NAME\", \"cookie:NAME\" or \"source_ip\", got {text:?}"),
+                expected(&["header:NAME", "cookie:NAME", "source_ip"], text),
             );
         }
         parsed
@@ -365,33 +371,6 @@ impl Checker<'_> {
             }
         }
         weights
-    }
-
-    /// An integer key within `range`, reported with its line when outside.
-    fn number(
-        &mut self,
-        key: &dyn Fn(&str) -> String,
-        field: &str,
-        raw: &Option<Spanned<i64>>,
-        range: Range<u64>,
-    ) -> Option<u64> {
-        let value = raw.as_ref()?;
-        match u64::try_from(*value.get_ref()) {
-            Ok(n) if range.contains(&n) => Some(n),
-            _ => {
-                self.report(
-                    Some(value.span()),
-                    key(field),
-                    format!(
-                        "must be between {} and {}, got {}",
-                        range.start,
-                        range.end - 1,
-                        value.get_ref()
-                    ),
-                );
-                None
-            }
-        }
     }
 }
 

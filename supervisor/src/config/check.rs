@@ -27,6 +27,7 @@ use super::{
     files::absolute_in,
     limits::{MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
     raw::{RawConfig, RawEnvoy, RawOrca, RawSupervisor},
+    workers_in_all,
 };
 
 mod service;
@@ -50,22 +51,109 @@ impl Checker<'_> {
         min: u64,
         target: &mut Duration,
     ) {
-        let Some(value) = value else {
-            return;
-        };
-        match u64::try_from(*value.get_ref()) {
-            Ok(ms) if ms >= min => *target = Duration::from_millis(ms),
-            _ => self.report(
-                Some(value.span()),
-                key.to_owned(),
-                format!(
-                    "must be at least {min} (milliseconds), got {}",
-                    value.get_ref()
-                ),
-            ),
+        if let Some(ms) =
+            value.and_then(|value| self.at_least::<u64>(&value, key, min, " (milliseconds)"))
+        {
+            *target = Duration::from_millis(ms);
         }
     }
 
+    /// An integer key of at least `min` that fits a `T`, reported with its line otherwise; `unit`
+    /// follows `min` in the message.
+    pub(super) fn at_least<T: TryFrom<u64>>(
+        &mut self,
+        value: &Spanned<i64>,
+        key: &str,
+        min: u64,
+        unit: &str,
+    ) -> Option<T> {
+        let fits = u64::try_from(*value.get_ref())
+            .ok()
+            .filter(|&n| n >= min)
+            .and_then(|n| T::try_from(n).ok());
+        if fits.is_none() {
+            self.report(
+                Some(value.span()),
+                key.to_owned(),
+                format!("must be at least {min}{unit}, got {}", value.get_ref()),
+            );
+        }
+        fits
+    }
+
+    /// An integer key within `range`, reported with its line when outside.
+    pub(super) fn number(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        field: &str,
+        raw: &Option<Spanned<i64>>,
+        range: Range<u64>,
+    ) -> Option<u64> {
+        let value = raw.as_ref()?;
+        match u64::try_from(*value.get_ref()) {
+            Ok(n) if range.contains(&n) => Some(n),
+            _ => {
+                self.report(
+                    Some(value.span()),
+                    key(field),
+                    format!(
+                        "must be between {} and {}, got {}",
+                        range.start,
+                        range.end - 1,
+                        value.get_ref()
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// One of the values `choices` names, `T::default()` when not given; anything else is reported
+    /// with its line (and gives the default too).
+    pub(super) fn choice<T: Copy + Default>(
+        &mut self,
+        raw: Option<Spanned<String>>,
+        key: &str,
+        choices: &[(&str, T)],
+    ) -> T {
+        let Some(value) = raw else {
+            return T::default();
+        };
+        match choices.iter().find(|(name, _)| name == value.get_ref()) {
+            Some(&(_, choice)) => choice,
+            None => {
+                let names: Vec<&str> = choices.iter().map(|&(name, _)| name).collect();
+                self.report(
+                    Some(value.span()),
+                    key.to_owned(),
+                    expected(&names, value.get_ref()),
+                );
+                T::default()
+            }
+        }
+    }
+
+    /// `raw` if given and `ok`, else `default()`; a value that is not `ok` is reported with `rule` and
+    /// gives `T::default()` (an empty text or list: the config is rejected anyway).
+    pub(super) fn valid<T: Default>(
+        &mut self,
+        raw: Option<Spanned<T>>,
+        key: String,
+        ok: impl FnOnce(&T) -> bool,
+        rule: &str,
+        default: impl FnOnce() -> T,
+    ) -> T {
+        match raw {
+            Some(value) if !ok(value.get_ref()) => {
+                self.report(Some(value.span()), key, rule);
+                T::default()
+            }
+            Some(value) => value.into_inner(),
+            None => default(),
+        }
+    }
+
+    /// Reports a problem at `span` of the file (its line counted from there) under `key`.
     pub(super) fn report(
         &mut self,
         span: Option<Range<usize>>,
@@ -91,7 +179,7 @@ pub(super) fn config(
         search_path: env.get("PATH").map(String::as_str),
         problems: Vec::new(),
     };
-    let supervisor = check.supervisor(raw.supervisor, base, env);
+    let supervisor = check.supervisor(raw.supervisor, env);
     let envoy = check.envoy(raw.envoy);
     if raw.service.is_empty() {
         check.report(
@@ -105,7 +193,7 @@ pub(super) fn config(
         .into_iter()
         .map(|(name, service)| (name.clone(), check.service(name, service)))
         .collect();
-    let workers: u64 = services.values().map(|s| u64::from(s.count)).sum();
+    let workers = workers_in_all(&services);
     if workers > MAX_TOTAL_WORKERS {
         check.report(
             None,
@@ -181,7 +269,6 @@ impl Checker<'_> {
     fn supervisor(
         &mut self,
         raw: RawSupervisor,
-        base: &Path,
         env: &HashMap<String, String>,
     ) -> Option<SupervisorConfig> {
         let bind = match env.get("PEREGRINE_BIND") {
@@ -196,19 +283,14 @@ impl Checker<'_> {
             None => raw.control.map(|c| c.into_inner()),
         }
         .unwrap_or_else(|| DEFAULT_CONTROL.into());
-        let control = absolute_in(base, Path::new(&control));
-        let xds_cluster = match raw.xds_cluster {
-            Some(name) if !valid_name(name.get_ref()) => {
-                self.report(
-                    Some(name.span()),
-                    "supervisor.xds_cluster".into(),
-                    NAME_RULE,
-                );
-                String::new()
-            }
-            Some(name) => name.into_inner(),
-            None => "xds_cluster".into(),
-        };
+        let control = absolute_in(self.base, Path::new(&control));
+        let xds_cluster = self.valid(
+            raw.xds_cluster,
+            "supervisor.xds_cluster".into(),
+            |name| valid_name(name),
+            NAME_RULE,
+            || "xds_cluster".into(),
+        );
         let mut restart = RestartPolicy::default();
         if let Some(ms) = raw.restart_delay_ms {
             if *ms.get_ref() == 0 {
@@ -233,45 +315,18 @@ impl Checker<'_> {
         if let Some(ms) = raw.healthy_after_ms {
             restart.healthy_after = Duration::from_millis(ms);
         }
-        let sampler = match raw.sampler {
-            None => SamplerSetting::default(),
-            Some(value) => match value.get_ref().as_str() {
-                "auto" => SamplerSetting::Auto,
-                "ebpf" => SamplerSetting::Ebpf,
-                "procfs" => SamplerSetting::Procfs,
-                "off" => SamplerSetting::Off,
-                other => {
-                    self.report(
-                        Some(value.span()),
-                        "supervisor.sampler".into(),
-                        format!(
-                            "expected \"auto\", \"ebpf\", \"procfs\" or \"off\", got {other:?}"
-                        ),
-                    );
-                    SamplerSetting::default()
-                }
-            },
-        };
-        let sample_interval = match raw.sample_interval_ms {
-            None => DEFAULT_SAMPLE_INTERVAL,
-            Some(ms) => match u64::try_from(*ms.get_ref()) {
-                Ok(ms) if Duration::from_millis(ms) >= MIN_SAMPLE_INTERVAL => {
-                    Duration::from_millis(ms)
-                }
-                _ => {
-                    self.report(
-                        Some(ms.span()),
-                        "supervisor.sample_interval_ms".into(),
-                        format!(
-                            "must be at least {} (milliseconds), got {}",
-                            MIN_SAMPLE_INTERVAL.as_millis(),
-                            ms.get_ref()
-                        ),
-                    );
-                    DEFAULT_SAMPLE_INTERVAL
-                }
-            },
-        };
+        let sampler = self.choice(
+            raw.sampler,
+            "supervisor.sampler",
+            &SamplerSetting::ALL.map(|sampler| (sampler.as_str(), sampler)),
+        );
+        let mut sample_interval = DEFAULT_SAMPLE_INTERVAL;
+        self.millis(
+            raw.sample_interval_ms,
+            "supervisor.sample_interval_ms",
+            MIN_SAMPLE_INTERVAL.as_millis() as u64,
+            &mut sample_interval,
+        );
         let mut lifecycle = Lifecycle::default();
         let mut millis = |value, key: &str, min, target: &mut Duration| {
             self.millis(value, &format!("supervisor.{key}"), min, target)
@@ -313,15 +368,10 @@ impl Checker<'_> {
             100,
             &mut grpc.idle_timeout,
         );
-        if let Some(max) = raw.grpc_max_connections {
-            match usize::try_from(*max.get_ref()) {
-                Ok(n) if n >= 1 => grpc.max_connections = n,
-                _ => self.report(
-                    Some(max.span()),
-                    "supervisor.grpc_max_connections".into(),
-                    format!("must be at least 1, got {}", max.get_ref()),
-                ),
-            }
+        if let Some(max) = raw.grpc_max_connections
+            && let Some(n) = self.at_least(&max, "supervisor.grpc_max_connections", 1, "")
+        {
+            grpc.max_connections = n;
         }
         Some(SupervisorConfig {
             bind: bind?,
@@ -382,31 +432,23 @@ impl Checker<'_> {
     }
 
     fn envoy(&mut self, raw: RawEnvoy) -> Option<EnvoyConfig> {
-        let node = match raw.node {
-            Some(node) if node.get_ref().is_empty() => {
-                self.report(Some(node.span()), "envoy.node".into(), "must not be empty");
-                String::new()
-            }
-            Some(node) => node.into_inner(),
-            None => "peregrine".into(),
-        };
+        let node = self.valid(
+            raw.node,
+            "envoy.node".into(),
+            |node: &String| !node.is_empty(),
+            "must not be empty",
+            || "peregrine".into(),
+        );
         let listen = self.socket_address(raw.listen, "0.0.0.0:10000", "envoy.listen");
         let admin = self.socket_address(raw.admin, "127.0.0.1:9901", "envoy.admin");
-        let xds = match raw.xds {
-            None => XdsVariant::default(),
-            Some(value) => match value.get_ref().as_str() {
-                "sotw" => XdsVariant::StateOfTheWorld,
-                "delta" => XdsVariant::Delta,
-                other => {
-                    self.report(
-                        Some(value.span()),
-                        "envoy.xds".into(),
-                        format!("expected \"sotw\" or \"delta\", got {other:?}"),
-                    );
-                    XdsVariant::default()
-                }
-            },
-        };
+        let xds = self.choice(
+            raw.xds,
+            "envoy.xds",
+            &[
+                ("sotw", XdsVariant::StateOfTheWorld),
+                ("delta", XdsVariant::Delta),
+            ],
+        );
         let mut timeout = Duration::from_secs(15);
         let mut per_try_timeout = Duration::from_secs(15);
         let per_try_span = raw.per_try_timeout_ms.as_ref().map(|v| v.span());
@@ -436,6 +478,24 @@ impl Checker<'_> {
             timeout,
             per_try_timeout,
         })
+    }
+}
+
+/// `expected "a", "b" or "c", got "d"`: the message for a value that is none of `choices`.
+pub(super) fn expected(choices: &[&str], got: &str) -> String {
+    format!("expected {}, got {got:?}", alternatives(choices))
+}
+
+/// `"a", "b" or "c"`: `choices` quoted, as a sentence lists them.
+pub(super) fn alternatives(choices: &[&str]) -> String {
+    let quoted: Vec<String> = choices
+        .iter()
+        .map(|choice| format!("\"{choice}\""))
+        .collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 

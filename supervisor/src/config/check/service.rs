@@ -22,23 +22,9 @@ impl Checker<'_> {
             let at = self.source.find(&format!("\"{name}\"")).map(|at| at..at);
             self.report(at, format!("service.{name}"), NAME_RULE);
         }
-        let count = match raw.count {
-            None => 1,
-            Some(count) => match u32::try_from(*count.get_ref()) {
-                Ok(n) if (1..=MAX_WORKERS).contains(&n) => n,
-                _ => {
-                    self.report(
-                        Some(count.span()),
-                        key("count"),
-                        format!(
-                            "must be between 1 and {MAX_WORKERS}, got {}",
-                            count.get_ref()
-                        ),
-                    );
-                    1
-                }
-            },
-        };
+        let count = self
+            .number(&key, "count", &raw.count, 1..u64::from(MAX_WORKERS) + 1)
+            .map_or(1, |n| n as u32);
         let (url, url_span) = match raw.url {
             Some(url) => (url.get_ref().clone(), Some(url.span())),
             None => (DEFAULT_URL.to_string(), None),
@@ -138,45 +124,33 @@ impl Checker<'_> {
                 }
             }
         };
-        let prefix = match raw.prefix {
-            Some(prefix) if !prefix.get_ref().starts_with('/') => {
-                self.report(Some(prefix.span()), key("prefix"), "must start with /");
-                String::new()
-            }
-            Some(prefix) => prefix.into_inner(),
-            None => "/".into(),
-        };
-        let domains = match raw.domains {
-            Some(domains) if domains.get_ref().is_empty() => {
-                self.report(
-                    Some(domains.span()),
-                    key("domains"),
-                    "must name at least one domain (\"*\" for any)",
-                );
-                Vec::new()
-            }
-            Some(domains) => domains.into_inner(),
-            None => vec!["*".into()],
-        };
+        let prefix = self.valid(
+            raw.prefix,
+            key("prefix"),
+            |prefix: &String| prefix.starts_with('/'),
+            "must start with /",
+            || "/".into(),
+        );
+        let domains = self.valid(
+            raw.domains,
+            key("domains"),
+            |domains: &Vec<String>| !domains.is_empty(),
+            "must name at least one domain (\"*\" for any)",
+            || vec!["*".into()],
+        );
         let unix = url.starts_with("unix:");
         let (balancing, weights) = self.balancing(&name, balancing, count, unix);
-        let restart_batch = match raw.restart_batch {
-            None => 1,
-            Some(batch) => match u32::try_from(*batch.get_ref()) {
-                Ok(batch) if batch >= 1 => batch,
-                _ => {
-                    self.report(
-                        Some(batch.span()),
-                        key("restart_batch"),
-                        format!(
-                            "must be at least 1 (workers replaced at once), got {}",
-                            batch.get_ref()
-                        ),
-                    );
-                    1
-                }
-            },
-        };
+        let restart_batch = raw
+            .restart_batch
+            .and_then(|batch| {
+                self.at_least(
+                    &batch,
+                    &key("restart_batch"),
+                    1,
+                    " (workers replaced at once)",
+                )
+            })
+            .unwrap_or(1);
         ServiceConfig {
             name,
             count,
