@@ -1,13 +1,13 @@
 //! `peregrine.toml`: parsed in one place, every problem reported with its key and line.
 //!
-//! Parsing has two layers. The raw layer ([`raw`]) mirrors the file with serde (unknown keys are
+//! Parsing has two layers. The raw layer (`raw`) mirrors the file with serde (unknown keys are
 //! errors) and keeps the spans of the values that later checks may reject. [`Config::parse`] then checks
-//! every value ([`check`]), collects *all* problems (not just the first) and returns the typed
+//! every value (`check`), collects *all* problems (not just the first) and returns the typed
 //! [`Config`].
 //!
 //! This file holds the typed configuration the rest of the supervisor reads and the entry points
-//! [`Config::load`] and [`Config::parse`]; [`error`] holds what a rejected file says, [`files`] the
-//! paths a file names, [`limits`] the bounds it is held to, and [`balancing`] a service's balancing
+//! [`Config::load`] and [`Config::parse`]; `error` holds what a rejected file says, `files` the
+//! paths a file names, `limits` the bounds it is held to, and `balancing` a service's balancing
 //! policy from its type to its checks. Invariant: the rest of the supervisor sees only checked,
 //! typed values; the raw layer and the checker are private to this module.
 //!

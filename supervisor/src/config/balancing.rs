@@ -1,5 +1,8 @@
 //! `service.NAME.lb_policy` and the keys beside it: how Envoy spreads a service's requests over its
 //! workers, what it hashes for affinity, and the workers' weights.
+//!
+//! Invariant: a hashing policy always knows what to hash by, an option is accepted only with a policy it
+//! applies to, and a service has exactly one weight per worker.
 
 use std::ops::Range;
 

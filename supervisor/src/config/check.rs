@@ -5,9 +5,10 @@
 //! Invariant: a check never stops at a problem; it reports it and goes on with a default, so that one
 //! run names every mistake. A [`Config`] is returned only when no problem was found.
 //!
-//! [`Checker`] holds what every check needs; this file checks `[supervisor]`, `[envoy]`, `[orca]` and
-//! the whole file, [`service`] checks `[service.NAME]` and [`balancing`](super::balancing) its
-//! balancing keys.
+//! [`Checker`] holds what every check needs and checks each kind of value (integer floors and ranges,
+//! named choices, texts with a rule) in one method; this file checks the whole file, `[supervisor]`
+//! and `[orca]`, [`envoy`] checks `[envoy]`, [`service`] checks `[service.NAME]` and
+//! [`balancing`](super::balancing) a service's balancing keys.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -20,16 +21,16 @@ use std::{
 use toml::Spanned;
 
 use super::{
-    Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_SAMPLE_INTERVAL, EnvoyConfig, GrpcLimits,
-    Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
-    XdsVariant,
+    Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_SAMPLE_INTERVAL, GrpcLimits, Lifecycle,
+    OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
     error::Problem,
     files::absolute_in,
     limits::{MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
-    raw::{RawConfig, RawEnvoy, RawOrca, RawSupervisor},
+    raw::{RawConfig, RawOrca, RawSupervisor},
     workers_in_all,
 };
 
+mod envoy;
 mod service;
 
 /// Collects problems with their lines.
@@ -405,80 +406,6 @@ impl Checker<'_> {
         }
         parsed
     }
-
-    fn socket_address(
-        &mut self,
-        raw: Option<Spanned<String>>,
-        default: &str,
-        key: &str,
-    ) -> Option<SocketAddr> {
-        match raw {
-            None => Some(default.parse().expect("valid default")),
-            Some(value) => {
-                let parsed = value.get_ref().parse().ok();
-                if parsed.is_none() {
-                    self.report(
-                        Some(value.span()),
-                        key.into(),
-                        format!(
-                            "expected IP:PORT (e.g. {default}), got {:?}",
-                            value.get_ref()
-                        ),
-                    );
-                }
-                parsed
-            }
-        }
-    }
-
-    fn envoy(&mut self, raw: RawEnvoy) -> Option<EnvoyConfig> {
-        let node = self.valid(
-            raw.node,
-            "envoy.node".into(),
-            |node: &String| !node.is_empty(),
-            "must not be empty",
-            || "peregrine".into(),
-        );
-        let listen = self.socket_address(raw.listen, "0.0.0.0:10000", "envoy.listen");
-        let admin = self.socket_address(raw.admin, "127.0.0.1:9901", "envoy.admin");
-        let xds = self.choice(
-            raw.xds,
-            "envoy.xds",
-            &[
-                ("sotw", XdsVariant::StateOfTheWorld),
-                ("delta", XdsVariant::Delta),
-            ],
-        );
-        let mut timeout = Duration::from_secs(15);
-        let mut per_try_timeout = Duration::from_secs(15);
-        let per_try_span = raw.per_try_timeout_ms.as_ref().map(|v| v.span());
-        self.millis(raw.timeout_ms, "envoy.timeout_ms", 1, &mut timeout);
-        self.millis(
-            raw.per_try_timeout_ms,
-            "envoy.per_try_timeout_ms",
-            1,
-            &mut per_try_timeout,
-        );
-        if per_try_timeout > timeout {
-            self.report(
-                per_try_span,
-                "envoy.per_try_timeout_ms".into(),
-                format!(
-                    "must not be longer than envoy.timeout_ms ({} ms), which bounds all tries",
-                    timeout.as_millis()
-                ),
-            );
-        }
-        Some(EnvoyConfig {
-            node,
-            listen: listen?,
-            admin: admin?,
-            ads: raw.ads,
-            xds,
-            timeout,
-            per_try_timeout,
-        })
-    }
 }
 
 /// `expected "a", "b" or "c", got "d"`: the message for a value that is none of `choices`.
@@ -705,39 +632,6 @@ count = 0
         let got = problems("[supervisor]\ngrpc_max_connections = 0\n[service.a]\n");
         assert!(
             got[0].starts_with("line 2: supervisor.grpc_max_connections"),
-            "{got:?}"
-        );
-    }
-
-    #[test]
-    fn envoy_xds_is_sotw_or_delta() {
-        let config = parse("[service.a]\n").unwrap();
-        assert_eq!(config.envoy.xds, XdsVariant::StateOfTheWorld);
-        let config = parse("[envoy]\nads = true\nxds = \"delta\"\n[service.a]\n").unwrap();
-        assert_eq!(
-            (config.envoy.ads, config.envoy.xds),
-            (true, XdsVariant::Delta)
-        );
-        assert_eq!(
-            problems("[envoy]\nxds = \"incremental\"\n[service.a]\n"),
-            ["line 2: envoy.xds: expected \"sotw\" or \"delta\", got \"incremental\""]
-        );
-    }
-
-    #[test]
-    fn route_and_try_timeouts() {
-        let config =
-            parse("[envoy]\ntimeout_ms = 20000\nper_try_timeout_ms = 500\n[service.a]\n").unwrap();
-        assert_eq!(config.envoy.timeout, Duration::from_secs(20));
-        assert_eq!(config.envoy.per_try_timeout, Duration::from_millis(500));
-        let defaults = parse("[service.a]\n").unwrap();
-        assert_eq!(defaults.envoy.timeout, Duration::from_secs(15));
-        assert_eq!(defaults.envoy.per_try_timeout, Duration::from_secs(15));
-        let got =
-            problems("[envoy]\ntimeout_ms = 1000\n\nper_try_timeout_ms = 2000\n[service.a]\n");
-        assert_eq!(got.len(), 1, "{got:?}");
-        assert!(
-            got[0].starts_with("line 4: envoy.per_try_timeout_ms: must not be longer"),
             "{got:?}"
         );
     }
