@@ -1,12 +1,17 @@
 //! `service.NAME.lb_policy` and the keys beside it: how Envoy spreads a service's requests over its
 //! workers, what it hashes for affinity, and the workers' weights.
+//!
+//! Invariant: a hashing policy always knows what to hash by, an option is accepted only with a policy it
+//! applies to, and a service has exactly one weight per worker.
 
 use std::ops::Range;
 
-use serde::Deserialize;
 use toml::Spanned;
 
-use super::Checker;
+use super::{
+    check::{Checker, alternatives, expected},
+    raw::RawBalancing,
+};
 
 /// How Envoy balances a service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,21 +98,6 @@ const DEFAULT_TABLE_SIZE: u64 = 65537;
 const MAX_TABLE_SIZE: u64 = 5_000_011;
 /// The largest worker weight.
 pub const MAX_WEIGHT: u32 = 1000;
-
-/// The balancing keys of a `[service.NAME]` table.
-#[derive(Debug, Default, Deserialize)]
-pub(super) struct RawBalancing {
-    pub(super) orca: Option<Spanned<bool>>,
-    pub(super) lb_policy: Option<Spanned<String>>,
-    pub(super) choice_count: Option<Spanned<i64>>,
-    pub(super) ring_size_min: Option<Spanned<i64>>,
-    pub(super) ring_size_max: Option<Spanned<i64>>,
-    pub(super) table_size: Option<Spanned<i64>>,
-    pub(super) hash_balance_factor: Option<Spanned<i64>>,
-    pub(super) hash_on: Option<Spanned<String>>,
-    pub(super) weight: Option<Spanned<i64>>,
-    pub(super) weights: Option<Spanned<Vec<i64>>>,
-}
 
 /// Which policies a key applies to, for "does not apply" errors.
 const OPTION_POLICIES: [(&str, &[&str]); 5] = [
@@ -196,11 +186,7 @@ impl Checker<'_> {
                     key(option),
                     format!(
                         "applies to lb_policy = {}, not {name}",
-                        applies
-                            .iter()
-                            .map(|p| format!("\"{p}\""))
-                            .collect::<Vec<_>>()
-                            .join(" or ")
+                        alternatives(applies)
                     ),
                 );
             }
@@ -278,9 +264,16 @@ impl Checker<'_> {
                 self.report(
                     policy.map(|(_, s)| s),
                     key("lb_policy"),
-                    format!(
-                        "expected \"orca\", \"round_robin\", \"least_request\", \"random\", \
-                         \"ring_hash\" or \"maglev\", got {other:?}"
+                    expected(
+                        &[
+                            "orca",
+                            "round_robin",
+                            "least_request",
+                            "random",
+                            "ring_hash",
+                            "maglev",
+                        ],
+                        other,
                     ),
                 );
                 Balancing::RoundRobin
@@ -330,7 +323,7 @@ impl Checker<'_> {
             self.report(
                 Some(raw.span()),
                 key("hash_on"),
-                format!("expected \"header:NAME\", \"cookie:NAME\" or \"source_ip\", got {text:?}"),
+                expected(&["header:NAME", "cookie:NAME", "source_ip"], text),
             );
         }
         parsed
@@ -382,33 +375,6 @@ impl Checker<'_> {
         }
         weights
     }
-
-    /// An integer key within `range`, reported with its line when outside.
-    fn number(
-        &mut self,
-        key: &dyn Fn(&str) -> String,
-        field: &str,
-        raw: &Option<Spanned<i64>>,
-        range: Range<u64>,
-    ) -> Option<u64> {
-        let value = raw.as_ref()?;
-        match u64::try_from(*value.get_ref()) {
-            Ok(n) if range.contains(&n) => Some(n),
-            _ => {
-                self.report(
-                    Some(value.span()),
-                    key(field),
-                    format!(
-                        "must be between {} and {}, got {}",
-                        range.start,
-                        range.end - 1,
-                        value.get_ref()
-                    ),
-                );
-                None
-            }
-        }
-    }
 }
 
 /// An HTTP header or cookie name.
@@ -429,6 +395,10 @@ fn is_prime(n: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{
+        DEFAULT_SAMPLE_INTERVAL, OrcaConfig,
+        testing::{parse, problems},
+    };
 
     #[test]
     fn primes() {
@@ -440,5 +410,122 @@ mod tests {
     fn tokens() {
         assert!(valid_token("x-entity-id"));
         assert!(!valid_token("") && !valid_token("a b") && !valid_token("a:b"));
+    }
+
+    #[test]
+    fn orca_is_on_for_ip_workers_and_off_for_unix_ones_or_another_lb_policy() {
+        let config = parse(
+            "[service.a]\n[service.b]\nurl = \"unix:///run/b.sock\"\n\
+             [service.c]\nlb_policy = \"least_request\"\n[service.d]\norca = false\n",
+        )
+        .unwrap();
+        let orca = |name: &str| config.services[name].orca();
+        assert!(orca("a") && !orca("b") && !orca("c") && !orca("d"));
+        assert_eq!(
+            config.services["c"].balancing,
+            Balancing::LeastRequest { choice_count: 2 }
+        );
+        assert_eq!(config.services["d"].balancing, Balancing::RoundRobin);
+        assert_eq!(
+            config.orca,
+            OrcaConfig::defaults_for(DEFAULT_SAMPLE_INTERVAL)
+        );
+    }
+
+    #[test]
+    fn hashing_policies_with_their_options_and_weights() {
+        let config = parse(
+            "[service.ring]\ncount = 3\nlb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n\
+             ring_size_min = 4096\nhash_balance_factor = 150\nweights = [1, 2, 3]\n\
+             [service.mag]\nlb_policy = \"maglev\"\nhash_on = \"cookie:session\"\nweight = 5\n\
+             [service.ip]\nlb_policy = \"ring_hash\"\nhash_on = \"source_ip\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.services["ring"].balancing,
+            Balancing::RingHash {
+                hash_on: HashOn::Header("x-entity-id".into()),
+                min_ring_size: Some(4096),
+                max_ring_size: 8 * 1024 * 1024,
+                hash_balance_factor: Some(150),
+            }
+        );
+        assert_eq!(config.services["ring"].weights, [1, 2, 3]);
+        assert_eq!(
+            config.services["mag"].balancing,
+            Balancing::Maglev {
+                hash_on: HashOn::Cookie("session".into()),
+                table_size: 65537,
+                hash_balance_factor: None,
+            }
+        );
+        assert_eq!(config.services["mag"].weights, [5]);
+        assert_eq!(
+            config.services["ip"].balancing.hash_on(),
+            Some(&HashOn::SourceIp)
+        );
+        assert!(!config.services["ip"].orca());
+    }
+
+    #[test]
+    fn hashing_mistakes_are_named_with_their_lines() {
+        let got = problems(
+            "[service.a]\nlb_policy = \"ring_hash\"\n\
+             [service.b]\nlb_policy = \"maglev\"\nhash_on = \"query:id\"\ntable_size = 65536\n\
+             [service.c]\nlb_policy = \"round_robin\"\nhash_on = \"source_ip\"\nhash_balance_factor = 150\n\
+             [service.d]\ncount = 2\nweights = [1]\n[service.e]\nlb_policy = \"ring_hash\"\n\
+             hash_on = \"source_ip\"\nhash_balance_factor = 50\nring_size_min = 9000\nring_size_max = 8000\n",
+        );
+        let expect = [
+            "line 2: service.a.hash_on: lb_policy = \"ring_hash\" needs hash_on",
+            "line 5: service.b.hash_on: expected \"header:NAME\"",
+            "line 6: service.b.table_size: must be a prime",
+            "line 10: service.c.hash_balance_factor: applies to lb_policy = \"ring_hash\" or \"maglev\", not round_robin",
+            "line 9: service.c.hash_on: applies to lb_policy = \"ring_hash\" or \"maglev\"",
+            "line 13: service.d.weights: has 1 entries for 2 workers",
+            "line 17: service.e.hash_balance_factor: must be between 100 and 10000, got 50",
+            "line 18: service.e.ring_size_min: 9000 is larger than ring_size_max (8000)",
+        ];
+        assert_eq!(got.len(), expect.len(), "{got:#?}");
+        for (got, expect) in got.iter().zip(expect) {
+            assert!(
+                got.starts_with(expect),
+                "{got}\n  should start with\n{expect}"
+            );
+        }
+    }
+
+    #[test]
+    fn orca_conflicts_and_bad_values_are_named_with_their_lines() {
+        let got = problems(
+            "[service.a]\nurl = \"unix:///run/a.sock\"\norca = true\n\
+             [service.b]\nlb_policy = \"random\"\norca = true\n\
+             [service.c]\nlb_policy = \"fastest\"\n",
+        );
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].starts_with("line 3: service.a.orca: ORCA cannot reach unix:// workers"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("line 6: service.b.orca: orca = true balances on ORCA reports")
+                && got[1].contains("lb_policy = \"random\""),
+            "{got:?}"
+        );
+        assert!(
+            got[2].starts_with("line 8: service.c.lb_policy: expected \"orca\", \"round_robin\""),
+            "{got:?}"
+        );
+        let got = problems(
+            "[orca]\nmin_report_interval_ms = 5\nblackout_period_ms = 40000\n[service.a]\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 2: orca.min_report_interval_ms: must be at least 10 (milliseconds), got 5",
+                "orca.weight_expiration_period_ms: must be longer than orca.blackout_period_ms \
+                 (40000 ms): a weight would expire before Envoy starts using it",
+            ]
+        );
     }
 }

@@ -1,0 +1,638 @@
+//! The checks that turn the raw mirror into the typed [`Config`]: every value is checked, every
+//! problem is collected with its key and line (not just the first), and defaults fill what the file
+//! leaves out.
+//!
+//! Invariant: a check never stops at a problem; it reports it and goes on with a default, so that one
+//! run names every mistake. A [`Config`] is returned only when no problem was found.
+//!
+//! [`Checker`] holds what every check needs and checks each kind of value (integer floors and ranges,
+//! named choices, texts with a rule) in one method; this file checks the whole file, `[supervisor]`
+//! and `[orca]`, [`envoy`] checks `[envoy]`, [`service`] checks `[service.NAME]` and
+//! [`balancing`](super::balancing) a service's balancing keys.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+    ops::Range,
+    path::Path,
+    time::Duration,
+};
+
+use toml::Spanned;
+
+use super::{
+    Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_SAMPLE_INTERVAL, GrpcLimits, Lifecycle,
+    OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
+    error::Problem,
+    files::absolute_in,
+    limits::{MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
+    raw::{RawConfig, RawOrca, RawSupervisor},
+    workers_in_all,
+};
+
+mod envoy;
+mod service;
+
+/// Collects problems with their lines.
+pub(super) struct Checker<'a> {
+    source: &'a str,
+    /// The config file's directory: relative paths are taken from it.
+    base: &'a Path,
+    /// `PATH`, to resolve worker programs.
+    search_path: Option<&'a str>,
+    problems: Vec<Problem>,
+}
+
+impl Checker<'_> {
+    /// Sets `target` to `value` milliseconds if given and at least `min`; else reports `key`.
+    pub(super) fn millis(
+        &mut self,
+        value: Option<Spanned<i64>>,
+        key: &str,
+        min: u64,
+        target: &mut Duration,
+    ) {
+        if let Some(ms) =
+            value.and_then(|value| self.at_least::<u64>(&value, key, min, " (milliseconds)"))
+        {
+            *target = Duration::from_millis(ms);
+        }
+    }
+
+    /// An integer key of at least `min` that fits a `T`, reported with its line otherwise; `unit`
+    /// follows `min` in the message.
+    pub(super) fn at_least<T: TryFrom<u64>>(
+        &mut self,
+        value: &Spanned<i64>,
+        key: &str,
+        min: u64,
+        unit: &str,
+    ) -> Option<T> {
+        let fits = u64::try_from(*value.get_ref())
+            .ok()
+            .filter(|&n| n >= min)
+            .and_then(|n| T::try_from(n).ok());
+        if fits.is_none() {
+            self.report(
+                Some(value.span()),
+                key.to_owned(),
+                format!("must be at least {min}{unit}, got {}", value.get_ref()),
+            );
+        }
+        fits
+    }
+
+    /// An integer key within `range`, reported with its line when outside.
+    pub(super) fn number(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        field: &str,
+        raw: &Option<Spanned<i64>>,
+        range: Range<u64>,
+    ) -> Option<u64> {
+        let value = raw.as_ref()?;
+        match u64::try_from(*value.get_ref()) {
+            Ok(n) if range.contains(&n) => Some(n),
+            _ => {
+                self.report(
+                    Some(value.span()),
+                    key(field),
+                    format!(
+                        "must be between {} and {}, got {}",
+                        range.start,
+                        range.end - 1,
+                        value.get_ref()
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// One of the values `choices` names, `T::default()` when not given; anything else is reported
+    /// with its line (and gives the default too).
+    pub(super) fn choice<T: Copy + Default>(
+        &mut self,
+        raw: Option<Spanned<String>>,
+        key: &str,
+        choices: &[(&str, T)],
+    ) -> T {
+        let Some(value) = raw else {
+            return T::default();
+        };
+        match choices.iter().find(|(name, _)| name == value.get_ref()) {
+            Some(&(_, choice)) => choice,
+            None => {
+                let names: Vec<&str> = choices.iter().map(|&(name, _)| name).collect();
+                self.report(
+                    Some(value.span()),
+                    key.to_owned(),
+                    expected(&names, value.get_ref()),
+                );
+                T::default()
+            }
+        }
+    }
+
+    /// `raw` if given and `ok`, else `default()`; a value that is not `ok` is reported with `rule` and
+    /// gives `T::default()` (an empty text or list: the config is rejected anyway).
+    pub(super) fn valid<T: Default>(
+        &mut self,
+        raw: Option<Spanned<T>>,
+        key: String,
+        ok: impl FnOnce(&T) -> bool,
+        rule: &str,
+        default: impl FnOnce() -> T,
+    ) -> T {
+        match raw {
+            Some(value) if !ok(value.get_ref()) => {
+                self.report(Some(value.span()), key, rule);
+                T::default()
+            }
+            Some(value) => value.into_inner(),
+            None => default(),
+        }
+    }
+
+    /// Reports a problem at `span` of the file (its line counted from there) under `key`.
+    pub(super) fn report(
+        &mut self,
+        span: Option<Range<usize>>,
+        key: String,
+        message: impl Into<String>,
+    ) {
+        let problem = Problem::at(self.source, span, key, message);
+        self.problems.push(problem);
+    }
+}
+
+/// Checks every value of `raw` (read from `source`; relative paths are taken from `base`, overrides
+/// from `env`) and returns the typed configuration, or every problem found.
+pub(super) fn config(
+    raw: RawConfig,
+    source: &str,
+    base: &Path,
+    env: &HashMap<String, String>,
+) -> Result<Config, Vec<Problem>> {
+    let mut check = Checker {
+        source,
+        base,
+        search_path: env.get("PATH").map(String::as_str),
+        problems: Vec::new(),
+    };
+    let supervisor = check.supervisor(raw.supervisor, env);
+    let envoy = check.envoy(raw.envoy);
+    if raw.service.is_empty() {
+        check.report(
+            None,
+            "service".into(),
+            "no services: add a [service.NAME] table with the workers to run",
+        );
+    }
+    let services: BTreeMap<String, ServiceConfig> = raw
+        .service
+        .into_iter()
+        .map(|(name, service)| (name.clone(), check.service(name, service)))
+        .collect();
+    let workers = workers_in_all(&services);
+    if workers > MAX_TOTAL_WORKERS {
+        check.report(
+            None,
+            "service".into(),
+            format!(
+                "{workers} workers in all; a supervisor runs at most {MAX_TOTAL_WORKERS} \
+                 (run more supervisors, each with its own control socket)"
+            ),
+        );
+    }
+    let sample_interval = supervisor
+        .as_ref()
+        .map_or(DEFAULT_SAMPLE_INTERVAL, |s| s.sample_interval);
+    let orca = check.orca(raw.orca, sample_interval);
+
+    if check.problems.is_empty() {
+        Ok(Config {
+            supervisor: supervisor.expect("no problems"),
+            envoy: envoy.expect("no problems"),
+            services,
+            orca,
+        })
+    } else {
+        Err(check.problems)
+    }
+}
+
+impl Checker<'_> {
+    fn orca(&mut self, raw: RawOrca, sample_interval: Duration) -> OrcaConfig {
+        let mut orca = OrcaConfig::defaults_for(sample_interval);
+        let mut millis = |value, key: &str, min, target: &mut Duration| {
+            self.millis(value, &format!("orca.{key}"), min, target)
+        };
+        millis(
+            raw.min_report_interval_ms,
+            "min_report_interval_ms",
+            10,
+            &mut orca.min_report_interval,
+        );
+        millis(
+            raw.blackout_period_ms,
+            "blackout_period_ms",
+            0,
+            &mut orca.blackout_period,
+        );
+        let expiration_span = raw.weight_expiration_period_ms.as_ref().map(|v| v.span());
+        millis(
+            raw.weight_expiration_period_ms,
+            "weight_expiration_period_ms",
+            1000,
+            &mut orca.weight_expiration_period,
+        );
+        millis(
+            raw.weight_update_period_ms,
+            "weight_update_period_ms",
+            100,
+            &mut orca.weight_update_period,
+        );
+        if orca.weight_expiration_period <= orca.blackout_period {
+            self.report(
+                expiration_span,
+                "orca.weight_expiration_period_ms".into(),
+                format!(
+                    "must be longer than orca.blackout_period_ms ({} ms): a weight would expire \
+                     before Envoy starts using it",
+                    orca.blackout_period.as_millis()
+                ),
+            );
+        }
+        orca
+    }
+
+    fn supervisor(
+        &mut self,
+        raw: RawSupervisor,
+        env: &HashMap<String, String>,
+    ) -> Option<SupervisorConfig> {
+        let bind = match env.get("PEREGRINE_BIND") {
+            Some(bind) => self.grpc_address(bind, None, "PEREGRINE_BIND (environment)"),
+            None => match &raw.bind {
+                Some(b) => self.grpc_address(b.get_ref(), Some(b.span()), "supervisor.bind"),
+                None => self.grpc_address(DEFAULT_BIND, None, "supervisor.bind"),
+            },
+        };
+        let control = match env.get("PEREGRINE_CONTROL") {
+            Some(c) => Some(c.clone()),
+            None => raw.control.map(|c| c.into_inner()),
+        }
+        .unwrap_or_else(|| DEFAULT_CONTROL.into());
+        let control = absolute_in(self.base, Path::new(&control));
+        let xds_cluster = self.valid(
+            raw.xds_cluster,
+            "supervisor.xds_cluster".into(),
+            |name| valid_name(name),
+            NAME_RULE,
+            || "xds_cluster".into(),
+        );
+        let mut restart = RestartPolicy::default();
+        if let Some(ms) = raw.restart_delay_ms {
+            if *ms.get_ref() == 0 {
+                self.report(
+                    Some(ms.span()),
+                    "supervisor.restart_delay_ms".into(),
+                    "must be at least 1: a zero delay lets a crashing worker restart in a tight loop",
+                );
+            }
+            restart.initial = Duration::from_millis(*ms.get_ref());
+        }
+        if let Some(ms) = raw.restart_delay_max_ms {
+            if Duration::from_millis(*ms.get_ref()) < restart.initial {
+                self.report(
+                    Some(ms.span()),
+                    "supervisor.restart_delay_max_ms".into(),
+                    "must not be smaller than restart_delay_ms",
+                );
+            }
+            restart.max = Duration::from_millis(*ms.get_ref());
+        }
+        if let Some(ms) = raw.healthy_after_ms {
+            restart.healthy_after = Duration::from_millis(ms);
+        }
+        let sampler = self.choice(
+            raw.sampler,
+            "supervisor.sampler",
+            &SamplerSetting::ALL.map(|sampler| (sampler.as_str(), sampler)),
+        );
+        let mut sample_interval = DEFAULT_SAMPLE_INTERVAL;
+        self.millis(
+            raw.sample_interval_ms,
+            "supervisor.sample_interval_ms",
+            MIN_SAMPLE_INTERVAL.as_millis() as u64,
+            &mut sample_interval,
+        );
+        let mut lifecycle = Lifecycle::default();
+        let mut millis = |value, key: &str, min, target: &mut Duration| {
+            self.millis(value, &format!("supervisor.{key}"), min, target)
+        };
+        millis(
+            raw.drain_timeout_ms,
+            "drain_timeout_ms",
+            0,
+            &mut lifecycle.drain_timeout,
+        );
+        millis(
+            raw.stop_timeout_ms,
+            "stop_timeout_ms",
+            1,
+            &mut lifecycle.stop_timeout,
+        );
+        millis(
+            raw.register_timeout_ms,
+            "register_timeout_ms",
+            100,
+            &mut lifecycle.register_timeout,
+        );
+        millis(
+            raw.orphan_timeout_ms,
+            "orphan_timeout_ms",
+            0,
+            &mut lifecycle.orphan_timeout,
+        );
+        let mut grpc = GrpcLimits::default();
+        millis(
+            raw.grpc_handshake_timeout_ms,
+            "grpc_handshake_timeout_ms",
+            10,
+            &mut grpc.handshake_timeout,
+        );
+        millis(
+            raw.grpc_idle_timeout_ms,
+            "grpc_idle_timeout_ms",
+            100,
+            &mut grpc.idle_timeout,
+        );
+        if let Some(max) = raw.grpc_max_connections
+            && let Some(n) = self.at_least(&max, "supervisor.grpc_max_connections", 1, "")
+        {
+            grpc.max_connections = n;
+        }
+        Some(SupervisorConfig {
+            bind: bind?,
+            control,
+            xds_cluster,
+            restart,
+            sampler,
+            sample_interval,
+            lifecycle,
+            grpc,
+        })
+    }
+
+    /// Parses `http://IP:PORT`.
+    fn grpc_address(
+        &mut self,
+        url: &str,
+        span: Option<Range<usize>>,
+        key: &str,
+    ) -> Option<SocketAddr> {
+        let parsed = url
+            .strip_prefix("http://")
+            .map(|a| a.trim_end_matches('/'))
+            .and_then(|a| a.parse::<SocketAddr>().ok());
+        if parsed.is_none() {
+            self.report(
+                span,
+                key.into(),
+                format!("expected http://IP:PORT (e.g. {DEFAULT_BIND}), got {url:?}"),
+            );
+        }
+        parsed
+    }
+}
+
+/// `expected "a", "b" or "c", got "d"`: the message for a value that is none of `choices`.
+pub(super) fn expected(choices: &[&str], got: &str) -> String {
+    format!("expected {}, got {got:?}", alternatives(choices))
+}
+
+/// `"a", "b" or "c"`: `choices` quoted, as a sentence lists them.
+pub(super) fn alternatives(choices: &[&str]) -> String {
+    let quoted: Vec<String> = choices
+        .iter()
+        .map(|choice| format!("\"{choice}\""))
+        .collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// What [`valid_name`] admits, as a problem's message.
+const NAME_RULE: &str = "names may use only ASCII letters, digits, '-', '_' and '.'";
+
+/// Whether `name` may name a service or the xDS cluster.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::{
+        WorkerCommand,
+        testing::{parse, problems},
+    };
+
+    #[test]
+    fn parses_the_documented_example() {
+        let config = parse(
+            r#"
+[supervisor]
+bind = "http://[::1]:18000"
+control = "peregrine.sock"
+
+[service.cluster]
+count = 2
+url = "http://localhost:0"
+command = ["peregrine", "worker"]
+"#,
+        )
+        .unwrap();
+        assert_eq!(config.supervisor.bind, "[::1]:18000".parse().unwrap());
+        assert_eq!(
+            config.supervisor.control,
+            Path::new("/etc/peregrine/peregrine.sock")
+        );
+        let service = &config.services["cluster"];
+        assert_eq!(service.count, 2);
+        assert_eq!(service.command, WorkerCommand::default());
+        assert_eq!(service.url_for(1).to_string(), "http://localhost:0");
+    }
+
+    #[test]
+    fn defaults_are_loopback_and_built_in() {
+        let config = parse("[service.app]\n").unwrap();
+        assert!(config.supervisor.bind.ip().is_loopback());
+        assert!(config.envoy.admin.ip().is_loopback());
+        let app = &config.services["app"];
+        assert_eq!((app.count, &app.command), (1, &WorkerCommand::default()));
+        assert_eq!(app.prefix, "/");
+    }
+
+    #[test]
+    fn reports_every_problem_not_just_the_first() {
+        let got = problems(
+            r#"[supervisor]
+bind = "localhost"
+[service.web]
+count = 3
+url = "http://127.0.0.1:8080"
+[service."bad name"]
+count = 0
+"#,
+        );
+        assert_eq!(got.len(), 4, "{got:#?}");
+        assert!(
+            got[0].starts_with("line 2: supervisor.bind: expected http://IP:PORT"),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.starts_with("line 5: service.web.url: fixed port 8080")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.contains("service.bad name.count: must be between 1")),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn no_services_is_an_error() {
+        let got = problems("[supervisor]\n");
+        assert!(got[0].contains("no services"), "{got:?}");
+    }
+
+    #[test]
+    fn the_total_of_workers_is_bounded() {
+        let many: String = (0..5)
+            .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
+            .collect();
+        let got = problems(&many);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].contains("20480 workers in all"), "{got:?}");
+        let enough: String = (0..4)
+            .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
+            .collect();
+        assert!(parse(&enough).is_ok());
+    }
+
+    #[test]
+    fn environment_overrides_bind_and_control() {
+        let env = HashMap::from([
+            (
+                "PEREGRINE_BIND".to_string(),
+                "http://127.0.0.1:1".to_string(),
+            ),
+            ("PEREGRINE_CONTROL".to_string(), "/run/x.sock".to_string()),
+        ]);
+        let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();
+        assert_eq!(config.supervisor.bind.port(), 1);
+        assert_eq!(config.supervisor.control, Path::new("/run/x.sock"));
+    }
+
+    #[test]
+    fn the_sampler_defaults_to_auto_every_second() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.supervisor.sampler, SamplerSetting::Auto);
+        assert_eq!(config.supervisor.sample_interval, Duration::from_secs(1));
+        let config =
+            parse("[supervisor]\nsampler = \"procfs\"\nsample_interval_ms = 10\n[service.a]\n")
+                .unwrap();
+        assert_eq!(config.supervisor.sampler, SamplerSetting::Procfs);
+        assert_eq!(config.supervisor.sample_interval, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn a_bad_sampler_and_a_short_interval_are_named_with_their_lines() {
+        let got =
+            problems("[supervisor]\nsampler = \"perf\"\nsample_interval_ms = 9\n[service.a]\n");
+        assert_eq!(
+            got,
+            [
+                "line 2: supervisor.sampler: expected \"auto\", \"ebpf\", \"procfs\" or \"off\", got \"perf\"",
+                "line 3: supervisor.sample_interval_ms: must be at least 10 (milliseconds), got 9",
+            ]
+        );
+        let got = problems("[supervisor]\nsample_interval_ms = -5\n[service.a]\n");
+        assert_eq!(
+            got,
+            ["line 2: supervisor.sample_interval_ms: must be at least 10 (milliseconds), got -5"]
+        );
+        let got = problems("[supervisor]\nsampler = 1\n[service.a]\n");
+        assert!(
+            got[0].starts_with("line 2: supervisor.sampler: invalid type"),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn lifecycle_timeouts_and_restart_batches() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.supervisor.lifecycle, Lifecycle::default());
+        assert_eq!(config.services["a"].restart_batch, 1);
+        let config = parse(
+            "[supervisor]\ndrain_timeout_ms = 0\nstop_timeout_ms = 500\nregister_timeout_ms = 2000\n\
+             orphan_timeout_ms = 0\n[service.a]\ncount = 8\nrestart_batch = 4\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.supervisor.lifecycle,
+            Lifecycle {
+                drain_timeout: Duration::ZERO,
+                stop_timeout: Duration::from_millis(500),
+                register_timeout: Duration::from_secs(2),
+                orphan_timeout: Duration::ZERO,
+            }
+        );
+        assert_eq!(config.services["a"].restart_batch, 4);
+        let got = problems(
+            "[supervisor]\nstop_timeout_ms = 0\nregister_timeout_ms = -1\n[service.a]\nrestart_batch = 0\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 2: supervisor.stop_timeout_ms: must be at least 1 (milliseconds), got 0",
+                "line 3: supervisor.register_timeout_ms: must be at least 100 (milliseconds), got -1",
+                "line 5: service.a.restart_batch: must be at least 1 (workers replaced at once), got 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn grpc_limits() {
+        let config = parse(
+            "[supervisor]\ngrpc_max_connections = 100\ngrpc_handshake_timeout_ms = 500\n\
+             grpc_idle_timeout_ms = 2000\n[service.a]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.supervisor.grpc,
+            GrpcLimits {
+                max_connections: 100,
+                handshake_timeout: Duration::from_millis(500),
+                idle_timeout: Duration::from_secs(2),
+            }
+        );
+        let got = problems("[supervisor]\ngrpc_max_connections = 0\n[service.a]\n");
+        assert!(
+            got[0].starts_with("line 2: supervisor.grpc_max_connections"),
+            "{got:?}"
+        );
+    }
+}

@@ -1,0 +1,129 @@
+//! The checks of `[envoy]`: what `peregrine envoy-bootstrap` writes into Envoy's bootstrap.
+//!
+//! Invariant: a route's per-try timeout never exceeds its overall timeout, which bounds all tries.
+
+use std::{net::SocketAddr, time::Duration};
+
+use toml::Spanned;
+
+use super::Checker;
+use crate::config::{EnvoyConfig, XdsVariant, raw::RawEnvoy};
+
+impl Checker<'_> {
+    fn socket_address(
+        &mut self,
+        raw: Option<Spanned<String>>,
+        default: &str,
+        key: &str,
+    ) -> Option<SocketAddr> {
+        match raw {
+            None => Some(default.parse().expect("valid default")),
+            Some(value) => {
+                let parsed = value.get_ref().parse().ok();
+                if parsed.is_none() {
+                    self.report(
+                        Some(value.span()),
+                        key.into(),
+                        format!(
+                            "expected IP:PORT (e.g. {default}), got {:?}",
+                            value.get_ref()
+                        ),
+                    );
+                }
+                parsed
+            }
+        }
+    }
+
+    pub(super) fn envoy(&mut self, raw: RawEnvoy) -> Option<EnvoyConfig> {
+        let node = self.valid(
+            raw.node,
+            "envoy.node".into(),
+            |node: &String| !node.is_empty(),
+            "must not be empty",
+            || "peregrine".into(),
+        );
+        let listen = self.socket_address(raw.listen, "0.0.0.0:10000", "envoy.listen");
+        let admin = self.socket_address(raw.admin, "127.0.0.1:9901", "envoy.admin");
+        let xds = self.choice(
+            raw.xds,
+            "envoy.xds",
+            &[
+                ("sotw", XdsVariant::StateOfTheWorld),
+                ("delta", XdsVariant::Delta),
+            ],
+        );
+        let mut timeout = Duration::from_secs(15);
+        let mut per_try_timeout = Duration::from_secs(15);
+        let per_try_span = raw.per_try_timeout_ms.as_ref().map(|v| v.span());
+        self.millis(raw.timeout_ms, "envoy.timeout_ms", 1, &mut timeout);
+        self.millis(
+            raw.per_try_timeout_ms,
+            "envoy.per_try_timeout_ms",
+            1,
+            &mut per_try_timeout,
+        );
+        if per_try_timeout > timeout {
+            self.report(
+                per_try_span,
+                "envoy.per_try_timeout_ms".into(),
+                format!(
+                    "must not be longer than envoy.timeout_ms ({} ms), which bounds all tries",
+                    timeout.as_millis()
+                ),
+            );
+        }
+        Some(EnvoyConfig {
+            node,
+            listen: listen?,
+            admin: admin?,
+            ads: raw.ads,
+            xds,
+            timeout,
+            per_try_timeout,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::config::{
+        XdsVariant,
+        testing::{parse, problems},
+    };
+
+    #[test]
+    fn envoy_xds_is_sotw_or_delta() {
+        let config = parse("[service.a]\n").unwrap();
+        assert_eq!(config.envoy.xds, XdsVariant::StateOfTheWorld);
+        let config = parse("[envoy]\nads = true\nxds = \"delta\"\n[service.a]\n").unwrap();
+        assert_eq!(
+            (config.envoy.ads, config.envoy.xds),
+            (true, XdsVariant::Delta)
+        );
+        assert_eq!(
+            problems("[envoy]\nxds = \"incremental\"\n[service.a]\n"),
+            ["line 2: envoy.xds: expected \"sotw\" or \"delta\", got \"incremental\""]
+        );
+    }
+
+    #[test]
+    fn route_and_try_timeouts() {
+        let config =
+            parse("[envoy]\ntimeout_ms = 20000\nper_try_timeout_ms = 500\n[service.a]\n").unwrap();
+        assert_eq!(config.envoy.timeout, Duration::from_secs(20));
+        assert_eq!(config.envoy.per_try_timeout, Duration::from_millis(500));
+        let defaults = parse("[service.a]\n").unwrap();
+        assert_eq!(defaults.envoy.timeout, Duration::from_secs(15));
+        assert_eq!(defaults.envoy.per_try_timeout, Duration::from_secs(15));
+        let got =
+            problems("[envoy]\ntimeout_ms = 1000\n\nper_try_timeout_ms = 2000\n[service.a]\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with("line 4: envoy.per_try_timeout_ms: must not be longer"),
+            "{got:?}"
+        );
+    }
+}

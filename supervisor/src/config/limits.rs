@@ -1,0 +1,21 @@
+//! The bounds a configuration is held to, whatever the file asks for: how much of a file is read, how
+//! many workers one service and one supervisor run, and how often the load sampler may sample.
+//!
+//! Invariant: each bound is written here once; the checks and their error messages read it from here.
+//! The balancing options' bounds (weights, ring and table sizes) live with them in
+//! [`balancing`](super::balancing), since they are Envoy's limits rather than the supervisor's.
+
+use std::time::Duration;
+
+/// The largest config file [`Config::load`](super::Config::load) reads: far more than any real one
+/// needs, and a bound on what a wrong path (`/dev/zero`) can make it read.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
+
+/// The most workers a service may ask for.
+pub(super) const MAX_WORKERS: u32 = 4096;
+
+/// The most workers one supervisor runs, all services together.
+pub const MAX_TOTAL_WORKERS: u64 = 16384;
+
+/// The shortest `supervisor.sample_interval_ms`: below it, sampling costs more than it tells.
+pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);

@@ -1,0 +1,220 @@
+//! The serde mirror of `peregrine.toml`: one struct per table, field for field its keys, and nothing
+//! checked beyond the types serde checks.
+//!
+//! Invariant: unknown keys are errors (`deny_unknown_fields` on every table), and each value that a
+//! later check may reject is kept [`Spanned`], so that [`check`](super::check) can name its line. A
+//! file that does not fit this mirror yields exactly one [`Problem`]: serde stops at the first.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::error::Problem;
+
+// Each table has its own struct though their shapes repeat: `deny_unknown_fields` then names a
+// misspelt key within its own table, the defaults stay per table, and a shared generic shape (a map of
+// spanned values) would lose the types serde checks.
+
+/// The whole file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) supervisor: RawSupervisor,
+    #[serde(default)]
+    pub(super) envoy: RawEnvoy,
+    #[serde(default)]
+    pub(super) service: BTreeMap<String, RawService>,
+    #[serde(default)]
+    pub(super) orca: RawOrca,
+}
+
+/// `[orca]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOrca {
+    pub(super) min_report_interval_ms: Option<Spanned<i64>>,
+    pub(super) blackout_period_ms: Option<Spanned<i64>>,
+    pub(super) weight_expiration_period_ms: Option<Spanned<i64>>,
+    pub(super) weight_update_period_ms: Option<Spanned<i64>>,
+}
+
+/// `[supervisor]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSupervisor {
+    pub(super) bind: Option<Spanned<String>>,
+    pub(super) control: Option<Spanned<String>>,
+    pub(super) xds_cluster: Option<Spanned<String>>,
+    pub(super) restart_delay_ms: Option<Spanned<u64>>,
+    pub(super) restart_delay_max_ms: Option<Spanned<u64>>,
+    pub(super) healthy_after_ms: Option<u64>,
+    pub(super) sampler: Option<Spanned<String>>,
+    pub(super) sample_interval_ms: Option<Spanned<i64>>,
+    pub(super) drain_timeout_ms: Option<Spanned<i64>>,
+    pub(super) stop_timeout_ms: Option<Spanned<i64>>,
+    pub(super) register_timeout_ms: Option<Spanned<i64>>,
+    pub(super) orphan_timeout_ms: Option<Spanned<i64>>,
+    pub(super) grpc_max_connections: Option<Spanned<i64>>,
+    pub(super) grpc_handshake_timeout_ms: Option<Spanned<i64>>,
+    pub(super) grpc_idle_timeout_ms: Option<Spanned<i64>>,
+}
+
+/// `[envoy]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnvoy {
+    pub(super) node: Option<Spanned<String>>,
+    pub(super) listen: Option<Spanned<String>>,
+    pub(super) admin: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) ads: bool,
+    pub(super) xds: Option<Spanned<String>>,
+    pub(super) timeout_ms: Option<Spanned<i64>>,
+    pub(super) per_try_timeout_ms: Option<Spanned<i64>>,
+}
+
+/// `[service.NAME]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawService {
+    pub(super) count: Option<Spanned<i64>>,
+    pub(super) restart_batch: Option<Spanned<i64>>,
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) command: Option<Spanned<Vec<String>>>,
+    pub(super) env: Option<Spanned<BTreeMap<String, String>>>,
+    pub(super) prefix: Option<Spanned<String>>,
+    pub(super) domains: Option<Spanned<Vec<String>>>,
+    pub(super) orca: Option<Spanned<bool>>,
+    pub(super) lb_policy: Option<Spanned<String>>,
+    pub(super) choice_count: Option<Spanned<i64>>,
+    pub(super) ring_size_min: Option<Spanned<i64>>,
+    pub(super) ring_size_max: Option<Spanned<i64>>,
+    pub(super) table_size: Option<Spanned<i64>>,
+    pub(super) hash_balance_factor: Option<Spanned<i64>>,
+    pub(super) hash_on: Option<Spanned<String>>,
+    pub(super) weight: Option<Spanned<i64>>,
+    pub(super) weights: Option<Spanned<Vec<i64>>>,
+}
+
+impl RawConfig {
+    /// Reads `source` into the mirror: a TOML syntax error, a wrong type or an unknown key is the one
+    /// problem returned.
+    pub(super) fn from_toml(source: &str) -> Result<RawConfig, Problem> {
+        let deserializer = toml::de::Deserializer::parse(source).map_err(|err| {
+            Problem::at(source, err.span(), "(syntax)".into(), err.message().trim())
+        })?;
+        serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            let key = dotted_key(err.path());
+            let inner = err.into_inner();
+            Problem::at(source, inner.span(), key, inner.message().trim())
+        })
+    }
+}
+
+impl RawService {
+    /// Moves the balancing keys out, for [`Checker::balancing`](super::check::Checker::balancing).
+    pub(super) fn take_balancing(&mut self) -> RawBalancing {
+        RawBalancing {
+            orca: self.orca.take(),
+            lb_policy: self.lb_policy.take(),
+            choice_count: self.choice_count.take(),
+            ring_size_min: self.ring_size_min.take(),
+            ring_size_max: self.ring_size_max.take(),
+            table_size: self.table_size.take(),
+            hash_balance_factor: self.hash_balance_factor.take(),
+            hash_on: self.hash_on.take(),
+            weight: self.weight.take(),
+            weights: self.weights.take(),
+        }
+    }
+}
+
+/// The balancing keys of a `[service.NAME]` table, as [`balancing`](super::balancing) checks them.
+///
+/// They are written again in [`RawService`] rather than included with `#[serde(flatten)]`: serde
+/// does not support `flatten` with `deny_unknown_fields`, and a flattened value loses its span.
+#[derive(Debug, Default)]
+pub(super) struct RawBalancing {
+    pub(super) orca: Option<Spanned<bool>>,
+    pub(super) lb_policy: Option<Spanned<String>>,
+    pub(super) choice_count: Option<Spanned<i64>>,
+    pub(super) ring_size_min: Option<Spanned<i64>>,
+    pub(super) ring_size_max: Option<Spanned<i64>>,
+    pub(super) table_size: Option<Spanned<i64>>,
+    pub(super) hash_balance_factor: Option<Spanned<i64>>,
+    pub(super) hash_on: Option<Spanned<String>>,
+    pub(super) weight: Option<Spanned<i64>>,
+    pub(super) weights: Option<Spanned<Vec<i64>>>,
+}
+
+/// A serde path as the dotted key a user wrote, without serde's private wrapper segments.
+fn dotted_key(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut key = String::new();
+    for segment in path.iter() {
+        let part = match segment {
+            Segment::Map { key } if key.starts_with("$__") => continue,
+            Segment::Map { key } | Segment::Enum { variant: key } => key.clone(),
+            Segment::Seq { index } => index.to_string(),
+            Segment::Unknown => continue,
+        };
+        if !key.is_empty() {
+            key.push('.');
+        }
+        key.push_str(&part);
+    }
+    if key.is_empty() {
+        "(top level)".into()
+    } else {
+        key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::testing::problems;
+
+    #[test]
+    fn a_type_error_names_the_key_and_line() {
+        let got = problems("[service.cluster]\ncount = \"two\"\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with("line 2: service.cluster.count: "),
+            "{got:?}"
+        );
+        assert!(!got[0].contains('\n'), "one line: {got:?}");
+    }
+
+    #[test]
+    fn an_unknown_key_is_named() {
+        let got = problems("[service.cluster]\ncuont = 2\n");
+        assert!(
+            got[0].contains("line 2") && got[0].contains("cuont"),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_syntax_error_has_a_line() {
+        let got = problems("[service.cluster]\ncount = = 2\n");
+        assert!(got[0].starts_with("line 2: "), "{got:?}");
+    }
+
+    #[test]
+    fn errors_deep_inside_tables_have_lines() {
+        for source in [
+            "[service.web]\n\n[service.web.env.a.b.c]\nd = 1\n",
+            "[service.web]\n\nenv = { a = { b = { c = 1 } } }\n",
+            &format!(
+                "[service.web]\n\nx = {}1{}\n",
+                "{a=".repeat(200),
+                "}".repeat(200)
+            ),
+        ] {
+            let got = problems(source);
+            assert!(got[0].starts_with("line 3: "), "{source:?}: {got:?}");
+        }
+    }
+}
