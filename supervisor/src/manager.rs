@@ -13,6 +13,8 @@
 //! exited).
 
 mod backoff;
+mod context;
+mod error;
 mod launch;
 mod process;
 mod slot_task;
@@ -33,62 +35,21 @@ use tracing::Instrument;
 
 use self::{
     backoff::Backoff,
+    context::SlotCommand,
     launch::{Launch, LaunchKey},
     process::signal,
     slot_task::SlotTask,
 };
 pub use self::{
+    context::{Context, Replaced},
+    error::{Fallback, ReplaceError, StartError},
     process::{Ending, Exit},
-    slot_task::{Adopted, Fallback, ReplaceError, StartError},
+    slot_task::Adopted,
 };
 use crate::{
-    children::{Children, Counters, Lanes, Slot, slot_count},
+    children::{Slot, slot_count},
     config::{Config, ServiceConfig, SupervisorConfig},
-    instance::Lineage,
-    registry::Registry,
-    xds::acks::Acks,
 };
-
-/// What every slot task shares.
-#[derive(Debug)]
-pub struct Context {
-    /// The registry: the manager deregisters exited workers and marks stopping ones draining.
-    pub registry: Arc<Registry>,
-    /// The live workers.
-    pub children: Arc<Children>,
-    /// The lanes of the counter region and the scheduler source.
-    pub lanes: Arc<Lanes>,
-    /// Which Envoy streams have ACKed which revision: a drain waits on it.
-    pub acks: Arc<Acks>,
-    /// The request counter region handed to new workers.
-    pub counters: Arc<Counters>,
-    /// The control socket's lineage, which every worker carries (see [`crate::instance`]).
-    pub lineage: Lineage,
-}
-
-/// A command to a slot task.
-#[derive(Debug)]
-enum SlotCommand {
-    /// Start a new worker (with a new launch, if given); once it has registered, drain and stop the
-    /// current one. Answers what happened.
-    Replace {
-        launch: Option<Box<Launch>>,
-        done: oneshot::Sender<Result<Replaced, ReplaceError>>,
-    },
-    /// Drain and stop the worker; the task ends.
-    Remove { done: oneshot::Sender<()> },
-}
-
-/// A replacement that went through.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Replaced {
-    /// The slot.
-    pub slot: Slot,
-    /// The worker replaced, if one was running.
-    pub old: Option<u32>,
-    /// The new worker.
-    pub new: u32,
-}
 
 /// A running slot task, as the manager sees it.
 #[derive(Debug)]
@@ -228,13 +189,24 @@ impl Manager {
         Ok(manager)
     }
 
+    /// What the worker in slot `index` of `service` is started with.
+    fn launch(&self, service: &ServiceConfig, index: u32) -> io::Result<Launch> {
+        Launch::new(
+            service,
+            index,
+            &self.supervisor,
+            &self.context.lineage,
+            &self.context.counters,
+        )
+    }
+
     fn spawn_slot(
         &mut self,
         service: &ServiceConfig,
         slot: Slot,
         adopted: Option<Adopted>,
     ) -> io::Result<()> {
-        let launch = Launch::new(service, slot.index, &self.supervisor, &self.context)?;
+        let launch = self.launch(service, slot.index)?;
         let (tx, rx) = mpsc::channel(4);
         let task = SlotTask {
             slot: slot.clone(),
@@ -299,7 +271,7 @@ impl Manager {
                     continue;
                 };
                 let launch = if relaunch {
-                    match Launch::new(service, slot.index, &self.supervisor, &self.context) {
+                    match self.launch(service, slot.index) {
                         Ok(launch) => Some(Box::new(launch)),
                         Err(error) => {
                             report.failures.push(Failure {

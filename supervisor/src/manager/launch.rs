@@ -18,10 +18,10 @@ use peregrine_contract::{
 };
 use rustix::io::FdFlags;
 
-use super::Context;
 use crate::{
     children::Counters,
     config::{INDEX_PLACEHOLDER, Program, ServiceConfig, SupervisorConfig},
+    instance::Lineage,
 };
 
 /// What a slot task needs to start its worker.
@@ -60,7 +60,8 @@ impl Launch {
         service: &ServiceConfig,
         index: u32,
         supervisor: &SupervisorConfig,
-        context: &Context,
+        lineage: &Lineage,
+        counters: &Arc<Counters>,
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -89,10 +90,10 @@ impl Launch {
                 .env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
-                .chain([(ENV_LINEAGE.to_owned(), context.lineage.as_str().to_owned())])
+                .chain([(ENV_LINEAGE.to_owned(), lineage.as_str().to_owned())])
                 .collect(),
             settings,
-            counters: context.counters.clone(),
+            counters: counters.clone(),
         })
     }
 
