@@ -10,16 +10,8 @@
 //! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
 //! registration socket file is removed.
 
-use std::{
-    collections::BTreeSet,
-    io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs},
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use peregrine_contract::url::BindUrl;
 use peregrine_proto::v1;
 use tokio::{
     net::TcpListener,
@@ -27,10 +19,18 @@ use tokio::{
     sync::{mpsc, oneshot, watch},
 };
 
+mod envoy_facing;
+mod operations;
+
+pub use self::envoy_facing::orca_listen_addresses;
+use self::{
+    envoy_facing::{OrcaReach, orca_services, xds_options},
+    operations::operate,
+};
 use crate::{
     adopt,
     children::{self, Children, Counters, Lanes},
-    config::{self, Balancing, Config, SamplerSetting},
+    config::{Config, SamplerSetting},
     grpc_port::{self, Admission},
     instance::{InstanceLock, LockError},
     manager::{self, Manager},
@@ -38,11 +38,7 @@ use crate::{
     registration,
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
-    xds::{
-        self,
-        acks::Acks,
-        resources::{Balancer, OrcaPolicy},
-    },
+    xds::{self, acks::Acks},
 };
 
 /// The longest xDS waits at start for adopted workers to register again (they retry at least every
@@ -388,346 +384,11 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     Ok(())
 }
 
-/// A control command and, unless it came from a signal, where its reply goes.
-type Operation = (
-    v1::ControlRequest,
-    Option<oneshot::Sender<v1::ControlReply>>,
-);
-
-/// Carries out restarts and reloads one at a time until the channel closes; returns the manager.
-async fn operate(
-    mut manager: Manager,
-    path: PathBuf,
-    mut operations: mpsc::Receiver<Operation>,
-    xds_options: watch::Sender<xds::XdsOptions>,
-    orca: OrcaReach,
-) -> Manager {
-    while let Some((request, reply)) = operations.recv().await {
-        let begun = std::time::Instant::now();
-        let answer = apply(&mut manager, &path, request, &xds_options, &orca).await;
-        if answer.ok {
-            tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
-        } else {
-            tracing::warn!(summary = %answer.summary, failures = ?answer.failures, took = ?begun.elapsed(), "Control command failed");
-        }
-        if let Some(reply) = reply {
-            let _ = reply.send(answer);
-        }
-    }
-    manager
-}
-
-/// Re-reads the config and applies it; for a restart, then replaces the workers.
-async fn apply(
-    manager: &mut Manager,
-    path: &std::path::Path,
-    request: v1::ControlRequest,
-    xds_options: &watch::Sender<xds::XdsOptions>,
-    orca: &OrcaReach,
-) -> v1::ControlReply {
-    let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
-        ok: false,
-        summary,
-        failures,
-        ..Default::default()
-    };
-    let restart = match request.action {
-        Some(v1::control_request::Action::Restart(restart)) => Some(restart.service),
-        Some(v1::control_request::Action::Reload(_)) => None,
-        None => return failed("an empty control command".into(), Vec::new()),
-    };
-    let config = match Config::load(path) {
-        Ok(config) => config,
-        Err(error) => {
-            return failed(
-                format!(
-                    "{} is not valid; nothing changed: the workers keep running as they were",
-                    path.display()
-                ),
-                vec![ErrorChain(&error).to_string()],
-            );
-        }
-    };
-    if let Some(service) = restart.as_deref().filter(|s| !s.is_empty())
-        && !config.services.contains_key(service)
-    {
-        return failed(
-            format!(
-                "no service {service:?} in {}; nothing changed",
-                path.display()
-            ),
-            Vec::new(),
-        );
-    }
-    if let Err(error) = manager.check(&config) {
-        return failed(
-            "the new config cannot be applied; nothing changed".into(),
-            vec![ErrorChain(&error).to_string()],
-        );
-    }
-    // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
-    // service on its way out keeps its cluster as it was while its workers drain.
-    let new_options = self::xds_options(&config, &orca.services(&config), orca.bound.port());
-    let meanwhile = new_options.keeping_departed(&xds_options.borrow());
-    xds_options.send_replace(meanwhile);
-    let reloaded = manager.reload(&config).await;
-    xds_options.send_replace(new_options);
-    let mut report = match reloaded {
-        Ok(report) => report,
-        Err(error) => {
-            return failed(
-                "the new config cannot be applied; nothing changed".into(),
-                vec![ErrorChain(&error).to_string()],
-            );
-        }
-    };
-    if let Some(service) = restart {
-        let service = Some(service).filter(|s| !s.is_empty());
-        let replaced: BTreeSet<children::Slot> =
-            report.replaced.iter().map(|r| r.slot.clone()).collect();
-        let restarted = manager.restart(service.as_deref(), &replaced).await;
-        report.merge(restarted);
-    }
-    v1::ControlReply {
-        ok: report.failures.is_empty(),
-        summary: report.summary(),
-        replaced: report.replaced.len() as u32,
-        added: report.added.len() as u32,
-        removed: report.removed.len() as u32,
-        failures: report.failures.iter().map(ToString::to_string).collect(),
-    }
-}
-
-/// Where ORCA can reach workers: with a sampler running, on the gRPC port's address and the ORCA
-/// listeners bound at start.
-#[derive(Clone, Debug)]
-struct OrcaReach {
-    sampling: bool,
-    bound: SocketAddr,
-    listening: BTreeSet<SocketAddr>,
-}
-
-impl OrcaReach {
-    /// The services of `config` balanced on ORCA: those that want it and whose workers' addresses
-    /// these listeners cover (a service added by reload on another address family gets round robin
-    /// until the supervisor starts again, which binds what it needs).
-    fn services(&self, config: &Config) -> BTreeSet<String> {
-        if !self.sampling {
-            return BTreeSet::new();
-        }
-        config
-            .services
-            .values()
-            .filter(|s| s.orca())
-            .filter(|s| {
-                let one = BTreeSet::from([s.name.clone()]);
-                let needed = orca_listen_addresses(config, &one, self.bound);
-                let covered = needed.iter().all(|addr| self.listening.contains(addr));
-                if !covered {
-                    tracing::warn!(service = %s.name, ?needed, "ORCA would need listeners bound only when the supervisor starts: round robin until then");
-                }
-                covered
-            })
-            .map(|s| s.name.clone())
-            .collect()
-    }
-}
-
-fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -> xds::XdsOptions {
-    let policy = OrcaPolicy {
-        port,
-        reporting_period: config.supervisor.sample_interval,
-        blackout_period: config.orca.blackout_period,
-        weight_expiration_period: config.orca.weight_expiration_period,
-        weight_update_period: config.orca.weight_update_period,
-    };
-    let balancer = |service: &config::ServiceConfig| match service.balancing {
-        // Without a sampler there is nothing to report: round robin (see `orca_services`).
-        Balancing::Orca if orca.contains(&service.name) => Balancer::Orca(policy),
-        Balancing::Orca | Balancing::RoundRobin => Balancer::RoundRobin,
-        Balancing::LeastRequest { choice_count } => Balancer::LeastRequest { choice_count },
-        Balancing::Random => Balancer::Random,
-        Balancing::RingHash {
-            min_ring_size,
-            max_ring_size,
-            hash_balance_factor,
-            ..
-        } => Balancer::RingHash {
-            min_ring_size: min_ring_size
-                .unwrap_or_else(|| ring_size_for(&service.weights))
-                .min(max_ring_size),
-            max_ring_size,
-            hash_balance_factor,
-        },
-        Balancing::Maglev {
-            table_size,
-            hash_balance_factor,
-            ..
-        } => Balancer::Maglev {
-            table_size,
-            hash_balance_factor,
-        },
-    };
-    xds::XdsOptions {
-        xds_cluster_name: config.supervisor.xds_cluster.clone(),
-        balancers: config
-            .services
-            .values()
-            .map(|s| (s.name.clone(), balancer(s)))
-            .collect(),
-        weights: config
-            .services
-            .values()
-            .filter(|s| s.weights.iter().any(|&w| w != 1))
-            .map(|s| (s.name.clone(), s.weights.clone()))
-            .collect(),
-        ..xds::XdsOptions::default()
-    }
-}
-
-/// The ring size that gives every worker [`config::RING_POINTS_PER_WORKER`] points per unit of its
-/// weight. Envoy sizes the ring as `minimum_ring_size` in all and gives each host a share in proportion
-/// to its weight, so a ring of this size keeps each worker's points (and so its keys) the same whatever
-/// the number of workers: adding one adds its points and takes none from the others.
-fn ring_size_for(weights: &[u32]) -> u64 {
-    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
-    let lightest = u64::from(weights.iter().copied().min().unwrap_or(1).max(1));
-    config::RING_POINTS_PER_WORKER * total.div_ceil(lightest).max(1)
-}
-
-/// The services balanced on ORCA reports: those with `orca` on, when a sampler runs (without one
-/// there is nothing to report, and the services get round robin).
-fn orca_services(config: &Config, sampling: bool) -> BTreeSet<String> {
-    let wanted: BTreeSet<String> = config
-        .services
-        .values()
-        .filter(|s| s.orca())
-        .map(|s| s.name.clone())
-        .collect();
-    if !sampling && !wanted.is_empty() {
-        tracing::warn!(
-            services = ?wanted,
-            "sampler = \"off\": no load to report, so these services get round robin instead of ORCA-weighted round robin"
-        );
-        return BTreeSet::new();
-    }
-    wanted
-}
-
-/// The addresses, besides `bound`, where the supervisor must also listen (for ORCA only) so that Envoy's
-/// ORCA streams reach it: Envoy dials each worker's IP with the supervisor's port, so every IP the
-/// `orca` services' workers bind must be covered. `bound` covers its own IP; `[::]` covers every IPv6
-/// and (dual stack) IPv4 address, `0.0.0.0` every IPv4 one; a worker on a wildcard address needs only
-/// the loopback address of its family.
-pub fn orca_listen_addresses(
-    config: &Config,
-    orca: &BTreeSet<String>,
-    bound: SocketAddr,
-) -> Vec<SocketAddr> {
-    let mut ips = BTreeSet::new();
-    for service in config.services.values().filter(|s| orca.contains(&s.name)) {
-        if let BindUrl::Tcp { host, .. } = service.url_for(0) {
-            // A worker on a wildcard address is dialled at it, which Linux connects to the local
-            // host: the loopback address of the family covers it without listening everywhere.
-            ips.extend(worker_ips(&host).into_iter().map(|ip| match ip {
-                IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                other => other,
-            }));
-        }
-    }
-    let covers = |ip: &IpAddr| {
-        *ip == bound.ip()
-            || match bound.ip() {
-                IpAddr::V6(v6) if v6.is_unspecified() => true,
-                IpAddr::V4(v4) if v4.is_unspecified() => ip.is_ipv4(),
-                _ => false,
-            }
-    };
-    ips.into_iter()
-        .filter(|ip| !covers(ip))
-        .map(|ip| SocketAddr::new(ip, bound.port()))
-        .collect()
-}
-
-/// The IPs a worker bound to `host` listens on (as the worker resolves it: `localhost` is both
-/// loopback addresses).
-fn worker_ips(host: &str) -> Vec<IpAddr> {
-    if host.eq_ignore_ascii_case("localhost") {
-        return vec![Ipv6Addr::LOCALHOST.into(), Ipv4Addr::LOCALHOST.into()];
-    }
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return vec![ip];
-    }
-    (host, 0)
-        .to_socket_addrs()
-        .map(|addrs| addrs.map(|a| a.ip()).collect())
-        .unwrap_or_default()
-}
-
 /// Removes the registration socket file when the supervisor stops.
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::{collections::HashMap, path::Path};
-
-    use super::*;
-
-    fn config(source: &str) -> Config {
-        Config::parse(source, Path::new("/tmp"), &HashMap::new()).expect("a valid config")
-    }
-
-    fn addr(text: &str) -> SocketAddr {
-        text.parse().unwrap()
-    }
-
-    #[test]
-    fn orca_listens_on_every_worker_family_the_bind_address_misses() {
-        let config = config(
-            "[service.local]\nurl = \"http://localhost:0\"\n\
-             [service.v4]\nurl = \"http://127.0.0.2:0\"\n\
-             [service.sock]\nurl = \"unix:///run/s.sock\"\n\
-             [service.any]\nurl = \"http://0.0.0.0:0\"\n",
-        );
-        let orca = orca_services(&config, true);
-        assert_eq!(
-            orca,
-            BTreeSet::from(["any".into(), "local".into(), "v4".into()])
-        );
-        assert_eq!(
-            orca_listen_addresses(&config, &orca, addr("127.0.0.1:18000")),
-            [addr("127.0.0.2:18000"), addr("[::1]:18000")]
-        );
-        assert_eq!(
-            orca_listen_addresses(&config, &orca, addr("[::1]:18000")),
-            [addr("127.0.0.1:18000"), addr("127.0.0.2:18000")]
-        );
-        assert_eq!(
-            orca_listen_addresses(&config, &orca, addr("0.0.0.0:18000")),
-            [addr("[::1]:18000")]
-        );
-        assert!(orca_listen_addresses(&config, &orca, addr("[::]:18000")).is_empty());
-    }
-
-    #[test]
-    fn rings_get_the_same_points_per_worker_whatever_the_count() {
-        assert_eq!(ring_size_for(&[1, 1, 1]), 3 * 1024);
-        assert_eq!(ring_size_for(&[1, 1, 1, 1]), 4 * 1024);
-        assert_eq!(ring_size_for(&[2, 2]), 2 * 1024);
-        assert_eq!(ring_size_for(&[1, 3]), 4 * 1024);
-    }
-
-    #[test]
-    fn without_a_sampler_no_service_is_balanced_on_orca() {
-        let config = config("[supervisor]\nsampler = \"off\"\n[service.a]\n");
-        assert!(config.services["a"].orca());
-        assert!(orca_services(&config, false).is_empty());
     }
 }

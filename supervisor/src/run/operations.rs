@@ -1,0 +1,122 @@
+//! Restarts and reloads, carried out one at a time: from the control socket (`peregrine restart`,
+//! `peregrine reload`) or SIGHUP. Each re-reads the config file, checks it, and applies it through the
+//! manager; a bad config changes nothing and its error is the reply.
+
+use std::{collections::BTreeSet, path::PathBuf};
+
+use peregrine_proto::v1;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::envoy_facing::{self, OrcaReach};
+use crate::{children, config::Config, manager::Manager, sampler::ErrorChain, xds};
+
+/// A control command and, unless it came from a signal, where its reply goes.
+pub(super) type Operation = (
+    v1::ControlRequest,
+    Option<oneshot::Sender<v1::ControlReply>>,
+);
+
+/// Carries out restarts and reloads one at a time until the channel closes; returns the manager.
+pub(super) async fn operate(
+    mut manager: Manager,
+    path: PathBuf,
+    mut operations: mpsc::Receiver<Operation>,
+    xds_options: watch::Sender<xds::XdsOptions>,
+    orca: OrcaReach,
+) -> Manager {
+    while let Some((request, reply)) = operations.recv().await {
+        let begun = std::time::Instant::now();
+        let answer = apply(&mut manager, &path, request, &xds_options, &orca).await;
+        if answer.ok {
+            tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
+        } else {
+            tracing::warn!(summary = %answer.summary, failures = ?answer.failures, took = ?begun.elapsed(), "Control command failed");
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(answer);
+        }
+    }
+    manager
+}
+
+/// Re-reads the config and applies it; for a restart, then replaces the workers.
+async fn apply(
+    manager: &mut Manager,
+    path: &std::path::Path,
+    request: v1::ControlRequest,
+    xds_options: &watch::Sender<xds::XdsOptions>,
+    orca: &OrcaReach,
+) -> v1::ControlReply {
+    let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
+        ok: false,
+        summary,
+        failures,
+        ..Default::default()
+    };
+    let restart = match request.action {
+        Some(v1::control_request::Action::Restart(restart)) => Some(restart.service),
+        Some(v1::control_request::Action::Reload(_)) => None,
+        None => return failed("an empty control command".into(), Vec::new()),
+    };
+    let config = match Config::load(path) {
+        Ok(config) => config,
+        Err(error) => {
+            return failed(
+                format!(
+                    "{} is not valid; nothing changed: the workers keep running as they were",
+                    path.display()
+                ),
+                vec![ErrorChain(&error).to_string()],
+            );
+        }
+    };
+    if let Some(service) = restart.as_deref().filter(|s| !s.is_empty())
+        && !config.services.contains_key(service)
+    {
+        return failed(
+            format!(
+                "no service {service:?} in {}; nothing changed",
+                path.display()
+            ),
+            Vec::new(),
+        );
+    }
+    if let Err(error) = manager.check(&config) {
+        return failed(
+            "the new config cannot be applied; nothing changed".into(),
+            vec![ErrorChain(&error).to_string()],
+        );
+    }
+    // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
+    // service on its way out keeps its cluster as it was while its workers drain.
+    let new_options =
+        envoy_facing::xds_options(&config, &orca.services(&config), orca.bound.port());
+    let meanwhile = new_options.keeping_departed(&xds_options.borrow());
+    xds_options.send_replace(meanwhile);
+    let reloaded = manager.reload(&config).await;
+    xds_options.send_replace(new_options);
+    let mut report = match reloaded {
+        Ok(report) => report,
+        Err(error) => {
+            return failed(
+                "the new config cannot be applied; nothing changed".into(),
+                vec![ErrorChain(&error).to_string()],
+            );
+        }
+    };
+    if let Some(service) = restart {
+        let service = Some(service).filter(|s| !s.is_empty());
+        let replaced: BTreeSet<children::Slot> =
+            report.replaced.iter().map(|r| r.slot.clone()).collect();
+        let restarted = manager.restart(service.as_deref(), &replaced).await;
+        report.merge(restarted);
+    }
+    v1::ControlReply {
+        ok: report.failures.is_empty(),
+        summary: report.summary(),
+        replaced: report.replaced.len() as u32,
+        added: report.added.len() as u32,
+        removed: report.removed.len() as u32,
+        failures: report.failures.iter().map(ToString::to_string).collect(),
+    }
+}
