@@ -309,13 +309,17 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let admission = Admission::new(config.supervisor.grpc, cap);
     grpc_port::spawn_trimmer(&admission);
     let mut xds_task = tokio::spawn(xds::serve(
-        vec![grpc],
-        orca_listeners,
-        admission,
-        registry.subscribe(),
-        xds_options_rx,
-        acks,
-        orca_service,
+        xds::Ports {
+            listeners: vec![grpc],
+            orca_listeners,
+            admission,
+        },
+        xds::Inputs {
+            snapshots: registry.subscribe(),
+            options: xds_options_rx,
+            acks,
+            orca: orca_service,
+        },
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), adopted = adopted_pids.len(), "Supervisor running");

@@ -160,26 +160,52 @@ pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Gr
         .add_service(AggregatedDiscoveryServiceServer::new(service))
 }
 
-/// Serves CDS, EDS and ADS for `snapshots`, and ORCA when `orca` is given, on every one of `listeners`
-/// (HTTP/2), and ORCA alone on `orca_listeners` (the addresses Envoy dials for workers' ORCA streams
-/// that the main address does not cover: they serve no xDS), until `shutdown` completes. Every xDS
-/// stream records how far its Envoy has ACKed in `acks` while it is open.
-///
-/// Every connection, on either set of listeners, goes through `admission` (see [`grpc_port`]).
+/// Where [`serve`] listens.
+#[derive(Debug)]
+pub struct Ports {
+    /// The gRPC port's listeners: xDS, and ORCA when it is served.
+    pub listeners: Vec<TcpListener>,
+    /// ORCA alone: the addresses Envoy dials for workers' ORCA streams that the main address does not
+    /// cover. They serve no xDS.
+    pub orca_listeners: Vec<TcpListener>,
+    /// Every connection, on either set of listeners, goes through it (see [`grpc_port`]).
+    pub admission: Arc<Admission>,
+}
+
+/// What [`serve`] serves from.
+#[derive(Debug)]
+pub struct Inputs {
+    /// The registry's endpoint snapshots.
+    pub snapshots: watch::Receiver<Arc<Snapshot>>,
+    /// The cluster options, changed by a reload.
+    pub options: watch::Receiver<XdsOptions>,
+    /// Where every xDS stream records how far its Envoy has ACKed while it is open.
+    pub acks: Arc<Acks>,
+    /// ORCA, when load reports are served.
+    pub orca: Option<OrcaService>,
+}
+
+/// Serves CDS, EDS and ADS, and ORCA when it is given, on `ports` (HTTP/2) until `shutdown`
+/// completes.
 ///
 /// On shutdown the cache stops, which ends every open xDS stream, and the servers then finish
 /// gracefully. The returned future must be polled for the server to make progress.
-#[allow(clippy::too_many_arguments, reason = "the parts run wires together")]
 pub async fn serve(
-    listeners: Vec<TcpListener>,
-    orca_listeners: Vec<TcpListener>,
-    admission: Arc<Admission>,
-    snapshots: watch::Receiver<Arc<Snapshot>>,
-    options: watch::Receiver<XdsOptions>,
-    acks: Arc<Acks>,
-    orca: Option<OrcaService>,
+    ports: Ports,
+    inputs: Inputs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), XdsError> {
+    let Ports {
+        listeners,
+        orca_listeners,
+        admission,
+    } = ports;
+    let Inputs {
+        snapshots,
+        options,
+        acks,
+        orca,
+    } = inputs;
     let (cache_stop_tx, cache_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let resources = spawn_cache_following(snapshots, options, async {
         let _ = cache_stop_rx.await;

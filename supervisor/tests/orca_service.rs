@@ -31,13 +31,17 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(xds::serve(
-        vec![listener],
-        vec![],
-        peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
-        registry.subscribe(),
-        tokio::sync::watch::channel(XdsOptions::default()).1,
-        Arc::new(Acks::default()),
-        Some(OrcaService::new(registry, min_interval)),
+        xds::Ports {
+            listeners: vec![listener],
+            orca_listeners: vec![],
+            admission: peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
+        },
+        xds::Inputs {
+            snapshots: registry.subscribe(),
+            options: tokio::sync::watch::channel(XdsOptions::default()).1,
+            acks: Arc::new(Acks::default()),
+            orca: Some(OrcaService::new(registry, min_interval)),
+        },
         async {
             let _ = stopped.await;
         },

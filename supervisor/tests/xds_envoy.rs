@@ -85,13 +85,20 @@ impl Server {
     ) -> Server {
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = runtime.spawn(xds::serve(
-            vec![listener],
-            vec![],
-            peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
-            registry.subscribe(),
-            tokio::sync::watch::channel(XdsOptions::default()).1,
-            acks,
-            None,
+            xds::Ports {
+                listeners: vec![listener],
+                orca_listeners: vec![],
+                admission: peregrine_supervisor::grpc_port::Admission::new(
+                    Default::default(),
+                    1024,
+                ),
+            },
+            xds::Inputs {
+                snapshots: registry.subscribe(),
+                options: tokio::sync::watch::channel(XdsOptions::default()).1,
+                acks,
+                orca: None,
+            },
             async {
                 let _ = stop_rx.await;
             },

@@ -62,13 +62,20 @@ impl Server {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(xds::serve(
-            vec![listener],
-            vec![],
-            peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
-            snapshots,
-            tokio::sync::watch::channel(XdsOptions::default()).1,
-            Arc::new(Acks::default()),
-            None,
+            xds::Ports {
+                listeners: vec![listener],
+                orca_listeners: vec![],
+                admission: peregrine_supervisor::grpc_port::Admission::new(
+                    Default::default(),
+                    1024,
+                ),
+            },
+            xds::Inputs {
+                snapshots,
+                options: tokio::sync::watch::channel(XdsOptions::default()).1,
+                acks: Arc::new(Acks::default()),
+                orca: None,
+            },
             async {
                 let _ = rx.await;
             },
