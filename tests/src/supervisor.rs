@@ -315,18 +315,6 @@ pub fn workers_in(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
-/// by the test: a zombie counts as gone too.
-pub fn gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
-}
-
 /// Runs `binary status ARGS` and returns its stdout; an error if it fails.
 fn status(binary: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
     let output = Command::new(binary)
