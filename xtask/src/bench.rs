@@ -26,6 +26,7 @@ mod lifecycle;
 mod machine;
 mod parse;
 mod sampler;
+mod server;
 mod table;
 
 use std::{path::PathBuf, process::ExitCode};

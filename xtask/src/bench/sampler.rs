@@ -22,8 +22,9 @@ use peregrine_e2e::TempDir;
 
 use super::{
     Flags,
-    http::{Load, Outcome, Running, preflight, run_quietest},
+    http::{Load, Outcome, run_quietest},
     machine::{cpu_line, machine_lines},
+    server::{Running, preflight},
     table::{format_duration, markdown, median},
 };
 use crate::{cargo, run_checked};

@@ -31,6 +31,19 @@ def number(text):
     return float(text) if text != "" else None
 
 
+def sampled(rows, column, value=None):
+    """The times of the rows where `column` was sampled, and there `value(row)` (by default the
+    column's number)."""
+    rows = [s for s in rows if s[column] != ""]
+    return ([float(s["t_s"]) for s in rows],
+            [value(s) if value else number(s[column]) for s in rows])
+
+
+def busy_cores(sample, worker):
+    """A worker's CPU plus run-queue wait, in cores."""
+    return number(sample["cpu" + worker]) + (number(sample["wait" + worker]) or 0.0)
+
+
 def read(path):
     with open(path, newline="") as f:
         return [row for row in csv.DictReader(f) if row["round"] == ROUND]
@@ -76,17 +89,14 @@ def main():
         share_ax.legend(fontsize=7, loc="upper right")
 
         for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t = [float(s["t_s"]) for s in orca if s["cpu" + worker] != ""]
-            busy = [number(s["cpu" + worker]) + (number(s["wait" + worker]) or 0.0)
-                    for s in orca if s["cpu" + worker] != ""]
-            cpu = [number(s["cpu" + worker]) for s in orca if s["cpu" + worker] != ""]
+            t, cpu = sampled(orca, "cpu" + worker)
+            _, busy = sampled(orca, "cpu" + worker, lambda s: busy_cores(s, worker))
             busy_ax.step(t, busy, where="post", color=color, linewidth=1.2,
                          label=f"CSWRR worker {worker}: CPU + run-queue wait")
             busy_ax.step(t, cpu, where="post", color=color, linewidth=0.8, linestyle=":",
                          label=f"CSWRR worker {worker}: CPU")
         rr = [s for s in samples if s["scenario"] == scenario and s["policy"] == "rr"]
-        t = [float(s["t_s"]) for s in rr if s["cpu0"] != ""]
-        busy = [number(s["cpu0"]) + (number(s["wait0"]) or 0.0) for s in rr if s["cpu0"] != ""]
+        t, busy = sampled(rr, "cpu0", lambda s: busy_cores(s, "0"))
         busy_ax.step(t, busy, where="post", color="tab:red", linewidth=0.8, alpha=0.6,
                      label="ROUND_ROBIN worker 0: CPU + run-queue wait")
         busy_ax.set_ylim(0, 1.15)
@@ -94,8 +104,7 @@ def main():
         busy_ax.legend(fontsize=7, loc="lower right")
 
         for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t = [float(s["t_s"]) for s in orca if s["weight" + worker] != ""]
-            w = [number(s["weight" + worker]) for s in orca if s["weight" + worker] != ""]
+            t, w = sampled(orca, "weight" + worker)
             weight_ax.step(t, w, where="post", color=color, linewidth=1.2,
                            label=f"worker {worker}")
         weight_ax.set_yscale("log")
