@@ -25,6 +25,7 @@ POLICIES = [
     ("orca", "CSWRR + ORCA", "tab:blue"),
 ]
 ROUND = "1"
+WORKERS = [("0", "tab:purple"), ("1", "tab:green")]
 
 
 def number(text):
@@ -37,6 +38,12 @@ def sampled(rows, column, value=None):
     rows = [s for s in rows if s[column] != ""]
     return ([float(s["t_s"]) for s in rows],
             [value(s) if value else number(s[column]) for s in rows])
+
+
+def step(ax, rows, column, value=None, **style):
+    """Draws `sampled(rows, column, value)` as steps (each value holds until the next sample)."""
+    t, values = sampled(rows, column, value)
+    ax.step(t, values, where="post", **style)
 
 
 def busy_cores(sample, worker):
@@ -88,25 +95,21 @@ def main():
         share_ax.set_ylabel("worker 0's share of requests\n(per 500 ms, by send time)")
         share_ax.legend(fontsize=7, loc="upper right")
 
-        for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t, cpu = sampled(orca, "cpu" + worker)
-            _, busy = sampled(orca, "cpu" + worker, lambda s: busy_cores(s, worker))
-            busy_ax.step(t, busy, where="post", color=color, linewidth=1.2,
-                         label=f"CSWRR worker {worker}: CPU + run-queue wait")
-            busy_ax.step(t, cpu, where="post", color=color, linewidth=0.8, linestyle=":",
-                         label=f"CSWRR worker {worker}: CPU")
+        for worker, color in WORKERS:
+            step(busy_ax, orca, "cpu" + worker, lambda s: busy_cores(s, worker), color=color,
+                 linewidth=1.2, label=f"CSWRR worker {worker}: CPU + run-queue wait")
+            step(busy_ax, orca, "cpu" + worker, color=color, linewidth=0.8, linestyle=":",
+                 label=f"CSWRR worker {worker}: CPU")
         rr = [s for s in samples if s["scenario"] == scenario and s["policy"] == "rr"]
-        t, busy = sampled(rr, "cpu0", lambda s: busy_cores(s, "0"))
-        busy_ax.step(t, busy, where="post", color="tab:red", linewidth=0.8, alpha=0.6,
-                     label="ROUND_ROBIN worker 0: CPU + run-queue wait")
+        step(busy_ax, rr, "cpu0", lambda s: busy_cores(s, "0"), color="tab:red", linewidth=0.8,
+             alpha=0.6, label="ROUND_ROBIN worker 0: CPU + run-queue wait")
         busy_ax.set_ylim(0, 1.15)
         busy_ax.set_ylabel("cores (sampled every 1 s)")
         busy_ax.legend(fontsize=7, loc="lower right")
 
-        for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t, w = sampled(orca, "weight" + worker)
-            weight_ax.step(t, w, where="post", color=color, linewidth=1.2,
-                           label=f"worker {worker}")
+        for worker, color in WORKERS:
+            step(weight_ax, orca, "weight" + worker, color=color, linewidth=1.2,
+                 label=f"worker {worker}")
         weight_ax.set_yscale("log")
         weight_ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         weight_ax.yaxis.set_major_formatter(ScalarFormatter())
