@@ -35,9 +35,10 @@
 //! the hog) took from the two cores (`/proc/stat` minus `/proc/PID/stat`), runs again (twice at most)
 //! when that is over 0.1 core, keeps the quietest run, and the report says how noisy the runs were.
 //!
-//! **Code.** This module: the options, the policies and scenarios, and what a run gives; [`run`]: the
-//! set-up and the driving of every run; [`measure`]: one measured run and its figures; [`series`]: the
-//! over-time series (the monitor, the CSVs, the plot); [`report`]: the tables and goals.
+//! **Code.** This module: the options, the policies and scenarios, and what a run gives;
+//! [`run`](mod@run): the set-up and the driving of every run; [`measure`]: one measured run and its
+//! figures; [`series`]: the over-time series (the monitor, the CSVs, the plot); [`report`]: the
+//! tables and goals.
 
 mod measure;
 mod openloop;
