@@ -68,6 +68,12 @@ impl Stat {
     }
 }
 
+/// The unit of the CPU times in `/proc/PID/stat` and `/proc/stat`: clock ticks per second (`USER_HZ`,
+/// what `getconf CLK_TCK` prints; from the process's auxiliary vector).
+pub fn clock_ticks_per_second() -> u64 {
+    rustix::param::clock_ticks_per_second()
+}
+
 /// Why a procfs file could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -293,6 +299,7 @@ mod tests {
         assert!(!gone(me));
         let sched = process_schedstat(me).unwrap();
         assert!(sched.on_cpu_ns > 0);
+        assert!(clock_ticks_per_second() > 0);
     }
 
     #[test]

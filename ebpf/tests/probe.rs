@@ -8,6 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use peregrine_contract::{ErrorChain, procfs};
 use peregrine_ebpf::{Probe, SchedTotals};
 
 /// The tests measure CPU time: one at a time, so they do not steal each other's cores.
@@ -17,12 +18,7 @@ fn probe(slots: u32) -> Option<Probe> {
     match Probe::load(slots) {
         Ok(probe) => Some(probe),
         Err(error) => {
-            let mut text = error.to_string();
-            let mut source = std::error::Error::source(&error);
-            while let Some(cause) = source {
-                text.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
+            let text = ErrorChain(&error);
             if std::env::var("PEREGRINE_REQUIRE_EBPF").is_ok_and(|v| v == "1") {
                 panic!("PEREGRINE_REQUIRE_EBPF=1 but the probe cannot load: {text}");
             }
@@ -76,15 +72,38 @@ impl Drop for Proc {
 
 /// utime + stime of `pid` from /proc/PID/stat, in nanoseconds.
 fn proc_stat_cpu_ns(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read stat");
-    // Fields after the command (which may contain spaces) start after the last ')'.
-    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest[0] is field 3 (state); utime and stime are fields 14 and 15.
-    let utime: u64 = fields[11].parse().unwrap();
-    let stime: u64 = fields[12].parse().unwrap();
-    let hz = rustix::param::clock_ticks_per_second();
-    (utime + stime) * 1_000_000_000 / hz
+    let stat = procfs::stat(pid).expect("read /proc/PID/stat");
+    stat.cpu_ticks() * 1_000_000_000 / procfs::clock_ticks_per_second()
+}
+
+/// How long a process may take to reach the state a test waits for.
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// Polls `done` every 5 ms until it holds; panics naming `what` after [`DEADLINE`].
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Waits until `pid` has been on a CPU for 20 ms (its threads' `schedstat`): past its start-up (and
+/// `taskset`'s exec), into its loop.
+fn wait_spinning(pid: u32) {
+    wait_until(&format!("process {pid} to spin"), || {
+        procfs::process_schedstat(pid).is_ok_and(|s| s.on_cpu_ns >= 20_000_000)
+    });
+}
+
+/// Waits until `pid` sleeps (state `S` in /proc/PID/stat), past its start-up.
+fn wait_sleeping(pid: u32) {
+    wait_until(&format!("process {pid} to sleep"), || {
+        procfs::stat(pid).is_ok_and(|s| s.state == 'S')
+    });
 }
 
 fn ms(ns: u64) -> f64 {
@@ -104,12 +123,13 @@ fn cpu_time_matches_proc_stat_within_two_percent() {
     let Some(mut probe) = probe(4) else { return };
     let spinner = Proc::spinner(None);
     probe.track(2, spinner.pid()).unwrap();
-    // Let it get going, so both baselines are taken while it runs.
-    std::thread::sleep(Duration::from_millis(100));
+    // Both baselines are taken while it runs.
+    wait_spinning(spinner.pid());
     let (ebpf0, proc0) = (
         probe.read(2, spinner.pid()),
         proc_stat_cpu_ns(spinner.pid()),
     );
+    // The measured interval: 2 s of spinning, compared.
     std::thread::sleep(Duration::from_secs(2));
     let (ebpf1, proc1) = (
         probe.read(2, spinner.pid()),
@@ -119,7 +139,7 @@ fn cpu_time_matches_proc_stat_within_two_percent() {
     let proc = proc1 - proc0;
     let error = (ebpf as f64 - proc as f64).abs() / proc as f64;
     eprintln!(
-        "on-CPU over 3 s: eBPF {:.1} ms, /proc utime+stime {:.1} ms ({:.2}% apart)",
+        "on-CPU over 2 s: eBPF {:.1} ms, /proc utime+stime {:.1} ms ({:.2}% apart)",
         ms(ebpf),
         ms(proc),
         error * 100.0
@@ -138,8 +158,9 @@ fn an_idle_process_reads_about_zero() {
     let Some(mut probe) = probe(1) else { return };
     let sleeper = Proc::sleeper();
     probe.track(0, sleeper.pid()).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    wait_sleeping(sleeper.pid());
     let before = probe.read(0, sleeper.pid());
+    // The measured interval: 1 s asleep should add nothing.
     std::thread::sleep(Duration::from_secs(1));
     let idle = delta(before, probe.read(0, sleeper.pid()));
     eprintln!("idle for 1 s: {idle:?}");
@@ -156,12 +177,13 @@ fn a_spinning_process_shows_in_the_very_next_sample() {
     let Some(mut probe) = probe(1) else { return };
     let spinner = Proc::spinner(Some(0));
     probe.track(0, spinner.pid()).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    wait_spinning(spinner.pid());
     // Samples 100 ms apart, as with the shortest sensible interval: each must show the time spent
     // since the last, though the spinner is never switched out voluntarily.
     let mut last = probe.read(0, spinner.pid());
     for _ in 0..5 {
         let start = Instant::now();
+        // The measured interval between two samples.
         std::thread::sleep(Duration::from_millis(100));
         let now = probe.read(0, spinner.pid());
         let used = delta(last, now);
@@ -184,15 +206,16 @@ fn sharing_a_core_with_a_hog_shows_run_queue_wait() {
     // machine's other load adds to both phases cancels out in the difference.
     let spinner = Proc::spinner(Some(0));
     probe.track(0, spinner.pid()).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    wait_spinning(spinner.pid());
     let phase = || {
         let before = probe.read(0, spinner.pid());
+        // The measured interval: one phase.
         std::thread::sleep(Duration::from_secs(1));
         delta(before, probe.read(0, spinner.pid()))
     };
     let alone = phase();
     let hog = Proc::spinner(Some(0));
-    std::thread::sleep(Duration::from_millis(100));
+    wait_spinning(hog.0.id());
     let shared = phase();
     drop(hog);
     eprintln!("over 1 s on CPU 0: alone {alone:?}; sharing it with a hog {shared:?}");

@@ -32,9 +32,12 @@ pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
 };
+/// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
+/// by the test: a zombie counts as gone too.
+pub use peregrine_contract::procfs::gone;
 pub use process::ChildGuard;
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use stack::{CLUSTER, Stack};
-pub use supervisor::{Supervisor, base_config, gone, one_worker, sample_config, workers_in};
+pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

@@ -12,6 +12,8 @@ use std::{
     },
 };
 
+use peregrine_contract::ErrorChain;
+
 /// The workspace root (the parent of this crate's folder).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -177,15 +179,7 @@ pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
 pub fn ebpf_or_skip(test: &str) -> bool {
     let why = match peregrine_ebpf::Probe::load(1) {
         Ok(_) => return true,
-        Err(error) => {
-            let mut text = error.to_string();
-            let mut source = std::error::Error::source(&error);
-            while let Some(cause) = source {
-                text.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
-            text
-        }
+        Err(error) => ErrorChain(&error).to_string(),
     };
     assert!(
         env::var("PEREGRINE_REQUIRE_EBPF").map_or(true, |v| v != "1"),

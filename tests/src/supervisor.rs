@@ -315,50 +315,36 @@ pub fn workers_in(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
-/// by the test: a zombie counts as gone too.
-pub fn gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
-}
-
 /// Runs `binary status ARGS` and returns its stdout; an error if it fails.
 fn status(binary: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
-    let output = Command::new(binary)
-        .arg("status")
-        .args(args)
-        .output()
-        .with_context(|| format!("running {} status", binary.display()))?;
-    if !output.status.success() {
-        bail!(
-            "peregrine status failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    String::from_utf8(output.stdout).context("the status is not utf-8")
+    run_peregrine(binary, "status", args)
 }
 
 /// Runs `binary envoy-bootstrap config` and returns its stdout.
 pub(crate) fn envoy_bootstrap(binary: &Path, config: &Path) -> anyhow::Result<String> {
+    run_peregrine(binary, "envoy-bootstrap", &[config.as_os_str()])
+}
+
+/// Runs `binary COMMAND ARGS` and returns its stdout; an error if it fails.
+fn run_peregrine(
+    binary: &Path,
+    command: &str,
+    args: &[&std::ffi::OsStr],
+) -> anyhow::Result<String> {
     let output = Command::new(binary)
-        .arg("envoy-bootstrap")
-        .arg(config)
+        .arg(command)
+        .args(args)
         .output()
-        .with_context(|| format!("running {} envoy-bootstrap", binary.display()))?;
+        .with_context(|| format!("running {} {command}", binary.display()))?;
     if !output.status.success() {
         bail!(
-            "peregrine envoy-bootstrap failed ({}): {}",
+            "peregrine {command} failed ({}): {}",
             output.status,
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    String::from_utf8(output.stdout).context("the bootstrap is not utf-8")
+    String::from_utf8(output.stdout)
+        .with_context(|| format!("the output of peregrine {command} is not utf-8"))
 }
 
 /// A supervisor with one hello worker (service `web`) on a fixed free port of 127.0.0.1, serving once

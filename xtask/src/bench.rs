@@ -23,12 +23,15 @@ mod balance;
 mod hashing;
 mod http;
 mod lifecycle;
+mod machine;
 mod parse;
 mod sampler;
+mod server;
+mod table;
 
-use std::process::ExitCode;
+use std::{path::PathBuf, process::ExitCode};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use peregrine_e2e::target_dir;
 
 use crate::{cargo, envoy, run_checked};
@@ -62,16 +65,69 @@ fn command_line(bench: &str, args: &[String]) -> String {
 }
 
 /// Builds the release `peregrine` (the supervisor and the built-in worker) and returns its path.
-fn release_peregrine() -> anyhow::Result<std::path::PathBuf> {
-    run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "peregrine-supervisor",
-        "--bin",
-        "peregrine",
-    ]))?;
+fn release_peregrine() -> anyhow::Result<PathBuf> {
+    release_peregrine_and(&[])
+}
+
+/// [`release_peregrine`], with more packages and binaries in the same `cargo build` (`extra`, as
+/// `-p PACKAGE --bin NAME` arguments).
+fn release_peregrine_and(extra: &[&str]) -> anyhow::Result<PathBuf> {
+    run_checked(
+        cargo()
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "peregrine-supervisor",
+                "--bin",
+                "peregrine",
+            ])
+            .args(extra),
+    )?;
     Ok(target_dir().join("release/peregrine"))
+}
+
+/// A benchmark's `--flag VALUE` arguments, one flag at a time:
+///
+/// ```ignore
+/// let mut args = Flags::new(args, USAGE);
+/// while let Some(flag) = args.next() {
+///     match flag {
+///         "--rounds" => rounds = args.value(flag)?.parse().context("--rounds N")?,
+///         other => return Err(args.unknown(other)),
+///     }
+/// }
+/// ```
+struct Flags<'a> {
+    args: std::slice::Iter<'a, String>,
+    usage: &'static str,
+}
+
+impl<'a> Flags<'a> {
+    fn new(args: &'a [String], usage: &'static str) -> Self {
+        Flags {
+            args: args.iter(),
+            usage,
+        }
+    }
+
+    /// The next flag, if any.
+    fn next(&mut self) -> Option<&'a str> {
+        self.args.next().map(String::as_str)
+    }
+
+    /// The value after `flag`; an error with the usage when there is none.
+    fn value(&mut self, flag: &str) -> anyhow::Result<&'a str> {
+        self.args
+            .next()
+            .map(String::as_str)
+            .with_context(|| format!("{flag} needs a value\nusage: {}", self.usage))
+    }
+
+    /// The error for a flag the benchmark does not know.
+    fn unknown(&self, flag: &str) -> anyhow::Error {
+        anyhow::anyhow!("unknown argument {flag:?}\nusage: {}", self.usage)
+    }
 }
 
 fn restart(args: &[String]) -> anyhow::Result<ExitCode> {

@@ -10,7 +10,10 @@ use peregrine_e2e::target_dir;
 use crate::workspace_root;
 
 #[path = "../../ebpf/build/compile.rs"]
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "the eBPF build script's own module: this command calls only part of it"
+)]
 mod compile;
 
 /// BPF map type numbers (`enum bpf_map_type` in linux/bpf.h) that the object uses.

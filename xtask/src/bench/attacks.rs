@@ -24,10 +24,7 @@ use anyhow::{Context, bail};
 use peregrine_e2e::{Supervisor, TempDir, free_port};
 use rustix::process::{Pid, Resource, Signal, getrlimit, kill_process, setrlimit};
 
-use super::{
-    http::{markdown, today},
-    release_peregrine,
-};
+use super::{machine::today, release_peregrine, table::markdown};
 
 const USAGE: &str = "cargo xtask bench attacks [--connections N] [--bodies N]";
 

@@ -29,7 +29,7 @@ use peregrine_e2e::{
 };
 use rustix::process::{Pid, Signal, kill_process};
 
-use super::http::{markdown, today};
+use super::{machine::today, table::markdown};
 use crate::envoy;
 
 const USAGE: &str = "cargo xtask bench hashing [--keys N]";

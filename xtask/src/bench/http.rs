@@ -18,27 +18,23 @@
 //! over 10%, keeps the quietest run, and the report says how noisy the runs were.
 
 use std::{
-    env,
     fmt::Write as _,
-    path::{Path, PathBuf},
     process::{Command, ExitCode},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::{
-    ChildGuard, TempDir, free_port, http_get, target_dir, try_wait_until, worker_pid,
+use peregrine_contract::procfs;
+use peregrine_e2e::{TempDir, http_get};
+
+use super::{
+    Flags,
+    machine::{cpu_line, cpus_allowed, machine_lines},
+    parse,
+    server::{LOAD_CPU, Running, SERVER_CPU, preflight},
+    table::{format_duration, markdown, median},
 };
 
-use super::parse;
-use crate::{cargo, run_checked};
-
-/// The core both servers are pinned to.
-const SERVER_CPU: &str = "0";
-/// The core of the load generator (and the idle supervisor).
-const LOAD_CPU: &str = "1";
-/// How long a server may take to answer its first request.
-const START_DEADLINE: Duration = Duration::from_secs(20);
 /// Extra time a load generator gets beyond `--duration` before `timeout` kills it.
 const LOAD_GRACE: Duration = Duration::from_secs(10);
 
@@ -154,24 +150,22 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         duration: 5,
         rounds: 3,
     };
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        let mut value = |name: &str| {
-            args.next()
-                .with_context(|| format!("{name} needs a value\nusage: {USAGE}"))
-        };
-        match arg.as_str() {
+    let mut args = Flags::new(args, USAGE);
+    while let Some(flag) = args.next() {
+        match flag {
             "--duration" => {
-                options.duration = value("--duration")?
+                options.duration = args
+                    .value(flag)?
                     .parse()
                     .context("--duration SECS: a whole number of seconds")?;
             }
             "--rounds" => {
-                options.rounds = value("--rounds")?
+                options.rounds = args
+                    .value(flag)?
                     .parse()
                     .context("--rounds N: a whole number")?;
             }
-            other => bail!("unknown argument {other:?}\nusage: {USAGE}"),
+            other => return Err(args.unknown(other)),
         }
     }
     ensure!(
@@ -185,24 +179,12 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse_args(args)?;
     preflight()?;
-    run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "peregrine-supervisor",
-        "--bin",
-        "peregrine",
-        "-p",
-        "peregrine-e2e",
-        "--bin",
-        "hyper-baseline",
-    ]))?;
-    let release = target_dir().join("release");
-    let ticks_per_sec = clock_ticks_per_second()?;
+    let peregrine =
+        super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
 
     let dir = TempDir::new().context("a temporary directory")?;
-    let worker = Running::worker(&release.join("peregrine"), dir.path())?;
-    let hyper = Running::hyper(&release.join("hyper-baseline"), dir.path())?;
+    let worker = Running::worker(&peregrine, dir.path())?;
+    let hyper = Running::hyper(&peregrine.with_file_name("hyper-baseline"), dir.path())?;
     let targets = [
         (Server::Worker, worker.pid, worker.port),
         (Server::Hyper, hyper.pid, hyper.port),
@@ -239,7 +221,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
                 if matches!(runs.first(), Some(Outcome::NoH2)) {
                     continue;
                 }
-                let outcome = run_quietest(load, pid, port, options.duration, ticks_per_sec)
+                let outcome = run_quietest(load, pid, port, options.duration)
                     .with_context(|| format!("{} against {}", load.short(), server.name()))?;
                 eprintln!(
                     "round {}/{} {:>12} {:>6}: {}",
@@ -267,10 +249,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "Command: `{command}` ({} rounds of {} s per load and server, {elapsed:.0?} in all)",
         options.rounds, options.duration
     )?;
-    machine_lines(
-        &mut report,
-        &format!("{} ({} online)", cpu_model()?, online_cpus()),
-    )?;
+    machine_lines(&mut report, &cpu_line()?)?;
     writeln!(
         report,
         "Tools: {}, {}",
@@ -310,9 +289,8 @@ pub(super) fn run_quietest(
     pid: u32,
     port: u16,
     duration: u64,
-    ticks_per_sec: u64,
 ) -> anyhow::Result<Outcome> {
-    let mut best = run_load(load, pid, port, duration, ticks_per_sec)?;
+    let mut best = run_load(load, pid, port, duration)?;
     for _ in 0..NOISY_RETRIES {
         let Outcome::Measured(sample) = &best else {
             break;
@@ -324,7 +302,7 @@ pub(super) fn run_quietest(
             "other processes used {:.0}% of CPU {SERVER_CPU}: running again",
             sample.others_on_server_core * 100.0
         );
-        let again = run_load(load, pid, port, duration, ticks_per_sec)?;
+        let again = run_load(load, pid, port, duration)?;
         if let Outcome::Measured(next) = &again
             && next.others_on_server_core < sample.others_on_server_core
         {
@@ -335,17 +313,11 @@ pub(super) fn run_quietest(
 }
 
 /// Runs `load` against the server `pid` on `port` for `duration` seconds, pinned to [`LOAD_CPU`].
-fn run_load(
-    load: Load,
-    pid: u32,
-    port: u16,
-    duration: u64,
-    ticks_per_sec: u64,
-) -> anyhow::Result<Outcome> {
+fn run_load(load: Load, pid: u32, port: u16, duration: u64) -> anyhow::Result<Outcome> {
     let args = load.command(port, duration);
     let limit = Duration::from_secs(duration) + LOAD_GRACE;
-    let before = cpu_ticks(pid)?;
-    let cores_before = core_ticks()?;
+    let before = procfs::stat(pid)?.cpu_ticks();
+    let cores_before = procfs::cpu_stat()?;
     let wall = Instant::now();
     let output = Command::new("timeout")
         .args(["--kill-after=2", &limit.as_secs().to_string()])
@@ -353,8 +325,8 @@ fn run_load(
         .args(&args)
         .output()
         .with_context(|| format!("running {}", args.join(" ")))?;
-    let after = cpu_ticks(pid)?;
-    let cores_after = core_ticks()?;
+    let after = procfs::stat(pid)?.cpu_ticks();
+    let cores_after = procfs::cpu_stat()?;
     let wall = wall.elapsed();
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
@@ -397,12 +369,14 @@ fn run_load(
         }
     };
     ensure!(requests > 0, "no request completed:\n{stdout}");
-    let cpu = Duration::from_secs_f64((after - before) as f64 / ticks_per_sec as f64);
+    let cpu =
+        Duration::from_secs_f64((after - before) as f64 / procfs::clock_ticks_per_second() as f64);
     let busy = |cpu: &str| -> anyhow::Result<f64> {
-        let find = |cores: &[(String, CoreTicks)]| {
+        let find = |cores: &procfs::CpuStat| {
             cores
+                .cpus
                 .iter()
-                .find(|(name, _)| name == cpu)
+                .find(|(n, _)| n.to_string() == cpu)
                 .map(|(_, ticks)| *ticks)
                 .with_context(|| format!("no cpu{cpu} line in /proc/stat"))
         };
@@ -523,382 +497,6 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
     markdown(&rows, 2)
 }
 
-/// A markdown table with padded columns; the first row is the header, the first `left` columns are
-/// left-aligned and the others right-aligned.
-pub(super) fn markdown<const N: usize>(rows: &[[String; N]], left: usize) -> String {
-    let widths: Vec<usize> = (0..N)
-        .map(|c| {
-            rows.iter()
-                .map(|row| row[c].chars().count())
-                .max()
-                .unwrap_or(0)
-                .max(3)
-        })
-        .collect();
-    let mut out = String::new();
-    for (r, row) in rows.iter().enumerate() {
-        out.push('|');
-        for (c, cell) in row.iter().enumerate() {
-            if c < left {
-                write!(out, " {cell:<w$} |", w = widths[c]).expect("a String");
-            } else {
-                write!(out, " {cell:>w$} |", w = widths[c]).expect("a String");
-            }
-        }
-        out.push('\n');
-        if r == 0 {
-            out.push('|');
-            for (c, width) in widths.iter().enumerate() {
-                let dashes = "-".repeat(*width);
-                if c < left {
-                    write!(out, " {dashes} |").expect("a String");
-                } else {
-                    write!(out, " {}: |", &dashes[1..]).expect("a String");
-                }
-            }
-            out.push('\n');
-        }
-    }
-    out
-}
-
-/// The median (the mean of the middle two for an even count).
-pub(super) fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
-}
-
-/// A duration with three significant digits in ns, µs, ms or s.
-pub(super) fn format_duration(duration: Duration) -> String {
-    let secs = duration.as_secs_f64();
-    let (value, unit) = if secs >= 1.0 {
-        (secs, "s")
-    } else if secs >= 1e-3 {
-        (secs * 1e3, "ms")
-    } else if secs >= 1e-6 {
-        (secs * 1e6, "µs")
-    } else {
-        (secs * 1e9, "ns")
-    };
-    let decimals = if value >= 100.0 {
-        0
-    } else if value >= 10.0 {
-        1
-    } else {
-        2
-    };
-    format!("{value:.decimals$} {unit}")
-}
-
-// === the servers ===
-
-/// A server under test, running on a fixed port and pinned to [`SERVER_CPU`]; killed on drop.
-#[derive(Debug)]
-pub(super) struct Running {
-    process: ChildGuard,
-    /// The pid whose CPU time is measured.
-    pub(super) pid: u32,
-    pub(super) port: u16,
-}
-
-impl Drop for Running {
-    /// SIGTERM first: a supervisor stops its workers then (they would outlive a SIGKILL, waiting for
-    /// the next supervisor).
-    fn drop(&mut self) {
-        let _ = self.process.stop(std::time::Duration::from_secs(10));
-    }
-}
-
-/// Waits until `process` answers `GET /` with `200` on `port`; returns the body.
-fn wait_answering(process: &mut ChildGuard, port: u16, what: &str) -> anyhow::Result<String> {
-    try_wait_until(START_DEADLINE, what, || {
-        process.ensure_running().ok()?;
-        let (status, body) = http_get(([127, 0, 0, 1], port), "/").ok()?;
-        (status == 200).then_some(body)
-    })
-    .with_context(|| process.logs())
-}
-
-impl Running {
-    /// `peregrine run` with one hello worker; the worker's pid is measured.
-    fn worker(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
-        Running::worker_with(peregrine, dir, "")
-    }
-
-    /// [`Running::worker`] with `supervisor` (TOML lines) added to the `[supervisor]` table.
-    pub(super) fn worker_with(
-        peregrine: &Path,
-        dir: &Path,
-        supervisor: &str,
-    ) -> anyhow::Result<Self> {
-        let port = free_port();
-        let config = dir.join("peregrine.toml");
-        // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
-        // registration (checked against the peer's pid) still matches.
-        let toml = format!(
-            r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{control}"
-{supervisor}
-
-[service.hello]
-count = 1
-url = "http://127.0.0.1:{port}"
-command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
-"#,
-            grpc = free_port(),
-            control = dir.join("peregrine.sock").display(),
-            taskset = program_path("taskset")?.display(),
-            peregrine = peregrine.display(),
-        );
-        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
-        let mut command = Command::new("taskset");
-        command
-            .args(["-c", LOAD_CPU])
-            .arg(peregrine)
-            .arg("run")
-            .arg(&config);
-        if env::var_os("RUST_LOG").is_none() {
-            command.env("RUST_LOG", "info");
-        }
-        let mut supervisor = ChildGuard::spawn("peregrine", &mut command, dir)?;
-        let body = wait_answering(&mut supervisor, port, "the worker to answer")?;
-        let pid = worker_pid(&body).with_context(|| format!("not a hello body: {body:?}"))?;
-        Ok(Running {
-            process: supervisor,
-            pid,
-            port,
-        })
-    }
-
-    /// The hyper baseline; `taskset` execs it, so the child's pid is the server's.
-    fn hyper(binary: &Path, dir: &Path) -> anyhow::Result<Self> {
-        let port = free_port();
-        let mut process = ChildGuard::spawn(
-            "hyper-baseline",
-            Command::new("taskset")
-                .args(["-c", SERVER_CPU])
-                .arg(binary)
-                .arg(format!("127.0.0.1:{port}")),
-            dir,
-        )?;
-        wait_answering(&mut process, port, "the hyper baseline to answer")?;
-        Ok(Running {
-            pid: process.id(),
-            process,
-            port,
-        })
-    }
-}
-
-// === the machine ===
-
-/// Checks for two CPUs, `taskset` and `timeout`, and installs `wrk` and `h2load` with apt-get when they
-/// are missing and this runs as root.
-pub(super) fn preflight() -> anyhow::Result<()> {
-    let cpus = online_cpus();
-    ensure!(
-        cpus >= 2,
-        "the benchmark pins the servers to CPU {SERVER_CPU} and the load to CPU {LOAD_CPU}: it needs 2 CPUs, this machine has {cpus}"
-    );
-    for (program, package) in [("taskset", "util-linux"), ("timeout", "coreutils")] {
-        program_path(program).with_context(|| format!("install the Debian package {package}"))?;
-    }
-    let missing = [("wrk", "wrk"), ("h2load", "nghttp2-client")]
-        .into_iter()
-        .filter(|(program, _)| program_path(program).is_err())
-        .map(|(_, package)| package)
-        .collect::<Vec<_>>();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !rustix::process::geteuid().is_root() {
-        bail!(
-            "missing load generators: run `apt-get install -y {}` as root",
-            missing.join(" ")
-        );
-    }
-    eprintln!("installing {}", missing.join(" "));
-    let install = || {
-        run_checked(
-            Command::new("apt-get")
-                .args(["install", "-y"])
-                .args(&missing),
-        )
-    };
-    if install().is_err() {
-        // A fresh machine may have no package lists yet.
-        run_checked(Command::new("apt-get").arg("update"))?;
-        install()?;
-    }
-    Ok(())
-}
-
-/// `program` found in `PATH`.
-fn program_path(program: &str) -> anyhow::Result<PathBuf> {
-    env::var_os("PATH")
-        .iter()
-        .flat_map(env::split_paths)
-        .map(|dir| dir.join(program))
-        .find(|path| path.is_file())
-        .with_context(|| format!("{program} is not in PATH"))
-}
-
-pub(super) fn online_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// `getconf CLK_TCK`: the unit of the CPU times in `/proc/PID/stat`.
-pub(super) fn clock_ticks_per_second() -> anyhow::Result<u64> {
-    let output = Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .context("running getconf CLK_TCK")?;
-    String::from_utf8_lossy(&output.stdout)
-        .trim()
-        .parse()
-        .context("getconf CLK_TCK prints a number")
-}
-
-/// User plus system CPU time of process `pid` (all its threads), in clock ticks.
-fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
-    let path = format!("/proc/{pid}/stat");
-    let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    parse_stat_cpu(&stat).with_context(|| format!("parsing {path}: {stat:?}"))
-}
-
-/// `utime + stime` (fields 14 and 15) of a `/proc/PID/stat` line. The command name (field 2) is in
-/// parentheses and may hold spaces and parentheses itself, so fields are counted after the last `)`.
-fn parse_stat_cpu(stat: &str) -> anyhow::Result<u64> {
-    let (_, rest) = stat
-        .rsplit_once(')')
-        .context("no `)` after the command name")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (the state).
-    let field = |n: usize| -> anyhow::Result<u64> {
-        fields
-            .get(n - 3)
-            .with_context(|| format!("no field {n}"))?
-            .parse()
-            .with_context(|| format!("field {n} is not a number"))
-    };
-    Ok(field(14)? + field(15)?)
-}
-
-/// Per-core CPU time from `/proc/stat`, in clock ticks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct CoreTicks {
-    /// Every state (user, nice, system, idle, iowait, irq, softirq, steal).
-    total: u64,
-    /// Idle and iowait.
-    idle: u64,
-}
-
-impl CoreTicks {
-    /// Ticks spent in any state but idle and iowait.
-    pub(super) fn busy(self) -> u64 {
-        self.total.saturating_sub(self.idle)
-    }
-
-    /// The fraction of the time since `before` that the core was busy.
-    fn busy_since(self, before: CoreTicks) -> f64 {
-        let total = self.total.saturating_sub(before.total);
-        let idle = self.idle.saturating_sub(before.idle);
-        if total == 0 {
-            return 0.0;
-        }
-        total.saturating_sub(idle) as f64 / total as f64
-    }
-}
-
-/// Every core's ticks, by number (`"0"`, `"1"`).
-pub(super) fn core_ticks() -> anyhow::Result<Vec<(String, CoreTicks)>> {
-    parse_proc_stat(&std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?)
-}
-
-/// The `cpuN` lines of `/proc/stat`: `cpuN user nice system idle iowait irq softirq steal guest
-/// guest_nice` (guest time is already counted in user and nice, so it is left out of the total).
-fn parse_proc_stat(stat: &str) -> anyhow::Result<Vec<(String, CoreTicks)>> {
-    let mut cores = Vec::new();
-    for line in stat.lines() {
-        let mut words = line.split_whitespace();
-        let Some(core) = words.next().and_then(|w| w.strip_prefix("cpu")) else {
-            continue;
-        };
-        if core.is_empty() {
-            continue;
-        }
-        let ticks = words
-            .take(8)
-            .map(|w| w.parse::<u64>())
-            .collect::<Result<Vec<_>, _>>()
-            .with_context(|| format!("bad /proc/stat line {line:?}"))?;
-        ensure!(ticks.len() >= 5, "short /proc/stat line {line:?}");
-        cores.push((
-            core.to_owned(),
-            CoreTicks {
-                total: ticks.iter().sum(),
-                idle: ticks[3] + ticks[4],
-            },
-        ));
-    }
-    Ok(cores)
-}
-
-/// The CPUs process `pid` may run on (`Cpus_allowed_list` in `/proc/PID/status`).
-pub(super) fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
-        .map(|list| list.trim().to_owned())
-        .with_context(|| format!("no Cpus_allowed_list in {path}"))
-}
-
-pub(super) fn cpu_model() -> anyhow::Result<String> {
-    let cpuinfo = read_trimmed("/proc/cpuinfo")?;
-    Ok(cpuinfo
-        .lines()
-        .find_map(|line| line.strip_prefix("model name"))
-        .and_then(|rest| rest.split_once(':'))
-        .map_or("unknown", |(_, model)| model.trim())
-        .to_owned())
-}
-
-pub(super) fn read_trimmed(path: &str) -> anyhow::Result<String> {
-    Ok(std::fs::read_to_string(path)
-        .with_context(|| format!("reading {path}"))?
-        .trim()
-        .to_owned())
-}
-
-/// Today's date in UTC (`date -u +%F`).
-/// The `Date:`, `Kernel:` and `CPU:` lines every benchmark report starts with, after its command.
-pub(super) fn machine_lines(report: &mut String, cpu: &str) -> anyhow::Result<()> {
-    writeln!(report, "Date: {}", today()?)?;
-    writeln!(
-        report,
-        "Kernel: {}",
-        read_trimmed("/proc/sys/kernel/osrelease")?
-    )?;
-    writeln!(report, "CPU: {cpu}")?;
-    Ok(())
-}
-
-pub(super) fn today() -> anyhow::Result<String> {
-    let output = Command::new("date")
-        .args(["-u", "+%F"])
-        .output()
-        .context("running date")?;
-    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
-}
-
 /// The first line a tool prints about its version (`wrk -v` prints it and then its usage).
 fn tool_version(program: &str, flag: &str) -> String {
     Command::new(program)
@@ -942,71 +540,6 @@ mod tests {
         assert!(parse_args(&args("--duration 0")).is_err());
         assert!(parse_args(&args("--rounds x")).is_err());
         assert!(parse_args(&args("--perf")).is_err());
-    }
-
-    #[test]
-    fn reads_cpu_ticks_after_an_odd_command_name() {
-        let stat = "4242 (a) b (c) S 1 4242 4242 0 -1 4194560 300 0 0 0 1234 567 0 0 20 0 1 0 99 \
-                    1000000 200 18446744073709551615 1 1 0 0 0 0 0 4096 0 0 0 0 17 0 0 0 0 0 0";
-        assert_eq!(parse_stat_cpu(stat).unwrap(), 1234 + 567);
-        assert!(parse_stat_cpu("4242 (truncated) S 1").is_err());
-    }
-
-    #[test]
-    fn reads_this_process_cpu_ticks() {
-        cpu_ticks(std::process::id()).unwrap();
-    }
-
-    #[test]
-    fn reads_core_ticks() {
-        let stat = "cpu  10 0 10 100 0 0 0 0 0 0\n\
-                    cpu0 5 0 5 50 0 0 0 0 0 0\n\
-                    cpu1 5 0 5 50 10 0 0 0 0 0\n\
-                    intr 12345 0 0\n";
-        let cores = parse_proc_stat(stat).unwrap();
-        assert_eq!(
-            cores,
-            [
-                (
-                    "0".to_owned(),
-                    CoreTicks {
-                        total: 60,
-                        idle: 50
-                    }
-                ),
-                (
-                    "1".to_owned(),
-                    CoreTicks {
-                        total: 70,
-                        idle: 60
-                    }
-                ),
-            ]
-        );
-        let later = CoreTicks {
-            total: 160,
-            idle: 75,
-        };
-        assert_eq!(later.busy_since(cores[0].1), 0.75);
-        assert!(!core_ticks().unwrap().is_empty());
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median(vec![7.0]), 7.0);
-    }
-
-    #[test]
-    fn formats_durations() {
-        assert_eq!(format_duration(Duration::from_nanos(1500)), "1.50 µs");
-        assert_eq!(format_duration(Duration::from_micros(322)), "322 µs");
-        assert_eq!(
-            format_duration(Duration::from_secs_f64(52.87e-3)),
-            "52.9 ms"
-        );
-        assert_eq!(format_duration(Duration::from_nanos(850)), "850 ns");
     }
 
     #[test]

@@ -41,8 +41,10 @@ use peregrine_e2e::{
 use rustix::process::{Pid, Signal, kill_process};
 
 use super::{
-    http::{cpu_model, format_duration, machine_lines, markdown, median, online_cpus},
+    Flags,
+    machine::{cpu_line, machine_lines},
     parse,
+    table::{format_duration, markdown, median},
 };
 use crate::envoy;
 
@@ -77,12 +79,10 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         rounds: 3,
         batches: vec![1, 4],
     };
-    let mut args = args.iter();
+    let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
-        let value = args
-            .next()
-            .with_context(|| format!("{flag} needs a value\nusage: {USAGE}"))?;
-        match flag.as_str() {
+        let value = args.value(flag)?;
+        match flag {
             "--rounds" => {
                 options.rounds = value.parse().context("--rounds N: a whole number")?;
                 ensure!(options.rounds > 0, "--rounds N: at least 1");
@@ -96,7 +96,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                     })
                     .collect::<anyhow::Result<_>>()?;
             }
-            _ => bail!("unknown argument {flag:?}\nusage: {USAGE}"),
+            _ => return Err(args.unknown(flag)),
         }
     }
     Ok(options)
@@ -160,10 +160,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         options.rounds,
         started.elapsed()
     )?;
-    machine_lines(
-        &mut report,
-        &format!("{} ({} online)", cpu_model()?, online_cpus()),
-    )?;
+    machine_lines(&mut report, &cpu_line()?)?;
     writeln!(report, "Envoy: {}", envoy::short_version(&envoy_binary)?)?;
     writeln!(
         report,

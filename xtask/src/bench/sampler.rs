@@ -20,9 +20,12 @@ use std::{
 use anyhow::{Context, bail, ensure};
 use peregrine_e2e::TempDir;
 
-use super::http::{
-    Load, Outcome, Running, clock_ticks_per_second, cpu_model, format_duration, machine_lines,
-    markdown, median, online_cpus, preflight, run_quietest,
+use super::{
+    Flags,
+    http::{Load, Outcome, run_quietest},
+    machine::{cpu_line, machine_lines},
+    server::{Running, preflight},
+    table::{format_duration, markdown, median},
 };
 use crate::{cargo, run_checked};
 
@@ -91,7 +94,6 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     );
     preflight()?;
     let peregrine = super::release_peregrine()?;
-    let ticks_per_sec = clock_ticks_per_second()?;
     // The kernel counts each program's run time while this descriptor is open.
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("enabling BPF run-time statistics")?;
@@ -108,8 +110,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             // A first sample is a baseline: let the sampler take it before the load starts.
             std::thread::sleep(Duration::from_millis(300));
             let bpf_before = bpf_run_time()?;
-            let outcome =
-                run_quietest(Load::H2c, worker.pid, worker.port, duration, ticks_per_sec)?;
+            let outcome = run_quietest(Load::H2c, worker.pid, worker.port, duration)?;
             let bpf = bpf_run_time()?.saturating_sub(bpf_before);
             drop(worker);
             let Outcome::Measured(sample) = outcome else {
@@ -146,10 +147,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "Command: `{command}` ({rounds} rounds of {duration} s per mode, {:.0?} in all)",
         started.elapsed()
     )?;
-    machine_lines(
-        &mut report,
-        &format!("{} ({} online)", cpu_model()?, online_cpus()),
-    )?;
+    machine_lines(&mut report, &cpu_line()?)?;
     writeln!(report)?;
     report.push_str(&table(&runs));
     println!("{report}");
@@ -232,16 +230,12 @@ fn bpf_run_time() -> anyhow::Result<Duration> {
 
 fn parse_args(args: &[String]) -> anyhow::Result<(u64, usize)> {
     let (mut duration, mut rounds) = (5u64, 3usize);
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        let mut value = |name: &str| {
-            args.next()
-                .with_context(|| format!("{name} needs a value\nusage: {USAGE}"))
-        };
-        match arg.as_str() {
-            "--duration" => duration = value("--duration")?.parse().context("--duration SECS")?,
-            "--rounds" => rounds = value("--rounds")?.parse().context("--rounds N")?,
-            other => bail!("unknown argument {other:?}\nusage: {USAGE}"),
+    let mut args = Flags::new(args, USAGE);
+    while let Some(flag) = args.next() {
+        match flag {
+            "--duration" => duration = args.value(flag)?.parse().context("--duration SECS")?,
+            "--rounds" => rounds = args.value(flag)?.parse().context("--rounds N")?,
+            other => return Err(args.unknown(other)),
         }
     }
     ensure!(

@@ -25,10 +25,30 @@ POLICIES = [
     ("orca", "CSWRR + ORCA", "tab:blue"),
 ]
 ROUND = "1"
+WORKERS = [("0", "tab:purple"), ("1", "tab:green")]
 
 
 def number(text):
     return float(text) if text != "" else None
+
+
+def sampled(rows, column, value=None):
+    """The times of the rows where `column` was sampled, and there `value(row)` (by default the
+    column's number)."""
+    rows = [s for s in rows if s[column] != ""]
+    return ([float(s["t_s"]) for s in rows],
+            [value(s) if value else number(s[column]) for s in rows])
+
+
+def step(ax, rows, column, value=None, **style):
+    """Draws `sampled(rows, column, value)` as steps (each value holds until the next sample)."""
+    t, values = sampled(rows, column, value)
+    ax.step(t, values, where="post", **style)
+
+
+def busy_cores(sample, worker):
+    """A worker's CPU plus run-queue wait, in cores."""
+    return number(sample["cpu" + worker]) + (number(sample["wait" + worker]) or 0.0)
 
 
 def read(path):
@@ -75,29 +95,21 @@ def main():
         share_ax.set_ylabel("worker 0's share of requests\n(per 500 ms, by send time)")
         share_ax.legend(fontsize=7, loc="upper right")
 
-        for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t = [float(s["t_s"]) for s in orca if s["cpu" + worker] != ""]
-            busy = [number(s["cpu" + worker]) + (number(s["wait" + worker]) or 0.0)
-                    for s in orca if s["cpu" + worker] != ""]
-            cpu = [number(s["cpu" + worker]) for s in orca if s["cpu" + worker] != ""]
-            busy_ax.step(t, busy, where="post", color=color, linewidth=1.2,
-                         label=f"CSWRR worker {worker}: CPU + run-queue wait")
-            busy_ax.step(t, cpu, where="post", color=color, linewidth=0.8, linestyle=":",
-                         label=f"CSWRR worker {worker}: CPU")
+        for worker, color in WORKERS:
+            step(busy_ax, orca, "cpu" + worker, lambda s: busy_cores(s, worker), color=color,
+                 linewidth=1.2, label=f"CSWRR worker {worker}: CPU + run-queue wait")
+            step(busy_ax, orca, "cpu" + worker, color=color, linewidth=0.8, linestyle=":",
+                 label=f"CSWRR worker {worker}: CPU")
         rr = [s for s in samples if s["scenario"] == scenario and s["policy"] == "rr"]
-        t = [float(s["t_s"]) for s in rr if s["cpu0"] != ""]
-        busy = [number(s["cpu0"]) + (number(s["wait0"]) or 0.0) for s in rr if s["cpu0"] != ""]
-        busy_ax.step(t, busy, where="post", color="tab:red", linewidth=0.8, alpha=0.6,
-                     label="ROUND_ROBIN worker 0: CPU + run-queue wait")
+        step(busy_ax, rr, "cpu0", lambda s: busy_cores(s, "0"), color="tab:red", linewidth=0.8,
+             alpha=0.6, label="ROUND_ROBIN worker 0: CPU + run-queue wait")
         busy_ax.set_ylim(0, 1.15)
         busy_ax.set_ylabel("cores (sampled every 1 s)")
         busy_ax.legend(fontsize=7, loc="lower right")
 
-        for worker, color in (("0", "tab:purple"), ("1", "tab:green")):
-            t = [float(s["t_s"]) for s in orca if s["weight" + worker] != ""]
-            w = [number(s["weight" + worker]) for s in orca if s["weight" + worker] != ""]
-            weight_ax.step(t, w, where="post", color=color, linewidth=1.2,
-                           label=f"worker {worker}")
+        for worker, color in WORKERS:
+            step(weight_ax, orca, "weight" + worker, color=color, linewidth=1.2,
+                 label=f"worker {worker}")
         weight_ax.set_yscale("log")
         weight_ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         weight_ax.yaxis.set_major_formatter(ScalarFormatter())

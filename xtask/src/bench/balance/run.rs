@@ -1,0 +1,290 @@
+//! The set-up and the driving: the supervisor and Envoy, their readiness, the hog, and every run of
+//! every policy in every scenario and round; then the report and the series.
+
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    path::Path,
+    process::{Command, ExitCode},
+    thread,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, bail, ensure};
+use peregrine_e2e::{
+    ChildGuard, Envoy, Supervisor, TempDir, free_port, hosts, http_get, target_dir,
+};
+use serde_json::Value;
+
+use super::{
+    Case, OTHER_CPU, Options, Policy, SHARED_CPU, Scenario, WorkerInfo, parse_args,
+    report::{self, Setting},
+    series,
+};
+use crate::{
+    bench::machine::{cpu_line, cpus_allowed, online_cpus},
+    envoy,
+};
+
+pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    let options = parse_args(args)?;
+    let cpus = online_cpus();
+    ensure!(
+        cpus >= 2,
+        "the benchmark pins worker 0 to CPU {SHARED_CPU} and worker 1 to CPU {OTHER_CPU}: it needs 2 CPUs, this machine has {cpus}"
+    );
+    let peregrine = super::super::release_peregrine()?;
+    let envoy_binary = envoy::install()?;
+    let out = target_dir().join("bench");
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // Before pinning: the report names the CPUs this process may use.
+    let cpu_line = cpu_line()?;
+    // Build and install first, on both cores; from here on everything this process starts inherits
+    // CPU 1, except what pins itself (the workers, the hog).
+    let mut cpu = rustix::thread::CpuSet::new();
+    cpu.set(OTHER_CPU);
+    rustix::thread::sched_setaffinity(None, &cpu).context("pinning the benchmark to CPU 1")?;
+
+    let dir = TempDir::new().context("a temporary directory")?;
+    let (listen, admin) = (free_port(), free_port());
+    let config = config(&peregrine, dir.path(), listen, admin)?;
+    let supervisor = Supervisor::start_in(&peregrine, dir.path(), &config)?;
+    let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+    let result = (|| {
+        let mut envoy = Envoy::start_in(&envoy_binary, dir.path(), &supervisor.envoy_bootstrap()?)?;
+        let envoy_pid = envoy.process().id();
+        let mut bench = Bench {
+            options: &options,
+            own: vec![std::process::id(), supervisor.pid(), envoy_pid],
+            supervisor: &supervisor,
+            admin: envoy.admin_addr(),
+            listen,
+            dir: dir.path(),
+        };
+        let workers = bench.ready()?;
+        bench.own.extend(workers);
+        let started = Instant::now();
+        let mut runs = Vec::new();
+        for scenario in Scenario::ALL {
+            let hog = (scenario == Scenario::Hog)
+                .then(|| {
+                    ChildGuard::spawn(
+                        "hog",
+                        Command::new("taskset").args([
+                            "-c",
+                            &SHARED_CPU.to_string(),
+                            "sh",
+                            "-c",
+                            "while :; do :; done",
+                        ]),
+                        dir.path(),
+                    )
+                })
+                .transpose()?;
+            let hog_pid = hog.as_ref().map(ChildGuard::id);
+            for round in 0..options.rounds {
+                for k in 0..Policy::ALL.len() {
+                    let policy = Policy::ALL[(k + round) % Policy::ALL.len()];
+                    let case = Case {
+                        scenario,
+                        policy,
+                        round,
+                        hog: hog_pid,
+                    };
+                    let run = bench
+                        .run_quietest(case)
+                        .with_context(|| format!("{} in scenario {scenario:?}", policy.label()))?;
+                    eprintln!("{}", report::describe(&run, &options));
+                    runs.push(run);
+                }
+            }
+            drop(hog);
+        }
+        let setting = Setting {
+            command: super::super::command_line("balance", args),
+            elapsed: started.elapsed(),
+            cpu_line,
+            envoy_version: envoy::short_version(&envoy_binary)?,
+            status: supervisor.status_json()?,
+        };
+        Ok::<_, anyhow::Error>((runs, setting))
+    })();
+    let (runs, setting) = match result {
+        Ok(result) => result,
+        Err(error) => {
+            eprintln!("{}", supervisor.logs());
+            return Err(error);
+        }
+    };
+    drop(supervisor);
+
+    let report_path = report::write(&out, &options, &setting, &runs)?;
+    let (requests_csv, samples_csv) = series::write(&out, &runs, &options)?;
+    eprintln!(
+        "report: {}\nseries: {}, {}",
+        report_path.display(),
+        requests_csv.display(),
+        samples_csv.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The supervisor's config: three services of two workers, worker `i` pinned to CPU `i`.
+fn config(peregrine: &Path, dir: &Path, listen: u16, admin: u16) -> anyhow::Result<String> {
+    let mut toml = format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{control}"
+
+[envoy]
+listen = "127.0.0.1:{listen}"
+admin = "127.0.0.1:{admin}"
+"#,
+        grpc = free_port(),
+        control = dir.join("peregrine.sock").display(),
+    );
+    for policy in Policy::ALL {
+        // `taskset` execs the worker, which keeps the pid the supervisor started.
+        write!(
+            toml,
+            r#"
+[service.{name}]
+count = 2
+url = "http://127.0.0.1:0"
+prefix = "/{name}"
+{balance}
+command = ["taskset", "-c", "{{index}}", "{peregrine}", "worker"]
+"#,
+            name = policy.service(),
+            balance = policy.toml(),
+            peregrine = peregrine.display(),
+        )?;
+    }
+    Ok(toml)
+}
+
+/// What every run needs.
+pub(super) struct Bench<'a> {
+    pub(super) options: &'a Options,
+    /// The benchmark's own processes: this one, the supervisor, Envoy and every worker.
+    pub(super) own: Vec<u32>,
+    pub(super) supervisor: &'a Supervisor,
+    /// Envoy's admin listener.
+    pub(super) admin: SocketAddr,
+    /// Envoy's listener.
+    pub(super) listen: SocketAddr,
+    pub(super) dir: &'a Path,
+}
+
+impl Bench<'_> {
+    /// The two workers of `service`, by index, once both are registered.
+    pub(super) fn workers(&self, service: &str) -> anyhow::Result<[WorkerInfo; 2]> {
+        let status = self.supervisor.status_json()?;
+        let row = |index: u64| -> Option<WorkerInfo> {
+            let row = status["workers"]
+                .as_array()?
+                .iter()
+                .find(|row| row["service"] == service && row["index"] == index)?;
+            Some(WorkerInfo {
+                pid: u32::try_from(row["pid"].as_u64()?).ok()?,
+                hostname: row["hostname"].as_str()?.to_owned(),
+                addr: row["addresses"]
+                    .as_array()?
+                    .first()?
+                    .as_str()?
+                    .parse()
+                    .ok()?,
+            })
+        };
+        Ok([
+            row(0).with_context(|| format!("no worker 0 of {service} in {status}"))?,
+            row(1).with_context(|| format!("no worker 1 of {service} in {status}"))?,
+        ])
+    }
+
+    /// Waits until every worker is registered and pinned, Envoy routes to every service, and the
+    /// ORCA service has weights; returns every worker's pid.
+    fn ready(&self) -> anyhow::Result<Vec<u32>> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut pids = Vec::new();
+        for policy in Policy::ALL {
+            let service = policy.service();
+            let workers = poll(deadline, &format!("the workers of {service}"), || {
+                self.workers(service).ok()
+            })?;
+            for (index, worker) in workers.iter().enumerate() {
+                let cpus = cpus_allowed(worker.pid)?;
+                ensure!(
+                    cpus == index.to_string(),
+                    "worker {index} of {service} (pid {}) may run on CPUs {cpus}, expected {index}",
+                    worker.pid
+                );
+            }
+            poll(deadline, &format!("Envoy routing /{service}"), || {
+                let hosts = hosts(&http_get(self.admin, "/clusters").ok()?.1, service);
+                let ok = http_get(self.listen, &format!("/{service}"))
+                    .is_ok_and(|(status, _)| status == 200);
+                (ok && hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(())
+            })?;
+            if policy == Policy::Cswrr {
+                poll(deadline, "ORCA weights for both workers", || {
+                    let hosts = hosts(&http_get(self.admin, "/clusters").ok()?.1, service);
+                    (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(())
+                })?;
+            }
+            eprintln!(
+                "{service}: workers {} (CPU 0) and {} (CPU 1), {}",
+                workers[0].pid,
+                workers[1].pid,
+                policy.label()
+            );
+            pids.extend(workers.iter().map(|w| w.pid));
+        }
+        Ok(pids)
+    }
+
+    /// Waits until `service`'s workers served nothing in a sample taken after `since` (a run that
+    /// timed out may leave requests queued in a worker), and checks neither was restarted.
+    pub(super) fn quiet(
+        &self,
+        service: &str,
+        workers: &[WorkerInfo; 2],
+        since: SystemTime,
+    ) -> anyhow::Result<()> {
+        let since_ms = since.duration_since(UNIX_EPOCH)?.as_millis() as u64;
+        poll(
+            Instant::now() + Duration::from_secs(60),
+            &format!("{service}'s workers to go idle"),
+            || {
+                let now = self.workers(service).ok()?;
+                let status = self.supervisor.status_json().ok()?;
+                let rows: Vec<&Value> = status["workers"]
+                    .as_array()?
+                    .iter()
+                    .filter(|row| row["service"] == service)
+                    .collect();
+                let idle = rows.iter().all(|row| {
+                    row["sampled_at_unix_ms"].as_u64() > Some(since_ms)
+                        && row["requests_per_second"].as_f64() < Some(1.0)
+                });
+                (idle && now.iter().zip(workers).all(|(a, b)| a.pid == b.pid)).then_some(())
+            },
+        )
+        .with_context(|| format!("logs in {}", self.dir.display()))
+    }
+}
+
+/// Polls `f` every 250 ms until it returns `Some` or `deadline` passes. Not the harness's
+/// `try_wait_until` (every 20 ms, a timeout per wait): each check here runs `peregrine status` or asks
+/// Envoy, and [`Bench::ready`]'s waits share one deadline.
+fn poll<T>(deadline: Instant, what: &str, mut f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    loop {
+        if let Some(value) = f() {
+            return Ok(value);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out waiting for {what}");
+        }
+        thread::sleep(Duration::from_millis(250));
+    }
+}

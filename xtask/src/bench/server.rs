@@ -1,0 +1,173 @@
+//! The servers under test, each pinned to [`SERVER_CPU`] with its load on [`LOAD_CPU`]: the worker
+//! under a `peregrine run` supervisor, and the hyper baseline; and the check that the machine has what
+//! loading them takes.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, bail, ensure};
+use peregrine_e2e::{ChildGuard, free_port, http_get, try_wait_until, worker_pid};
+
+use super::machine::online_cpus;
+use crate::run_checked;
+
+/// The core both servers are pinned to.
+pub(super) const SERVER_CPU: &str = "0";
+/// The core of the load generator (and the idle supervisor).
+pub(super) const LOAD_CPU: &str = "1";
+/// How long a server may take to answer its first request.
+const START_DEADLINE: Duration = Duration::from_secs(20);
+
+/// A server under test, running on a fixed port and pinned to [`SERVER_CPU`]; killed on drop.
+#[derive(Debug)]
+pub(super) struct Running {
+    process: ChildGuard,
+    /// The pid whose CPU time is measured.
+    pub(super) pid: u32,
+    pub(super) port: u16,
+}
+
+impl Drop for Running {
+    /// SIGTERM first: a supervisor stops its workers then (they would outlive a SIGKILL, waiting for
+    /// the next supervisor).
+    fn drop(&mut self) {
+        let _ = self.process.stop(std::time::Duration::from_secs(10));
+    }
+}
+
+/// Waits until `process` answers `GET /` with `200` on `port`; returns the body.
+fn wait_answering(process: &mut ChildGuard, port: u16, what: &str) -> anyhow::Result<String> {
+    try_wait_until(START_DEADLINE, what, || {
+        process.ensure_running().ok()?;
+        let (status, body) = http_get(([127, 0, 0, 1], port), "/").ok()?;
+        (status == 200).then_some(body)
+    })
+    .with_context(|| process.logs())
+}
+
+impl Running {
+    /// `peregrine run` with one hello worker; the worker's pid is measured.
+    pub(super) fn worker(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
+        Running::worker_with(peregrine, dir, "")
+    }
+
+    /// [`Running::worker`] with `supervisor` (TOML lines) added to the `[supervisor]` table.
+    pub(super) fn worker_with(
+        peregrine: &Path,
+        dir: &Path,
+        supervisor: &str,
+    ) -> anyhow::Result<Self> {
+        let port = free_port();
+        let config = dir.join("peregrine.toml");
+        // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
+        // registration (checked against the peer's pid) still matches.
+        let toml = format!(
+            r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{control}"
+{supervisor}
+
+[service.hello]
+count = 1
+url = "http://127.0.0.1:{port}"
+command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
+"#,
+            grpc = free_port(),
+            control = dir.join("peregrine.sock").display(),
+            taskset = program_path("taskset")?.display(),
+            peregrine = peregrine.display(),
+        );
+        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
+        let mut command = Command::new("taskset");
+        command
+            .args(["-c", LOAD_CPU])
+            .arg(peregrine)
+            .arg("run")
+            .arg(&config);
+        if env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "info");
+        }
+        let mut supervisor = ChildGuard::spawn("peregrine", &mut command, dir)?;
+        let body = wait_answering(&mut supervisor, port, "the worker to answer")?;
+        let pid = worker_pid(&body).with_context(|| format!("not a hello body: {body:?}"))?;
+        Ok(Running {
+            process: supervisor,
+            pid,
+            port,
+        })
+    }
+
+    /// The hyper baseline; `taskset` execs it, so the child's pid is the server's.
+    pub(super) fn hyper(binary: &Path, dir: &Path) -> anyhow::Result<Self> {
+        let port = free_port();
+        let mut process = ChildGuard::spawn(
+            "hyper-baseline",
+            Command::new("taskset")
+                .args(["-c", SERVER_CPU])
+                .arg(binary)
+                .arg(format!("127.0.0.1:{port}")),
+            dir,
+        )?;
+        wait_answering(&mut process, port, "the hyper baseline to answer")?;
+        Ok(Running {
+            pid: process.id(),
+            process,
+            port,
+        })
+    }
+}
+
+/// Checks for two CPUs, `taskset` and `timeout`, and installs `wrk` and `h2load` with apt-get when they
+/// are missing and this runs as root.
+pub(super) fn preflight() -> anyhow::Result<()> {
+    let cpus = online_cpus();
+    ensure!(
+        cpus >= 2,
+        "the benchmark pins the servers to CPU {SERVER_CPU} and the load to CPU {LOAD_CPU}: it needs 2 CPUs, this machine has {cpus}"
+    );
+    for (program, package) in [("taskset", "util-linux"), ("timeout", "coreutils")] {
+        program_path(program).with_context(|| format!("install the Debian package {package}"))?;
+    }
+    let missing = [("wrk", "wrk"), ("h2load", "nghttp2-client")]
+        .into_iter()
+        .filter(|(program, _)| program_path(program).is_err())
+        .map(|(_, package)| package)
+        .collect::<Vec<_>>();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !rustix::process::geteuid().is_root() {
+        bail!(
+            "missing load generators: run `apt-get install -y {}` as root",
+            missing.join(" ")
+        );
+    }
+    eprintln!("installing {}", missing.join(" "));
+    let install = || {
+        run_checked(
+            Command::new("apt-get")
+                .args(["install", "-y"])
+                .args(&missing),
+        )
+    };
+    if install().is_err() {
+        // A fresh machine may have no package lists yet.
+        run_checked(Command::new("apt-get").arg("update"))?;
+        install()?;
+    }
+    Ok(())
+}
+
+/// `program` found in `PATH`.
+fn program_path(program: &str) -> anyhow::Result<PathBuf> {
+    env::var_os("PATH")
+        .iter()
+        .flat_map(env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+        .with_context(|| format!("{program} is not in PATH"))
+}

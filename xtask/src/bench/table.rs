@@ -1,0 +1,98 @@
+//! What every benchmark's report is made of: markdown tables, medians and durations.
+
+use std::{fmt::Write as _, time::Duration};
+
+/// A markdown table with padded columns; the first row is the header, the first `left` columns are
+/// left-aligned and the others right-aligned.
+pub(crate) fn markdown<const N: usize>(rows: &[[String; N]], left: usize) -> String {
+    let widths: Vec<usize> = (0..N)
+        .map(|c| {
+            rows.iter()
+                .map(|row| row[c].chars().count())
+                .max()
+                .unwrap_or(0)
+                .max(3)
+        })
+        .collect();
+    let mut out = String::new();
+    for (r, row) in rows.iter().enumerate() {
+        out.push('|');
+        for (c, cell) in row.iter().enumerate() {
+            if c < left {
+                write!(out, " {cell:<w$} |", w = widths[c]).expect("a String");
+            } else {
+                write!(out, " {cell:>w$} |", w = widths[c]).expect("a String");
+            }
+        }
+        out.push('\n');
+        if r == 0 {
+            out.push('|');
+            for (c, width) in widths.iter().enumerate() {
+                let dashes = "-".repeat(*width);
+                if c < left {
+                    write!(out, " {dashes} |").expect("a String");
+                } else {
+                    write!(out, " {}: |", &dashes[1..]).expect("a String");
+                }
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The median (the mean of the middle two for an even count).
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// A duration with three significant digits in ns, µs, ms or s.
+pub(crate) fn format_duration(duration: Duration) -> String {
+    let secs = duration.as_secs_f64();
+    let (value, unit) = if secs >= 1.0 {
+        (secs, "s")
+    } else if secs >= 1e-3 {
+        (secs * 1e3, "ms")
+    } else if secs >= 1e-6 {
+        (secs * 1e6, "µs")
+    } else {
+        (secs * 1e9, "ns")
+    };
+    let decimals = if value >= 100.0 {
+        0
+    } else if value >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{value:.decimals$} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(vec![7.0]), 7.0);
+    }
+
+    #[test]
+    fn formats_durations() {
+        assert_eq!(format_duration(Duration::from_nanos(1500)), "1.50 µs");
+        assert_eq!(format_duration(Duration::from_micros(322)), "322 µs");
+        assert_eq!(
+            format_duration(Duration::from_secs_f64(52.87e-3)),
+            "52.9 ms"
+        );
+        assert_eq!(format_duration(Duration::from_nanos(850)), "850 ns");
+    }
+}
