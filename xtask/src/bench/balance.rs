@@ -287,6 +287,19 @@ struct Run {
     samples: Vec<Sample>,
 }
 
+/// What every run needs (set up by [`run`], used by [`measure`] and the [`series`] monitor).
+struct Bench<'a> {
+    options: &'a Options,
+    /// The benchmark's own processes: this one, the supervisor, Envoy and every worker.
+    own: Vec<u32>,
+    supervisor: &'a peregrine_e2e::Supervisor,
+    /// Envoy's admin listener.
+    admin: SocketAddr,
+    /// Envoy's listener.
+    listen: SocketAddr,
+    dir: &'a std::path::Path,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,12 +10,10 @@ use std::{
 use peregrine_contract::procfs;
 
 use super::{
-    CONNECTIONS, Case, NOISY, NOISY_RETRIES, Options, Policy, Run, SIDE_CONNECTIONS, Sample,
+    Bench, CONNECTIONS, Case, NOISY, NOISY_RETRIES, Options, Policy, Run, SIDE_CONNECTIONS, Sample,
     Scenario, TIMEOUT, WorkerInfo,
     openloop::{self, Answer, Plan, Record},
-    report,
-    run::Bench,
-    series,
+    report, series,
 };
 use crate::bench::table::{format_duration, median};
 

@@ -17,7 +17,7 @@ use peregrine_e2e::{
 use serde_json::Value;
 
 use super::{
-    Case, OTHER_CPU, Options, Policy, SHARED_CPU, Scenario, WorkerInfo, parse_args,
+    Bench, Case, OTHER_CPU, Policy, SHARED_CPU, Scenario, WorkerInfo, parse_args,
     report::{self, Setting},
     series,
 };
@@ -161,19 +161,6 @@ command = ["taskset", "-c", "{{index}}", "{peregrine}", "worker"]
         )?;
     }
     Ok(toml)
-}
-
-/// What every run needs.
-pub(super) struct Bench<'a> {
-    pub(super) options: &'a Options,
-    /// The benchmark's own processes: this one, the supervisor, Envoy and every worker.
-    pub(super) own: Vec<u32>,
-    pub(super) supervisor: &'a Supervisor,
-    /// Envoy's admin listener.
-    pub(super) admin: SocketAddr,
-    /// Envoy's listener.
-    pub(super) listen: SocketAddr,
-    pub(super) dir: &'a Path,
 }
 
 impl Bench<'_> {

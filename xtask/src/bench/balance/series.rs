@@ -16,9 +16,8 @@ use peregrine_contract::procfs::{self, Schedstat};
 use peregrine_e2e::{hosts, http_get};
 
 use super::{
-    Options, Run, Sample, WorkerInfo, WorkerSample,
+    Bench, Options, Run, Sample, WorkerInfo, WorkerSample,
     openloop::{Answer, Record},
-    run::Bench,
 };
 use crate::{pip_install, run_checked};
 
