@@ -14,8 +14,8 @@ use peregrine_ebpf::{Probe, SchedTotals};
 /// The tests measure CPU time: one at a time, so they do not steal each other's cores.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn probe(slots: u32) -> Option<Probe> {
-    match Probe::load(slots) {
+fn probe(lanes: u32) -> Option<Probe> {
+    match Probe::load(lanes) {
         Ok(probe) => Some(probe),
         Err(error) => {
             let text = ErrorChain(&error);
@@ -237,15 +237,15 @@ fn sharing_a_core_with_a_hog_shows_run_queue_wait() {
 #[test]
 fn a_thousand_restarts_leave_no_entries_behind() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let slots = 8;
-    let Some(mut probe) = probe(slots) else {
+    let lanes = 8;
+    let Some(mut probe) = probe(lanes) else {
         return;
     };
     for i in 0..1000u32 {
-        let slot = i % slots;
-        // A short-lived process in the slot, like a worker that exits and is replaced.
+        let lane = i % lanes;
+        // A short-lived process in the lane, like a worker that exits and is replaced.
         let mut child = Command::new("true").spawn().expect("spawn true");
-        probe.track(slot, child.id()).unwrap();
+        probe.track(lane, child.id()).unwrap();
         child.wait().unwrap();
         probe.untrack(child.id()).unwrap();
     }
@@ -256,7 +256,7 @@ fn a_thousand_restarts_leave_no_entries_behind() {
 }
 
 #[test]
-fn slots_out_of_range_are_refused() {
+fn lanes_out_of_range_are_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(mut probe) = probe(2) else { return };
     assert!(probe.track(2, std::process::id()).is_err());
