@@ -172,6 +172,18 @@ pub struct Ports {
     pub admission: Arc<Admission>,
 }
 
+impl Ports {
+    /// One listener, no ORCA-only ones, and admission with the default limits and `cap` connections:
+    /// the gRPC port as tests and tools that embed the server want it.
+    pub fn single(listener: TcpListener, cap: usize) -> Ports {
+        Ports {
+            listeners: vec![listener],
+            orca_listeners: Vec::new(),
+            admission: Admission::new(Default::default(), cap),
+        }
+    }
+}
+
 /// What [`serve`] serves from.
 #[derive(Debug)]
 pub struct Inputs {

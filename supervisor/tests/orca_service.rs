@@ -31,11 +31,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(xds::serve(
-        xds::Ports {
-            listeners: vec![listener],
-            orca_listeners: vec![],
-            admission: peregrine_supervisor::grpc_port::Admission::new(Default::default(), 1024),
-        },
+        xds::Ports::single(listener, 1024),
         xds::Inputs {
             snapshots: registry.subscribe(),
             options: tokio::sync::watch::channel(XdsOptions::default()).1,

@@ -85,14 +85,7 @@ impl Server {
     ) -> Server {
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = runtime.spawn(xds::serve(
-            xds::Ports {
-                listeners: vec![listener],
-                orca_listeners: vec![],
-                admission: peregrine_supervisor::grpc_port::Admission::new(
-                    Default::default(),
-                    1024,
-                ),
-            },
+            xds::Ports::single(listener, 1024),
             xds::Inputs {
                 snapshots: registry.subscribe(),
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,

@@ -62,14 +62,7 @@ impl Server {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(xds::serve(
-            xds::Ports {
-                listeners: vec![listener],
-                orca_listeners: vec![],
-                admission: peregrine_supervisor::grpc_port::Admission::new(
-                    Default::default(),
-                    1024,
-                ),
-            },
+            xds::Ports::single(listener, 1024),
             xds::Inputs {
                 snapshots,
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
