@@ -67,6 +67,20 @@ pub struct BootstrapInput {
     /// The xDS variant on those streams (`api_type: GRPC` or `DELTA_GRPC`); state of the world by
     /// default.
     pub xds: XdsVariant,
+    /// In a fleet, the node's locality: its host's region and zone, and the host as sub-zone (the
+    /// locality the supervisor gives that host's workers).
+    pub locality: Option<NodeLocality>,
+}
+
+/// `node.locality`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLocality {
+    /// Region.
+    pub region: String,
+    /// Zone.
+    pub zone: String,
+    /// Sub-zone: the host.
+    pub sub_zone: String,
 }
 
 impl Default for BootstrapInput {
@@ -83,6 +97,7 @@ impl Default for BootstrapInput {
             services: Vec::new(),
             ads: false,
             xds: XdsVariant::StateOfTheWorld,
+            locality: None,
         }
     }
 }
@@ -97,7 +112,7 @@ pub fn envoy_bootstrap(input: &BootstrapInput) -> String {
 node:
   id: {node_id}
   cluster: {node_cluster}
-
+{locality}
 admin:
   address:
     socket_address:
@@ -126,6 +141,15 @@ static_resources:
 ",
         node_id = quote(&input.node_id),
         node_cluster = quote(&input.node_cluster),
+        locality = match &input.locality {
+            Some(l) => format!(
+                "  locality:\n    region: {}\n    zone: {}\n    sub_zone: {}\n",
+                quote(&l.region),
+                quote(&l.zone),
+                quote(&l.sub_zone)
+            ),
+            None => String::new(),
+        },
         admin_ip = quote(&input.admin_address.ip().to_string()),
         admin_port = input.admin_address.port(),
         dynamic = dynamic_resources(input),

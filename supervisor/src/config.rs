@@ -35,6 +35,7 @@ mod raw;
 use self::raw::RawConfig;
 pub use self::{
     balancing::{Balancing, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
+    check::cluster::ENV_ETCD,
     error::{ConfigError, Problem},
     limits::{MAX_CONFIG_BYTES, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
 };
@@ -61,6 +62,59 @@ pub struct Config {
     pub services: BTreeMap<String, ServiceConfig>,
     /// `[orca]`: how workers report their load to Envoy.
     pub orca: OrcaConfig,
+    /// `[cluster]`: this host's place in a fleet; `None` runs a single host.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `[cluster]`: a fleet of hosts sharing membership through etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// The etcd endpoints (`etcd`; `PEREGRINE_ETCD`, comma-separated, overrides it).
+    pub etcd: Vec<String>,
+    /// This host's name in the fleet (`host`; the machine's hostname by default).
+    pub host: String,
+    /// The locality of this host's workers.
+    pub locality: Locality,
+    /// How long a host whose supervisor stops renewing its lease stays in the fleet (`lease_ttl_ms`,
+    /// 3 s; etcd counts whole seconds, so it is rounded up to one).
+    pub lease_ttl: Duration,
+    /// The key prefix of the fleet in etcd (`prefix`, `/peregrine`): one fleet per prefix.
+    pub prefix: String,
+    /// How Envoy is told to route across hosts.
+    pub routing: Routing,
+}
+
+/// Where a host's workers are: Envoy's locality (region, zone; the host is the sub-zone).
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Locality {
+    /// `region`, `""` by default.
+    pub region: String,
+    /// `zone`, `""` by default.
+    pub zone: String,
+}
+
+/// `cluster.routing`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Routing {
+    /// Near workers first: the requesting Envoy's own host, then its zone, its region, the rest
+    /// (`"local-first"`, the default).
+    #[default]
+    LocalFirst,
+    /// Every host's workers in one priority, balanced on their load (`"fleet"`).
+    Fleet,
+}
+
+impl Routing {
+    /// Every setting, for the check of `cluster.routing`.
+    const ALL: [Routing; 2] = [Routing::LocalFirst, Routing::Fleet];
+
+    /// The value as written in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Routing::LocalFirst => "local-first",
+            Routing::Fleet => "fleet",
+        }
+    }
 }
 
 /// `[orca]`: the ORCA out-of-band load reports and Envoy's client-side weighted round robin.

@@ -11,6 +11,7 @@ pub mod adopt;
 pub mod bootstrap;
 pub mod children;
 pub mod config;
+pub mod fleet;
 pub mod grpc_port;
 pub mod instance;
 pub mod manager;
@@ -36,6 +37,14 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
         xds: config.envoy.xds,
         timeout: config.envoy.timeout,
         per_try_timeout: config.envoy.per_try_timeout,
+        locality: config
+            .cluster
+            .as_ref()
+            .map(|cluster| bootstrap::NodeLocality {
+                region: cluster.locality.region.clone(),
+                zone: cluster.locality.zone.clone(),
+                sub_zone: cluster.host.clone(),
+            }),
         services: config
             .services
             .values()

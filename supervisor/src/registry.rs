@@ -17,6 +17,7 @@
 //! Invariant: nothing else in the supervisor stores endpoints or loads; everything that needs them
 //! subscribes.
 
+pub mod fleet;
 pub mod load;
 pub mod orca;
 
@@ -30,6 +31,7 @@ use std::{
 
 use tokio::sync::watch;
 
+pub use self::fleet::{Fleet, Health, RemoteHost, RemoteWorker};
 pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
 pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 
@@ -223,12 +225,28 @@ pub struct Snapshot {
     pub revision: u64,
     /// Every configured service, by name (also those without workers).
     pub services: BTreeMap<String, ServiceView>,
+    /// The other hosts of the fleet (empty on a single host).
+    pub fleet: Fleet,
 }
 
 impl Snapshot {
     /// The registered instance `pid` of `service`'s slot `index`.
     pub fn instance(&self, service: &str, index: u32, pid: u32) -> Option<&Worker> {
         self.services.get(service)?.instance(index, pid)
+    }
+
+    /// The workers of `service` on other hosts, with their host, by host.
+    pub fn remote_workers<'a>(
+        &'a self,
+        service: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a RemoteHost, &'a RemoteWorker)> + 'a {
+        self.fleet.iter().flat_map(move |(host, remote)| {
+            remote
+                .workers
+                .values()
+                .filter(move |w| w.service == service)
+                .map(move |w| (host.as_str(), remote, w))
+        })
     }
 }
 
@@ -267,6 +285,7 @@ impl Registry {
                 .into_iter()
                 .map(|s| (s, ServiceView::default()))
                 .collect(),
+            fleet: Fleet::new(),
         };
         let (tx, _) = watch::channel(Arc::new(snapshot.clone()));
         Registry {
@@ -431,6 +450,17 @@ impl Registry {
                 }
                 _ => false,
             })
+        })
+        .unwrap_or(false)
+    }
+
+    /// Replaces the view of the fleet's other hosts; publishes a new snapshot if it changed, and
+    /// returns whether it did.
+    pub fn set_fleet(&self, fleet: Fleet) -> bool {
+        self.update(|state| {
+            let changed = state.fleet != fleet;
+            state.fleet = fleet;
+            Ok::<_, RegistryError>(changed)
         })
         .unwrap_or(false)
     }

@@ -31,6 +31,7 @@ use crate::{
     adopt,
     children::{self, Children, Counters, Lanes},
     config::{Config, SamplerSetting},
+    fleet,
     grpc_port::{self, Admission},
     instance::{InstanceLock, LockError},
     manager::{self, Manager},
@@ -268,6 +269,21 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let acks = Arc::new(Acks::default());
     let (xds_options_tx, xds_options_rx) =
         watch::channel(xds_options(&config, &orca, bound.port()));
+    // In a fleet, the host's workers go to etcd and the other hosts' come back into the registry. The
+    // session outlives the workers' drains (the other hosts' Envoys must see them drain), then
+    // revokes its lease.
+    let (fleet_stop_tx, fleet_stop_rx) = watch::channel(false);
+    let fleet_task = config.cluster.clone().map(|cluster| {
+        tokio::spawn(
+            fleet::Membership {
+                cluster,
+                grpc_port: bound.port(),
+                registry: registry.clone(),
+                options: xds_options_tx.subscribe(),
+            }
+            .run(fleet_stop_rx),
+        )
+    });
     let context = Arc::new(manager::Context {
         registry: registry.clone(),
         children: children.clone(),
@@ -368,6 +384,13 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     match operations.await {
         Ok(manager) => manager.stopped().await,
         Err(error) => tracing::error!(%error, "The restart task failed"),
+    }
+    let _ = fleet_stop_tx.send(true);
+    if let Some(Err(error)) = match fleet_task {
+        Some(task) => Some(task.await),
+        None => None,
+    } {
+        tracing::error!(%error, "Fleet task failed");
     }
     let _ = xds_stop_tx.send(());
     if let Some(Err(error)) = match sampler_task {

@@ -67,6 +67,8 @@ pub struct XdsOptions {
     pub balancers: BTreeMap<String, Balancer>,
     /// Each service's worker weights by slot index (1 if absent).
     pub weights: BTreeMap<String, Vec<u32>>,
+    /// This host in a fleet; `None` on a single host.
+    pub fleet: Option<resources::FleetIdentity>,
 }
 
 impl Default for XdsOptions {
@@ -76,6 +78,7 @@ impl Default for XdsOptions {
             connect_timeout: Duration::from_secs(1),
             balancers: BTreeMap::new(),
             weights: BTreeMap::new(),
+            fleet: None,
         }
     }
 }
@@ -106,6 +109,7 @@ impl XdsOptions {
             },
             balancers: self.balancers.clone(),
             weights: self.weights.clone(),
+            fleet: self.fleet.clone(),
         }
     }
 }

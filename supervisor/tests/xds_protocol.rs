@@ -378,6 +378,7 @@ async fn an_unknown_eds_name_is_remembered_and_sent_when_it_appears() {
     let one = Snapshot {
         revision: 1,
         services: BTreeMap::from([("a".to_string(), ServiceView::default())]),
+        ..Snapshot::default()
     };
     let (tx, rx) = watch::channel(Arc::new(one.clone()));
     let server = Server::start(rx).await;
@@ -545,6 +546,7 @@ async fn delta_names_removed_clusters_and_sends_names_that_appear() {
             .iter()
             .map(|s| (s.to_string(), ServiceView::default()))
             .collect(),
+        ..Snapshot::default()
     };
     let (tx, rx) = watch::channel(Arc::new(snapshot(1, &["a", "b"])));
     let server = Server::start(rx).await;

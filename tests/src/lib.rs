@@ -16,6 +16,7 @@
 
 pub mod cpus;
 mod envoy;
+mod etcd;
 mod http;
 pub mod load;
 mod paths;
@@ -26,6 +27,7 @@ mod supervisor;
 mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
+pub use etcd::{Etcd, etcd_or_skip, etcd_path};
 pub use http::{http_get, http_get_with, worker_pid};
 pub use load::{Load, LoadReport};
 pub use paths::{

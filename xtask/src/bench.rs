@@ -72,6 +72,8 @@ fn release_peregrine() -> anyhow::Result<PathBuf> {
 /// [`release_peregrine`], with more packages and binaries in the same `cargo build` (`extra`, as
 /// `-p PACKAGE --bin NAME` arguments).
 fn release_peregrine_and(extra: &[&str]) -> anyhow::Result<PathBuf> {
+    // The supervisor's build needs protoc (the etcd client's protos).
+    crate::packages::ensure(crate::packages::FLEET)?;
     run_checked(
         cargo()
             .args([

@@ -44,6 +44,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let peregrine = match std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
         Some(path) => path.into(),
         None => {
+            // The supervisor's build needs protoc (the etcd client's protos).
+            crate::packages::ensure(crate::packages::FLEET)?;
             run_checked(cargo().args([
                 "build",
                 "-p",

@@ -10,6 +10,7 @@ mod bench;
 mod demo;
 mod ebpf;
 mod envoy;
+mod packages;
 mod pyclients;
 mod test;
 

@@ -1,4 +1,5 @@
-//! `cargo xtask test`: install Envoy, build the workspace, run the whole test suite against them.
+//! `cargo xtask test`: install Envoy (and, with apt-get, etcd and protoc where missing), build the
+//! workspace, run the whole test suite against them.
 //!
 //! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
 //! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
@@ -7,9 +8,10 @@ use std::process::ExitCode;
 
 use peregrine_e2e::target_dir;
 
-use crate::{cargo, envoy, pyclients, run_checked};
+use crate::{cargo, envoy, packages, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    packages::ensure(packages::FLEET)?;
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
     let python = pyclients::install()?;
@@ -23,8 +25,9 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .env("PEREGRINE", &peregrine)
         .env("PEREGRINE_EXAMPLES", target_dir().join("debug/examples"))
         .env("PEREGRINE_PYTHON", &python)
-        // Tests that need Envoy fail instead of skipping if it goes missing.
+        // Tests that need Envoy or etcd fail instead of skipping if one goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
+        .env("PEREGRINE_REQUIRE_ETCD", "1")
         .status()?;
     Ok(match status.code() {
         Some(0) => ExitCode::SUCCESS,

@@ -7,7 +7,7 @@
 //!
 //! [`Checker`] holds what every check needs and checks each kind of value (integer floors and ranges,
 //! named choices, texts with a rule) in one method; this file checks the whole file, `[supervisor]`
-//! and `[orca]`, [`envoy`] checks `[envoy]`, [`service`] checks `[service.NAME]` and
+//! and `[orca]`, [`envoy`] checks `[envoy]`, [`cluster`] checks `[cluster]`, [`service`] checks `[service.NAME]` and
 //! [`balancing`](super::balancing) a service's balancing keys.
 
 use std::{
@@ -30,6 +30,7 @@ use super::{
     workers_in_all,
 };
 
+pub(crate) mod cluster;
 mod envoy;
 mod service;
 
@@ -209,6 +210,7 @@ pub(super) fn config(
         .as_ref()
         .map_or(DEFAULT_SAMPLE_INTERVAL, |s| s.sample_interval);
     let orca = check.orca(raw.orca, sample_interval);
+    let cluster = raw.cluster.and_then(|cluster| check.cluster(cluster, env));
 
     if check.problems.is_empty() {
         Ok(Config {
@@ -216,6 +218,7 @@ pub(super) fn config(
             envoy: envoy.expect("no problems"),
             services,
             orca,
+            cluster,
         })
     } else {
         Err(check.problems)

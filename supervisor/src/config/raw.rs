@@ -28,6 +28,20 @@ pub(super) struct RawConfig {
     pub(super) service: BTreeMap<String, RawService>,
     #[serde(default)]
     pub(super) orca: RawOrca,
+    pub(super) cluster: Option<Spanned<RawCluster>>,
+}
+
+/// `[cluster]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCluster {
+    pub(super) etcd: Option<Spanned<Vec<String>>>,
+    pub(super) host: Option<Spanned<String>>,
+    pub(super) region: Option<Spanned<String>>,
+    pub(super) zone: Option<Spanned<String>>,
+    pub(super) lease_ttl_ms: Option<Spanned<i64>>,
+    pub(super) prefix: Option<Spanned<String>>,
+    pub(super) routing: Option<Spanned<String>>,
 }
 
 /// `[orca]`.

@@ -106,6 +106,13 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
             .filter(|s| s.weights.iter().any(|&w| w != 1))
             .map(|s| (s.name.clone(), s.weights.clone()))
             .collect(),
+        fleet: config
+            .cluster
+            .as_ref()
+            .map(|c| xds::resources::FleetIdentity {
+                host: c.host.clone(),
+                locality: c.locality.clone(),
+            }),
         ..xds::XdsOptions::default()
     }
 }

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use super::resources::{
     CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
-    make_load_assignment, pack,
+    make_load_assignment, pack, remote_of,
 };
 use crate::registry::Snapshot;
 
@@ -168,7 +168,11 @@ impl Cache {
         let delta_clusters = built(&delta_options);
         let ads_clusters = built(&ads_options);
         let endpoints = snapshot.services.iter().map(|(name, view)| {
-            versioned(name, pack(&make_load_assignment(name, view, &self.options)))
+            let remote = remote_of(snapshot, name);
+            versioned(
+                name,
+                pack(&make_load_assignment(name, view, &remote, &self.options)),
+            )
         });
         Resources {
             revision: snapshot.revision,

@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use envoy_types::pb::envoy::config::core::v3::Address as PbAddress;
+use envoy_types::pb::envoy::config::core::v3::{Address as PbAddress, Locality as PbLocality};
 use envoy_types::pb::{
     envoy::{
         config::{
@@ -57,7 +57,10 @@ use envoy_types::pb::{
 };
 use prost::Name;
 
-use crate::registry::{Address, Protocol, ServiceView, WorkerState};
+use crate::{
+    config::Locality,
+    registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot, WorkerState},
+};
 
 /// The type URL of CDS resources.
 pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -96,6 +99,26 @@ pub struct ClusterOptions {
     pub balancers: BTreeMap<String, Balancer>,
     /// Each service's worker weights, by slot index (1 if absent).
     pub weights: BTreeMap<String, Vec<u32>>,
+    /// This host's name and locality in a fleet; `None` on a single host.
+    pub fleet: Option<FleetIdentity>,
+}
+
+/// Who this supervisor is in a fleet: endpoints carry their host's locality, and hash keys their host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetIdentity {
+    /// This host's name.
+    pub host: String,
+    /// Where its workers are.
+    pub locality: Locality,
+}
+
+/// A worker slot's consistent-hashing key: `<service>-<index>` on a single host, and
+/// `<host>-<service>-<index>` in a fleet, where slots of the same service run on every host.
+pub fn slot_hash_key(host: Option<&str>, service: &str, index: u32) -> String {
+    match host {
+        Some(host) => format!("{host}-{service}-{index}"),
+        None => format!("{service}-{index}"),
+    }
 }
 
 /// How Envoy balances one cluster.
@@ -140,6 +163,7 @@ impl Default for ClusterOptions {
             },
             balancers: BTreeMap::new(),
             weights: BTreeMap::new(),
+            fleet: None,
         }
     }
 }
@@ -324,70 +348,143 @@ pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) ->
     }
 }
 
-/// The endpoints of cluster `name`: one healthy endpoint per registered worker, by slot index, with the
-/// worker's unique hostname, its first address as the address and the rest as additional addresses.
+/// The endpoints of cluster `name`: one endpoint per registered worker, by slot index, with the
+/// worker's unique hostname, its first address as the address and the rest as additional addresses;
+/// in a fleet, then every other host's workers of the service (`remote`), each host its own locality
+/// (region, zone, and the host as sub-zone), all at priority 0.
 pub fn make_load_assignment(
     name: &str,
     view: &ServiceView,
+    remote: &[(&str, &Locality, &RemoteWorker)],
     options: &ClusterOptions,
 ) -> ClusterLoadAssignment {
     let weights = options.weights.get(name);
-    let lb_endpoints = view
+    let host = options.fleet.as_ref().map(|f| f.host.as_str());
+    let local = view
         .workers
         .values()
         .map(|worker| {
-            let mut addresses = worker.listener.addresses.iter().map(address);
             let weight = weights
                 .and_then(|w| w.get(worker.index as usize))
                 .copied()
                 .unwrap_or(1);
-            LbEndpoint {
-                // A draining worker keeps its endpoint but gets no new requests (and, unlike an
-                // unhealthy one, causes no spill-over to other priorities). A stalled one is
-                // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
-                health_status: match (worker.state, worker.stalled) {
-                    (WorkerState::Draining, _) => HealthStatus::Draining,
-                    (WorkerState::Ready, Some(_)) => HealthStatus::Unhealthy,
-                    (WorkerState::Ready, None) => HealthStatus::Healthy,
-                } as i32,
-                // Weight 1 is Envoy's default: left out, so unweighted services keep their bytes.
-                load_balancing_weight: (weight != 1).then_some(UInt32Value { value: weight }),
-                metadata: Some(hash_key(&worker.service, worker.index)),
-                host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
-                    address: addresses.next(),
-                    hostname: worker.hostname.clone(),
-                    additional_addresses: addresses
-                        .map(|a| AdditionalAddress { address: Some(a) })
-                        .collect(),
-                    ..Default::default()
-                })),
-            }
+            // A draining worker keeps its endpoint but gets no new requests (and, unlike an
+            // unhealthy one, causes no spill-over to other priorities). A stalled one is
+            // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
+            let health = match (worker.state, worker.stalled) {
+                (WorkerState::Draining, _) => HealthStatus::Draining,
+                (WorkerState::Ready, Some(_)) => HealthStatus::Unhealthy,
+                (WorkerState::Ready, None) => HealthStatus::Healthy,
+            };
+            lb_endpoint(
+                &worker.listener.addresses,
+                &worker.hostname,
+                health,
+                weight,
+                &slot_hash_key(host, &worker.service, worker.index),
+            )
         })
         .collect::<Vec<_>>();
+    let mut localities = Vec::new();
+    if !local.is_empty() {
+        localities.push(LocalityLbEndpoints {
+            locality: options
+                .fleet
+                .as_ref()
+                .map(|f| envoy_locality(&f.host, &f.locality)),
+            lb_endpoints: local,
+            ..Default::default()
+        });
+    }
+    let mut by_host: BTreeMap<&str, (&Locality, Vec<LbEndpoint>)> = BTreeMap::new();
+    for &(host, locality, worker) in remote {
+        let health = match worker.health {
+            Health::Serving => HealthStatus::Healthy,
+            Health::Draining => HealthStatus::Draining,
+            Health::Unhealthy => HealthStatus::Unhealthy,
+        };
+        by_host
+            .entry(host)
+            .or_insert((locality, Vec::new()))
+            .1
+            .push(lb_endpoint(
+                &worker.addresses,
+                &worker.hostname,
+                health,
+                worker.weight,
+                &worker.hash_key,
+            ));
+    }
+    for (host, (locality, lb_endpoints)) in by_host {
+        localities.push(LocalityLbEndpoints {
+            locality: Some(envoy_locality(host, locality)),
+            lb_endpoints,
+            ..Default::default()
+        });
+    }
     ClusterLoadAssignment {
         cluster_name: name.to_string(),
-        endpoints: if lb_endpoints.is_empty() {
-            Vec::new()
-        } else {
-            vec![LocalityLbEndpoints {
-                lb_endpoints,
-                ..Default::default()
-            }]
-        },
+        endpoints: localities,
         ..Default::default()
+    }
+}
+
+/// The workers of `service` on the other hosts of `snapshot`'s fleet.
+pub fn remote_of<'a>(
+    snapshot: &'a Snapshot,
+    service: &'a str,
+) -> Vec<(&'a str, &'a Locality, &'a RemoteWorker)> {
+    snapshot
+        .remote_workers(service)
+        .map(|(host, remote, worker)| (host, &remote.locality, worker))
+        .collect()
+}
+
+/// Envoy's locality of a host's workers: its region and zone, and the host as sub-zone.
+fn envoy_locality(host: &str, locality: &Locality) -> PbLocality {
+    PbLocality {
+        region: locality.region.clone(),
+        zone: locality.zone.clone(),
+        sub_zone: host.to_owned(),
+    }
+}
+
+/// One endpoint.
+fn lb_endpoint(
+    addresses: &[Address],
+    hostname: &str,
+    health: HealthStatus,
+    weight: u32,
+    hash: &str,
+) -> LbEndpoint {
+    let mut addresses = addresses.iter().map(address);
+    LbEndpoint {
+        health_status: health as i32,
+        // Weight 1 is Envoy's default: left out, so unweighted services keep their bytes.
+        load_balancing_weight: (weight != 1).then_some(UInt32Value { value: weight }),
+        metadata: Some(hash_key(hash)),
+        host_identifier: Some(HostIdentifier::Endpoint(Endpoint {
+            address: addresses.next(),
+            hostname: hostname.to_owned(),
+            additional_addresses: addresses
+                .map(|a| AdditionalAddress { address: Some(a) })
+                .collect(),
+            ..Default::default()
+        })),
     }
 }
 
 /// The key of endpoint metadata that ring hash and Maglev hash an endpoint by, instead of its address.
 pub const HASH_KEY_FILTER: &str = "envoy.lb";
 
-/// `filter_metadata["envoy.lb"]["hash_key"] = "<service>-<index>"`: a worker slot's identity, the same
-/// across restarts (which change the address), so consistent hashing maps a key to the same slot.
-fn hash_key(service: &str, index: u32) -> Metadata {
+/// `filter_metadata["envoy.lb"]["hash_key"] = key` (see [`slot_hash_key`]): a worker slot's identity,
+/// the same across restarts (which change the address), so consistent hashing maps a key to the same
+/// slot.
+fn hash_key(key: &str) -> Metadata {
     let fields = HashMap::from([(
         "hash_key".to_string(),
         Value {
-            kind: Some(Kind::StringValue(format!("{service}-{index}"))),
+            kind: Some(Kind::StringValue(key.to_owned())),
         },
     )]);
     // One entry per map only: see the note on `typed_extension_protocol_options`.
@@ -699,6 +796,7 @@ mod tests {
             eds_source: EdsSource::Ads,
             balancers: BTreeMap::from([("web".to_string(), Balancer::Random)]),
             weights: BTreeMap::new(),
+            fleet: None,
         };
         let cluster = make_cluster("web", &ServiceView::default(), &options);
         assert_eq!(cluster.lb_policy, LbPolicy::Random as i32);
@@ -762,6 +860,7 @@ mod tests {
                     vec![tcp(8000), Address::Tcp("[::1]:8000".parse().unwrap())],
                 ),
             ]),
+            &[],
             &options,
         );
         let socket = |ip: &str, port: u32| PbAddress {
@@ -785,7 +884,7 @@ mod tests {
                             }],
                             ..Default::default()
                         })),
-                        metadata: Some(hash_key("web", 0)),
+                        metadata: Some(hash_key("web-0")),
                         ..Default::default()
                     },
                     LbEndpoint {
@@ -801,7 +900,7 @@ mod tests {
                             ..Default::default()
                         })),
                         load_balancing_weight: Some(UInt32Value { value: 3 }),
-                        metadata: Some(hash_key("web", 1)),
+                        metadata: Some(hash_key("web-1")),
                     },
                 ],
                 ..Default::default()
@@ -816,8 +915,12 @@ mod tests {
         let mut old = worker(0, 10, &[Protocol::Http2], vec![tcp(8000)]);
         old.state = WorkerState::Draining;
         let new = worker(0, 11, &[Protocol::Http2], vec![tcp(8001)]);
-        let assignment =
-            make_load_assignment("web", &view(vec![new, old]), &ClusterOptions::default());
+        let assignment = make_load_assignment(
+            "web",
+            &view(vec![new, old]),
+            &[],
+            &ClusterOptions::default(),
+        );
         let health: Vec<(String, i32)> = assignment.endpoints[0]
             .lb_endpoints
             .iter()
@@ -839,9 +942,65 @@ mod tests {
 
     #[test]
     fn empty_service_has_no_endpoints() {
-        let assignment =
-            make_load_assignment("web", &ServiceView::default(), &ClusterOptions::default());
+        let assignment = make_load_assignment(
+            "web",
+            &ServiceView::default(),
+            &[],
+            &ClusterOptions::default(),
+        );
         assert_eq!(assignment.cluster_name, "web");
         assert!(assignment.endpoints.is_empty());
+    }
+
+    #[test]
+    fn in_a_fleet_every_host_is_a_locality_and_hash_keys_name_their_host() {
+        let options = ClusterOptions {
+            fleet: Some(FleetIdentity {
+                host: "a".into(),
+                locality: Locality {
+                    region: "r1".into(),
+                    zone: "z1".into(),
+                },
+            }),
+            ..ClusterOptions::default()
+        };
+        let remote = RemoteWorker {
+            service: "web".into(),
+            index: 0,
+            pid: 99,
+            hostname: "web-0-99".into(),
+            protocols: vec![Protocol::Http1],
+            addresses: vec![Address::Tcp("10.0.0.2:8000".parse().unwrap())],
+            health: Health::Draining,
+            weight: 2,
+            hash_key: "b-web-0".into(),
+        };
+        let far = Locality {
+            region: "r2".into(),
+            zone: "z9".into(),
+        };
+        let assignment = make_load_assignment(
+            "web",
+            &view(vec![worker(0, 10, &[Protocol::Http1], vec![tcp(8000)])]),
+            &[("b", &far, &remote)],
+            &options,
+        );
+        assert_eq!(assignment.endpoints.len(), 2, "one locality per host");
+        let locality = |i: usize| assignment.endpoints[i].locality.clone().unwrap();
+        assert_eq!(
+            (locality(0).region, locality(0).zone, locality(0).sub_zone),
+            ("r1".into(), "z1".into(), "a".into())
+        );
+        assert_eq!(locality(1).sub_zone, "b");
+        assert!(assignment.endpoints.iter().all(|l| l.priority == 0));
+        let local = &assignment.endpoints[0].lb_endpoints[0];
+        assert_eq!(local.metadata, Some(hash_key("a-web-0")));
+        let far_end = &assignment.endpoints[1].lb_endpoints[0];
+        assert_eq!(far_end.health_status, HealthStatus::Draining as i32);
+        assert_eq!(
+            far_end.load_balancing_weight,
+            Some(UInt32Value { value: 2 })
+        );
+        assert_eq!(far_end.metadata, Some(hash_key("b-web-0")));
     }
 }

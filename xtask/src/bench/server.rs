@@ -2,18 +2,13 @@
 //! under a `peregrine run` supervisor, and the hyper baseline; and the check that the machine has what
 //! loading them takes.
 
-use std::{
-    env,
-    path::{Path, PathBuf},
-    process::Command,
-    time::Duration,
-};
+use std::{env, path::Path, process::Command, time::Duration};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use peregrine_e2e::{ChildGuard, free_port, http_get, try_wait_until, worker_pid};
 
 use super::machine::online_cpus;
-use crate::run_checked;
+use crate::packages::program_path;
 
 /// The core both servers are pinned to.
 pub(super) const SERVER_CPU: &str = "0";
@@ -132,42 +127,5 @@ pub(super) fn preflight() -> anyhow::Result<()> {
     for (program, package) in [("taskset", "util-linux"), ("timeout", "coreutils")] {
         program_path(program).with_context(|| format!("install the Debian package {package}"))?;
     }
-    let missing = [("wrk", "wrk"), ("h2load", "nghttp2-client")]
-        .into_iter()
-        .filter(|(program, _)| program_path(program).is_err())
-        .map(|(_, package)| package)
-        .collect::<Vec<_>>();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !rustix::process::geteuid().is_root() {
-        bail!(
-            "missing load generators: run `apt-get install -y {}` as root",
-            missing.join(" ")
-        );
-    }
-    eprintln!("installing {}", missing.join(" "));
-    let install = || {
-        run_checked(
-            Command::new("apt-get")
-                .args(["install", "-y"])
-                .args(&missing),
-        )
-    };
-    if install().is_err() {
-        // A fresh machine may have no package lists yet.
-        run_checked(Command::new("apt-get").arg("update"))?;
-        install()?;
-    }
-    Ok(())
-}
-
-/// `program` found in `PATH`.
-fn program_path(program: &str) -> anyhow::Result<PathBuf> {
-    env::var_os("PATH")
-        .iter()
-        .flat_map(env::split_paths)
-        .map(|dir| dir.join(program))
-        .find(|path| path.is_file())
-        .with_context(|| format!("{program} is not in PATH"))
+    crate::packages::ensure(&[("wrk", "wrk"), ("h2load", "nghttp2-client")])
 }

@@ -1,0 +1,15 @@
+//! A fleet of hosts: each supervisor keeps its host's workers in etcd under a lease, watches the
+//! others, and serves every host's workers to its Envoys.
+//!
+//! etcd holds **membership** only (hosts, workers, addresses, locality, state), which changes slowly;
+//! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
+//! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session.
+//!
+//! Invariant: the registry stays the one source of truth. This module writes exactly one thing in
+//! it, the other hosts' view ([`crate::registry::Registry::set_fleet`]), and reads this host's
+//! workers from its snapshots; xDS and status read the merged view as they read the rest.
+
+pub mod membership;
+pub mod records;
+
+pub use membership::Membership;

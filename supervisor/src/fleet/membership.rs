@@ -1,0 +1,264 @@
+//! The etcd session of one supervisor: its lease, its own records under it, and the watch that
+//! builds the other hosts' view in the registry.
+//!
+//! One session is: connect, grant a lease of `lease_ttl`, put this host's records in one transaction,
+//! list the fleet's range and watch it from the listing's revision + 1 (no gap, no event twice), then
+//! keep the lease alive every third of its TTL, publish every change of the registry's own workers as
+//! one put or delete, and apply every watch event to the registry's view of the other hosts.
+//!
+//! Invariant: etcd being away never empties the view: a failed session keeps the last view in the
+//! registry (Envoy goes on with the endpoints it has) and a new session replaces it whole once it has
+//! listed the range again. A lost lease (this supervisor was paused longer than the TTL, or etcd
+//! expired it) is granted anew and every own key put back.
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
+use tokio::sync::watch;
+
+use super::records::{self, Identity, Keys};
+use peregrine_contract::ErrorChain;
+
+use crate::{config::ClusterConfig, registry::Registry, throttle::Throttle, xds::XdsOptions};
+
+/// The longest pause between two attempts to reach etcd.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Why a session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// etcd refused or could not be reached.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// The watch stream ended.
+    #[error("the watch of the fleet's keys ended")]
+    WatchClosed,
+    /// etcd cancelled the watch (for example: its start revision was compacted).
+    #[error("etcd cancelled the watch of the fleet's keys: {0}")]
+    WatchCanceled(String),
+    /// The lease is gone: the keys under it were deleted.
+    #[error("the lease expired")]
+    LeaseLost,
+}
+
+/// What the membership task needs.
+#[derive(Debug)]
+pub struct Membership {
+    /// `[cluster]`.
+    pub cluster: ClusterConfig,
+    /// The gRPC port this supervisor serves on.
+    pub grpc_port: u16,
+    /// The registry: read for own workers, written with the other hosts.
+    pub registry: Arc<Registry>,
+    /// The xDS options, for the workers' weights.
+    pub options: watch::Receiver<XdsOptions>,
+}
+
+impl Membership {
+    /// Runs sessions until `stop` turns true.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let keys = Keys::new(&self.cluster.prefix);
+        let me = Identity {
+            host: self.cluster.host.clone(),
+            locality: self.cluster.locality.clone(),
+            grpc_port: self.grpc_port,
+        };
+        let unavailable = Throttle::new(Duration::from_secs(10));
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.session(&keys, &me, &mut stop).await {
+                Ok(()) => return,
+                Err(SessionError::LeaseLost) => {
+                    tracing::warn!(host = %me.host, "The fleet lease expired: putting this host's keys back under a new one");
+                    backoff = Duration::from_millis(100);
+                    continue;
+                }
+                Err(error) => {
+                    if let Some(suppressed) = unavailable.allow() {
+                        tracing::warn!(error = %ErrorChain(&error), suppressed, etcd = ?self.cluster.etcd, "etcd unavailable: serving the last fleet view");
+                    }
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = stopped(&mut stop) => return,
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// One session, until it fails or `stop` turns true (then the lease is revoked, so that the other
+    /// hosts drop this one at once instead of after its TTL).
+    async fn session(
+        &mut self,
+        keys: &Keys,
+        me: &Identity,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<(), SessionError> {
+        if *stop.borrow() {
+            return Ok(());
+        }
+        let ttl = self.cluster.lease_ttl;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(ttl);
+        let mut client = Client::connect(&self.cluster.etcd, Some(options)).await?;
+        // Subscribed before the first publish, so that a worker registering meanwhile is published
+        // by the loop below rather than missed.
+        let mut snapshots = self.registry.subscribe();
+        let lease = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
+        let (mut keeper, mut alive) = client.lease_keep_alive(lease).await?;
+        let mut published = BTreeMap::new();
+        self.publish(&mut client, keys, me, lease, &mut published)
+            .await?;
+        let listing = client
+            .get(keys.root(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        let revision = listing.header().map_or(0, |h| h.revision());
+        let mut range: BTreeMap<String, String> = listing
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                Some((
+                    kv.key_str().ok()?.to_owned(),
+                    kv.value_str().ok()?.to_owned(),
+                ))
+            })
+            .collect();
+        self.apply(keys, me, &range);
+        let mut watch = client
+            .watch(
+                keys.root(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision + 1),
+                ),
+            )
+            .await?;
+        tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
+        let mut renew = tokio::time::interval(ttl / 3);
+        loop {
+            tokio::select! {
+                _ = renew.tick() => keeper.keep_alive().await?,
+                answer = alive.message() => match answer? {
+                    Some(answer) if answer.ttl() > 0 => {}
+                    _ => return Err(SessionError::LeaseLost),
+                },
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    self.publish(&mut client, keys, me, lease, &mut published).await?;
+                }
+                changed = self.options.changed() => {
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    self.publish(&mut client, keys, me, lease, &mut published).await?;
+                }
+                () = stopped(stop) => {
+                    let _ = client.lease_revoke(lease).await;
+                    tracing::info!(host = %me.host, "Left the fleet");
+                    return Ok(());
+                }
+                message = watch.message() => {
+                    let Some(message) = message? else {
+                        return Err(SessionError::WatchClosed);
+                    };
+                    if message.canceled() {
+                        return Err(SessionError::WatchCanceled(message.cancel_reason().to_owned()));
+                    }
+                    let mut ours_gone = false;
+                    for event in message.events() {
+                        let Some(kv) = event.kv() else { continue };
+                        let Ok(key) = kv.key_str() else { continue };
+                        match event.event_type() {
+                            EventType::Put => {
+                                if let Ok(value) = kv.value_str() {
+                                    range.insert(key.to_owned(), value.to_owned());
+                                }
+                            }
+                            EventType::Delete => {
+                                range.remove(key);
+                                ours_gone |= published.contains_key(key);
+                            }
+                        }
+                    }
+                    if ours_gone {
+                        // Only the lease's expiry deletes our keys (we delete our own only after
+                        // forgetting them): the lease is gone.
+                        return Err(SessionError::LeaseLost);
+                    }
+                    self.apply(keys, me, &range);
+                }
+            }
+        }
+    }
+
+    /// Puts what changed of this host's records and deletes what went, in one transaction.
+    async fn publish(
+        &self,
+        client: &mut Client,
+        keys: &Keys,
+        me: &Identity,
+        lease: i64,
+        published: &mut BTreeMap<String, String>,
+    ) -> Result<(), SessionError> {
+        let weights = self.options.borrow().weights.clone();
+        let wanted = records::own_records(keys, me, &self.registry.snapshot(), &weights);
+        let mut ops = Vec::new();
+        for (key, value) in &wanted {
+            if published.get(key) != Some(value) {
+                ops.push(TxnOp::put(
+                    key.as_str(),
+                    value.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ));
+            }
+        }
+        let gone: Vec<String> = published
+            .keys()
+            .filter(|key| !wanted.contains_key(*key))
+            .cloned()
+            .collect();
+        for key in &gone {
+            ops.push(TxnOp::delete(key.as_str(), None));
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        // Forgotten before the delete is sent, so that its watch event is not taken for the lease's
+        // expiry.
+        for key in &gone {
+            published.remove(key);
+        }
+        client.txn(Txn::new().and_then(ops)).await?;
+        *published = wanted;
+        Ok(())
+    }
+
+    /// Replaces the registry's view of the other hosts with what `range` holds.
+    fn apply(&self, keys: &Keys, me: &Identity, range: &BTreeMap<String, String>) {
+        let (fleet, skipped) = records::fleet_from(
+            keys,
+            &me.host,
+            range.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        for (key, error) in skipped {
+            tracing::warn!(key, %error, "Skipping a fleet record");
+        }
+        let hosts = fleet.len();
+        let workers: usize = fleet.values().map(|h| h.workers.len()).sum();
+        if self.registry.set_fleet(fleet) {
+            tracing::debug!(hosts, workers, "Fleet view changed");
+        }
+    }
+}
+
+/// Resolves once `stop` is true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}

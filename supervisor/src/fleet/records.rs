@@ -1,0 +1,451 @@
+//! What a supervisor keeps in etcd, and how: the key layout and the records, as pure functions.
+//!
+//! Under `<prefix>/v1/`:
+//! - `hosts/<host>`: the host (its locality and gRPC port), under the host's lease;
+//! - `workers/<host>/<service>/<index>/<pid>`: one worker instance (hostname, protocols, addresses,
+//!   health, weight, hash key), under the host's lease.
+//!
+//! A worker change is one put or one delete of its own key, and a host's keys are one range, so a
+//! host that leaves (its lease expires) takes exactly its own keys with it. Values are JSON, so that
+//! `etcdctl get --prefix /peregrine` is readable by an operator.
+//!
+//! Invariant: only IP endpoints are published (another host cannot reach a Unix socket), and a record
+//! that does not parse is skipped with a reason, never half-applied.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    config::Locality,
+    registry::{Address, Fleet, Health, Protocol, RemoteWorker, Snapshot, WorkerState},
+    xds::resources::slot_hash_key,
+};
+
+/// The layout's version: a new layout gets a new one, and old supervisors do not read it.
+const LAYOUT: &str = "v1";
+
+/// The keys of one fleet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keys {
+    root: String,
+}
+
+/// What is under a key of the fleet's range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyKind<'a> {
+    /// `hosts/<host>`.
+    Host(&'a str),
+    /// `workers/<host>/<service>/<index>/<pid>`.
+    Worker {
+        /// The host.
+        host: &'a str,
+        /// The service.
+        service: &'a str,
+        /// The slot index.
+        index: u32,
+        /// The process id.
+        pid: u32,
+    },
+}
+
+impl Keys {
+    /// The keys under `prefix` (e.g. `/peregrine`).
+    pub fn new(prefix: &str) -> Keys {
+        Keys {
+            root: format!("{prefix}/{LAYOUT}/"),
+        }
+    }
+
+    /// Every key of the fleet starts with this.
+    pub fn root(&self) -> &str {
+        &self.root
+    }
+
+    /// `hosts/<host>`.
+    pub fn host(&self, host: &str) -> String {
+        format!("{}hosts/{host}", self.root)
+    }
+
+    /// `workers/<host>/<service>/<index>/<pid>`.
+    pub fn worker(&self, host: &str, service: &str, index: u32, pid: u32) -> String {
+        format!("{}workers/{host}/{service}/{index}/{pid}", self.root)
+    }
+
+    /// What `key` names, if it is a key of this layout.
+    pub fn kind<'a>(&self, key: &'a str) -> Option<KeyKind<'a>> {
+        let rest = key.strip_prefix(self.root.as_str())?;
+        let mut parts = rest.split('/');
+        match parts.next()? {
+            "hosts" => {
+                let host = parts.next()?;
+                parts.next().is_none().then_some(KeyKind::Host(host))
+            }
+            "workers" => {
+                let (host, service) = (parts.next()?, parts.next()?);
+                let index = parts.next()?.parse().ok()?;
+                let pid = parts.next()?.parse().ok()?;
+                parts.next().is_none().then_some(KeyKind::Worker {
+                    host,
+                    service,
+                    index,
+                    pid,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// `hosts/<host>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostRecord {
+    /// Region.
+    pub region: String,
+    /// Zone.
+    pub zone: String,
+    /// The supervisor's gRPC port (xDS, and ORCA on its workers' addresses).
+    pub grpc_port: u16,
+}
+
+/// `workers/...`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    /// The EDS hostname (the ORCA `:authority`).
+    pub hostname: String,
+    /// `http1`, `http2`.
+    pub protocols: Vec<String>,
+    /// `IP:PORT`, in order of preference.
+    pub addresses: Vec<String>,
+    /// `serving`, `draining` or `unhealthy`.
+    pub health: String,
+    /// The load-balancing weight.
+    pub weight: u32,
+    /// The consistent-hashing key.
+    pub hash_key: String,
+}
+
+/// Who this host is, for its own records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The host's name.
+    pub host: String,
+    /// Its locality.
+    pub locality: Locality,
+    /// Its gRPC port.
+    pub grpc_port: u16,
+}
+
+fn protocol_name(protocol: Protocol) -> &'static str {
+    match protocol {
+        Protocol::Http1 => "http1",
+        Protocol::Http2 => "http2",
+    }
+}
+
+/// The keys and values this host must have in etcd for `snapshot`: its host record and one record per
+/// local worker instance with an IP address. `weights` are the services' weights by slot index.
+pub fn own_records(
+    keys: &Keys,
+    me: &Identity,
+    snapshot: &Snapshot,
+    weights: &BTreeMap<String, Vec<u32>>,
+) -> BTreeMap<String, String> {
+    let mut records = BTreeMap::new();
+    let host = HostRecord {
+        region: me.locality.region.clone(),
+        zone: me.locality.zone.clone(),
+        grpc_port: me.grpc_port,
+    };
+    records.insert(
+        keys.host(&me.host),
+        serde_json::to_string(&host).expect("a record serializes"),
+    );
+    for (service, view) in &snapshot.services {
+        for worker in view.workers.values() {
+            let addresses: Vec<String> = worker
+                .listener
+                .addresses
+                .iter()
+                .filter_map(|a| match a {
+                    Address::Tcp(addr) => Some(addr.to_string()),
+                    Address::Unix(_) => None,
+                })
+                .collect();
+            if addresses.is_empty() {
+                continue;
+            }
+            let health = match (worker.state, worker.stalled) {
+                (WorkerState::Draining, _) => Health::Draining,
+                (WorkerState::Ready, Some(_)) => Health::Unhealthy,
+                (WorkerState::Ready, None) => Health::Serving,
+            };
+            let record = WorkerRecord {
+                hostname: worker.hostname.clone(),
+                protocols: worker
+                    .listener
+                    .protocols
+                    .iter()
+                    .map(|p| protocol_name(*p).to_owned())
+                    .collect(),
+                addresses,
+                health: health.as_str().to_owned(),
+                weight: weights
+                    .get(service)
+                    .and_then(|w| w.get(worker.index as usize))
+                    .copied()
+                    .unwrap_or(1),
+                hash_key: slot_hash_key(Some(&me.host), service, worker.index),
+            };
+            records.insert(
+                keys.worker(&me.host, service, worker.index, worker.pid),
+                serde_json::to_string(&record).expect("a record serializes"),
+            );
+        }
+    }
+    records
+}
+
+/// Why a record of another host was skipped.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    /// Not JSON of the expected shape.
+    #[error("not a {what} record: {reason}")]
+    Shape {
+        /// Which record.
+        what: &'static str,
+        /// serde's reason.
+        reason: String,
+    },
+    /// A field's value is not one this layout knows.
+    #[error("{field} {value:?} is not valid")]
+    Value {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: String,
+    },
+}
+
+/// A remote worker from its record.
+pub fn remote_worker(
+    service: &str,
+    index: u32,
+    pid: u32,
+    value: &str,
+) -> Result<RemoteWorker, RecordError> {
+    let record: WorkerRecord = serde_json::from_str(value).map_err(|e| RecordError::Shape {
+        what: "worker",
+        reason: e.to_string(),
+    })?;
+    let bad = |field, value: &str| RecordError::Value {
+        field,
+        value: value.to_owned(),
+    };
+    let protocols = record
+        .protocols
+        .iter()
+        .map(|p| match p.as_str() {
+            "http1" => Ok(Protocol::Http1),
+            "http2" => Ok(Protocol::Http2),
+            other => Err(bad("protocol", other)),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let addresses = record
+        .addresses
+        .iter()
+        .map(|a| a.parse().map(Address::Tcp).map_err(|_| bad("address", a)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if addresses.is_empty() {
+        return Err(bad("addresses", "[]"));
+    }
+    Ok(RemoteWorker {
+        service: service.to_owned(),
+        index,
+        pid,
+        hostname: record.hostname,
+        protocols,
+        addresses,
+        health: Health::parse(&record.health).ok_or_else(|| bad("health", &record.health))?,
+        weight: record.weight.max(1),
+        hash_key: record.hash_key,
+    })
+}
+
+/// The other hosts of the fleet from every key and value of its range (`kvs`), leaving out `me`.
+/// Returns the fleet and the records skipped, with their keys and why.
+pub fn fleet_from<'a>(
+    keys: &Keys,
+    me: &str,
+    kvs: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> (Fleet, Vec<(String, RecordError)>) {
+    let mut fleet = Fleet::new();
+    let mut skipped = Vec::new();
+    for (key, value) in kvs {
+        match keys.kind(key) {
+            Some(KeyKind::Host(host)) if host != me => {
+                match serde_json::from_str::<HostRecord>(value) {
+                    Ok(record) => {
+                        fleet.entry(host.to_owned()).or_default().locality = Locality {
+                            region: record.region,
+                            zone: record.zone,
+                        };
+                    }
+                    Err(e) => skipped.push((
+                        key.to_owned(),
+                        RecordError::Shape {
+                            what: "host",
+                            reason: e.to_string(),
+                        },
+                    )),
+                }
+            }
+            Some(KeyKind::Worker {
+                host,
+                service,
+                index,
+                pid,
+            }) if host != me => match remote_worker(service, index, pid, value) {
+                Ok(worker) => {
+                    fleet
+                        .entry(host.to_owned())
+                        .or_default()
+                        .workers
+                        .insert((service.to_owned(), index, pid), worker);
+                }
+                Err(error) => skipped.push((key.to_owned(), error)),
+            },
+            _ => {}
+        }
+    }
+    (fleet, skipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Registry, Worker};
+
+    fn me() -> Identity {
+        Identity {
+            host: "host-a".into(),
+            locality: Locality {
+                region: "r1".into(),
+                zone: "z1".into(),
+            },
+            grpc_port: 18000,
+        }
+    }
+
+    #[test]
+    fn keys_name_hosts_and_workers_and_nothing_else() {
+        let keys = Keys::new("/peregrine");
+        assert_eq!(keys.host("a"), "/peregrine/v1/hosts/a");
+        let worker = keys.worker("a", "web", 2, 77);
+        assert_eq!(worker, "/peregrine/v1/workers/a/web/2/77");
+        assert_eq!(
+            keys.kind(&worker),
+            Some(KeyKind::Worker {
+                host: "a",
+                service: "web",
+                index: 2,
+                pid: 77
+            })
+        );
+        assert_eq!(keys.kind("/peregrine/v1/hosts/a"), Some(KeyKind::Host("a")));
+        for other in [
+            "/peregrine/v1/hosts/a/b",
+            "/peregrine/v1/workers/a/web/x/1",
+            "/peregrine/v2/hosts/a",
+            "/other/v1/hosts/a",
+            "/peregrine/v1/acks/a",
+        ] {
+            assert_eq!(keys.kind(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn own_records_round_trip_into_another_hosts_view() {
+        let registry = Registry::new(["web".to_string()]);
+        registry
+            .register(Worker::ready(
+                "web",
+                1,
+                42,
+                vec![Protocol::Http1, Protocol::Http2],
+                vec![
+                    Address::Tcp("10.0.0.1:8001".parse().unwrap()),
+                    Address::Tcp("[fd00::1]:8001".parse().unwrap()),
+                ],
+            ))
+            .unwrap();
+        registry
+            .register(Worker::ready(
+                "web",
+                2,
+                43,
+                vec![Protocol::Http1],
+                vec![Address::Unix("/run/w.sock".into())],
+            ))
+            .unwrap();
+        let keys = Keys::new("/peregrine");
+        let weights = BTreeMap::from([("web".to_string(), vec![1, 3])]);
+        let records = own_records(&keys, &me(), &registry.snapshot(), &weights);
+        assert_eq!(
+            records.len(),
+            2,
+            "the host and the one IP worker: {records:#?}"
+        );
+        let (fleet, skipped) = fleet_from(
+            &keys,
+            "host-b",
+            records.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        assert!(skipped.is_empty(), "{skipped:?}");
+        let host = &fleet["host-a"];
+        assert_eq!(host.locality.zone, "z1");
+        let worker = &host.workers[&("web".to_string(), 1, 42)];
+        assert_eq!(worker.hostname, "web-1-42");
+        assert_eq!(worker.weight, 3);
+        assert_eq!(worker.hash_key, "host-a-web-1");
+        assert_eq!(worker.health, Health::Serving);
+        assert_eq!(worker.protocols, [Protocol::Http1, Protocol::Http2]);
+        assert_eq!(worker.addresses.len(), 2);
+        // A host never reads itself back as remote.
+        let (mine, _) = fleet_from(
+            &keys,
+            "host-a",
+            records.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        assert!(mine.is_empty());
+    }
+
+    #[test]
+    fn a_bad_record_is_skipped_with_its_reason() {
+        let keys = Keys::new("/p");
+        let (fleet, skipped) = fleet_from(
+            &keys,
+            "me",
+            [
+                ("/p/v1/workers/b/web/0/1", "not json"),
+                (
+                    "/p/v1/workers/b/web/1/2",
+                    r#"{"hostname":"h","protocols":["spdy"],"addresses":["1.2.3.4:5"],"health":"serving","weight":1,"hash_key":"k"}"#,
+                ),
+                (
+                    "/p/v1/workers/b/web/2/3",
+                    r#"{"hostname":"h","protocols":["http1"],"addresses":["1.2.3.4:5"],"health":"serving","weight":1,"hash_key":"k"}"#,
+                ),
+            ],
+        );
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(matches!(
+            skipped[1].1,
+            RecordError::Value {
+                field: "protocol",
+                ..
+            }
+        ));
+        assert_eq!(fleet["b"].workers.len(), 1);
+    }
+}

@@ -1,0 +1,184 @@
+//! A fleet of two hosts (two supervisors on this machine, each with its own control socket and gRPC
+//! port) sharing membership through a real etcd: each serves the other's workers to its Envoy, a host
+//! whose supervisor dies leaves every Envoy within its lease, and etcd going away changes nothing.
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use peregrine_e2e::{
+    Envoy, Etcd, Host, Supervisor, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
+    try_wait_until, wait_until, worker_pid, workers_in,
+};
+
+/// The service every host runs.
+const SERVICE: &str = "web";
+/// The lease's TTL; etcd counts whole seconds.
+const TTL: Duration = Duration::from_secs(2);
+
+/// One host: its supervisor, and the address of the Envoy it bootstraps.
+struct FleetHost {
+    supervisor: Supervisor,
+    listen: SocketAddr,
+}
+
+fn host(name: &str, etcd: &Etcd, workers: u32) -> FleetHost {
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let config = format!(
+        r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{{dir}}/peregrine.sock"
+sampler = "off"
+
+[envoy]
+listen = "127.0.0.1:{listen}"
+admin = "127.0.0.1:{admin}"
+
+[cluster]
+etcd = ["{etcd}"]
+host = "{name}"
+zone = "z-{name}"
+lease_ttl_ms = {ttl}
+routing = "fleet"
+
+[service.{SERVICE}]
+count = {workers}
+url = "http://127.0.0.1:0"
+"#,
+        etcd = etcd.endpoint(),
+        ttl = TTL.as_millis(),
+    );
+    FleetHost {
+        supervisor: Supervisor::start(&config),
+        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+    }
+}
+
+fn hostnames(hosts: &[Host]) -> BTreeSet<String> {
+    hosts.iter().map(|h| h.hostname.clone()).collect()
+}
+
+/// Waits until `envoy` holds exactly `n` healthy hosts of the service.
+#[track_caller]
+fn wait_for_hosts(envoy: &Envoy, n: usize, within: Duration) -> Vec<Host> {
+    try_wait_until(within, &format!("{n} healthy hosts in Envoy"), || {
+        let hosts = hosts(&envoy.clusters(), SERVICE);
+        (hosts.len() == n && hosts.iter().all(|h| h.healthy)).then_some(hosts)
+    })
+    .unwrap_or_else(|error| panic!("{error}\n{}", envoy.clusters()))
+}
+
+/// The worker pids that answer `n` requests through Envoy at `listen`; panics on a failed request.
+fn answering(listen: SocketAddr, n: usize) -> BTreeSet<u32> {
+    (0..n)
+        .map(|i| {
+            let (status, body) =
+                http_get(listen, "/").unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
+            assert_eq!(status, 200, "request {i}: {body}");
+            worker_pid(&body).unwrap_or_else(|| panic!("not a hello body: {body:?}"))
+        })
+        .collect()
+}
+
+#[test]
+fn every_host_serves_the_fleet_and_a_dead_host_leaves_within_its_lease() {
+    let test = "every_host_serves_the_fleet_and_a_dead_host_leaves_within_its_lease";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    let a = host("a", &etcd, 2);
+    let mut b = host("b", &etcd, 2);
+    let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+
+    // A's Envoy holds both hosts' workers, and traffic reaches all four.
+    let held = wait_for_hosts(&envoy, 4, Duration::from_secs(30));
+    let a_pids: BTreeSet<u32> = a.supervisor.worker_pids().into_iter().collect();
+    let b_pids: BTreeSet<u32> = b.supervisor.worker_pids().into_iter().collect();
+    assert_eq!((a_pids.len(), b_pids.len()), (2, 2));
+    let answered = answering(a.listen, 200);
+    assert_eq!(
+        answered,
+        a_pids.union(&b_pids).copied().collect(),
+        "every host's workers answer through A's Envoy; held: {held:?}"
+    );
+    // B's own Envoy sees A's workers too.
+    let b_envoy = Envoy::start(&b.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    wait_for_hosts(&b_envoy, 4, Duration::from_secs(30));
+    assert_eq!(
+        answering(b.listen, 200),
+        a_pids.union(&b_pids).copied().collect(),
+        "and through B's Envoy"
+    );
+    drop(b_envoy);
+
+    // B dies whole: its supervisor and its workers. A's Envoy drops B's workers once B's lease
+    // expires: within the TTL and a margin.
+    let b_workers = workers_in(b.supervisor.dir());
+    let killed = Instant::now();
+    b.supervisor.process().kill();
+    for pid in b_workers {
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid as i32).expect("a pid"),
+            rustix::process::Signal::KILL,
+        );
+    }
+    let left = wait_for_hosts(&envoy, 2, TTL + Duration::from_secs(3));
+    let gone_after = killed.elapsed();
+    assert!(
+        gone_after <= TTL + Duration::from_millis(2500),
+        "B's workers left after {gone_after:?}"
+    );
+    let remaining: BTreeSet<u32> = left
+        .iter()
+        .filter_map(|h| h.hostname.rsplit('-').next()?.parse().ok())
+        .collect();
+    assert_eq!(remaining, a_pids, "only A's workers remain: {left:?}");
+    assert_eq!(answering(a.listen, 50), a_pids);
+    eprintln!("B left A's Envoy {gone_after:?} after it was killed (lease TTL {TTL:?})");
+}
+
+#[test]
+fn etcd_going_away_keeps_every_host_in_the_view() {
+    let test = "etcd_going_away_keeps_every_host_in_the_view";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let mut etcd = Etcd::start().expect("etcd starts");
+    let a = host("a", &etcd, 1);
+    let b = host("b", &etcd, 1);
+    let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let held = hostnames(&wait_for_hosts(&envoy, 2, Duration::from_secs(30)));
+    let every: BTreeSet<u32> = a
+        .supervisor
+        .worker_pids()
+        .into_iter()
+        .chain(b.supervisor.worker_pids())
+        .collect();
+
+    etcd.process().kill();
+    wait_until(
+        Duration::from_secs(10),
+        "A to notice that etcd is away",
+        || {
+            a.supervisor
+                .logs()
+                .contains("etcd unavailable")
+                .then_some(())
+        },
+    );
+    // Watched for longer than a lease: had the view followed etcd's absence, B would be gone by
+    // then. (This checks that something does not happen, so it looks for a fixed window.)
+    let until = Instant::now() + TTL * 2;
+    let mut answered = BTreeSet::new();
+    while Instant::now() < until {
+        let now = hostnames(&hosts(&envoy.clusters(), SERVICE));
+        assert_eq!(now, held, "the view stays whole while etcd is away");
+        answered.extend(answering(a.listen, 10));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(answered, every, "both hosts' workers keep answering");
+    drop(b);
+}

@@ -1,0 +1,57 @@
+//! Debian packages the project's commands need and install when they are missing (and run as root):
+//! a fresh machine's README commands do all their own set-up.
+
+use std::{env, path::PathBuf, process::Command};
+
+use anyhow::{Context, bail};
+
+use crate::run_checked;
+
+/// `program` found in `PATH`.
+pub(crate) fn program_path(program: &str) -> anyhow::Result<PathBuf> {
+    env::var_os("PATH")
+        .iter()
+        .flat_map(env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+        .with_context(|| format!("{program} is not in PATH"))
+}
+
+/// Installs the package of every `(program, package)` whose program is not in `PATH`, with apt-get;
+/// an error naming the command to run when this is not root.
+pub(crate) fn ensure(needed: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing = needed
+        .iter()
+        .filter(|(program, _)| program_path(program).is_err())
+        .map(|(_, package)| *package)
+        .collect::<Vec<_>>();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !rustix::process::geteuid().is_root() {
+        bail!(
+            "missing: run `apt-get install -y {}` as root",
+            missing.join(" ")
+        );
+    }
+    eprintln!("installing {}", missing.join(" "));
+    let install = || {
+        run_checked(
+            Command::new("apt-get")
+                .args(["install", "-y", "--no-install-recommends"])
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(&missing),
+        )
+    };
+    if install().is_err() {
+        // A fresh machine may have no package lists yet.
+        run_checked(Command::new("apt-get").arg("update"))?;
+        install()?;
+    }
+    Ok(())
+}
+
+/// What building the supervisor and running the fleet's tests and demo need: `protoc` (the etcd
+/// client's build script compiles etcd's protos) and etcd itself (Debian's `etcd-server`, 3.4).
+pub(crate) const FLEET: &[(&str, &str)] =
+    &[("protoc", "protobuf-compiler"), ("etcd", "etcd-server")];
