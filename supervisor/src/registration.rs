@@ -226,6 +226,7 @@ async fn answer_status(
         &registry.loads(),
         &registry.orca_streams(),
         &acks.streams(),
+        registry.fleet_status().as_ref(),
     );
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Status(report)),

@@ -31,7 +31,7 @@ use std::{
 
 use tokio::sync::watch;
 
-pub use self::fleet::{Fleet, Health, RemoteHost, RemoteWorker};
+pub use self::fleet::{EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker};
 pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
 pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 
@@ -269,6 +269,7 @@ pub struct Registry {
     loads: watch::Sender<Arc<Loads>>,
     slots: watch::Sender<Arc<Slots>>,
     orca: Mutex<OrcaByHostname>,
+    fleet_status: Mutex<Option<FleetStatus>>,
 }
 
 /// The hostname published for a worker instance: unique per (service, slot, process).
@@ -294,6 +295,7 @@ impl Registry {
             loads: watch::Sender::new(Arc::default()),
             slots: watch::Sender::new(Arc::default()),
             orca: Mutex::default(),
+            fleet_status: Mutex::default(),
         }
     }
 
@@ -463,6 +465,19 @@ impl Registry {
             Ok::<_, RegistryError>(changed)
         })
         .unwrap_or(false)
+    }
+
+    /// Records where this host's etcd session is (for `status`; it moves no snapshot).
+    pub fn set_fleet_status(&self, status: FleetStatus) {
+        *self.fleet_status.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+    }
+
+    /// Where this host's etcd session is; `None` on a single host.
+    pub fn fleet_status(&self) -> Option<FleetStatus> {
+        self.fleet_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Publishes the workers' loads of one sample (replacing the previous sample's).

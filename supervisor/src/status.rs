@@ -24,7 +24,10 @@ pub use self::{
     view::{OrcaReportView, StatusView, WorkerRow, XdsStreamView},
 };
 use crate::{
-    registry::{Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot, WorkerLoad},
+    registry::{
+        EtcdState, FleetStatus, Health, Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot,
+        WorkerLoad,
+    },
     xds::acks::StreamSync,
 };
 
@@ -35,6 +38,7 @@ pub fn report(
     loads: &Loads,
     orca: &OrcaByHostname,
     streams: &[StreamSync],
+    fleet: Option<&FleetStatus>,
 ) -> v1::Status {
     let now = tokio::time::Instant::now();
     // Every slot the manager runs, and every registered worker instance (a slot being replaced has a
@@ -73,6 +77,28 @@ pub fn report(
             row.orca = orca.get(&worker.hostname).map(orca_message);
         }
     }
+    let own_host = fleet.map(|f| f.host.clone()).unwrap_or_default();
+    for row in rows.values_mut().chain(records.values_mut()) {
+        row.host = own_host.clone();
+    }
+    // Other hosts' workers, after this host's: what they published in etcd.
+    let remote = snapshot.fleet.iter().flat_map(|(host, remote)| {
+        remote.workers.values().map(move |worker| v1::WorkerStatus {
+            service: worker.service.clone(),
+            index: worker.index,
+            pid: Some(worker.pid),
+            hostname: worker.hostname.clone(),
+            addresses: worker.addresses.iter().map(ToString::to_string).collect(),
+            state: match worker.health {
+                Health::Serving => "ready",
+                Health::Draining => "draining",
+                Health::Unhealthy => "stalled",
+            }
+            .to_owned(),
+            host: host.clone(),
+            ..Default::default()
+        })
+    });
     let (sampler, sample_interval_ms) = match loads.sampler {
         Some(info) => (
             info.kind.to_string(),
@@ -116,7 +142,19 @@ pub fn report(
                 row.index = index;
                 row
             })
+            .chain(remote)
             .collect(),
+        fleet: fleet.map(|f| v1::Fleet {
+            host: f.host.clone(),
+            etcd: f.etcd.as_str().to_owned(),
+            since_unix_ms: unix_ms(f.since),
+            error: match &f.etcd {
+                EtcdState::Unavailable { error } => error.clone(),
+                _ => String::new(),
+            },
+            lease: f.lease.unwrap_or(0),
+            hosts: snapshot.fleet.keys().cloned().collect(),
+        }),
     }
 }
 
@@ -236,6 +274,7 @@ pub(crate) mod tests {
             &registry.loads(),
             &registry.orca_streams(),
             &[],
+            None,
         );
         assert_eq!(
             (status.sampler.as_str(), status.sample_interval_ms),

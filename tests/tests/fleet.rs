@@ -104,6 +104,20 @@ fn every_host_serves_the_fleet_and_a_dead_host_leaves_within_its_lease() {
         a_pids.union(&b_pids).copied().collect(),
         "every host's workers answer through A's Envoy; held: {held:?}"
     );
+    // `peregrine status` on A lists every host's workers, with their host, and the etcd session.
+    let status = a.supervisor.status_json().expect("status");
+    let rows = status["workers"].as_array().expect("workers");
+    let by_host = |host: &str| rows.iter().filter(|w| w["host"] == host).count();
+    assert_eq!((by_host("a"), by_host("b")), (2, 2), "{status:#}");
+    assert_eq!(status["fleet"]["etcd"], "connected", "{status:#}");
+    assert_eq!(status["fleet"]["hosts"], serde_json::json!(["b"]));
+    assert!(
+        a.supervisor
+            .status_table()
+            .expect("status")
+            .contains("HOST"),
+        "a HOST column"
+    );
     // B's own Envoy sees A's workers too.
     let b_envoy = Envoy::start(&b.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     wait_for_hosts(&b_envoy, 4, Duration::from_secs(30));
@@ -181,4 +195,47 @@ fn etcd_going_away_keeps_every_host_in_the_view() {
     }
     assert_eq!(answered, every, "both hosts' workers keep answering");
     drop(b);
+}
+
+#[test]
+fn a_supervisor_restart_keeps_its_workers_in_every_envoy() {
+    let test = "a_supervisor_restart_keeps_its_workers_in_every_envoy";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    let a = host("a", &etcd, 1);
+    let mut b = host("b", &etcd, 2);
+    let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let held = hostnames(&wait_for_hosts(&envoy, 3, Duration::from_secs(30)));
+
+    // B's supervisor dies and a new one adopts its workers: they re-register with it, and it puts
+    // their keys back under its own lease before the old one expires.
+    b.supervisor.kill_and_start_again().expect("B starts again");
+    let restarted = Instant::now();
+    let mut answered = BTreeSet::new();
+    // Watched past the old lease's expiry: that is when B's workers would leave if their keys were
+    // not put back. (This checks that something does not happen, so it looks for a fixed window.)
+    while restarted.elapsed() < TTL * 2 + Duration::from_millis(500) {
+        let now = hosts(&envoy.clusters(), SERVICE);
+        assert_eq!(
+            hostnames(&now),
+            held,
+            "B's workers stay in A's Envoy across B's restart ({:?} in)",
+            restarted.elapsed()
+        );
+        assert!(now.iter().all(|h| h.healthy), "{now:?}");
+        answered.extend(answering(a.listen, 10));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        answered.len(),
+        3,
+        "every worker kept answering: {answered:?}"
+    );
+    assert!(
+        b.supervisor.logs().contains("Joined the fleet"),
+        "{}",
+        b.supervisor.logs()
+    );
 }

@@ -11,7 +11,11 @@
 //! listed the range again. A lost lease (this supervisor was paused longer than the TTL, or etcd
 //! expired it) is granted anew and every own key put back.
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use etcd_client::{
     Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
@@ -21,7 +25,12 @@ use tokio::sync::watch;
 use super::records::{self, Identity, Keys};
 use peregrine_contract::ErrorChain;
 
-use crate::{config::ClusterConfig, registry::Registry, throttle::Throttle, xds::XdsOptions};
+use crate::{
+    config::ClusterConfig,
+    registry::{EtcdState, FleetStatus, Registry},
+    throttle::Throttle,
+    xds::XdsOptions,
+};
 
 /// The longest pause between two attempts to reach etcd.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
@@ -67,6 +76,12 @@ impl Membership {
         };
         let unavailable = Throttle::new(Duration::from_secs(10));
         let mut backoff = Duration::from_millis(100);
+        self.registry.set_fleet_status(FleetStatus {
+            host: me.host.clone(),
+            etcd: EtcdState::Connecting,
+            since: SystemTime::now(),
+            lease: None,
+        });
         loop {
             match self.session(&keys, &me, &mut stop).await {
                 Ok(()) => return,
@@ -76,6 +91,21 @@ impl Membership {
                     continue;
                 }
                 Err(error) => {
+                    let previous = self.registry.fleet_status();
+                    let since = match &previous {
+                        Some(status) if matches!(status.etcd, EtcdState::Unavailable { .. }) => {
+                            status.since
+                        }
+                        _ => SystemTime::now(),
+                    };
+                    self.registry.set_fleet_status(FleetStatus {
+                        host: me.host.clone(),
+                        etcd: EtcdState::Unavailable {
+                            error: ErrorChain(&error).to_string(),
+                        },
+                        since,
+                        lease: previous.and_then(|s| s.lease),
+                    });
                     if let Some(suppressed) = unavailable.allow() {
                         tracing::warn!(error = %ErrorChain(&error), suppressed, etcd = ?self.cluster.etcd, "etcd unavailable: serving the last fleet view");
                     }
@@ -138,6 +168,12 @@ impl Membership {
                 ),
             )
             .await?;
+        self.registry.set_fleet_status(FleetStatus {
+            host: me.host.clone(),
+            etcd: EtcdState::Connected,
+            since: SystemTime::now(),
+            lease: Some(lease),
+        });
         tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
         let mut renew = tokio::time::interval(ttl / 3);
         loop {

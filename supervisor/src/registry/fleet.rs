@@ -6,7 +6,7 @@
 //!
 //! [`Registry::set_fleet`]: super::Registry::set_fleet
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, time::SystemTime};
 
 use super::{Address, Protocol};
 use crate::config::Locality;
@@ -74,3 +74,41 @@ pub struct RemoteHost {
 
 /// Every other host of the fleet, by name.
 pub type Fleet = BTreeMap<String, RemoteHost>;
+
+/// The etcd session of this host, for `status`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetStatus {
+    /// This host's name.
+    pub host: String,
+    /// Where the session is.
+    pub etcd: EtcdState,
+    /// Since when.
+    pub since: SystemTime,
+    /// The lease of this host's keys, once granted.
+    pub lease: Option<i64>,
+}
+
+/// Where the etcd session is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EtcdState {
+    /// Not joined yet.
+    Connecting,
+    /// Joined: this host's keys are in etcd and the view follows the watch.
+    Connected,
+    /// Away: the view is the last one seen.
+    Unavailable {
+        /// Why.
+        error: String,
+    },
+}
+
+impl EtcdState {
+    /// `connecting`, `connected` or `unavailable`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EtcdState::Connecting => "connecting",
+            EtcdState::Connected => "connected",
+            EtcdState::Unavailable { .. } => "unavailable",
+        }
+    }
+}

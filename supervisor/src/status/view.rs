@@ -17,6 +17,25 @@ pub struct StatusView {
     pub revision: u64,
     /// Envoy's open endpoint streams and the revision each has ACKed.
     pub xds_streams: Vec<XdsStreamView>,
+    /// This host's place in a fleet, `null` on a single host.
+    pub fleet: Option<FleetView>,
+}
+
+/// A fleet's membership as the supervisor sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FleetView {
+    /// This host's name.
+    pub host: String,
+    /// `connecting`, `connected` or `unavailable`.
+    pub etcd: String,
+    /// Since when, in milliseconds since the Unix epoch.
+    pub since_unix_ms: u64,
+    /// Why etcd is unavailable, `null` otherwise.
+    pub error: Option<String>,
+    /// The lease of this host's keys, `null` before one is granted.
+    pub lease: Option<i64>,
+    /// The other hosts in the view.
+    pub hosts: Vec<String>,
 }
 
 /// One of Envoy's xDS streams that serve endpoints.
@@ -38,6 +57,8 @@ pub struct XdsStreamView {
 /// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct WorkerRow {
+    /// The host it runs on, `null` on a single host.
+    pub host: Option<String>,
     /// The service.
     pub service: String,
     /// The slot's index.
@@ -147,6 +168,14 @@ impl From<v1::Status> for StatusView {
                     silent_ms: s.silent_ms,
                 })
                 .collect(),
+            fleet: status.fleet.map(|f| FleetView {
+                host: f.host,
+                etcd: f.etcd,
+                since_unix_ms: f.since_unix_ms,
+                error: Some(f.error).filter(|e| !e.is_empty()),
+                lease: (f.lease != 0).then_some(f.lease),
+                hosts: f.hosts,
+            }),
         }
     }
 }
@@ -155,6 +184,7 @@ impl From<v1::WorkerStatus> for WorkerRow {
     fn from(row: v1::WorkerStatus) -> Self {
         let load = row.load.as_ref();
         WorkerRow {
+            host: Some(row.host).filter(|h| !h.is_empty()),
             service: row.service,
             index: row.index,
             pid: row.pid,
@@ -205,7 +235,10 @@ impl StatusView {
             _ => "sampler: not running\n".to_owned(),
         };
         out.push_str(&self.xds_line());
-        let header = [
+        if let Some(fleet) = &self.fleet {
+            out.push_str(&fleet_line(fleet));
+        }
+        let mut header = vec![
             "SERVICE",
             "WORKER",
             "PID",
@@ -222,11 +255,11 @@ impl StatusView {
         let fixed = |value: Option<f64>, places: usize| {
             value.map_or_else(dash, |v| format!("{v:.places$}"))
         };
-        let rows: Vec<[String; 11]> = self
+        let mut rows: Vec<Vec<String>> = self
             .workers
             .iter()
             .map(|w| {
-                [
+                vec![
                     w.service.clone(),
                     w.index.to_string(),
                     w.pid.map_or_else(dash, |p| p.to_string()),
@@ -250,16 +283,24 @@ impl StatusView {
                 ]
             })
             .collect();
-        let mut widths = header.map(str::len);
+        // Text columns (service, state, addresses) align left, numbers right.
+        let mut left = vec![
+            true, false, false, true, true, false, false, false, false, false, false,
+        ];
+        // In a fleet, a HOST column first: every host's workers are listed.
+        if self.fleet.is_some() {
+            header.insert(0, "HOST");
+            left.insert(0, true);
+            for (row, worker) in rows.iter_mut().zip(&self.workers) {
+                row.insert(0, worker.host.clone().unwrap_or_else(dash));
+            }
+        }
+        let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
         for row in &rows {
             for (width, cell) in widths.iter_mut().zip(row) {
                 *width = (*width).max(cell.len());
             }
         }
-        // Text columns (service, state, addresses) align left, numbers right.
-        let left = [
-            true, false, false, true, true, false, false, false, false, false, false,
-        ];
         let mut line = |cells: &[&str]| {
             let mut text = String::new();
             for (i, cell) in cells.iter().enumerate() {
@@ -278,10 +319,36 @@ impl StatusView {
         };
         line(&header);
         for row in &rows {
-            line(&row.each_ref().map(String::as_str));
+            line(&row.iter().map(String::as_str).collect::<Vec<_>>());
         }
         out
     }
+}
+
+/// `fleet: host a; etcd connected, lease 7587...; 2 other hosts (b, c)`.
+fn fleet_line(fleet: &FleetView) -> String {
+    let etcd = match (&fleet.error, fleet.lease) {
+        (Some(error), _) => format!(
+            "etcd unavailable for {} ({error}): serving the last view",
+            ago(fleet.since_unix_ms)
+        ),
+        (None, Some(lease)) => format!("etcd {}, lease {lease:x}", fleet.etcd),
+        (None, None) => format!("etcd {}", fleet.etcd),
+    };
+    let others = match fleet.hosts.len() {
+        0 => "no other host".to_owned(),
+        1 => format!("1 other host ({})", fleet.hosts[0]),
+        n => format!("{n} other hosts ({})", fleet.hosts.join(", ")),
+    };
+    format!("fleet: host {}; {etcd}; {others}\n", fleet.host)
+}
+
+/// How long ago `ms` (milliseconds since the Unix epoch) was, for a person: `12.3 s`.
+fn ago(ms: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    format!("{:.1} s", now.saturating_sub(ms) as f64 / 1000.0)
 }
 
 #[cfg(test)]
@@ -312,6 +379,7 @@ mod tests {
             &registry.loads(),
             &registry.orca_streams(),
             &[],
+            None,
         ));
         let web0: Vec<(Option<u32>, &str, bool)> = view
             .workers
@@ -360,6 +428,7 @@ mod tests {
             &registry.loads(),
             &registry.orca_streams(),
             &streams,
+            None,
         ));
         let table = view.table();
         let expected = "\
@@ -382,6 +451,7 @@ web           1    -  crash-loop  -                             -          -    
             &registry.loads(),
             &registry.orca_streams(),
             &[],
+            None,
         ));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["sampler"], "procfs");
@@ -418,5 +488,57 @@ web           1    -  crash-loop  -                             -          -    
              SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
+    }
+
+    #[test]
+    fn in_a_fleet_the_table_has_a_host_column_and_a_fleet_line() {
+        let row = |host: &str, pid: u32| v1::WorkerStatus {
+            service: "web".into(),
+            index: 0,
+            pid: Some(pid),
+            hostname: format!("web-0-{pid}"),
+            addresses: vec!["10.0.0.1:8000".into()],
+            state: "ready".into(),
+            host: host.into(),
+            ..Default::default()
+        };
+        let view = StatusView::from(v1::Status {
+            workers: vec![row("a", 10), row("b", 20)],
+            fleet: Some(v1::Fleet {
+                host: "a".into(),
+                etcd: "connected".into(),
+                since_unix_ms: 1,
+                error: String::new(),
+                lease: 255,
+                hosts: vec!["b".into()],
+            }),
+            ..Default::default()
+        });
+        let table = view.table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[2],
+            "fleet: host a; etcd connected, lease ff; 1 other host (b)"
+        );
+        assert!(lines[3].starts_with("HOST  SERVICE"), "{table}");
+        assert!(lines[4].starts_with("a     web"), "{table}");
+        assert!(lines[5].starts_with("b     web"), "{table}");
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["workers"][1]["host"], "b");
+        assert_eq!(json["fleet"]["etcd"], "connected");
+        let away = StatusView::from(v1::Status {
+            fleet: Some(v1::Fleet {
+                host: "a".into(),
+                etcd: "unavailable".into(),
+                error: "etcd: connection refused".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert!(
+            away.table().contains("etcd unavailable for "),
+            "{}",
+            away.table()
+        );
     }
 }
