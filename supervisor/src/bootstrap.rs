@@ -48,6 +48,9 @@ pub struct BootstrapInput {
     pub node_cluster: String,
     /// Where the xDS server listens; a wildcard address becomes the loopback address of its family.
     pub xds_address: SocketAddr,
+    /// The xDS servers Envoy dials, every one an endpoint of the xDS cluster (a fleet's supervisors:
+    /// any one can serve it); empty: `xds_address` alone.
+    pub xds_servers: Vec<SocketAddr>,
     /// The name of the static cluster for xDS; `"xds_cluster"` by default.
     pub xds_cluster_name: String,
     /// Envoy's HTTP listener; `0.0.0.0:10000` by default.
@@ -89,6 +92,7 @@ impl Default for BootstrapInput {
             node_id: "peregrine".into(),
             node_cluster: "peregrine".into(),
             xds_address: (Ipv6Addr::LOCALHOST, 18000).into(),
+            xds_servers: Vec::new(),
             xds_cluster_name: "xds_cluster".into(),
             listener_address: (Ipv4Addr::UNSPECIFIED, 10000).into(),
             admin_address: (Ipv4Addr::LOCALHOST, 9901).into(),
@@ -104,7 +108,6 @@ impl Default for BootstrapInput {
 
 /// The Envoy bootstrap (YAML) for `input`.
 pub fn envoy_bootstrap(input: &BootstrapInput) -> String {
-    let xds = dial_address(input.xds_address);
     let mut out = String::new();
     let _ = write!(
         out,
@@ -234,22 +237,41 @@ static_resources:
         cluster_name: {xds_cluster}
         endpoints:
           - lb_endpoints:
-              - endpoint:
-                  address:
-                    socket_address:
-                      address: {xds_ip}
-                      port_value: {xds_port}
-      typed_extension_protocol_options:
+{xds_endpoints}      typed_extension_protocol_options:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
             http2_protocol_options: {{}}
 ",
         xds_cluster = quote(&input.xds_cluster_name),
-        xds_ip = quote(&xds.ip().to_string()),
-        xds_port = xds.port(),
+        xds_endpoints = xds_endpoints(input),
     );
     out
+}
+
+/// The xDS cluster's endpoints: every `xds_servers` entry, or the supervisor's own address.
+fn xds_endpoints(input: &BootstrapInput) -> String {
+    let own = [dial_address(input.xds_address)];
+    let servers = if input.xds_servers.is_empty() {
+        &own[..]
+    } else {
+        &input.xds_servers[..]
+    };
+    servers
+        .iter()
+        .map(|server| {
+            format!(
+                "              - endpoint:
+                  address:
+                    socket_address:
+                      address: {}
+                      port_value: {}
+",
+                quote(&server.ip().to_string()),
+                server.port()
+            )
+        })
+        .collect()
 }
 
 /// The first delay before Envoy reconnects an xDS stream to the supervisor.
@@ -387,6 +409,40 @@ mod tests {
         );
         let yaml = envoy_bootstrap(&input());
         assert!(yaml.contains("address: \"::1\"\n                      port_value: 18000"));
+    }
+
+    #[test]
+    fn every_xds_server_is_an_endpoint_of_the_xds_cluster_and_the_node_has_its_locality() {
+        let yaml = envoy_bootstrap(&BootstrapInput {
+            xds_servers: vec![
+                "10.0.0.1:18000".parse().unwrap(),
+                "10.0.0.2:18000".parse().unwrap(),
+            ],
+            locality: Some(NodeLocality {
+                region: "r1".into(),
+                zone: "z1".into(),
+                sub_zone: "a".into(),
+            }),
+            ..input()
+        });
+        for ip in ["10.0.0.1", "10.0.0.2"] {
+            assert!(
+                yaml.contains(&format!(
+                    "address: \"{ip}\"\n                      port_value: 18000"
+                )),
+                "{yaml}"
+            );
+        }
+        assert!(
+            !yaml.contains("address: \"::1\"\n                      port_value"),
+            "{yaml}"
+        );
+        assert!(
+            yaml.contains(
+                "  locality:\n    region: \"r1\"\n    zone: \"z1\"\n    sub_zone: \"a\"\n"
+            ),
+            "{yaml}"
+        );
     }
 
     #[test]

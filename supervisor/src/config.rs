@@ -300,6 +300,9 @@ pub struct EnvoyConfig {
     /// another worker. Lower it to what the slowest request of the services takes, so that a stalled
     /// worker's requests move on sooner.
     pub per_try_timeout: Duration,
+    /// The xDS servers the bootstrap dials (`xds_servers`: a fleet's supervisors, any of which can
+    /// serve Envoy); empty: `supervisor.bind`.
+    pub xds_servers: Vec<SocketAddr>,
 }
 
 /// `envoy.xds`: the variant of the xDS protocol Envoy speaks.

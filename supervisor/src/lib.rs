@@ -30,6 +30,7 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
         node_id: config.envoy.node.clone(),
         node_cluster: config.envoy.node.clone(),
         xds_address: config.supervisor.bind,
+        xds_servers: config.envoy.xds_servers.clone(),
         xds_cluster_name: config.supervisor.xds_cluster.clone(),
         listener_address: config.envoy.listen,
         admin_address: config.envoy.admin,

@@ -12,6 +12,7 @@
 
 use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
+use peregrine_contract::url::BindUrl;
 use peregrine_proto::v1;
 use tokio::{
     net::TcpListener,
@@ -272,6 +273,9 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // In a fleet, the host's workers go to etcd and the other hosts' come back into the registry. The
     // session outlives the workers' drains (the other hosts' Envoys must see them drain), then
     // revokes its lease.
+    if config.cluster.is_some() {
+        warn_of_loopback_workers(&config);
+    }
     let (fleet_stop_tx, fleet_stop_rx) = watch::channel(false);
     let fleet_task = config.cluster.clone().map(|cluster| {
         tokio::spawn(
@@ -280,6 +284,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
                 grpc_port: bound.port(),
                 registry: registry.clone(),
                 options: xds_options_tx.subscribe(),
+                port_conflict: crate::throttle::Throttle::new(Duration::from_secs(60)),
             }
             .run(fleet_stop_rx),
         )
@@ -417,5 +422,24 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// In a fleet, other hosts' Envoys dial each worker's address: a worker on loopback is reachable from
+/// this machine only (fine when every host of the fleet runs here, as in tests).
+fn warn_of_loopback_workers(config: &Config) {
+    for service in config.services.values() {
+        let loopback = match service.url_for(0) {
+            BindUrl::Tcp { host, .. } => {
+                host == "localhost"
+                    || host
+                        .parse::<std::net::IpAddr>()
+                        .is_ok_and(|ip| ip.is_loopback())
+            }
+            BindUrl::Unix { .. } => true,
+        };
+        if loopback {
+            tracing::warn!(service = %service.name, url = %service.url, "In a fleet, these workers are reachable from this machine only: other hosts' Envoys cannot reach them unless every host runs here");
+        }
     }
 }

@@ -35,6 +35,8 @@ sampler = "off"
 [envoy]
 listen = "127.0.0.1:{listen}"
 admin = "127.0.0.1:{admin}"
+# A server that is not there first: Envoy must find the one that is (any supervisor can serve it).
+xds_servers = ["http://127.0.0.1:{dead}", "http://127.0.0.1:{grpc}"]
 
 [cluster]
 etcd = ["{etcd}"]
@@ -49,6 +51,7 @@ url = "http://127.0.0.1:0"
 "#,
         etcd = etcd.endpoint(),
         ttl = TTL.as_millis(),
+        dead = free_port(),
     );
     FleetHost {
         supervisor: Supervisor::start(&config),

@@ -87,6 +87,7 @@ pub(super) struct RawEnvoy {
     pub(super) xds: Option<Spanned<String>>,
     pub(super) timeout_ms: Option<Spanned<i64>>,
     pub(super) per_try_timeout_ms: Option<Spanned<i64>>,
+    pub(super) xds_servers: Option<Spanned<Vec<String>>>,
 }
 
 /// `[service.NAME]`.

@@ -29,7 +29,7 @@ use crate::{
     config::ClusterConfig,
     registry::{EtcdState, FleetStatus, Registry},
     throttle::Throttle,
-    xds::XdsOptions,
+    xds::{XdsOptions, resources::Balancer},
 };
 
 /// The longest pause between two attempts to reach etcd.
@@ -63,6 +63,8 @@ pub struct Membership {
     pub registry: Arc<Registry>,
     /// The xDS options, for the workers' weights.
     pub options: watch::Receiver<XdsOptions>,
+    /// Rate-limits the error about hosts on another gRPC port.
+    pub port_conflict: Throttle,
 }
 
 impl Membership {
@@ -285,6 +287,31 @@ impl Membership {
         );
         for (key, error) in skipped {
             tracing::warn!(key, %error, "Skipping a fleet record");
+        }
+        // Envoy opens every worker's ORCA stream to the worker's IP on the cluster's one ORCA port:
+        // a host whose supervisor listens elsewhere gets no load reports from another host's Envoy.
+        let orca = self
+            .options
+            .borrow()
+            .balancers
+            .values()
+            .any(|b| matches!(b, Balancer::Orca(_)));
+        for (host, remote) in &fleet {
+            if orca
+                && remote.grpc_port != 0
+                && remote.grpc_port != me.grpc_port
+                && let Some(suppressed) = self.port_conflict.allow()
+            {
+                tracing::error!(
+                    host,
+                    port = remote.grpc_port,
+                    ours = me.grpc_port,
+                    suppressed,
+                    "A host of the fleet serves gRPC on another port: Envoy sends ORCA streams to one \
+                     port per cluster, so its workers get no load reports from this host's Envoys; \
+                     give every supervisor the same supervisor.bind port"
+                );
+            }
         }
         let hosts = fleet.len();
         let workers: usize = fleet.values().map(|h| h.workers.len()).sum();

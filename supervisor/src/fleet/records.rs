@@ -286,10 +286,12 @@ pub fn fleet_from<'a>(
             Some(KeyKind::Host(host)) if host != me => {
                 match serde_json::from_str::<HostRecord>(value) {
                     Ok(record) => {
-                        fleet.entry(host.to_owned()).or_default().locality = Locality {
+                        let remote = fleet.entry(host.to_owned()).or_default();
+                        remote.locality = Locality {
                             region: record.region,
                             zone: record.zone,
                         };
+                        remote.grpc_port = record.grpc_port;
                     }
                     Err(e) => skipped.push((
                         key.to_owned(),
@@ -404,6 +406,7 @@ mod tests {
         assert!(skipped.is_empty(), "{skipped:?}");
         let host = &fleet["host-a"];
         assert_eq!(host.locality.zone, "z1");
+        assert_eq!(host.grpc_port, 18000);
         let worker = &host.workers[&("web".to_string(), 1, 42)];
         assert_eq!(worker.hostname, "web-1-42");
         assert_eq!(worker.weight, 3);

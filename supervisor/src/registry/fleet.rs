@@ -68,6 +68,8 @@ pub struct RemoteWorker {
 pub struct RemoteHost {
     /// Where its workers are.
     pub locality: Locality,
+    /// Its supervisor's gRPC port (0 before its host record is seen).
+    pub grpc_port: u16,
     /// Its workers, by (service, index, pid).
     pub workers: BTreeMap<(String, u32, u32), RemoteWorker>,
 }

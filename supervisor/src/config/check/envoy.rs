@@ -35,6 +35,36 @@ impl Checker<'_> {
         }
     }
 
+    /// `envoy.xds_servers`: `http://IP:PORT` each.
+    fn xds_servers(&mut self, raw: Option<Spanned<Vec<String>>>) -> Vec<SocketAddr> {
+        let Some(raw) = raw else {
+            return Vec::new();
+        };
+        let span = raw.span();
+        let mut servers = Vec::new();
+        for server in raw.into_inner() {
+            match server
+                .strip_prefix("http://")
+                .and_then(|rest| rest.strip_suffix('/').unwrap_or(rest).parse().ok())
+            {
+                Some(addr) => servers.push(addr),
+                None => self.report(
+                    Some(span.clone()),
+                    "envoy.xds_servers".into(),
+                    format!("expected http://IP:PORT (e.g. http://10.0.0.1:18000), got {server:?}"),
+                ),
+            }
+        }
+        if servers.is_empty() {
+            self.report(
+                Some(span),
+                "envoy.xds_servers".into(),
+                "names no server (leave it out to dial supervisor.bind)",
+            );
+        }
+        servers
+    }
+
     pub(super) fn envoy(&mut self, raw: RawEnvoy) -> Option<EnvoyConfig> {
         let node = self.valid(
             raw.node,
@@ -73,7 +103,9 @@ impl Checker<'_> {
                 ),
             );
         }
+        let xds_servers = self.xds_servers(raw.xds_servers);
         Some(EnvoyConfig {
+            xds_servers,
             node,
             listen: listen?,
             admin: admin?,
@@ -107,6 +139,24 @@ mod tests {
             problems("[envoy]\nxds = \"incremental\"\n[service.a]\n"),
             ["line 2: envoy.xds: expected \"sotw\" or \"delta\", got \"incremental\""]
         );
+    }
+
+    #[test]
+    fn xds_servers_are_ip_addresses() {
+        let config = parse(
+            "[envoy]\nxds_servers = [\"http://10.0.0.1:18000\", \"http://[fd00::2]:18000\"]\n[service.a]\n",
+        )
+        .unwrap();
+        assert_eq!(config.envoy.xds_servers.len(), 2);
+        assert_eq!(config.envoy.xds_servers[1].port(), 18000);
+        assert!(parse("[service.a]\n").unwrap().envoy.xds_servers.is_empty());
+        let got = problems("[envoy]\nxds_servers = [\"10.0.0.1:18000\"]\n[service.a]\n");
+        assert!(
+            got[0].starts_with("line 2: envoy.xds_servers: expected http://IP:PORT"),
+            "{got:?}"
+        );
+        let got = problems("[envoy]\nxds_servers = []\n[service.a]\n");
+        assert!(got[0].contains("names no server"), "{got:?}");
     }
 
     #[test]
