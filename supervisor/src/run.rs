@@ -279,13 +279,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let (fleet_stop_tx, fleet_stop_rx) = watch::channel(false);
     let fleet_task = config.cluster.clone().map(|cluster| {
         tokio::spawn(
-            fleet::Membership {
+            fleet::Membership::new(
                 cluster,
-                grpc_port: bound.port(),
-                registry: registry.clone(),
-                options: xds_options_tx.subscribe(),
-                port_conflict: crate::throttle::Throttle::new(Duration::from_secs(60)),
-            }
+                bound.port(),
+                registry.clone(),
+                xds_options_tx.subscribe(),
+            )
             .run(fleet_stop_rx),
         )
     });

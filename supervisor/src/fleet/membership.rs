@@ -52,22 +52,35 @@ pub enum SessionError {
     LeaseLost,
 }
 
-/// What the membership task needs.
+/// The membership task of one supervisor.
 #[derive(Debug)]
 pub struct Membership {
-    /// `[cluster]`.
-    pub cluster: ClusterConfig,
-    /// The gRPC port this supervisor serves on.
-    pub grpc_port: u16,
-    /// The registry: read for own workers, written with the other hosts.
-    pub registry: Arc<Registry>,
-    /// The xDS options, for the workers' weights.
-    pub options: watch::Receiver<XdsOptions>,
+    cluster: ClusterConfig,
+    grpc_port: u16,
+    registry: Arc<Registry>,
+    options: watch::Receiver<XdsOptions>,
     /// Rate-limits the error about hosts on another gRPC port.
-    pub port_conflict: Throttle,
+    port_conflict: Throttle,
 }
 
 impl Membership {
+    /// The task for `cluster`, on a supervisor serving gRPC on `grpc_port`: it publishes the
+    /// registry's own workers (with their weights from `options`) and writes the other hosts into it.
+    pub fn new(
+        cluster: ClusterConfig,
+        grpc_port: u16,
+        registry: Arc<Registry>,
+        options: watch::Receiver<XdsOptions>,
+    ) -> Membership {
+        Membership {
+            cluster,
+            grpc_port,
+            registry,
+            options,
+            port_conflict: Throttle::new(Duration::from_secs(60)),
+        }
+    }
+
     /// Runs sessions until `stop` turns true.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let keys = Keys::new(&self.cluster.prefix);
