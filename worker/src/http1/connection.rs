@@ -316,18 +316,7 @@ impl<I: Io, S: HttpService> Connection<'_, '_, I, S> {
     /// budget; false when the budget has no room for it.
     fn size_input(&mut self, pending: Pending) -> bool {
         let input = &mut self.input;
-        // A large request is done: give its buffer back rather than keep it for the connection's life.
-        if input.capacity() > 2 * self.allowance && input.len() < READ_CHUNK {
-            input.shrink_to(READ_CHUNK);
-        }
-        match pending.need {
-            // The body's size is known: room for exactly the rest of the request, no doubling.
-            Some(need) if pending.body && need > input.capacity() => {
-                input.reserve_exact(need - input.len());
-            }
-            _ if input.capacity() - input.len() < READ_CHUNK / 2 => input.reserve(READ_CHUNK),
-            _ => {}
-        }
+        size_for(input, pending, self.allowance);
         self.charge
             .set(input.capacity().saturating_sub(self.allowance))
     }
@@ -465,5 +454,64 @@ impl Idle<'_> {
             }
             self.timer.as_mut().reset(due.into());
         }
+    }
+}
+
+/// Sizes `input` for the request at its front (see [`Connection::size_input`]): a large buffer left
+/// from a finished request shrinks back; a body of known size gets room for exactly the rest of the
+/// request and no more; otherwise a read gets at least half a chunk of room.
+fn size_for(input: &mut Vec<u8>, pending: Pending, allowance: usize) {
+    // A large request is done: give its buffer back rather than keep it for the connection's life.
+    if input.capacity() > 2 * allowance && input.len() < READ_CHUNK {
+        input.shrink_to(READ_CHUNK);
+    }
+    match pending.need {
+        // The body's size is known: room for exactly the rest of the request, no doubling.
+        Some(need) if pending.body && need > input.capacity() => {
+            input.reserve_exact(need - input.len());
+        }
+        // And no more once there is room for it: a read into the last bytes of room is a short
+        // read, not a reason to double a buffer the budget is charged for.
+        Some(_) if pending.body => {}
+        _ if input.capacity() - input.len() < READ_CHUNK / 2 => input.reserve(READ_CHUNK),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_of_known_size_never_grows_its_buffer_past_the_request() {
+        // The last bytes of room, with the body still arriving: no doubling (it would be charged).
+        let mut input = Vec::with_capacity(200_052);
+        input.resize(196_660, b'a');
+        let pending = Pending {
+            head: false,
+            body: true,
+            need: Some(200_052),
+        };
+        size_for(&mut input, pending, 32 * 1024);
+        assert_eq!(input.capacity(), 200_052);
+        // A body larger than the buffer gets exactly its room.
+        let mut input = Vec::with_capacity(16 * 1024);
+        input.resize(100, b'a');
+        let pending = Pending {
+            need: Some(50_000),
+            ..pending
+        };
+        size_for(&mut input, pending, 32 * 1024);
+        assert_eq!(input.capacity(), 50_000);
+        // Without a known size, a nearly full buffer grows by a chunk.
+        let mut input = Vec::with_capacity(16 * 1024);
+        input.resize(16 * 1024 - 10, b'a');
+        let pending = Pending {
+            head: true,
+            body: false,
+            need: None,
+        };
+        size_for(&mut input, pending, 32 * 1024);
+        assert!(input.capacity() >= 16 * 1024 - 10 + READ_CHUNK);
     }
 }
