@@ -220,14 +220,7 @@ async fn answer_status(
     if let Err(refusal) = same_user(stream) {
         return Err(refuse(stream, refusal.to_string()).await);
     }
-    let report = status::report(
-        &registry.snapshot(),
-        &registry.slots(),
-        &registry.loads(),
-        &registry.orca_streams(),
-        &acks.streams(),
-        registry.fleet_status().as_ref(),
-    );
+    let report = status::report_of(registry, &acks.streams());
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Status(report)),
     };

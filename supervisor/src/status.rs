@@ -25,11 +25,23 @@ pub use self::{
 };
 use crate::{
     registry::{
-        EtcdState, FleetStatus, Health, Loads, OrcaByHostname, OrcaStreams, Slots, Snapshot,
-        WorkerLoad,
+        EtcdState, FleetStatus, Health, Loads, OrcaByHostname, OrcaStreams, Registry, Slots,
+        Snapshot, WorkerLoad,
     },
     xds::acks::StreamSync,
 };
+
+/// The status answer for everything `registry` holds now, with Envoy's endpoint `streams`.
+pub fn report_of(registry: &Registry, streams: &[StreamSync]) -> v1::Status {
+    report(
+        &registry.snapshot(),
+        &registry.slots(),
+        &registry.loads(),
+        &registry.orca_streams(),
+        streams,
+        registry.fleet_status().as_ref(),
+    )
+}
 
 /// The status answer for the registry's current state.
 pub fn report(
@@ -268,14 +280,7 @@ pub(crate) mod tests {
     #[test]
     fn a_report_has_a_row_per_slot_and_loads_only_with_their_own_worker() {
         let registry = registry();
-        let status = report(
-            &registry.snapshot(),
-            &registry.slots(),
-            &registry.loads(),
-            &registry.orca_streams(),
-            &[],
-            None,
-        );
+        let status = report_of(&registry, &[]);
         assert_eq!(
             (status.sampler.as_str(), status.sample_interval_ms),
             ("procfs", 250)

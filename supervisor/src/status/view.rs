@@ -356,7 +356,7 @@ mod tests {
     use super::*;
     use crate::{
         registry::{Address, Protocol, Worker},
-        status::{report, tests::registry},
+        status::{report_of, tests::registry},
         xds::{acks::StreamSync, stream_kind::StreamKind},
     };
 
@@ -373,14 +373,7 @@ mod tests {
                 vec![addr],
             ))
             .unwrap();
-        let view = StatusView::from(report(
-            &registry.snapshot(),
-            &registry.slots(),
-            &registry.loads(),
-            &registry.orca_streams(),
-            &[],
-            None,
-        ));
+        let view = StatusView::from(report_of(&registry, &[]));
         let web0: Vec<(Option<u32>, &str, bool)> = view
             .workers
             .iter()
@@ -422,14 +415,7 @@ mod tests {
                 ),
             },
         ];
-        let view = StatusView::from(report(
-            &registry.snapshot(),
-            &registry.slots(),
-            &registry.loads(),
-            &registry.orca_streams(),
-            &streams,
-            None,
-        ));
+        let view = StatusView::from(report_of(&registry, &streams));
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
@@ -445,14 +431,7 @@ web           1    -  crash-loop  -                             -          -    
     #[test]
     fn json_has_nulls_for_the_unknown() {
         let registry = registry();
-        let view = StatusView::from(report(
-            &registry.snapshot(),
-            &registry.slots(),
-            &registry.loads(),
-            &registry.orca_streams(),
-            &[],
-            None,
-        ));
+        let view = StatusView::from(report_of(&registry, &[]));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["sampler"], "procfs");
         assert_eq!(json["sample_interval_ms"], 250);
