@@ -177,6 +177,15 @@ impl Worker {
 }
 
 impl Worker {
+    /// How it is to be sent requests: draining once it is stopping, unhealthy while stalled.
+    pub fn health(&self) -> Health {
+        match (self.state, self.stalled) {
+            (WorkerState::Draining, _) => Health::Draining,
+            (WorkerState::Ready, Some(_)) => Health::Unhealthy,
+            (WorkerState::Ready, None) => Health::Serving,
+        }
+    }
+
     /// Its key in its service.
     pub fn key(&self) -> WorkerKey {
         WorkerKey {

@@ -73,10 +73,7 @@ pub fn report(
                 .entry((service, key.index, key.pid))
                 .or_insert_with(|| record.unwrap_or_default());
             row.pid = Some(worker.pid);
-            row.state = match (worker.state, worker.stalled) {
-                (crate::registry::WorkerState::Ready, Some(_)) => "stalled".to_owned(),
-                (state, _) => state.as_str().to_owned(),
-            };
+            row.state = state_word(worker.health()).to_owned();
             row.stall = worker.stalled.map(|s| s.to_string()).unwrap_or_default();
             row.hostname = worker.hostname.clone();
             row.addresses = worker
@@ -101,12 +98,7 @@ pub fn report(
             pid: Some(worker.pid),
             hostname: worker.hostname.clone(),
             addresses: worker.addresses.iter().map(ToString::to_string).collect(),
-            state: match worker.health {
-                Health::Serving => "ready",
-                Health::Draining => "draining",
-                Health::Unhealthy => "stalled",
-            }
-            .to_owned(),
+            state: state_word(worker.health).to_owned(),
             host: host.clone(),
             ..Default::default()
         })
@@ -167,6 +159,15 @@ pub fn report(
             lease: f.lease.unwrap_or(0),
             hosts: snapshot.fleet.keys().cloned().collect(),
         }),
+    }
+}
+
+/// A worker's `state` in a status row: `ready`, `draining` or `stalled`.
+fn state_word(health: Health) -> &'static str {
+    match health {
+        Health::Serving => "ready",
+        Health::Draining => "draining",
+        Health::Unhealthy => "stalled",
     }
 }
 

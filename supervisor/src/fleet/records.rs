@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     config::Locality,
-    registry::{Address, Fleet, Health, Protocol, RemoteWorker, Snapshot, WorkerState},
+    registry::{Address, Fleet, Health, Protocol, RemoteWorker, Snapshot},
     xds::resources::slot_hash_key,
 };
 
@@ -175,11 +175,6 @@ pub fn own_records(
             if addresses.is_empty() {
                 continue;
             }
-            let health = match (worker.state, worker.stalled) {
-                (WorkerState::Draining, _) => Health::Draining,
-                (WorkerState::Ready, Some(_)) => Health::Unhealthy,
-                (WorkerState::Ready, None) => Health::Serving,
-            };
             let record = WorkerRecord {
                 hostname: worker.hostname.clone(),
                 protocols: worker
@@ -189,7 +184,7 @@ pub fn own_records(
                     .map(|p| protocol_name(*p).to_owned())
                     .collect(),
                 addresses,
-                health: health.as_str().to_owned(),
+                health: worker.health().as_str().to_owned(),
                 weight: weights
                     .get(service)
                     .and_then(|w| w.get(worker.index as usize))

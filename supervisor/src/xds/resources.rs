@@ -59,7 +59,7 @@ use prost::Name;
 
 use crate::{
     config::Locality,
-    registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot, WorkerState},
+    registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot},
 };
 
 /// The type URL of CDS resources.
@@ -371,15 +371,10 @@ pub fn make_load_assignment(
             // A draining worker keeps its endpoint but gets no new requests (and, unlike an
             // unhealthy one, causes no spill-over to other priorities). A stalled one is
             // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
-            let health = match (worker.state, worker.stalled) {
-                (WorkerState::Draining, _) => HealthStatus::Draining,
-                (WorkerState::Ready, Some(_)) => HealthStatus::Unhealthy,
-                (WorkerState::Ready, None) => HealthStatus::Healthy,
-            };
             lb_endpoint(
                 &worker.listener.addresses,
                 &worker.hostname,
-                health,
+                health_status(worker.health()),
                 weight,
                 &slot_hash_key(host, &worker.service, worker.index),
             )
@@ -398,11 +393,6 @@ pub fn make_load_assignment(
     }
     let mut by_host: BTreeMap<&str, (&Locality, Vec<LbEndpoint>)> = BTreeMap::new();
     for &(host, locality, worker) in remote {
-        let health = match worker.health {
-            Health::Serving => HealthStatus::Healthy,
-            Health::Draining => HealthStatus::Draining,
-            Health::Unhealthy => HealthStatus::Unhealthy,
-        };
         by_host
             .entry(host)
             .or_insert((locality, Vec::new()))
@@ -410,7 +400,7 @@ pub fn make_load_assignment(
             .push(lb_endpoint(
                 &worker.addresses,
                 &worker.hostname,
-                health,
+                health_status(worker.health),
                 worker.weight,
                 &worker.hash_key,
             ));
@@ -438,6 +428,15 @@ pub fn remote_of<'a>(
         .remote_workers(service)
         .map(|(host, remote, worker)| (host, &remote.locality, worker))
         .collect()
+}
+
+/// EDS's health of a worker, local or remote.
+fn health_status(health: Health) -> HealthStatus {
+    match health {
+        Health::Serving => HealthStatus::Healthy,
+        Health::Draining => HealthStatus::Draining,
+        Health::Unhealthy => HealthStatus::Unhealthy,
+    }
 }
 
 /// Envoy's locality of a host's workers: its region and zone, and the host as sub-zone.
@@ -575,6 +574,7 @@ mod tests {
 
     use super::*;
     use crate::registry::Worker;
+    use crate::registry::WorkerState;
 
     fn worker(index: u32, pid: u32, protocols: &[Protocol], addresses: Vec<Address>) -> Worker {
         Worker::ready("web", index, pid, protocols.to_vec(), addresses)
