@@ -3,13 +3,16 @@
 //!
 //! etcd holds **membership** only (hosts, workers, addresses, locality, state), which changes slowly;
 //! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
-//! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session.
+//! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session;
+//! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know.
 //!
 //! Invariant: the registry stays the one source of truth. This module writes exactly one thing in
 //! it, the other hosts' view ([`crate::registry::Registry::set_fleet`]), and reads this host's
 //! workers from its snapshots; xDS and status read the merged view as they read the rest.
 
+pub mod drains;
 pub mod membership;
 pub mod records;
 
+pub use drains::{FleetDrains, FleetOutcome};
 pub use membership::Membership;

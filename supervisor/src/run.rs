@@ -277,22 +277,36 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         warn_of_loopback_workers(&config);
     }
     let (fleet_stop_tx, fleet_stop_rx) = watch::channel(false);
-    let fleet_task = config.cluster.clone().map(|cluster| {
-        tokio::spawn(
-            fleet::Membership::new(
-                cluster,
-                bound.port(),
-                registry.clone(),
-                xds_options_tx.subscribe(),
+    // What drains wait on for the other hosts' Envoys.
+    let fleet_drains = config
+        .cluster
+        .as_ref()
+        .map(|_| Arc::new(fleet::FleetDrains::default()));
+    let fleet_task = config
+        .cluster
+        .clone()
+        .zip(fleet_drains.clone())
+        .map(|(cluster, drains)| {
+            tokio::spawn(
+                fleet::Membership::new(
+                    cluster,
+                    bound.port(),
+                    registry.clone(),
+                    xds_options_tx.subscribe(),
+                    fleet::membership::Shared {
+                        acks: acks.clone(),
+                        drains,
+                    },
+                )
+                .run(fleet_stop_rx),
             )
-            .run(fleet_stop_rx),
-        )
-    });
+        });
     let context = Arc::new(manager::Context {
         registry: registry.clone(),
         children: children.clone(),
         lanes: sources.lanes.clone(),
         acks: acks.clone(),
+        fleet: fleet_drains,
         counters: sources.counters.clone(),
         lineage: lock.lineage().clone(),
     });

@@ -13,6 +13,7 @@
 
 pub mod acks;
 pub mod cache;
+pub mod priorities;
 pub mod resources;
 pub mod stream_kind;
 pub mod transport;

@@ -200,6 +200,10 @@ pub struct Host {
     pub rq_error: u64,
     /// `rq_total`.
     pub rq_total: u64,
+    /// `priority`: 0 is sent requests first.
+    pub priority: u32,
+    /// `sub_zone` of the host's locality (in a fleet: the host it runs on).
+    pub sub_zone: String,
 }
 
 /// The hosts of `cluster` in admin `/clusters` text, in the order Envoy lists them.
@@ -246,6 +250,8 @@ pub fn hosts(clusters_text: &str, cluster: &str) -> Vec<Host> {
             "rq_success" => host.rq_success = number(),
             "rq_error" => host.rq_error = number(),
             "rq_total" => host.rq_total = number(),
+            "priority" => host.priority = value.parse().unwrap_or(0),
+            "sub_zone" => host.sub_zone = value.to_owned(),
             _ => {}
         }
     }
@@ -273,6 +279,8 @@ cluster::127.0.0.1:41234::rq_total::8
 cluster::127.0.0.1:41234::hostname::cluster-0-1234
 cluster::127.0.0.1:41234::health_flags::healthy
 cluster::127.0.0.1:41234::weight::1
+cluster::127.0.0.1:41234::priority::1
+cluster::127.0.0.1:41234::sub_zone::host-b
 cluster::[::1]:41235::rq_success::3
 cluster::[::1]:41235::hostname::cluster-1-1235
 cluster::[::1]:41235::health_flags::/failed_eds_health
@@ -295,6 +303,8 @@ cluster_two::127.0.0.1:1::hostname::other
                     rq_success: 7,
                     rq_error: 1,
                     rq_total: 8,
+                    priority: 1,
+                    sub_zone: "host-b".into(),
                 },
                 Host {
                     address: "[::1]:41235".into(),

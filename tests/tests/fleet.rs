@@ -1,6 +1,7 @@
 //! A fleet of two hosts (two supervisors on this machine, each with its own control socket and gRPC
 //! port) sharing membership through a real etcd: each serves the other's workers to its Envoy, a host
-//! whose supervisor dies leaves every Envoy within its lease, and etcd going away changes nothing.
+//! whose supervisor dies leaves every Envoy within its lease, and etcd going away changes nothing;
+//! local-first routing keeps each Envoy's traffic on its own host until that host's workers drain.
 
 use std::{
     collections::BTreeSet,
@@ -25,7 +26,28 @@ struct FleetHost {
 }
 
 fn host(name: &str, etcd: &Etcd, workers: u32) -> FleetHost {
-    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let grpc = free_port();
+    // A server that is not there first: Envoy must find the one that is (any supervisor can serve
+    // it).
+    host_at(name, etcd, workers, "fleet", grpc, &[free_port(), grpc])
+}
+
+/// A host whose supervisor serves gRPC on `grpc`, whose Envoys dial the supervisors at `xds` in
+/// order and are sent the fleet as `routing` says.
+fn host_at(
+    name: &str,
+    etcd: &Etcd,
+    workers: u32,
+    routing: &str,
+    grpc: u16,
+    xds: &[u16],
+) -> FleetHost {
+    let (listen, admin) = (free_port(), free_port());
+    let xds = xds
+        .iter()
+        .map(|port| format!("\"http://127.0.0.1:{port}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     let config = format!(
         r#"[supervisor]
 bind = "http://127.0.0.1:{grpc}"
@@ -35,15 +57,14 @@ sampler = "off"
 [envoy]
 listen = "127.0.0.1:{listen}"
 admin = "127.0.0.1:{admin}"
-# A server that is not there first: Envoy must find the one that is (any supervisor can serve it).
-xds_servers = ["http://127.0.0.1:{dead}", "http://127.0.0.1:{grpc}"]
+xds_servers = [{xds}]
 
 [cluster]
 etcd = ["{etcd}"]
 host = "{name}"
 zone = "z-{name}"
 lease_ttl_ms = {ttl}
-routing = "fleet"
+routing = "{routing}"
 
 [service.{SERVICE}]
 count = {workers}
@@ -51,7 +72,6 @@ url = "http://127.0.0.1:0"
 "#,
         etcd = etcd.endpoint(),
         ttl = TTL.as_millis(),
-        dead = free_port(),
     );
     FleetHost {
         supervisor: Supervisor::start(&config),
@@ -79,6 +99,9 @@ fn answering(listen: SocketAddr, n: usize) -> BTreeSet<u32> {
         .map(|i| {
             let (status, body) =
                 http_get(listen, "/").unwrap_or_else(|e| panic!("request {i} failed: {e:#}"));
+            if status != 200 {
+                eprintln!("FAILED AT {:?}", std::time::SystemTime::now());
+            }
             assert_eq!(status, 200, "request {i}: {body}");
             worker_pid(&body).unwrap_or_else(|| panic!("not a hello body: {body:?}"))
         })
@@ -241,4 +264,75 @@ fn a_supervisor_restart_keeps_its_workers_in_every_envoy() {
         "{}",
         b.supervisor.logs()
     );
+}
+
+#[test]
+fn local_first_keeps_traffic_on_its_host_and_spills_over_when_it_drains() {
+    let test = "local_first_keeps_traffic_on_its_host_and_spills_over_when_it_drains";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    // Each host's Envoy dials its own supervisor first, and the other's when its own is away.
+    let (a_grpc, b_grpc) = (free_port(), free_port());
+    let mut a = host_at("a", &etcd, 2, "local-first", a_grpc, &[a_grpc, b_grpc]);
+    let b = host_at("b", &etcd, 2, "local-first", b_grpc, &[b_grpc, a_grpc]);
+    let a_envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let b_envoy = Envoy::start(&b.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let a_pids: BTreeSet<u32> = a.supervisor.worker_pids().into_iter().collect();
+    let b_pids: BTreeSet<u32> = b.supervisor.worker_pids().into_iter().collect();
+
+    // Each Envoy holds both hosts' workers, its own host's at priority 0 and the other's at 1: each
+    // supervisor serves its Envoy the variant of its Envoy's locality.
+    for (envoy, own) in [(&a_envoy, "a"), (&b_envoy, "b")] {
+        let held = wait_for_hosts(envoy, 4, Duration::from_secs(30));
+        for h in &held {
+            let expected = u32::from(h.sub_zone != own);
+            assert_eq!(h.priority, expected, "{own}'s Envoy: {held:?}");
+        }
+    }
+    // And all of its traffic goes to its own host.
+    let a_listen = a.listen;
+    assert_eq!(answering(a_listen, 100), a_pids, "A's Envoy stays on A");
+    assert_eq!(answering(b.listen, 100), b_pids, "B's Envoy stays on B");
+
+    // A's supervisor stops: it drains its workers first, so A's Envoy spills over to B with no
+    // failed request, and then takes B's view from B's supervisor.
+    let stopping = std::thread::spawn(move || {
+        let status = a.supervisor.stop().expect("A stops");
+        (a, status)
+    });
+    let mut answered = BTreeSet::new();
+    wait_until(
+        Duration::from_secs(30),
+        "A's Envoy to answer from B only",
+        || {
+            let now = answering(a_listen, 20);
+            answered.extend(&now);
+            (now == b_pids).then_some(())
+        },
+    );
+    let (a, status) = stopping.join().expect("the stop thread");
+    assert!(status.success(), "A stopped cleanly: {status:?}");
+    // Whichever supervisor A's Envoy was on, A waited for B's word that its Envoys had A's workers
+    // as draining before it stopped them.
+    let logs = a.supervisor.logs();
+    assert_eq!(
+        logs.matches("Every host of the fleet has the worker as draining")
+            .count(),
+        2,
+        "{logs}"
+    );
+    assert!(
+        answered.is_subset(&a_pids.union(&b_pids).copied().collect()),
+        "{answered:?}"
+    );
+    // A's workers leave A's Envoy: B's supervisor serves it now, without them.
+    let left = wait_for_hosts(&a_envoy, 2, Duration::from_secs(30));
+    assert!(
+        left.iter().all(|h| h.sub_zone == "b" && h.priority == 0),
+        "{left:?}"
+    );
+    // Through all of it not one request failed (`answering` panics on any).
+    drop(b_envoy);
 }

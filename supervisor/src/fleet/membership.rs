@@ -6,6 +6,11 @@
 //! keep the lease alive every third of its TTL, publish every change of the registry's own workers as
 //! one put or delete, and apply every watch event to the registry's view of the other hosts.
 //!
+//! For drains across hosts ([`FleetDrains`]) it records at which etcd revision each registry revision
+//! of this host's workers was published and how far every other host has ACKed, and it writes this
+//! host's own `acks/<host>`: whenever it sees another host's worker start draining, once every
+//! endpoint stream here has ACKed the view with it.
+//!
 //! Invariant: etcd being away never empties the view: a failed session keeps the last view in the
 //! registry (Envoy goes on with the endpoints it has) and a new session replaces it whole once it has
 //! listed the range again. A lost lease (this supervisor was paused longer than the TTL, or etcd
@@ -22,14 +27,17 @@ use etcd_client::{
 };
 use tokio::sync::watch;
 
-use super::records::{self, Identity, Keys};
+use super::{
+    drains::FleetDrains,
+    records::{self, AcksRecord, Identity, KeyKind, Keys},
+};
 use peregrine_contract::ErrorChain;
 
 use crate::{
     config::ClusterConfig,
     registry::{EtcdState, FleetStatus, Registry},
     throttle::Throttle,
-    xds::{XdsOptions, resources::Balancer},
+    xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
 
 /// The longest pause between two attempts to reach etcd.
@@ -52,6 +60,24 @@ pub enum SessionError {
     LeaseLost,
 }
 
+/// This host's records as last published.
+#[derive(Debug, Default)]
+struct Published {
+    /// Key -> value.
+    records: BTreeMap<String, String>,
+    /// The etcd revision of the last write.
+    revision: i64,
+}
+
+/// What the task and the drains share with it: the streams' ACKs it reports, the drains it informs.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    /// This host's Envoys' ACKs.
+    pub acks: Arc<Acks>,
+    /// What drains here wait on.
+    pub drains: Arc<FleetDrains>,
+}
+
 /// The membership task of one supervisor.
 #[derive(Debug)]
 pub struct Membership {
@@ -59,24 +85,32 @@ pub struct Membership {
     grpc_port: u16,
     registry: Arc<Registry>,
     options: watch::Receiver<XdsOptions>,
+    /// This host's Envoys' ACKs: what this host's acks record says.
+    acks: Arc<Acks>,
+    /// What drains here wait on.
+    drains: Arc<FleetDrains>,
     /// Rate-limits the error about hosts on another gRPC port.
     port_conflict: Throttle,
 }
 
 impl Membership {
     /// The task for `cluster`, on a supervisor serving gRPC on `grpc_port`: it publishes the
-    /// registry's own workers (with their weights from `options`) and writes the other hosts into it.
+    /// registry's own workers (with their weights from `options`) and writes the other hosts into it;
+    /// `shared` is what it reports for drains across hosts.
     pub fn new(
         cluster: ClusterConfig,
         grpc_port: u16,
         registry: Arc<Registry>,
         options: watch::Receiver<XdsOptions>,
+        shared: Shared,
     ) -> Membership {
         Membership {
             cluster,
             grpc_port,
             registry,
             options,
+            acks: shared.acks,
+            drains: shared.drains,
             port_conflict: Throttle::new(Duration::from_secs(60)),
         }
     }
@@ -98,7 +132,9 @@ impl Membership {
             lease: None,
         });
         loop {
-            match self.session(&keys, &me, &mut stop).await {
+            let ended = self.session(&keys, &me, &mut stop).await;
+            self.drains.set_connected(false);
+            match ended {
                 Ok(()) => return,
                 Err(SessionError::LeaseLost) => {
                     tracing::warn!(host = %me.host, "The fleet lease expired: putting this host's keys back under a new one");
@@ -155,7 +191,7 @@ impl Membership {
         let mut snapshots = self.registry.subscribe();
         let lease = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
         let (mut keeper, mut alive) = client.lease_keep_alive(lease).await?;
-        let mut published = BTreeMap::new();
+        let mut published = Published::default();
         self.publish(&mut client, keys, me, lease, &mut published)
             .await?;
         let listing = client
@@ -173,6 +209,10 @@ impl Membership {
             })
             .collect();
         self.apply(keys, me, &range);
+        self.drains.set_connected(true);
+        self.report_hosts(keys, me, &range);
+        // Whoever waits on this host's acks gets them once for the view just listed.
+        let mut ack_due = Some((self.registry.snapshot().revision, revision));
         let mut watch = client
             .watch(
                 keys.root(),
@@ -191,9 +231,21 @@ impl Membership {
         });
         tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
         let mut renew = tokio::time::interval(ttl / 3);
+        let mut options_open = true;
         loop {
+            let (due_registry, due_etcd) = ack_due.unwrap_or_default();
             tokio::select! {
                 _ = renew.tick() => keeper.keep_alive().await?,
+                synced = self.acks.wait_synced(due_registry, ttl), if ack_due.is_some() => {
+                    if synced.is_synced() {
+                        let value = serde_json::to_string(&AcksRecord { revision: due_etcd })
+                            .expect("an acks record serializes");
+                        let put = PutOptions::new().with_lease(lease);
+                        client.put(keys.acks(&me.host), value, Some(put)).await?;
+                        tracing::debug!(revision = due_etcd, streams = synced.synced, "Acked the fleet's view");
+                        ack_due = None;
+                    }
+                },
                 answer = alive.message() => match answer? {
                     Some(answer) if answer.ttl() > 0 => {}
                     _ => return Err(SessionError::LeaseLost),
@@ -204,9 +256,12 @@ impl Membership {
                     }
                     self.publish(&mut client, keys, me, lease, &mut published).await?;
                 }
-                changed = self.options.changed() => {
+                changed = self.options.changed(), if options_open => {
                     if changed.is_err() {
-                        return Ok(());
+                        // No reload comes any more (the supervisor is stopping): the weights stay
+                        // as they are, and the session goes on until the drains are done.
+                        options_open = false;
+                        continue;
                     }
                     self.publish(&mut client, keys, me, lease, &mut published).await?;
                 }
@@ -223,18 +278,26 @@ impl Membership {
                         return Err(SessionError::WatchCanceled(message.cancel_reason().to_owned()));
                     }
                     let mut ours_gone = false;
+                    // Whether the batch touched the view (not only acks), and the newest revision of
+                    // another host's drain in it.
+                    let mut view_changed = false;
+                    let mut drain_at = None;
                     for event in message.events() {
                         let Some(kv) = event.kv() else { continue };
                         let Ok(key) = kv.key_str() else { continue };
+                        view_changed |= !matches!(keys.kind(key), Some(KeyKind::Acks(_)));
                         match event.event_type() {
                             EventType::Put => {
                                 if let Ok(value) = kv.value_str() {
+                                    if records::is_remote_drain(keys, &me.host, key, value) {
+                                        drain_at = drain_at.max(Some(kv.mod_revision()));
+                                    }
                                     range.insert(key.to_owned(), value.to_owned());
                                 }
                             }
                             EventType::Delete => {
                                 range.remove(key);
-                                ours_gone |= published.contains_key(key);
+                                ours_gone |= published.records.contains_key(key);
                             }
                         }
                     }
@@ -243,7 +306,14 @@ impl Membership {
                         // forgetting them): the lease is gone.
                         return Err(SessionError::LeaseLost);
                     }
-                    self.apply(keys, me, &range);
+                    if view_changed {
+                        self.apply(keys, me, &range);
+                    }
+                    self.report_hosts(keys, me, &range);
+                    if let Some(at) = drain_at {
+                        // Acked once every stream here has the view with the drain.
+                        ack_due = Some((self.registry.snapshot().revision, at));
+                    }
                 }
             }
         }
@@ -256,13 +326,14 @@ impl Membership {
         keys: &Keys,
         me: &Identity,
         lease: i64,
-        published: &mut BTreeMap<String, String>,
+        published: &mut Published,
     ) -> Result<(), SessionError> {
         let weights = self.options.borrow().weights.clone();
-        let wanted = records::own_records(keys, me, &self.registry.snapshot(), &weights);
+        let snapshot = self.registry.snapshot();
+        let wanted = records::own_records(keys, me, &snapshot, &weights);
         let mut ops = Vec::new();
         for (key, value) in &wanted {
-            if published.get(key) != Some(value) {
+            if published.records.get(key) != Some(value) {
                 ops.push(TxnOp::put(
                     key.as_str(),
                     value.as_str(),
@@ -271,6 +342,7 @@ impl Membership {
             }
         }
         let gone: Vec<String> = published
+            .records
             .keys()
             .filter(|key| !wanted.contains_key(*key))
             .cloned()
@@ -278,17 +350,34 @@ impl Membership {
         for key in &gone {
             ops.push(TxnOp::delete(key.as_str(), None));
         }
-        if ops.is_empty() {
-            return Ok(());
+        if !ops.is_empty() {
+            // Forgotten before the delete is sent, so that its watch event is not taken for the
+            // lease's expiry.
+            for key in &gone {
+                published.records.remove(key);
+            }
+            let done = client.txn(Txn::new().and_then(ops)).await?;
+            published.records = wanted;
+            published.revision = done.header().map_or(published.revision, |h| h.revision());
         }
-        // Forgotten before the delete is sent, so that its watch event is not taken for the lease's
-        // expiry.
-        for key in &gone {
-            published.remove(key);
-        }
-        client.txn(Txn::new().and_then(ops)).await?;
-        *published = wanted;
+        self.drains
+            .set_published(snapshot.revision, published.revision);
         Ok(())
+    }
+
+    /// Tells the drains which other hosts are live (have a host record) and how far each acked.
+    fn report_hosts(&self, keys: &Keys, me: &Identity, range: &BTreeMap<String, String>) {
+        let kvs = || range.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let acked = records::acks_from(keys, &me.host, kvs());
+        let hosts = kvs()
+            .filter_map(|(key, _)| match keys.kind(key) {
+                Some(KeyKind::Host(host)) if host != me.host => {
+                    Some((host.to_owned(), acked.get(host).copied()))
+                }
+                _ => None,
+            })
+            .collect();
+        self.drains.set_hosts(hosts);
     }
 
     /// Replaces the registry's view of the other hosts with what `range` holds.

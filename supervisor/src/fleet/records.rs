@@ -3,7 +3,11 @@
 //! Under `<prefix>/v1/`:
 //! - `hosts/<host>`: the host (its locality and gRPC port), under the host's lease;
 //! - `workers/<host>/<service>/<index>/<pid>`: one worker instance (hostname, protocols, addresses,
-//!   health, weight, hash key), under the host's lease.
+//!   health, weight, hash key), under the host's lease;
+//! - `acks/<host>`: the newest etcd revision of the fleet whose view every endpoint stream of the
+//!   host's supervisor has ACKed, under the host's lease: what another host's drain waits on. It is
+//!   written only when the host sees another host's worker start draining (and once per session), so
+//!   a worker that starts or stops costs one write, and only a drain costs one more per host.
 //!
 //! A worker change is one put or one delete of its own key, and a host's keys are one range, so a
 //! host that leaves (its lease expires) takes exactly its own keys with it. Values are JSON, so that
@@ -47,6 +51,8 @@ pub enum KeyKind<'a> {
         /// The process id.
         pid: u32,
     },
+    /// `acks/<host>`.
+    Acks(&'a str),
 }
 
 impl Keys {
@@ -72,6 +78,11 @@ impl Keys {
         format!("{}workers/{host}/{service}/{index}/{pid}", self.root)
     }
 
+    /// `acks/<host>`.
+    pub fn acks(&self, host: &str) -> String {
+        format!("{}acks/{host}", self.root)
+    }
+
     /// What `key` names, if it is a key of this layout.
     pub fn kind<'a>(&self, key: &'a str) -> Option<KeyKind<'a>> {
         let rest = key.strip_prefix(self.root.as_str())?;
@@ -80,6 +91,10 @@ impl Keys {
             "hosts" => {
                 let host = parts.next()?;
                 parts.next().is_none().then_some(KeyKind::Host(host))
+            }
+            "acks" => {
+                let host = parts.next()?;
+                parts.next().is_none().then_some(KeyKind::Acks(host))
             }
             "workers" => {
                 let (host, service) = (parts.next()?, parts.next()?);
@@ -123,6 +138,14 @@ pub struct WorkerRecord {
     pub weight: u32,
     /// The consistent-hashing key.
     pub hash_key: String,
+}
+
+/// `acks/...`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcksRecord {
+    /// The newest etcd revision of the fleet's range that every endpoint stream of the host has
+    /// ACKed a view of.
+    pub revision: i64,
 }
 
 /// Who this host is, for its own records.
@@ -267,6 +290,32 @@ pub fn remote_worker(
     })
 }
 
+/// Whether `value`, put at `key`, is another host's worker (not `me`'s) that is draining: then the
+/// drain waits for every host's acks.
+pub fn is_remote_drain(keys: &Keys, me: &str, key: &str, value: &str) -> bool {
+    matches!(keys.kind(key), Some(KeyKind::Worker { host, .. }) if host != me)
+        && serde_json::from_str::<WorkerRecord>(value)
+            .is_ok_and(|r| r.health == Health::Draining.as_str())
+}
+
+/// Every other host's acks revision from the fleet's range (`kvs`), leaving out `me`; a record that
+/// does not parse counts as none.
+pub fn acks_from<'a>(
+    keys: &Keys,
+    me: &str,
+    kvs: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> BTreeMap<String, i64> {
+    kvs.into_iter()
+        .filter_map(|(key, value)| match keys.kind(key) {
+            Some(KeyKind::Acks(host)) if host != me => {
+                let record = serde_json::from_str::<AcksRecord>(value).ok()?;
+                Some((host.to_owned(), record.revision))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 /// The other hosts of the fleet from every key and value of its range (`kvs`), leaving out `me`.
 /// Returns the fleet and the records skipped, with their keys and why.
 pub fn fleet_from<'a>(
@@ -350,12 +399,15 @@ mod tests {
             })
         );
         assert_eq!(keys.kind("/peregrine/v1/hosts/a"), Some(KeyKind::Host("a")));
+        assert_eq!(keys.acks("a"), "/peregrine/v1/acks/a");
+        assert_eq!(keys.kind("/peregrine/v1/acks/a"), Some(KeyKind::Acks("a")));
         for other in [
             "/peregrine/v1/hosts/a/b",
             "/peregrine/v1/workers/a/web/x/1",
             "/peregrine/v2/hosts/a",
             "/other/v1/hosts/a",
-            "/peregrine/v1/acks/a",
+            "/peregrine/v1/acks/a/b",
+            "/peregrine/v1/leases/a",
         ] {
             assert_eq!(keys.kind(other), None, "{other}");
         }
@@ -416,6 +468,51 @@ mod tests {
             records.iter().map(|(k, v)| (k.as_str(), v.as_str())),
         );
         assert!(mine.is_empty());
+    }
+
+    #[test]
+    fn acks_and_drains_are_read_from_other_hosts_only() {
+        let keys = Keys::new("/p");
+        let acks = acks_from(
+            &keys,
+            "me",
+            [
+                ("/p/v1/acks/b", r#"{"revision":41}"#),
+                ("/p/v1/acks/me", r#"{"revision":50}"#),
+                ("/p/v1/acks/c", "not json"),
+                ("/p/v1/hosts/d", r#"{"revision":1}"#),
+            ],
+        );
+        assert_eq!(acks, BTreeMap::from([("b".to_string(), 41)]));
+        let worker = |health: &str| {
+            format!(
+                r#"{{"hostname":"h","protocols":["http1"],"addresses":["1.2.3.4:5"],"health":"{health}","weight":1,"hash_key":"k"}}"#
+            )
+        };
+        assert!(is_remote_drain(
+            &keys,
+            "me",
+            "/p/v1/workers/b/web/0/1",
+            &worker("draining")
+        ));
+        assert!(!is_remote_drain(
+            &keys,
+            "me",
+            "/p/v1/workers/b/web/0/1",
+            &worker("serving")
+        ));
+        assert!(!is_remote_drain(
+            &keys,
+            "me",
+            "/p/v1/workers/me/web/0/1",
+            &worker("draining")
+        ));
+        assert!(!is_remote_drain(
+            &keys,
+            "me",
+            "/p/v1/hosts/b",
+            &worker("draining")
+        ));
     }
 
     #[test]

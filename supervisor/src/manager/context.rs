@@ -8,6 +8,7 @@ use tokio::sync::oneshot;
 use super::{error::ReplaceError, launch::Launch};
 use crate::{
     children::{Children, Counters, Lanes, Slot},
+    fleet::FleetDrains,
     instance::Lineage,
     registry::Registry,
     xds::acks::Acks,
@@ -24,6 +25,8 @@ pub struct Context {
     pub lanes: Arc<Lanes>,
     /// Which Envoy streams have ACKed which revision: a drain waits on it.
     pub acks: Arc<Acks>,
+    /// In a fleet, how far the other hosts' Envoys have ACKed: a drain waits on it too.
+    pub fleet: Option<Arc<FleetDrains>>,
     /// The request counter region handed to new workers.
     pub counters: Arc<Counters>,
     /// The control socket's lineage, which every worker carries (see [`crate::instance`]).

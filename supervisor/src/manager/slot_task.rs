@@ -3,8 +3,9 @@
 //!
 //! Every stop is a drain ([`SlotTask::retire`]): the worker is marked draining in the registry (EDS
 //! publishes `health_status: DRAINING`), the task waits until every Envoy endpoint stream has ACKed
-//! that revision ([`Acks::wait_synced`], bounded by `drain_timeout`), then SIGTERM, and SIGKILL after
-//! `stop_timeout`. A replacement starts first and registers (its predecessor turns draining in the
+//! that revision ([`Acks::wait_synced`], bounded by `drain_timeout`), in a fleet also until every other
+//! host's supervisor says its Envoys have ([`FleetDrains::wait`], within the same bound), then
+//! SIGTERM, and SIGKILL after `stop_timeout`. A replacement starts first and registers (its predecessor turns draining in the
 //! same snapshot) before the predecessor is retired, unless both would need the same fixed address.
 //!
 //! Invariant: the task is the only writer of its slot's entries, in the process table and in the
@@ -31,12 +32,13 @@ use super::{
     launch::{Launch, fixed_address},
     process::{Ending, Exit, exited, pid_of, signal},
 };
-#[cfg(doc)]
-use crate::xds::acks::Acks;
 use crate::{
     children::{Child, CounterRef, Lane, Slot},
     config::Lifecycle,
+    fleet::FleetOutcome,
 };
+#[cfg(doc)]
+use crate::{fleet::FleetDrains, xds::acks::Acks};
 
 /// A worker of an earlier supervisor that this one takes over.
 #[derive(Debug)]
@@ -475,6 +477,23 @@ impl SlotTask {
                 }
                 exit = exited(&instance.pidfd) => return self.reap(instance, exit),
             }
+            if let Some(fleet) = &self.context.fleet {
+                let left = self.lifecycle.drain_timeout.saturating_sub(begun.elapsed());
+                tokio::select! {
+                    outcome = fleet.wait(revision, left) => match outcome {
+                        FleetOutcome::Synced { hosts, revision } => {
+                            tracing::info!(pid, hosts, etcd_revision = revision, waited = ?begun.elapsed(), "Every host of the fleet has the worker as draining");
+                        }
+                        FleetOutcome::Lagging { hosts, revision } => {
+                            tracing::warn!(pid, lagging = ?hosts, etcd_revision = revision, timeout = ?self.lifecycle.drain_timeout, "Not every host of the fleet ACKed the drain in time; stopping the worker anyway");
+                        }
+                        FleetOutcome::Away => {
+                            tracing::warn!(pid, "etcd is away: the other hosts cannot learn of the drain; stopping the worker (their Envoys retry elsewhere)");
+                        }
+                    },
+                    exit = exited(&instance.pidfd) => return self.reap(instance, exit),
+                }
+            }
         }
         tracing::debug!(pid, why, "Stopping worker");
         signal(&instance.pidfd, Signal::TERM);
@@ -563,6 +582,7 @@ mod tests {
             children: Arc::default(),
             lanes: Lanes::new(4),
             acks: Arc::default(),
+            fleet: None,
             counters,
             lineage: crate::instance::Lineage::random().unwrap(),
         });

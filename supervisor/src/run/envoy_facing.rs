@@ -112,6 +112,7 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
             .map(|c| xds::resources::FleetIdentity {
                 host: c.host.clone(),
                 locality: c.locality.clone(),
+                routing: c.routing,
             }),
         ..xds::XdsOptions::default()
     }

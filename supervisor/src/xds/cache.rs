@@ -5,27 +5,36 @@
 //! is the supervisor's start time, so versions never repeat across supervisor restarts and a
 //! reconnecting Envoy never takes new state for old.
 //!
+//! Under local-first routing in a fleet, endpoints depend on who asks: [`Resources::endpoints_for`]
+//! gives each requester locality its variant (see [`priorities`](super::priorities)), built the
+//! first time a stream of that locality asks for the resources of a revision, so a supervisor builds
+//! one variant per distinct locality among its Envoys, never one per Envoy and none nobody asked for.
+//! A variant's type version is the one built from the snapshot: it changes exactly when they do.
+//!
 //! Invariant: the cache never touches gRPC or streams; it publishes whole [`Resources`] on a watch
 //! channel and the transport reads them. CDS and EDS are built from the same snapshot, so every EDS
 //! name is a CDS cluster.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     future::Future,
     hash::{DefaultHasher, Hasher},
-    sync::Arc,
+    sync::{Arc, Mutex, PoisonError},
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::{envoy::config::endpoint::v3::ClusterLoadAssignment, google::protobuf::Any};
 use prost::Message;
 use tokio::sync::watch;
 
-use super::resources::{
-    CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
-    make_load_assignment, pack, remote_of,
+use super::{
+    priorities::{Requester, prioritised_for},
+    resources::{
+        CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
+        make_load_assignment, pack, remote_of,
+    },
 };
-use crate::registry::Snapshot;
+use crate::{config::Routing, registry::Snapshot};
 
 /// One resource with its own version.
 #[derive(Clone, Debug, PartialEq)]
@@ -55,14 +64,27 @@ pub struct Resources {
     /// The registry revision they were built from.
     pub revision: u64,
     /// Clusters whose endpoints come over a dedicated EDS stream (served on CDS streams).
-    pub clusters: TypeResources,
+    pub clusters: Arc<TypeResources>,
     /// The same clusters with endpoints over a dedicated delta EDS stream (served on delta CDS
     /// streams).
-    pub delta_clusters: TypeResources,
+    pub delta_clusters: Arc<TypeResources>,
     /// The same clusters with endpoints over ADS (served on ADS streams, delta or not).
-    pub ads_clusters: TypeResources,
-    /// Cluster load assignments.
-    pub endpoints: TypeResources,
+    pub ads_clusters: Arc<TypeResources>,
+    /// Cluster load assignments, every locality at priority 0: what every Envoy is sent unless
+    /// routing is local-first.
+    pub endpoints: Arc<TypeResources>,
+    /// Under local-first routing, the variants of `endpoints` by requester.
+    local_first: Option<Arc<Variants>>,
+}
+
+/// The assignments of one snapshot under local-first routing, and the variant of them each requester
+/// locality asked for so far.
+#[derive(Debug)]
+struct Variants {
+    /// Cluster load assignments by name, as built (every locality at priority 0).
+    assignments: BTreeMap<String, ClusterLoadAssignment>,
+    /// Each requester's variant, built when first asked for.
+    built: Mutex<HashMap<Requester, Arc<TypeResources>>>,
 }
 
 /// Where the clusters served on a stream tell Envoy to fetch their endpoints: picks the cluster
@@ -78,17 +100,63 @@ pub enum EdsVia {
 }
 
 impl Resources {
-    /// The resources of `type_url` for a stream whose clusters fetch endpoints `via` there.
-    pub fn get(&self, type_url: &str, via: EdsVia) -> Option<&TypeResources> {
+    /// The resources of `type_url` for a stream whose clusters fetch endpoints `via` there, and
+    /// whose Envoy is `requester`.
+    pub fn get(
+        &self,
+        type_url: &str,
+        via: EdsVia,
+        requester: &Requester,
+    ) -> Option<Arc<TypeResources>> {
         match type_url {
-            CLUSTER_TYPE_URL => Some(match via {
-                EdsVia::Grpc => &self.clusters,
-                EdsVia::DeltaGrpc => &self.delta_clusters,
-                EdsVia::Ads => &self.ads_clusters,
-            }),
-            ENDPOINT_TYPE_URL => Some(&self.endpoints),
+            CLUSTER_TYPE_URL => Some(
+                match via {
+                    EdsVia::Grpc => &self.clusters,
+                    EdsVia::DeltaGrpc => &self.delta_clusters,
+                    EdsVia::Ads => &self.ads_clusters,
+                }
+                .clone(),
+            ),
+            ENDPOINT_TYPE_URL => Some(self.endpoints_for(requester)),
             _ => None,
         }
+    }
+
+    /// The cluster load assignments `requester` is sent: under local-first routing its variant
+    /// (built on first ask), else [`Resources::endpoints`].
+    pub fn endpoints_for(&self, requester: &Requester) -> Arc<TypeResources> {
+        let Some(variants) = &self.local_first else {
+            return self.endpoints.clone();
+        };
+        let mut built = variants
+            .built
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        built
+            .entry(requester.clone())
+            .or_insert_with(|| {
+                let resources = variants
+                    .assignments
+                    .iter()
+                    .map(|(name, a)| (name.clone(), versioned(name, pack(&prioritised_for(a, requester)))))
+                    .collect();
+                tracing::debug!(?requester, version = %self.endpoints.version, "Endpoints built for a requester locality");
+                Arc::new(TypeResources {
+                    type_url: ENDPOINT_TYPE_URL,
+                    version: self.endpoints.version.clone(),
+                    resources,
+                })
+            })
+            .clone()
+    }
+}
+
+// === impl Variants ===
+
+impl PartialEq for Variants {
+    /// Variants are made from the assignments alone: equal assignments make equal variants.
+    fn eq(&self, other: &Self) -> bool {
+        self.assignments == other.assignments
     }
 }
 
@@ -167,29 +235,49 @@ impl Cache {
         let clusters = built(&self.options);
         let delta_clusters = built(&delta_options);
         let ads_clusters = built(&ads_options);
-        let endpoints = snapshot.services.iter().map(|(name, view)| {
-            let remote = remote_of(snapshot, name);
-            versioned(
-                name,
-                pack(&make_load_assignment(name, view, &remote, &self.options)),
-            )
-        });
+        let assignments = snapshot
+            .services
+            .iter()
+            .map(|(name, view)| {
+                let remote = remote_of(snapshot, name);
+                let assignment = make_load_assignment(name, view, &remote, &self.options);
+                (name.clone(), assignment)
+            })
+            .collect::<BTreeMap<_, _>>();
+        let endpoints = assignments
+            .iter()
+            .map(|(name, assignment)| versioned(name, pack(assignment)));
+        let endpoints = self
+            .endpoints
+            .advance(&self.epoch, ENDPOINT_TYPE_URL, endpoints);
+        let local_first = self
+            .options
+            .fleet
+            .as_ref()
+            .is_some_and(|f| f.routing == Routing::LocalFirst);
         Resources {
             revision: snapshot.revision,
-            clusters: self
-                .clusters
-                .advance(&self.epoch, CLUSTER_TYPE_URL, clusters),
-            delta_clusters: self.delta_clusters.advance(
+            clusters: Arc::new(
+                self.clusters
+                    .advance(&self.epoch, CLUSTER_TYPE_URL, clusters),
+            ),
+            delta_clusters: Arc::new(self.delta_clusters.advance(
                 &self.epoch,
                 CLUSTER_TYPE_URL,
                 delta_clusters,
-            ),
-            ads_clusters: self
-                .ads_clusters
-                .advance(&self.epoch, CLUSTER_TYPE_URL, ads_clusters),
-            endpoints: self
-                .endpoints
-                .advance(&self.epoch, ENDPOINT_TYPE_URL, endpoints),
+            )),
+            ads_clusters: Arc::new(self.ads_clusters.advance(
+                &self.epoch,
+                CLUSTER_TYPE_URL,
+                ads_clusters,
+            )),
+            endpoints: Arc::new(endpoints),
+            local_first: local_first.then(|| {
+                Arc::new(Variants {
+                    assignments,
+                    built: Mutex::default(),
+                })
+            }),
         }
     }
 
@@ -412,6 +500,107 @@ mod tests {
         assert_ne!(before.delta_clusters.version, after.delta_clusters.version);
         assert_ne!(before.ads_clusters.version, after.ads_clusters.version);
         assert_eq!(before.endpoints.version, after.endpoints.version);
+    }
+
+    /// A cache of host `a` (zone z1) under `routing`, and a registry with one local worker of `web`
+    /// and host `b` (zone z2) running one.
+    fn fleet_of_two(routing: Routing) -> (Registry, Cache) {
+        use crate::{
+            config::Locality,
+            registry::{Health, RemoteHost, RemoteWorker},
+            xds::resources::FleetIdentity,
+        };
+        let locality = |zone: &str| Locality {
+            region: "r1".into(),
+            zone: zone.into(),
+        };
+        let registry = Registry::new(["web".to_string()]);
+        registry.register(worker("web", 0, 10)).unwrap();
+        let remote = RemoteWorker {
+            service: "web".into(),
+            index: 0,
+            pid: 20,
+            hostname: "b-web-0-20".into(),
+            protocols: vec![Protocol::Http1],
+            addresses: vec![Address::Tcp("10.0.0.2:8000".parse().unwrap())],
+            health: Health::Serving,
+            weight: 1,
+            hash_key: "b-web-0".into(),
+        };
+        let b = RemoteHost {
+            locality: locality("z2"),
+            grpc_port: 18000,
+            workers: [(("web".to_string(), 0, 20), remote)].into(),
+        };
+        registry.set_fleet([("b".to_string(), b)].into());
+        let options = ClusterOptions {
+            fleet: Some(FleetIdentity {
+                host: "a".into(),
+                locality: locality("z1"),
+                routing,
+            }),
+            ..ClusterOptions::default()
+        };
+        (registry, Cache::new("e1".into(), options))
+    }
+
+    /// The priority of each host's endpoints in `web`'s assignment in `set`, by sub-zone.
+    fn priorities(set: &TypeResources) -> BTreeMap<String, u32> {
+        let assignment =
+            ClusterLoadAssignment::decode(set.resources["web"].resource.value.as_slice()).unwrap();
+        assignment
+            .endpoints
+            .iter()
+            .map(|g| (g.locality.clone().unwrap().sub_zone, g.priority))
+            .collect()
+    }
+
+    fn requester(host: &str, zone: &str) -> Requester {
+        Requester {
+            region: "r1".into(),
+            zone: zone.into(),
+            sub_zone: host.into(),
+        }
+    }
+
+    #[test]
+    fn local_first_gives_each_requester_its_own_host_first() {
+        let (registry, mut cache) = fleet_of_two(Routing::LocalFirst);
+        let resources = cache.build(&registry.snapshot());
+        let on_a = resources.endpoints_for(&requester("a", "z1"));
+        let on_b = resources.endpoints_for(&requester("b", "z2"));
+        assert_eq!(priorities(&on_a), [("a".into(), 0), ("b".into(), 1)].into());
+        assert_eq!(priorities(&on_b), [("a".into(), 1), ("b".into(), 0)].into());
+        // One type version for every variant: they change exactly when the assignments do.
+        assert_eq!(on_a.version, resources.endpoints.version);
+        assert_eq!(on_b.version, resources.endpoints.version);
+        assert_ne!(on_a.resources["web"].version, on_b.resources["web"].version);
+        // A variant is built once per resources and requester.
+        assert!(Arc::ptr_eq(
+            &on_a,
+            &resources.endpoints_for(&requester("a", "z1"))
+        ));
+        // The same snapshot again: the same resources, variants included.
+        let again = cache.build(&registry.snapshot());
+        assert_eq!(again, resources);
+        assert_eq!(
+            again.endpoints_for(&requester("a", "z1")).resources,
+            on_a.resources
+        );
+        // Through `get`, as a stream asks.
+        let got = resources
+            .get(ENDPOINT_TYPE_URL, EdsVia::Grpc, &requester("b", "z2"))
+            .unwrap();
+        assert!(Arc::ptr_eq(&got, &on_b));
+    }
+
+    #[test]
+    fn fleet_routing_sends_every_requester_one_priority() {
+        let (registry, mut cache) = fleet_of_two(Routing::Fleet);
+        let resources = cache.build(&registry.snapshot());
+        let on_b = resources.endpoints_for(&requester("b", "z2"));
+        assert!(Arc::ptr_eq(&on_b, &resources.endpoints));
+        assert_eq!(priorities(&on_b), [("a".into(), 0), ("b".into(), 0)].into());
     }
 
     #[test]

@@ -58,7 +58,7 @@ use envoy_types::pb::{
 use prost::Name;
 
 use crate::{
-    config::Locality,
+    config::{Locality, Routing},
     registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot},
 };
 
@@ -110,6 +110,8 @@ pub struct FleetIdentity {
     pub host: String,
     /// Where its workers are.
     pub locality: Locality,
+    /// Whether each Envoy is sent its near hosts first or the whole fleet in one priority.
+    pub routing: Routing,
 }
 
 /// A worker slot's consistent-hashing key: `<service>-<index>` on a single host, and
@@ -961,6 +963,7 @@ mod tests {
                     region: "r1".into(),
                     zone: "z1".into(),
                 },
+                routing: Routing::Fleet,
             }),
             ..ClusterOptions::default()
         };

@@ -55,7 +55,7 @@ use tracing::Instrument;
 
 use self::{delta::DeltaWatch, sotw::TypeWatch};
 use super::stream_kind::StreamKind;
-use super::{acks::Acks, cache::Resources};
+use super::{acks::Acks, cache::Resources, priorities::Requester};
 
 /// The response stream of every state-of-the-world method.
 pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
@@ -224,13 +224,14 @@ async fn run_stream<W: Send + 'static>(
     let node = Stream::<W>::node(&first)
         .map(|n| n.id.clone())
         .unwrap_or_default();
+    let requester = Requester::of(Stream::<W>::node(&first));
     let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
     let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
     async move {
         tracing::debug!("Stream opened");
         // Dropped on every way out of this block, which removes the stream from `acks`.
         let registered = acks.register(id, node.clone(), kind);
-        let mut state = Stream::<W>::new(kind, node);
+        let mut state = Stream::<W>::new(kind, node, requester);
         let mut next = Some(first);
         // Since when the client has owed an answer to an endpoints response, without answering any
         // (a late answer to an outdated response restarts the clock: that client is alive).
@@ -332,6 +333,8 @@ enum Reply<'a> {
 struct Stream<W> {
     kind: StreamKind,
     node: String,
+    /// Where the client is: under local-first routing, what its endpoints' priorities depend on.
+    requester: Requester,
     clusters: Option<W>,
     endpoints: Option<W>,
     sync: EndpointSync,
@@ -439,10 +442,11 @@ impl EndpointSync {
 // === impl Stream ===
 
 impl<W> Stream<W> {
-    fn new(kind: StreamKind, node: String) -> Self {
+    fn new(kind: StreamKind, node: String, requester: Requester) -> Self {
         Stream {
             kind,
             node,
+            requester,
             clusters: None,
             endpoints: None,
             sync: EndpointSync::default(),

@@ -233,10 +233,10 @@ impl StreamRules for DeltaStreamState {
         let mut out = Vec::new();
         if let Some(watch) = &mut self.clusters {
             let set = resources
-                .get(CLUSTER_TYPE_URL, via)
+                .get(CLUSTER_TYPE_URL, via, &self.requester)
                 .expect("clusters are served");
             if let (Some(response), _) =
-                watch.respond(set, |_| true, fresh == Some(CLUSTER_TYPE_URL))
+                watch.respond(&set, |_| true, fresh == Some(CLUSTER_TYPE_URL))
             {
                 if ads && let Some(endpoints) = &mut self.endpoints {
                     // A new or changed cluster only finishes warming with a new EDS response: resend
@@ -250,12 +250,12 @@ impl StreamRules for DeltaStreamState {
         }
         if let Some(watch) = &mut self.endpoints {
             let set = resources
-                .get(ENDPOINT_TYPE_URL, via)
+                .get(ENDPOINT_TYPE_URL, via, &self.requester)
                 .expect("endpoints are served");
             // On ADS, never send endpoints of a cluster the client does not have from this stream.
             let clusters = self.clusters.as_ref().map(|c| &c.has);
             let sendable = |name: &str| !ads || clusters.is_some_and(|has| has.contains_key(name));
-            let (response, held) = watch.respond(set, sendable, fresh == Some(ENDPOINT_TYPE_URL));
+            let (response, held) = watch.respond(&set, sendable, fresh == Some(ENDPOINT_TYPE_URL));
             let sent = response.as_ref().map(|r| r.nonce.clone());
             out.extend(response);
             self.sync.answered(resources.revision, sent, held);
@@ -270,7 +270,7 @@ impl StreamRules for DeltaStreamState {
 mod tests {
     use super::{
         super::{
-            StreamKind,
+            Requester, StreamKind,
             scenarios::{Fixture, Variant, eds_synced_at_one},
         },
         *,
@@ -292,7 +292,8 @@ mod tests {
     fn a_stale_nonce_is_no_ack_but_still_subscribes() {
         let mut fixture = Fixture::new();
         let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into());
+        let mut state =
+            DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into(), Requester::default());
         let first = state
             .on_request(subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1)
             .unwrap();
@@ -356,7 +357,8 @@ mod tests {
             subscribe(CLUSTER_TYPE_URL, &[]),
             subscribe(CLUSTER_TYPE_URL, &["*"]),
         ] {
-            let mut state = DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into());
+            let mut state =
+                DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into(), Requester::default());
             let out = state.on_request(first, &r1).unwrap();
             assert_eq!(names(&out[0]), ["a", "b"]);
             assert!(state.on_request(ack(&out[0]), &r1).unwrap().is_empty());
@@ -366,7 +368,9 @@ mod tests {
             assert!(state.on_resources(&r2).is_empty());
             // A cluster the client has that is gone is removed.
             let mut gone = r2.clone();
-            gone.delta_clusters.resources.remove("b");
+            std::sync::Arc::make_mut(&mut gone.delta_clusters)
+                .resources
+                .remove("b");
             let out = state.on_resources(&gone);
             assert!(out[0].resources.is_empty());
             assert_eq!(out[0].removed_resources, ["b"]);
@@ -377,7 +381,8 @@ mod tests {
     fn delta_cds_clusters_fetch_endpoints_over_delta() {
         let mut fixture = Fixture::new();
         let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into());
+        let mut state =
+            DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into(), Requester::default());
         let out = state
             .on_request(subscribe(CLUSTER_TYPE_URL, &[]), &r1)
             .unwrap();
@@ -395,7 +400,8 @@ mod tests {
     fn initial_resource_versions_suppress_unchanged_resources() {
         let mut fixture = Fixture::new();
         let r1 = fixture.register("a", 0, 10);
-        let mut state = DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into());
+        let mut state =
+            DeltaStreamState::new(StreamKind::DeltaCds, "envoy".into(), Requester::default());
         let reconnect = DeltaDiscoveryRequest {
             initial_resource_versions: [
                 (
@@ -413,7 +419,8 @@ mod tests {
         assert_eq!(names(&out[0]), ["b"], "`a` is unchanged");
         assert_eq!(out[0].removed_resources, ["gone"]);
         // Nothing owed at all: no response.
-        let mut state = DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into());
+        let mut state =
+            DeltaStreamState::new(StreamKind::DeltaEds, "envoy".into(), Requester::default());
         let reconnect = DeltaDiscoveryRequest {
             initial_resource_versions: [(
                 "a".to_string(),

@@ -21,7 +21,7 @@ use envoy_types::pb::{
 };
 use prost::Message;
 
-use super::{Stream, StreamKind, StreamRules, delta::DeltaWatch, sotw::TypeWatch};
+use super::{Requester, Stream, StreamKind, StreamRules, delta::DeltaWatch, sotw::TypeWatch};
 use crate::{
     registry::{Address, Protocol, Registry, Worker},
     xds::{
@@ -299,7 +299,11 @@ impl Variant for DeltaWatch {
 pub(super) fn eds_synced_at_one<W: Variant>(fixture: &mut Fixture) -> Stream<W> {
     let r1 = fixture.register("a", 0, 10);
     assert_eq!(r1.revision, 1);
-    let mut state = Stream::<W>::new(kind::<W>(Some(ENDPOINT_TYPE_URL)), "envoy".into());
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
     let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
     assert_eq!(out.len(), 1);
     assert_eq!(W::names(&out[0]), ["a"]);
@@ -364,7 +368,11 @@ fn a_nack_is_not_answered_with_the_same_content_nor_advances_the_synced_revision
 fn a_stale_nonce_does_not_advance_the_synced_revision<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
-    let mut state = Stream::<W>::new(kind::<W>(Some(ENDPOINT_TYPE_URL)), "envoy".into());
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
     let first = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
     let r2 = fixture.register("a", 1, 11);
     let second = W::on_resources(&mut state, &r2);
@@ -392,7 +400,11 @@ fn an_unrelated_change_syncs_at_once<W: Variant>() {
 fn an_ack_covers_later_revisions_that_owed_nothing_new<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
-    let mut state = Stream::<W>::new(kind::<W>(Some(ENDPOINT_TYPE_URL)), "envoy".into());
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
     let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
     let r2 = fixture.register("b", 0, 20);
     assert!(W::on_resources(&mut state, &r2).is_empty());
@@ -408,7 +420,11 @@ fn an_ack_covers_later_revisions_that_owed_nothing_new<W: Variant>() {
 fn a_subscription_to_nothing_that_exists_is_synced_at_once<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
-    let mut state = Stream::<W>::new(kind::<W>(Some(ENDPOINT_TYPE_URL)), "envoy".into());
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
     let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["c"]), &r1);
     assert!(out.is_empty());
     assert!(state.serves_endpoints());
@@ -418,7 +434,11 @@ fn a_subscription_to_nothing_that_exists_is_synced_at_once<W: Variant>() {
 fn a_change_pushes_the_changed_resource<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
-    let mut state = Stream::<W>::new(kind::<W>(Some(ENDPOINT_TYPE_URL)), "envoy".into());
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
     let out = W::on_request(
         &mut state,
         W::subscribe(ENDPOINT_TYPE_URL, &["a", "b"]),
@@ -438,7 +458,7 @@ fn a_change_pushes_the_changed_resource<W: Variant>() {
 fn ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
-    let mut state = Stream::<W>::new(kind::<W>(None), "envoy".into());
+    let mut state = Stream::<W>::new(kind::<W>(None), "envoy".into(), Requester::default());
     // Endpoints before clusters: held back, so owed.
     let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
     assert!(out.is_empty());
@@ -467,7 +487,7 @@ fn a_cds_only_stream_does_not_serve_endpoints<W: Variant>() {
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
     for kind in [kind::<W>(Some(CLUSTER_TYPE_URL)), kind::<W>(None)] {
-        let mut state = Stream::<W>::new(kind, "envoy".into());
+        let mut state = Stream::<W>::new(kind, "envoy".into(), Requester::default());
         let out = W::on_request(&mut state, W::subscribe(CLUSTER_TYPE_URL, &[]), &r1);
         assert_eq!(out.len(), 1);
         assert!(W::on_request(&mut state, W::ack(&out[0], &[]), &r1).is_empty());

@@ -133,7 +133,7 @@ impl StreamState {
         let mut owed = EndpointsOwed::default();
         if let Some(watch) = &mut self.clusters {
             let set = resources
-                .get(CLUSTER_TYPE_URL, self.kind.eds_via())
+                .get(CLUSTER_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("clusters are served");
             let before = watch.sent.clone().unwrap_or_default();
             let payload = set
@@ -143,7 +143,7 @@ impl StreamState {
                 .collect::<BTreeMap<_, _>>();
             let owed = fresh == Some(CLUSTER_TYPE_URL) || watch.sent.as_ref() != Some(&payload);
             if owed {
-                out.push(respond(watch, set, payload.clone()));
+                out.push(respond(watch, &set, payload.clone()));
                 if ads && let Some(endpoints) = &mut self.endpoints {
                     // A new or changed cluster only finishes warming with a new EDS response: resend
                     // the endpoints of every cluster that changed.
@@ -155,7 +155,7 @@ impl StreamState {
         }
         if let Some(watch) = &mut self.endpoints {
             let set = resources
-                .get(ENDPOINT_TYPE_URL, self.kind.eds_via())
+                .get(ENDPOINT_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("endpoints are served");
             // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
             // an ADS client gets endpoints only for clusters it also receives over the same stream
@@ -180,7 +180,7 @@ impl StreamState {
                 .collect::<BTreeMap<_, _>>();
             let changed = watch.sent.as_ref() != Some(&payload);
             if changed && !payload.is_empty() {
-                let response = respond(watch, set, payload);
+                let response = respond(watch, &set, payload);
                 owed.sent = Some(response.nonce.clone());
                 out.push(response);
             } else if payload.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
