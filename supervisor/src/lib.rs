@@ -8,6 +8,7 @@
 //! it.
 
 pub mod adopt;
+pub mod balancer;
 pub mod bootstrap;
 pub mod children;
 pub mod config;

@@ -31,7 +31,9 @@ use std::{
 
 use tokio::sync::watch;
 
-pub use self::fleet::{EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker};
+pub use self::fleet::{
+    EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker, SpecChoice, choose_specs,
+};
 pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
 pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 

@@ -158,6 +158,7 @@ pub fn report(
             },
             lease: f.lease.unwrap_or(0),
             hosts: snapshot.fleet.keys().cloned().collect(),
+            conflicts: f.conflicts.clone(),
         }),
     }
 }

@@ -29,11 +29,12 @@ fn host(name: &str, etcd: &Etcd, workers: u32) -> FleetHost {
     let grpc = free_port();
     // A server that is not there first: Envoy must find the one that is (any supervisor can serve
     // it).
-    host_at(name, etcd, workers, "fleet", grpc, &[free_port(), grpc])
+    host_at(name, etcd, workers, "fleet", grpc, &[free_port(), grpc], "")
 }
 
 /// A host whose supervisor serves gRPC on `grpc`, whose Envoys dial the supervisors at `xds` in
-/// order and are sent the fleet as `routing` says.
+/// order and are sent the fleet as `routing` says; `extra` is appended to the `[service.web]`
+/// table (more keys, or more services).
 fn host_at(
     name: &str,
     etcd: &Etcd,
@@ -41,6 +42,7 @@ fn host_at(
     routing: &str,
     grpc: u16,
     xds: &[u16],
+    extra: &str,
 ) -> FleetHost {
     let (listen, admin) = (free_port(), free_port());
     let xds = xds
@@ -69,6 +71,7 @@ routing = "{routing}"
 [service.{SERVICE}]
 count = {workers}
 url = "http://127.0.0.1:0"
+{extra}
 "#,
         etcd = etcd.endpoint(),
         ttl = TTL.as_millis(),
@@ -275,8 +278,8 @@ fn local_first_keeps_traffic_on_its_host_and_spills_over_when_it_drains() {
     let etcd = Etcd::start().expect("etcd starts");
     // Each host's Envoy dials its own supervisor first, and the other's when its own is away.
     let (a_grpc, b_grpc) = (free_port(), free_port());
-    let mut a = host_at("a", &etcd, 2, "local-first", a_grpc, &[a_grpc, b_grpc]);
-    let b = host_at("b", &etcd, 2, "local-first", b_grpc, &[b_grpc, a_grpc]);
+    let mut a = host_at("a", &etcd, 2, "local-first", a_grpc, &[a_grpc, b_grpc], "");
+    let b = host_at("b", &etcd, 2, "local-first", b_grpc, &[b_grpc, a_grpc], "");
     let a_envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let b_envoy = Envoy::start(&b.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let a_pids: BTreeSet<u32> = a.supervisor.worker_pids().into_iter().collect();
@@ -335,4 +338,74 @@ fn local_first_keeps_traffic_on_its_host_and_spills_over_when_it_drains() {
     );
     // Through all of it not one request failed (`answering` panics on any).
     drop(b_envoy);
+}
+
+#[test]
+fn a_service_only_another_host_runs_is_served_with_the_spec_the_fleet_agrees_on() {
+    let test = "a_service_only_another_host_runs_is_served_with_the_spec_the_fleet_agrees_on";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    let (a_grpc, b_grpc, c_grpc) = (free_port(), free_port(), free_port());
+    let a = host_at("a", &etcd, 1, "fleet", a_grpc, &[a_grpc], "");
+    // B runs a second service, and balances web otherwise than A and C.
+    let b_only = "lb_policy = \"least_request\"\n\n[service.api]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nlb_policy = \"random\"";
+    let b = host_at("b", &etcd, 1, "fleet", b_grpc, &[b_grpc], b_only);
+    let _c = host_at("c", &etcd, 1, "fleet", c_grpc, &[c_grpc], "");
+    let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+
+    // A's Envoy gets a cluster for api, with B's two workers, although A does not run it.
+    let api = try_wait_until(
+        Duration::from_secs(30),
+        "api's workers in A's Envoy",
+        || {
+            let hosts = hosts(&envoy.clusters(), "api");
+            (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(hosts)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", envoy.clusters()));
+    assert!(api.iter().all(|h| h.sub_zone == "b"), "{api:?}");
+    let b_api: BTreeSet<u32> = b.supervisor.worker_pids().into_iter().collect();
+    let in_envoy: BTreeSet<u32> = api
+        .iter()
+        .filter_map(|h| h.hostname.rsplit('-').next()?.parse().ok())
+        .collect();
+    assert!(in_envoy.is_subset(&b_api), "{in_envoy:?} of {b_api:?}");
+    // web: A and C agree on round robin against B's least request; every host says so.
+    for host in [&a, &b] {
+        let conflicts = try_wait_until(Duration::from_secs(10), "the conflict in status", || {
+            let status = host.supervisor.status_json().ok()?;
+            let conflicts = status["fleet"]["conflicts"].as_array()?.clone();
+            (!conflicts.is_empty()).then_some(conflicts)
+        })
+        .expect("status names the conflict");
+        assert_eq!(
+            conflicts,
+            [serde_json::json!(
+                "service web: b configured otherwise; every host serves a's spec"
+            )]
+        );
+    }
+    let dump: serde_json::Value = serde_json::from_str(
+        &envoy
+            .admin_get("/config_dump?resource=dynamic_active_clusters")
+            .expect("config dump"),
+    )
+    .expect("JSON");
+    let cluster = |name: &str| {
+        dump["configs"]
+            .as_array()
+            .expect("configs")
+            .iter()
+            .map(|c| &c["cluster"])
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} in {dump:#}"))
+    };
+    // Round robin is the cluster's plain lb_policy; least request would be a typed policy.
+    let web = cluster("web");
+    assert!(web.get("load_balancing_policy").is_none(), "{web:#}");
+    let api = cluster("api");
+    assert_eq!(api["lb_policy"], "RANDOM", "api as B has it: {api:#}");
 }

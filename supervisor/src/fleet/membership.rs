@@ -35,7 +35,7 @@ use peregrine_contract::ErrorChain;
 
 use crate::{
     config::ClusterConfig,
-    registry::{EtcdState, FleetStatus, Registry},
+    registry::{EtcdState, Fleet, FleetStatus, Registry, choose_specs},
     throttle::Throttle,
     xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
@@ -130,6 +130,7 @@ impl Membership {
             etcd: EtcdState::Connecting,
             since: SystemTime::now(),
             lease: None,
+            conflicts: Vec::new(),
         });
         loop {
             let ended = self.session(&keys, &me, &mut stop).await;
@@ -155,7 +156,8 @@ impl Membership {
                             error: ErrorChain(&error).to_string(),
                         },
                         since,
-                        lease: previous.and_then(|s| s.lease),
+                        lease: previous.as_ref().and_then(|s| s.lease),
+                        conflicts: previous.map(|s| s.conflicts).unwrap_or_default(),
                     });
                     if let Some(suppressed) = unavailable.allow() {
                         tracing::warn!(error = %ErrorChain(&error), suppressed, etcd = ?self.cluster.etcd, "etcd unavailable: serving the last fleet view");
@@ -228,6 +230,11 @@ impl Membership {
             etcd: EtcdState::Connected,
             since: SystemTime::now(),
             lease: Some(lease),
+            conflicts: self
+                .registry
+                .fleet_status()
+                .map(|s| s.conflicts)
+                .unwrap_or_default(),
         });
         tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
         let mut renew = tokio::time::interval(ttl / 3);
@@ -328,9 +335,15 @@ impl Membership {
         lease: i64,
         published: &mut Published,
     ) -> Result<(), SessionError> {
-        let weights = self.options.borrow().weights.clone();
         let snapshot = self.registry.snapshot();
-        let wanted = records::own_records(keys, me, &snapshot, &weights);
+        let wanted = {
+            let options = self.options.borrow();
+            let specs = records::Specs {
+                balancers: &options.balancers,
+                weights: &options.weights,
+            };
+            records::own_records(keys, me, &snapshot, specs)
+        };
         let mut ops = Vec::new();
         for (key, value) in &wanted {
             if published.records.get(key) != Some(value) {
@@ -363,6 +376,44 @@ impl Membership {
         self.drains
             .set_published(snapshot.revision, published.revision);
         Ok(())
+    }
+
+    /// Says which services hosts disagree on the spec of, and whose spec is served (every host picks
+    /// the same: see [`choose_specs`]): in the log when that changes, and in `status`.
+    fn report_conflicts(&self, me: &Identity, fleet: &Fleet) {
+        let own = {
+            let options = self.options.borrow();
+            self.registry
+                .snapshot()
+                .services
+                .keys()
+                .map(|s| {
+                    let balancer = options.balancers.get(s).copied();
+                    (s.clone(), balancer.unwrap_or(Balancer::RoundRobin))
+                })
+                .collect()
+        };
+        let conflicts: Vec<String> = choose_specs(&me.host, &own, fleet)
+            .into_iter()
+            .filter(|(_, choice)| !choice.disagreeing.is_empty())
+            .map(|(service, choice)| {
+                format!(
+                    "service {service}: {} configured otherwise; every host serves {}'s spec",
+                    choice.disagreeing.join(", "),
+                    choice.from
+                )
+            })
+            .collect();
+        let Some(mut status) = self.registry.fleet_status() else {
+            return;
+        };
+        if status.conflicts != conflicts {
+            for conflict in &conflicts {
+                tracing::warn!(%conflict, "Hosts of the fleet disagree on a service's spec");
+            }
+            status.conflicts = conflicts;
+            self.registry.set_fleet_status(status);
+        }
     }
 
     /// Tells the drains which other hosts are live (have a host record) and how far each acked.
@@ -415,6 +466,7 @@ impl Membership {
                 );
             }
         }
+        self.report_conflicts(me, &fleet);
         let hosts = fleet.len();
         let workers: usize = fleet.values().map(|h| h.workers.len()).sum();
         if self.registry.set_fleet(fleet) {

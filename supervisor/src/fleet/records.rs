@@ -4,6 +4,9 @@
 //! - `hosts/<host>`: the host (its locality and gRPC port), under the host's lease;
 //! - `workers/<host>/<service>/<index>/<pid>`: one worker instance (hostname, protocols, addresses,
 //!   health, weight, hash key), under the host's lease;
+//! - `services/<host>/<service>`: the Envoy-facing spec of a service the host runs (its balancer),
+//!   under the host's lease: what every supervisor serves a service's cluster with, also one it does
+//!   not run;
 //! - `acks/<host>`: the newest etcd revision of the fleet whose view every endpoint stream of the
 //!   host's supervisor has ACKed, under the host's lease: what another host's drain waits on. It is
 //!   written only when the host sees another host's worker start draining (and once per session), so
@@ -21,6 +24,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    balancer::Balancer,
     config::Locality,
     registry::{Address, Fleet, Health, Protocol, RemoteWorker, Snapshot},
     xds::resources::slot_hash_key,
@@ -51,6 +55,13 @@ pub enum KeyKind<'a> {
         /// The process id.
         pid: u32,
     },
+    /// `services/<host>/<service>`.
+    Service {
+        /// The host.
+        host: &'a str,
+        /// The service.
+        service: &'a str,
+    },
     /// `acks/<host>`.
     Acks(&'a str),
 }
@@ -78,6 +89,11 @@ impl Keys {
         format!("{}workers/{host}/{service}/{index}/{pid}", self.root)
     }
 
+    /// `services/<host>/<service>`.
+    pub fn service(&self, host: &str, service: &str) -> String {
+        format!("{}services/{host}/{service}", self.root)
+    }
+
     /// `acks/<host>`.
     pub fn acks(&self, host: &str) -> String {
         format!("{}acks/{host}", self.root)
@@ -91,6 +107,13 @@ impl Keys {
             "hosts" => {
                 let host = parts.next()?;
                 parts.next().is_none().then_some(KeyKind::Host(host))
+            }
+            "services" => {
+                let (host, service) = (parts.next()?, parts.next()?);
+                parts
+                    .next()
+                    .is_none()
+                    .then_some(KeyKind::Service { host, service })
             }
             "acks" => {
                 let host = parts.next()?;
@@ -140,6 +163,13 @@ pub struct WorkerRecord {
     pub hash_key: String,
 }
 
+/// `services/...`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceRecord {
+    /// How Envoy balances the service's cluster.
+    pub balancer: Balancer,
+}
+
 /// `acks/...`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AcksRecord {
@@ -166,14 +196,24 @@ fn protocol_name(protocol: Protocol) -> &'static str {
     }
 }
 
-/// The keys and values this host must have in etcd for `snapshot`: its host record and one record per
-/// local worker instance with an IP address. `weights` are the services' weights by slot index.
+/// What of this host's config its records say: each service's balancer and weights by slot index.
+#[derive(Clone, Copy, Debug)]
+pub struct Specs<'a> {
+    /// Each service's balancer (round robin if absent).
+    pub balancers: &'a BTreeMap<String, Balancer>,
+    /// Each service's worker weights by slot index (1 if absent).
+    pub weights: &'a BTreeMap<String, Vec<u32>>,
+}
+
+/// The keys and values this host must have in etcd for `snapshot`: its host record, one record per
+/// service it runs, and one per local worker instance with an IP address.
 pub fn own_records(
     keys: &Keys,
     me: &Identity,
     snapshot: &Snapshot,
-    weights: &BTreeMap<String, Vec<u32>>,
+    specs: Specs<'_>,
 ) -> BTreeMap<String, String> {
+    let weights = specs.weights;
     let mut records = BTreeMap::new();
     let host = HostRecord {
         region: me.locality.region.clone(),
@@ -185,6 +225,17 @@ pub fn own_records(
         serde_json::to_string(&host).expect("a record serializes"),
     );
     for (service, view) in &snapshot.services {
+        let record = ServiceRecord {
+            balancer: specs
+                .balancers
+                .get(service)
+                .copied()
+                .unwrap_or(Balancer::RoundRobin),
+        };
+        records.insert(
+            keys.service(&me.host, service),
+            serde_json::to_string(&record).expect("a record serializes"),
+        );
         for worker in view.workers.values() {
             let addresses: Vec<String> = worker
                 .listener
@@ -346,6 +397,24 @@ pub fn fleet_from<'a>(
                     )),
                 }
             }
+            Some(KeyKind::Service { host, service }) if host != me => {
+                match serde_json::from_str::<ServiceRecord>(value) {
+                    Ok(record) => {
+                        fleet
+                            .entry(host.to_owned())
+                            .or_default()
+                            .services
+                            .insert(service.to_owned(), record.balancer);
+                    }
+                    Err(e) => skipped.push((
+                        key.to_owned(),
+                        RecordError::Shape {
+                            what: "service",
+                            reason: e.to_string(),
+                        },
+                    )),
+                }
+            }
             Some(KeyKind::Worker {
                 host,
                 service,
@@ -401,12 +470,20 @@ mod tests {
         assert_eq!(keys.kind("/peregrine/v1/hosts/a"), Some(KeyKind::Host("a")));
         assert_eq!(keys.acks("a"), "/peregrine/v1/acks/a");
         assert_eq!(keys.kind("/peregrine/v1/acks/a"), Some(KeyKind::Acks("a")));
+        assert_eq!(
+            keys.kind(&keys.service("a", "web")),
+            Some(KeyKind::Service {
+                host: "a",
+                service: "web"
+            })
+        );
         for other in [
             "/peregrine/v1/hosts/a/b",
             "/peregrine/v1/workers/a/web/x/1",
             "/peregrine/v2/hosts/a",
             "/other/v1/hosts/a",
             "/peregrine/v1/acks/a/b",
+            "/peregrine/v1/services/a",
             "/peregrine/v1/leases/a",
         ] {
             assert_eq!(keys.kind(other), None, "{other}");
@@ -439,11 +516,19 @@ mod tests {
             .unwrap();
         let keys = Keys::new("/peregrine");
         let weights = BTreeMap::from([("web".to_string(), vec![1, 3])]);
-        let records = own_records(&keys, &me(), &registry.snapshot(), &weights);
+        let balancers = BTreeMap::from([(
+            "web".to_string(),
+            Balancer::LeastRequest { choice_count: 3 },
+        )]);
+        let specs = Specs {
+            balancers: &balancers,
+            weights: &weights,
+        };
+        let records = own_records(&keys, &me(), &registry.snapshot(), specs);
         assert_eq!(
             records.len(),
-            2,
-            "the host and the one IP worker: {records:#?}"
+            3,
+            "the host, its service and the one IP worker: {records:#?}"
         );
         let (fleet, skipped) = fleet_from(
             &keys,
@@ -453,6 +538,13 @@ mod tests {
         assert!(skipped.is_empty(), "{skipped:?}");
         let host = &fleet["host-a"];
         assert_eq!(host.locality.zone, "z1");
+        assert_eq!(
+            host.services,
+            BTreeMap::from([(
+                "web".to_string(),
+                Balancer::LeastRequest { choice_count: 3 }
+            )])
+        );
         assert_eq!(host.grpc_port, 18000);
         let worker = &host.workers[&("web".to_string(), 1, 42)];
         assert_eq!(worker.hostname, "web-1-42");

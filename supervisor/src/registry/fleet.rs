@@ -9,7 +9,7 @@
 use std::{collections::BTreeMap, time::SystemTime};
 
 use super::{Address, Protocol};
-use crate::config::Locality;
+use crate::{balancer::Balancer, config::Locality};
 
 /// How a remote worker is to be sent requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -70,12 +70,73 @@ pub struct RemoteHost {
     pub locality: Locality,
     /// Its supervisor's gRPC port (0 before its host record is seen).
     pub grpc_port: u16,
+    /// The services it runs, with how its config balances each.
+    pub services: BTreeMap<String, Balancer>,
     /// Its workers, by (service, index, pid).
     pub workers: BTreeMap<(String, u32, u32), RemoteWorker>,
 }
 
 /// Every other host of the fleet, by name.
 pub type Fleet = BTreeMap<String, RemoteHost>;
+
+/// The spec a service is served with across the fleet, and who holds another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecChoice {
+    /// The balancer every supervisor serves the service's cluster with.
+    pub balancer: Balancer,
+    /// The host whose spec it is (the first by name among those that hold it).
+    pub from: String,
+    /// The hosts whose config says otherwise, by name.
+    pub disagreeing: Vec<String>,
+}
+
+/// The spec of every service of the fleet: this host's own (`own`, by service, for the services it
+/// runs, named `own_host`) and every other host's. Hosts that disagree get the same answer
+/// everywhere: the spec most hosts hold, a tie going to the spec of the host whose name sorts first.
+pub fn choose_specs(
+    own_host: &str,
+    own: &BTreeMap<String, Balancer>,
+    fleet: &Fleet,
+) -> BTreeMap<String, SpecChoice> {
+    // Each service's hosts by name, with their spec.
+    let mut held: BTreeMap<&str, BTreeMap<&str, Balancer>> = BTreeMap::new();
+    for (service, balancer) in own {
+        held.entry(service).or_default().insert(own_host, *balancer);
+    }
+    for (host, remote) in fleet {
+        for (service, balancer) in &remote.services {
+            held.entry(service).or_default().insert(host, *balancer);
+        }
+    }
+    held.into_iter()
+        .map(|(service, hosts)| {
+            // Distinct specs in order of their first host by name, with how many hold each.
+            let mut specs: Vec<(Balancer, &str, usize)> = Vec::new();
+            for (&host, balancer) in &hosts {
+                match specs.iter_mut().find(|(b, _, _)| b == balancer) {
+                    Some((_, _, count)) => *count += 1,
+                    None => specs.push((*balancer, host, 1)),
+                }
+            }
+            let most = specs.iter().map(|&(_, _, n)| n).max().unwrap_or(0);
+            let &(balancer, from, _) = specs
+                .iter()
+                .find(|&&(_, _, n)| n == most)
+                .expect("a service here has a host");
+            let disagreeing = hosts
+                .iter()
+                .filter(|&(_, b)| *b != balancer)
+                .map(|(&h, _)| h.to_owned())
+                .collect();
+            let choice = SpecChoice {
+                balancer,
+                from: from.to_owned(),
+                disagreeing,
+            };
+            (service.to_owned(), choice)
+        })
+        .collect()
+}
 
 /// The etcd session of this host, for `status`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +149,9 @@ pub struct FleetStatus {
     pub since: SystemTime,
     /// The lease of this host's keys, once granted.
     pub lease: Option<i64>,
+    /// The services whose spec hosts disagree on, each with the hosts that disagree and whose spec
+    /// is served, as one line each.
+    pub conflicts: Vec<String>,
 }
 
 /// Where the etcd session is.
@@ -112,5 +176,67 @@ impl EtcdState {
             EtcdState::Connected => "connected",
             EtcdState::Unavailable { .. } => "unavailable",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host_running(services: &[(&str, Balancer)]) -> RemoteHost {
+        RemoteHost {
+            services: services.iter().map(|&(s, b)| (s.to_string(), b)).collect(),
+            ..RemoteHost::default()
+        }
+    }
+
+    #[test]
+    fn most_hosts_win_and_a_tie_goes_to_the_first_host_by_name() {
+        let least = Balancer::LeastRequest { choice_count: 2 };
+        let own = BTreeMap::from([("web".to_string(), Balancer::RoundRobin)]);
+        let fleet = Fleet::from([
+            (
+                "b".to_string(),
+                host_running(&[("web", least), ("api", least)]),
+            ),
+            ("c".to_string(), host_running(&[("web", least)])),
+            ("d".to_string(), host_running(&[("api", Balancer::Random)])),
+        ]);
+        let chosen = choose_specs("a", &own, &fleet);
+        // web: b and c against a.
+        assert_eq!(
+            chosen["web"],
+            SpecChoice {
+                balancer: least,
+                from: "b".into(),
+                disagreeing: vec!["a".into()],
+            }
+        );
+        // api: b against d, one each: b sorts first. A service this host does not run is there.
+        assert_eq!(chosen["api"].balancer, least);
+        assert_eq!(chosen["api"].disagreeing, ["d"]);
+        // Every host computes the same: d's answer for web is b's spec too.
+        let own_d = BTreeMap::from([("api".to_string(), Balancer::Random)]);
+        let fleet_d = Fleet::from([
+            (
+                "a".to_string(),
+                host_running(&[("web", Balancer::RoundRobin)]),
+            ),
+            (
+                "b".to_string(),
+                host_running(&[("web", least), ("api", least)]),
+            ),
+            ("c".to_string(), host_running(&[("web", least)])),
+        ]);
+        assert_eq!(choose_specs("d", &own_d, &fleet_d), chosen);
+    }
+
+    #[test]
+    fn agreement_has_no_disagreeing_hosts() {
+        let own = BTreeMap::from([("web".to_string(), Balancer::Random)]);
+        let fleet = Fleet::from([("b".to_string(), host_running(&[("web", Balancer::Random)]))]);
+        let chosen = choose_specs("a", &own, &fleet);
+        assert_eq!(chosen["web"].from, "a");
+        assert!(chosen["web"].disagreeing.is_empty());
     }
 }

@@ -36,6 +36,8 @@ pub struct FleetView {
     pub lease: Option<i64>,
     /// The other hosts in the view.
     pub hosts: Vec<String>,
+    /// The services whose spec hosts disagree on, one line each.
+    pub conflicts: Vec<String>,
 }
 
 /// One of Envoy's xDS streams that serve endpoints.
@@ -175,6 +177,7 @@ impl From<v1::Status> for StatusView {
                 error: Some(f.error).filter(|e| !e.is_empty()),
                 lease: (f.lease != 0).then_some(f.lease),
                 hosts: f.hosts,
+                conflicts: f.conflicts,
             }),
         }
     }
@@ -237,6 +240,9 @@ impl StatusView {
         out.push_str(&self.xds_line());
         if let Some(fleet) = &self.fleet {
             out.push_str(&fleet_line(fleet));
+            for conflict in &fleet.conflicts {
+                out.push_str(&format!("fleet: {conflict}\n"));
+            }
         }
         let mut header = vec![
             "SERVICE",
@@ -490,6 +496,9 @@ web           1    -  crash-loop  -                             -          -    
                 error: String::new(),
                 lease: 255,
                 hosts: vec!["b".into()],
+                conflicts: vec![
+                    "service web: b configured otherwise; every host serves a's spec".into(),
+                ],
             }),
             ..Default::default()
         });
@@ -499,9 +508,13 @@ web           1    -  crash-loop  -                             -          -    
             lines[2],
             "fleet: host a; etcd connected, lease ff; 1 other host (b)"
         );
-        assert!(lines[3].starts_with("HOST  SERVICE"), "{table}");
-        assert!(lines[4].starts_with("a     web"), "{table}");
-        assert!(lines[5].starts_with("b     web"), "{table}");
+        assert_eq!(
+            lines[3],
+            "fleet: service web: b configured otherwise; every host serves a's spec"
+        );
+        assert!(lines[4].starts_with("HOST  SERVICE"), "{table}");
+        assert!(lines[5].starts_with("a     web"), "{table}");
+        assert!(lines[6].starts_with("b     web"), "{table}");
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["workers"][1]["host"], "b");
         assert_eq!(json["fleet"]["etcd"], "connected");

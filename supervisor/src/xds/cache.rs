@@ -16,7 +16,7 @@
 //! name is a CDS cluster.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     future::Future,
     hash::{DefaultHasher, Hasher},
     sync::{Arc, Mutex, PoisonError},
@@ -30,11 +30,14 @@ use tokio::sync::watch;
 use super::{
     priorities::{Requester, prioritised_for},
     resources::{
-        CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
+        Balancer, CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
         make_load_assignment, pack, remote_of,
     },
 };
-use crate::{config::Routing, registry::Snapshot};
+use crate::{
+    config::Routing,
+    registry::{ServiceView, Snapshot, choose_specs},
+};
 
 /// One resource with its own version.
 #[derive(Clone, Debug, PartialEq)]
@@ -203,6 +206,30 @@ impl Cache {
         }
     }
 
+    /// The options `snapshot` is served with: in a fleet, every service of the fleet gets the
+    /// balancer the fleet agrees on ([`choose_specs`]), also those this host does not run.
+    fn served_options(&self, snapshot: &Snapshot) -> ClusterOptions {
+        let Some(fleet) = &self.options.fleet else {
+            return self.options.clone();
+        };
+        let own = snapshot
+            .services
+            .keys()
+            .map(|service| {
+                let balancer = self.options.balancers.get(service).copied();
+                (service.clone(), balancer.unwrap_or(Balancer::RoundRobin))
+            })
+            .collect();
+        let balancers = choose_specs(&fleet.host, &own, &snapshot.fleet)
+            .into_iter()
+            .map(|(service, choice)| (service, choice.balancer))
+            .collect();
+        ClusterOptions {
+            balancers,
+            ..self.options.clone()
+        }
+    }
+
     /// The epoch every type version starts with.
     pub fn epoch(&self) -> &str {
         &self.epoch
@@ -211,37 +238,51 @@ impl Cache {
     /// The resources for `snapshot`, with versions advanced for the types whose content changed since
     /// the last call.
     pub fn build(&mut self, snapshot: &Snapshot) -> Resources {
+        let options = self.served_options(snapshot);
         let ads_options = ClusterOptions {
             eds_source: EdsSource::Ads,
-            ..self.options.clone()
+            ..options.clone()
         };
         let delta_options = ClusterOptions {
-            eds_source: match &self.options.eds_source {
+            eds_source: match &options.eds_source {
                 EdsSource::Grpc { xds_cluster, .. } => EdsSource::Grpc {
                     xds_cluster: xds_cluster.clone(),
                     delta: true,
                 },
                 EdsSource::Ads => EdsSource::Ads,
             },
-            ..self.options.clone()
+            ..options.clone()
         };
+        // Every service of the fleet: this host's (with its workers), and those only other hosts run
+        // (none here).
+        let none = ServiceView::default();
+        let served = snapshot
+            .services
+            .keys()
+            .chain(snapshot.fleet.values().flat_map(|h| h.services.keys()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .map(|name| {
+                let view = snapshot.services.get(name).unwrap_or(&none);
+                (name, view, remote_of(snapshot, name))
+            })
+            .collect::<Vec<_>>();
         let built = |options: &ClusterOptions| {
-            snapshot
-                .services
+            served
                 .iter()
-                .map(|(name, view)| versioned(name, pack(&make_cluster(name, view, options))))
+                .map(|(name, view, remote)| {
+                    versioned(name, pack(&make_cluster(name, view, remote, options)))
+                })
                 .collect::<Vec<_>>()
         };
-        let clusters = built(&self.options);
+        let clusters = built(&options);
         let delta_clusters = built(&delta_options);
         let ads_clusters = built(&ads_options);
-        let assignments = snapshot
-            .services
+        let assignments = served
             .iter()
-            .map(|(name, view)| {
-                let remote = remote_of(snapshot, name);
-                let assignment = make_load_assignment(name, view, &remote, &self.options);
-                (name.clone(), assignment)
+            .map(|(name, view, remote)| {
+                let assignment = make_load_assignment(name, view, remote, &options);
+                ((*name).clone(), assignment)
             })
             .collect::<BTreeMap<_, _>>();
         let endpoints = assignments
@@ -530,6 +571,7 @@ mod tests {
         let b = RemoteHost {
             locality: locality("z2"),
             grpc_port: 18000,
+            services: [("web".to_string(), Balancer::RoundRobin)].into(),
             workers: [(("web".to_string(), 0, 20), remote)].into(),
         };
         registry.set_fleet([("b".to_string(), b)].into());
@@ -592,6 +634,68 @@ mod tests {
             .get(ENDPOINT_TYPE_URL, EdsVia::Grpc, &requester("b", "z2"))
             .unwrap();
         assert!(Arc::ptr_eq(&got, &on_b));
+    }
+
+    #[test]
+    fn a_service_only_other_hosts_run_is_served_with_their_spec() {
+        let (registry, mut cache) = fleet_of_two(Routing::Fleet);
+        let mut fleet = registry.snapshot().fleet.clone();
+        let b = fleet.get_mut("b").unwrap();
+        b.services
+            .insert("api".into(), Balancer::LeastRequest { choice_count: 4 });
+        let mut api = b.workers.values().next().unwrap().clone();
+        api.service = "api".into();
+        api.protocols = vec![Protocol::Http2];
+        b.workers.insert(("api".into(), 0, 20), api);
+        registry.set_fleet(fleet);
+        let resources = cache.build(&registry.snapshot());
+        assert_eq!(
+            resources.clusters.resources.keys().collect::<Vec<_>>(),
+            ["api", "web"]
+        );
+        let cluster = envoy_types::pb::envoy::config::cluster::v3::Cluster::decode(
+            resources.clusters.resources["api"]
+                .resource
+                .value
+                .as_slice(),
+        )
+        .unwrap();
+        let policy = cluster
+            .load_balancing_policy
+            .expect("least request is a typed policy");
+        assert!(
+            policy.policies[0]
+                .typed_extension_config
+                .as_ref()
+                .unwrap()
+                .name
+                .contains("least_request"),
+            "{policy:?}"
+        );
+        // HTTP/2 upstream: every worker of api, all on b, speaks it.
+        let options = &cluster.typed_extension_protocol_options
+            [crate::xds::resources::HTTP_PROTOCOL_OPTIONS_KEY];
+        let options =
+            envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions::decode(
+                options.value.as_slice(),
+            )
+            .unwrap();
+        assert!(
+            format!("{options:?}").contains("Http2ProtocolOptions"),
+            "{options:?}"
+        );
+        let assignment = ClusterLoadAssignment::decode(
+            resources.endpoints.resources["api"]
+                .resource
+                .value
+                .as_slice(),
+        )
+        .unwrap();
+        assert_eq!(assignment.endpoints.len(), 1);
+        assert_eq!(
+            assignment.endpoints[0].locality.as_ref().unwrap().sub_zone,
+            "b"
+        );
     }
 
     #[test]

@@ -57,6 +57,7 @@ use envoy_types::pb::{
 };
 use prost::Name;
 
+pub use crate::balancer::{Balancer, OrcaPolicy};
 use crate::{
     config::{Locality, Routing},
     registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot},
@@ -123,38 +124,6 @@ pub fn slot_hash_key(host: Option<&str>, service: &str, index: u32) -> String {
     }
 }
 
-/// How Envoy balances one cluster.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Balancer {
-    /// Round robin.
-    RoundRobin,
-    /// Least request of `choice_count` random hosts.
-    LeastRequest {
-        /// Hosts compared per pick.
-        choice_count: u32,
-    },
-    /// Random.
-    Random,
-    /// Consistent hashing on a ring; endpoints are hashed by their `hash_key` metadata.
-    RingHash {
-        /// `minimum_ring_size`: the ring's size in all (Envoy shares it among hosts by weight).
-        min_ring_size: u64,
-        /// `maximum_ring_size`.
-        max_ring_size: u64,
-        /// Bounded loads, in percent of the average.
-        hash_balance_factor: Option<u32>,
-    },
-    /// Maglev; endpoints are hashed by their `hash_key` metadata.
-    Maglev {
-        /// A prime.
-        table_size: u64,
-        /// Bounded loads, in percent of the average.
-        hash_balance_factor: Option<u32>,
-    },
-    /// Client-side weighted round robin on ORCA reports from this supervisor.
-    Orca(OrcaPolicy),
-}
-
 impl Default for ClusterOptions {
     fn default() -> Self {
         ClusterOptions {
@@ -168,22 +137,6 @@ impl Default for ClusterOptions {
             fleet: None,
         }
     }
-}
-
-/// Client-side weighted round robin fed by out-of-band ORCA reports from this supervisor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OrcaPolicy {
-    /// The supervisor's gRPC port: Envoy opens each worker's ORCA stream to the worker's IP and this
-    /// port (`oob_reporting_config.port_value`).
-    pub port: u16,
-    /// The report interval Envoy asks for (`oob_reporting_period`): the sample interval.
-    pub reporting_period: Duration,
-    /// `blackout_period`.
-    pub blackout_period: Duration,
-    /// `weight_expiration_period`.
-    pub weight_expiration_period: Duration,
-    /// `weight_update_period`.
-    pub weight_update_period: Duration,
 }
 
 /// The cluster's typed `load_balancing_policy`, for the balancers that need one (round robin and random
@@ -300,18 +253,26 @@ fn outlier_detection() -> OutlierDetection {
 /// The EDS cluster for service `name`: its balancer from `options.balancers` (client-side weighted
 /// round robin on ORCA reports, with outlier detection; least request; random; ring hash; Maglev;
 /// round robin by default); endpoints over `options.eds_source`;
-/// HTTP/2 upstream when every registered worker speaks it (and there is at least one), else HTTP/1.1.
-pub fn make_cluster(name: &str, view: &ServiceView, options: &ClusterOptions) -> Cluster {
+/// HTTP/2 upstream when every worker of the service, here (`view`) and on the other hosts (`remote`),
+/// speaks it (and there is at least one), else HTTP/1.1.
+pub fn make_cluster(
+    name: &str,
+    view: &ServiceView,
+    remote: &[(&str, &Locality, &RemoteWorker)],
+    options: &ClusterOptions,
+) -> Cluster {
     let balancer = options
         .balancers
         .get(name)
         .copied()
         .unwrap_or(Balancer::RoundRobin);
-    let http2 = !view.workers.is_empty()
-        && view
-            .workers
-            .values()
-            .all(|w| w.listener.protocols.contains(&Protocol::Http2));
+    let mut protocols = view
+        .workers
+        .values()
+        .map(|w| &w.listener.protocols)
+        .chain(remote.iter().map(|(_, _, w)| &w.protocols))
+        .peekable();
+    let http2 = protocols.peek().is_some() && protocols.all(|p| p.contains(&Protocol::Http2));
     let protocol_config = if http2 {
         ProtocolConfig::Http2ProtocolOptions(Http2ProtocolOptions::default())
     } else {
@@ -613,6 +574,7 @@ mod tests {
         let cluster = make_cluster(
             "web",
             &view(vec![worker(0, 10, &[Protocol::Http1], vec![tcp(8000)])]),
+            &[],
             &ClusterOptions::default(),
         );
         let expected = Cluster {
@@ -701,7 +663,7 @@ mod tests {
             balancers: BTreeMap::from([("web".to_string(), Balancer::Orca(policy))]),
             ..ClusterOptions::default()
         };
-        let cluster = make_cluster("web", &ServiceView::default(), &options);
+        let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
         let policies = cluster.load_balancing_policy.expect("a policy").policies;
         assert_eq!(policies.len(), 1);
         let typed = policies[0].typed_extension_config.as_ref().unwrap();
@@ -732,7 +694,7 @@ mod tests {
             Some(UInt32Value { value: 50 })
         );
 
-        let plain = make_cluster("api", &ServiceView::default(), &options);
+        let plain = make_cluster("api", &ServiceView::default(), &[], &options);
         assert_eq!(plain.load_balancing_policy, None, "round robin");
         assert_eq!(plain.outlier_detection, None);
     }
@@ -761,7 +723,7 @@ mod tests {
             ..ClusterOptions::default()
         };
         let typed = |name: &str| {
-            let cluster = make_cluster(name, &ServiceView::default(), &options);
+            let cluster = make_cluster(name, &ServiceView::default(), &[], &options);
             assert_eq!(cluster.outlier_detection, None);
             let policy = cluster.load_balancing_policy.unwrap().policies.remove(0);
             let config = policy.typed_extension_config.unwrap();
@@ -800,7 +762,7 @@ mod tests {
             weights: BTreeMap::new(),
             fleet: None,
         };
-        let cluster = make_cluster("web", &ServiceView::default(), &options);
+        let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
         assert_eq!(cluster.lb_policy, LbPolicy::Random as i32);
         assert_eq!(cluster.load_balancing_policy, None);
         let source = cluster.eds_cluster_config.unwrap().eds_config.unwrap();
@@ -827,7 +789,7 @@ mod tests {
             worker(1, 11, &[Protocol::Http2], vec![tcp(8001)]),
         ]);
         assert!(matches!(
-            protocol_config(&make_cluster("web", &h2, &options)),
+            protocol_config(&make_cluster("web", &h2, &[], &options)),
             ProtocolConfig::Http2ProtocolOptions(_)
         ));
         let mixed = view(vec![
@@ -835,11 +797,11 @@ mod tests {
             worker(1, 11, &[Protocol::Http1], vec![tcp(8001)]),
         ]);
         assert!(matches!(
-            protocol_config(&make_cluster("web", &mixed, &options)),
+            protocol_config(&make_cluster("web", &mixed, &[], &options)),
             ProtocolConfig::HttpProtocolOptions(_)
         ));
         assert!(matches!(
-            protocol_config(&make_cluster("web", &ServiceView::default(), &options)),
+            protocol_config(&make_cluster("web", &ServiceView::default(), &[], &options)),
             ProtocolConfig::HttpProtocolOptions(_)
         ));
     }
