@@ -4,7 +4,8 @@
 //! etcd holds **membership** only (hosts, workers, addresses, locality, state), which changes slowly;
 //! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
 //! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session;
-//! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know.
+//! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know;
+//! [`preflight`] is the check against etcd before any worker starts.
 //!
 //! Invariant: the registry stays the one source of truth. This module writes exactly one thing in
 //! it, the other hosts' view ([`crate::registry::Registry::set_fleet`]), and reads this host's
@@ -12,6 +13,7 @@
 
 pub mod drains;
 pub mod membership;
+pub mod preflight;
 pub mod records;
 
 pub use drains::{FleetDrains, FleetOutcome};

@@ -92,6 +92,9 @@ pub enum RunError {
         #[source]
         source: io::Error,
     },
+    /// This host cannot join its fleet as configured.
+    #[error(transparent)]
+    Fleet(#[from] fleet::preflight::PreflightError),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signals(#[source] io::Error),
@@ -273,8 +276,16 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // In a fleet, the host's workers go to etcd and the other hosts' come back into the registry. The
     // session outlives the workers' drains (the other hosts' Envoys must see them drain), then
     // revokes its lease.
-    if config.cluster.is_some() {
+    if let Some(cluster) = &config.cluster {
         warn_of_loopback_workers(&config);
+        match fleet::preflight::check(cluster, bound.port(), !orca.is_empty()).await? {
+            fleet::preflight::Checked::Fine { hosts } => {
+                tracing::debug!(hosts, "The fleet in etcd agrees with this host's config");
+            }
+            fleet::preflight::Checked::Unchecked(why) => {
+                tracing::warn!(%why, etcd = ?cluster.etcd, "Could not check this host's config against the fleet in etcd: starting unchecked");
+            }
+        }
     }
     let (fleet_stop_tx, fleet_stop_rx) = watch::channel(false);
     // What drains wait on for the other hosts' Envoys.

@@ -409,3 +409,59 @@ fn a_service_only_another_host_runs_is_served_with_the_spec_the_fleet_agrees_on(
     let api = cluster("api");
     assert_eq!(api["lb_policy"], "RANDOM", "api as B has it: {api:#}");
 }
+
+#[test]
+fn a_host_on_another_grpc_port_is_refused_at_start_when_orca_needs_one_port() {
+    let test = "a_host_on_another_grpc_port_is_refused_at_start_when_orca_needs_one_port";
+    if !etcd_or_skip(test) {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    // Sampling on: TCP services are balanced on ORCA by default.
+    let config = |name: &str, grpc: u16| {
+        format!(
+            r#"[supervisor]
+bind = "http://127.0.0.1:{grpc}"
+control = "{{dir}}/peregrine.sock"
+sampler = "procfs"
+
+[cluster]
+etcd = ["{etcd}"]
+host = "{name}"
+
+[service.{SERVICE}]
+count = 1
+url = "http://127.0.0.1:0"
+"#,
+            etcd = etcd.endpoint()
+        )
+    };
+    let a_grpc = free_port();
+    let a = Supervisor::start(&config("a", a_grpc));
+    wait_until(Duration::from_secs(10), "A in the fleet", || {
+        let status = a.status_json().ok()?;
+        (status["fleet"]["etcd"] == "connected").then_some(())
+    });
+    let b_grpc = free_port();
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let path = dir.path().join("peregrine.toml");
+    let text = config("b", b_grpc).replace("{dir}", &dir.path().display().to_string());
+    std::fs::write(&path, text).expect("config written");
+    let output = std::process::Command::new(peregrine_e2e::peregrine_path())
+        .arg("run")
+        .arg(&path)
+        .output()
+        .expect("peregrine run");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "B must not start: {stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "this host serves gRPC on port {b_grpc}, but 1 of the fleet at /peregrine serves it on another port (a: {a_grpc})"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("Worker registered"),
+        "no worker started: {stderr}"
+    );
+}
