@@ -281,11 +281,19 @@ pub struct Registry {
     slots: watch::Sender<Arc<Slots>>,
     orca: Mutex<OrcaByHostname>,
     fleet_status: Mutex<Option<FleetStatus>>,
+    /// In a fleet, this host's name: it leads every worker's hostname.
+    host: Option<String>,
 }
 
 /// The hostname published for a worker instance: unique per (service, slot, process).
 pub fn hostname_for(service: &str, index: u32, pid: u32) -> String {
     format!("{service}-{index}-{pid}")
+}
+
+/// In a fleet, where pids of different machines may be equal, the hostname also names the host:
+/// `<host>-<service>-<index>-<pid>`, unique fleet-wide.
+pub fn fleet_hostname_for(host: &str, service: &str, index: u32, pid: u32) -> String {
+    format!("{host}-{}", hostname_for(service, index, pid))
 }
 
 impl Registry {
@@ -307,7 +315,16 @@ impl Registry {
             slots: watch::Sender::new(Arc::default()),
             orca: Mutex::default(),
             fleet_status: Mutex::default(),
+            host: None,
         }
+    }
+
+    /// The registry of host `host` of a fleet: every worker registered gets a hostname that names
+    /// the host ([`fleet_hostname_for`]), so that hostnames (the ORCA `:authority`, and what Envoy's
+    /// stats and `status` show) are unique across the fleet's machines.
+    pub fn in_fleet(mut self, host: &str) -> Self {
+        self.host = Some(host.to_owned());
+        self
     }
 
     /// Records that Envoy opened an ORCA stream for the worker `hostname`.
@@ -370,9 +387,12 @@ impl Registry {
 
     /// Records a worker and publishes the change. Another instance still serving its slot (the one it
     /// replaces) turns draining in the same snapshot; a worker registering again replaces its own entry.
-    pub fn register(&self, worker: Worker) -> Result<(), RegistryError> {
+    pub fn register(&self, mut worker: Worker) -> Result<(), RegistryError> {
         if worker.listener.addresses.is_empty() {
             return Err(RegistryError::NoAddress);
+        }
+        if let Some(host) = &self.host {
+            worker.hostname = fleet_hostname_for(host, &worker.service, worker.index, worker.pid);
         }
         self.update(|state| {
             let service = state
@@ -553,6 +573,24 @@ mod tests {
     fn worker(service: &str, index: u32, pid: u32) -> Worker {
         let addr = Address::Tcp(([127, 0, 0, 1], 8000 + index as u16).into());
         Worker::ready(service, index, pid, vec![Protocol::Http1], vec![addr])
+    }
+
+    #[test]
+    fn in_a_fleet_every_hostname_names_its_host() {
+        let registry = Registry::new(["web".to_string()]).in_fleet("host-a");
+        registry.register(worker("web", 0, 10)).unwrap();
+        let snapshot = registry.snapshot();
+        let hostname = &snapshot.instance("web", 0, 10).unwrap().hostname;
+        assert_eq!(hostname, "host-a-web-0-10");
+        assert!(registry.find_hostname("host-a-web-0-10").is_some());
+        assert!(registry.find_hostname("web-0-10").is_none());
+        // On one host, as before.
+        let single = Registry::new(["web".to_string()]);
+        single.register(worker("web", 0, 10)).unwrap();
+        assert_eq!(
+            single.snapshot().instance("web", 0, 10).unwrap().hostname,
+            "web-0-10"
+        );
     }
 
     #[test]

@@ -216,7 +216,11 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let lock = InstanceLock::acquire(&control)?;
     let nofile = grpc_port::raise_nofile_limit();
     let sources = choose_sampler(&config)?;
-    let registry = Arc::new(Registry::new(config.services.keys().cloned()));
+    let registry = Registry::new(config.services.keys().cloned());
+    let registry = Arc::new(match &config.cluster {
+        Some(cluster) => registry.in_fleet(&cluster.host),
+        None => registry,
+    });
     let children = Arc::new(Children::default());
     let registrations = registration::bind(&control, &lock)?;
     let _socket_file = RemoveOnDrop(control.clone());
