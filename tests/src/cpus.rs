@@ -1,7 +1,11 @@
 //! Whether this machine's CPUs are free: tests that measure how load is shared between cores (a hog
-//! on one, workers pinned to each) mean nothing while other processes keep the cores busy.
+//! on one, workers pinned to each) mean nothing while other processes keep the cores busy; and the
+//! hog itself ([`Hog`]).
 
-use std::time::{Duration, Instant};
+use std::{
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
 
 use peregrine_contract::procfs;
 
@@ -30,5 +34,26 @@ pub fn wait_for_idle_cpus(max_busy: f64, within: Duration) -> Result<(), f64> {
         if Instant::now() >= deadline {
             return Err(busy);
         }
+    }
+}
+
+/// A process spinning on `cpu`, killed on drop.
+#[derive(Debug)]
+pub struct Hog(Child);
+
+impl Hog {
+    /// Starts one, pinned to `cpu` with `taskset`.
+    pub fn on(cpu: u32) -> Hog {
+        Hog(Command::new("taskset")
+            .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
+            .spawn()
+            .expect("spawn a CPU hog"))
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

@@ -24,7 +24,7 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 
-use crate::worker_pid;
+use crate::{http_get, worker_pid};
 
 /// How long one request may take before it counts as failed.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -240,4 +240,41 @@ impl Sender {
         }
         worker_pid(&body).ok_or_else(|| Failure::Failed(format!("not a worker's answer: {body:?}")))
     }
+}
+
+/// Sends `GET path` (e.g. a CPU-heavy `/?cpu=4`) from `clients` threads, each one request after
+/// another, for `duration`; returns the requests answered per worker pid, and the failures.
+pub fn answers_for(
+    listen: SocketAddr,
+    path: &str,
+    clients: usize,
+    duration: Duration,
+) -> (BTreeMap<u32, u64>, u64) {
+    let counts = Arc::new(Mutex::new((BTreeMap::new(), 0u64)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let (counts, stop, path) = (counts.clone(), stop.clone(), path.to_owned());
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let answer = http_get(listen, &path);
+                    let mut counts = counts.lock().unwrap();
+                    match answer
+                        .ok()
+                        .and_then(|(code, body)| (code == 200).then(|| worker_pid(&body)).flatten())
+                    {
+                        Some(pid) => *counts.0.entry(pid).or_insert(0) += 1,
+                        None => counts.1 += 1,
+                    }
+                }
+            })
+        })
+        .collect();
+    thread::sleep(duration);
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let counts = counts.lock().unwrap();
+    (counts.0.clone(), counts.1)
 }

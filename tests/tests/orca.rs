@@ -5,18 +5,13 @@
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
-    process::{Child, Command},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread,
+    sync::Mutex,
     time::{Duration, Instant},
 };
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get, peregrine_path,
-    try_wait_until, wait_until, worker_pid,
+    Envoy, Supervisor, base_config, cpus::Hog, envoy_or_skip, free_port, hosts, http_get,
+    load::answers_for, peregrine_path, try_wait_until, wait_until,
 };
 use serde_json::Value;
 
@@ -135,62 +130,6 @@ fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname
     );
 }
 
-/// A process spinning on `cpu`, killed on drop.
-struct Hog(Child);
-
-impl Hog {
-    fn on(cpu: u32) -> Hog {
-        Hog(Command::new("taskset")
-            .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
-            .spawn()
-            .expect("spawn a CPU hog"))
-    }
-}
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Sends CPU-heavy requests to `path` from `clients` threads for `duration`; returns the requests
-/// answered per worker pid, and the failures.
-fn load(
-    listen: SocketAddr,
-    path: &str,
-    clients: usize,
-    duration: Duration,
-) -> (BTreeMap<u32, u64>, u64) {
-    let counts = Arc::new(Mutex::new((BTreeMap::new(), 0u64)));
-    let stop = Arc::new(AtomicBool::new(false));
-    let threads: Vec<_> = (0..clients)
-        .map(|_| {
-            let (counts, stop, path) = (counts.clone(), stop.clone(), path.to_owned());
-            thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let answer = http_get(listen, &path);
-                    let mut counts = counts.lock().unwrap();
-                    match answer
-                        .ok()
-                        .and_then(|(code, body)| (code == 200).then(|| worker_pid(&body)).flatten())
-                    {
-                        Some(pid) => *counts.0.entry(pid).or_insert(0) += 1,
-                        None => counts.1 += 1,
-                    }
-                }
-            })
-        })
-        .collect();
-    thread::sleep(duration);
-    stop.store(true, Ordering::Relaxed);
-    for thread in threads {
-        thread.join().unwrap();
-    }
-    let counts = counts.lock().unwrap();
-    (counts.0.clone(), counts.1)
-}
-
 #[test]
 fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_robin() {
     let Some(_envoy_binary) = envoy_or_skip("orca balance") else {
@@ -248,11 +187,11 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
     // Each request burns 4 ms of CPU; 4 clients keep both workers of a service busy. A warm-up lets
     // the reports show the hog and Envoy's blackout period pass.
     let path = |service: &str| format!("/{service}?cpu=4");
-    let (warm, _) = load(listen, &path("cswrr"), 4, Duration::from_secs(3));
+    let (warm, _) = answers_for(listen, &path("cswrr"), 4, Duration::from_secs(3));
     assert!(!warm.is_empty(), "no answer during the warm-up");
     let started = Instant::now();
-    let (cswrr, cswrr_failed) = load(listen, &path("cswrr"), 4, Duration::from_secs(5));
-    let (rr, rr_failed) = load(listen, &path("rr"), 4, Duration::from_secs(5));
+    let (cswrr, cswrr_failed) = answers_for(listen, &path("cswrr"), 4, Duration::from_secs(5));
+    let (rr, rr_failed) = answers_for(listen, &path("rr"), 4, Duration::from_secs(5));
     let share = |counts: &BTreeMap<u32, u64>, pid: u32| {
         counts.get(&pid).copied().unwrap_or(0) as f64 / counts.values().sum::<u64>().max(1) as f64
     };

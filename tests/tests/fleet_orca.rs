@@ -1,0 +1,130 @@
+//! ORCA across hosts: with `routing = "fleet"`, one Envoy balances every host's workers on their
+//! load reports, each worker's report coming from its own host's supervisor. Two hosts on distinct
+//! loopback addresses (127.0.0.2 and 127.0.0.3) share one gRPC port, as a fleet with ORCA must; a
+//! CPU hog on the core of host A's worker steers traffic to host B's.
+//!
+//! Its own test binary: the shares it measures need the machine's cores free of other tests.
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+use peregrine_e2e::{
+    Envoy, Etcd, Supervisor, cpus::Hog, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
+    load::answers_for, peregrine_path, try_wait_until, wait_until,
+};
+
+/// One host of the fleet at `ip`, serving gRPC on `grpc` (the same on every host), with one worker
+/// pinned to `cpu`.
+fn host(name: &str, ip: &str, grpc: u16, cpu: u32, etcd: &Etcd) -> (Supervisor, SocketAddr) {
+    let (listen, admin) = (free_port(), free_port());
+    let config = format!(
+        r#"[supervisor]
+bind = "http://{ip}:{grpc}"
+control = "{{dir}}/peregrine.sock"
+sampler = "procfs"
+sample_interval_ms = 200
+
+[orca]
+blackout_period_ms = 1000
+weight_update_period_ms = 200
+
+[envoy]
+listen = "127.0.0.1:{listen}"
+admin = "127.0.0.1:{admin}"
+
+[cluster]
+etcd = ["{etcd}"]
+host = "{name}"
+lease_ttl_ms = 2000
+routing = "fleet"
+
+[service.web]
+count = 1
+url = "http://{ip}:0"
+command = ["taskset", "-c", "{cpu}", "{peregrine}", "worker"]
+"#,
+        etcd = etcd.endpoint(),
+        peregrine = peregrine_path().display(),
+    );
+    (
+        Supervisor::start(&config),
+        SocketAddr::from(([127, 0, 0, 1], listen)),
+    )
+}
+
+#[test]
+fn fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights() {
+    let test = "fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights";
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    if let Err(busy) = peregrine_e2e::cpus::wait_for_idle_cpus(0.25, Duration::from_secs(60)) {
+        eprintln!(
+            "skipped: the CPUs stayed {:.0}% busy with other processes for a minute; the hog \
+             comparison needs them free",
+            busy * 100.0
+        );
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    let grpc = free_port();
+    let (a, listen) = host("a", "127.0.0.2", grpc, 0, &etcd);
+    let (b, _) = host("b", "127.0.0.3", grpc, 1, &etcd);
+    let envoy = Envoy::start(&a.envoy_bootstrap().expect("envoy-bootstrap"));
+    let pid_of = |s: &Supervisor| {
+        try_wait_until(Duration::from_secs(30), "the host's worker", || {
+            s.worker_pids().first().copied()
+        })
+        .unwrap()
+    };
+    let (a_pid, b_pid) = (pid_of(&a), pid_of(&b));
+    wait_until(
+        Duration::from_secs(30),
+        "both hosts' workers in A's Envoy",
+        || {
+            let hosts = hosts(&envoy.clusters(), "web");
+            (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(())
+        },
+    );
+    wait_until(Duration::from_secs(10), "Envoy to answer", || {
+        http_get(listen, "/").ok().filter(|(code, _)| *code == 200)
+    });
+
+    let _hog = Hog::on(0);
+    // Each request burns 4 ms of CPU; 4 clients keep both workers busy. Under load, the reports show
+    // the hog and Envoy's blackout passes: both hosts' workers carry ORCA weights (B's from B's
+    // supervisor, over the port the fleet shares), A's the lower.
+    let weights = || -> BTreeMap<String, u64> {
+        hosts(&envoy.clusters(), "web")
+            .into_iter()
+            .map(|h| (h.sub_zone, h.weight))
+            .collect()
+    };
+    let mut warm_answers = 0;
+    let weights = try_wait_until(Duration::from_secs(20), "A's weight below B's", || {
+        let (warm, _) = answers_for(listen, "/?cpu=4", 4, Duration::from_secs(1));
+        warm_answers += warm.values().sum::<u64>();
+        let now = weights();
+        (now.len() == 2 && now.values().all(|&w| w > 1) && now["a"] < now["b"]).then_some(now)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}", weights()));
+    assert!(warm_answers > 0, "no answer during the warm-up");
+    let (counts, failed) = answers_for(listen, "/?cpu=4", 4, Duration::from_secs(5));
+    let total = counts.values().sum::<u64>().max(1) as f64;
+    let share = |pid: u32| counts.get(&pid).copied().unwrap_or(0) as f64 / total;
+    eprintln!(
+        "hogged host A's share: {:.1}% (A {a_pid}, B {b_pid}: {counts:?}); weights after the warm-up: {weights:?}",
+        share(a_pid) * 100.0
+    );
+    assert_eq!(failed, 0, "no request failed");
+    // Round robin would give each host half; CSWRR weighs A's worker, waiting for its core as long
+    // as it runs, at about half of B's.
+    assert!(
+        share(a_pid) < 0.42,
+        "CSWRR gave the hogged host {:.1}%",
+        share(a_pid) * 100.0
+    );
+}
