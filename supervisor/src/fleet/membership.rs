@@ -17,7 +17,7 @@
 //! expired it) is granted anew and every own key put back.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::Arc,
     time::{Duration, SystemTime},
 };
@@ -210,9 +210,10 @@ impl Membership {
                 ))
             })
             .collect();
-        self.apply(keys, me, &range);
+        let mut fleet = Fleet::new();
+        self.apply(keys, me, &range, &mut fleet, None);
         self.drains.set_connected(true);
-        self.report_hosts(keys, me, &range);
+        self.report_hosts(keys, me, &range, &fleet);
         // Whoever waits on this host's acks gets them once for the view just listed.
         let mut ack_due = Some((self.registry.snapshot().revision, revision));
         let mut watch = client
@@ -285,14 +286,23 @@ impl Membership {
                         return Err(SessionError::WatchCanceled(message.cancel_reason().to_owned()));
                     }
                     let mut ours_gone = false;
-                    // Whether the batch touched the view (not only acks), and the newest revision of
-                    // another host's drain in it.
-                    let mut view_changed = false;
+                    // The hosts whose records (not only acks) the batch touched, and the newest
+                    // revision of another host's drain in it.
+                    let mut touched = BTreeSet::new();
                     let mut drain_at = None;
                     for event in message.events() {
                         let Some(kv) = event.kv() else { continue };
                         let Ok(key) = kv.key_str() else { continue };
-                        view_changed |= !matches!(keys.kind(key), Some(KeyKind::Acks(_)));
+                        match keys.kind(key) {
+                            Some(
+                                KeyKind::Host(host)
+                                | KeyKind::Worker { host, .. }
+                                | KeyKind::Service { host, .. },
+                            ) if host != me.host => {
+                                touched.insert(host.to_owned());
+                            }
+                            _ => {}
+                        }
                         match event.event_type() {
                             EventType::Put => {
                                 if let Ok(value) = kv.value_str() {
@@ -313,10 +323,10 @@ impl Membership {
                         // forgetting them): the lease is gone.
                         return Err(SessionError::LeaseLost);
                     }
-                    if view_changed {
-                        self.apply(keys, me, &range);
+                    if !touched.is_empty() {
+                        self.apply(keys, me, &range, &mut fleet, Some(&touched));
                     }
-                    self.report_hosts(keys, me, &range);
+                    self.report_hosts(keys, me, &range, &fleet);
                     if let Some(at) = drain_at {
                         // Acked once every stream here has the view with the drain.
                         ack_due = Some((self.registry.snapshot().revision, at));
@@ -417,30 +427,71 @@ impl Membership {
     }
 
     /// Tells the drains which other hosts are live (have a host record) and how far each acked.
-    fn report_hosts(&self, keys: &Keys, me: &Identity, range: &BTreeMap<String, String>) {
-        let kvs = || range.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-        let acked = records::acks_from(keys, &me.host, kvs());
-        let hosts = kvs()
-            .filter_map(|(key, _)| match keys.kind(key) {
-                Some(KeyKind::Host(host)) if host != me.host => {
-                    Some((host.to_owned(), acked.get(host).copied()))
-                }
-                _ => None,
+    fn report_hosts(
+        &self,
+        keys: &Keys,
+        me: &Identity,
+        range: &BTreeMap<String, String>,
+        fleet: &Fleet,
+    ) {
+        let hosts = fleet
+            .keys()
+            .filter(|host| range.contains_key(&keys.host(host)))
+            .map(|host| {
+                let key = keys.acks(host);
+                let acked = range
+                    .get_key_value(&key)
+                    .map(|(k, v)| (k.as_str(), v.as_str()));
+                let revision = records::acks_from(keys, &me.host, acked).remove(host);
+                (host.clone(), revision)
             })
             .collect();
         self.drains.set_hosts(hosts);
     }
 
-    /// Replaces the registry's view of the other hosts with what `range` holds.
-    fn apply(&self, keys: &Keys, me: &Identity, range: &BTreeMap<String, String>) {
-        let (fleet, skipped) = records::fleet_from(
-            keys,
-            &me.host,
-            range.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        );
+    /// Brings the view of the other hosts up to date with `range`: the hosts `touched` (every host
+    /// when `None`) are read again from their records, the others are as they were; the registry
+    /// gets the whole view.
+    fn apply(
+        &self,
+        keys: &Keys,
+        me: &Identity,
+        range: &BTreeMap<String, String>,
+        fleet: &mut Fleet,
+        touched: Option<&BTreeSet<String>>,
+    ) {
+        let skipped = match touched {
+            None => {
+                let (all, skipped) = records::fleet_from(keys, &me.host, range.iter().map(as_strs));
+                *fleet = all;
+                skipped
+            }
+            Some(hosts) => {
+                let mut skipped = Vec::new();
+                for host in hosts {
+                    let own = keys
+                        .host_prefixes(host)
+                        .into_iter()
+                        .flat_map(|prefix| {
+                            range
+                                .range(prefix.clone()..)
+                                .take_while(move |(k, _)| k.starts_with(&prefix))
+                        })
+                        .map(as_strs);
+                    let (mut one, mut bad) = records::fleet_from(keys, &me.host, own);
+                    skipped.append(&mut bad);
+                    match one.remove(host) {
+                        Some(remote) => fleet.insert(host.clone(), remote),
+                        None => fleet.remove(host),
+                    };
+                }
+                skipped
+            }
+        };
         for (key, error) in skipped {
             tracing::warn!(key, %error, "Skipping a fleet record");
         }
+        let fleet = &*fleet;
         // Envoy opens every worker's ORCA stream to the worker's IP on the cluster's one ORCA port:
         // a host whose supervisor listens elsewhere gets no load reports from another host's Envoy.
         let orca = self
@@ -449,7 +500,7 @@ impl Membership {
             .balancers
             .values()
             .any(|b| matches!(b, Balancer::Orca(_)));
-        for (host, remote) in &fleet {
+        for (host, remote) in fleet {
             if orca
                 && remote.grpc_port != 0
                 && remote.grpc_port != me.grpc_port
@@ -466,13 +517,18 @@ impl Membership {
                 );
             }
         }
-        self.report_conflicts(me, &fleet);
+        self.report_conflicts(me, fleet);
         let hosts = fleet.len();
         let workers: usize = fleet.values().map(|h| h.workers.len()).sum();
-        if self.registry.set_fleet(fleet) {
+        if self.registry.set_fleet(fleet.clone()) {
             tracing::debug!(hosts, workers, "Fleet view changed");
         }
     }
+}
+
+/// A key and value of the range, borrowed.
+fn as_strs<'a>((key, value): (&'a String, &'a String)) -> (&'a str, &'a str) {
+    (key, value)
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

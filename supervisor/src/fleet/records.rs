@@ -99,6 +99,16 @@ impl Keys {
         format!("{}acks/{host}", self.root)
     }
 
+    /// The prefixes of every key of `host` that goes into the view (not its acks): its host record,
+    /// its services, its workers.
+    pub fn host_prefixes(&self, host: &str) -> [String; 3] {
+        [
+            self.host(host),
+            format!("{}services/{host}/", self.root),
+            format!("{}workers/{host}/", self.root),
+        ]
+    }
+
     /// What `key` names, if it is a key of this layout.
     pub fn kind<'a>(&self, key: &'a str) -> Option<KeyKind<'a>> {
         let rest = key.strip_prefix(self.root.as_str())?;
