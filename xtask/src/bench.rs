@@ -25,6 +25,7 @@ mod http;
 mod lifecycle;
 mod machine;
 mod parse;
+mod plot;
 mod sampler;
 mod server;
 mod table;

@@ -1,8 +1,10 @@
-//! The machine a benchmark runs on: its CPUs, and the lines every report starts with.
+//! The machine a benchmark runs on: its CPUs, how busy they are (and with whose work), and the lines
+//! every report starts with.
 
 use std::{fmt::Write as _, process::Command};
 
 use anyhow::Context;
+use peregrine_contract::procfs;
 
 /// The CPUs this process may use (`available_parallelism`: its affinity, so a benchmark asks before it
 /// pins itself).
@@ -64,4 +66,38 @@ pub(crate) fn today() -> anyhow::Result<String> {
         .output()
         .context("running date")?;
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// Busy clock ticks of all cores together (`/proc/stat`).
+pub(crate) fn machine_busy() -> anyhow::Result<u64> {
+    Ok(procfs::cpu_stat()?
+        .cpus
+        .iter()
+        .map(|(_, ticks)| ticks.busy())
+        .sum())
+}
+
+/// Clock ticks of `pids` (all threads), with their children that were waited for; a process that is
+/// gone counts nothing.
+pub(crate) fn own_ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|&pid| procfs::stat(pid).ok())
+        .map(|stat| stat.cpu_ticks_with_children())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_own_ticks() {
+        let me = std::process::id();
+        assert!(own_ticks(&[me]) >= procfs::stat(me).unwrap().cpu_ticks());
+        assert_eq!(
+            own_ticks(&[1 << 23]),
+            0,
+            "a process that is gone counts nothing"
+        );
+    }
 }
