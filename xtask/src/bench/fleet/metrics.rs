@@ -17,7 +17,7 @@ pub(super) struct EtcdCounters {
     pub(super) puts: f64,
     /// `etcd_mvcc_delete_total`: keys deleted (by a request or a lease's expiry).
     pub(super) deletes: f64,
-    /// `etcd_mvcc_txn_total`: transactions.
+    /// `etcd_mvcc_txn_total`: transactions of more than one operation (etcd counts no other).
     pub(super) txns: f64,
     /// `etcd_mvcc_range_total`: reads.
     pub(super) ranges: f64,

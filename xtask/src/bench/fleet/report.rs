@@ -350,16 +350,25 @@ fn loss_section(losses: &[Loss], load: &Load, goals: &mut Vec<String>) -> anyhow
     Ok(out)
 }
 
+/// Milliseconds for the CSV: empty when not measured.
+fn csv_ms(value: f64) -> String {
+    if value.is_nan() {
+        String::new()
+    } else {
+        format!("{value:.3}")
+    }
+}
+
 /// Writes `out/fleet-propagation.csv` and plots it into `out/fleet-propagation.svg`.
 fn write_series(out: &Path, kills: &[Kill]) -> anyhow::Result<std::path::PathBuf> {
     let csv = out.join("fleet-propagation.csv");
     let mut text = String::from(
-        "change,host,exit_own_ms,exit_registries_ms,exit_everywhere_ms,registration_own_ms,registration_registries_ms,registration_everywhere_ms,restart_ms\n",
+        "change,host,exit_own_ms,exit_registries_ms,exit_everywhere_ms,registration_own_ms,registration_registries_ms,registration_everywhere_ms,restart_ms,exit_etcd_ms,registration_etcd_ms\n",
     );
     for (i, kill) in kills.iter().enumerate() {
         writeln!(
             text,
-            "{i},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}",
+            "{i},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
             kill.host,
             kill.exit_own(),
             kill.exit_remote_registries(),
@@ -368,6 +377,8 @@ fn write_series(out: &Path, kills: &[Kill]) -> anyhow::Result<std::path::PathBuf
             kill.registration_remote_registries(),
             kill.registration_everywhere(),
             kill.restart(),
+            csv_ms(kill.exit_etcd()),
+            csv_ms(kill.registration_etcd()),
         )?;
     }
     std::fs::write(&csv, text).with_context(|| format!("writing {}", csv.display()))?;

@@ -130,7 +130,11 @@ pub(super) fn section(
             e.deletes,
             idle.deletes,
         ),
-        ("txns (`etcd_mvcc_txn_total`)", e.txns, idle.txns),
+        (
+            "txns of more than one operation (`etcd_mvcc_txn_total`)",
+            e.txns,
+            idle.txns,
+        ),
         (
             "raft proposals (`etcd_server_proposals_committed_total`)",
             e.proposals,
