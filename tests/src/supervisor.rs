@@ -31,6 +31,8 @@ pub struct Supervisor {
     run_arg: PathBuf,
     /// Supervisor processes killed by [`Supervisor::kill_and_start_again`] (for their logs).
     previous: Vec<ChildGuard>,
+    /// Environment every `peregrine run` of this supervisor is started with (beside `RUST_LOG`).
+    env: Vec<(String, String)>,
     restarts: u32,
     _temp: Option<TempDir>,
 }
@@ -53,6 +55,21 @@ impl Supervisor {
     /// `RUST_LOG` is passed on, and set to `info` when unset.
     pub fn start_in(binary: &Path, dir: &Path, config_toml: &str) -> anyhow::Result<Self> {
         Self::start_wrapped(&[], binary, dir, config_toml, false)
+    }
+
+    /// Like [`Supervisor::start_in`], with `env` set for this `peregrine run` and every later one
+    /// ([`Supervisor::start_again`]), e.g. `RUST_LOG`.
+    pub fn start_in_with_env(
+        binary: &Path,
+        dir: &Path,
+        config_toml: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::start_wrapped_with_env(&[], binary, dir, config_toml, false, env)
     }
 
     /// Like [`Supervisor::start`], but started as `peregrine run peregrine.toml` from within the
@@ -107,6 +124,18 @@ impl Supervisor {
         config_toml: &str,
         relative: bool,
     ) -> anyhow::Result<Self> {
+        Self::start_wrapped_with_env(wrapper, binary, dir, config_toml, relative, Vec::new())
+    }
+
+    /// [`Supervisor::start_wrapped`] with `env` for every `peregrine run`.
+    fn start_wrapped_with_env(
+        wrapper: &[&str],
+        binary: &Path,
+        dir: &Path,
+        config_toml: &str,
+        relative: bool,
+        env: Vec<(String, String)>,
+    ) -> anyhow::Result<Self> {
         let config = dir.join("peregrine.toml");
         let run_arg = if relative {
             PathBuf::from("peregrine.toml")
@@ -127,6 +156,7 @@ impl Supervisor {
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
+        command.envs(env.iter().map(|(k, v)| (k, v)));
         let process = ChildGuard::spawn("peregrine", &mut command, dir)?;
         Ok(Self {
             process,
@@ -135,6 +165,7 @@ impl Supervisor {
             run_arg,
             config,
             previous: Vec::new(),
+            env,
             restarts: 0,
             _temp: None,
         })
@@ -266,6 +297,7 @@ impl Supervisor {
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
         ChildGuard::spawn(name, &mut command, &self.dir)
     }
 

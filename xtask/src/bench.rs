@@ -17,14 +17,20 @@
 //! - `lifecycle [--rounds N] [--batches N,N...]`: a rolling restart of 8 workers (`restart_batch` 1 and
 //!   4) and a SIGKILLed supervisor adopting its workers again, under load through the real Envoy
 //!   ([`lifecycle`]).
+//! - `fleet [--hosts N] [--workers N] [--changes N] [--losses N] ...`: supervisors sharing membership
+//!   through a real etcd: a worker change until every Envoy of the fleet holds it, a dead host until
+//!   every other Envoy drops it, and 50 supervisors of 20 workers: RSS and CPU per supervisor,
+//!   etcd's writes and watch events per change, one more supervisor's sync ([`fleet`]).
 
 mod attacks;
 mod balance;
+mod fleet;
 mod hashing;
 mod http;
 mod lifecycle;
 mod machine;
 mod parse;
+mod plot;
 mod sampler;
 mod server;
 mod table;
@@ -45,13 +51,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("balance") => balance::run(&args[1..]),
         Some("lifecycle") => lifecycle::run(&args[1..]),
         Some("attacks") => attacks::run(&args[1..]),
+        Some("fleet") => fleet::run(&args[1..]),
         Some(other) => {
             bail!(
-                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance`, `lifecycle` or `attacks`"
+                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance`, `lifecycle`, `attacks` or `fleet`"
             )
         }
         None => bail!(
-            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing`, `balance` or `lifecycle`"
+            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing`, `balance`, `lifecycle` or `fleet`"
         ),
     }
 }

@@ -54,6 +54,13 @@ commands:
                         under HTTP/1.1 and HTTP/2 load through Envoy: `peregrine restart` of 8 workers per
                         restart_batch (1,4), and a SIGKILLed supervisor adopting them again (3 rounds each);
                         fails if any request failed
+  bench fleet [--hosts N] [--workers N] [--changes N] [--losses N] [--scale-changes N]
+              [--etcd-members N] [--poll-ms MS] [--only propagation,loss,scale]
+                        a fleet on a real etcd (3 members): a worker change on one of 3 hosts until every
+                        Envoy holds it (50 changes), a SIGKILLed host until every other Envoy drops it (10
+                        losses), then 50 supervisors x 20 workers: RSS, CPU, etcd writes and watch events
+                        per change, one more supervisor's sync; report in target/bench/fleet.md, plot in
+                        target/bench/fleet-propagation.svg
 ";
 
 fn main() -> ExitCode {

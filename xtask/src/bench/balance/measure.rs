@@ -15,7 +15,10 @@ use super::{
     openloop::{self, Answer, Plan, Record},
     report, series,
 };
-use crate::bench::table::{format_duration, median};
+use crate::bench::{
+    machine::{machine_busy, own_ticks},
+    table::{format_duration, median},
+};
 
 impl Bench<'_> {
     /// [`Bench::run`], again (up to [`NOISY_RETRIES`] times) while other processes used more than
@@ -103,24 +106,6 @@ impl Bench<'_> {
         run.others = others;
         Ok(run)
     }
-}
-
-/// Busy clock ticks of all cores together (`/proc/stat`).
-fn machine_busy() -> anyhow::Result<u64> {
-    Ok(procfs::cpu_stat()?
-        .cpus
-        .iter()
-        .map(|(_, ticks)| ticks.busy())
-        .sum())
-}
-
-/// Clock ticks of `pids` (all threads), with their children that were waited for (the `peregrine
-/// status` calls); a process that is gone counts nothing.
-fn own_ticks(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|&pid| procfs::stat(pid).ok())
-        .map(|stat| stat.cpu_ticks_with_children())
-        .sum()
 }
 
 /// The run's figures from its records and samples.
@@ -238,17 +223,6 @@ mod tests {
             done: scheduled + Duration::from_millis(latency_ms),
             answer,
         }
-    }
-
-    #[test]
-    fn counts_own_ticks() {
-        let me = std::process::id();
-        assert!(own_ticks(&[me]) >= procfs::stat(me).unwrap().cpu_ticks());
-        assert_eq!(
-            own_ticks(&[1 << 23]),
-            0,
-            "a process that is gone counts nothing"
-        );
     }
 
     #[test]

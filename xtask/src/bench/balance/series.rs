@@ -5,7 +5,6 @@
 use std::{
     fmt::Write as _,
     path::{Path, PathBuf},
-    process::Command,
     sync::atomic::{AtomicBool, Ordering},
     thread,
     time::{Duration, Instant},
@@ -19,12 +18,10 @@ use super::{
     Bench, Options, Run, Sample, WorkerInfo, WorkerSample,
     openloop::{Answer, Record},
 };
-use crate::{pip_install, run_checked};
+use crate::bench::plot;
 
 /// The step of the over-time series.
 pub(super) const STEP: Duration = Duration::from_millis(500);
-/// The pinned plotting library.
-const MATPLOTLIB: &str = "matplotlib==3.10.9";
 /// The plotting script.
 const PLOT_SCRIPT: &str = include_str!("plot.py");
 
@@ -177,29 +174,18 @@ fn write_csvs(runs: &[Run], requests: &Path, samples: &Path) -> anyhow::Result<(
 
 /// Draws the first round of each scenario into `out/balance.png` with matplotlib.
 fn plot(out: &Path, requests: &Path, samples: &Path, options: &Options) -> anyhow::Result<PathBuf> {
-    let venv = out.join("venv");
-    let python = venv.join("bin/python");
-    let importable = Command::new(&python)
-        .args(["-c", "import matplotlib"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    let python = if importable {
-        python
-    } else {
-        eprintln!("installing {MATPLOTLIB} into {}", venv.display());
-        pip_install(&venv, &[MATPLOTLIB])?
-    };
-    let script = out.join("balance-plot.py");
-    std::fs::write(&script, PLOT_SCRIPT)
-        .with_context(|| format!("writing {}", script.display()))?;
     let png = out.join("balance.png");
-    run_checked(
-        Command::new(python)
-            .arg(&script)
-            .arg(requests)
-            .arg(samples)
-            .arg(&png)
-            .args([options.warmup, options.duration].map(|s| s.to_string())),
+    plot::run(
+        out,
+        "balance-plot.py",
+        PLOT_SCRIPT,
+        [
+            requests.as_os_str().to_owned(),
+            samples.as_os_str().to_owned(),
+            png.as_os_str().to_owned(),
+            options.warmup.to_string().into(),
+            options.duration.to_string().into(),
+        ],
     )?;
     Ok(png)
 }
