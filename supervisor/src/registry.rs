@@ -256,7 +256,7 @@ impl Snapshot {
                 .workers
                 .values()
                 .filter(move |w| w.service == service)
-                .map(move |w| (host.as_str(), remote, w))
+                .map(move |w| (host.as_str(), &**remote, w))
         })
     }
 }

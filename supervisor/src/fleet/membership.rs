@@ -481,9 +481,15 @@ impl Membership {
                     let (mut one, mut bad) = records::fleet_from(keys, &me.host, own);
                     skipped.append(&mut bad);
                     match one.remove(host) {
-                        Some(remote) => fleet.insert(host.clone(), remote),
-                        None => fleet.remove(host),
-                    };
+                        // A host read again as it was keeps its shared copy.
+                        Some(remote) if fleet.get(host) == Some(&remote) => {}
+                        Some(remote) => {
+                            fleet.insert(host.clone(), remote);
+                        }
+                        None => {
+                            fleet.remove(host);
+                        }
+                    }
                 }
                 skipped
             }

@@ -19,14 +19,14 @@
 //! Invariant: only IP endpoints are published (another host cannot reach a Unix socket), and a record
 //! that does not parse is skipped with a reason, never half-applied.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
 use crate::{
     balancer::Balancer,
     config::Locality,
-    registry::{Address, Fleet, Health, Protocol, RemoteWorker, Snapshot},
+    registry::{Address, Fleet, Health, Protocol, RemoteHost, RemoteWorker, Snapshot},
     xds::resources::slot_hash_key,
 };
 
@@ -384,7 +384,7 @@ pub fn fleet_from<'a>(
     me: &str,
     kvs: impl IntoIterator<Item = (&'a str, &'a str)>,
 ) -> (Fleet, Vec<(String, RecordError)>) {
-    let mut fleet = Fleet::new();
+    let mut fleet: BTreeMap<String, RemoteHost> = BTreeMap::new();
     let mut skipped = Vec::new();
     for (key, value) in kvs {
         match keys.kind(key) {
@@ -443,6 +443,7 @@ pub fn fleet_from<'a>(
             _ => {}
         }
     }
+    let fleet = fleet.into_iter().map(|(h, r)| (h, Arc::new(r))).collect();
     (fleet, skipped)
 }
 

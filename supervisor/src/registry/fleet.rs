@@ -6,7 +6,7 @@
 //!
 //! [`Registry::set_fleet`]: super::Registry::set_fleet
 
-use std::{collections::BTreeMap, time::SystemTime};
+use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
 
 use super::{Address, Protocol};
 use crate::{balancer::Balancer, config::Locality};
@@ -76,8 +76,9 @@ pub struct RemoteHost {
     pub workers: BTreeMap<(String, u32, u32), RemoteWorker>,
 }
 
-/// Every other host of the fleet, by name.
-pub type Fleet = BTreeMap<String, RemoteHost>;
+/// Every other host of the fleet, by name. Each host is shared: a change on one host replaces that
+/// host alone, so a snapshot's copy and a comparison of the view cost a pointer per other host.
+pub type Fleet = BTreeMap<String, Arc<RemoteHost>>;
 
 /// The spec a service is served with across the fleet, and who holds another.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -183,11 +184,11 @@ impl EtcdState {
 mod tests {
     use super::*;
 
-    fn host_running(services: &[(&str, Balancer)]) -> RemoteHost {
-        RemoteHost {
+    fn host_running(services: &[(&str, Balancer)]) -> Arc<RemoteHost> {
+        Arc::new(RemoteHost {
             services: services.iter().map(|&(s, b)| (s.to_string(), b)).collect(),
             ..RemoteHost::default()
-        }
+        })
     }
 
     #[test]

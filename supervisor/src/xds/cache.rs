@@ -574,7 +574,7 @@ mod tests {
             services: [("web".to_string(), Balancer::RoundRobin)].into(),
             workers: [(("web".to_string(), 0, 20), remote)].into(),
         };
-        registry.set_fleet([("b".to_string(), b)].into());
+        registry.set_fleet([("b".to_string(), Arc::new(b))].into());
         let options = ClusterOptions {
             fleet: Some(FleetIdentity {
                 host: "a".into(),
@@ -640,7 +640,7 @@ mod tests {
     fn a_service_only_other_hosts_run_is_served_with_their_spec() {
         let (registry, mut cache) = fleet_of_two(Routing::Fleet);
         let mut fleet = registry.snapshot().fleet.clone();
-        let b = fleet.get_mut("b").unwrap();
+        let b = Arc::make_mut(fleet.get_mut("b").unwrap());
         b.services
             .insert("api".into(), Balancer::LeastRequest { choice_count: 4 });
         let mut api = b.workers.values().next().unwrap().clone();
