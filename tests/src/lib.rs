@@ -28,7 +28,7 @@ mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
 pub use etcd::{Etcd, etcd_or_skip, etcd_path};
-pub use http::{http_get, http_get_with, worker_pid};
+pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadReport};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
