@@ -29,7 +29,7 @@ mod wait;
 pub use envoy::{Envoy, Host, hosts};
 pub use etcd::{Etcd, etcd_or_skip, etcd_path};
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
-pub use load::{Load, LoadReport};
+pub use load::{Load, LoadOptions, LoadReport};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
