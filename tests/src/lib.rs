@@ -14,7 +14,8 @@
 //!
 //! Many hosts on one machine: a [`Network`] makes each host a network namespace on a bridge (root
 //! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
-//! sockets through [`NetHost::run`], and cuts a host off and back.
+//! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
+//! members that can be killed and started again.
 
 #![forbid(unsafe_code)]
 
@@ -32,7 +33,7 @@ mod supervisor;
 mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
-pub use etcd::{Etcd, etcd_or_skip, etcd_path};
+pub use etcd::{Etcd, EtcdCluster, etcd_or_skip, etcd_path};
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
