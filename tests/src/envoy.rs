@@ -41,12 +41,25 @@ impl Envoy {
     /// not start.
     #[track_caller]
     pub fn start(bootstrap_yaml: &str) -> Self {
+        Self::start_wrapped(&[], bootstrap_yaml)
+    }
+
+    /// Like [`Envoy::start`], but started through `wrapper` (a program and its arguments that exec
+    /// the rest, e.g. a [`NetHost::wrapper`](crate::NetHost::wrapper) to run Envoy on that host), so
+    /// Envoy keeps the pid. Its admin address (in the bootstrap) is then the host's: talk to it from
+    /// inside the host ([`NetHost::run`](crate::NetHost::run)) when it is a loopback address.
+    ///
+    /// # Panics
+    ///
+    /// As [`Envoy::start`].
+    #[track_caller]
+    pub fn start_wrapped(wrapper: &[&str], bootstrap_yaml: &str) -> Self {
         let binary = envoy_path().expect("no Envoy binary: set ENVOY or run `cargo xtask envoy`");
         let temp = tempfile::Builder::new()
             .prefix("peregrine-envoy-")
             .tempdir()
             .expect("a temp dir");
-        let mut envoy = Self::start_in(&binary, temp.path(), bootstrap_yaml)
+        let mut envoy = Self::spawn(wrapper, &binary, temp.path(), bootstrap_yaml)
             .unwrap_or_else(|error| panic!("starting Envoy: {error:?}"));
         envoy._temp = Some(temp);
         envoy
@@ -55,15 +68,33 @@ impl Envoy {
     /// Starts `binary` with `bootstrap_yaml` written to `dir/envoy.yaml`, logging into `dir`, and waits
     /// for its admin listener. `ENVOY_LOG_LEVEL` overrides the log level (default `warning`).
     pub fn start_in(binary: &Path, dir: &Path, bootstrap_yaml: &str) -> anyhow::Result<Self> {
+        Self::spawn(&[], binary, dir, bootstrap_yaml)
+    }
+
+    /// [`Envoy::start_in`] through `wrapper` (none when empty).
+    fn spawn(
+        wrapper: &[&str],
+        binary: &Path,
+        dir: &Path,
+        bootstrap_yaml: &str,
+    ) -> anyhow::Result<Self> {
         let config = dir.join("envoy.yaml");
         std::fs::write(&config, bootstrap_yaml)
             .with_context(|| format!("writing {}", config.display()))?;
         let admin_path = dir.join("envoy-admin-address");
         let _ = std::fs::remove_file(&admin_path);
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".to_owned());
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(binary);
+                command
+            }
+            None => Command::new(binary),
+        };
         let mut process = ChildGuard::spawn(
             "envoy",
-            Command::new(binary)
+            command
                 .arg("-c")
                 .arg(&config)
                 .arg("--admin-address-path")

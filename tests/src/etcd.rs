@@ -1,19 +1,27 @@
-//! Real etcd members for the fleet tests and benchmark: each on free loopback ports with its data in a
-//! temporary directory, killed (process group) and removed when dropped, also when a test panics.
+//! Real etcd for the fleet tests and benchmark: [`Etcd`], a member on loopback (alone, or one of a
+//! cluster on loopback: [`Etcd::start_cluster`]), and [`EtcdCluster`], a cluster of several members
+//! on one address of the test's choosing (a network's bridge, or a host of a
+//! [`Network`](crate::Network) of its own, so that hosts in network namespaces reach it), whose
+//! members can be killed and started again on the data they had. Each member is on free ports with
+//! its data in a temporary directory, killed (process group) and removed when dropped, also when a
+//! test panics.
 //!
 //! etcd is Debian's `etcd-server` (3.4); a test that needs it calls [`etcd_or_skip`], which fails
 //! instead of skipping when `PEREGRINE_REQUIRE_ETCD` is set (as `cargo xtask test` does).
 
 use std::{
-    net::TcpStream,
+    net::{IpAddr, SocketAddr, TcpStream},
     path::{Path, PathBuf},
     process::Command,
     time::Duration,
 };
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 
-use crate::{ChildGuard, TempDir, free_port, try_wait_until};
+use crate::{ChildGuard, TempDir, free_port, http::http_post_json, try_wait_until};
+
+/// How long a member may take to answer, or a cluster to elect a leader.
+const READY_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The etcd binary: `ETCD`, else `etcd` on `PATH`.
 pub fn etcd_path() -> Option<PathBuf> {
@@ -149,5 +157,277 @@ impl Etcd {
                 .is_ok_and(|(status, body)| status == 200 && body.contains("true"));
             up.then_some(Ok(()))
         })?
+    }
+}
+
+/// A cluster of etcd members on one address, each with its own ports and data directory; members
+/// can be killed and started again on their data. Killed (every member's process group) and removed
+/// when dropped.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    ip: IpAddr,
+    /// The program and arguments every member is started through (empty: none).
+    wrapper: Vec<String>,
+    members: Vec<Member>,
+    /// `name=peer-url,...`: every member's peer URL.
+    initial_cluster: String,
+    // Last: the processes die before their data is removed.
+    dir: TempDir,
+}
+
+/// One member of an [`EtcdCluster`].
+#[derive(Debug)]
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    /// `None` while killed.
+    process: Option<ChildGuard>,
+    /// Processes of this member killed earlier (for their logs).
+    previous: Vec<ChildGuard>,
+}
+
+// === impl EtcdCluster ===
+
+impl EtcdCluster {
+    /// Starts `size` members listening on `ip` (e.g. a [`Network`](crate::Network)'s bridge address)
+    /// and waits until every one of them answers healthy (the cluster has elected a leader).
+    pub fn start(ip: IpAddr, size: usize) -> anyhow::Result<EtcdCluster> {
+        Self::start_wrapped(&[], ip, size)
+    }
+
+    /// Like [`EtcdCluster::start`], with every member started (and started again) through
+    /// `wrapper`, a program and its arguments that exec the rest: e.g. a
+    /// [`NetHost::wrapper`](crate::NetHost::wrapper), with `ip` that host's address, so that the
+    /// members live in the host's namespace and go with it.
+    pub fn start_wrapped(wrapper: &[&str], ip: IpAddr, size: usize) -> anyhow::Result<EtcdCluster> {
+        anyhow::ensure!(size > 0, "a cluster has members");
+        let dir = tempfile::Builder::new()
+            .prefix("peregrine-etcd-")
+            .tempdir()?;
+        let members: Vec<Member> = (0..size)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client_port: free_port(),
+                peer_port: free_port(),
+                process: None,
+                previous: Vec::new(),
+            })
+            .collect();
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}={}", m.name, url(ip, m.peer_port)))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = EtcdCluster {
+            ip,
+            wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
+            members,
+            initial_cluster,
+            dir,
+        };
+        for index in 0..size {
+            cluster.spawn(index)?;
+        }
+        cluster.wait_healthy()?;
+        Ok(cluster)
+    }
+
+    /// The number of members, running or not.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Every member's client endpoint, `http://IP:PORT`, running or not: the `[cluster] etcd` list.
+    pub fn endpoints(&self) -> Vec<String> {
+        (0..self.size()).map(|i| self.endpoint(i)).collect()
+    }
+
+    /// Member `index`'s client endpoint.
+    pub fn endpoint(&self, index: usize) -> String {
+        url(self.ip, self.members[index].client_port)
+    }
+
+    /// Whether member `index` runs (was not killed, or was started again).
+    pub fn is_running(&mut self, index: usize) -> bool {
+        self.members[index]
+            .process
+            .as_mut()
+            .is_some_and(|p| p.try_wait().is_none())
+    }
+
+    /// The index of the member that leads, as the running members report it.
+    pub fn leader(&mut self) -> anyhow::Result<usize> {
+        let mut ids = Vec::new();
+        let mut leader = None;
+        for index in 0..self.size() {
+            if !self.is_running(index) {
+                ids.push(None);
+                continue;
+            }
+            let status = self.status(index)?;
+            leader = leader.or_else(|| status["leader"].as_str().map(str::to_owned));
+            ids.push(status["header"]["member_id"].as_str().map(str::to_owned));
+        }
+        let leader = leader
+            .filter(|id| id != "0")
+            .context("no member reports a leader")?;
+        ids.iter()
+            .position(|id| id.as_deref() == Some(leader.as_str()))
+            .with_context(|| format!("the leader {leader} is none of the running members {ids:?}"))
+    }
+
+    /// SIGKILLs member `index` (its data stays).
+    pub fn kill(&mut self, index: usize) {
+        let member = &mut self.members[index];
+        if let Some(mut process) = member.process.take() {
+            process.kill();
+            member.previous.push(process);
+        }
+    }
+
+    /// Starts killed member `index` again, on the data it had; does not wait (see
+    /// [`EtcdCluster::wait_healthy`]: a member alone cannot be healthy without a quorum).
+    pub fn restart(&mut self, index: usize) -> anyhow::Result<()> {
+        if self.is_running(index) {
+            bail!("member {index} runs");
+        }
+        self.spawn(index)
+    }
+
+    /// Waits until every running member answers `/health` with `true`: it is part of a quorum that
+    /// has a leader.
+    pub fn wait_healthy(&mut self) -> anyhow::Result<()> {
+        let running: Vec<usize> = (0..self.size()).filter(|i| self.is_running(*i)).collect();
+        try_wait_until(
+            READY_DEADLINE,
+            "every running etcd member to be healthy",
+            || {
+                for index in &running {
+                    let member = &mut self.members[*index];
+                    if let Some(process) = member.process.as_mut()
+                        && process.try_wait().is_some()
+                    {
+                        return Some(Err(anyhow::anyhow!(
+                            "etcd {} exited\n{}",
+                            member.name,
+                            process.logs()
+                        )));
+                    }
+                    if !healthy(SocketAddr::new(self.ip, member.client_port)) {
+                        return None;
+                    }
+                }
+                Some(Ok(()))
+            },
+        )?
+    }
+
+    /// Whether member `index` answers `/health` with `true` right now.
+    pub fn is_healthy(&self, index: usize) -> bool {
+        healthy(SocketAddr::new(self.ip, self.members[index].client_port))
+    }
+
+    /// Every member's logs, earlier processes of it included.
+    pub fn logs(&self) -> String {
+        self.members
+            .iter()
+            .flat_map(|m| m.previous.iter().chain(m.process.as_ref()))
+            .map(ChildGuard::logs)
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// `/v3/maintenance/status` of member `index`: its id and the leader's (as strings).
+    fn status(&self, index: usize) -> anyhow::Result<serde_json::Value> {
+        let addr = SocketAddr::new(self.ip, self.members[index].client_port);
+        let (code, body) = http_post_json(addr, "/v3/maintenance/status", "{}")?;
+        anyhow::ensure!(code == 200, "status of member {index}: {code} {body}");
+        serde_json::from_str(&body).with_context(|| format!("status of member {index}: {body}"))
+    }
+
+    /// Starts member `index` on its data directory (made on the first start).
+    fn spawn(&mut self, index: usize) -> anyhow::Result<()> {
+        let binary = etcd_path().context("no etcd binary")?;
+        let ip = self.ip;
+        let member = &mut self.members[index];
+        let client = url(ip, member.client_port);
+        let peer = url(ip, member.peer_port);
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(binary);
+                command
+            }
+            None => Command::new(binary),
+        };
+        command
+            .arg("--name")
+            .arg(&member.name)
+            .arg("--data-dir")
+            .arg(self.dir.path().join(&member.name))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial_cluster])
+            // Read on the first start only: a member started again goes by its data directory.
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "peregrine-e2e"])
+            .args(["--log-level", "warn"]);
+        let starts = member.previous.len() + 1;
+        let name = match starts {
+            1 => format!("etcd-{}", member.name),
+            n => format!("etcd-{}-{n}", member.name),
+        };
+        member.process = Some(ChildGuard::spawn(&name, &mut command, self.dir.path())?);
+        Ok(())
+    }
+}
+
+/// `http://IP:PORT`.
+fn url(ip: IpAddr, port: u16) -> String {
+    format!("http://{}", SocketAddr::new(ip, port))
+}
+
+/// Whether the member at `addr` answers `/health` with `true`.
+fn healthy(addr: SocketAddr) -> bool {
+    crate::http_get(addr, "/health")
+        .is_ok_and(|(status, body)| status == 200 && body.contains("\"true\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_survives_one_member_and_comes_back_from_two() {
+        if !etcd_or_skip("a_cluster_survives_one_member_and_comes_back_from_two") {
+            return;
+        }
+        let mut cluster = EtcdCluster::start([127, 0, 0, 1].into(), 3).unwrap();
+        assert_eq!(cluster.endpoints().len(), 3);
+        let leader = cluster.leader().unwrap();
+        cluster.kill(leader);
+        assert!(!cluster.is_running(leader));
+        // The two left elect a leader among themselves.
+        cluster.wait_healthy().unwrap();
+        let next = cluster.leader().unwrap();
+        assert_ne!(next, leader);
+        // One left: no quorum, no leader, not healthy.
+        cluster.kill(next);
+        let last = (0..3).find(|i| *i != leader && *i != next).unwrap();
+        try_wait_until(
+            Duration::from_secs(10),
+            "the last member to lose its quorum",
+            || (!cluster.is_healthy(last)).then_some(()),
+        )
+        .unwrap();
+        // Both back on their data: healthy again.
+        cluster.restart(leader).unwrap();
+        cluster.restart(next).unwrap();
+        cluster.wait_healthy().unwrap();
+        assert!((0..3).all(|i| cluster.is_healthy(i)));
+        assert!(cluster.logs().contains("etcd-m"), "{}", cluster.logs());
     }
 }

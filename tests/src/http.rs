@@ -24,7 +24,32 @@ pub fn http_get_with(
     path: &str,
     headers: &[(&str, &str)],
 ) -> anyhow::Result<(u16, String)> {
-    let addr = addr.into();
+    request(addr.into(), "GET", path, headers, "")
+}
+
+/// `POST path` on `addr` with a JSON `body` (etcd's JSON gateway); returns the status code and the
+/// body, as [`http_get`] does.
+pub fn http_post_json(
+    addr: impl Into<SocketAddr>,
+    path: &str,
+    body: &str,
+) -> anyhow::Result<(u16, String)> {
+    let length = body.len().to_string();
+    let headers = [
+        ("Content-Type", "application/json"),
+        ("Content-Length", length.as_str()),
+    ];
+    request(addr.into(), "POST", path, &headers, body)
+}
+
+/// `METHOD path` on `addr` with `Connection: close`, `headers` and `body`.
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> anyhow::Result<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT)
         .with_context(|| format!("connecting to {addr}"))?;
     stream.set_read_timeout(Some(TIMEOUT))?;
@@ -35,7 +60,7 @@ pub fn http_get_with(
         .map(|(name, value)| format!("{name}: {value}\r\n"))
         .collect();
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\n{extra}Connection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-e2e\r\n{extra}Connection: close\r\n\r\n{body}"
     );
     stream
         .write_all(request.as_bytes())
@@ -44,7 +69,7 @@ pub fn http_get_with(
     stream
         .read_to_end(&mut response)
         .with_context(|| format!("reading from {addr}"))?;
-    parse_response(&response).with_context(|| format!("GET http://{addr}{path}"))
+    parse_response(&response).with_context(|| format!("{method} http://{addr}{path}"))
 }
 
 fn parse_response(response: &[u8]) -> anyhow::Result<(u16, String)> {

@@ -11,6 +11,11 @@
 //! else built once per test process). A test that needs Envoy calls [`envoy_or_skip`], which prints why
 //! it skips when there is none, and fails instead when `PEREGRINE_REQUIRE_ENVOY` is set (as
 //! `cargo xtask test` does), so a missing Envoy is never silently skipped in CI.
+//!
+//! Many hosts on one machine: a [`Network`] makes each host a network namespace on a bridge (root
+//! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
+//! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
+//! members that can be killed and started again.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +24,7 @@ mod envoy;
 mod etcd;
 mod http;
 pub mod load;
+mod netns;
 mod paths;
 mod process;
 mod slots;
@@ -27,9 +33,10 @@ mod supervisor;
 mod wait;
 
 pub use envoy::{Envoy, Host, hosts};
-pub use etcd::{Etcd, etcd_or_skip, etcd_path};
-pub use http::{http_get, http_get_with, worker_pid};
-pub use load::{Load, LoadReport};
+pub use etcd::{Etcd, EtcdCluster, etcd_or_skip, etcd_path};
+pub use http::{http_get, http_get_with, http_post_json, worker_pid};
+pub use load::{Load, LoadOptions, LoadReport};
+pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
     python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,

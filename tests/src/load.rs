@@ -5,7 +5,8 @@
 //! as served by that pid; anything else (a status other than 200, a body that is not a worker's, a
 //! connection error) is a failure, kept with what went wrong. A client whose connection fails opens a
 //! new one and goes on. The load stops when [`Load::stop`] is called or after its time limit, whichever
-//! is first.
+//! is first. [`LoadOptions`] can pace each client (a pause after each answer) and run the load from
+//! elsewhere (a closure run first on the load's thread, e.g. entering a host's network namespace).
 
 use std::{
     collections::BTreeMap,
@@ -58,6 +59,47 @@ impl LoadReport {
     }
 }
 
+/// How a [`Load`] runs: its clients, its limit, its pace, and where from.
+pub struct LoadOptions {
+    /// HTTP/1.1 clients.
+    pub http1: usize,
+    /// HTTP/2 clients.
+    pub http2: usize,
+    /// The load stops by itself after this long.
+    pub limit: Duration,
+    /// Each client waits this long after each answer before its next request (zero: none).
+    pub pause: Duration,
+    /// Run first on the load's thread, before any connection: e.g.
+    /// [`NetHost::entry`](crate::NetHost::entry), so that the load comes from inside a host. An
+    /// error is recorded as a failure and no request is sent.
+    pub enter: Option<Box<dyn FnOnce() -> anyhow::Result<()> + Send>>,
+}
+
+impl LoadOptions {
+    /// `http1` HTTP/1.1 and `http2` HTTP/2 clients, unpaced, from here, for at most `limit`.
+    pub fn new(http1: usize, http2: usize, limit: Duration) -> LoadOptions {
+        LoadOptions {
+            http1,
+            http2,
+            limit,
+            pause: Duration::ZERO,
+            enter: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("http1", &self.http1)
+            .field("http2", &self.http2)
+            .field("limit", &self.limit)
+            .field("pause", &self.pause)
+            .field("enter", &self.enter.is_some())
+            .finish()
+    }
+}
+
 /// A running load; stop it with [`Load::stop`] (dropping it stops it too).
 #[derive(Debug)]
 pub struct Load {
@@ -70,12 +112,33 @@ pub struct Load {
 impl Load {
     /// Starts `http1` HTTP/1.1 clients and `http2` HTTP/2 clients against `addr`, for at most `limit`.
     pub fn start(addr: SocketAddr, http1: usize, http2: usize, limit: Duration) -> Load {
+        Load::start_with(addr, LoadOptions::new(http1, http2, limit))
+    }
+
+    /// Starts the clients `options` describe against `addr`.
+    pub fn start_with(addr: SocketAddr, options: LoadOptions) -> Load {
+        let LoadOptions {
+            http1,
+            http2,
+            limit,
+            pause,
+            enter,
+        } = options;
         let stop = Arc::new(AtomicBool::new(false));
         let report = Arc::new(Mutex::new(LoadReport::default()));
         let started = Instant::now();
         let thread = {
             let (stop, report) = (stop.clone(), report.clone());
             thread::spawn(move || {
+                if let Some(enter) = enter
+                    && let Err(error) = enter()
+                {
+                    let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
+                    report
+                        .failures
+                        .push((Protocol::Http1, format!("entering: {error:#}")));
+                    return;
+                }
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -87,7 +150,7 @@ impl Load {
                         .chain(std::iter::repeat_n(Protocol::Http2, http2));
                     for protocol in protocols {
                         let (stop, report) = (stop.clone(), report.clone());
-                        clients.spawn(client(addr, protocol, stop, report, deadline));
+                        clients.spawn(client(addr, protocol, pause, stop, report, deadline));
                     }
                     while clients.join_next().await.is_some() {}
                 });
@@ -135,6 +198,7 @@ impl Drop for Load {
 async fn client(
     addr: SocketAddr,
     protocol: Protocol,
+    pause: Duration,
     stop: Arc<AtomicBool>,
     report: Arc<Mutex<LoadReport>>,
     deadline: Instant,
@@ -160,7 +224,12 @@ async fn client(
         };
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
             match tokio::time::timeout(REQUEST_TIMEOUT, sender.get(addr)).await {
-                Ok(Ok(pid)) => record(Ok(pid)),
+                Ok(Ok(pid)) => {
+                    record(Ok(pid));
+                    if !pause.is_zero() {
+                        tokio::time::sleep(pause).await;
+                    }
+                }
                 Ok(Err(Failure::Closed)) => break,
                 Ok(Err(Failure::Failed(what))) => {
                     record(Err(what));

@@ -24,6 +24,8 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 pub struct Supervisor {
     // Declared before `_temp` so the processes die before their directory is removed.
     process: ChildGuard,
+    /// The program and arguments `peregrine run` is started through (empty: none), every time.
+    wrapper: Vec<String>,
     binary: PathBuf,
     dir: PathBuf,
     config: PathBuf,
@@ -80,7 +82,9 @@ impl Supervisor {
     }
 
     /// Like [`Supervisor::start`], but started through `wrapper` (a program and its arguments that
-    /// exec the rest, e.g. `prlimit --nofile=1024:1024 --`), so the supervisor keeps the pid.
+    /// exec the rest, e.g. `prlimit --nofile=1024:1024 --`, or a
+    /// [`NetHost::wrapper`](crate::NetHost::wrapper)), so the supervisor keeps the pid. A supervisor
+    /// started again ([`Supervisor::start_again`]) goes through the same wrapper.
     #[track_caller]
     pub fn start_wrapped_in(wrapper: &[&str], config_toml: &str) -> Self {
         Self::start_in_temp(wrapper, config_toml, false)
@@ -144,22 +148,13 @@ impl Supervisor {
         };
         std::fs::write(&config, config_toml)
             .with_context(|| format!("writing {}", config.display()))?;
-        let mut command = match wrapper.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(binary);
-                command
-            }
-            None => Command::new(binary),
-        };
-        command.arg("run").arg(&run_arg).current_dir(dir);
-        if std::env::var_os("RUST_LOG").is_none() {
-            command.env("RUST_LOG", "info");
-        }
+        let wrapper: Vec<String> = wrapper.iter().map(|s| (*s).to_owned()).collect();
+        let mut command = run_command(&wrapper, binary, &run_arg, dir);
         command.envs(env.iter().map(|(k, v)| (k, v)));
         let process = ChildGuard::spawn("peregrine", &mut command, dir)?;
         Ok(Self {
             process,
+            wrapper,
             binary: binary.to_path_buf(),
             dir: dir.to_path_buf(),
             run_arg,
@@ -292,11 +287,7 @@ impl Supervisor {
 
     /// `peregrine run` on this config, from this directory, logging as `name`.
     fn spawn_run(&self, name: &str) -> anyhow::Result<ChildGuard> {
-        let mut command = Command::new(&self.binary);
-        command.arg("run").arg(&self.run_arg).current_dir(&self.dir);
-        if std::env::var_os("RUST_LOG").is_none() {
-            command.env("RUST_LOG", "info");
-        }
+        let mut command = run_command(&self.wrapper, &self.binary, &self.run_arg, &self.dir);
         command.envs(self.env.iter().map(|(k, v)| (k, v)));
         ChildGuard::spawn(name, &mut command, &self.dir)
     }
@@ -324,6 +315,24 @@ impl Drop for Supervisor {
             }
         }
     }
+}
+
+/// `wrapper... binary run CONFIG` from `dir` (no wrapper when `wrapper` is empty), with `RUST_LOG`
+/// passed on, or `info` when unset.
+fn run_command(wrapper: &[String], binary: &Path, config: &Path, dir: &Path) -> Command {
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    };
+    command.arg("run").arg(config).current_dir(dir);
+    if std::env::var_os("RUST_LOG").is_none() {
+        command.env("RUST_LOG", "info");
+    }
+    command
 }
 
 /// The live processes whose `PEREGRINE_CONTROL_SOCKET` is in `dir`: the workers of a supervisor
