@@ -169,7 +169,9 @@ pub(super) fn run(peregrine: &Path, etcd: &mut [Etcd], options: &Options) -> any
         fleet.push(FleetHost::start(peregrine, &spec(i))?);
     }
     let mut views: Vec<Views> = fleet.iter_mut().map(Views::new).collect();
-    let keys = (n * (w as usize + 1)) as f64;
+    // Per host: its host record, its service's spec, its acks (written once the session has listed
+    // the fleet) and one key per worker.
+    let keys = (n * (w as usize + 3)) as f64;
     let whole = ((n - 1) as u64, (n - 1) as u64 * u64::from(w));
     interrupt::wait_until(
         BRING_UP,
