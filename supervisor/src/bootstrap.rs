@@ -241,10 +241,16 @@ static_resources:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
-            http2_protocol_options: {{}}
+            http2_protocol_options:
+              # A supervisor cut off from the network must not keep this Envoy's xDS streams: the
+              # pings find it gone and Envoy dials another of the servers.
+              connection_keepalive:
+                interval: {keepalive}s
+                timeout: {keepalive}s
 ",
         xds_cluster = quote(&input.xds_cluster_name),
         xds_endpoints = xds_endpoints(input),
+        keepalive = XDS_KEEPALIVE.as_secs_f64(),
     );
     out
 }
@@ -273,6 +279,11 @@ fn xds_endpoints(input: &BootstrapInput) -> String {
         })
         .collect()
 }
+
+/// How often Envoy pings its xDS server's connection, and how long it waits for the answer before it
+/// drops the connection (and its streams) and dials again: a cut-off supervisor is left within two of
+/// these.
+pub const XDS_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The first delay before Envoy reconnects an xDS stream to the supervisor.
 pub const XDS_RETRY_BASE: std::time::Duration = std::time::Duration::from_millis(100);

@@ -63,6 +63,8 @@ const PER_TRY_TIMEOUT: Duration = Duration::from_secs(1);
 /// host's own workers first): a test of them starts its fleet with `"local-first"` instead, e.g.
 /// `a_cut_off_host_serves_its_own_workers` with it.
 const ROUTING_FLEET: &str = "fleet";
+/// Near workers first: a host's own, then the rest.
+const ROUTING_LOCAL_FIRST: &str = "local-first";
 /// How long a step that is not timed (a fleet starting, a host joining) may take.
 const STEP: Duration = Duration::from_secs(30);
 /// The longest any load runs (each test stops its load long before).
@@ -697,10 +699,6 @@ fn a_host_cut_off_leaves_the_other_envoys_and_rejoins() {
 }
 
 #[test]
-#[ignore = "supervisor bug: an Envoy whose EDS stream is on the cut-off host's supervisor keeps that \
-            supervisor's stale view for as long as the cut lasts (the bootstrap's xDS cluster has no \
-            keepalive, so the dead stream is never noticed, and a supervisor cut off from etcd keeps \
-            serving the last view); the other Envoys drop the host within its lease (3 runs of 3)"]
 fn a_host_cut_off_leaves_envoys_that_dial_every_supervisor() {
     if !can_run("a_host_cut_off_leaves_envoys_that_dial_every_supervisor") {
         return;
@@ -756,6 +754,14 @@ fn a_cut_off_host_serves_its_own_workers_through_its_own_envoy() {
     a_cut_off_host_serves_its_own_workers(ROUTING_FLEET);
 }
 
+#[test]
+fn a_cut_off_host_under_local_first_routing_serves_its_own_workers() {
+    if !can_run("a_cut_off_host_under_local_first_routing_serves_its_own_workers") {
+        return;
+    }
+    a_cut_off_host_serves_its_own_workers(ROUTING_LOCAL_FIRST);
+}
+
 /// Host a, cut off from b and c, keeps serving its own workers through its own Envoy, with no
 /// failed request, over longer than its lease; then comes back. The routing under test is
 /// `routing`.
@@ -793,11 +799,6 @@ fn a_cut_off_host_serves_its_own_workers(routing: &str) {
 }
 
 #[test]
-#[ignore = "supervisor bug: when etcd's leader is killed, a supervisor whose session ran through it \
-            takes seconds (3 to 23 s measured) to join again, its attempts failing with \"tcp \
-            connect error\" on the dead member; its old lease expires meanwhile, and each failed \
-            attempt leaves its keys under a lease nobody keeps alive: its workers leave the other \
-            hosts' Envoys, and flap back in and out, until an attempt gets through (4 runs of 6)"]
 fn losing_an_etcd_member_changes_nothing() {
     if !can_run("losing_an_etcd_member_changes_nothing") {
         return;
@@ -839,11 +840,6 @@ fn losing_the_etcd_quorum_changes_nothing_and_a_change_made_meanwhile_converges(
 }
 
 #[test]
-#[ignore = "supervisor bug: a supervisor whose session broke while etcd had no quorum must join \
-            again within about 3 s of the quorum's return (the new leader extends the old lease \
-            by its election timeout, then it expires), but its retries (backoff up to 2 s, \
-            attempts that time out after 2 s) can take longer: its old lease expires, and its \
-            workers leave the other hosts' Envoys until it joins (for 1 s, in 2 runs of 8)"]
 fn the_etcd_quorum_coming_back_changes_nothing_but_the_change_made_meanwhile() {
     if !can_run("the_etcd_quorum_coming_back_changes_nothing_but_the_change_made_meanwhile") {
         return;
@@ -968,11 +964,6 @@ fn a_rolling_restart_on_one_host_loses_no_request_of_another_hosts_envoy() {
 }
 
 #[test]
-#[ignore = "drains wait for this host's Envoys only (README, \"Not yet\"): b's supervisor stops a \
-            worker once b's own Envoys (none here) have ACKed it as draining, long before a's \
-            Envoy hears of it through etcd, so a's Envoy sends requests to b's stopped workers and \
-            retries them elsewhere (8 to 17 retries, 5 to 13 failed connections per 5 restarts, \
-            every run): lossless only thanks to the retries"]
 fn a_rolling_restart_on_one_host_drains_through_another_hosts_envoy() {
     if !can_run("a_rolling_restart_on_one_host_drains_through_another_hosts_envoy") {
         return;
@@ -1115,10 +1106,6 @@ fn a_dead_host_leaves_every_other_envoy_within_its_lease() {
 }
 
 #[test]
-#[ignore = "supervisor bug: a supervisor cut off from etcd goes on reporting its session as \
-            connected, with a lease etcd has expired, and logs nothing, for as long as the cut \
-            lasts (40 s measured): nothing waits for the keep-alive answers with a deadline, and \
-            the etcd client has no HTTP/2 keepalive; it notices only once the link is back"]
 fn a_cut_off_supervisor_says_etcd_is_unavailable_within_its_lease() {
     if !can_run("a_cut_off_supervisor_says_etcd_is_unavailable_within_its_lease") {
         return;

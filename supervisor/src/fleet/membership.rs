@@ -23,9 +23,10 @@ use std::{
 };
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    Txn, TxnOp, WatchOptions,
 };
-use tokio::sync::watch;
+use tokio::{sync::watch, time::Instant};
 
 use super::{
     drains::FleetDrains,
@@ -58,6 +59,21 @@ pub enum SessionError {
     /// The lease is gone: the keys under it were deleted.
     #[error("the lease expired")]
     LeaseLost,
+    /// etcd has not answered a keep-alive for a whole TTL: by now the lease has expired there, or
+    /// etcd is out of reach.
+    #[error("no keep-alive answered for {0:?}")]
+    KeepAliveSilent(Duration),
+}
+
+/// The lease this host's keys are under, as this supervisor last heard of it: a new session (after
+/// an error) takes it up again while it lives, so the keys never leave the fleet for a session that
+/// broke and came back within the TTL.
+#[derive(Clone, Copy, Debug)]
+struct HeldLease {
+    /// The lease.
+    id: i64,
+    /// When it expires unless kept alive, by the last keep-alive answer.
+    expires: Instant,
 }
 
 /// This host's records as last published.
@@ -91,6 +107,10 @@ pub struct Membership {
     drains: Arc<FleetDrains>,
     /// Rate-limits the error about hosts on another gRPC port.
     port_conflict: Throttle,
+    /// The lease of this host's keys, across sessions.
+    lease: Option<HeldLease>,
+    /// Which of the etcd endpoints the next session talks to (modulo their count).
+    endpoint: usize,
 }
 
 impl Membership {
@@ -104,6 +124,7 @@ impl Membership {
         options: watch::Receiver<XdsOptions>,
         shared: Shared,
     ) -> Membership {
+        let cluster_host = cluster.host.clone();
         Membership {
             cluster,
             grpc_port,
@@ -112,6 +133,9 @@ impl Membership {
             acks: shared.acks,
             drains: shared.drains,
             port_conflict: Throttle::new(Duration::from_secs(60)),
+            lease: None,
+            // Hosts start on different members, so that a fleet spreads over its etcd cluster.
+            endpoint: spread(&cluster_host),
         }
     }
 
@@ -135,6 +159,11 @@ impl Membership {
         loop {
             let ended = self.session(&keys, &me, &mut stop).await;
             self.drains.set_connected(false);
+            if ended.is_err() {
+                // The next session tries the next member: one that died or was cut off is left
+                // at once instead of being dialed again.
+                self.endpoint = self.endpoint.wrapping_add(1);
+            }
             match ended {
                 Ok(()) => return,
                 Err(SessionError::LeaseLost) => {
@@ -168,7 +197,11 @@ impl Membership {
                 () = tokio::time::sleep(backoff) => {}
                 () = stopped(&mut stop) => return,
             }
-            backoff = (backoff * 2).min(MAX_BACKOFF);
+            // Never longer than a third of the TTL: a session that broke must come back while its
+            // lease still lives.
+            backoff = (backoff * 2)
+                .min(MAX_BACKOFF)
+                .min(self.cluster.lease_ttl / 3);
         }
     }
 
@@ -184,15 +217,23 @@ impl Membership {
             return Ok(());
         }
         let ttl = self.cluster.lease_ttl;
+        // HTTP/2 pings find a member that went away (a cut link sends no reset) within the TTL.
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
-            .with_timeout(ttl);
-        let mut client = Client::connect(&self.cluster.etcd, Some(options)).await?;
+            .with_timeout(ttl)
+            .with_keep_alive(ttl / 3, ttl / 3)
+            .with_keep_alive_while_idle(true);
+        // One member per session: every member serves every request (followers hand writes to the
+        // leader), and a session bound to one member fails as a whole when that member does, so
+        // the next one moves on; a client balancing over every member would go on sending some
+        // requests to a dead one.
+        let endpoint = &self.cluster.etcd[self.endpoint % self.cluster.etcd.len()];
+        let mut client = Client::connect([endpoint], Some(options)).await?;
         // Subscribed before the first publish, so that a worker registering meanwhile is published
         // by the loop below rather than missed.
         let mut snapshots = self.registry.subscribe();
-        let lease = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
-        let (mut keeper, mut alive) = client.lease_keep_alive(lease).await?;
+        let (lease, mut keeper, mut alive) = self.take_lease(&mut client, ttl).await?;
+        let mut last_alive = Instant::now();
         let mut published = Published::default();
         self.publish(&mut client, keys, me, lease, &mut published)
             .await?;
@@ -243,7 +284,12 @@ impl Membership {
         loop {
             let (due_registry, due_etcd) = ack_due.unwrap_or_default();
             tokio::select! {
-                _ = renew.tick() => keeper.keep_alive().await?,
+                _ = renew.tick() => {
+                    if last_alive.elapsed() >= ttl {
+                        return Err(SessionError::KeepAliveSilent(last_alive.elapsed()));
+                    }
+                    keeper.keep_alive().await?;
+                }
                 synced = self.acks.wait_synced(due_registry, ttl), if ack_due.is_some() => {
                     if synced.is_synced() {
                         let value = serde_json::to_string(&AcksRecord { revision: due_etcd })
@@ -255,8 +301,14 @@ impl Membership {
                     }
                 },
                 answer = alive.message() => match answer? {
-                    Some(answer) if answer.ttl() > 0 => {}
-                    _ => return Err(SessionError::LeaseLost),
+                    Some(answer) if answer.ttl() > 0 => {
+                        last_alive = Instant::now();
+                        self.held(lease, answer.ttl());
+                    }
+                    _ => {
+                        self.lease = None;
+                        return Err(SessionError::LeaseLost);
+                    }
                 },
                 changed = snapshots.changed() => {
                     if changed.is_err() {
@@ -274,6 +326,7 @@ impl Membership {
                     self.publish(&mut client, keys, me, lease, &mut published).await?;
                 }
                 () = stopped(stop) => {
+                    self.lease = None;
                     let _ = client.lease_revoke(lease).await;
                     tracing::info!(host = %me.host, "Left the fleet");
                     return Ok(());
@@ -334,6 +387,46 @@ impl Membership {
                 }
             }
         }
+    }
+
+    /// The lease for a new session: the one held before, if etcd says it still lives (its keys are
+    /// still there), else a new one. Returns it with its keep-alive stream.
+    async fn take_lease(
+        &mut self,
+        client: &mut Client,
+        ttl: Duration,
+    ) -> Result<(i64, LeaseKeeper, LeaseKeepAliveStream), SessionError> {
+        if let Some(held) = self.lease.filter(|held| held.expires > Instant::now()) {
+            let (mut keeper, mut alive) = client.lease_keep_alive(held.id).await?;
+            keeper.keep_alive().await?;
+            let left = held.expires.saturating_duration_since(Instant::now());
+            if let Ok(Ok(Some(answer))) = tokio::time::timeout(left, alive.message()).await
+                && answer.ttl() > 0
+            {
+                tracing::info!(
+                    lease = held.id,
+                    "Kept the fleet lease across a new session with etcd"
+                );
+                self.held(held.id, answer.ttl());
+                return Ok((held.id, keeper, alive));
+            }
+        }
+        let id = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
+        let (keeper, alive) = client.lease_keep_alive(id).await?;
+        self.lease = Some(HeldLease {
+            id,
+            expires: Instant::now() + ttl,
+        });
+        Ok((id, keeper, alive))
+    }
+
+    /// etcd said lease `id` lives for `ttl_secs` more.
+    fn held(&mut self, id: i64, ttl_secs: i64) {
+        let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(0));
+        self.lease = Some(HeldLease {
+            id,
+            expires: Instant::now() + ttl,
+        });
     }
 
     /// Puts what changed of this host's records and deletes what went, in one transaction.
@@ -530,6 +623,13 @@ impl Membership {
             tracing::debug!(hosts, workers, "Fleet view changed");
         }
     }
+}
+
+/// A start among the etcd endpoints that differs from host to host.
+fn spread(host: &str) -> usize {
+    host.bytes().fold(0usize, |h, b| {
+        h.wrapping_mul(31).wrapping_add(usize::from(b))
+    })
 }
 
 /// A key and value of the range, borrowed.
