@@ -5,17 +5,19 @@
 //! inside its host for the whole test, and every request is checked. The tests run one fleet at a
 //! time ([`ONE_FLEET`]).
 //!
-//! - a host cut off from the rest leaves the other hosts' Envoys within its lease, and joins again
-//!   when its link is back;
+//! - a host cut off from the rest leaves the other hosts' Envoys within its lease (also Envoys whose
+//!   xDS stream was on its supervisor: they dial another), says so in its own status, keeps serving
+//!   its own workers through its own Envoy under local-first routing, and joins again when its link
+//!   is back;
+//! - one etcd member lost (the leader) changes nothing;
 //! - etcd losing its quorum changes nothing, and a change made meanwhile reaches every supervisor
-//!   and Envoy once the quorum is back;
-//! - a rolling restart on one host loses no request of another host's Envoy;
+//!   and Envoy once the quorum is back, with nothing else changing on the way;
+//! - a rolling restart on one host loses no request of another host's Envoy, which never sends one
+//!   to a stopped worker (drains wait for every host's Envoys);
 //! - a host that dies leaves every other Envoy within its lease, and no request fails.
 //!
-//! Ignored, each with the reason it fails today: an Envoy whose xDS stream is on the cut-off
-//! host's supervisor; a cut-off supervisor's status; a cut-off host's own Envoy with `routing =
-//! "fleet"`; one etcd member lost; the quorum's return changing nothing but the change made
-//! meanwhile; drains that reach another host's Envoy before the worker stops.
+//! Ignored, with its reason: a cut-off host's own Envoy with `routing = "fleet"` (it goes on
+//! sending its share to the hosts it cannot reach; local-first is the routing for that).
 //!
 //! Needs root (namespaces), etcd and Envoy: each test skips saying why when one is missing, and fails
 //! instead under `PEREGRINE_REQUIRE_ETCD=1` (`cargo xtask test`).
@@ -746,7 +748,7 @@ fn a_host_cut_off_leaves_envoys_that_dial_every_supervisor() {
             the other hosts' workers (its supervisor keeps its last view, and round robin has no \
             outlier detection): each try to them hangs until the per-try timeout, and a request \
             whose tries all go to them fails; a's own workers answered 2 to 4 requests each in 6 s \
-            (3 runs of 3); local-first routing is to keep a cut-off host's requests on its own"]
+            (3 runs of 3); local-first routing keeps a cut-off host's requests on its own (tested below)"]
 fn a_cut_off_host_serves_its_own_workers_through_its_own_envoy() {
     if !can_run("a_cut_off_host_serves_its_own_workers_through_its_own_envoy") {
         return;
@@ -831,36 +833,15 @@ fn losing_an_etcd_member_changes_nothing() {
     fleet.no_failures(loads);
 }
 
+/// Two hosts; two of etcd's three members are killed, the leader first: nothing changes in any
+/// Envoy, and no request fails. b scales up meanwhile; once the members are back, the new worker
+/// reaches a's supervisor and Envoy, and nothing else changes in any Envoy on the way, up to twice
+/// the lease after every supervisor is connected again.
 #[test]
 fn losing_the_etcd_quorum_changes_nothing_and_a_change_made_meanwhile_converges() {
     if !can_run("losing_the_etcd_quorum_changes_nothing_and_a_change_made_meanwhile_converges") {
         return;
     }
-    quorum_lost_and_back(Recovery::Converges);
-}
-
-#[test]
-fn the_etcd_quorum_coming_back_changes_nothing_but_the_change_made_meanwhile() {
-    if !can_run("the_etcd_quorum_coming_back_changes_nothing_but_the_change_made_meanwhile") {
-        return;
-    }
-    quorum_lost_and_back(Recovery::ChangesNothingElse);
-}
-
-/// What [`quorum_lost_and_back`] checks once etcd's quorum is back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Recovery {
-    /// The change made while the quorum was lost reaches every supervisor and Envoy.
-    Converges,
-    /// That, and nothing else changes in any Envoy on the way, up to twice the lease after every
-    /// supervisor is connected again.
-    ChangesNothingElse,
-}
-
-/// Two hosts; two of etcd's three members are killed, the leader first: nothing changes in any
-/// Envoy, and no request fails. b scales up meanwhile; once the members are back, the new worker
-/// reaches a's supervisor and Envoy; `recovery` says what else is checked.
-fn quorum_lost_and_back(recovery: Recovery) {
     // Each Envoy dials its own host's supervisor: a's Envoy learns of b's workers only through
     // etcd.
     let mut fleet = Fleet::start(&["a", "b"], &["a", "b"], ROUTING_FLEET, XdsServers::Own);
@@ -906,20 +887,6 @@ fn quorum_lost_and_back(recovery: Recovery) {
         WORKERS as usize,
         "a knows only b's first workers while etcd has no quorum: {b_in_a:?}"
     );
-    let watches = match recovery {
-        // While the quorum was lost, a's Envoy kept every worker, and b's gained b's new one.
-        Recovery::Converges => {
-            let mut watches = watches;
-            let (a, b) = (watches.remove("a"), watches.remove("b"));
-            let expected = [
-                ("a".to_owned(), a.expect("a's watch"), vec![&every]),
-                ("b".to_owned(), b.expect("b's watch"), vec![&every, &scaled]),
-            ];
-            went_through(&fleet, expected.into());
-            None
-        }
-        Recovery::ChangesNothingElse => Some(watches),
-    };
 
     let restarted = Instant::now();
     fleet.etcd.restart(leader).expect("restarting a member");
@@ -945,45 +912,23 @@ fn quorum_lost_and_back(recovery: Recovery) {
         let load = &loads[name];
         each_answers(load, &load.snapshot(), &new, 10, "b's new worker to serve");
     }
-    if let Some(watches) = watches {
-        // Longer than the lease after every supervisor is back: nothing else changes. Each Envoy
-        // went from every first worker to those and b's new one, and through nothing else.
-        std::thread::sleep(TTL * 2);
-        went_through(&fleet, Fleet::expecting(watches, &[&every, &scaled]));
-    }
+    // Longer than the lease after every supervisor is back: nothing else changes. Each Envoy went
+    // from every first worker to those and b's new one, and through nothing else.
+    std::thread::sleep(TTL * 2);
+    went_through(&fleet, Fleet::expecting(watches, &[&every, &scaled]));
     fleet.print_sessions();
     fleet.no_failures(loads);
 }
 
-#[test]
-fn a_rolling_restart_on_one_host_loses_no_request_of_another_hosts_envoy() {
-    if !can_run("a_rolling_restart_on_one_host_loses_no_request_of_another_hosts_envoy") {
-        return;
-    }
-    rolling_restarts_on_b(Drains::LoseNoRequest);
-}
-
+/// Two hosts, an Envoy on a under load: five rolling restarts of b's workers (`peregrine restart`),
+/// each once the one before has reached a's Envoy. No request through a's Envoy fails, and it never
+/// sent one to a stopped worker: no connection failed, none was retried (each old worker was
+/// stopped only once a's Envoy had it as draining).
 #[test]
 fn a_rolling_restart_on_one_host_drains_through_another_hosts_envoy() {
     if !can_run("a_rolling_restart_on_one_host_drains_through_another_hosts_envoy") {
         return;
     }
-    rolling_restarts_on_b(Drains::ReachEveryEnvoy);
-}
-
-/// What [`rolling_restarts_on_b`] checks of a's Envoy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Drains {
-    /// No request through it fails (Envoy may retry some).
-    LoseNoRequest,
-    /// That, and it never sent a request to a stopped worker: no connection failed, none was
-    /// retried (each old worker was stopped only once a's Envoy had it as draining).
-    ReachEveryEnvoy,
-}
-
-/// Two hosts, an Envoy on a under load: five rolling restarts of b's workers (`peregrine restart`),
-/// each once the one before has reached a's Envoy; `drains` says what is checked.
-fn rolling_restarts_on_b(drains: Drains) {
     // a's Envoy dials a's supervisor alone: b's drains cross hosts, from b's supervisor through
     // etcd and a's supervisor to a's Envoy.
     let fleet = Fleet::start(&["a", "b"], &["a"], ROUTING_FLEET, XdsServers::Own);
@@ -1048,13 +993,11 @@ fn rolling_restarts_on_b(drains: Drains) {
     );
     eprintln!("a's Envoy retried {retried} requests; {failed} of its connections failed");
     fleet.no_failures(loads);
-    if drains == Drains::ReachEveryEnvoy {
-        assert_eq!(
-            (retried, failed),
-            (0, 0),
-            "a's Envoy sent requests to b's stopped workers"
-        );
-    }
+    assert_eq!(
+        (retried, failed),
+        (0, 0),
+        "a's Envoy sent requests to b's stopped workers"
+    );
 }
 
 #[test]
