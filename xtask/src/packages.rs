@@ -52,6 +52,10 @@ pub(crate) fn ensure(needed: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 /// What building the supervisor and running the fleet's tests and demo need: `protoc` (the etcd
-/// client's build script compiles etcd's protos) and etcd itself (Debian's `etcd-server`, 3.4).
-pub(crate) const FLEET: &[(&str, &str)] =
-    &[("protoc", "protobuf-compiler"), ("etcd", "etcd-server")];
+/// client's build script compiles etcd's protos), etcd itself (Debian's `etcd-server`, 3.4), and
+/// `ip` (hosts as network namespaces).
+pub(crate) const FLEET: &[(&str, &str)] = &[
+    ("protoc", "protobuf-compiler"),
+    ("etcd", "etcd-server"),
+    ("ip", "iproute2"),
+];
