@@ -1,17 +1,17 @@
-//! Real etcd for the fleet tests and benchmark: [`Etcd`], a member on loopback (alone, or one of a
-//! cluster on loopback: [`Etcd::start_cluster`]), and [`EtcdCluster`], a cluster of several members
-//! on one address of the test's choosing (a network's bridge, or a host of a
+//! Real etcd for the fleet tests and benchmark: [`EtcdCluster`], one or more members on one address
+//! of the caller's choosing (loopback, a network's bridge, or a host of a
 //! [`Network`](crate::Network) of its own, so that hosts in network namespaces reach it), whose
-//! members can be killed and started again on the data they had. Each member is on free ports with
-//! its data in a temporary directory, killed (process group) and removed when dropped, also when a
-//! test panics.
+//! members can be killed and started again on the data they had, and [`Etcd`], a cluster of one on
+//! loopback for the tests that need nothing more. Each member is on free ports with its data in the
+//! cluster's temporary directory, killed (process group) and removed when dropped, also when a test
+//! panics.
 //!
 //! etcd is Debian's `etcd-server` (3.4); a test that needs it calls [`etcd_or_skip`], which fails
 //! instead of skipping when `PEREGRINE_REQUIRE_ETCD` is set (as `cargo xtask test` does).
 
 use std::{
-    net::{IpAddr, SocketAddr, TcpStream},
-    path::{Path, PathBuf},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::PathBuf,
     process::Command,
     time::Duration,
 };
@@ -49,114 +49,28 @@ pub fn etcd_or_skip(test: &str) -> bool {
     false
 }
 
-/// One etcd member (of a cluster of one, or of [`Etcd::start_cluster`]'s).
+/// A single etcd member on loopback, for tests that need an etcd and nothing more of it: an
+/// [`EtcdCluster`] of one.
 #[derive(Debug)]
 pub struct Etcd {
-    client_port: u16,
-    process: ChildGuard,
-    _data: TempDir,
+    cluster: EtcdCluster,
 }
 
 impl Etcd {
-    /// Starts a single-member cluster and waits until it answers.
+    /// Starts a single-member cluster on `127.0.0.1` and waits until it answers healthy.
     pub fn start() -> anyhow::Result<Etcd> {
-        let mut members = Etcd::start_cluster(1)?;
-        Ok(members.remove(0))
-    }
-
-    /// Starts a cluster of `members` members (`m0`, `m1`, ...), each with its own ports and data
-    /// directory, and waits until every one answers (which needs a quorum, so all start first).
-    pub fn start_cluster(members: usize) -> anyhow::Result<Vec<Etcd>> {
-        anyhow::ensure!(members >= 1, "an etcd cluster has at least one member");
-        let binary = etcd_path().context("no etcd binary")?;
-        let ports: Vec<(u16, u16)> = (0..members).map(|_| (free_port(), free_port())).collect();
-        let peer = |port: u16| format!("http://127.0.0.1:{port}");
-        let initial = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, peer_port))| format!("m{i}={}", peer(*peer_port)))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut started = Vec::with_capacity(members);
-        for (i, &(client_port, peer_port)) in ports.iter().enumerate() {
-            let data = tempfile::tempdir()?;
-            let client = format!("http://127.0.0.1:{client_port}");
-            let name = format!("m{i}");
-            let mut command = Command::new(&binary);
-            command
-                .arg("--name")
-                .arg(&name)
-                .arg("--data-dir")
-                .arg(data.path().join(&name))
-                .args(["--listen-client-urls", &client])
-                .args(["--advertise-client-urls", &client])
-                .args(["--listen-peer-urls", &peer(peer_port)])
-                .args(["--initial-advertise-peer-urls", &peer(peer_port)])
-                .args(["--initial-cluster", &initial])
-                .args(["--initial-cluster-state", "new"])
-                .args(["--log-level", "warn"]);
-            let process = ChildGuard::spawn("etcd", &mut command, data.path())?;
-            started.push(Etcd {
-                client_port,
-                process,
-                _data: data,
-            });
-        }
-        for etcd in &mut started {
-            etcd.wait_ready()?;
-        }
-        Ok(started)
+        let cluster = EtcdCluster::start(Ipv4Addr::LOCALHOST.into(), 1)?;
+        Ok(Etcd { cluster })
     }
 
     /// The endpoint clients dial: `http://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        self.cluster.endpoint(0)
     }
 
-    /// Its client address (`127.0.0.1:PORT`).
-    pub fn client_addr(&self) -> std::net::SocketAddr {
-        std::net::SocketAddr::from(([127, 0, 0, 1], self.client_port))
-    }
-
-    /// Its Prometheus metrics (`GET /metrics` on the client port), as text.
-    pub fn metrics(&self) -> anyhow::Result<String> {
-        let (status, body) = crate::http_get(self.client_addr(), "/metrics")?;
-        anyhow::ensure!(status == 200, "etcd /metrics answered {status}");
-        Ok(body)
-    }
-
-    /// Its data directory.
-    pub fn data_dir(&self) -> &Path {
-        self._data.path()
-    }
-
-    /// The member's process.
-    pub fn process(&mut self) -> &mut ChildGuard {
-        &mut self.process
-    }
-
-    /// Its logs.
-    pub fn logs(&self) -> String {
-        self.process.logs()
-    }
-
-    fn wait_ready(&mut self) -> anyhow::Result<()> {
-        let port = self.client_port;
-        let process = &mut self.process;
-        try_wait_until(Duration::from_secs(20), "etcd to answer", || {
-            if process.try_wait().is_some() {
-                return Some(Err(anyhow::anyhow!("etcd exited\n{}", process.logs())));
-            }
-            let up = TcpStream::connect(("127.0.0.1", port)).is_ok()
-                && crate::http_get(
-                    format!("127.0.0.1:{port}")
-                        .parse::<std::net::SocketAddr>()
-                        .expect("an address"),
-                    "/health",
-                )
-                .is_ok_and(|(status, body)| status == 200 && body.contains("true"));
-            up.then_some(Ok(()))
-        })?
+    /// SIGKILLs the member (its data stays until it is dropped).
+    pub fn kill(&mut self) {
+        self.cluster.kill(0);
     }
 }
 
@@ -248,6 +162,26 @@ impl EtcdCluster {
         url(self.ip, self.members[index].client_port)
     }
 
+    /// Member `index`'s client address (`IP:PORT`).
+    pub fn client_addr(&self, index: usize) -> SocketAddr {
+        SocketAddr::new(self.ip, self.members[index].client_port)
+    }
+
+    /// Member `index`'s Prometheus metrics (`GET /metrics` on its client port), as text.
+    pub fn metrics(&self, index: usize) -> anyhow::Result<String> {
+        let (status, body) = crate::http_get(self.client_addr(index), "/metrics")?;
+        anyhow::ensure!(
+            status == 200,
+            "etcd member {index}'s /metrics answered {status}"
+        );
+        Ok(body)
+    }
+
+    /// Member `index`'s pid (its process group), `None` while it is killed.
+    pub fn pid(&self, index: usize) -> Option<u32> {
+        self.members[index].process.as_ref().map(ChildGuard::id)
+    }
+
     /// Whether member `index` runs (was not killed, or was started again).
     pub fn is_running(&mut self, index: usize) -> bool {
         self.members[index]
@@ -325,7 +259,7 @@ impl EtcdCluster {
 
     /// Whether member `index` answers `/health` with `true` right now.
     pub fn is_healthy(&self, index: usize) -> bool {
-        healthy(SocketAddr::new(self.ip, self.members[index].client_port))
+        healthy(self.client_addr(index))
     }
 
     /// Every member's logs, earlier processes of it included.
@@ -340,8 +274,7 @@ impl EtcdCluster {
 
     /// `/v3/maintenance/status` of member `index`: its id and the leader's (as strings).
     fn status(&self, index: usize) -> anyhow::Result<serde_json::Value> {
-        let addr = SocketAddr::new(self.ip, self.members[index].client_port);
-        let (code, body) = http_post_json(addr, "/v3/maintenance/status", "{}")?;
+        let (code, body) = http_post_json(self.client_addr(index), "/v3/maintenance/status", "{}")?;
         anyhow::ensure!(code == 200, "status of member {index}: {code} {body}");
         serde_json::from_str(&body).with_context(|| format!("status of member {index}: {body}"))
     }
@@ -407,9 +340,13 @@ mod tests {
         }
         let mut cluster = EtcdCluster::start([127, 0, 0, 1].into(), 3).unwrap();
         assert_eq!(cluster.endpoints().len(), 3);
+        assert!((0..3).all(|i| cluster.pid(i).is_some()));
+        let metrics = cluster.metrics(0).unwrap();
+        assert!(metrics.contains("etcd_server_has_leader 1"), "{metrics}");
         let leader = cluster.leader().unwrap();
         cluster.kill(leader);
         assert!(!cluster.is_running(leader));
+        assert_eq!(cluster.pid(leader), None);
         // The two left elect a leader among themselves.
         cluster.wait_healthy().unwrap();
         let next = cluster.leader().unwrap();

@@ -15,7 +15,8 @@
 //! Many hosts on one machine: a [`Network`] makes each host a network namespace on a bridge (root
 //! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
 //! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
-//! members that can be killed and started again.
+//! members that can be killed and started again ([`Etcd`]: one member, for the tests that need no
+//! more).
 
 #![forbid(unsafe_code)]
 

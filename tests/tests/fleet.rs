@@ -201,7 +201,7 @@ fn etcd_going_away_keeps_every_host_in_the_view() {
         .chain(b.supervisor.worker_pids())
         .collect();
 
-    etcd.process().kill();
+    etcd.kill();
     wait_until(
         Duration::from_secs(10),
         "A to notice that etcd is away",

@@ -33,10 +33,10 @@ mod report;
 mod scale;
 mod watcher;
 
-use std::{path::Path, process::ExitCode, time::Duration, time::Instant};
+use std::{net::Ipv4Addr, path::Path, process::ExitCode, time::Duration, time::Instant};
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::{Etcd, free_port, target_dir};
+use peregrine_e2e::{EtcdCluster, free_port, target_dir};
 
 use self::{
     host::{FleetHost, Spec},
@@ -178,11 +178,11 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let mut results = Results::default();
 
     if let Some(envoy) = &envoy {
-        let etcd = Etcd::start_cluster(options.etcd_members).context("starting etcd")?;
+        let etcd = start_etcd(&options)?;
         let mut fleet = envoy_fleet(&peregrine, envoy, &etcd, &options)?;
         if options.phases.contains(&Phase::Propagation) {
             let (noise, disk) = (Noise::start()?, Disk::read(&etcd)?);
-            let watch = KeyWatch::start(&etcd[0].endpoint(), host::WORKER_KEYS)?;
+            let watch = KeyWatch::start(&etcd.endpoint(0), host::WORKER_KEYS)?;
             let measured =
                 propagation::run(&fleet, watch.as_ref(), &options).context("propagation")?;
             results.propagation = Some(Phased {
@@ -202,8 +202,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         }
     }
     if options.phases.contains(&Phase::Scale) {
-        let mut etcd = Etcd::start_cluster(options.etcd_members).context("starting etcd")?;
-        results.scale = Some(scale::run(&peregrine, &mut etcd, &options).context("scale")?);
+        let etcd = start_etcd(&options)?;
+        results.scale = Some(scale::run(&peregrine, &etcd, &options).context("scale")?);
     }
 
     let setting = report::Setting {
@@ -216,15 +216,20 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A fresh etcd of `options.etcd_members` members on loopback.
+fn start_etcd(options: &Options) -> anyhow::Result<EtcdCluster> {
+    EtcdCluster::start(Ipv4Addr::LOCALHOST.into(), options.etcd_members).context("starting etcd")
+}
+
 /// The fleet with Envoys: [`ENVOY_HOSTS`] hosts `h0`, `h1`, ... of `options.fleet_workers` workers,
 /// each with its Envoy.
 fn envoy_fleet(
     peregrine: &Path,
     envoy: &Path,
-    etcd: &[Etcd],
+    etcd: &EtcdCluster,
     options: &Options,
 ) -> anyhow::Result<Vec<FleetHost>> {
-    let endpoints: Vec<String> = etcd.iter().map(Etcd::endpoint).collect();
+    let endpoints = etcd.endpoints();
     let grpc_port = free_port();
     let mut fleet = (0..ENVOY_HOSTS)
         .map(|i| {

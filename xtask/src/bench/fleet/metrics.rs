@@ -4,7 +4,7 @@
 
 use std::ops::Sub;
 
-use peregrine_e2e::Etcd;
+use peregrine_e2e::EtcdCluster;
 
 /// The counters read, summed over the members where each member counts only its own share (events
 /// and watchers: a watcher is served by the member its client reached), or the most any member
@@ -33,10 +33,10 @@ pub(super) struct EtcdCounters {
 
 impl EtcdCounters {
     /// The counters of every member of `etcd` now.
-    pub(super) fn read(etcd: &[Etcd]) -> anyhow::Result<EtcdCounters> {
+    pub(super) fn read(etcd: &EtcdCluster) -> anyhow::Result<EtcdCounters> {
         let mut total = EtcdCounters::default();
-        for member in etcd {
-            let text = member.metrics()?;
+        for member in 0..etcd.size() {
+            let text = etcd.metrics(member)?;
             let value = |name: &str| metric(&text, name).unwrap_or(0.0);
             let most = |a: f64, b: f64| a.max(b);
             total.revision = most(
@@ -162,10 +162,10 @@ pub(super) struct Disk {
 
 impl Disk {
     /// Every member's, now.
-    pub(super) fn read(etcd: &[Etcd]) -> anyhow::Result<Disk> {
+    pub(super) fn read(etcd: &EtcdCluster) -> anyhow::Result<Disk> {
         let mut disk = Disk::default();
-        for member in etcd {
-            let text = member.metrics()?;
+        for member in 0..etcd.size() {
+            let text = etcd.metrics(member)?;
             disk.wal_fsync.push(Histogram::parse(
                 &text,
                 "etcd_disk_wal_fsync_duration_seconds",

@@ -234,7 +234,8 @@ fn kill_one(
     options: &Options,
 ) -> anyhow::Result<Kill> {
     let own = poll::service_hosts(admins[host])?;
-    let prefix = format!("{SERVICE}-{slot}-");
+    // In a fleet a worker's hostname names its host: `<host>-<service>-<index>-<pid>`.
+    let prefix = format!("{}-{SERVICE}-{slot}-", fleet[host].name);
     let victim = own
         .iter()
         .find(|h| fleet[host].owns(&h.address) && h.hostname.starts_with(&prefix))

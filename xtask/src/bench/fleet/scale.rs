@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{Context, ensure};
-use peregrine_e2e::Etcd;
+use peregrine_e2e::EtcdCluster;
 use rustix::process::{Pid, Signal, kill_process};
 
 use super::{
@@ -147,9 +147,13 @@ impl Views {
 }
 
 /// Runs the scale phases on `etcd`.
-pub(super) fn run(peregrine: &Path, etcd: &mut [Etcd], options: &Options) -> anyhow::Result<Scale> {
+pub(super) fn run(
+    peregrine: &Path,
+    etcd: &EtcdCluster,
+    options: &Options,
+) -> anyhow::Result<Scale> {
     let (n, w) = (options.hosts, options.workers);
-    let endpoints: Vec<String> = etcd.iter().map(Etcd::endpoint).collect();
+    let endpoints = etcd.endpoints();
     let grpc_port = peregrine_e2e::free_port();
     let spec = |i: usize| Spec {
         name: format!("s{i}"),
@@ -194,7 +198,12 @@ pub(super) fn run(peregrine: &Path, etcd: &mut [Etcd], options: &Options) -> any
 
     // 2. Idle.
     let supervisors: Vec<u32> = fleet.iter().map(|h| h.supervisor().pid()).collect();
-    let members: Vec<u32> = etcd.iter_mut().map(|e| e.process().id()).collect();
+    let members: Vec<u32> = (0..etcd.size())
+        .map(|i| {
+            etcd.pid(i)
+                .with_context(|| format!("etcd member {i} is not running"))
+        })
+        .collect::<anyhow::Result<_>>()?;
     let noise = Noise::start()?;
     let (cpu0, etcd_cpu0, counters0, t0) = (
         on_cpu_ns(&supervisors)?,
