@@ -5,7 +5,6 @@ use std::{
     hash::{BuildHasher, Hasher},
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
@@ -84,14 +83,7 @@ impl Envoy {
         let admin_path = dir.join("envoy-admin-address");
         let _ = std::fs::remove_file(&admin_path);
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".to_owned());
-        let mut command = match wrapper.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(binary);
-                command
-            }
-            None => Command::new(binary),
-        };
+        let mut command = crate::process::wrapped(wrapper, binary);
         let mut process = ChildGuard::spawn(
             "envoy",
             command

@@ -12,7 +12,6 @@
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
-    process::Command,
     time::Duration,
 };
 
@@ -286,14 +285,7 @@ impl EtcdCluster {
         let member = &mut self.members[index];
         let client = url(ip, member.client_port);
         let peer = url(ip, member.peer_port);
-        let mut command = match self.wrapper.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(binary);
-                command
-            }
-            None => Command::new(binary),
-        };
+        let mut command = crate::process::wrapped(&self.wrapper, binary);
         command
             .arg("--name")
             .arg(&member.name)

@@ -149,6 +149,22 @@ impl Drop for ChildGuard {
     }
 }
 
+/// `binary` as a command, run through `wrapper` when there is one (e.g. `ip netns exec NAME`, to run
+/// it in a host's namespace): the wrapper's program with its arguments, then `binary`.
+pub(crate) fn wrapped<S: AsRef<std::ffi::OsStr>>(
+    wrapper: &[S],
+    binary: impl AsRef<std::ffi::OsStr>,
+) -> Command {
+    match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

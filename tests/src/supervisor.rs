@@ -320,14 +320,7 @@ impl Drop for Supervisor {
 /// `wrapper... binary run CONFIG` from `dir` (no wrapper when `wrapper` is empty), with `RUST_LOG`
 /// passed on, or `info` when unset.
 fn run_command(wrapper: &[String], binary: &Path, config: &Path, dir: &Path) -> Command {
-    let mut command = match wrapper.split_first() {
-        Some((program, args)) => {
-            let mut command = Command::new(program);
-            command.args(args).arg(binary);
-            command
-        }
-        None => Command::new(binary),
-    };
+    let mut command = crate::process::wrapped(wrapper, binary);
     command.arg("run").arg(config).current_dir(dir);
     if std::env::var_os("RUST_LOG").is_none() {
         command.env("RUST_LOG", "info");
