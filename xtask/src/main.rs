@@ -10,6 +10,8 @@ mod bench;
 mod demo;
 mod ebpf;
 mod envoy;
+mod interrupt;
+mod logs;
 mod packages;
 mod pyclients;
 mod test;

@@ -16,7 +16,7 @@ use anyhow::Context;
 use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port};
 use rustix::process::{Pid, Signal, kill_process};
 
-use super::logs::FLEET_DEBUG;
+use crate::logs::FLEET_DEBUG;
 
 /// The one service every host runs.
 pub(super) const SERVICE: &str = "web";
