@@ -32,7 +32,7 @@ mod stack;
 mod supervisor;
 mod wait;
 
-pub use envoy::{Envoy, Host, hosts};
+pub use envoy::{Envoy, Host, hostname_pid, hosts};
 pub use etcd::{Etcd, EtcdCluster, etcd_or_skip, etcd_path};
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadOptions, LoadReport};
