@@ -15,13 +15,16 @@
 //! Many hosts on one machine: a [`Network`] makes each host a network namespace on a bridge (root
 //! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
 //! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
-//! members that can be killed and started again.
+//! members that can be killed and started again; a [`FleetHostConfig`] is one host's supervisor
+//! config, and an [`AdminWatch`] records every change of what an Envoy routes to.
 
 #![forbid(unsafe_code)]
 
+pub mod admin_watch;
 pub mod cpus;
 mod envoy;
 mod etcd;
+mod fleet;
 mod http;
 pub mod load;
 mod netns;
@@ -32,8 +35,10 @@ mod stack;
 mod supervisor;
 mod wait;
 
+pub use admin_watch::AdminWatch;
 pub use envoy::{Envoy, Host, hostname_pid, hosts};
 pub use etcd::{Etcd, EtcdCluster, etcd_or_skip, etcd_path};
+pub use fleet::FleetHostConfig;
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
