@@ -70,6 +70,18 @@ impl Envoy {
         Self::spawn(&[], binary, dir, bootstrap_yaml)
     }
 
+    /// [`Envoy::start_in`] through `wrapper` (none when empty), e.g. a
+    /// [`NetHost::wrapper`](crate::NetHost::wrapper): Envoy runs on that host, and its admin
+    /// address is the host's.
+    pub fn start_wrapped_in(
+        wrapper: &[&str],
+        binary: &Path,
+        dir: &Path,
+        bootstrap_yaml: &str,
+    ) -> anyhow::Result<Self> {
+        Self::spawn(wrapper, binary, dir, bootstrap_yaml)
+    }
+
     /// [`Envoy::start_in`] through `wrapper` (none when empty).
     fn spawn(
         wrapper: &[&str],
@@ -171,13 +183,15 @@ impl Envoy {
     /// the EDS hostnames (`<service>-<index>-<pid>`).
     pub fn host_pids(&self, cluster: &str) -> anyhow::Result<(BTreeSet<u32>, BTreeSet<u32>)> {
         let hosts = hosts(&self.admin_get("/clusters")?, cluster);
-        let pid = |hostname: &str| hostname.rsplit('-').next()?.parse().ok();
         let healthy = hosts
             .iter()
             .filter(|h| h.healthy)
-            .filter_map(|h| pid(&h.hostname))
+            .filter_map(|h| hostname_pid(&h.hostname))
             .collect();
-        let all = hosts.iter().filter_map(|h| pid(&h.hostname)).collect();
+        let all = hosts
+            .iter()
+            .filter_map(|h| hostname_pid(&h.hostname))
+            .collect();
         Ok((healthy, all))
     }
 
@@ -202,6 +216,12 @@ fn stat_value(stats: &str, name: &str) -> Option<u64> {
             .parse()
             .ok()
     })
+}
+
+/// The worker pid in an EDS hostname: its last part (`<service>-<index>-<pid>`, in a fleet
+/// `<host>-<service>-<index>-<pid>`).
+pub fn hostname_pid(hostname: &str) -> Option<u32> {
+    hostname.rsplit('-').next()?.parse().ok()
 }
 
 /// One host of one cluster in admin `/clusters`.

@@ -16,13 +16,16 @@
 //! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
 //! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
 //! members that can be killed and started again ([`Etcd`]: one member, for the tests that need no
-//! more).
+//! more); a [`FleetHostConfig`] is one host's supervisor config, and an [`AdminWatch`] records every
+//! change of what an Envoy routes to.
 
 #![forbid(unsafe_code)]
 
+pub mod admin_watch;
 pub mod cpus;
 mod envoy;
 mod etcd;
+mod fleet;
 mod http;
 pub mod load;
 mod netns;
@@ -33,8 +36,10 @@ mod stack;
 mod supervisor;
 mod wait;
 
-pub use envoy::{Envoy, Host, hosts};
+pub use admin_watch::AdminWatch;
+pub use envoy::{Envoy, Host, hostname_pid, hosts};
 pub use etcd::{Etcd, EtcdCluster, etcd_or_skip, etcd_path};
+pub use fleet::FleetHostConfig;
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};

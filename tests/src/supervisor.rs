@@ -98,6 +98,19 @@ impl Supervisor {
         Self::start_in_temp(&wrapper, config_toml, false)
     }
 
+    /// Like [`Supervisor::start_in`], but started (and started again) through `wrapper`, as
+    /// [`Supervisor::start_wrapped_in`] is; every `{dir}` in `config_toml` becomes `dir` (e.g. in a
+    /// [`FleetHostConfig`](crate::FleetHostConfig)'s control socket).
+    pub fn start_wrapped_at(
+        wrapper: &[&str],
+        binary: &Path,
+        dir: &Path,
+        config_toml: &str,
+    ) -> anyhow::Result<Self> {
+        let config_toml = config_toml.replace("{dir}", &dir.display().to_string());
+        Self::start_wrapped(wrapper, binary, dir, &config_toml, false)
+    }
+
     /// [`Supervisor::start_wrapped`] in a fresh temporary directory (`{dir}` in `config_toml`),
     /// removed when the supervisor is dropped.
     #[track_caller]
@@ -272,6 +285,21 @@ impl Supervisor {
             || self.process.try_wait(),
         )?;
         self.start_again()
+    }
+
+    /// SIGKILLs the supervisor (its process group) and every one of its workers: the host dies
+    /// whole, as a machine that loses power; in a fleet its keys stay in etcd until its lease
+    /// expires. [`Supervisor::start_again`] brings it back.
+    pub fn kill_with_workers(&mut self) {
+        let workers = self.worker_pids();
+        self.process.kill();
+        // A worker started between the two reads cannot register with a dead supervisor, but it
+        // would wait for the next one: it goes too.
+        for pid in workers.into_iter().chain(self.worker_pids()) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
     }
 
     /// Starts `peregrine run` again on the same config in the same directory (the one before must

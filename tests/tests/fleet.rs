@@ -11,7 +11,7 @@ use std::{
 
 use peregrine_e2e::{
     Envoy, Etcd, Host, Supervisor, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
-    try_wait_until, wait_until, worker_pid, workers_in,
+    try_wait_until, wait_until, worker_pid,
 };
 
 /// The service every host runs.
@@ -159,15 +159,8 @@ fn every_host_serves_the_fleet_and_a_dead_host_leaves_within_its_lease() {
 
     // B dies whole: its supervisor and its workers. A's Envoy drops B's workers once B's lease
     // expires: within the TTL and a margin.
-    let b_workers = workers_in(b.supervisor.dir());
     let killed = Instant::now();
-    b.supervisor.process().kill();
-    for pid in b_workers {
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_raw(pid as i32).expect("a pid"),
-            rustix::process::Signal::KILL,
-        );
-    }
+    b.supervisor.kill_with_workers();
     let left = wait_for_hosts(&envoy, 2, TTL + Duration::from_secs(3));
     let gone_after = killed.elapsed();
     assert!(

@@ -25,18 +25,14 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::{
-        Arc, Mutex, MutexGuard,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
+    sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
 use peregrine_e2e::{
-    Envoy, EtcdCluster, Host, Load, LoadOptions, LoadReport, NetHost, Network, POLL_INTERVAL,
-    Supervisor, envoy_or_skip, etcd_or_skip, gone, hosts, http_get, netns_or_skip, try_wait_until,
-    wait_until,
+    AdminWatch, Envoy, EtcdCluster, FleetHostConfig, Host, Load, LoadOptions, LoadReport, NetHost,
+    Network, POLL_INTERVAL, Supervisor, envoy_or_skip, etcd_or_skip, gone, hostname_pid, hosts,
+    netns_or_skip, try_wait_until, wait_until,
 };
 
 /// The network's host that runs etcd's members (and no supervisor).
@@ -61,9 +57,8 @@ const ENVOY_ADMIN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST),
 /// Each try of a request through Envoy: a try sent to a worker that is cut off gets no answer, and
 /// is retried on another worker after this long (a hello worker answers in milliseconds).
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(1);
-/// The routing of every fleet here. Local-first priorities are not built yet (they would put a
-/// host's own workers first): a test of them starts its fleet with `"local-first"` instead, e.g.
-/// `a_cut_off_host_serves_its_own_workers` with it.
+/// Every host's workers in one priority: what most tests here use, so that each Envoy sends to
+/// every host and a change anywhere shows in every Envoy's traffic.
 const ROUTING_FLEET: &str = "fleet";
 /// Near workers first: a host's own, then the rest.
 const ROUTING_LOCAL_FIRST: &str = "local-first";
@@ -139,21 +134,34 @@ impl Fleet {
         let etcd_host = network.host(ETCD_HOST);
         let etcd = EtcdCluster::start_wrapped(&etcd_host.wrapper(), etcd_host.address().into(), 3)
             .expect("etcd starts");
-        let server = |h: &NetHost| format!("\"http://{}:{GRPC_PORT}\"", h.address());
+        let server = |h: &NetHost| format!("http://{}:{GRPC_PORT}", h.address());
         let hosts_of = || names.iter().map(|name| network.host(name));
         let every: Vec<String> = hosts_of().map(server).collect();
-        let endpoints: Vec<String> = etcd
-            .endpoints()
-            .iter()
-            .map(|e| format!("\"{e}\""))
-            .collect();
         let hosts: BTreeMap<String, FleetHost> = hosts_of()
             .map(|net| {
                 let servers = match xds {
                     XdsServers::Own => vec![server(net)],
                     XdsServers::Every => every.clone(),
                 };
-                let config = host_config(net, &servers, &endpoints, routing);
+                let zone = format!("z-{}", net.name());
+                let config = FleetHostConfig {
+                    name: net.name(),
+                    address: net.address(),
+                    grpc_port: GRPC_PORT,
+                    service: SERVICE,
+                    workers: WORKERS,
+                    xds_servers: servers,
+                    etcd: etcd.endpoints(),
+                    routing,
+                    lease_ttl: TTL,
+                    region: "",
+                    zone: &zone,
+                    envoy_listen: ENVOY_LISTEN,
+                    envoy_admin: ENVOY_ADMIN,
+                    per_try_timeout: PER_TRY_TIMEOUT,
+                    sampler: "off",
+                }
+                .toml();
                 let host = FleetHost {
                     net: net.clone(),
                     supervisor: Supervisor::start_wrapped_in(&net.wrapper(), &config),
@@ -332,42 +340,6 @@ impl Fleet {
     }
 }
 
-/// The supervisor config of host `net`: its gRPC and workers on its own address, Envoy on its
-/// loopback dialling the supervisors `servers`, the fleet on etcd `endpoints` with `routing`.
-fn host_config(net: &NetHost, servers: &[String], endpoints: &[String], routing: &str) -> String {
-    format!(
-        r#"[supervisor]
-bind = "http://{addr}:{GRPC_PORT}"
-control = "{{dir}}/peregrine.sock"
-sampler = "off"
-
-[envoy]
-node = "envoy-{name}"
-listen = "{ENVOY_LISTEN}"
-admin = "{ENVOY_ADMIN}"
-xds_servers = [{servers}]
-per_try_timeout_ms = {per_try}
-
-[cluster]
-etcd = [{endpoints}]
-host = "{name}"
-zone = "z-{name}"
-lease_ttl_ms = {ttl}
-routing = "{routing}"
-
-[service.{SERVICE}]
-count = {WORKERS}
-url = "http://{addr}:0"
-"#,
-        addr = net.address(),
-        name = net.name(),
-        servers = servers.join(", "),
-        endpoints = endpoints.join(", "),
-        per_try = PER_TRY_TIMEOUT.as_millis(),
-        ttl = TTL.as_millis(),
-    )
-}
-
 // === impl FleetHost ===
 
 impl FleetHost {
@@ -409,13 +381,7 @@ impl FleetHost {
 
     /// SIGKILLs the supervisor and its workers: the host dies whole.
     fn kill(&mut self) {
-        let workers = self.supervisor.worker_pids();
-        self.supervisor.process().kill();
-        for pid in workers {
-            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-            }
-        }
+        self.supervisor.kill_with_workers();
     }
 }
 
@@ -448,7 +414,7 @@ impl HostEnvoy {
     fn pids_if_healthy(&self) -> Option<BTreeSet<u32>> {
         self.hosts()
             .iter()
-            .map(|h| h.healthy.then(|| pid_of(&h.hostname)).flatten())
+            .map(|h| h.healthy.then(|| hostname_pid(&h.hostname)).flatten())
             .collect()
     }
 
@@ -495,15 +461,16 @@ impl HostEnvoy {
 /// Every state a [`Watch`] saw, with when it began (since the watch's start).
 type Timeline = Vec<(Duration, BTreeSet<u32>)>;
 
-/// What one Envoy routes to, recorded from a thread of its own inside the Envoy's host: every
-/// change of its healthy hosts of [`SERVICE`] (by pid), with when it came, from the start of the
-/// watch to its end. A change that comes and goes between two polls ([`POLL_INTERVAL`]) can be
-/// missed; Envoy's `membership_change` counter cannot.
+/// What one Envoy routes to, recorded by an [`AdminWatch`] inside the Envoy's host: every change of
+/// its healthy hosts of [`SERVICE`] (by pid), with when it came, from the start of the watch to its
+/// end. A change that comes and goes between two polls ([`POLL_INTERVAL`]) can be missed; Envoy's
+/// `membership_change` counter cannot.
 struct Watch {
     /// Envoy's `membership_change` counter when the watch began.
     changes: u64,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Timeline>>,
+    started: Instant,
+    name: String,
+    watch: AdminWatch<BTreeSet<u32>>,
 }
 
 impl Watch {
@@ -511,55 +478,37 @@ impl Watch {
     fn start(envoy: &HostEnvoy) -> Watch {
         let changes = envoy.membership_changes();
         let started = Instant::now();
-        let stop = Arc::new(AtomicBool::new(false));
-        let enter = envoy.net.entry();
-        let thread = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                enter().expect("entering the Envoy's host");
-                let mut seen = Timeline::new();
-                loop {
-                    // One more poll once told to stop: the state at the end is in the timeline.
-                    let stopping = stop.load(Ordering::Relaxed);
-                    if let Ok((200, text)) = http_get(ENVOY_ADMIN, "/clusters") {
-                        let healthy: BTreeSet<u32> = hosts(&text, SERVICE)
-                            .iter()
-                            .filter(|h| h.healthy)
-                            .filter_map(|h| pid_of(&h.hostname))
-                            .collect();
-                        if seen.last().is_none_or(|(_, last)| *last != healthy) {
-                            seen.push((started.elapsed(), healthy));
-                        }
-                    }
-                    if stopping {
-                        break;
-                    }
-                    std::thread::sleep(POLL_INTERVAL);
-                }
-                seen
-            })
-        };
+        let watch = AdminWatch::start(
+            ENVOY_ADMIN,
+            POLL_INTERVAL,
+            Some(Box::new(envoy.net.entry())),
+            |text| {
+                hosts(text, SERVICE)
+                    .iter()
+                    .filter(|h| h.healthy)
+                    .filter_map(|h| hostname_pid(&h.hostname))
+                    .collect()
+            },
+        );
         Watch {
             changes,
-            stop,
-            thread: Some(thread),
+            started,
+            name: envoy.net.name().to_owned(),
+            watch,
         }
     }
 
     /// Stops the watch; returns every state seen, with when it began.
-    fn stop(mut self) -> Timeline {
-        self.stop.store(true, Ordering::Relaxed);
-        let thread = self.thread.take().expect("a watch thread");
-        thread.join().expect("the watch thread")
-    }
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+    fn stop(self) -> Timeline {
+        if let Some(error) = self.watch.error() {
+            panic!("watching {}'s Envoy: {error}", self.name);
         }
+        let started = self.started;
+        self.watch
+            .stop()
+            .into_iter()
+            .map(|change| (change.at.saturating_duration_since(started), change.state))
+            .collect()
     }
 }
 
@@ -590,11 +539,6 @@ fn went_through(fleet: &Fleet, watches: Vec<(String, Watch, Vec<&BTreeSet<u32>>)
              (timelines above): {wrong:?}"
         );
     }
-}
-
-/// The pid in an EDS hostname `<service>-<index>-<pid>`.
-fn pid_of(hostname: &str) -> Option<u32> {
-    hostname.rsplit('-').next()?.parse().ok()
 }
 
 /// Waits until each of `pids` answered at least `more` further requests of `load` than in

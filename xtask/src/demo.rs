@@ -7,23 +7,28 @@
 //! throughput, and a debug build is much quicker to make (and shared with the tests). Every child runs in
 //! a guard that kills its process group on drop, and the supervisor's guard also kills its workers (found
 //! by their environment), so nothing outlives the demo, even on error.
+//!
+//! `cargo xtask demo fleet [--keep-running]` is the fleet's demo ([`fleet`]): three hosts as network
+//! namespaces sharing membership through etcd, a host killed and one cut off under traffic.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr},
-    path::Path,
+    path::{Path, PathBuf},
     process::ExitCode,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    Envoy, Load, Supervisor, free_port, hosts, http_get, sample_config, target_dir, try_wait_until,
-    worker_pid,
+    Envoy, Load, Supervisor, free_port, hostname_pid, hosts, http_get, sample_config, target_dir,
+    try_wait_until, worker_pid,
 };
 use rustix::process::{Pid, Signal, kill_process};
 
 use crate::{USAGE, cargo, envoy, run_checked};
+
+mod fleet;
 
 /// The service (and Envoy cluster) the demo config declares.
 const CLUSTER: &str = "cluster";
@@ -35,34 +40,13 @@ const REQUESTS: usize = 100;
 const CONVERGE: Duration = Duration::from_secs(60);
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    let keep_running = match args {
-        [] => false,
-        [flag] if flag == "--keep-running" => true,
-        _ => bail!("unexpected arguments {args:?}\n\n{USAGE}"),
-    };
-    // `PEREGRINE` names another build (or a stand-in) to demonstrate, as in the harness.
-    let peregrine = match std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
-        Some(path) => path.into(),
-        None => {
-            // The supervisor's build needs protoc (the etcd client's protos).
-            crate::packages::ensure(crate::packages::FLEET)?;
-            run_checked(cargo().args([
-                "build",
-                "-p",
-                "peregrine-supervisor",
-                "--bin",
-                "peregrine",
-            ]))?;
-            target_dir().join("debug/peregrine")
-        }
-    };
+    if args.first().is_some_and(|arg| arg == "fleet") {
+        return fleet::run(&args[1..]);
+    }
+    let keep_running = keep_running(args)?;
+    let peregrine = peregrine_binary()?;
     let envoy_binary = envoy::install()?;
-
-    let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-    let dir = target_dir()
-        .join("demo")
-        .join(format!("{stamp}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir = demo_dir("")?;
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let config = sample_config(&dir, grpc, listen, admin, WORKERS as u32);
     println!("demo directory: {}", dir.display());
@@ -80,6 +64,36 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Err(error) => eprintln!("supervisor did not stop cleanly: {error:#}"),
     }
     result.map(|()| ExitCode::SUCCESS)
+}
+
+/// `--keep-running` or nothing.
+fn keep_running(args: &[String]) -> anyhow::Result<bool> {
+    match args {
+        [] => Ok(false),
+        [flag] if flag == "--keep-running" => Ok(true),
+        _ => bail!("unexpected arguments {args:?}\n\n{USAGE}"),
+    }
+}
+
+/// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),
+/// else the debug build, built now (with protoc installed first: the etcd client's protos need it).
+fn peregrine_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
+        return Ok(path.into());
+    }
+    crate::packages::ensure(crate::packages::FLEET)?;
+    run_checked(cargo().args(["build", "-p", "peregrine-supervisor", "--bin", "peregrine"]))?;
+    Ok(target_dir().join("debug/peregrine"))
+}
+
+/// A fresh directory for one run's configs and logs: `target/demo/<prefix><unix time>-<pid>`.
+fn demo_dir(prefix: &str) -> anyhow::Result<PathBuf> {
+    let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let dir = target_dir()
+        .join("demo")
+        .join(format!("{prefix}{stamp}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
 }
 
 /// Starts Envoy on the supervisor's bootstrap and runs the show; Envoy is killed on return, before the
@@ -216,7 +230,7 @@ fn deploys(
     let pids = |hosts: &[peregrine_e2e::Host]| -> BTreeSet<u32> {
         hosts
             .iter()
-            .filter_map(|h| h.hostname.rsplit('-').next()?.parse().ok())
+            .filter_map(|h| hostname_pid(&h.hostname))
             .collect()
     };
     let before = pids(&converge(supervisor, envoy, "the workers", |h| {

@@ -10,6 +10,8 @@ mod bench;
 mod demo;
 mod ebpf;
 mod envoy;
+mod interrupt;
+mod logs;
 mod packages;
 mod pyclients;
 mod test;
@@ -34,6 +36,10 @@ commands:
   build-ebpf            build the eBPF sampler with clang (as the peregrine-ebpf build script does) into
                         target/ebpf/sampler.bpf.o and list its programs and maps
   demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
+  demo fleet [--keep-running]
+                        as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
+                        Envoy under traffic; kill a host and start it again, cut one off and restore it,
+                        each timed until every Envoy holds the change; what answered through which Envoy
   bench restart [--kills N]
                         SIGKILL a worker N times (20): time to Envoy holding the replacement, in parts
   bench http [--duration SECS] [--rounds N]

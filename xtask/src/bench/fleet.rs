@@ -11,19 +11,17 @@
 //! events per worker change, CPU per change, and how long one more supervisor takes to sync.
 //!
 //! etcd is `--etcd-members` members on loopback (each phase starts its own cluster). Everything the
-//! benchmark starts is owned by the harness's guards, and Ctrl-C ([`interrupt`]) unwinds through
-//! them. The report goes to stdout and `target/bench/fleet.md`, the propagation latencies to
-//! `target/bench/fleet-propagation.csv` and their plot to `target/bench/fleet-propagation.svg`
+//! benchmark starts is owned by the harness's guards, and Ctrl-C ([`crate::interrupt`]) unwinds
+//! through them. The report goes to stdout and `target/bench/fleet.md`, the propagation latencies
+//! to `target/bench/fleet-propagation.csv` and their plot to `target/bench/fleet-propagation.svg`
 //! ([`report`]).
 //!
 //! **Code.** This module: the options and the order of the phases; [`host`]: one host (config,
-//! supervisor, Envoy); [`poll`]: the Envoy pollers; [`logs`]: the supervisors' log lines as timed
-//! events; [`metrics`]: etcd's counters and disk histograms; [`watcher`]: an `etcdctl watch` of the
-//! worker keys, timed; [`noise`]: how busy the machine was.
+//! supervisor, Envoy); [`poll`]: the Envoy pollers; [`crate::logs`]: the supervisors' log lines as
+//! timed events; [`metrics`]: etcd's counters and disk histograms; [`watcher`]: an `etcdctl watch`
+//! of the worker keys, timed; [`noise`]: how busy the machine was.
 
 mod host;
-mod interrupt;
-mod logs;
 mod loss;
 mod metrics;
 mod noise;
@@ -167,7 +165,7 @@ struct Results {
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse_args(args)?;
-    interrupt::install()?;
+    crate::interrupt::install()?;
     let peregrine = super::release_peregrine()?;
     let with_envoys = options
         .phases

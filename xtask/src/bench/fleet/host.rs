@@ -14,9 +14,8 @@ use std::{
 
 use anyhow::Context;
 use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port};
-use rustix::process::{Pid, Signal, kill_process};
 
-use super::logs::FLEET_DEBUG;
+use crate::logs::FLEET_DEBUG;
 
 /// The one service every host runs.
 pub(super) const SERVICE: &str = "web";
@@ -175,12 +174,7 @@ impl FleetHost {
     /// SIGKILLs the supervisor (its process group), then every worker: the host dies whole, as a
     /// machine that loses power; its keys stay in etcd until its lease expires.
     pub(super) fn kill(&mut self) {
-        self.supervisor.process().kill();
-        for pid in self.worker_pids() {
-            if let Some(pid) = Pid::from_raw(pid as i32) {
-                let _ = kill_process(pid, Signal::KILL);
-            }
-        }
+        self.supervisor.kill_with_workers();
     }
 
     /// Starts `peregrine run` again on the same config (after [`FleetHost::kill`]).

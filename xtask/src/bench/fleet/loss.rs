@@ -20,10 +20,12 @@ use peregrine_e2e::Host;
 use super::{
     Options,
     host::{FleetHost, owned_by},
-    interrupt,
-    logs::{self, VIEW_CHANGED},
     poll::{self, Seen},
     propagation::{ms, wait_for_fleet},
+};
+use crate::{
+    interrupt,
+    logs::{self, VIEW_CHANGED},
 };
 
 /// The default lease TTL (`lease_ttl_ms`), which the hosts run with.

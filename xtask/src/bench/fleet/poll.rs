@@ -11,7 +11,8 @@ use std::{
 use anyhow::{Context, bail};
 use peregrine_e2e::{Host, hosts, http_get};
 
-use super::{host::SERVICE, interrupt};
+use super::host::SERVICE;
+use crate::interrupt;
 
 /// A condition on the hosts an Envoy lists for the service.
 pub(super) type Condition<'a> = &'a (dyn Fn(&[Host]) -> bool + Sync);

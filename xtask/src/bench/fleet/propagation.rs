@@ -29,10 +29,12 @@ use rustix::process::{Pid, Signal, kill_process};
 use super::{
     Options,
     host::{FleetHost, SERVICE, worker_key},
-    interrupt,
-    logs::{self, EXITED, REGISTERED, VIEW_CHANGED},
     poll::{self, Seen, Watched},
     watcher::{self, KeyWatch},
+};
+use crate::{
+    interrupt,
+    logs::{self, EXITED, REGISTERED, VIEW_CHANGED},
 };
 
 /// How long one change may take to reach every Envoy.

@@ -29,13 +29,15 @@ use rustix::process::{Pid, Signal, kill_process};
 use super::{
     Options,
     host::{self, FleetHost, Spec},
-    interrupt,
-    logs::{self, JOINED, Line, REGISTERED, Tail, VIEW_CHANGED},
     metrics::{Disk, EtcdCounters},
     noise::{Load, Noise},
     propagation::{ms, on_cpu_ns},
 };
 use crate::bench::table::median;
+use crate::{
+    interrupt,
+    logs::{self, JOINED, Line, REGISTERED, Tail, VIEW_CHANGED},
+};
 
 /// The fleet's addresses: `127.2.x.y`.
 const FLEET: u8 = 2;

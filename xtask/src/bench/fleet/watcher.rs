@@ -19,7 +19,7 @@ use std::{
 use anyhow::Context;
 use peregrine_e2e::{ChildGuard, TempDir, etcd_path};
 
-use super::logs::Tail;
+use crate::logs::Tail;
 
 /// How often the watcher's output is read: the resolution of its times.
 pub(super) const EVERY: Duration = Duration::from_millis(1);
@@ -81,7 +81,7 @@ impl KeyWatch {
             })
         };
         // etcdctl says nothing once it watches: give it the time to connect and start.
-        super::interrupt::sleep(Duration::from_millis(300))?;
+        crate::interrupt::sleep(Duration::from_millis(300))?;
         Ok(Some(KeyWatch {
             lines,
             stop,

@@ -1,4 +1,5 @@
-//! What the supervisors log, read back as timed events: tracing's lines
+//! What the supervisors log, read back as timed events (for `cargo xtask bench fleet` and `cargo
+//! xtask demo fleet`): tracing's lines
 //! (`2026-12-01T14:26:31.632931Z  INFO registration{...}: peregrine_supervisor::registration: Worker
 //! registered service=web index=0 pid=6482 hostname=web-0-6482`), their UTC timestamps as
 //! [`SystemTime`]s on the same clock the benchmark reads, and their `key=value` fields.
@@ -18,40 +19,40 @@ use std::{
 use anyhow::Context;
 
 /// The `RUST_LOG` that adds the membership's `Fleet view changed` lines to the usual ones.
-pub(super) const FLEET_DEBUG: &str = "info,peregrine_supervisor::fleet=debug";
+pub(crate) const FLEET_DEBUG: &str = "info,peregrine_supervisor::fleet=debug";
 /// A worker registered (its key is put right after).
-pub(super) const REGISTERED: &str = "Worker registered";
+pub(crate) const REGISTERED: &str = "Worker registered";
 /// A worker's exit was noticed (its key is deleted right after).
-pub(super) const EXITED: &str = "Worker exited";
+pub(crate) const EXITED: &str = "Worker exited";
 /// The membership applied a watch event that changed the view of the other hosts.
-pub(super) const VIEW_CHANGED: &str = "Fleet view changed";
+pub(crate) const VIEW_CHANGED: &str = "Fleet view changed";
 /// A session listed the fleet and watches it.
-pub(super) const JOINED: &str = "Joined the fleet";
+pub(crate) const JOINED: &str = "Joined the fleet";
 
 /// One log line with a timestamp.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Line<'a> {
-    pub(super) at: SystemTime,
+pub(crate) struct Line<'a> {
+    pub(crate) at: SystemTime,
     /// What follows the message: the event's fields.
     fields: &'a str,
 }
 
 impl<'a> Line<'a> {
     /// The value of the event's field `name` (`name=value`, up to the next space; quotes kept).
-    pub(super) fn field(&self, name: &str) -> Option<&'a str> {
+    pub(crate) fn field(&self, name: &str) -> Option<&'a str> {
         self.fields
             .split_ascii_whitespace()
             .find_map(|word| word.strip_prefix(name)?.strip_prefix('='))
     }
 
     /// Field `name` as a number.
-    pub(super) fn number(&self, name: &str) -> Option<u64> {
+    pub(crate) fn number(&self, name: &str) -> Option<u64> {
         self.field(name)?.parse().ok()
     }
 }
 
 /// The lines of `logs` that hold `message`, with their times, oldest first.
-pub(super) fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item = Line<'a>> + 'a {
+pub(crate) fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item = Line<'a>> + 'a {
     logs.lines().filter_map(move |text| {
         let (_, fields) = text.split_once(message)?;
         Some(Line {
@@ -62,7 +63,7 @@ pub(super) fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item =
 }
 
 /// The first line of `logs` holding `message` at or after `after` whose fields satisfy `with`.
-pub(super) fn first_after<'a>(
+pub(crate) fn first_after<'a>(
     logs: &'a str,
     message: &'a str,
     after: SystemTime,
@@ -73,7 +74,7 @@ pub(super) fn first_after<'a>(
 
 /// A log file read as it grows: each call returns the whole lines written since the last one.
 #[derive(Debug)]
-pub(super) struct Tail {
+pub(crate) struct Tail {
     path: PathBuf,
     offset: u64,
     partial: String,
@@ -81,7 +82,7 @@ pub(super) struct Tail {
 
 impl Tail {
     /// The file at `path`, from its start.
-    pub(super) fn new(path: PathBuf) -> Tail {
+    pub(crate) fn new(path: PathBuf) -> Tail {
         Tail {
             path,
             offset: 0,
@@ -90,7 +91,7 @@ impl Tail {
     }
 
     /// The whole lines written since the last call (none if the file is not there yet).
-    pub(super) fn read(&mut self) -> anyhow::Result<String> {
+    pub(crate) fn read(&mut self) -> anyhow::Result<String> {
         let mut file = match File::open(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
@@ -109,7 +110,7 @@ impl Tail {
 }
 
 /// tracing's `YYYY-MM-DDTHH:MM:SS.ffffffZ` as a time.
-pub(super) fn timestamp(stamp: &str) -> Option<SystemTime> {
+pub(crate) fn timestamp(stamp: &str) -> Option<SystemTime> {
     let stamp = stamp.strip_suffix('Z')?;
     let (date, time) = stamp.split_once('T')?;
     let mut ymd = date.split('-').map(str::parse::<i64>);

@@ -1,9 +1,10 @@
-//! Ctrl-C (SIGINT), SIGTERM and SIGHUP while the benchmark runs: the first one makes the benchmark's
-//! next wait fail with "interrupted", so the error unwinds through the guards that own every process
-//! it started (etcd, Envoys, supervisors and their workers) and each is killed; a second one ends
-//! the process at once.
+//! Ctrl-C (SIGINT), SIGTERM and SIGHUP while a long command runs (`cargo xtask bench fleet`, `cargo
+//! xtask demo fleet`): the first one makes the command's next wait fail with "interrupted", so the
+//! error unwinds through the guards that own every process it started (etcd, Envoys, supervisors and
+//! their workers, network namespaces) and each is killed or removed; a second one ends the process
+//! at once.
 //!
-//! Every wait of the benchmark goes through [`wait_until`] or [`sleep`], which check the flag at
+//! Every wait of such a command goes through [`wait_until`] or [`sleep`], which check the flag at
 //! least every [`CHECK`].
 
 use std::{
@@ -23,7 +24,7 @@ const CHECK: Duration = Duration::from_millis(20);
 static INTERRUPTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 
 /// Installs the handlers (once per process).
-pub(super) fn install() -> anyhow::Result<()> {
+pub(crate) fn install() -> anyhow::Result<()> {
     if INTERRUPTED.get().is_some() {
         return Ok(());
     }
@@ -40,18 +41,18 @@ pub(super) fn install() -> anyhow::Result<()> {
 }
 
 /// An error once a signal came.
-pub(super) fn check() -> anyhow::Result<()> {
+pub(crate) fn check() -> anyhow::Result<()> {
     if INTERRUPTED
         .get()
         .is_some_and(|flag| flag.load(Ordering::Relaxed))
     {
-        bail!("interrupted: stopping every process the benchmark started");
+        bail!("interrupted: stopping everything that was started");
     }
     Ok(())
 }
 
 /// Sleeps for `duration`, or fails as soon as a signal comes.
-pub(super) fn sleep(duration: Duration) -> anyhow::Result<()> {
+pub(crate) fn sleep(duration: Duration) -> anyhow::Result<()> {
     let until = Instant::now() + duration;
     loop {
         check()?;
@@ -65,7 +66,7 @@ pub(super) fn sleep(duration: Duration) -> anyhow::Result<()> {
 
 /// Calls `f` every `every` until it returns `Some`; an error when `deadline` passes first (naming
 /// `what`), when `f` fails, or when a signal comes.
-pub(super) fn wait_until<T>(
+pub(crate) fn wait_until<T>(
     deadline: Duration,
     every: Duration,
     what: &str,

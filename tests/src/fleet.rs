@@ -1,0 +1,146 @@
+//! The supervisor config of one host of a fleet on a [`Network`](crate::Network): its gRPC port and
+//! workers on the host's own address, its Envoy's listener and admin on the host's loopback, and
+//! `[cluster]` on the fleet's etcd. Shared by the multi-host tests (`tests/fleet_hosts.rs`) and
+//! `cargo xtask demo fleet`.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    time::Duration,
+};
+
+/// What one host's `peregrine.toml` says; [`FleetHostConfig::toml`] writes it.
+#[derive(Clone, Debug)]
+pub struct FleetHostConfig<'a> {
+    /// The host's name in the fleet (and Envoy's node is `envoy-<name>`).
+    pub name: &'a str,
+    /// The host's address (a [`NetHost::address`](crate::NetHost::address)): the gRPC port's and
+    /// the workers'.
+    pub address: Ipv4Addr,
+    /// The gRPC (xDS and ORCA) port: the same on every host, since Envoy dials every worker's IP on
+    /// one ORCA port.
+    pub grpc_port: u16,
+    /// The one service, and its workers.
+    pub service: &'a str,
+    pub workers: u32,
+    /// The xDS servers of the bootstrap (`http://IP:PORT` each): this host's supervisor, or every
+    /// host's.
+    pub xds_servers: Vec<String>,
+    /// The etcd client endpoints.
+    pub etcd: Vec<String>,
+    /// `local-first` or `fleet`.
+    pub routing: &'a str,
+    pub lease_ttl: Duration,
+    /// The host's locality (empty: left out, the default).
+    pub region: &'a str,
+    pub zone: &'a str,
+    /// Envoy's listener and admin, on the host's loopback (every host has its own).
+    pub envoy_listen: SocketAddr,
+    pub envoy_admin: SocketAddr,
+    /// Each try of a request through Envoy: a try sent to a worker that is cut off gets no answer,
+    /// and is retried on another worker after this long.
+    pub per_try_timeout: Duration,
+    /// `supervisor.sampler`.
+    pub sampler: &'a str,
+}
+
+impl FleetHostConfig<'_> {
+    /// The config file. Its control socket is `{dir}/peregrine.sock`: the supervisor's directory,
+    /// which [`Supervisor::start_wrapped_in`](crate::Supervisor::start_wrapped_in) and
+    /// [`Supervisor::start_wrapped_at`](crate::Supervisor::start_wrapped_at) fill in.
+    pub fn toml(&self) -> String {
+        let quoted = |items: &[String]| {
+            items
+                .iter()
+                .map(|item| format!("\"{item}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut locality = String::new();
+        for (key, value) in [("region", self.region), ("zone", self.zone)] {
+            if !value.is_empty() {
+                locality.push_str(&format!("{key} = \"{value}\"\n"));
+            }
+        }
+        format!(
+            r#"[supervisor]
+bind = "http://{addr}:{grpc}"
+control = "{{dir}}/peregrine.sock"
+sampler = "{sampler}"
+
+[envoy]
+node = "envoy-{name}"
+listen = "{listen}"
+admin = "{admin}"
+xds_servers = [{servers}]
+per_try_timeout_ms = {per_try}
+
+[cluster]
+etcd = [{endpoints}]
+host = "{name}"
+{locality}lease_ttl_ms = {ttl}
+routing = "{routing}"
+
+[service.{service}]
+count = {workers}
+url = "http://{addr}:0"
+"#,
+            addr = self.address,
+            grpc = self.grpc_port,
+            sampler = self.sampler,
+            name = self.name,
+            listen = self.envoy_listen,
+            admin = self.envoy_admin,
+            servers = quoted(&self.xds_servers),
+            per_try = self.per_try_timeout.as_millis(),
+            endpoints = quoted(&self.etcd),
+            ttl = self.lease_ttl.as_millis(),
+            routing = self.routing,
+            service = self.service,
+            workers = self.workers,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_every_part() {
+        let config = FleetHostConfig {
+            name: "a",
+            address: Ipv4Addr::new(10, 77, 3, 11),
+            grpc_port: 18000,
+            service: "web",
+            workers: 2,
+            xds_servers: vec!["http://10.77.3.11:18000".into()],
+            etcd: vec![
+                "http://10.77.3.14:2379".into(),
+                "http://10.77.3.14:2380".into(),
+            ],
+            routing: "local-first",
+            lease_ttl: Duration::from_secs(3),
+            region: "",
+            zone: "z1",
+            envoy_listen: "127.0.0.1:10000".parse().unwrap(),
+            envoy_admin: "127.0.0.1:9901".parse().unwrap(),
+            per_try_timeout: Duration::from_secs(1),
+            sampler: "off",
+        };
+        let text = config.toml();
+        for line in [
+            "bind = \"http://10.77.3.11:18000\"\n",
+            "control = \"{dir}/peregrine.sock\"\n",
+            "node = \"envoy-a\"\n",
+            "xds_servers = [\"http://10.77.3.11:18000\"]\n",
+            "per_try_timeout_ms = 1000\n",
+            "etcd = [\"http://10.77.3.14:2379\", \"http://10.77.3.14:2380\"]\n",
+            "host = \"a\"\nzone = \"z1\"\nlease_ttl_ms = 3000\n",
+            "routing = \"local-first\"\n",
+            "[service.web]\ncount = 2\nurl = \"http://10.77.3.11:0\"\n",
+        ] {
+            assert!(text.contains(line), "{line:?} in {text}");
+        }
+        assert!(!text.contains("region"), "{text}");
+    }
+}
