@@ -196,6 +196,14 @@ static_resources:
                                   typed_config:
                                     \"@type\": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate
                               host_selection_retry_max_attempts: 3
+                              # In a fleet, a retry goes to the next priority (the next nearest
+                              # hosts): a host whose workers all died is left at the first retry.
+                              # With one priority it changes nothing.
+                              retry_priority:
+                                name: envoy.retry_priorities.previous_priorities
+                                typed_config:
+                                  \"@type\": type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig
+                                  update_frequency: 1
 ",
                 prefix = quote(&service.prefix),
                 cluster = quote(&service.name),
