@@ -37,6 +37,24 @@ pub fn wait_for_idle_cpus(max_busy: f64, within: Duration) -> Result<(), f64> {
     }
 }
 
+/// Whether a test that compares a hogged core with a free one can run: the machine has two CPUs,
+/// and other processes (a build, another test) leave them free within a minute. Says why when not.
+pub fn two_free_cores_or_skip() -> bool {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return false;
+    }
+    if let Err(busy) = wait_for_idle_cpus(0.25, Duration::from_secs(60)) {
+        eprintln!(
+            "skipped: the CPUs stayed {:.0}% busy with other processes for a minute; the hog \
+             comparison needs them free",
+            busy * 100.0
+        );
+        return false;
+    }
+    true
+}
+
 /// A process spinning on `cpu`, killed on drop.
 #[derive(Debug)]
 pub struct Hog(Child);

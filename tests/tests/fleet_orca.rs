@@ -65,16 +65,7 @@ fn fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights() {
     if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
         return;
     }
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
-        eprintln!("skipped: needs two CPUs");
-        return;
-    }
-    if let Err(busy) = peregrine_e2e::cpus::wait_for_idle_cpus(0.25, Duration::from_secs(60)) {
-        eprintln!(
-            "skipped: the CPUs stayed {:.0}% busy with other processes for a minute; the hog \
-             comparison needs them free",
-            busy * 100.0
-        );
+    if !peregrine_e2e::cpus::two_free_cores_or_skip() {
         return;
     }
     let etcd = Etcd::start().expect("etcd starts");

@@ -136,18 +136,7 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
         return;
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
-        eprintln!("skipped: needs two CPUs");
-        return;
-    }
-    // The shares below compare a hogged core with a free one: other processes on the cores (a
-    // build, another test) would hog both. Wait for the machine to be quiet, for a while.
-    if let Err(busy) = peregrine_e2e::cpus::wait_for_idle_cpus(0.25, Duration::from_secs(60)) {
-        eprintln!(
-            "skipped: the CPUs stayed {:.0}% busy with other processes for a minute; the hog \
-             comparison needs them free",
-            busy * 100.0
-        );
+    if !peregrine_e2e::cpus::two_free_cores_or_skip() {
         return;
     }
     // Two services with the same two workers, pinned: worker 0 to CPU 0 (where the hog will run),
