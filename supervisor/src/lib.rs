@@ -23,6 +23,7 @@ pub mod run;
 pub mod sampler;
 pub mod status;
 pub mod throttle;
+pub mod tls_init;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.

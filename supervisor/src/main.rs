@@ -72,8 +72,29 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
     },
+    /// TLS material for the gRPC port and etcd.
+    Tls {
+        #[command(subcommand)]
+        command: TlsCommand,
+    },
     /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
     Worker,
+}
+
+#[derive(Debug, Subcommand)]
+enum TlsCommand {
+    /// Write a test CA and certificates for a demo fleet into DIR: `ca.pem` with `server.pem` (the
+    /// supervisors' gRPC port) and `envoy.pem` (Envoy's client certificate), `etcd-ca.pem` with
+    /// `etcd-server.pem` and `etcd-client.pem`, each with its `.key` (owner-only). For trying TLS
+    /// only: use certificates from your own CA in production.
+    Init {
+        /// Where to write them (made if missing; existing files are never overwritten).
+        dir: PathBuf,
+        /// Another DNS name or IP address the server certificates must name (a host the
+        /// supervisors or etcd run on), besides `peregrine`, `localhost` and loopback; repeatable.
+        #[arg(long, value_name = "NAME")]
+        san: Vec<String>,
+    },
 }
 
 /// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
@@ -83,6 +104,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
     match cli.command {
+        Command::Tls {
+            command: TlsCommand::Init { dir, san },
+        } => match peregrine_supervisor::tls_init::init(&dir, &san) {
+            Ok(written) => {
+                for path in &written {
+                    println!("wrote {}", path.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(error) => fail(&anyhow::Error::new(error)),
+        },
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
                 let workers: u32 = c.services.values().map(|s| s.count).sum();

@@ -52,10 +52,12 @@ pub(crate) fn ensure(needed: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 /// What building the supervisor and running the fleet's tests and demo need: `protoc` (the etcd
-/// client's build script compiles etcd's protos), etcd itself (Debian's `etcd-server`, 3.4), and
-/// `ip` (hosts as network namespaces).
+/// client's build script compiles etcd's protos), etcd itself (Debian's `etcd-server`, 3.4), `ip`
+/// (hosts as network namespaces), and `openssl` (checks the certificates `peregrine tls init`
+/// writes).
 pub(crate) const FLEET: &[(&str, &str)] = &[
     ("protoc", "protobuf-compiler"),
     ("etcd", "etcd-server"),
     ("ip", "iproute2"),
+    ("openssl", "openssl"),
 ];
