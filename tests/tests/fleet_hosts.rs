@@ -544,6 +544,41 @@ fn went_through(fleet: &Fleet, watches: Vec<(String, Watch, Vec<&BTreeSet<u32>>)
 /// Waits until each of `pids` answered at least `more` further requests of `load` than in
 /// `before`.
 #[track_caller]
+/// Host a, `how` (cut off, killed) at `since`, leaves b's and c's Envoys within its lease (and a
+/// margin): they hold `rest`, b's and c's workers, only; then each of those answers through both.
+fn a_leaves_b_and_c(
+    fleet: &Fleet,
+    loads: &BTreeMap<String, Load>,
+    rest: &BTreeSet<u32>,
+    since: Instant,
+    how: &str,
+) {
+    for name in ["b", "c"] {
+        let seen = fleet.envoy(name).wait_for(
+            rest,
+            TTL + Duration::from_secs(3),
+            "b's and c's workers only",
+        );
+        let took = seen - since;
+        eprintln!("a left {name}'s Envoy {took:.2?} after it was {how} (lease TTL {TTL:?})");
+        assert!(
+            took <= TTL + LEAVE_MARGIN,
+            "a's workers left {name}'s Envoy {took:?} after a was {how}"
+        );
+    }
+    // The others serve on without a.
+    for name in ["b", "c"] {
+        let load = &loads[name];
+        each_answers(
+            load,
+            &load.snapshot(),
+            rest,
+            10,
+            "b's and c's workers to serve without a",
+        );
+    }
+}
+
 fn each_answers(load: &Load, before: &LoadReport, pids: &BTreeSet<u32>, more: u64, what: &str) {
     let count = |report: &LoadReport, pid: &u32| report.by_pid.get(pid).copied().unwrap_or(0);
     let answered = try_wait_until(STEP, what, || {
@@ -584,30 +619,7 @@ fn a_host_cut_off_leaves_the_other_envoys_and_rejoins() {
     a.net.cut().expect("cutting a off");
     // b's and c's Envoys drop a's workers once a's lease expires: a, cut off, cannot renew it.
     // (The tries their Envoys had sent to a's workers get no answer, and are retried elsewhere.)
-    for name in ["b", "c"] {
-        let seen = fleet.envoy(name).wait_for(
-            &rest,
-            TTL + Duration::from_secs(3),
-            "b's and c's workers only",
-        );
-        let took = seen - cut;
-        eprintln!("a left {name}'s Envoy {took:.2?} after it was cut off (lease TTL {TTL:?})");
-        assert!(
-            took <= TTL + LEAVE_MARGIN,
-            "a's workers left {name}'s Envoy {took:?} after a was cut off"
-        );
-    }
-    // The others serve on without a.
-    for name in ["b", "c"] {
-        let load = &loads[name];
-        each_answers(
-            load,
-            &load.snapshot(),
-            &rest,
-            10,
-            "b's and c's workers to serve without a",
-        );
-    }
+    a_leaves_b_and_c(&fleet, &loads, &rest, cut, "cut off");
     // a, cut off, keeps its last view of the fleet (it cannot tell a cut from etcd being away).
     assert_eq!(
         a.fleet_view(),
@@ -966,29 +978,7 @@ fn a_dead_host_leaves_every_other_envoy_within_its_lease() {
     );
     let killed = Instant::now();
     fleet.hosts.get_mut("a").expect("host a").kill();
-    for name in ["b", "c"] {
-        let seen = fleet.envoy(name).wait_for(
-            &rest,
-            TTL + Duration::from_secs(3),
-            "b's and c's workers only",
-        );
-        let took = seen - killed;
-        eprintln!("a left {name}'s Envoy {took:.2?} after it was killed (lease TTL {TTL:?})");
-        assert!(
-            took <= TTL + LEAVE_MARGIN,
-            "a's workers left {name}'s Envoy after {took:?}"
-        );
-    }
-    for name in ["b", "c"] {
-        let load = &loads[name];
-        each_answers(
-            load,
-            &load.snapshot(),
-            &rest,
-            10,
-            "b's and c's workers to serve on",
-        );
-    }
+    a_leaves_b_and_c(&fleet, &loads, &rest, killed, "killed");
     fleet.no_failures(loads);
 }
 
