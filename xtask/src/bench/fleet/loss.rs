@@ -21,7 +21,7 @@ use super::{
     Options,
     host::{FleetHost, owned_by},
     poll::{self, Seen},
-    propagation::{ms, wait_for_fleet},
+    propagation::{ms, wait_for_fleet, whole_fleet},
 };
 use crate::{
     interrupt,
@@ -69,12 +69,7 @@ impl Loss {
 
 /// `options.losses` losses on `fleet` (every host with an Envoy), the hosts taken in turn.
 pub(super) fn run(fleet: &mut [FleetHost], options: &Options) -> anyhow::Result<Vec<Loss>> {
-    let admins: Vec<SocketAddr> = fleet
-        .iter()
-        .map(FleetHost::admin)
-        .collect::<Result<_, _>>()?;
-    let total = fleet.len() * options.fleet_workers as usize;
-    let mut current = wait_for_fleet(&admins, total, &BTreeSet::new(), Duration::from_secs(60))?;
+    let (admins, total, mut current) = whole_fleet(fleet, options)?;
     let mut losses = Vec::with_capacity(options.losses);
     for round in 0..options.losses {
         let host = round % fleet.len();

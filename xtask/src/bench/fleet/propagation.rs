@@ -143,6 +143,21 @@ pub(super) struct Propagation {
 
 /// Waits until every Envoy lists `expected` healthy hosts of the service, none of them in `gone`,
 /// the same ones; returns them.
+/// Every host's Envoy admin address, how many workers the fleet has, and their hostnames once
+/// every Envoy holds them all (within a minute).
+pub(super) fn whole_fleet(
+    fleet: &[FleetHost],
+    options: &Options,
+) -> anyhow::Result<(Vec<SocketAddr>, usize, BTreeSet<String>)> {
+    let admins: Vec<SocketAddr> = fleet
+        .iter()
+        .map(FleetHost::admin)
+        .collect::<Result<_, _>>()?;
+    let total = fleet.len() * options.fleet_workers as usize;
+    let current = wait_for_fleet(&admins, total, &BTreeSet::new(), Duration::from_secs(60))?;
+    Ok((admins, total, current))
+}
+
 pub(super) fn wait_for_fleet(
     admins: &[SocketAddr],
     expected: usize,
@@ -176,12 +191,7 @@ pub(super) fn run(
     watch: Option<&KeyWatch>,
     options: &Options,
 ) -> anyhow::Result<Propagation> {
-    let admins: Vec<SocketAddr> = fleet
-        .iter()
-        .map(FleetHost::admin)
-        .collect::<Result<_, _>>()?;
-    let total = fleet.len() * options.fleet_workers as usize;
-    let mut current = wait_for_fleet(&admins, total, &BTreeSet::new(), Duration::from_secs(60))?;
+    let (admins, total, mut current) = whole_fleet(fleet, options)?;
     let supervisors: Vec<u32> = fleet.iter().map(|h| h.supervisor().pid()).collect();
     let cpu_before = on_cpu_ns(&supervisors)?;
     let mut kills = Vec::with_capacity(options.changes);
