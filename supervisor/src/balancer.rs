@@ -55,6 +55,10 @@ pub struct OrcaPolicy {
     pub weight_expiration_period: Duration,
     /// `weight_update_period`.
     pub weight_update_period: Duration,
+    /// Whether the supervisors serve ORCA over TLS (`[supervisor.tls]`): Envoy must dial the
+    /// streams with TLS. Records written before TLS existed lack it: cleartext.
+    #[serde(default)]
+    pub tls: bool,
 }
 
 #[cfg(test)]
@@ -69,6 +73,7 @@ mod tests {
             blackout_period: Duration::from_secs(2),
             weight_expiration_period: Duration::from_secs(180),
             weight_update_period: Duration::from_secs(1),
+            tls: true,
         };
         for balancer in [
             Balancer::RoundRobin,

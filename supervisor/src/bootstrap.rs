@@ -11,7 +11,10 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use crate::config::{HashOn, XdsVariant};
+use crate::{
+    config::{CertFiles, HashOn, XdsVariant},
+    xds::upstream_tls::{ENVOY_CERTIFICATE_SECRET, SUPERVISOR_CA_SECRET, TLS_TRANSPORT_SOCKET},
+};
 
 /// One routed service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,6 +76,20 @@ pub struct BootstrapInput {
     /// In a fleet, the node's locality: its host's region and zone, and the host as sub-zone (the
     /// locality the supervisor gives that host's workers).
     pub locality: Option<NodeLocality>,
+    /// How Envoy dials the xDS servers over TLS (and the ORCA streams: the secrets the clusters
+    /// name); `None`: cleartext.
+    pub tls: Option<BootstrapTls>,
+}
+
+/// `[envoy.tls]`, as the bootstrap writes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BootstrapTls {
+    /// Envoy's client certificate and key, if it presents one.
+    pub identity: Option<CertFiles>,
+    /// The CA that signs supervisors' certificates.
+    pub ca: std::path::PathBuf,
+    /// The SNI, and the DNS name required in the supervisor's certificate.
+    pub server_name: String,
 }
 
 /// `node.locality`.
@@ -102,6 +119,7 @@ impl Default for BootstrapInput {
             ads: false,
             xds: XdsVariant::StateOfTheWorld,
             locality: None,
+            tls: None,
         }
     }
 }
@@ -260,6 +278,76 @@ static_resources:
         xds_endpoints = xds_endpoints(input),
         keepalive = XDS_KEEPALIVE.as_secs_f64(),
     );
+    if let Some(tls) = &input.tls {
+        out.push_str(&tls_sections(tls));
+    }
+    out
+}
+
+/// With TLS: the xDS cluster's transport socket (the TLS context
+/// [`upstream_tls_context`](crate::xds::upstream_tls::upstream_tls_context) builds for ORCA, written
+/// as YAML), then the static secrets both name.
+fn tls_sections(tls: &BootstrapTls) -> String {
+    let path = |p: &std::path::Path| quote(&p.to_string_lossy());
+    let mut out = format!(
+        "      transport_socket:
+        name: {socket}
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          sni: {name}
+          common_tls_context:
+            alpn_protocols: [\"h2\"]
+",
+        socket = TLS_TRANSPORT_SOCKET,
+        name = quote(&tls.server_name),
+    );
+    if tls.identity.is_some() {
+        let _ = write!(
+            out,
+            "            tls_certificate_sds_secret_configs:
+              - name: {}
+",
+            quote(ENVOY_CERTIFICATE_SECRET)
+        );
+    }
+    let _ = write!(
+        out,
+        "            combined_validation_context:
+              default_validation_context:
+                match_typed_subject_alt_names:
+                  - san_type: DNS
+                    matcher:
+                      exact: {name}
+              validation_context_sds_secret_config:
+                name: {ca_secret}
+
+  # The certificates of the gRPC port's TLS, by name: the xDS cluster above and the supervisor's ORCA
+  # clusters refer to these.
+  secrets:
+    - name: {ca_secret}
+      validation_context:
+        trusted_ca:
+          filename: {ca}
+",
+        name = quote(&tls.server_name),
+        ca_secret = quote(SUPERVISOR_CA_SECRET),
+        ca = path(&tls.ca),
+    );
+    if let Some(identity) = &tls.identity {
+        let _ = write!(
+            out,
+            "    - name: {}
+      tls_certificate:
+        certificate_chain:
+          filename: {}
+        private_key:
+          filename: {}
+",
+            quote(ENVOY_CERTIFICATE_SECRET),
+            path(&identity.cert),
+            path(&identity.key),
+        );
+    }
     out
 }
 
@@ -537,12 +625,34 @@ mod tests {
             xds: XdsVariant::Delta,
             ..ads.clone()
         };
+        let certs = dir.path().join("tls");
+        crate::tls::init::init(&certs, &[]).unwrap();
+        let mutual = BootstrapInput {
+            tls: Some(BootstrapTls {
+                identity: Some(CertFiles {
+                    cert: certs.join("envoy.pem"),
+                    key: certs.join("envoy.key"),
+                }),
+                ca: certs.join("ca.pem"),
+                server_name: "peregrine".into(),
+            }),
+            ..delta_ads.clone()
+        };
+        let server_only = BootstrapInput {
+            tls: Some(BootstrapTls {
+                identity: None,
+                ..mutual.tls.clone().unwrap()
+            }),
+            ..input()
+        };
         for (name, input) in [
             ("full", input()),
             ("ads", ads),
             ("delta", delta),
             ("delta-ads", delta_ads),
             ("empty", BootstrapInput::default()),
+            ("mutual-tls", mutual),
+            ("server-tls", server_only),
         ] {
             let path = dir.path().join(format!("{name}.yaml"));
             std::fs::write(&path, envoy_bootstrap(&input)).unwrap();

@@ -82,6 +82,48 @@ pub struct ClusterConfig {
     pub prefix: String,
     /// How Envoy is told to route across hosts.
     pub routing: Routing,
+    /// `[cluster.tls]`: the etcd client's TLS; `None` only with `allow_insecure = true`.
+    pub tls: Option<EtcdTlsConfig>,
+}
+
+/// A certificate chain and its private key: PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CertFiles {
+    /// The certificate chain, leaf first (`cert`).
+    pub cert: PathBuf,
+    /// Its private key, PKCS#8, PKCS#1 or SEC1 (`key`).
+    pub key: PathBuf,
+}
+
+/// `[supervisor.tls]`: the gRPC port (xDS and ORCA) over TLS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerTlsConfig {
+    /// This supervisor's certificate and key (`cert`, `key`).
+    pub identity: CertFiles,
+    /// When set, a client must present a certificate this CA signed (`client_ca`): mutual TLS.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// `[envoy.tls]`: Envoy's side of the gRPC port's TLS, written into its bootstrap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvoyTlsConfig {
+    /// Envoy's client certificate and key (`cert`, `key`); required when the supervisor asks for one
+    /// (`supervisor.tls.client_ca`).
+    pub identity: Option<CertFiles>,
+    /// The CA that signs supervisors' certificates (`ca`).
+    pub ca: PathBuf,
+    /// The SNI Envoy sends and the name it requires in the supervisor's certificate (`server_name`,
+    /// `"peregrine"`).
+    pub server_name: String,
+}
+
+/// `[cluster.tls]`: the etcd client over TLS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdTlsConfig {
+    /// The CA that signs etcd's server certificates (`ca`).
+    pub ca: PathBuf,
+    /// The client certificate and key etcd checks with `--client-cert-auth` (`cert`, `key`).
+    pub identity: Option<CertFiles>,
 }
 
 /// Where a host's workers are: Envoy's locality (region, zone; the host is the sub-zone).
@@ -164,6 +206,8 @@ pub struct SupervisorConfig {
     pub lifecycle: Lifecycle,
     /// What the gRPC port admits.
     pub grpc: GrpcLimits,
+    /// `[supervisor.tls]`: TLS on the gRPC port; `None`: cleartext.
+    pub tls: Option<ServerTlsConfig>,
 }
 
 /// `supervisor.grpc_*`: what the gRPC port (xDS and ORCA) admits. Anyone who can reach the port can
@@ -303,6 +347,8 @@ pub struct EnvoyConfig {
     /// The xDS servers the bootstrap dials (`xds_servers`: a fleet's supervisors, any of which can
     /// serve Envoy); empty: `supervisor.bind`.
     pub xds_servers: Vec<SocketAddr>,
+    /// `[envoy.tls]`: how Envoy dials the gRPC port over TLS; set exactly when `[supervisor.tls]` is.
+    pub tls: Option<EnvoyTlsConfig>,
 }
 
 /// `envoy.xds`: the variant of the xDS protocol Envoy speaks.

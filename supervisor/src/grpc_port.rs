@@ -10,13 +10,16 @@
 //! open-file limit leaves after [`reserved_fds`] (raised first from its soft to its hard value,
 //! [`raise_nofile_limit`]), so workers and the control socket never starve.
 //!
+//! With `[supervisor.tls]` the TLS handshake ([`ServerTls::accept`]) comes first, within the same
+//! handshake timeout as the preface.
+//!
 //! The pieces: [`incoming`] accepts on the listeners and yields [`Admitted`] connections (the
 //! preface read and replayed to the server); [`TrackStreamsLayer`] counts each connection's open
 //! streams (gRPC calls), which is what "idle" is measured on; [`Admitted`] closes itself (a read
 //! error, which ends the connection in the server) once idle too long.
 //!
-//! Invariant: nothing here knows xDS or ORCA; it sees TCP connections, the HTTP/2 preface and the
-//! count of open requests.
+//! Invariant: nothing here knows xDS or ORCA; it sees TCP connections, their TLS, the HTTP/2
+//! preface and the count of open requests.
 
 use std::{
     future::Future,
@@ -40,7 +43,7 @@ use tokio::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::{config::GrpcLimits, throttle::Throttle};
+use crate::{config::GrpcLimits, throttle::Throttle, tls::server::ServerTls};
 
 /// The HTTP/2 client connection preface (RFC 9113, section 3.4).
 pub const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -92,6 +95,8 @@ pub struct Admission {
     over_cap: Throttle,
     no_preface: Throttle,
     accept_failed: Throttle,
+    /// TLS, when the port has it (`[supervisor.tls]`): the handshake comes before the preface.
+    tls: Option<Arc<ServerTls>>,
 }
 
 // === impl Admission ===
@@ -99,6 +104,11 @@ pub struct Admission {
 impl Admission {
     /// Admission under `limits`, with at most `cap` connections (see [`connection_cap`]).
     pub fn new(limits: GrpcLimits, cap: usize) -> Arc<Self> {
+        Self::with_tls(limits, cap, None)
+    }
+
+    /// [`Admission::new`], with every connection's TLS handshake done by `tls` when given.
+    pub fn with_tls(limits: GrpcLimits, cap: usize, tls: Option<Arc<ServerTls>>) -> Arc<Self> {
         Arc::new(Admission {
             limits,
             cap,
@@ -106,6 +116,7 @@ impl Admission {
             over_cap: Throttle::new(Duration::from_secs(10)),
             no_preface: Throttle::new(Duration::from_secs(10)),
             accept_failed: Throttle::new(Duration::from_secs(10)),
+            tls,
         })
     }
 
@@ -217,20 +228,38 @@ async fn accept_loop(
     }
 }
 
-/// Reads the preface within the handshake timeout; `None` (and the connection closed) if it does
-/// not come or is not HTTP/2's.
+/// Does the TLS handshake (when the port has TLS) and reads the preface, both within the handshake
+/// timeout; `None` (and the connection closed) if either fails or the preface is not HTTP/2's.
 async fn handshake(
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
     admission: &Admission,
 ) -> Option<Admitted> {
     let _ = stream.set_nodelay(true);
-    let mut preface = [0u8; PREFACE.len()];
     let timeout = admission.limits.handshake_timeout;
-    match tokio::time::timeout(timeout, stream.read_exact(&mut preface)).await {
+    let deadline = Instant::now() + timeout;
+    let late = || {
+        if let Some(held_back) = admission.no_preface.allow() {
+            tracing::info!(%peer, ?timeout, held_back, tls = admission.tls.is_some(), "gRPC port: no TLS handshake or HTTP/2 preface in time, closing");
+        }
+    };
+    let mut conn = match &admission.tls {
+        None => Conn::Plain(stream),
+        Some(tls) => match tokio::time::timeout_at(deadline, tls.accept(stream, peer)).await {
+            Ok(Ok(stream)) => Conn::Tls(Box::new(stream)),
+            // Logged by the TLS side, which knows why.
+            Ok(Err(_)) => return None,
+            Err(_) => {
+                late();
+                return None;
+            }
+        },
+    };
+    let mut preface = [0u8; PREFACE.len()];
+    match tokio::time::timeout_at(deadline, conn.read_exact(&mut preface)).await {
         Ok(Ok(_)) if &preface == PREFACE => Some(Admitted::new(
-            stream,
+            conn,
             peer,
             permit,
             admission.limits.idle_timeout,
@@ -244,10 +273,73 @@ async fn handshake(
             None
         }
         Err(_) => {
-            if let Some(held_back) = admission.no_preface.allow() {
-                tracing::info!(%peer, ?timeout, held_back, "gRPC port: no HTTP/2 preface in time, closing");
-            }
+            late();
             None
+        }
+    }
+}
+
+/// A connection of the port: cleartext, or TLS.
+#[derive(Debug)]
+enum Conn {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Conn::Plain(stream) => stream.is_write_vectored(),
+            Conn::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Conn::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
         }
     }
 }
@@ -297,7 +389,7 @@ pub struct ConnInfo {
 /// An admitted connection: its permit, its preface to replay, and its idle deadline.
 #[derive(Debug)]
 pub struct Admitted {
-    stream: TcpStream,
+    stream: Conn,
     peer: SocketAddr,
     /// Bytes of the preface not yet handed to the server.
     replay: usize,
@@ -311,7 +403,7 @@ pub struct Admitted {
 
 impl Admitted {
     fn new(
-        stream: TcpStream,
+        stream: Conn,
         peer: SocketAddr,
         permit: OwnedSemaphorePermit,
         idle_timeout: Duration,

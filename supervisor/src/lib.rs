@@ -23,7 +23,7 @@ pub mod run;
 pub mod sampler;
 pub mod status;
 pub mod throttle;
-pub mod tls_init;
+pub mod tls;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.
@@ -47,6 +47,15 @@ pub fn envoy_bootstrap_for(config: &config::Config) -> String {
                 region: cluster.locality.region.clone(),
                 zone: cluster.locality.zone.clone(),
                 sub_zone: cluster.host.clone(),
+            }),
+        tls: config
+            .envoy
+            .tls
+            .as_ref()
+            .map(|tls| bootstrap::BootstrapTls {
+                identity: tls.identity.clone(),
+                ca: tls.ca.clone(),
+                server_name: tls.server_name.clone(),
             }),
         services: config
             .services

@@ -106,7 +106,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Tls {
             command: TlsCommand::Init { dir, san },
-        } => match peregrine_supervisor::tls_init::init(&dir, &san) {
+        } => match peregrine_supervisor::tls::init::init(&dir, &san) {
             Ok(written) => {
                 for path in &written {
                     println!("wrote {}", path.display());
@@ -116,6 +116,13 @@ fn main() -> ExitCode {
             Err(error) => fail(&anyhow::Error::new(error)),
         },
         Command::Check { config } => match Config::load(&config) {
+            Ok(c) if !peregrine_supervisor::tls::check_files(&c).is_empty() => {
+                eprintln!("{}: TLS files that cannot be used:", config.display());
+                for problem in peregrine_supervisor::tls::check_files(&c) {
+                    eprintln!("  {problem}");
+                }
+                ExitCode::from(EXIT_USAGE)
+            }
             Ok(c) => {
                 let workers: u32 = c.services.values().map(|s| s.count).sum();
                 let plural =

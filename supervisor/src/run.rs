@@ -40,6 +40,7 @@ use crate::{
     registration,
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
+    tls::server::ServerTls,
     xds::{self, acks::Acks},
 };
 
@@ -92,6 +93,9 @@ pub enum RunError {
         #[source]
         source: io::Error,
     },
+    /// The gRPC port's TLS files cannot be used.
+    #[error("cannot serve the gRPC port over TLS")]
+    Tls(#[from] crate::tls::server::LoadError),
     /// This host cannot join its fleet as configured.
     #[error(transparent)]
     Fleet(#[from] fleet::preflight::PreflightError),
@@ -229,9 +233,17 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         .await
         .map_err(|source| RunError::Grpc { addr: bind, source })?;
     let bound = grpc.local_addr().unwrap_or(bind);
-    if !bind.ip().is_loopback() {
-        tracing::warn!(%bound, "The gRPC port is reachable from other hosts: supervisor.bind is not loopback");
+    // Read before any worker starts: a certificate that cannot be used stops the start here.
+    let tls = config
+        .supervisor
+        .tls
+        .as_ref()
+        .map(ServerTls::load)
+        .transpose()?;
+    if !bind.ip().is_loopback() && tls.is_none() {
+        tracing::warn!(%bound, "The gRPC port is reachable from other hosts and has no TLS: anyone who reaches it reads every endpoint, and anyone who impersonates it steers every Envoy; add [supervisor.tls] and [envoy.tls]");
     }
+    let _tls_watch = tls.as_ref().map(|tls| AbortOnDrop(tls.spawn_watch()));
     let orca = orca_services(&config, sources.sched.is_some());
     let mut orca_listeners = Vec::new();
     for addr in orca_listen_addresses(&config, &orca, bound) {
@@ -355,7 +367,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             "gRPC connections capped below supervisor.grpc_max_connections by the open-file limit"
         );
     }
-    let admission = Admission::new(config.supervisor.grpc, cap);
+    let admission = Admission::with_tls(config.supervisor.grpc, cap, tls.clone());
     grpc_port::spawn_trimmer(&admission);
     let mut xds_task = tokio::spawn(xds::serve(
         xds::Ports {
@@ -391,8 +403,11 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         manager,
         path,
         operations_rx,
-        xds_options_tx,
-        orca_reach,
+        operations::Outputs {
+            xds_options: xds_options_tx,
+            orca: orca_reach,
+            tls,
+        },
     ));
     let xds_result = loop {
         tokio::select! {
@@ -442,6 +457,15 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     }
     tracing::info!("Supervisor stopped");
     Ok(())
+}
+
+/// Stops a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Removes the registration socket file when the supervisor stops.

@@ -17,6 +17,7 @@ pub mod priorities;
 pub mod resources;
 pub mod stream_kind;
 pub mod transport;
+pub mod upstream_tls;
 
 use std::{collections::BTreeMap, future::Future, sync::Arc, time::Duration};
 
@@ -70,6 +71,8 @@ pub struct XdsOptions {
     pub weights: BTreeMap<String, Vec<u32>>,
     /// This host in a fleet; `None` on a single host.
     pub fleet: Option<resources::FleetIdentity>,
+    /// How Envoy dials the gRPC port over TLS; `None`: cleartext.
+    pub envoy_tls: Option<upstream_tls::EnvoyTls>,
 }
 
 impl Default for XdsOptions {
@@ -80,6 +83,7 @@ impl Default for XdsOptions {
             balancers: BTreeMap::new(),
             weights: BTreeMap::new(),
             fleet: None,
+            envoy_tls: None,
         }
     }
 }
@@ -111,6 +115,7 @@ impl XdsOptions {
             balancers: self.balancers.clone(),
             weights: self.weights.clone(),
             fleet: self.fleet.clone(),
+            envoy_tls: self.envoy_tls.clone(),
         }
     }
 }

@@ -30,6 +30,7 @@ mod http;
 pub mod load;
 mod netns;
 mod paths;
+pub mod pki;
 mod process;
 mod slots;
 mod stack;

@@ -33,6 +33,7 @@ use super::{
 pub(crate) mod cluster;
 mod envoy;
 mod service;
+pub(crate) mod tls;
 
 /// Collects problems with their lines.
 pub(super) struct Checker<'a> {
@@ -170,7 +171,7 @@ impl Checker<'_> {
 /// Checks every value of `raw` (read from `source`; relative paths are taken from `base`, overrides
 /// from `env`) and returns the typed configuration, or every problem found.
 pub(super) fn config(
-    raw: RawConfig,
+    mut raw: RawConfig,
     source: &str,
     base: &Path,
     env: &HashMap<String, String>,
@@ -181,8 +182,24 @@ pub(super) fn config(
         search_path: env.get("PATH").map(String::as_str),
         problems: Vec::new(),
     };
-    let supervisor = check.supervisor(raw.supervisor, env);
-    let envoy = check.envoy(raw.envoy);
+    let server_tls = raw.supervisor.tls.take();
+    let envoy_tls = raw.envoy.tls.take();
+    let mut supervisor = check.supervisor(raw.supervisor, env);
+    let mut envoy = check.envoy(raw.envoy);
+    let server_span = server_tls.as_ref().map(Spanned::span);
+    let envoy_span = envoy_tls.as_ref().map(Spanned::span);
+    let server_tls = server_tls.and_then(|tls| check.server_tls(tls));
+    let envoy_tls = envoy_tls.and_then(|tls| check.envoy_tls(tls));
+    check.tls_sides(
+        server_span.map(|span| (span, server_tls.as_ref())),
+        envoy_span.map(|span| (span, envoy_tls.as_ref())),
+    );
+    if let Some(supervisor) = &mut supervisor {
+        supervisor.tls = server_tls;
+    }
+    if let Some(envoy) = &mut envoy {
+        envoy.tls = envoy_tls;
+    }
     if raw.service.is_empty() {
         check.report(
             None,
@@ -386,6 +403,7 @@ impl Checker<'_> {
             sample_interval,
             lifecycle,
             grpc,
+            tls: None,
         })
     }
 

@@ -42,6 +42,36 @@ pub(super) struct RawCluster {
     pub(super) lease_ttl_ms: Option<Spanned<i64>>,
     pub(super) prefix: Option<Spanned<String>>,
     pub(super) routing: Option<Spanned<String>>,
+    pub(super) allow_insecure: Option<Spanned<bool>>,
+    pub(super) tls: Option<Spanned<RawClusterTls>>,
+}
+
+/// `[cluster.tls]`: the etcd client's TLS.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClusterTls {
+    pub(super) ca: Option<Spanned<String>>,
+    pub(super) cert: Option<Spanned<String>>,
+    pub(super) key: Option<Spanned<String>>,
+}
+
+/// `[supervisor.tls]`: the gRPC port's TLS.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServerTls {
+    pub(super) cert: Option<Spanned<String>>,
+    pub(super) key: Option<Spanned<String>>,
+    pub(super) client_ca: Option<Spanned<String>>,
+}
+
+/// `[envoy.tls]`: Envoy's side of the gRPC port's TLS.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnvoyTls {
+    pub(super) cert: Option<Spanned<String>>,
+    pub(super) key: Option<Spanned<String>>,
+    pub(super) ca: Option<Spanned<String>>,
+    pub(super) server_name: Option<Spanned<String>>,
 }
 
 /// `[orca]`.
@@ -73,6 +103,7 @@ pub(super) struct RawSupervisor {
     pub(super) grpc_max_connections: Option<Spanned<i64>>,
     pub(super) grpc_handshake_timeout_ms: Option<Spanned<i64>>,
     pub(super) grpc_idle_timeout_ms: Option<Spanned<i64>>,
+    pub(super) tls: Option<Spanned<RawServerTls>>,
 }
 
 /// `[envoy]`.
@@ -88,6 +119,7 @@ pub(super) struct RawEnvoy {
     pub(super) timeout_ms: Option<Spanned<i64>>,
     pub(super) per_try_timeout_ms: Option<Spanned<i64>>,
     pub(super) xds_servers: Option<Spanned<Vec<String>>>,
+    pub(super) tls: Option<Spanned<RawEnvoyTls>>,
 }
 
 /// `[service.NAME]`.

@@ -50,6 +50,9 @@ pub enum SessionError {
     /// etcd refused or could not be reached.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// The `[cluster.tls]` files cannot be used (read again for the next session).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::etcd::EtcdTlsError),
     /// The watch stream ended.
     #[error("the watch of the fleet's keys ended")]
     WatchClosed,
@@ -218,11 +221,15 @@ impl Membership {
         }
         let ttl = self.cluster.lease_ttl;
         // HTTP/2 pings find a member that went away (a cut link sends no reset) within the TTL.
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_timeout(ttl)
             .with_keep_alive(ttl / 3, ttl / 3)
             .with_keep_alive_while_idle(true);
+        // Read for every session: certificates rotated on disk are used from the next one on.
+        if let Some(tls) = &self.cluster.tls {
+            options = options.with_tls(crate::tls::etcd::options(tls)?);
+        }
         // One member per session: every member serves every request (followers hand writes to the
         // leader), and a session bound to one member fails as a whole when that member does, so
         // the next one moves on; a client balancing over every member would go on sending some

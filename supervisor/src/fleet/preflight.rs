@@ -22,7 +22,7 @@ use crate::config::ClusterConfig;
 const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why this supervisor cannot join its fleet as configured.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum PreflightError {
     /// Other hosts serve gRPC on another port, and ORCA needs one port fleet-wide.
     #[error(
@@ -42,6 +42,9 @@ pub enum PreflightError {
         /// The other hosts and their ports.
         hosts: Vec<(String, u16)>,
     },
+    /// The `[cluster.tls]` files cannot be used.
+    #[error("cannot reach etcd over TLS")]
+    Tls(#[from] crate::tls::etcd::EtcdTlsError),
 }
 
 /// What the check found without failing.
@@ -64,10 +67,13 @@ pub async fn check(
     orca: bool,
 ) -> Result<Checked, PreflightError> {
     let keys = Keys::new(&cluster.prefix);
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(1))
+        .with_timeout(CHECK_TIMEOUT);
+    if let Some(tls) = &cluster.tls {
+        options = options.with_tls(crate::tls::etcd::options(tls)?);
+    }
     let listed = tokio::time::timeout(CHECK_TIMEOUT, async {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(1))
-            .with_timeout(CHECK_TIMEOUT);
         let mut client = Client::connect(&cluster.etcd, Some(options)).await?;
         let hosts = format!("{}hosts/", keys.root());
         client
@@ -134,6 +140,7 @@ mod tests {
             lease_ttl: Duration::from_secs(3),
             prefix: "/peregrine".into(),
             routing: Routing::LocalFirst,
+            tls: None,
         }
     }
 
@@ -149,8 +156,8 @@ mod tests {
              supervisor.bind port, or turn ORCA off"
         );
         // Without ORCA the port is nobody's business.
-        assert_eq!(conflicts(&cluster(), 18000, false, &hosts), Ok(()));
-        assert_eq!(conflicts(&cluster(), 18000, true, &hosts[..1]), Ok(()));
+        assert!(conflicts(&cluster(), 18000, false, &hosts).is_ok());
+        assert!(conflicts(&cluster(), 18000, true, &hosts[..1]).is_ok());
     }
 
     #[tokio::test]

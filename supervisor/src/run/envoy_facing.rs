@@ -65,6 +65,7 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
         blackout_period: config.orca.blackout_period,
         weight_expiration_period: config.orca.weight_expiration_period,
         weight_update_period: config.orca.weight_update_period,
+        tls: config.supervisor.tls.is_some(),
     };
     let balancer = |service: &config::ServiceConfig| match service.balancing {
         // Without a sampler there is nothing to report: round robin (see `orca_services`).
@@ -113,6 +114,14 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
                 host: c.host.clone(),
                 locality: c.locality.clone(),
                 routing: c.routing,
+            }),
+        envoy_tls: config
+            .envoy
+            .tls
+            .as_ref()
+            .map(|tls| xds::upstream_tls::EnvoyTls {
+                server_name: tls.server_name.clone(),
+                client_certificate: tls.identity.is_some(),
             }),
         ..xds::XdsOptions::default()
     }

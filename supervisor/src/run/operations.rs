@@ -2,13 +2,30 @@
 //! `peregrine reload`) or SIGHUP. Each re-reads the config file, checks it, and applies it through the
 //! manager; a bad config changes nothing and its error is the reply.
 
-use std::{collections::BTreeSet, path::PathBuf};
+use std::{collections::BTreeSet, path::PathBuf, sync::Arc};
 
 use peregrine_proto::v1;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::envoy_facing::{self, OrcaReach};
-use crate::{children, config::Config, manager::Manager, sampler::ErrorChain, xds};
+use crate::{
+    children,
+    config::Config,
+    manager::Manager,
+    sampler::ErrorChain,
+    tls::server::{self, ServerTls},
+    xds,
+};
+
+/// What operations change besides the workers.
+pub(super) struct Outputs {
+    /// The cluster options xDS serves.
+    pub(super) xds_options: watch::Sender<xds::XdsOptions>,
+    /// Where ORCA can reach workers.
+    pub(super) orca: OrcaReach,
+    /// The gRPC port's TLS, when it has it: a reload reads its files again.
+    pub(super) tls: Option<Arc<ServerTls>>,
+}
 
 /// A control command and, unless it came from a signal, where its reply goes.
 pub(super) type Operation = (
@@ -21,12 +38,11 @@ pub(super) async fn operate(
     mut manager: Manager,
     path: PathBuf,
     mut operations: mpsc::Receiver<Operation>,
-    xds_options: watch::Sender<xds::XdsOptions>,
-    orca: OrcaReach,
+    outputs: Outputs,
 ) -> Manager {
     while let Some((request, reply)) = operations.recv().await {
         let begun = std::time::Instant::now();
-        let answer = apply(&mut manager, &path, request, &xds_options, &orca).await;
+        let answer = apply(&mut manager, &path, request, &outputs).await;
         if answer.ok {
             tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
         } else {
@@ -44,9 +60,13 @@ async fn apply(
     manager: &mut Manager,
     path: &std::path::Path,
     request: v1::ControlRequest,
-    xds_options: &watch::Sender<xds::XdsOptions>,
-    orca: &OrcaReach,
+    outputs: &Outputs,
 ) -> v1::ControlReply {
+    let Outputs {
+        xds_options,
+        orca,
+        tls,
+    } = outputs;
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
         summary,
@@ -86,6 +106,32 @@ async fn apply(
             "the new config cannot be applied; nothing changed".into(),
             vec![ErrorChain(&error).to_string()],
         );
+    }
+    match (tls, &config.supervisor.tls) {
+        (Some(tls), Some(files)) => {
+            let reloaded = tls.reload(Some(files));
+            server::log_reload(&reloaded);
+            if let Err(error) = reloaded {
+                return failed(
+                    "the new TLS files cannot be used; nothing changed".into(),
+                    vec![ErrorChain(&error).to_string()],
+                );
+            }
+        }
+        (None, None) => {}
+        (running, _) => {
+            return failed(
+                format!(
+                    "[supervisor.tls] is {} in {} but {} in the running supervisor: TLS on the \
+                     gRPC port is switched on or off only when the supervisor starts; nothing \
+                     changed",
+                    if running.is_some() { "gone" } else { "new" },
+                    path.display(),
+                    if running.is_some() { "on" } else { "off" },
+                ),
+                Vec::new(),
+            );
+        }
     }
     // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
     // service on its way out keeps its cluster as it was while its workers drain.

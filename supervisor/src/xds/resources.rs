@@ -57,6 +57,7 @@ use envoy_types::pb::{
 };
 use prost::Name;
 
+use super::upstream_tls::{self, EnvoyTls};
 pub use crate::balancer::{Balancer, OrcaPolicy};
 use crate::{
     config::{Locality, Routing},
@@ -102,6 +103,9 @@ pub struct ClusterOptions {
     pub weights: BTreeMap<String, Vec<u32>>,
     /// This host's name and locality in a fleet; `None` on a single host.
     pub fleet: Option<FleetIdentity>,
+    /// How this supervisor's Envoys dial a TLS gRPC port (`[envoy.tls]`); `None`: cleartext. ORCA
+    /// clusters whose policy says TLS get their ORCA streams over it.
+    pub envoy_tls: Option<EnvoyTls>,
 }
 
 /// Who this supervisor is in a fleet: endpoints carry their host's locality, and hash keys their host.
@@ -135,13 +139,14 @@ impl Default for ClusterOptions {
             balancers: BTreeMap::new(),
             weights: BTreeMap::new(),
             fleet: None,
+            envoy_tls: None,
         }
     }
 }
 
 /// The cluster's typed `load_balancing_policy`, for the balancers that need one (round robin and random
 /// are the cluster's `lb_policy`).
-fn typed_policy(balancer: &Balancer) -> Option<LoadBalancingPolicy> {
+fn typed_policy(balancer: &Balancer, orca_over_tls: bool) -> Option<LoadBalancingPolicy> {
     let consistent = |factor: Option<u32>| {
         factor.map(|value| ConsistentHashingLbConfig {
             hash_balance_factor: Some(UInt32Value { value }),
@@ -150,7 +155,7 @@ fn typed_policy(balancer: &Balancer) -> Option<LoadBalancingPolicy> {
     };
     let (name, config) = match *balancer {
         Balancer::RoundRobin | Balancer::Random => return None,
-        Balancer::Orca(ref orca) => (CSWRR_POLICY, pack(&cswrr(orca))),
+        Balancer::Orca(ref orca) => (CSWRR_POLICY, pack(&cswrr(orca, orca_over_tls))),
         Balancer::LeastRequest { choice_count } => (
             "envoy.load_balancing_policies.least_request",
             pack(&LeastRequest {
@@ -199,8 +204,9 @@ fn typed_policy(balancer: &Balancer) -> Option<LoadBalancingPolicy> {
     })
 }
 
-/// CSWRR with out-of-band reports from this supervisor.
-fn cswrr(orca: &OrcaPolicy) -> ClientSideWeightedRoundRobin {
+/// CSWRR with out-of-band reports from this supervisor; `over_tls`: the ORCA streams take the
+/// cluster's TLS entry ([`upstream_tls`](super::upstream_tls)).
+fn cswrr(orca: &OrcaPolicy, over_tls: bool) -> ClientSideWeightedRoundRobin {
     ClientSideWeightedRoundRobin {
         enable_oob_load_report: Some(BoolValue { value: true }),
         oob_reporting_period: Some(duration(orca.reporting_period)),
@@ -209,6 +215,7 @@ fn cswrr(orca: &OrcaPolicy) -> ClientSideWeightedRoundRobin {
         weight_update_period: Some(duration(orca.weight_update_period)),
         oob_reporting_config: Some(OrcaOobReportingConfig {
             port_value: u32::from(orca.port),
+            transport_socket_match_criteria: over_tls.then(upstream_tls::orca_match_criteria),
             ..Default::default()
         }),
         ..Default::default()
@@ -273,6 +280,12 @@ pub fn make_cluster(
         .chain(remote.iter().map(|(_, _, w)| &w.protocols))
         .peekable();
     let http2 = protocols.peek().is_some() && protocols.all(|p| p.contains(&Protocol::Http2));
+    // ORCA streams over TLS when the workers' supervisors serve their port over it and this
+    // supervisor's Envoys have the secrets to dial it.
+    let orca_tls = match balancer {
+        Balancer::Orca(orca) if orca.tls => options.envoy_tls.as_ref(),
+        _ => None,
+    };
     let protocol_config = if http2 {
         ProtocolConfig::Http2ProtocolOptions(Http2ProtocolOptions::default())
     } else {
@@ -298,7 +311,11 @@ pub fn make_cluster(
             Balancer::Random => LbPolicy::Random,
             _ => LbPolicy::RoundRobin,
         } as i32,
-        load_balancing_policy: typed_policy(&balancer),
+        load_balancing_policy: typed_policy(&balancer, orca_tls.is_some()),
+        transport_socket_matches: orca_tls
+            .map(upstream_tls::orca_transport_socket_match)
+            .into_iter()
+            .collect(),
         outlier_detection: matches!(balancer, Balancer::Orca(_)).then(outlier_detection),
         circuit_breakers: Some(retry_budget()),
         // One entry only: prost encodes a map in its iteration order, and the cache versions
@@ -658,6 +675,7 @@ mod tests {
             blackout_period: Duration::from_secs(2),
             weight_expiration_period: Duration::from_secs(30),
             weight_update_period: Duration::from_millis(500),
+            tls: false,
         };
         let options = ClusterOptions {
             balancers: BTreeMap::from([("web".to_string(), Balancer::Orca(policy))]),
@@ -697,6 +715,87 @@ mod tests {
         let plain = make_cluster("api", &ServiceView::default(), &[], &options);
         assert_eq!(plain.load_balancing_policy, None, "round robin");
         assert_eq!(plain.outlier_detection, None);
+        assert!(
+            cluster.transport_socket_matches.is_empty(),
+            "cleartext ORCA"
+        );
+    }
+
+    #[test]
+    fn orca_over_tls_takes_a_transport_socket_match_that_no_worker_has() {
+        let policy = OrcaPolicy {
+            port: 18000,
+            reporting_period: Duration::from_millis(500),
+            blackout_period: Duration::from_secs(2),
+            weight_expiration_period: Duration::from_secs(30),
+            weight_update_period: Duration::from_millis(500),
+            tls: true,
+        };
+        let envoy_tls = EnvoyTls {
+            server_name: "sup.example".into(),
+            client_certificate: true,
+        };
+        let options = ClusterOptions {
+            balancers: BTreeMap::from([
+                ("web".to_string(), Balancer::Orca(policy)),
+                ("rr".to_string(), Balancer::RoundRobin),
+            ]),
+            envoy_tls: Some(envoy_tls.clone()),
+            ..ClusterOptions::default()
+        };
+        let oob = |cluster: &Cluster| {
+            let policies = &cluster.load_balancing_policy.as_ref().unwrap().policies;
+            let any = policies[0]
+                .typed_extension_config
+                .as_ref()
+                .unwrap()
+                .typed_config
+                .as_ref()
+                .unwrap();
+            ClientSideWeightedRoundRobin::decode(any.value.as_slice())
+                .unwrap()
+                .oob_reporting_config
+                .unwrap()
+        };
+        let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
+        assert_eq!(cluster.transport_socket_matches.len(), 1);
+        let entry = &cluster.transport_socket_matches[0];
+        assert_eq!(entry.name, upstream_tls::ORCA_MATCH);
+        assert_eq!(
+            oob(&cluster).transport_socket_match_criteria,
+            entry.r#match,
+            "the OOB stream selects exactly this entry"
+        );
+        assert_eq!(cluster.transport_socket, None, "workers stay cleartext");
+        let socket = entry.transport_socket.as_ref().unwrap();
+        assert_eq!(socket.name, upstream_tls::TLS_TRANSPORT_SOCKET);
+        let Some(
+            envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
+                any,
+            ),
+        ) = &socket.config_type
+        else {
+            panic!("a typed config");
+        };
+        assert_eq!(any, &pack(&upstream_tls::upstream_tls_context(&envoy_tls)));
+        let context = upstream_tls::upstream_tls_context(&envoy_tls);
+        assert_eq!(context.sni, "sup.example");
+        let common = context.common_tls_context.unwrap();
+        assert_eq!(common.alpn_protocols, ["h2"]);
+        assert_eq!(
+            common.tls_certificate_sds_secret_configs[0].name,
+            upstream_tls::ENVOY_CERTIFICATE_SECRET
+        );
+        let rr = make_cluster("rr", &ServiceView::default(), &[], &options);
+        assert!(rr.transport_socket_matches.is_empty());
+        // Without the secrets (no [envoy.tls] here), no entry the Envoy could not resolve.
+        let without = ClusterOptions {
+            envoy_tls: None,
+            ..options
+        };
+        let cluster = make_cluster("web", &ServiceView::default(), &[], &without);
+        assert!(cluster.transport_socket_matches.is_empty());
+        assert_eq!(oob(&cluster).transport_socket_match_criteria, None);
     }
 
     #[test]
@@ -761,6 +860,7 @@ mod tests {
             balancers: BTreeMap::from([("web".to_string(), Balancer::Random)]),
             weights: BTreeMap::new(),
             fleet: None,
+            envoy_tls: None,
         };
         let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
         assert_eq!(cluster.lb_policy, LbPolicy::Random as i32);

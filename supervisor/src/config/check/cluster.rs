@@ -28,24 +28,35 @@ fn fleet_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-/// Why an etcd endpoint is not one, if it is not.
-fn endpoint_problem(endpoint: &str) -> Option<String> {
-    if endpoint.starts_with("https://") {
-        return Some(format!(
-            "{endpoint:?}: TLS to etcd is not supported yet; use http:// on a trusted network"
-        ));
-    }
-    let Some(authority) = endpoint.strip_prefix("http://") else {
-        return Some(format!(
-            "{endpoint:?}: expected http://HOST:PORT (e.g. http://127.0.0.1:2379)"
-        ));
+/// Why an etcd endpoint is not one, if it is not: `https://HOST:PORT` with `[cluster.tls]`,
+/// `http://HOST:PORT` without.
+fn endpoint_problem(endpoint: &str, tls: bool) -> Option<String> {
+    let (scheme, other) = if tls {
+        ("https://", "http://")
+    } else {
+        ("http://", "https://")
+    };
+    let example = format!("{scheme}127.0.0.1:2379");
+    let Some(authority) = endpoint.strip_prefix(scheme) else {
+        return Some(if endpoint.starts_with(other) && tls {
+            format!(
+                "{endpoint:?}: with [cluster.tls] the etcd endpoints are https:// (e.g. {example})"
+            )
+        } else if endpoint.starts_with(other) {
+            format!(
+                "{endpoint:?}: https:// needs [cluster.tls] (ca, and cert and key when etcd checks \
+                 client certificates)"
+            )
+        } else {
+            format!("{endpoint:?}: expected {scheme}HOST:PORT (e.g. {example})")
+        });
     };
     let authority = authority.strip_suffix('/').unwrap_or(authority);
     let port_ok = authority
         .rsplit_once(':')
         .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
     (!port_ok || authority.contains('/'))
-        .then(|| format!("{endpoint:?}: expected http://HOST:PORT (e.g. http://127.0.0.1:2379)"))
+        .then(|| format!("{endpoint:?}: expected {scheme}HOST:PORT (e.g. {example})"))
 }
 
 /// This machine's hostname, cut to what a fleet name may hold.
@@ -67,7 +78,20 @@ impl Checker<'_> {
         env: &HashMap<String, String>,
     ) -> Option<ClusterConfig> {
         let table = raw.span();
-        let raw = raw.into_inner();
+        let mut raw = raw.into_inner();
+        // Written counts, even with a problem in it: the endpoints are checked for https then.
+        let secure = raw.tls.is_some();
+        let tls = raw.tls.take().and_then(|tls| self.etcd_tls(tls));
+        let allow_insecure = raw.allow_insecure.as_ref().is_some_and(|a| *a.get_ref());
+        if !secure && !allow_insecure {
+            self.report(
+                Some(table.clone()),
+                "cluster.tls".into(),
+                "missing: a fleet's membership travels between hosts, so the etcd client speaks \
+                 TLS: add [cluster.tls] (ca, cert, key), or write allow_insecure = true in \
+                 [cluster] to run without it on a network you trust",
+            );
+        }
         let etcd: Vec<String> = match env.get(ENV_ETCD) {
             Some(list) => {
                 let endpoints: Vec<String> = list
@@ -76,7 +100,7 @@ impl Checker<'_> {
                     .filter(|e| !e.is_empty())
                     .map(str::to_owned)
                     .collect();
-                for problem in endpoints.iter().filter_map(|e| endpoint_problem(e)) {
+                for problem in endpoints.iter().filter_map(|e| endpoint_problem(e, secure)) {
                     self.report(None, format!("{ENV_ETCD} (cluster.etcd)"), problem);
                 }
                 endpoints
@@ -85,7 +109,7 @@ impl Checker<'_> {
                 Some(list) => {
                     let span = list.span();
                     let endpoints = list.into_inner();
-                    for problem in endpoints.iter().filter_map(|e| endpoint_problem(e)) {
+                    for problem in endpoints.iter().filter_map(|e| endpoint_problem(e, secure)) {
                         self.report(Some(span.clone()), "cluster.etcd".into(), problem);
                     }
                     if endpoints.is_empty() {
@@ -99,7 +123,7 @@ impl Checker<'_> {
                         "cluster.etcd".into(),
                         format!(
                             "missing: a fleet needs its etcd endpoints (e.g. etcd = \
-                             [\"http://127.0.0.1:2379\"]), or {ENV_ETCD}"
+                             [\"https://127.0.0.1:2379\"]), or {ENV_ETCD}"
                         ),
                     );
                     Vec::new()
@@ -164,6 +188,7 @@ impl Checker<'_> {
             lease_ttl,
             prefix,
             routing,
+            tls,
         })
     }
 }
@@ -181,7 +206,7 @@ mod tests {
     fn a_cluster_table_with_its_defaults() {
         assert_eq!(parse("[service.a]\n").unwrap().cluster, None, "single host");
         let config = parse(
-            "[cluster]\netcd = [\"http://10.0.0.1:2379\", \"http://10.0.0.2:2379\"]\n\
+            "[cluster]\nallow_insecure = true\netcd = [\"http://10.0.0.1:2379\", \"http://10.0.0.2:2379\"]\n\
              host = \"host-a\"\n[service.a]\n",
         )
         .unwrap();
@@ -193,7 +218,7 @@ mod tests {
         assert_eq!(cluster.routing, Routing::LocalFirst);
         assert_eq!(cluster.locality.region, "");
         let config = parse(
-            "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nregion = \"r1\"\nzone = \"z1\"\n\
+            "[cluster]\nallow_insecure = true\netcd = [\"http://127.0.0.1:2379\"]\nregion = \"r1\"\nzone = \"z1\"\n\
              lease_ttl_ms = 4500\nprefix = \"/fleets/blue\"\nrouting = \"fleet\"\n[service.a]\n",
         )
         .unwrap();
@@ -215,7 +240,8 @@ mod tests {
     fn every_cluster_key_is_checked_with_its_line() {
         let got = problems(
             "[cluster]\netcd = [\"10.0.0.1:2379\"]\nhost = \"a b\"\nregion = \"r/1\"\n\
-             lease_ttl_ms = 1000\nprefix = \"peregrine/\"\nrouting = \"nearest\"\n[service.a]\n",
+             lease_ttl_ms = 1000\nprefix = \"peregrine/\"\nrouting = \"nearest\"\n\
+             allow_insecure = true\n[service.a]\n",
         );
         assert_eq!(got.len(), 6, "{got:#?}");
         for (line, key) in [
@@ -232,14 +258,9 @@ mod tests {
                 "{key} on line {line}: {got:#?}"
             );
         }
-        let got = problems("[cluster]\nhost = \"a\"\n[service.a]\n");
+        let got = problems("[cluster]\nhost = \"a\"\nallow_insecure = true\n[service.a]\n");
         assert!(
             got[0].starts_with("line 1: cluster.etcd: missing"),
-            "{got:?}"
-        );
-        let got = problems("[cluster]\netcd = [\"https://e:2379\"]\n[service.a]\n");
-        assert!(
-            got[0].contains("TLS to etcd is not supported yet"),
             "{got:?}"
         );
     }
@@ -250,7 +271,8 @@ mod tests {
             "PEREGRINE_ETCD".to_string(),
             "http://127.0.0.1:2379, http://127.0.0.1:2381".to_string(),
         )]);
-        let source = "[cluster]\netcd = [\"http://10.9.9.9:2379\"]\n[service.a]\n";
+        let source =
+            "[cluster]\netcd = [\"http://10.9.9.9:2379\"]\nallow_insecure = true\n[service.a]\n";
         let config = Config::parse(source, Path::new("/etc/peregrine"), &env).unwrap();
         assert_eq!(
             config.cluster.unwrap().etcd,
@@ -258,11 +280,64 @@ mod tests {
         );
         // It also fills a table that names none.
         let config = Config::parse(
-            "[cluster]\n[service.a]\n",
+            "[cluster]\nallow_insecure = true\n[service.a]\n",
             Path::new("/etc/peregrine"),
             &env,
         )
         .unwrap();
         assert_eq!(config.cluster.unwrap().etcd.len(), 2);
+    }
+
+    #[test]
+    fn a_fleet_speaks_tls_to_etcd_unless_told_otherwise() {
+        let got = problems("[cluster]\netcd = [\"http://10.0.0.1:2379\"]\n[service.a]\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with("line 1: cluster.tls: missing") && got[0].contains("allow_insecure"),
+            "{got:?}"
+        );
+        let got = problems(
+            "[cluster]\netcd = [\"http://10.0.0.1:2379\"]\nallow_insecure = false\n[service.a]\n",
+        );
+        assert!(
+            got[0].contains("cluster.tls: missing"),
+            "false is no: {got:?}"
+        );
+        let config = parse(
+            "[cluster]\netcd = [\"https://10.0.0.1:2379\"]\n[cluster.tls]\nca = \"tls/etcd-ca.pem\"\n\
+             cert = \"tls/etcd-client.pem\"\nkey = \"tls/etcd-client.key\"\n[service.a]\n",
+        )
+        .unwrap();
+        let tls = config.cluster.unwrap().tls.unwrap();
+        assert_eq!(
+            tls.ca,
+            std::path::PathBuf::from("/etc/peregrine/tls/etcd-ca.pem")
+        );
+        assert!(tls.identity.is_some());
+        // The scheme follows [cluster.tls].
+        let got = problems(
+            "[cluster]\netcd = [\"http://10.0.0.1:2379\"]\n[cluster.tls]\nca = \"c\"\n[service.a]\n",
+        );
+        assert!(
+            got[0].contains("with [cluster.tls] the etcd endpoints are https://"),
+            "{got:?}"
+        );
+        let got = problems(
+            "[cluster]\netcd = [\"https://10.0.0.1:2379\"]\nallow_insecure = true\n[service.a]\n",
+        );
+        assert!(got[0].contains("https:// needs [cluster.tls]"), "{got:?}");
+        let got = problems(
+            "[cluster]\netcd = [\"https://10.0.0.1:2379\"]\n\n[cluster.tls]\ncert = \"c\"\n[service.a]\n",
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.starts_with("line 4: cluster.tls.ca: missing")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|p| p.starts_with("line 4: cluster.tls.key: missing")),
+            "{got:?}"
+        );
     }
 }

@@ -113,6 +113,7 @@ impl Checker<'_> {
             xds,
             timeout,
             per_try_timeout,
+            tls: None,
         })
     }
 }

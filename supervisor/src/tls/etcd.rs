@@ -1,0 +1,62 @@
+//! The etcd client's TLS (`[cluster.tls]`): the CA that signs etcd's certificates and the client
+//! certificate etcd checks with `--client-cert-auth`.
+//!
+//! The files are read for every session (every connection to a member), so certificates rotated on
+//! disk are used from the next session on, without a restart.
+//!
+//! Invariant: the files are checked here (a pair whose keys match, valid now) before tonic sees
+//! them, so a mistake is reported with its config key instead of as a handshake failure.
+
+use std::path::Path;
+
+use etcd_client::{Certificate, Identity, TlsOptions};
+
+use super::pem::{self, PemError};
+use crate::config::EtcdTlsConfig;
+
+/// What is wrong with a `[cluster.tls]` file.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {source}")]
+pub struct EtcdTlsError {
+    /// The config key of the file.
+    pub key: &'static str,
+    /// What is wrong with it.
+    #[source]
+    pub source: PemError,
+}
+
+fn read(path: &Path, key: &'static str) -> Result<Vec<u8>, EtcdTlsError> {
+    std::fs::read(path).map_err(|source| EtcdTlsError {
+        key,
+        source: PemError::Read {
+            path: path.to_owned(),
+            source,
+        },
+    })
+}
+
+/// The TLS options of an etcd connection, read from `tls`'s files now.
+pub fn options(tls: &EtcdTlsConfig) -> Result<TlsOptions, EtcdTlsError> {
+    pem::roots(&tls.ca).map_err(|source| EtcdTlsError {
+        key: "cluster.tls.ca",
+        source,
+    })?;
+    let mut options =
+        TlsOptions::new().ca_certificate(Certificate::from_pem(read(&tls.ca, "cluster.tls.ca")?));
+    if let Some(identity) = &tls.identity {
+        pem::certified_key(&identity.cert, &identity.key, &super::provider()).map_err(
+            |source| EtcdTlsError {
+                key: match source {
+                    PemError::NoKey(_) | PemError::KeyMismatch { .. } => "cluster.tls.key",
+                    _ => "cluster.tls.cert",
+                },
+                source,
+            },
+        )?;
+        options = options.identity(Identity::from_pem(
+            read(&identity.cert, "cluster.tls.cert")?,
+            read(&identity.key, "cluster.tls.key")?,
+        ));
+    }
+    Ok(options)
+}
