@@ -8,16 +8,54 @@
 //!
 //! etcd is Debian's `etcd-server` (3.4); a test that needs it calls [`etcd_or_skip`], which fails
 //! instead of skipping when `PEREGRINE_REQUIRE_ETCD` is set (as `cargo xtask test` does).
+//!
+//! With [`EtcdTls`] the members serve clients over TLS and require client certificates
+//! (`--client-cert-auth`), as a fleet's etcd should; `/health` and `/metrics`, which the harness
+//! reads, are then served in cleartext on a port of their own (`--listen-metrics-urls`). Peers
+//! speak cleartext among themselves (one address: nothing leaves it).
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
 use anyhow::{Context, bail};
 
-use crate::{ChildGuard, TempDir, free_port, http::http_post_json, try_wait_until};
+use crate::{ChildGuard, TempDir, free_port, try_wait_until};
+
+/// The certificates of an etcd over TLS, as `peregrine tls init` writes them into one directory:
+/// `etcd-ca.pem`, `etcd-server.pem`/`.key` (which must name the members' address) and
+/// `etcd-client.pem`/`.key` (the supervisors').
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    /// The directory.
+    pub dir: PathBuf,
+}
+
+impl EtcdTls {
+    /// The certificates in `dir`.
+    pub fn in_dir(dir: &Path) -> EtcdTls {
+        EtcdTls {
+            dir: dir.to_owned(),
+        }
+    }
+
+    /// A file of the set.
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// `[cluster.tls]` for a supervisor.
+    pub fn config_table(&self) -> String {
+        format!(
+            "[cluster.tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            self.file("etcd-ca.pem").display(),
+            self.file("etcd-client.pem").display(),
+            self.file("etcd-client.key").display(),
+        )
+    }
+}
 
 /// How long a member may take to answer, or a cluster to elect a leader.
 const READY_DEADLINE: Duration = Duration::from_secs(30);
@@ -84,6 +122,8 @@ pub struct EtcdCluster {
     members: Vec<Member>,
     /// `name=peer-url,...`: every member's peer URL.
     initial_cluster: String,
+    /// Clients over TLS with client certificates, when set.
+    tls: Option<EtcdTls>,
     // Last: the processes die before their data is removed.
     dir: TempDir,
 }
@@ -94,6 +134,8 @@ struct Member {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// `/health` and `/metrics` in cleartext, with TLS.
+    metrics_port: u16,
     /// `None` while killed.
     process: Option<ChildGuard>,
     /// Processes of this member killed earlier (for their logs).
@@ -114,6 +156,16 @@ impl EtcdCluster {
     /// [`NetHost::wrapper`](crate::NetHost::wrapper), with `ip` that host's address, so that the
     /// members live in the host's namespace and go with it.
     pub fn start_wrapped(wrapper: &[&str], ip: IpAddr, size: usize) -> anyhow::Result<EtcdCluster> {
+        Self::start_with(wrapper, ip, size, None)
+    }
+
+    /// Like [`EtcdCluster::start_wrapped`], with clients over TLS when `tls` is given.
+    pub fn start_with(
+        wrapper: &[&str],
+        ip: IpAddr,
+        size: usize,
+        tls: Option<EtcdTls>,
+    ) -> anyhow::Result<EtcdCluster> {
         anyhow::ensure!(size > 0, "a cluster has members");
         let dir = tempfile::Builder::new()
             .prefix("peregrine-etcd-")
@@ -123,6 +175,7 @@ impl EtcdCluster {
                 name: format!("m{i}"),
                 client_port: free_port(),
                 peer_port: free_port(),
+                metrics_port: free_port(),
                 process: None,
                 previous: Vec::new(),
             })
@@ -137,6 +190,7 @@ impl EtcdCluster {
             wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
             members,
             initial_cluster,
+            tls,
             dir,
         };
         for index in 0..size {
@@ -151,14 +205,34 @@ impl EtcdCluster {
         self.members.len()
     }
 
-    /// Every member's client endpoint, `http://IP:PORT`, running or not: the `[cluster] etcd` list.
+    /// Every member's client endpoint, `http://IP:PORT` (`https://` with TLS), running or not: the
+    /// `[cluster] etcd` list.
     pub fn endpoints(&self) -> Vec<String> {
         (0..self.size()).map(|i| self.endpoint(i)).collect()
     }
 
     /// Member `index`'s client endpoint.
     pub fn endpoint(&self, index: usize) -> String {
-        url(self.ip, self.members[index].client_port)
+        let url = url(self.ip, self.members[index].client_port);
+        match self.tls {
+            Some(_) => url.replacen("http://", "https://", 1),
+            None => url,
+        }
+    }
+
+    /// The TLS certificates, when clients speak TLS.
+    pub fn tls(&self) -> Option<&EtcdTls> {
+        self.tls.as_ref()
+    }
+
+    /// Where member `index` serves `/health` and `/metrics` in cleartext.
+    fn plain_addr(&self, index: usize) -> SocketAddr {
+        let member = &self.members[index];
+        let port = match self.tls {
+            Some(_) => member.metrics_port,
+            None => member.client_port,
+        };
+        SocketAddr::new(self.ip, port)
     }
 
     /// Member `index`'s client address (`IP:PORT`).
@@ -166,9 +240,9 @@ impl EtcdCluster {
         SocketAddr::new(self.ip, self.members[index].client_port)
     }
 
-    /// Member `index`'s Prometheus metrics (`GET /metrics` on its client port), as text.
+    /// Member `index`'s Prometheus metrics (`GET /metrics`), as text.
     pub fn metrics(&self, index: usize) -> anyhow::Result<String> {
-        let (status, body) = crate::http_get(self.client_addr(index), "/metrics")?;
+        let (status, body) = crate::http_get(self.plain_addr(index), "/metrics")?;
         anyhow::ensure!(
             status == 200,
             "etcd member {index}'s /metrics answered {status}"
@@ -189,25 +263,27 @@ impl EtcdCluster {
             .is_some_and(|p| p.try_wait().is_none())
     }
 
-    /// The index of the member that leads, as the running members report it.
+    /// The index of the member that leads, as the running members report it
+    /// (`etcd_server_is_leader` in their metrics).
     pub fn leader(&mut self) -> anyhow::Result<usize> {
-        let mut ids = Vec::new();
-        let mut leader = None;
+        let mut leaders = Vec::new();
         for index in 0..self.size() {
             if !self.is_running(index) {
-                ids.push(None);
                 continue;
             }
-            let status = self.status(index)?;
-            leader = leader.or_else(|| status["leader"].as_str().map(str::to_owned));
-            ids.push(status["header"]["member_id"].as_str().map(str::to_owned));
+            let metrics = self.metrics(index)?;
+            if metrics
+                .lines()
+                .any(|line| line.trim() == "etcd_server_is_leader 1")
+            {
+                leaders.push(index);
+            }
         }
-        let leader = leader
-            .filter(|id| id != "0")
-            .context("no member reports a leader")?;
-        ids.iter()
-            .position(|id| id.as_deref() == Some(leader.as_str()))
-            .with_context(|| format!("the leader {leader} is none of the running members {ids:?}"))
+        match leaders[..] {
+            [leader] => Ok(leader),
+            [] => bail!("no running member leads"),
+            _ => bail!("members {leaders:?} all say they lead"),
+        }
     }
 
     /// SIGKILLs member `index` (its data stays).
@@ -247,7 +323,11 @@ impl EtcdCluster {
                             process.logs()
                         )));
                     }
-                    if !healthy(SocketAddr::new(self.ip, member.client_port)) {
+                    let port = match self.tls {
+                        Some(_) => member.metrics_port,
+                        None => member.client_port,
+                    };
+                    if !healthy(SocketAddr::new(self.ip, port)) {
                         return None;
                     }
                 }
@@ -258,7 +338,7 @@ impl EtcdCluster {
 
     /// Whether member `index` answers `/health` with `true` right now.
     pub fn is_healthy(&self, index: usize) -> bool {
-        healthy(self.client_addr(index))
+        healthy(self.plain_addr(index))
     }
 
     /// Every member's logs, earlier processes of it included.
@@ -271,19 +351,15 @@ impl EtcdCluster {
             .join("\n")
     }
 
-    /// `/v3/maintenance/status` of member `index`: its id and the leader's (as strings).
-    fn status(&self, index: usize) -> anyhow::Result<serde_json::Value> {
-        let (code, body) = http_post_json(self.client_addr(index), "/v3/maintenance/status", "{}")?;
-        anyhow::ensure!(code == 200, "status of member {index}: {code} {body}");
-        serde_json::from_str(&body).with_context(|| format!("status of member {index}: {body}"))
-    }
-
     /// Starts member `index` on its data directory (made on the first start).
     fn spawn(&mut self, index: usize) -> anyhow::Result<()> {
         let binary = etcd_path().context("no etcd binary")?;
         let ip = self.ip;
         let member = &mut self.members[index];
-        let client = url(ip, member.client_port);
+        let client = match &self.tls {
+            Some(_) => url(ip, member.client_port).replacen("http://", "https://", 1),
+            None => url(ip, member.client_port),
+        };
         let peer = url(ip, member.peer_port);
         let mut command = crate::process::wrapped(&self.wrapper, binary);
         command
@@ -300,6 +376,17 @@ impl EtcdCluster {
             .args(["--initial-cluster-state", "new"])
             .args(["--initial-cluster-token", "peregrine-e2e"])
             .args(["--log-level", "warn"]);
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(tls.file("etcd-server.pem"))
+                .arg("--key-file")
+                .arg(tls.file("etcd-server.key"))
+                .arg("--trusted-ca-file")
+                .arg(tls.file("etcd-ca.pem"))
+                .arg("--client-cert-auth")
+                .args(["--listen-metrics-urls", &url(ip, member.metrics_port)]);
+        }
         let starts = member.previous.len() + 1;
         let name = match starts {
             1 => format!("etcd-{}", member.name),

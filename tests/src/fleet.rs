@@ -41,6 +41,10 @@ pub struct FleetHostConfig<'a> {
     pub per_try_timeout: Duration,
     /// `supervisor.sampler`.
     pub sampler: &'a str,
+    /// TLS everywhere the control plane leaves the host, from a directory `peregrine tls init`
+    /// wrote: the gRPC port (mutual), Envoy's side of it, and etcd (client certificates; the
+    /// endpoints are `https://`). `None`: cleartext, with `allow_insecure = true`.
+    pub tls: Option<&'a std::path::Path>,
 }
 
 impl FleetHostConfig<'_> {
@@ -79,7 +83,7 @@ etcd = [{endpoints}]
 host = "{name}"
 {locality}lease_ttl_ms = {ttl}
 routing = "{routing}"
-
+{tls}
 [service.{service}]
 count = {workers}
 url = "http://{addr}:0"
@@ -97,6 +101,26 @@ url = "http://{addr}:0"
             routing = self.routing,
             service = self.service,
             workers = self.workers,
+            tls = match self.tls {
+                None => "allow_insecure = true\n".to_owned(),
+                Some(dir) => {
+                    let path = |name: &str| dir.join(name).display().to_string();
+                    format!(
+                        "\n[cluster.tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n\n\
+                         [supervisor.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+                         [envoy.tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+                        path("etcd-ca.pem"),
+                        path("etcd-client.pem"),
+                        path("etcd-client.key"),
+                        path("server.pem"),
+                        path("server.key"),
+                        path("ca.pem"),
+                        path("envoy.pem"),
+                        path("envoy.key"),
+                        path("ca.pem"),
+                    )
+                }
+            },
         )
     }
 }
@@ -126,8 +150,24 @@ mod tests {
             envoy_admin: "127.0.0.1:9901".parse().unwrap(),
             per_try_timeout: Duration::from_secs(1),
             sampler: "off",
+            tls: None,
         };
         let text = config.toml();
+        assert!(text.contains("allow_insecure = true\n"), "{text}");
+        let secure = FleetHostConfig {
+            tls: Some(std::path::Path::new("/certs")),
+            ..config.clone()
+        }
+        .toml();
+        for line in [
+            "[cluster.tls]\nca = \"/certs/etcd-ca.pem\"\n",
+            "[supervisor.tls]\ncert = \"/certs/server.pem\"\n",
+            "client_ca = \"/certs/ca.pem\"\n",
+            "[envoy.tls]\ncert = \"/certs/envoy.pem\"\n",
+        ] {
+            assert!(secure.contains(line), "{line} in {secure}");
+        }
+        assert!(!secure.contains("allow_insecure"));
         for line in [
             "bind = \"http://10.77.3.11:18000\"\n",
             "control = \"{dir}/peregrine.sock\"\n",

@@ -154,3 +154,20 @@ impl ControlPlane {
         )
     }
 }
+
+/// Runs `peregrine tls init DIR --san NAME...` with the binary `peregrine`, the command users run,
+/// and panics with its output if it fails: a fleet's certificates, every server certificate naming
+/// `sans`.
+pub fn peregrine_tls_init(peregrine: &Path, dir: &Path, sans: &[String]) {
+    let mut command = std::process::Command::new(peregrine);
+    command.arg("tls").arg("init").arg(dir);
+    for san in sans {
+        command.arg("--san").arg(san);
+    }
+    let output = command.output().expect("peregrine tls init runs");
+    assert!(
+        output.status.success(),
+        "peregrine tls init failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

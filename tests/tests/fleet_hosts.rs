@@ -30,9 +30,9 @@ use std::{
 };
 
 use peregrine_e2e::{
-    AdminWatch, Envoy, EtcdCluster, FleetHostConfig, Host, Load, LoadOptions, LoadReport, NetHost,
-    Network, POLL_INTERVAL, Supervisor, envoy_or_skip, etcd_or_skip, gone, hostname_pid, hosts,
-    netns_or_skip, try_wait_until, wait_until,
+    AdminWatch, Envoy, EtcdCluster, EtcdTls, FleetHostConfig, Host, Load, LoadOptions, LoadReport,
+    NetHost, Network, POLL_INTERVAL, Supervisor, envoy_or_skip, etcd_or_skip, gone, hostname_pid,
+    hosts, netns_or_skip, peregrine_path, pki::peregrine_tls_init, try_wait_until, wait_until,
 };
 
 /// The network's host that runs etcd's members (and no supervisor).
@@ -93,6 +93,8 @@ struct Fleet {
     etcd: EtcdCluster,
     /// Held for the fleet's life, and removed after its processes.
     _network: Network,
+    /// The fleet's certificates (`peregrine tls init`): TLS on every gRPC port and to etcd.
+    _certificates: tempfile::TempDir,
     /// One fleet at a time (see [`ONE_FLEET`]); released last.
     _alone: MutexGuard<'static, ()>,
 }
@@ -132,8 +134,20 @@ impl Fleet {
         all.push(ETCD_HOST);
         let network = Network::create(&all).expect("the network");
         let etcd_host = network.host(ETCD_HOST);
-        let etcd = EtcdCluster::start_wrapped(&etcd_host.wrapper(), etcd_host.address().into(), 3)
-            .expect("etcd starts");
+        // Every link between hosts is TLS, with client certificates: the gRPC ports and etcd.
+        let certificates = tempfile::tempdir().expect("a certificate directory");
+        let sans: Vec<String> = all
+            .iter()
+            .map(|name| network.host(name).address().to_string())
+            .collect();
+        peregrine_tls_init(&peregrine_path(), certificates.path(), &sans);
+        let etcd = EtcdCluster::start_with(
+            &etcd_host.wrapper(),
+            etcd_host.address().into(),
+            3,
+            Some(EtcdTls::in_dir(certificates.path())),
+        )
+        .expect("etcd starts");
         let server = |h: &NetHost| format!("http://{}:{GRPC_PORT}", h.address());
         let hosts_of = || names.iter().map(|name| network.host(name));
         let every: Vec<String> = hosts_of().map(server).collect();
@@ -160,6 +174,7 @@ impl Fleet {
                     envoy_admin: ENVOY_ADMIN,
                     per_try_timeout: PER_TRY_TIMEOUT,
                     sampler: "off",
+                    tls: Some(certificates.path()),
                 }
                 .toml();
                 let host = FleetHost {
@@ -186,6 +201,7 @@ impl Fleet {
             hosts,
             etcd,
             _network: network,
+            _certificates: certificates,
             _alone: alone,
         };
         for (name, host) in &fleet.hosts {

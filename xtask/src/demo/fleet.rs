@@ -40,8 +40,9 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    AdminWatch, Envoy, EtcdCluster, FleetHostConfig, Load, LoadOptions, LoadReport, NetHost,
-    Network, Supervisor, admin_watch::Change, hostname_pid, hosts, http_post_json,
+    AdminWatch, Envoy, EtcdCluster, EtcdTls, FleetHostConfig, Load, LoadOptions, LoadReport,
+    NetHost, Network, Supervisor, admin_watch::Change, hostname_pid, hosts, http_post_json,
+    pki::peregrine_tls_init,
 };
 
 use crate::{envoy, interrupt, logs};
@@ -454,12 +455,31 @@ fn start(peregrine: &Path, envoy_binary: &Path, dir: &Path) -> anyhow::Result<Fl
             host.netns()
         );
     }
+    // Mutual TLS wherever the control plane leaves a host, as a fleet runs it: certificates from
+    // `peregrine tls init`, naming every host's address.
+    let certificates = dir.join("tls");
+    let sans: Vec<String> = network
+        .hosts()
+        .iter()
+        .map(|h| h.address().to_string())
+        .collect();
+    peregrine_tls_init(peregrine, &certificates, &sans);
+    println!(
+        "TLS: `peregrine tls init {} --san ...` (one per host address): mutual TLS on every gRPC \
+         port (xDS and ORCA) and to etcd",
+        certificates.display()
+    );
     let etcd_started = Instant::now();
-    let etcd = EtcdCluster::start_wrapped(&etcd_host.wrapper(), etcd_host.address().into(), 3)
-        .context("starting etcd")?;
+    let etcd = EtcdCluster::start_with(
+        &etcd_host.wrapper(),
+        etcd_host.address().into(),
+        3,
+        Some(EtcdTls::in_dir(&certificates)),
+    )
+    .context("starting etcd")?;
     let etcd_up = etcd_started.elapsed();
     println!(
-        "etcd: 3 members on {}, healthy after {:.2} s",
+        "etcd: 3 members on {} (client certificates required), healthy after {:.2} s",
         etcd.endpoints().join(", "),
         etcd_up.as_secs_f64()
     );
@@ -489,6 +509,7 @@ fn start(peregrine: &Path, envoy_binary: &Path, dir: &Path) -> anyhow::Result<Fl
             per_try_timeout: PER_TRY_TIMEOUT,
             // A sampler, so that the service is balanced on ORCA reports, with outlier detection.
             sampler: "auto",
+            tls: Some(&certificates),
         }
         .toml();
         let supervisor =
