@@ -11,10 +11,15 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use crate::{
-    config::{CertFiles, HashOn, XdsVariant},
-    xds::upstream_tls::{ENVOY_CERTIFICATE_SECRET, SUPERVISOR_CA_SECRET, TLS_TRANSPORT_SOCKET},
-};
+use crate::config::{CertFiles, HashOn, XdsVariant};
+
+/// The static secret with Envoy's client certificate and key (`[envoy.tls]` cert, key); the ORCA
+/// clusters the supervisor sends name it too.
+pub const ENVOY_CERTIFICATE_SECRET: &str = "peregrine-envoy-certificate";
+/// The static secret with the CA that signs supervisors' certificates (`[envoy.tls]` ca).
+pub const SUPERVISOR_CA_SECRET: &str = "peregrine-supervisor-ca";
+/// Envoy's name of the TLS transport socket.
+pub const TLS_TRANSPORT_SOCKET: &str = "envoy.transport_sockets.tls";
 
 /// One routed service.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -35,7 +35,7 @@ mod raw;
 use self::raw::RawConfig;
 pub use self::{
     balancing::{Balancing, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
-    check::cluster::ENV_ETCD,
+    check::{cluster::ENV_ETCD, tls::DEFAULT_SERVER_NAME},
     error::{ConfigError, Problem},
     limits::{MAX_CONFIG_BYTES, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
 };

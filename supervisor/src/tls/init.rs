@@ -29,7 +29,7 @@ use rcgen::{
 };
 
 /// The SNI and SAN a supervisor's certificate carries by default (`[envoy.tls] server_name`).
-pub const SERVER_NAME: &str = "peregrine";
+pub const SERVER_NAME: &str = crate::config::DEFAULT_SERVER_NAME;
 
 /// Why the files could not be written.
 #[derive(Debug, thiserror::Error)]

@@ -19,17 +19,21 @@ use envoy_types::pb::{
             cluster::v3::{
                 CircuitBreakers, Cluster, LoadBalancingPolicy, OutlierDetection,
                 circuit_breakers::{Thresholds, thresholds::RetryBudget},
-                cluster::{ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbPolicy},
+                cluster::{
+                    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig, LbPolicy,
+                    TransportSocketMatch,
+                },
                 load_balancing_policy::Policy,
             },
             core::v3::{
                 AggregatedConfigSource, ApiConfigSource, ApiVersion, BackoffStrategy, ConfigSource,
                 GrpcService, HealthStatus, Http1ProtocolOptions, Http2ProtocolOptions, Metadata,
-                Pipe, RetryPolicy, SocketAddress, TypedExtensionConfig, address,
+                Pipe, RetryPolicy, SocketAddress, TransportSocket, TypedExtensionConfig, address,
                 api_config_source::ApiType,
                 config_source::ConfigSourceSpecifier,
                 grpc_service::{EnvoyGrpc, TargetSpecifier},
                 socket_address::PortSpecifier,
+                transport_socket,
             },
             endpoint::v3::{
                 ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
@@ -222,6 +226,21 @@ fn cswrr(orca: &OrcaPolicy, over_tls: bool) -> ClientSideWeightedRoundRobin {
     }
 }
 
+/// The `transport_socket_matches` entry ORCA streams use: TLS to the supervisor's port (see
+/// [`upstream_tls`]).
+fn orca_transport_socket_match(tls: &EnvoyTls) -> TransportSocketMatch {
+    TransportSocketMatch {
+        name: upstream_tls::ORCA_MATCH.into(),
+        r#match: Some(upstream_tls::orca_match_criteria()),
+        transport_socket: Some(TransportSocket {
+            name: upstream_tls::TLS_TRANSPORT_SOCKET.into(),
+            config_type: Some(transport_socket::ConfigType::TypedConfig(pack(
+                &upstream_tls::upstream_tls_context(tls),
+            ))),
+        }),
+    }
+}
+
 /// Retries as a share of the requests in flight (a quarter, and at least 64 at once) instead of
 /// Envoy's default of 3 retries at once: when a worker stalls, every request in its hands times out
 /// at about the same moment, and each must be retried on another worker, not fail with "retry
@@ -313,7 +332,7 @@ pub fn make_cluster(
         } as i32,
         load_balancing_policy: typed_policy(&balancer, orca_tls.is_some()),
         transport_socket_matches: orca_tls
-            .map(upstream_tls::orca_transport_socket_match)
+            .map(orca_transport_socket_match)
             .into_iter()
             .collect(),
         outlier_detection: matches!(balancer, Balancer::Orca(_)).then(outlier_detection),

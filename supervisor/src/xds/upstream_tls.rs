@@ -8,14 +8,14 @@
 //! traffic keeps the default (cleartext), ORCA streams get TLS.
 //!
 //! Both contexts name their certificates by the static secrets the bootstrap defines
-//! ([`ENVOY_CERTIFICATE_SECRET`], [`SUPERVISOR_CA_SECRET`]): the files' paths live in Envoy's
-//! bootstrap alone, and the clusters the supervisor sends name only secrets.
+//! ([`ENVOY_CERTIFICATE_SECRET`], [`SUPERVISOR_CA_SECRET`], whose home is the bootstrap): the
+//! files' paths live in Envoy's bootstrap alone, and the clusters the supervisor sends name only
+//! secrets.
 //!
-//! Invariant: the names here are the only place the bootstrap and the clusters agree on.
+//! Invariant: the clusters never name a file, only the bootstrap's secrets.
 
 use envoy_types::pb::{
     envoy::{
-        config::{cluster::v3::cluster::TransportSocketMatch, core::v3::TransportSocket},
         extensions::transport_sockets::tls::v3::{
             CertificateValidationContext, CommonTlsContext, SdsSecretConfig, SubjectAltNameMatcher,
             UpstreamTlsContext,
@@ -27,16 +27,10 @@ use envoy_types::pb::{
     google::protobuf::{Struct, Value, value::Kind},
 };
 
-use super::resources::pack;
+pub use crate::bootstrap::{ENVOY_CERTIFICATE_SECRET, SUPERVISOR_CA_SECRET, TLS_TRANSPORT_SOCKET};
 
-/// The bootstrap's static secret with Envoy's client certificate and key.
-pub const ENVOY_CERTIFICATE_SECRET: &str = "peregrine-envoy-certificate";
-/// The bootstrap's static secret with the CA that signs supervisors' certificates.
-pub const SUPERVISOR_CA_SECRET: &str = "peregrine-supervisor-ca";
 /// The name of the ORCA entry of `transport_socket_matches`, and the key of its match.
 pub const ORCA_MATCH: &str = "peregrine-orca";
-/// Envoy's name of the TLS transport socket.
-pub const TLS_TRANSPORT_SOCKET: &str = "envoy.transport_sockets.tls";
 
 /// Envoy's side of a TLS gRPC port, as the serving supervisor's `[envoy.tls]` says.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,7 +80,8 @@ pub fn upstream_tls_context(tls: &EnvoyTls) -> UpstreamTlsContext {
     }
 }
 
-/// `{ "peregrine-orca": true }`: the criteria that select [`orca_transport_socket_match`].
+/// `{ "peregrine-orca": true }`: the criteria that select the [`ORCA_MATCH`] entry of an ORCA
+/// cluster's `transport_socket_matches` (and the entry's own match).
 pub fn orca_match_criteria() -> Struct {
     Struct {
         fields: [(
@@ -96,21 +91,5 @@ pub fn orca_match_criteria() -> Struct {
             },
         )]
         .into(),
-    }
-}
-
-/// The `transport_socket_matches` entry ORCA streams use: TLS to the supervisor's port.
-pub fn orca_transport_socket_match(tls: &EnvoyTls) -> TransportSocketMatch {
-    TransportSocketMatch {
-        name: ORCA_MATCH.into(),
-        r#match: Some(orca_match_criteria()),
-        transport_socket: Some(TransportSocket {
-            name: TLS_TRANSPORT_SOCKET.into(),
-            config_type: Some(
-                envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(
-                    pack(&upstream_tls_context(tls)),
-                ),
-            ),
-        }),
     }
 }

@@ -18,8 +18,8 @@ use crate::config::{
     raw::{RawClusterTls, RawEnvoyTls, RawServerTls},
 };
 
-/// `envoy.tls.server_name` when left out: the name `peregrine tls init` gives the supervisor.
-pub(crate) const DEFAULT_SERVER_NAME: &str = crate::tls::init::SERVER_NAME;
+/// `envoy.tls.server_name` when left out, and the name `peregrine tls init` gives supervisors.
+pub const DEFAULT_SERVER_NAME: &str = "peregrine";
 
 /// Whether `name` can be an SNI and a certificate's DNS name: labels of letters, digits and `-`,
 /// joined by `.`, at most 253 characters.
