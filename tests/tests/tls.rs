@@ -7,7 +7,9 @@
 //!   HTTP/2 is refused, and the supervisor's log says which, and from where;
 //! - a new certificate put in place under load is served to new connections without a restart:
 //!   no request fails, Envoy's xDS stream is never dropped, and a new Envoy trusts the new
-//!   certificate.
+//!   certificate; `peregrine reload` takes new paths, and refuses a bad key or TLS switched off;
+//! - a certificate that cannot be used stops `check` and `run`, naming its key; a gRPC port off
+//!   loopback without TLS is warned about.
 
 use std::{
     net::SocketAddr,
@@ -375,4 +377,81 @@ fn a_certificate_rotated_under_load_is_served_to_new_connections_with_nothing_lo
         report.served(),
         envoy.stat("cluster.web.upstream_cx_total")
     );
+}
+
+#[test]
+fn reload_takes_new_certificate_paths_and_refuses_to_switch_tls_off_or_a_bad_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let plane = ControlPlane::write(dir.path());
+    let (config, _, grpc) = config(&plane, "");
+    let supervisor = Supervisor::start(&config);
+    try_wait_until(
+        Duration::from_secs(10),
+        "the gRPC port to serve TLS",
+        || (served_subject(grpc, &plane) == format!("CN = {SERVER_NAME}")).then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
+    let path = supervisor.config_path().to_owned();
+    let original = std::fs::read_to_string(&path).unwrap();
+
+    // Other files, named by the reloaded config: in effect at once for new connections.
+    let (cert, key) = plane
+        .ca
+        .leaf("peregrine-next", Usage::Server)
+        .write(dir.path(), "next");
+    let server = |name: &str| plane.dir.join(name).display().to_string();
+    let moved = original
+        .replace(&server("server.pem"), &cert.display().to_string())
+        .replace(&server("server.key"), &key.display().to_string());
+    std::fs::write(&path, &moved).unwrap();
+    supervisor.control("reload", &[]).expect("the reload");
+    assert_eq!(served_subject(grpc, &plane), "CN = peregrine-next");
+
+    // A key that is not the certificate's: the reload fails, saying why, and nothing changes.
+    std::fs::write(
+        &path,
+        moved.replace(&key.display().to_string(), &server("envoy.key")),
+    )
+    .unwrap();
+    let error = supervisor.control("reload", &[]).unwrap_err().to_string();
+    assert!(
+        error.contains("the new TLS files cannot be used; nothing changed")
+            && error.contains("supervisor.tls.key"),
+        "{error}"
+    );
+    assert_eq!(served_subject(grpc, &plane), "CN = peregrine-next");
+
+    // TLS off by reload: refused (it is switched only at start).
+    let start = moved.find("[supervisor.tls]").unwrap();
+    let end = start + moved[start..].find("\n\n").unwrap();
+    let envoy_start = moved.find("[envoy.tls]").unwrap();
+    let envoy_end = envoy_start + moved[envoy_start..].find("\n\n").unwrap();
+    let mut cleartext = moved.clone();
+    cleartext.replace_range(envoy_start..envoy_end, "");
+    cleartext.replace_range(start..end, "");
+    std::fs::write(&path, &cleartext).unwrap();
+    let error = supervisor.control("reload", &[]).unwrap_err().to_string();
+    assert!(
+        error
+            .contains("TLS on the gRPC port is switched on or off only when the supervisor starts"),
+        "{error}"
+    );
+    assert_eq!(served_subject(grpc, &plane), "CN = peregrine-next");
+}
+
+#[test]
+fn a_grpc_port_off_loopback_without_tls_is_warned_about() {
+    let listen = free_port();
+    let grpc = free_port();
+    let config = base_config(grpc, listen, free_port())
+        .replace("http://127.0.0.1:", "http://0.0.0.0:")
+        + "\n[service.web]\ncount = 1\nurl = \"http://127.0.0.1:0\"\n";
+    let supervisor = Supervisor::start(&config);
+    try_wait_until(Duration::from_secs(10), "the warning", || {
+        supervisor
+            .logs()
+            .contains("The gRPC port is reachable from other hosts and has no TLS")
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
 }
