@@ -63,8 +63,9 @@ impl Service<Request<RequestBody>> for Hello {
     }
 }
 
-/// The `cpu=MS` query parameter, capped at [`MAX_CPU_MS`].
-fn cpu_ms(query: Option<&str>) -> Option<u64> {
+/// The `cpu=MS` query parameter, capped at [`MAX_CPU_MS`]. Public for the benchmarks' baselines,
+/// which must do the same work per request.
+pub fn cpu_ms(query: Option<&str>) -> Option<u64> {
     query?
         .split('&')
         .find_map(|pair| pair.strip_prefix("cpu="))
@@ -73,7 +74,7 @@ fn cpu_ms(query: Option<&str>) -> Option<u64> {
 }
 
 /// Spins until this thread has used `amount` more CPU time.
-fn burn_cpu(amount: Duration) {
+pub fn burn_cpu(amount: Duration) {
     let cpu_time = || {
         let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
         Duration::new(t.tv_sec as u64, t.tv_nsec as u32)

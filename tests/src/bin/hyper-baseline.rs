@@ -11,6 +11,12 @@
 //! connections alive and flushes pipelined responses in batches (`pipeline_flush`); no `date` header in
 //! either protocol (the worker sends none, and hyper's cached date costs a little each response);
 //! `TCP_NODELAY` on every connection, as the worker sets it. Runs until killed.
+//!
+//! Like the hello app, `?cpu=MS` burns MS milliseconds of the thread's CPU before answering (the
+//! hello app's own function), so that the balance benchmark loads both servers alike.
+//! `hyper-baseline ADDR --reuseport` binds with `SO_REUSEPORT`: several processes on one port, the
+//! kernel spreading connections over them by a hash of each connection's addresses, as people run
+//! servers today (the baseline `cargo xtask bench balance` compares Peregrine against).
 
 use std::{convert::Infallible, net::SocketAddr};
 
@@ -22,24 +28,51 @@ use hyper_util::{
     rt::{TokioExecutor, TokioIo},
     server::conn::auto,
 };
+use peregrine_worker::hello;
 use tokio::net::TcpListener;
 
+const USAGE: &str = "usage: hyper-baseline ADDR [--reuseport] (e.g. 127.0.0.1:8080)";
+
 fn main() -> anyhow::Result<()> {
-    let addr: SocketAddr = std::env::args()
-        .nth(1)
-        .context("usage: hyper-baseline ADDR (e.g. 127.0.0.1:8080)")?
+    let mut args = std::env::args().skip(1);
+    let addr: SocketAddr = args
+        .next()
+        .context(USAGE)?
         .parse()
         .context("ADDR must be an ip:port")?;
+    let reuseport = match args.next().as_deref() {
+        None => false,
+        Some("--reuseport") => true,
+        Some(other) => anyhow::bail!("unknown argument {other:?}; {USAGE}"),
+    };
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
-        .block_on(serve(addr))
+        .block_on(serve(addr, reuseport))
 }
 
-async fn serve(addr: SocketAddr) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
+/// A listener on `addr`, sharing the port with other processes' when `reuseport`.
+fn listen(addr: SocketAddr, reuseport: bool) -> anyhow::Result<TcpListener> {
+    use rustix::net::{AddressFamily, SocketType, bind, listen, socket, sockopt};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = socket(family, SocketType::STREAM, None).context("socket")?;
+    sockopt::set_socket_reuseaddr(&fd, true).context("SO_REUSEADDR")?;
+    if reuseport {
+        sockopt::set_socket_reuseport(&fd, true).context("SO_REUSEPORT")?;
+    }
+    bind(&fd, &addr).with_context(|| format!("binding {addr}"))?;
+    listen(&fd, 1024).context("listen")?;
+    let listener = std::net::TcpListener::from(fd);
+    listener.set_nonblocking(true)?;
+    Ok(TcpListener::from_std(listener)?)
+}
+
+async fn serve(addr: SocketAddr, reuseport: bool) -> anyhow::Result<()> {
+    let listener = listen(addr, reuseport)?;
     let body = Bytes::from(format!("Hello from worker {}!\n", std::process::id()));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -61,8 +94,11 @@ async fn serve(addr: SocketAddr) -> anyhow::Result<()> {
         let builder = builder.clone();
         let body = body.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |_: Request<Incoming>| {
+            let service = service_fn(move |request: Request<Incoming>| {
                 let body = body.clone();
+                if let Some(ms) = hello::cpu_ms(request.uri().query()) {
+                    hello::burn_cpu(std::time::Duration::from_millis(ms));
+                }
                 async move {
                     let mut res = Response::new(Full::new(body));
                     res.headers_mut().insert(
