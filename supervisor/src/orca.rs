@@ -22,6 +22,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use peregrine_proto::xds::{
     data::orca::v3::OrcaLoadReport,
     service::orca::v3::{
@@ -120,32 +121,54 @@ impl OpenRcaService for OrcaService {
         &self,
         request: Request<OrcaLoadReportRequest>,
     ) -> Result<Response<ReportStream>, Status> {
-        let Some(Authority(authority)) = request.extensions().get::<Authority>().cloned() else {
+        let authority = request
+            .extensions()
+            .get::<Authority>()
+            .map(|a| a.0.as_str());
+        let (worker, interval) = self.accept(authority, request.get_ref())?;
+        tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl OrcaService {
+    /// What a stream whose `:authority` is `authority` (`None`: it has none) asking `request` gets:
+    /// the registered worker of that hostname and the interval to report it at
+    /// ([`report_interval`]), or the status it is refused with (NOT_FOUND, which Envoy retries).
+    /// Reads the registry, writes nothing.
+    pub fn accept(
+        &self,
+        authority: Option<&str>,
+        request: &OrcaLoadReportRequest,
+    ) -> Result<(Worker, Duration), Status> {
+        let Some(authority) = authority else {
             return Err(Status::not_found(
                 "no :authority: Envoy sets it to the worker's EDS hostname",
             ));
         };
-        let Some(worker) = self.registry.find_hostname(&authority) else {
+        let Some(worker) = self.registry.find_hostname(authority) else {
             tracing::debug!(%authority, "ORCA stream for no registered worker");
             return Err(Status::not_found(format!(
                 "no registered worker has hostname {authority}"
             )));
         };
-        let asked = request
-            .get_ref()
-            .report_interval
-            .as_ref()
-            .map(|d| {
-                Duration::from_secs(u64::try_from(d.seconds).unwrap_or(0))
-                    + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
-            })
-            .unwrap_or_default();
-        let interval = asked.max(self.min_interval);
-        tracing::info!(hostname = %authority, ?interval, "ORCA stream opened");
-        let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let interval = report_interval(request.report_interval.as_ref(), self.min_interval);
+        Ok((worker, interval))
     }
+}
+
+/// The interval a stream reports at: the one Envoy asked for (`report_interval`; none, or a
+/// negative part, counts as zero), never below `min_interval`.
+pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) -> Duration {
+    let asked = asked
+        .map(|d| {
+            Duration::from_secs(u64::try_from(d.seconds).unwrap_or(0))
+                + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
+        })
+        .unwrap_or_default();
+    asked.max(min_interval)
 }
 
 /// Marks a stream closed in the registry however the loop ends.
@@ -407,5 +430,40 @@ mod tests {
     fn a_report_from_another_instance_in_the_slot_is_not_used() {
         let l = loads(vec![load(2, Some(0.5), 0.0, Some(10.0))]);
         assert_eq!(report_for(&l, &worker(1)), None);
+    }
+
+    fn asked(seconds: i64, nanos: i32) -> ProtoDuration {
+        ProtoDuration { seconds, nanos }
+    }
+
+    #[test]
+    fn the_interval_is_envoys_but_never_below_the_floor() {
+        let floor = Duration::from_millis(100);
+        assert_eq!(
+            report_interval(Some(&asked(2, 500_000_000)), floor),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(report_interval(Some(&asked(0, 1_000)), floor), floor);
+        assert_eq!(report_interval(None, floor), floor);
+        assert_eq!(report_interval(Some(&asked(-5, -1)), floor), floor);
+    }
+
+    #[test]
+    fn a_stream_is_for_a_registered_hostname_only() {
+        let registry = Arc::new(Registry::new(["web".to_string()]));
+        let registered = worker(7);
+        registry.register(registered.clone()).unwrap();
+        let orca = OrcaService::new(registry, Duration::from_secs(1));
+        let request = OrcaLoadReportRequest {
+            report_interval: Some(asked(3, 0)),
+            ..Default::default()
+        };
+        let (found, interval) = orca.accept(Some(&registered.hostname), &request).unwrap();
+        assert_eq!(found.pid, 7);
+        assert_eq!(interval, Duration::from_secs(3));
+        for authority in [None, Some("web-7-8"), Some("")] {
+            let status = orca.accept(authority, &request).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::NotFound, "{authority:?}");
+        }
     }
 }
