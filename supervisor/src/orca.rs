@@ -38,7 +38,10 @@ use tonic::{
     server::NamedService,
 };
 
-use crate::registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad};
+use crate::{
+    config::MAX_REPORT_INTERVAL,
+    registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad},
+};
 
 /// The smallest utilization reported: Envoy treats 0 as an error and keeps the old weight.
 pub const MIN_UTILIZATION: f64 = 0.001;
@@ -160,7 +163,9 @@ impl OrcaService {
 }
 
 /// The interval a stream reports at: the one Envoy asked for (`report_interval`; none, or a
-/// negative part, counts as zero), never below `min_interval`.
+/// negative part, counts as zero), never below `min_interval` and never above
+/// [`MAX_REPORT_INTERVAL`], which bounds a floor above it too (the config refuses such a floor, but
+/// the default one is the sample interval): the report timer never overflows.
 pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) -> Duration {
     let asked = asked
         .map(|d| {
@@ -168,7 +173,7 @@ pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) ->
                 + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
         })
         .unwrap_or_default();
-    asked.max(min_interval)
+    asked.max(min_interval).min(MAX_REPORT_INTERVAL)
 }
 
 /// Marks a stream closed in the registry however the loop ends.
@@ -446,6 +451,24 @@ mod tests {
         assert_eq!(report_interval(Some(&asked(0, 1_000)), floor), floor);
         assert_eq!(report_interval(None, floor), floor);
         assert_eq!(report_interval(Some(&asked(-5, -1)), floor), floor);
+    }
+
+    #[test]
+    fn the_interval_is_at_most_an_hour_whatever_is_asked() {
+        // Found by the orca_requests fuzz target: Envoy asking for 7449907063523939383 s made the
+        // report timer overflow (a panic in the stream's task).
+        let floor = Duration::from_millis(100);
+        for huge in [
+            asked(7_449_907_063_523_939_383, 0),
+            asked(i64::MAX, i32::MAX),
+        ] {
+            let interval = report_interval(Some(&huge), floor);
+            assert_eq!(interval, MAX_REPORT_INTERVAL);
+            assert!(tokio::time::Instant::now().checked_add(interval).is_some());
+        }
+        // A floor above the bound (a sample interval of more than an hour) is capped as well.
+        let floor = Duration::from_millis(u64::MAX);
+        assert_eq!(report_interval(None, floor), MAX_REPORT_INTERVAL);
     }
 
     #[test]
