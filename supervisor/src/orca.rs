@@ -282,37 +282,32 @@ async fn send(
 /// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
 /// weight), so it reports the mean rate of its busy peers and the utilization that makes its weight
 /// twice the best busy peer's (or its own utilization, if it is busier than that): it draws traffic
-/// without dwarfing the others, and its next report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
-/// are at least [`MIN_UTILIZATION`].
+/// without dwarfing the others, and its next report sets its weight from real numbers. With no busy
+/// peer it reports 1 request/s. Utilizations are at least [`MIN_UTILIZATION`]. Every field is finite:
+/// a sample whose rates are not (NaN, an infinity) makes no report, and counts as no busy peer.
 pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(worker.pid)?;
-    let cpu = load.cpu_cores?;
-    let rps = load.requests_per_second?;
-    let wait = load.runq_wait_cores.unwrap_or(0.0);
+    let (cpu, wait, rps) = rates(load)?;
     let application = cpu + wait;
     let (rps, application) = if rps >= IDLE_RPS {
         (rps, application)
     } else {
-        let busy: Vec<&WorkerLoad> = loads
+        let busy: Vec<(f64, f64, f64)> = loads
             .iter()
             .filter(|peer| peer.service == load.service && peer.pid != load.pid)
-            .filter(|peer| peer.requests_per_second.is_some_and(|r| r >= IDLE_RPS))
+            .filter_map(rates)
+            .filter(|&(_, _, rps)| rps >= IDLE_RPS)
             .collect();
         if busy.is_empty() {
             (1.0, application)
         } else {
-            let mean_rps = busy
-                .iter()
-                .filter_map(|p| p.requests_per_second)
-                .sum::<f64>()
-                / busy.len() as f64;
+            // Each rate divided first, so that the sum of large ones does not overflow.
+            let n = busy.len() as f64;
+            let mean_rps = busy.iter().map(|&(_, _, rps)| rps / n).sum::<f64>();
             // The best peer's weight, as Envoy computes it (rate over utilization).
             let best_weight = busy
                 .iter()
-                .map(|p| {
-                    let utilization = p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0);
-                    p.requests_per_second.unwrap_or(0.0) / utilization.max(MIN_UTILIZATION)
-                })
+                .map(|&(cpu, wait, rps)| rps / (cpu + wait).max(MIN_UTILIZATION))
                 .fold(0.0, f64::max);
             // Twice the best peer's weight, unless the worker itself is busier than that (a long
             // request, or work of its own): a near-zero utilization would weigh it a thousand times
@@ -320,12 +315,30 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
             (mean_rps, application.max(mean_rps / (2.0 * best_weight)))
         }
     };
-    Some(OrcaLoadReport {
+    let report = OrcaLoadReport {
         cpu_utilization: cpu.max(MIN_UTILIZATION),
         application_utilization: application.max(MIN_UTILIZATION),
         rps_fractional: rps,
         ..Default::default()
-    })
+    };
+    // Finite rates far beyond any machine's can still overflow: no report rather than an infinite one.
+    [
+        report.cpu_utilization,
+        report.application_utilization,
+        report.rps_fractional,
+    ]
+    .iter()
+    .all(|v| v.is_finite())
+    .then_some(report)
+}
+
+/// A sample's CPU, run-queue wait and request rates, if it has them (not a baseline) and they are
+/// numbers: a rate that is not finite (a sampler fault, such as a rate over no time) makes none.
+fn rates(load: &WorkerLoad) -> Option<(f64, f64, f64)> {
+    let cpu = load.cpu_cores.filter(|v| v.is_finite())?;
+    let rps = load.requests_per_second.filter(|v| v.is_finite())?;
+    let wait = load.runq_wait_cores.unwrap_or(0.0);
+    wait.is_finite().then_some((cpu, wait, rps))
 }
 
 #[cfg(test)]
@@ -429,6 +442,37 @@ mod tests {
         assert_eq!(alone.rps_fractional, 1.0);
         assert_eq!(alone.cpu_utilization, MIN_UTILIZATION);
         assert_eq!(alone.application_utilization, MIN_UTILIZATION);
+    }
+
+    #[test]
+    fn rates_that_are_not_numbers_make_no_report_and_no_peer() {
+        // Found by the orca_requests fuzz target: an infinite CPU rate was reported as an infinite
+        // utilization (Envoy would compute a zero or infinite weight from it).
+        let infinite = load(12, Some(f64::INFINITY), 0.0, Some(f64::NAN));
+        assert_eq!(
+            report_for(&loads(vec![infinite.clone()]), &worker(12)),
+            None
+        );
+        for broken in [
+            load(1, Some(f64::NAN), 0.0, Some(100.0)),
+            load(1, Some(0.5), f64::INFINITY, Some(100.0)),
+            load(1, Some(0.5), 0.0, Some(f64::NEG_INFINITY)),
+        ] {
+            assert_eq!(report_for(&loads(vec![broken]), &worker(1)), None);
+        }
+        // An idle worker beside a broken peer reports as if alone.
+        let idle = load(1, Some(0.0), 0.0, Some(0.0));
+        let alone = report_for(&loads(vec![idle.clone()]), &worker(1));
+        let beside = report_for(&loads(vec![idle, infinite]), &worker(1));
+        assert_eq!(beside, alone);
+        // Rates too large to add up stay finite, or make no report.
+        let busy = |pid| load(pid, Some(0.0), 0.0, Some(f64::MAX));
+        let idle = load(1, Some(0.0), 0.0, Some(0.0));
+        let r = report_for(&loads(vec![idle, busy(2), busy(3)]), &worker(1)).unwrap();
+        assert_eq!(r.rps_fractional, f64::MAX);
+        assert!(r.application_utilization.is_finite());
+        let both_huge = load(1, Some(f64::MAX), f64::MAX, Some(100.0));
+        assert_eq!(report_for(&loads(vec![both_huge]), &worker(1)), None);
     }
 
     #[test]
