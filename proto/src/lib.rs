@@ -114,6 +114,11 @@ pub fn decode_frame_limited<M: Message + Default>(
 fn read_varint(buf: &[u8]) -> Result<Option<(usize, usize)>, FrameError> {
     let mut value: u64 = 0;
     for (i, byte) in buf.iter().enumerate().take(10) {
+        // The tenth byte holds the 64th bit alone: a varint with more does not fit a u64, and
+        // protobuf rejects it (shifted in, its high bits would be lost and the length wrap).
+        if i == 9 && *byte > 1 {
+            return Err(FrameError::BadLength);
+        }
         value |= u64::from(byte & 0x7f) << (7 * i);
         if byte & 0x80 == 0 {
             let len = usize::try_from(value).map_err(|_| FrameError::BadLength)?;
@@ -186,6 +191,34 @@ mod tests {
         ));
         let got = decode_frame_limited::<WorkerMessage>(&mut buf, MAX_STATUS_FRAME_LEN).unwrap();
         assert_eq!(got, Some(big));
+    }
+
+    #[test]
+    fn rejects_a_length_prefix_past_64_bits() {
+        // Found by the registration_frames fuzz target: ten bytes whose last carries more than the
+        // 64th bit were read with those bits dropped, as a length that fits (here 0: an empty frame).
+        let mut buf =
+            BytesMut::from(&[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02][..]);
+        assert!(matches!(
+            decode_frame::<WorkerMessage>(&mut buf),
+            Err(FrameError::BadLength)
+        ));
+        let mut buf = BytesMut::from(
+            &[
+                0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f, 0,
+            ][..],
+        );
+        assert!(matches!(
+            decode_frame::<WorkerMessage>(&mut buf),
+            Err(FrameError::BadLength)
+        ));
+        // The 64th bit alone is a valid varint: a length over any limit.
+        let mut buf =
+            BytesMut::from(&[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01][..]);
+        assert!(matches!(
+            decode_frame::<WorkerMessage>(&mut buf),
+            Err(FrameError::TooLong { len, .. }) if len == 1 << 63
+        ));
     }
 
     #[test]

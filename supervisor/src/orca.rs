@@ -22,6 +22,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use peregrine_proto::xds::{
     data::orca::v3::OrcaLoadReport,
     service::orca::v3::{
@@ -37,7 +38,10 @@ use tonic::{
     server::NamedService,
 };
 
-use crate::registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad};
+use crate::{
+    config::MAX_REPORT_INTERVAL,
+    registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad},
+};
 
 /// The smallest utilization reported: Envoy treats 0 as an error and keeps the old weight.
 pub const MIN_UTILIZATION: f64 = 0.001;
@@ -120,32 +124,56 @@ impl OpenRcaService for OrcaService {
         &self,
         request: Request<OrcaLoadReportRequest>,
     ) -> Result<Response<ReportStream>, Status> {
-        let Some(Authority(authority)) = request.extensions().get::<Authority>().cloned() else {
+        let authority = request
+            .extensions()
+            .get::<Authority>()
+            .map(|a| a.0.as_str());
+        let (worker, interval) = self.accept(authority, request.get_ref())?;
+        tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl OrcaService {
+    /// What a stream whose `:authority` is `authority` (`None`: it has none) asking `request` gets:
+    /// the registered worker of that hostname and the interval to report it at
+    /// ([`report_interval`]), or the status it is refused with (NOT_FOUND, which Envoy retries).
+    /// Reads the registry, writes nothing.
+    pub fn accept(
+        &self,
+        authority: Option<&str>,
+        request: &OrcaLoadReportRequest,
+    ) -> Result<(Worker, Duration), Status> {
+        let Some(authority) = authority else {
             return Err(Status::not_found(
                 "no :authority: Envoy sets it to the worker's EDS hostname",
             ));
         };
-        let Some(worker) = self.registry.find_hostname(&authority) else {
+        let Some(worker) = self.registry.find_hostname(authority) else {
             tracing::debug!(%authority, "ORCA stream for no registered worker");
             return Err(Status::not_found(format!(
                 "no registered worker has hostname {authority}"
             )));
         };
-        let asked = request
-            .get_ref()
-            .report_interval
-            .as_ref()
-            .map(|d| {
-                Duration::from_secs(u64::try_from(d.seconds).unwrap_or(0))
-                    + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
-            })
-            .unwrap_or_default();
-        let interval = asked.max(self.min_interval);
-        tracing::info!(hostname = %authority, ?interval, "ORCA stream opened");
-        let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let interval = report_interval(request.report_interval.as_ref(), self.min_interval);
+        Ok((worker, interval))
     }
+}
+
+/// The interval a stream reports at: the one Envoy asked for (`report_interval`; none, or a
+/// negative part, counts as zero), never below `min_interval` and never above
+/// [`MAX_REPORT_INTERVAL`], which bounds a floor above it too (the config refuses such a floor, but
+/// the default one is the sample interval): the report timer never overflows.
+pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) -> Duration {
+    let asked = asked
+        .map(|d| {
+            Duration::from_secs(u64::try_from(d.seconds).unwrap_or(0))
+                + Duration::from_nanos(u64::try_from(d.nanos).unwrap_or(0))
+        })
+        .unwrap_or_default();
+    asked.max(min_interval).min(MAX_REPORT_INTERVAL)
 }
 
 /// Marks a stream closed in the registry however the loop ends.
@@ -254,37 +282,32 @@ async fn send(
 /// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
 /// weight), so it reports the mean rate of its busy peers and the utilization that makes its weight
 /// twice the best busy peer's (or its own utilization, if it is busier than that): it draws traffic
-/// without dwarfing the others, and its next report sets its weight from real numbers. With no busy peer it reports 1 request/s. Utilizations
-/// are at least [`MIN_UTILIZATION`].
+/// without dwarfing the others, and its next report sets its weight from real numbers. With no busy
+/// peer it reports 1 request/s. Utilizations are at least [`MIN_UTILIZATION`]. Every field is finite:
+/// a sample whose rates are not (NaN, an infinity) makes no report, and counts as no busy peer.
 pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(worker.pid)?;
-    let cpu = load.cpu_cores?;
-    let rps = load.requests_per_second?;
-    let wait = load.runq_wait_cores.unwrap_or(0.0);
+    let (cpu, wait, rps) = rates(load)?;
     let application = cpu + wait;
     let (rps, application) = if rps >= IDLE_RPS {
         (rps, application)
     } else {
-        let busy: Vec<&WorkerLoad> = loads
+        let busy: Vec<(f64, f64, f64)> = loads
             .iter()
             .filter(|peer| peer.service == load.service && peer.pid != load.pid)
-            .filter(|peer| peer.requests_per_second.is_some_and(|r| r >= IDLE_RPS))
+            .filter_map(rates)
+            .filter(|&(_, _, rps)| rps >= IDLE_RPS)
             .collect();
         if busy.is_empty() {
             (1.0, application)
         } else {
-            let mean_rps = busy
-                .iter()
-                .filter_map(|p| p.requests_per_second)
-                .sum::<f64>()
-                / busy.len() as f64;
+            // Each rate divided first, so that the sum of large ones does not overflow.
+            let n = busy.len() as f64;
+            let mean_rps = busy.iter().map(|&(_, _, rps)| rps / n).sum::<f64>();
             // The best peer's weight, as Envoy computes it (rate over utilization).
             let best_weight = busy
                 .iter()
-                .map(|p| {
-                    let utilization = p.cpu_cores.unwrap_or(0.0) + p.runq_wait_cores.unwrap_or(0.0);
-                    p.requests_per_second.unwrap_or(0.0) / utilization.max(MIN_UTILIZATION)
-                })
+                .map(|&(cpu, wait, rps)| rps / (cpu + wait).max(MIN_UTILIZATION))
                 .fold(0.0, f64::max);
             // Twice the best peer's weight, unless the worker itself is busier than that (a long
             // request, or work of its own): a near-zero utilization would weigh it a thousand times
@@ -292,12 +315,30 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
             (mean_rps, application.max(mean_rps / (2.0 * best_weight)))
         }
     };
-    Some(OrcaLoadReport {
+    let report = OrcaLoadReport {
         cpu_utilization: cpu.max(MIN_UTILIZATION),
         application_utilization: application.max(MIN_UTILIZATION),
         rps_fractional: rps,
         ..Default::default()
-    })
+    };
+    // Finite rates far beyond any machine's can still overflow: no report rather than an infinite one.
+    [
+        report.cpu_utilization,
+        report.application_utilization,
+        report.rps_fractional,
+    ]
+    .iter()
+    .all(|v| v.is_finite())
+    .then_some(report)
+}
+
+/// A sample's CPU, run-queue wait and request rates, if it has them (not a baseline) and they are
+/// numbers: a rate that is not finite (a sampler fault, such as a rate over no time) makes none.
+fn rates(load: &WorkerLoad) -> Option<(f64, f64, f64)> {
+    let cpu = load.cpu_cores.filter(|v| v.is_finite())?;
+    let rps = load.requests_per_second.filter(|v| v.is_finite())?;
+    let wait = load.runq_wait_cores.unwrap_or(0.0);
+    wait.is_finite().then_some((cpu, wait, rps))
 }
 
 #[cfg(test)]
@@ -404,8 +445,92 @@ mod tests {
     }
 
     #[test]
+    fn rates_that_are_not_numbers_make_no_report_and_no_peer() {
+        // Found by the orca_requests fuzz target: an infinite CPU rate was reported as an infinite
+        // utilization (Envoy would compute a zero or infinite weight from it).
+        let infinite = load(12, Some(f64::INFINITY), 0.0, Some(f64::NAN));
+        assert_eq!(
+            report_for(&loads(vec![infinite.clone()]), &worker(12)),
+            None
+        );
+        for broken in [
+            load(1, Some(f64::NAN), 0.0, Some(100.0)),
+            load(1, Some(0.5), f64::INFINITY, Some(100.0)),
+            load(1, Some(0.5), 0.0, Some(f64::NEG_INFINITY)),
+        ] {
+            assert_eq!(report_for(&loads(vec![broken]), &worker(1)), None);
+        }
+        // An idle worker beside a broken peer reports as if alone.
+        let idle = load(1, Some(0.0), 0.0, Some(0.0));
+        let alone = report_for(&loads(vec![idle.clone()]), &worker(1));
+        let beside = report_for(&loads(vec![idle, infinite]), &worker(1));
+        assert_eq!(beside, alone);
+        // Rates too large to add up stay finite, or make no report.
+        let busy = |pid| load(pid, Some(0.0), 0.0, Some(f64::MAX));
+        let idle = load(1, Some(0.0), 0.0, Some(0.0));
+        let r = report_for(&loads(vec![idle, busy(2), busy(3)]), &worker(1)).unwrap();
+        assert_eq!(r.rps_fractional, f64::MAX);
+        assert!(r.application_utilization.is_finite());
+        let both_huge = load(1, Some(f64::MAX), f64::MAX, Some(100.0));
+        assert_eq!(report_for(&loads(vec![both_huge]), &worker(1)), None);
+    }
+
+    #[test]
     fn a_report_from_another_instance_in_the_slot_is_not_used() {
         let l = loads(vec![load(2, Some(0.5), 0.0, Some(10.0))]);
         assert_eq!(report_for(&l, &worker(1)), None);
+    }
+
+    fn asked(seconds: i64, nanos: i32) -> ProtoDuration {
+        ProtoDuration { seconds, nanos }
+    }
+
+    #[test]
+    fn the_interval_is_envoys_but_never_below_the_floor() {
+        let floor = Duration::from_millis(100);
+        assert_eq!(
+            report_interval(Some(&asked(2, 500_000_000)), floor),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(report_interval(Some(&asked(0, 1_000)), floor), floor);
+        assert_eq!(report_interval(None, floor), floor);
+        assert_eq!(report_interval(Some(&asked(-5, -1)), floor), floor);
+    }
+
+    #[test]
+    fn the_interval_is_at_most_an_hour_whatever_is_asked() {
+        // Found by the orca_requests fuzz target: Envoy asking for 7449907063523939383 s made the
+        // report timer overflow (a panic in the stream's task).
+        let floor = Duration::from_millis(100);
+        for huge in [
+            asked(7_449_907_063_523_939_383, 0),
+            asked(i64::MAX, i32::MAX),
+        ] {
+            let interval = report_interval(Some(&huge), floor);
+            assert_eq!(interval, MAX_REPORT_INTERVAL);
+            assert!(tokio::time::Instant::now().checked_add(interval).is_some());
+        }
+        // A floor above the bound (a sample interval of more than an hour) is capped as well.
+        let floor = Duration::from_millis(u64::MAX);
+        assert_eq!(report_interval(None, floor), MAX_REPORT_INTERVAL);
+    }
+
+    #[test]
+    fn a_stream_is_for_a_registered_hostname_only() {
+        let registry = Arc::new(Registry::new(["web".to_string()]));
+        let registered = worker(7);
+        registry.register(registered.clone()).unwrap();
+        let orca = OrcaService::new(registry, Duration::from_secs(1));
+        let request = OrcaLoadReportRequest {
+            report_interval: Some(asked(3, 0)),
+            ..Default::default()
+        };
+        let (found, interval) = orca.accept(Some(&registered.hostname), &request).unwrap();
+        assert_eq!(found.pid, 7);
+        assert_eq!(interval, Duration::from_secs(3));
+        for authority in [None, Some("web-7-8"), Some("")] {
+            let status = orca.accept(authority, &request).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::NotFound, "{authority:?}");
+        }
     }
 }

@@ -37,7 +37,7 @@ use tracing::Instrument;
 
 mod admission;
 
-pub use self::admission::{ListenerError, Refusal};
+pub use self::admission::{ListenerError, PeerCred, Refusal, admit_peer};
 use self::admission::{admit, same_user};
 use crate::{
     children::Children, instance::InstanceLock, registry::Registry, status, xds::acks::Acks,

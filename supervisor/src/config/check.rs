@@ -25,7 +25,7 @@ use super::{
     OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
     error::Problem,
     files::absolute_in,
-    limits::{MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
+    limits::{MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
     raw::{RawConfig, RawOrca, RawSupervisor},
     workers_in_all,
 };
@@ -248,6 +248,7 @@ impl Checker<'_> {
         let mut millis = |value, key: &str, min, target: &mut Duration| {
             self.millis(value, &format!("orca.{key}"), min, target)
         };
+        let floor_span = raw.min_report_interval_ms.as_ref().map(|v| v.span());
         millis(
             raw.min_report_interval_ms,
             "min_report_interval_ms",
@@ -273,6 +274,19 @@ impl Checker<'_> {
             100,
             &mut orca.weight_update_period,
         );
+        // Only a floor written in the file: the default one (the sample interval) is capped where
+        // reports are timed (`orca::report_interval`).
+        if floor_span.is_some() && orca.min_report_interval > MAX_REPORT_INTERVAL {
+            self.report(
+                floor_span,
+                "orca.min_report_interval_ms".into(),
+                format!(
+                    "must be at most {} (milliseconds), got {}",
+                    MAX_REPORT_INTERVAL.as_millis(),
+                    orca.min_report_interval.as_millis()
+                ),
+            );
+        }
         if orca.weight_expiration_period <= orca.blackout_period {
             self.report(
                 expiration_span,

@@ -19,3 +19,9 @@ pub const MAX_TOTAL_WORKERS: u64 = 16384;
 
 /// The shortest `supervisor.sample_interval_ms`: below it, sampling costs more than it tells.
 pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);
+
+/// The longest interval between two ORCA reports on a stream, whatever Envoy asks for, and the most
+/// `orca.min_report_interval_ms` may say. Envoy drops a weight it has had no report for within its
+/// weight expiration period (`orca.weight_expiration_period_ms`, 30 s by default), so a longer
+/// interval only leaves a worker without a weight; the bound keeps the report timer from overflowing.
+pub const MAX_REPORT_INTERVAL: Duration = Duration::from_secs(3600);

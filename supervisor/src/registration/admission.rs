@@ -6,7 +6,8 @@
 //! started in, with a listener of known protocols and valid addresses.
 //!
 //! Invariant: admission reads the process table and the peer's credentials and writes nothing; the
-//! caller registers what it returns, or refuses with its [`Refusal`].
+//! caller registers what it returns, or refuses with its [`Refusal`]. Once the credentials are read
+//! from the socket the decision is a pure function ([`admit_peer`]), which the fuzz targets call.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -93,17 +94,39 @@ pub enum ListenerError {
     NoAddress,
 }
 
-/// The peer's credentials, if it runs as the supervisor's user.
-pub(super) fn same_user(stream: &UnixStream) -> Result<tokio::net::unix::UCred, Refusal> {
-    let cred = stream.peer_cred().map_err(Refusal::Credentials)?;
-    let ours = rustix::process::geteuid().as_raw();
-    if cred.uid() != ours {
+/// A peer's credentials as the kernel gives them (SO_PEERCRED).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    /// The peer's effective uid.
+    pub uid: u32,
+    /// The peer's pid, if the kernel gave one.
+    pub pid: Option<i32>,
+}
+
+impl PeerCred {
+    fn of(stream: &UnixStream) -> Result<PeerCred, Refusal> {
+        let cred = stream.peer_cred().map_err(Refusal::Credentials)?;
+        Ok(PeerCred {
+            uid: cred.uid(),
+            pid: cred.pid(),
+        })
+    }
+}
+
+/// Refuses a peer that does not run as the supervisor's user.
+pub(super) fn same_user(stream: &UnixStream) -> Result<(), Refusal> {
+    check_user(PeerCred::of(stream)?, rustix::process::geteuid().as_raw())
+}
+
+/// Refuses a peer that does not run as `ours`.
+fn check_user(cred: PeerCred, ours: u32) -> Result<(), Refusal> {
+    if cred.uid != ours {
         return Err(Refusal::OtherUser {
-            peer: cred.uid(),
+            peer: cred.uid,
             ours,
         });
     }
-    Ok(cred)
+    Ok(())
 }
 
 /// Checks a registration against the peer's credentials and the process table.
@@ -112,9 +135,26 @@ pub(super) fn admit(
     message: WorkerMessage,
     children: &Children,
 ) -> Result<Worker, Refusal> {
-    let cred = same_user(stream)?;
+    let cred = PeerCred::of(stream)?;
+    admit_peer(message, cred, rustix::process::geteuid().as_raw(), children)
+}
+
+/// Checks a registration from a peer with credentials `cred` against the process table, for a
+/// supervisor running as uid `ours`: what [`admit`] decides once the credentials are read. Pure: it
+/// reads `children` and writes nothing.
+///
+/// An admitted worker is ready, in the slot `children` has for the peer's pid, with that pid, a
+/// listener of known protocols (without duplicates, at least one) and valid addresses (IPs with a
+/// port in 1..=65535, absolute Unix paths; at least one).
+pub fn admit_peer(
+    message: WorkerMessage,
+    cred: PeerCred,
+    ours: u32,
+    children: &Children,
+) -> Result<Worker, Refusal> {
+    check_user(cred, ours)?;
     let peer = cred
-        .pid()
+        .pid
         .and_then(|p| u32::try_from(p).ok())
         .ok_or(Refusal::PidUnknown)?;
     let slot = children.slot_of(peer).ok_or(Refusal::NotOurs(peer))?;
@@ -189,4 +229,113 @@ fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>)
         return Err(ListenerError::NoAddress);
     }
     Ok((protocols, addresses))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::WorkerState;
+
+    const OURS: u32 = 1000;
+
+    fn register(service: &str, index: u32, pid: u32, addresses: Vec<v1::Address>) -> WorkerMessage {
+        WorkerMessage {
+            message: Some(worker_message::Message::Register(v1::Register {
+                service: service.into(),
+                index,
+                pid,
+                listener: Some(v1::Listener {
+                    name: "main".into(),
+                    scheme: "http".into(),
+                    protocols: vec![v1::Protocol::Http2 as i32, v1::Protocol::Http2 as i32],
+                    addresses,
+                }),
+            })),
+        }
+    }
+
+    fn tcp(ip: &str, port: u32) -> v1::Address {
+        v1::Address {
+            address: Some(v1::address::Address::Socket(v1::SocketAddress {
+                ip: ip.into(),
+                port,
+            })),
+        }
+    }
+
+    fn peer(pid: i32) -> PeerCred {
+        PeerCred {
+            uid: OURS,
+            pid: Some(pid),
+        }
+    }
+
+    #[test]
+    fn admits_a_worker_of_the_table_from_its_own_credentials_alone() {
+        let children = Children::default();
+        children.insert_for_test(42, "web", 3);
+        let unix = v1::Address {
+            address: Some(v1::address::Address::UnixPath("/run/web.sock".into())),
+        };
+        let message = register("web", 3, 42, vec![tcp("::1", 8080), unix]);
+        let worker = admit_peer(message, peer(42), OURS, &children).unwrap();
+        assert_eq!(
+            (worker.service.as_str(), worker.index, worker.pid),
+            ("web", 3, 42)
+        );
+        assert_eq!(worker.hostname, crate::registry::hostname_for("web", 3, 42));
+        assert_eq!(worker.state, WorkerState::Ready);
+        assert_eq!(worker.listener.name, "main");
+        assert_eq!(
+            worker.listener.protocols,
+            [Protocol::Http2],
+            "without duplicates"
+        );
+        assert_eq!(
+            worker.listener.addresses,
+            [
+                Address::Tcp("[::1]:8080".parse().unwrap()),
+                Address::Unix("/run/web.sock".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn refuses_from_the_credentials_before_reading_the_message() {
+        let children = Children::default();
+        children.insert_for_test(42, "web", 3);
+        let message = || register("web", 3, 42, vec![tcp("127.0.0.1", 8080)]);
+        let refusal = |cred| admit_peer(message(), cred, OURS, &children).unwrap_err();
+        assert!(matches!(
+            refusal(PeerCred {
+                uid: 0,
+                pid: Some(42)
+            }),
+            Refusal::OtherUser {
+                peer: 0,
+                ours: OURS
+            }
+        ));
+        assert!(matches!(
+            refusal(PeerCred {
+                uid: OURS,
+                pid: None
+            }),
+            Refusal::PidUnknown
+        ));
+        assert!(matches!(refusal(peer(-1)), Refusal::PidUnknown));
+        assert!(matches!(refusal(peer(43)), Refusal::NotOurs(43)));
+        let status = WorkerMessage {
+            message: Some(worker_message::Message::Status(v1::StatusRequest {})),
+        };
+        assert!(matches!(
+            admit_peer(status, peer(42), OURS, &children),
+            Err(Refusal::NotRegister)
+        ));
+        let bad = register("web", 3, 42, vec![tcp("localhost", 8080)]);
+        assert!(matches!(
+            admit_peer(bad, peer(42), OURS, &children),
+            Err(Refusal::Listener(ListenerError::Ip(ip))) if ip == "localhost"
+        ));
+    }
 }

@@ -22,6 +22,8 @@
 //! Invariant: the transport never builds resources; it only selects from the cache's.
 
 mod delta;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 #[cfg(test)]
 mod scenarios;
 mod sotw;
