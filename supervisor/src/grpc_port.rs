@@ -241,7 +241,11 @@ async fn handshake(
     let deadline = Instant::now() + timeout;
     let late = || {
         if let Some(held_back) = admission.no_preface.allow() {
-            tracing::info!(%peer, ?timeout, held_back, tls = admission.tls.is_some(), "gRPC port: no TLS handshake or HTTP/2 preface in time, closing");
+            if admission.tls.is_some() {
+                tracing::info!(%peer, ?timeout, held_back, "gRPC port: no TLS handshake and HTTP/2 preface in time, closing");
+            } else {
+                tracing::info!(%peer, ?timeout, held_back, "gRPC port: no HTTP/2 preface in time, closing");
+            }
         }
     };
     let mut conn = match &admission.tls {
