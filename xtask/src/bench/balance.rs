@@ -10,6 +10,13 @@
 //! worker 1 and CPU 0 holds only worker 0 and what the scenario puts there. Only one service is loaded
 //! at a time; the idle ones cost nothing.
 //!
+//! **The baseline people run today** (scenario A only): two `hyper-baseline --reuseport` processes
+//! (`tests/src/bin/hyper-baseline.rs`: the same answer and `?cpu=MS` work as the hello app) on one
+//! `SO_REUSEPORT` port, pinned like the workers (CPU 0 and CPU 1), loaded directly by the same
+//! generator: the kernel hashes each of the generator's connections, made afresh every run, to one
+//! of them, and the split stays for the run, whatever each process's core is doing. Each round is
+//! one such split, so the p99 of each round is reported beside the median.
+//!
 //! **Scenarios.** A: a CPU hog (`sh -c 'while :; do :; done'`) pinned to CPU 0 for the whole scenario,
 //! so worker 0 gets half a core while it is busy. B: no hog; a side load sends CPU-heavy requests
 //! (5x the cost of a main request, at a rate that takes half of CPU 0) *directly* to worker 0 of the
@@ -74,16 +81,33 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-/// The load balancing policies, in table order.
+/// The load balancing policies, in table order, and the baseline without Envoy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Policy {
     RoundRobin,
     LeastRequest,
     Cswrr,
+    /// No balancer: processes on one `SO_REUSEPORT` port, the kernel's hash of each connection.
+    ReusePort,
 }
 
 impl Policy {
+    /// The policies Envoy applies: one service each.
     const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::Cswrr];
+
+    /// What each scenario runs, in table order: every policy, and in A the baseline (B's side load
+    /// targets one process, which a shared port cannot).
+    fn of(scenario: Scenario) -> &'static [Policy] {
+        match scenario {
+            Scenario::Hog => &[
+                Policy::RoundRobin,
+                Policy::LeastRequest,
+                Policy::Cswrr,
+                Policy::ReusePort,
+            ],
+            Scenario::SideLoad => &Policy::ALL,
+        }
+    }
 
     /// The service (Envoy cluster, route prefix) balanced by this policy.
     fn service(self) -> &'static str {
@@ -91,6 +115,7 @@ impl Policy {
             Policy::RoundRobin => "rr",
             Policy::LeastRequest => "lr",
             Policy::Cswrr => "orca",
+            Policy::ReusePort => "reuseport",
         }
     }
 
@@ -99,15 +124,16 @@ impl Policy {
             Policy::RoundRobin => "ROUND_ROBIN",
             Policy::LeastRequest => "LEAST_REQUEST",
             Policy::Cswrr => "CSWRR + ORCA",
+            Policy::ReusePort => "SO_REUSEPORT hyper",
         }
     }
 
-    /// The service's balancing line in `peregrine.toml`.
+    /// The service's balancing line in `peregrine.toml` (the baseline has no service).
     fn toml(self) -> &'static str {
         match self {
             Policy::RoundRobin => "lb_policy = \"round_robin\"",
             Policy::LeastRequest => "lb_policy = \"least_request\"",
-            Policy::Cswrr => "orca = true",
+            Policy::Cswrr | Policy::ReusePort => "orca = true",
         }
     }
 }
@@ -298,6 +324,15 @@ struct Bench<'a> {
     /// Envoy's listener.
     listen: SocketAddr,
     dir: &'a std::path::Path,
+    /// The `SO_REUSEPORT` baseline, once it runs.
+    reuseport: Option<ReusePort>,
+}
+
+/// The `SO_REUSEPORT` baseline: its shared address and its two processes (CPU 0, CPU 1).
+#[derive(Clone, Debug)]
+struct ReusePort {
+    addr: SocketAddr,
+    workers: [WorkerInfo; 2],
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use anyhow::Context as _;
 use peregrine_contract::procfs;
 
 use super::{
@@ -44,6 +45,9 @@ impl Bench<'_> {
 
     /// One run: warm-up and measured window of `policy`'s service, with the side load in scenario B.
     fn run(&self, case: Case) -> anyhow::Result<Run> {
+        if case.policy == Policy::ReusePort {
+            return self.run_reuseport(case);
+        }
         let options = self.options;
         let service = case.policy.service();
         let workers = self.workers(service)?;
@@ -104,6 +108,41 @@ impl Bench<'_> {
         self.quiet(service, &workers, ended)?;
         let mut run = summarize(case, options, &workers, &records, samples);
         run.others = others;
+        Ok(run)
+    }
+}
+
+impl Bench<'_> {
+    /// One run of the `SO_REUSEPORT` baseline: the same load, straight to the shared port, over new
+    /// connections (a new split by the kernel's hash); no monitor (there is no supervisor to ask).
+    fn run_reuseport(&self, case: Case) -> anyhow::Result<Run> {
+        let options = self.options;
+        let super::ReusePort { addr, workers } = self
+            .reuseport
+            .clone()
+            .context("the SO_REUSEPORT baseline is not running")?;
+        let plan = Plan {
+            addr,
+            path: format!("/?cpu={}", options.cpu_ms),
+            rate: options.rate(),
+            duration: Duration::from_secs(options.warmup + options.duration),
+            connections: CONNECTIONS,
+            timeout: TIMEOUT,
+        };
+        let start = Instant::now() + Duration::from_millis(500);
+        let own: Vec<u32> = self.own.iter().copied().chain(case.hog).collect();
+        let before = (Instant::now(), machine_busy()?, own_ticks(&own));
+        let records = openloop::run(&plan, start)?;
+        let (machine, mine) = (
+            machine_busy()?.saturating_sub(before.1),
+            own_ticks(&own).saturating_sub(before.2),
+        );
+        let mut run = summarize(case, options, &workers, &records, Vec::new());
+        run.others = machine.saturating_sub(mine) as f64
+            / procfs::clock_ticks_per_second() as f64
+            / before.0.elapsed().as_secs_f64();
+        // A queue left in a slowed process would delay the next run's first requests.
+        thread::sleep(Duration::from_secs(2));
         Ok(run)
     }
 }

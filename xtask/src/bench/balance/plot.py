@@ -23,6 +23,7 @@ POLICIES = [
     ("rr", "ROUND_ROBIN", "tab:red"),
     ("lr", "LEAST_REQUEST", "tab:orange"),
     ("orca", "CSWRR + ORCA", "tab:blue"),
+    ("reuseport", "SO_REUSEPORT hyper (no balancer)", "tab:gray"),
 ]
 ROUND = "1"
 WORKERS = [("0", "tab:purple"), ("1", "tab:green")]

@@ -80,7 +80,7 @@ pub(super) fn write(
     for scenario in Scenario::ALL {
         let runs: Vec<&Run> = runs.iter().filter(|r| r.scenario == scenario).collect();
         writeln!(report, "\n### {}\n", scenario.title())?;
-        report.push_str(&table(&runs));
+        report.push_str(&table(&runs, Policy::of(scenario)));
         writeln!(report)?;
         report.push_str(&goals(scenario, &runs, options.rate()));
     }
@@ -129,8 +129,8 @@ fn median_latency(values: impl Iterator<Item = Option<Duration>>) -> Option<Dura
     values.get(values.len() / 2).copied().flatten()
 }
 
-/// One row per policy: medians over rounds (p99 also its range), failures summed.
-fn table(runs: &[&Run]) -> String {
+/// One row per policy of `policies`: medians over rounds (p99 also its range), failures summed.
+fn table(runs: &[&Run], policies: &[Policy]) -> String {
     let mut rows = vec![
         [
             "policy",
@@ -145,7 +145,7 @@ fn table(runs: &[&Run]) -> String {
         ]
         .map(str::to_owned),
     ];
-    for policy in Policy::ALL {
+    for &policy in policies {
         let runs: Vec<&&Run> = runs.iter().filter(|r| r.policy == policy).collect();
         if runs.is_empty() {
             continue;
@@ -229,6 +229,10 @@ fn goals(scenario: Scenario, runs: &[&Run], rate: f64) -> String {
             "not met"
         }
     );
+    let reuseport = of(Policy::ReusePort);
+    if !reuseport.is_empty() {
+        text.push_str(&against_reuseport(&cswrr, &reuseport));
+    }
     let share = median(cswrr.iter().map(|r| r.shares[0]).collect());
     let _ = writeln!(
         text,
@@ -238,4 +242,54 @@ fn goals(scenario: Scenario, runs: &[&Run], rate: f64) -> String {
         met(share <= 0.35)
     );
     text.replace(" 's", "'s")
+}
+
+/// The steady goal against the baseline people run: CSWRR's p99 in every round at most 1.5x the
+/// luckiest `SO_REUSEPORT` split's and at most 0.5x the unluckiest's.
+fn against_reuseport(cswrr: &[&&Run], reuseport: &[&&Run]) -> String {
+    let slowest = |runs: &[&&Run]| -> Option<Option<Duration>> {
+        let mut p99s: Vec<Option<Duration>> = runs.iter().map(|r| r.p99).collect();
+        p99s.sort_by_key(|l| l.map_or((1, Duration::ZERO), |d| (0, d)));
+        p99s.last().copied()
+    };
+    let luckiest = reuseport.iter().filter_map(|r| r.p99).min();
+    let unluckiest = slowest(reuseport).flatten();
+    let worst = slowest(cswrr);
+    let shares: Vec<String> = reuseport
+        .iter()
+        .map(|r| format!("{:.0}%", r.shares[0] * 100.0))
+        .collect();
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "- SO_REUSEPORT: the kernel's splits gave the hogged process {} of the requests; p99 of \
+         each round {}",
+        shares.join(", "),
+        reuseport
+            .iter()
+            .map(|r| latency(r.p99))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    match (worst, luckiest, unluckiest) {
+        (Some(Some(worst)), Some(lucky), unlucky) => {
+            let lucky_ok = worst.as_secs_f64() <= 1.5 * lucky.as_secs_f64();
+            // An unluckiest split that failed is slower than any answer: half of it is met.
+            let unlucky_ok = unlucky.is_none_or(|u| worst.as_secs_f64() <= 0.5 * u.as_secs_f64());
+            let _ = writeln!(
+                text,
+                "- CSWRR's slowest p99 {} against SO_REUSEPORT's luckiest {} (goal <= 1.5x: {}) and \
+                 unluckiest {} (goal <= 0.5x: {})",
+                format_duration(worst),
+                format_duration(lucky),
+                if lucky_ok { "met" } else { "not met" },
+                latency(unlucky),
+                if unlucky_ok { "met" } else { "not met" },
+            );
+        }
+        _ => {
+            let _ = writeln!(text, "- CSWRR against SO_REUSEPORT: a p99 failed: not met");
+        }
+    }
+    text
 }

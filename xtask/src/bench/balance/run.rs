@@ -17,7 +17,7 @@ use peregrine_e2e::{
 use serde_json::Value;
 
 use super::{
-    Bench, Case, OTHER_CPU, Policy, SHARED_CPU, Scenario, WorkerInfo, parse_args,
+    Bench, Case, OTHER_CPU, Policy, ReusePort, SHARED_CPU, Scenario, WorkerInfo, parse_args,
     report::{self, Setting},
     series,
 };
@@ -33,7 +33,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         cpus >= 2,
         "the benchmark pins worker 0 to CPU {SHARED_CPU} and worker 1 to CPU {OTHER_CPU}: it needs 2 CPUs, this machine has {cpus}"
     );
-    let peregrine = super::super::release_peregrine()?;
+    let peregrine =
+        super::super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
     let envoy_binary = envoy::install()?;
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -60,9 +61,14 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             admin: envoy.admin_addr(),
             listen,
             dir: dir.path(),
+            reuseport: None,
         };
         let workers = bench.ready()?;
         bench.own.extend(workers);
+        let (baseline, processes) =
+            reuseport_baseline(&peregrine.with_file_name("hyper-baseline"), dir.path())?;
+        bench.own.extend(baseline.workers.iter().map(|w| w.pid));
+        bench.reuseport = Some(baseline);
         let started = Instant::now();
         let mut runs = Vec::new();
         for scenario in Scenario::ALL {
@@ -83,8 +89,9 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
                 .transpose()?;
             let hog_pid = hog.as_ref().map(ChildGuard::id);
             for round in 0..options.rounds {
-                for k in 0..Policy::ALL.len() {
-                    let policy = Policy::ALL[(k + round) % Policy::ALL.len()];
+                let policies = Policy::of(scenario);
+                for k in 0..policies.len() {
+                    let policy = policies[(k + round) % policies.len()];
                     let case = Case {
                         scenario,
                         policy,
@@ -100,6 +107,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             }
             drop(hog);
         }
+        drop(processes);
         let setting = Setting {
             command: super::super::command_line("balance", args),
             elapsed: started.elapsed(),
@@ -127,6 +135,57 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         samples_csv.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `SO_REUSEPORT` baseline: two `hyper-baseline --reuseport` processes on one port, process `i`
+/// pinned to CPU `i` like the workers; returns their address and pids once both have answered, and
+/// the processes (killed when dropped).
+fn reuseport_baseline(binary: &Path, dir: &Path) -> anyhow::Result<(ReusePort, Vec<ChildGuard>)> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut processes = Vec::new();
+    for cpu in [SHARED_CPU, OTHER_CPU] {
+        processes.push(ChildGuard::spawn(
+            &format!("hyper-reuseport-{cpu}"),
+            Command::new("taskset")
+                .args(["-c", &cpu.to_string()])
+                .arg(binary)
+                .arg(addr.to_string())
+                .arg("--reuseport"),
+            dir,
+        )?);
+    }
+    // `taskset` execs the server: its pid is the child's.
+    let pids: Vec<u32> = processes.iter().map(ChildGuard::id).collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = std::collections::BTreeSet::new();
+    poll(deadline, "both SO_REUSEPORT processes to answer", || {
+        // A new connection each time: the kernel's hash sends some to each.
+        let (status, body) = http_get(addr, "/").ok()?;
+        if status == 200
+            && let Some(pid) = peregrine_e2e::worker_pid(&body)
+        {
+            seen.insert(pid);
+        }
+        pids.iter().all(|p| seen.contains(p)).then_some(())
+    })?;
+    for (index, pid) in pids.iter().enumerate() {
+        let cpus = cpus_allowed(*pid)?;
+        ensure!(
+            cpus == index.to_string(),
+            "SO_REUSEPORT process {index} (pid {pid}) may run on CPUs {cpus}, expected {index}"
+        );
+    }
+    let worker = |pid: u32, index: usize| WorkerInfo {
+        pid,
+        hostname: format!("reuseport-{index}-{pid}"),
+        addr,
+    };
+    eprintln!(
+        "reuseport: hyper processes {} (CPU 0) and {} (CPU 1) on {addr}, SO_REUSEPORT",
+        pids[0], pids[1]
+    );
+    let workers = [worker(pids[0], 0), worker(pids[1], 1)];
+    Ok((ReusePort { addr, workers }, processes))
 }
 
 /// The supervisor's config: three services of two workers, worker `i` pinned to CPU `i`.
