@@ -52,10 +52,13 @@ commands:
                         a loaded worker with the sampler off, eBPF and procfs at 1 s and 100 ms (h2c, 5 s,
                         3 rounds), then one sample pass over 8, 64 and 512 processes; as root
   bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]
+  bench balance --first-weights [--rounds N]
                         ROUND_ROBIN, LEAST_REQUEST and CSWRR on ORCA reports through Envoy, worker 0's
                         core shared with a CPU hog, then with CPU-heavy requests sent past Envoy (3
-                        rounds of 5 s warm-up + 10 s, 60% load, 4 ms requests); tables, and a plot in
-                        target/bench/balance.png (matplotlib, pip-installed into target/bench/venv)
+                        rounds of 5 s warm-up + 10 s, 60% load, 4 ms requests), beside SO_REUSEPORT
+                        hyper; tables, and a plot in target/bench/balance.png (matplotlib,
+                        pip-installed into target/bench/venv). --first-weights: only how soon a cold
+                        start gets ORCA weights, per blackout and sample interval
   bench lifecycle [--rounds N] [--batches N,N...]
                         under HTTP/1.1 and HTTP/2 load through Envoy: `peregrine restart` of 8 workers per
                         restart_batch (1,4), and a SIGKILLed supervisor adopting them again (3 rounds each);

@@ -1,7 +1,7 @@
 //! `cargo xtask bench balance`: round robin, least request and ORCA-weighted round robin through the
 //! real Envoy, side by side, when one worker has less capacity than Envoy can see from the outside.
 //!
-//! **Set-up.** One supervisor (release build, default sampling: every 1 s; default `[orca]`: 2 s
+//! **Set-up.** One supervisor (release build, default sampling: every 1 s; default `[orca]`: no
 //! blackout, weights recomputed every 1 s) with three services of two hello workers each: `rr`
 //! (`lb_policy = "round_robin"`), `lr` (`"least_request"`) and `orca` (client-side weighted round robin
 //! on ORCA reports). In every service worker 0 is pinned to CPU 0 and worker 1 to CPU 1 (`taskset -c
@@ -42,11 +42,15 @@
 //! the hog) took from the two cores (`/proc/stat` minus `/proc/PID/stat`), runs again (twice at most)
 //! when that is over 0.1 core, keeps the quietest run, and the report says how noisy the runs were.
 //!
+//! **First weights** (`--first-weights`): how soon a cold start gets its ORCA weights, per
+//! blackout and sample interval ([`first_weights`]); nothing else runs then.
+//!
 //! **Code.** This module: the options, the policies and scenarios, and what a run gives;
 //! [`run`](mod@run): the set-up and the driving of every run; [`measure`]: one measured run and its
 //! figures; [`series`]: the over-time series (the monitor, the CSVs, the plot); [`report`]: the
 //! tables and goals.
 
+mod first_weights;
 mod measure;
 mod openloop;
 mod report;
@@ -60,7 +64,7 @@ use anyhow::{Context, ensure};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] | --first-weights [--rounds N]";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -181,6 +185,8 @@ struct Options {
     /// The offered load as a share of the two workers' capacity without the hog.
     load: f64,
     cpu_ms: u64,
+    /// Only how soon a cold start gets its first ORCA weights ([`first_weights`]).
+    first_weights: bool,
 }
 
 impl Options {
@@ -206,6 +212,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         duration: 10,
         load: 0.6,
         cpu_ms: 4,
+        first_weights: false,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -217,6 +224,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             }
             "--load" => options.load = args.value(flag)?.parse().context("--load FRACTION")?,
             "--cpu-ms" => options.cpu_ms = args.value(flag)?.parse().context("--cpu-ms MS")?,
+            "--first-weights" => options.first_weights = true,
             other => return Err(args.unknown(other)),
         }
     }

@@ -36,6 +36,15 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let peregrine =
         super::super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
     let envoy_binary = envoy::install()?;
+    if options.first_weights {
+        super::first_weights::run(
+            &peregrine,
+            &envoy_binary,
+            options.rounds,
+            &super::super::command_line("balance", args),
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     // Before pinning: the report names the CPUs this process may use.
