@@ -103,23 +103,11 @@ url = "http://{addr}:0"
             workers = self.workers,
             tls = match self.tls {
                 None => "allow_insecure = true\n".to_owned(),
-                Some(dir) => {
-                    let path = |name: &str| dir.join(name).display().to_string();
-                    format!(
-                        "\n[cluster.tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n\n\
-                         [supervisor.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
-                         [envoy.tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
-                        path("etcd-ca.pem"),
-                        path("etcd-client.pem"),
-                        path("etcd-client.key"),
-                        path("server.pem"),
-                        path("server.key"),
-                        path("ca.pem"),
-                        path("envoy.pem"),
-                        path("envoy.key"),
-                        path("ca.pem"),
-                    )
-                }
+                Some(dir) => format!(
+                    "\n{}\n{}",
+                    crate::EtcdTls::in_dir(dir).config_table(),
+                    crate::pki::control_plane_tables(dir)
+                ),
             },
         )
     }

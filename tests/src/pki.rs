@@ -141,18 +141,24 @@ impl ControlPlane {
 
     /// `[supervisor.tls]` and `[envoy.tls]` for these files, mutual TLS.
     pub fn config_tables(&self) -> String {
-        let path = |name: &str| self.dir.join(name).display().to_string();
-        format!(
-            "[supervisor.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
-             [envoy.tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n\n",
-            path("server.pem"),
-            path("server.key"),
-            path("ca.pem"),
-            path("envoy.pem"),
-            path("envoy.key"),
-            path("ca.pem"),
-        )
+        control_plane_tables(&self.dir)
     }
+}
+
+/// `[supervisor.tls]` and `[envoy.tls]`, mutual TLS, for the control plane's files in `dir` as
+/// [`ControlPlane::write`] and `peregrine tls init` lay them out.
+pub fn control_plane_tables(dir: &Path) -> String {
+    let path = |name: &str| dir.join(name).display().to_string();
+    format!(
+        "[supervisor.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+         [envoy.tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n\n",
+        path("server.pem"),
+        path("server.key"),
+        path("ca.pem"),
+        path("envoy.pem"),
+        path("envoy.key"),
+        path("ca.pem"),
+    )
 }
 
 /// Runs `peregrine tls init DIR --san NAME...` with the binary `peregrine`, the command users run,

@@ -686,16 +686,21 @@ mod tests {
         assert_eq!(cluster, expected);
     }
 
-    #[test]
-    fn orca_services_get_cswrr_with_oob_reports_and_outlier_detection() {
-        let policy = OrcaPolicy {
+    /// A cleartext ORCA policy: port 18000, reports every 500 ms, a 2 s blackout.
+    fn orca_policy() -> OrcaPolicy {
+        OrcaPolicy {
             port: 18000,
             reporting_period: Duration::from_millis(500),
             blackout_period: Duration::from_secs(2),
             weight_expiration_period: Duration::from_secs(30),
             weight_update_period: Duration::from_millis(500),
             tls: false,
-        };
+        }
+    }
+
+    #[test]
+    fn orca_services_get_cswrr_with_oob_reports_and_outlier_detection() {
+        let policy = orca_policy();
         let options = ClusterOptions {
             balancers: BTreeMap::from([("web".to_string(), Balancer::Orca(policy))]),
             ..ClusterOptions::default()
@@ -743,12 +748,8 @@ mod tests {
     #[test]
     fn orca_over_tls_takes_a_transport_socket_match_that_no_worker_has() {
         let policy = OrcaPolicy {
-            port: 18000,
-            reporting_period: Duration::from_millis(500),
-            blackout_period: Duration::from_secs(2),
-            weight_expiration_period: Duration::from_secs(30),
-            weight_update_period: Duration::from_millis(500),
             tls: true,
+            ..orca_policy()
         };
         let envoy_tls = EnvoyTls {
             server_name: "sup.example".into(),
