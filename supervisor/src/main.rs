@@ -116,14 +116,15 @@ fn main() -> ExitCode {
             Err(error) => fail(&anyhow::Error::new(error)),
         },
         Command::Check { config } => match Config::load(&config) {
-            Ok(c) if !peregrine_supervisor::tls::check_files(&c).is_empty() => {
-                eprintln!("{}: TLS files that cannot be used:", config.display());
-                for problem in peregrine_supervisor::tls::check_files(&c) {
-                    eprintln!("  {problem}");
-                }
-                ExitCode::from(EXIT_USAGE)
-            }
             Ok(c) => {
+                let problems = peregrine_supervisor::tls::check_files(&c);
+                if !problems.is_empty() {
+                    eprintln!("{}: TLS files that cannot be used:", config.display());
+                    for problem in problems {
+                        eprintln!("  {problem}");
+                    }
+                    return ExitCode::from(EXIT_USAGE);
+                }
                 let workers: u32 = c.services.values().map(|s| s.count).sum();
                 let plural =
                     |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });

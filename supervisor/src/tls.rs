@@ -22,7 +22,7 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 pub fn check_files(config: &crate::config::Config) -> Vec<String> {
     let mut problems = Vec::new();
     if let Some(tls) = &config.supervisor.tls
-        && let Err(error) = server::ServerTls::load(tls)
+        && let Err(error) = server::check(tls)
     {
         problems.push(error.to_string());
     }

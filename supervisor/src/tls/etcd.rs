@@ -7,8 +7,6 @@
 //! Invariant: the files are checked here (a pair whose keys match, valid now) before tonic sees
 //! them, so a mistake is reported with its config key instead of as a handshake failure.
 
-use std::path::Path;
-
 use etcd_client::{Certificate, Identity, TlsOptions};
 
 use super::pem::{self, PemError};
@@ -25,38 +23,29 @@ pub struct EtcdTlsError {
     pub source: PemError,
 }
 
-fn read(path: &Path, key: &'static str) -> Result<Vec<u8>, EtcdTlsError> {
-    std::fs::read(path).map_err(|source| EtcdTlsError {
-        key,
-        source: PemError::Read {
-            path: path.to_owned(),
-            source,
-        },
-    })
-}
-
 /// The TLS options of an etcd connection, read from `tls`'s files now.
 pub fn options(tls: &EtcdTlsConfig) -> Result<TlsOptions, EtcdTlsError> {
-    pem::roots(&tls.ca).map_err(|source| EtcdTlsError {
+    let ca = pem::roots(&tls.ca).map_err(|source| EtcdTlsError {
         key: "cluster.tls.ca",
         source,
     })?;
-    let mut options =
-        TlsOptions::new().ca_certificate(Certificate::from_pem(read(&tls.ca, "cluster.tls.ca")?));
+    let mut options = TlsOptions::new().ca_certificate(Certificate::from_pem(ca.pem));
     if let Some(identity) = &tls.identity {
-        pem::certified_key(&identity.cert, &identity.key, &super::provider()).map_err(
+        let pair = pem::certified_key(&identity.cert, &identity.key, &super::provider()).map_err(
             |source| EtcdTlsError {
                 key: match source {
                     PemError::NoKey(_) | PemError::KeyMismatch { .. } => "cluster.tls.key",
+                    PemError::Read { ref path, .. } | PemError::Malformed { ref path, .. }
+                        if *path == identity.key =>
+                    {
+                        "cluster.tls.key"
+                    }
                     _ => "cluster.tls.cert",
                 },
                 source,
             },
         )?;
-        options = options.identity(Identity::from_pem(
-            read(&identity.cert, "cluster.tls.cert")?,
-            read(&identity.key, "cluster.tls.key")?,
-        ));
+        options = options.identity(Identity::from_pem(pair.cert_pem, pair.key_pem));
     }
     Ok(options)
 }

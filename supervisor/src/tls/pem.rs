@@ -83,8 +83,12 @@ fn read(path: &Path) -> Result<Vec<u8>, PemError> {
 
 /// The certificates of `path`, in order (a chain: leaf first).
 pub fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, PemError> {
-    let bytes = read(path)?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
+    certificates_in(path, &read(path)?)
+}
+
+/// The certificates in `bytes`, read from `path`.
+fn certificates_in(path: &Path, bytes: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
+    let certs = CertificateDer::pem_slice_iter(bytes)
         .collect::<Result<Vec<_>, pem::Error>>()
         .map_err(|error| PemError::Malformed {
             path: path.to_owned(),
@@ -104,8 +108,12 @@ pub fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, PemErro
 
 /// The private key of `path`.
 pub fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, PemError> {
-    let bytes = read(path)?;
-    match PrivateKeyDer::from_pem_slice(&bytes) {
+    private_key_in(path, &read(path)?)
+}
+
+/// The private key in `bytes`, read from `path`.
+fn private_key_in(path: &Path, bytes: &[u8]) -> Result<PrivateKeyDer<'static>, PemError> {
+    match PrivateKeyDer::from_pem_slice(bytes) {
         Ok(key) => Ok(key),
         Err(pem::Error::NoItemsFound) => Err(PemError::NoKey(path.to_owned())),
         Err(error) => Err(PemError::Malformed {
@@ -115,25 +123,43 @@ pub fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, PemError> {
     }
 }
 
+/// A CA bundle: its trust anchors, and the file's bytes (to tell a changed file, or to hand on).
+#[derive(Debug)]
+pub struct Roots {
+    /// Every certificate of the file, as a trust anchor.
+    pub store: RootCertStore,
+    /// The file as read.
+    pub pem: Vec<u8>,
+}
+
 /// The CA bundle of `path`: every certificate in it is a trust anchor.
-pub fn roots(path: &Path) -> Result<RootCertStore, PemError> {
+pub fn roots(path: &Path) -> Result<Roots, PemError> {
+    let pem = read(path)?;
     let mut store = RootCertStore::empty();
-    for cert in certificates(path)? {
+    for cert in certificates_in(path, &pem)? {
         store.add(cert).map_err(|error| PemError::BadCertificate {
             path: path.to_owned(),
             reason: error.to_string(),
         })?;
     }
-    Ok(store)
+    Ok(Roots { store, pem })
+}
+
+/// A certificate and its key, checked, with the files' bytes (to hand on).
+#[derive(Debug)]
+pub struct Pair {
+    /// The pair as rustls uses it.
+    pub key: Arc<CertifiedKey>,
+    /// The certificate file as read.
+    pub cert_pem: Vec<u8>,
+    /// The key file as read.
+    pub key_pem: Vec<u8>,
 }
 
 /// The certificate chain of `cert` with the key of `key`, checked to be a pair and valid now.
-pub fn certified_key(
-    cert: &Path,
-    key: &Path,
-    provider: &CryptoProvider,
-) -> Result<Arc<CertifiedKey>, PemError> {
-    let chain = certificates(cert)?;
+pub fn certified_key(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<Pair, PemError> {
+    let cert_pem = read(cert)?;
+    let chain = certificates_in(cert, &cert_pem)?;
     let leaf = Summary::of(&chain[0]).map_err(|reason| PemError::BadCertificate {
         path: cert.to_owned(),
         reason,
@@ -146,7 +172,8 @@ pub fn certified_key(
                 summary.not_before, summary.not_after
             ),
         })?;
-    let private = private_key(key)?;
+    let key_pem = read(key)?;
+    let private = private_key_in(key, &key_pem)?;
     let pair = CertifiedKey::from_der(chain, private, provider).map_err(|error| {
         PemError::KeyMismatch {
             cert: cert.to_owned(),
@@ -159,7 +186,11 @@ pub fn certified_key(
             },
         }
     })?;
-    Ok(Arc::new(pair))
+    Ok(Pair {
+        key: Arc::new(pair),
+        cert_pem,
+        key_pem,
+    })
 }
 
 /// A certificate as a log line shows it.
@@ -263,7 +294,7 @@ mod tests {
         let cert = write(dir.path(), "c.pem", &cert);
         let key = write(dir.path(), "c.key", &key);
         let pair = certified_key(&cert, &key, &crate::tls::provider()).unwrap();
-        let summary = Summary::of(&pair.cert[0]).unwrap();
+        let summary = Summary::of(&pair.key.cert[0]).unwrap();
         assert!(summary.subject.contains("rcgen"), "{summary:?}");
         assert!(summary.seconds_left(SystemTime::now()) > 28 * 86_400);
     }

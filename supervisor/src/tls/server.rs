@@ -119,8 +119,9 @@ struct Built {
 fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
     let provider = super::provider();
     let certified: Arc<CertifiedKey> =
-        pem::certified_key(&files.identity.cert, &files.identity.key, &provider).map_err(
-            |error| LoadError {
+        pem::certified_key(&files.identity.cert, &files.identity.key, &provider)
+            .map(|pair| pair.key)
+            .map_err(|error| LoadError {
                 key: match error {
                     PemError::NoKey(_) | PemError::KeyMismatch { .. } => "supervisor.tls.key",
                     PemError::Read { ref path, .. } | PemError::Malformed { ref path, .. }
@@ -131,8 +132,7 @@ fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
                     _ => "supervisor.tls.cert",
                 },
                 source: error.into(),
-            },
-        )?;
+            })?;
     let leaf_der = certified.cert[0].clone();
     let leaf = Summary::of(&leaf_der).map_err(|reason| LoadError {
         key: "supervisor.tls.cert",
@@ -153,14 +153,8 @@ fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
                 key: "supervisor.tls.client_ca",
                 source: source.into(),
             };
-            let roots = pem::roots(path).map_err(ca_error)?;
-            let bytes = std::fs::read(path).map_err(|source| {
-                ca_error(PemError::Read {
-                    path: path.clone(),
-                    source,
-                })
-            })?;
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            let pem::Roots { store, pem: bytes } = pem::roots(path).map_err(ca_error)?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(store), provider)
                 .build()
                 .map_err(|error| LoadError {
                     key: "supervisor.tls.client_ca",
@@ -182,6 +176,12 @@ fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
         leaf_der,
         client_ca,
     })
+}
+
+/// Whether `files` build a configuration, as [`ServerTls::load`] would at start (for `peregrine
+/// check`: nothing is logged).
+pub fn check(files: &ServerTlsConfig) -> Result<(), LoadError> {
+    build(files).map(drop)
 }
 
 /// What a reload did.
@@ -664,7 +664,7 @@ mod tests {
 
     /// A client trusting `plane`'s CA, presenting `identity` if given.
     fn client(plane: &ControlPlane, identity: Option<(&Path, &Path)>) -> TlsConnector {
-        let roots = pem::roots(&plane.dir.join("ca.pem")).unwrap();
+        let roots = pem::roots(&plane.dir.join("ca.pem")).unwrap().store;
         let builder = ClientConfig::builder_with_provider(crate::tls::provider())
             .with_safe_default_protocol_versions()
             .unwrap()
