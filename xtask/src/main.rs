@@ -52,6 +52,7 @@ commands:
                         a loaded worker with the sampler off, eBPF and procfs at 1 s and 100 ms (h2c, 5 s,
                         3 rounds), then one sample pass over 8, 64 and 512 processes; as root
   bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS]
+                [--connections N] [--per-connection]
   bench balance --first-weights [--rounds N]
                         ROUND_ROBIN, LEAST_REQUEST and CSWRR on ORCA reports through Envoy, worker 0's
                         core shared with a CPU hog, then with CPU-heavy requests sent past Envoy (3

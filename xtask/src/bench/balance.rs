@@ -15,7 +15,10 @@
 //! `SO_REUSEPORT` port, pinned like the workers (CPU 0 and CPU 1), loaded directly by the same
 //! generator: the kernel hashes each of the generator's connections, made afresh every run, to one
 //! of them, and the split stays for the run, whatever each process's core is doing. Each round is
-//! one such split, so the p99 of each round is reported beside the median.
+//! one such split, so the p99 of each round is reported beside the median. With `--per-connection`
+//! every connection is a client with its own schedule, so the split of the connections is the split
+//! of the requests; without it the generator's one queue hands each request to a free connection,
+//! which balances the port by itself.
 //!
 //! **Scenarios.** A: a CPU hog (`sh -c 'while :; do :; done'`) pinned to CPU 0 for the whole scenario,
 //! so worker 0 gets half a core while it is busy. B: no hog; a side load sends CPU-heavy requests
@@ -64,13 +67,14 @@ use anyhow::{Context, ensure};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] | --first-weights [--rounds N]";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] | --first-weights [--rounds N]";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
 /// The core of worker 1 and of everything else.
 const OTHER_CPU: usize = 1;
-/// Connections of the main load generator: the most requests it has in flight.
+/// Connections of the main load generator by default (`--connections`): the most requests it has
+/// in flight.
 const CONNECTIONS: usize = 256;
 /// Connections of the side load.
 const SIDE_CONNECTIONS: usize = 16;
@@ -185,6 +189,13 @@ struct Options {
     /// The offered load as a share of the two workers' capacity without the hog.
     load: f64,
     cpu_ms: u64,
+    /// The main load's connections (each one request at a time): under `SO_REUSEPORT` the kernel
+    /// splits these, so fewer make a coarser, more variable split.
+    connections: usize,
+    /// Each connection a client with its own schedule (`--per-connection`) instead of one queue
+    /// that hands each request to a free connection (which balances a `SO_REUSEPORT` port by
+    /// itself).
+    per_connection: bool,
     /// Only how soon a cold start gets its first ORCA weights ([`first_weights`]).
     first_weights: bool,
 }
@@ -212,6 +223,8 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         duration: 10,
         load: 0.6,
         cpu_ms: 4,
+        connections: CONNECTIONS,
+        per_connection: false,
         first_weights: false,
     };
     let mut args = Flags::new(args, USAGE);
@@ -224,10 +237,18 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             }
             "--load" => options.load = args.value(flag)?.parse().context("--load FRACTION")?,
             "--cpu-ms" => options.cpu_ms = args.value(flag)?.parse().context("--cpu-ms MS")?,
+            "--connections" => {
+                options.connections = args.value(flag)?.parse().context("--connections N")?;
+            }
+            "--per-connection" => options.per_connection = true,
             "--first-weights" => options.first_weights = true,
             other => return Err(args.unknown(other)),
         }
     }
+    ensure!(
+        (1..=4096).contains(&options.connections),
+        "--connections must be from 1 to 4096 (one thread each)"
+    );
     ensure!(
         options.rounds >= 1 && options.duration >= 1,
         "--rounds and --duration must be at least 1"
@@ -364,6 +385,12 @@ mod tests {
         .unwrap();
         assert_eq!((other.rounds, other.warmup, other.duration), (1, 2, 3));
         assert!((other.rate() - 700.0).abs() < 1e-9);
+        assert_eq!(defaults.connections, 256);
+        assert_eq!(
+            parse_args(&args("--connections 64")).unwrap().connections,
+            64
+        );
+        assert!(parse_args(&args("--connections 0")).is_err());
         assert!(parse_args(&args("--load 1.5")).is_err());
         assert!(parse_args(&args("--cpu-ms 0")).is_err());
         assert!(parse_args(&args("--rounds")).is_err());

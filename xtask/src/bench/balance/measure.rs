@@ -11,8 +11,8 @@ use anyhow::Context as _;
 use peregrine_contract::procfs;
 
 use super::{
-    Bench, CONNECTIONS, Case, NOISY, NOISY_RETRIES, Options, Policy, Run, SIDE_CONNECTIONS, Sample,
-    Scenario, TIMEOUT, WorkerInfo,
+    Bench, Case, NOISY, NOISY_RETRIES, Options, Policy, Run, SIDE_CONNECTIONS, Sample, Scenario,
+    TIMEOUT, WorkerInfo,
     openloop::{self, Answer, Plan, Record},
     report, series,
 };
@@ -57,8 +57,9 @@ impl Bench<'_> {
             path: format!("/{service}?cpu={}", options.cpu_ms),
             rate: options.rate(),
             duration: total,
-            connections: CONNECTIONS,
+            connections: options.connections,
             timeout: TIMEOUT,
+            per_connection: options.per_connection,
         };
         let side = (case.scenario == Scenario::SideLoad).then(|| Plan {
             addr: workers[0].addr,
@@ -67,6 +68,7 @@ impl Bench<'_> {
             duration: total,
             connections: SIDE_CONNECTIONS,
             timeout: TIMEOUT,
+            per_connection: false,
         });
         // Time for the load threads to connect before the first request is due.
         let start = Instant::now() + Duration::from_millis(500);
@@ -126,8 +128,9 @@ impl Bench<'_> {
             path: format!("/?cpu={}", options.cpu_ms),
             rate: options.rate(),
             duration: Duration::from_secs(options.warmup + options.duration),
-            connections: CONNECTIONS,
+            connections: options.connections,
             timeout: TIMEOUT,
+            per_connection: options.per_connection,
         };
         let start = Instant::now() + Duration::from_millis(500);
         let own: Vec<u32> = self.own.iter().copied().chain(case.hog).collect();

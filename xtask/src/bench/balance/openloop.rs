@@ -4,7 +4,10 @@
 //!
 //! Request `i` is scheduled at `i / rate` after the start. A fixed pool of threads, each with one
 //! keep-alive connection, takes the next request number when it is free, sleeps until that request's
-//! time, sends it and reads the answer. When every connection is busy, requests leave late; their
+//! time, sends it and reads the answer. That shared queue hands each request to a free connection,
+//! which is itself a balancer when the connections reach different servers (`SO_REUSEPORT`): with
+//! [`Plan::per_connection`] each connection is a client of its own instead, sending requests `n`,
+//! `n + connections`, ... on its own schedule, as independent clients do. When every connection is busy, requests leave late; their
 //! latency still counts from their schedule, so the lateness shows up where it belongs. Everything is
 //! bounded: the number of requests (`rate * duration`), each answer's wait ([`Plan::timeout`]), and
 //! sending (nothing is sent later than `duration + timeout` after the start; what is left is recorded
@@ -43,6 +46,9 @@ pub(crate) struct Plan {
     pub(crate) connections: usize,
     /// How long one answer may take, and how late a request may still be sent after `duration`.
     pub(crate) timeout: Duration,
+    /// Each connection its own schedule (every `connections`-th request) instead of the next
+    /// request to whichever connection is free.
+    pub(crate) per_connection: bool,
 }
 
 /// How a request ended.
@@ -92,7 +98,7 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
             thread::Builder::new()
                 .name(format!("load-{n}"))
                 .stack_size(STACK)
-                .spawn(move || worker(&plan, start, total, &next, &request))
+                .spawn(move || worker(&plan, start, total, (n, &next), &request))
                 .context("starting a load thread")
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -107,19 +113,25 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
     Ok(records)
 }
 
-/// One load thread: takes request numbers until all are taken.
+/// One load thread, the `n`th: takes request numbers until all are taken (from the shared `next`,
+/// or its own every `connections`-th with [`Plan::per_connection`]).
 fn worker(
     plan: &Plan,
     start: Instant,
     total: usize,
-    next: &AtomicUsize,
+    (n, next): (usize, &AtomicUsize),
     request: &[u8],
 ) -> Vec<Record> {
     let send_deadline = start + plan.duration + plan.timeout;
     let mut connection: Option<Connection> = Connection::open(plan.addr, plan.timeout).ok();
     let mut records = Vec::new();
+    let mut own = (n..).step_by(plan.connections.max(1));
     loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
+        let i = if plan.per_connection {
+            own.next().unwrap_or(usize::MAX)
+        } else {
+            next.fetch_add(1, Ordering::Relaxed)
+        };
         if i >= total {
             return records;
         }
@@ -398,6 +410,7 @@ mod tests {
             duration: Duration::from_millis(200),
             connections: 1,
             timeout: Duration::from_secs(5),
+            per_connection: false,
         };
         let start = Instant::now() + Duration::from_millis(50);
         let mut records = run(&plan, start).unwrap();
@@ -427,9 +440,34 @@ mod tests {
             duration: Duration::from_millis(100),
             connections: 2,
             timeout: Duration::from_secs(1),
+            per_connection: false,
         };
         let records = run(&plan, Instant::now()).unwrap();
         assert_eq!(records.len(), 5);
         assert!(records.iter().all(|r| r.answer == Answer::Error));
+    }
+
+    #[test]
+    fn per_connection_clients_send_every_request_once_on_their_own_schedules() {
+        let addr = {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap()
+        };
+        let plan = Plan {
+            addr,
+            path: "/".into(),
+            rate: 100.0,
+            duration: Duration::from_millis(70),
+            connections: 3,
+            timeout: Duration::from_secs(1),
+            per_connection: true,
+        };
+        let mut records = run(&plan, Instant::now()).unwrap();
+        records.sort_by_key(|r| r.scheduled);
+        let scheduled: Vec<u64> = records
+            .iter()
+            .map(|r| r.scheduled.as_millis() as u64)
+            .collect();
+        assert_eq!(scheduled, [0, 10, 20, 30, 40, 50, 60]);
     }
 }

@@ -10,7 +10,7 @@ use std::{
 use anyhow::Context;
 use serde_json::Value;
 
-use super::{CONNECTIONS, NOISY, NOISY_RETRIES, Options, Policy, Run, Scenario, TIMEOUT};
+use super::{NOISY, NOISY_RETRIES, Options, Policy, Run, Scenario, TIMEOUT};
 use crate::bench::{
     machine::machine_lines,
     table::{format_duration, markdown, median},
@@ -69,11 +69,17 @@ pub(super) fn write(
     )?;
     writeln!(
         report,
-        "Load: {:.0} requests/s of `?cpu={}` ({:.0}% of 2 cores), {CONNECTIONS} keep-alive connections; \
+        "Load: {:.0} requests/s of `?cpu={}` ({:.0}% of 2 cores), {} keep-alive connections{}; \
          side load (B): {:.0} requests/s of `?cpu={}` straight to worker 0",
         options.rate(),
         options.cpu_ms,
         options.load * 100.0,
+        options.connections,
+        if options.per_connection {
+            ", each a client with its own schedule"
+        } else {
+            ", each taking the next request when free"
+        },
         options.side_rate(),
         options.side_cpu_ms()
     )?;
