@@ -268,7 +268,7 @@ fn against_reuseport(cswrr: &[&&Run], reuseport: &[&&Run]) -> String {
     let mut text = String::new();
     let _ = writeln!(
         text,
-        "- SO_REUSEPORT: the kernel's splits gave the hogged process {} of the requests; p99 of \
+        "- SO_REUSEPORT: the hogged process got {} of the requests; p99 of \
          each round {}",
         shares.join(", "),
         reuseport
