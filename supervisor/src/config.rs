@@ -48,8 +48,11 @@ pub const DEFAULT_CONTROL: &str = "peregrine.sock";
 pub const DEFAULT_URL: &str = "http://localhost:0";
 /// The placeholder replaced by the worker's index in a `unix://` url.
 pub const INDEX_PLACEHOLDER: &str = "{index}";
-/// The default of `supervisor.sample_interval_ms`.
-pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+/// The default of `supervisor.sample_interval_ms`: a new worker's first weight reaches Envoy within
+/// about two intervals of its first requests, and a cold start's slowed worker builds a backlog until
+/// then (measured by `cargo xtask bench balance --timeline`: with 1 s the first 10 s of a cold start
+/// had a p99 of 217 ms, with 200 ms ...).
+pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(200);
 
 /// A checked configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -173,8 +176,8 @@ pub struct OrcaConfig {
     pub blackout_period: Duration,
     /// How long Envoy keeps a weight without fresh reports (`weight_expiration_period`); 30 s.
     pub weight_expiration_period: Duration,
-    /// How often Envoy recomputes weights (`weight_update_period`); the sample interval, within
-    /// [100 ms, 1 s].
+    /// How often Envoy recomputes weights (`weight_update_period`); half the sample interval,
+    /// within [100 ms, 1 s]: a report waits at most that long to count.
     pub weight_update_period: Duration,
 }
 
@@ -185,7 +188,7 @@ impl OrcaConfig {
             min_report_interval: sample_interval,
             blackout_period: Duration::ZERO,
             weight_expiration_period: Duration::from_secs(30),
-            weight_update_period: sample_interval
+            weight_update_period: (sample_interval / 2)
                 .clamp(Duration::from_millis(100), Duration::from_secs(1)),
         }
     }

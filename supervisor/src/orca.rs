@@ -6,8 +6,9 @@
 //! `:authority` set to the endpoint's EDS hostname (unique per worker instance): that is how one
 //! service here tells every worker's stream apart ([`WithAuthority`] hands the authority to the
 //! handler). A stream reports the worker's latest sample from the registry's loads (see
-//! [`report_for`] for what each field means), first as soon as a real sample exists, then every
-//! report interval (Envoy's request, never below the configured floor), and ends with OK when the
+//! [`report_for`] for what each field means), first as soon as a real sample exists, then the first
+//! sample of every report interval (Envoy's request, never below the configured floor) as soon as
+//! the sampler publishes it, and ends with OK when the
 //! worker leaves the registry. An authority that names no worker gets NOT_FOUND, which Envoy retries
 //! with backoff (UNIMPLEMENTED would disable ORCA for that host until the next CDS change).
 //!
@@ -21,6 +22,8 @@ use std::{
     task::{Context, Poll},
     time::{Duration, SystemTime},
 };
+
+use tokio::time::Instant;
 
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use peregrine_proto::xds::{
@@ -189,8 +192,8 @@ impl Drop for OpenStream<'_> {
     }
 }
 
-/// Sends `worker`'s reports on `tx`: the first once a real sample exists, then one per `interval`,
-/// until the worker leaves the registry (the stream then ends with OK) or Envoy goes away.
+/// Sends `worker`'s reports on `tx`: the first once a real sample exists, then the first sample of
+/// each `interval` as it is published, until the worker leaves the registry (the stream then ends with OK) or Envoy goes away.
 async fn report_loop(
     registry: Arc<Registry>,
     worker: Worker,
@@ -226,25 +229,40 @@ async fn report_loop(
             () = tx.closed() => return,
         }
     }
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Then each new sample once the interval has passed, as soon as the sampler publishes it (a
+    // timer of the stream's own would add up to an interval of age to every report). A sample counts
+    // as due half a sample interval early, so the sampler's jitter never skips one. Should the
+    // sampler fall silent, the latest sample goes again every two intervals.
+    let mut last = Instant::now();
     loop {
-        tokio::select! {
-            _ = ticks.tick() => {
-                if !registered(&registry) {
+        let again = last + interval * 2;
+        let current = tokio::select! {
+            changed = loads.changed() => {
+                if changed.is_err() {
                     return;
                 }
                 let current = loads.borrow_and_update().clone();
-                if let Some(report) = report_for(&current, &worker)
-                    && !send(&registry, &worker, &tx, report).await
-                {
-                    return;
+                let early = current.sampler.map_or(Duration::ZERO, |s| s.interval / 2);
+                if Instant::now() + early < last + interval {
+                    continue;
                 }
+                current
             }
+            () = tokio::time::sleep_until(again) => loads.borrow_and_update().clone(),
             changed = snapshots.changed() => {
                 if changed.is_err() || !registered(&registry) { return }
+                continue;
             }
             () = tx.closed() => return,
+        };
+        if !registered(&registry) {
+            return;
+        }
+        if let Some(report) = report_for(&current, &worker) {
+            if !send(&registry, &worker, &tx, report).await {
+                return;
+            }
+            last = Instant::now();
         }
     }
 }

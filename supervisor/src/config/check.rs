@@ -582,10 +582,14 @@ count = 0
     }
 
     #[test]
-    fn the_sampler_defaults_to_auto_every_second() {
+    fn the_sampler_defaults_to_auto_every_200_ms() {
         let config = parse("[service.a]\n").unwrap();
         assert_eq!(config.supervisor.sampler, SamplerSetting::Auto);
-        assert_eq!(config.supervisor.sample_interval, Duration::from_secs(1));
+        assert_eq!(
+            config.supervisor.sample_interval,
+            Duration::from_millis(200)
+        );
+        assert_eq!(config.orca.weight_update_period, Duration::from_millis(100));
         let config =
             parse("[supervisor]\nsampler = \"procfs\"\nsample_interval_ms = 10\n[service.a]\n")
                 .unwrap();

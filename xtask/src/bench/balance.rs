@@ -48,6 +48,9 @@
 //! **First weights** (`--first-weights`): how soon a cold start gets its ORCA weights, per
 //! blackout and sample interval ([`first_weights`]); nothing else runs then.
 //!
+//! **Timeline** (`--timeline`): the latency over time through a cold start, a hog that appears or
+//! goes, a burst and a replacement, per set-up ([`timeline`]); nothing else runs then.
+//!
 //! **Code.** This module: the options, the policies and scenarios, and what a run gives;
 //! [`run`](mod@run): the set-up and the driving of every run; [`measure`]: one measured run and its
 //! figures; [`series`]: the over-time series (the monitor, the CSVs, the plot); [`report`]: the
@@ -59,6 +62,7 @@ mod openloop;
 mod report;
 mod run;
 mod series;
+mod timeline;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -67,7 +71,7 @@ use anyhow::{Context, ensure};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] | --first-weights [--rounds N]";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-1s|lr]...";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -198,6 +202,11 @@ struct Options {
     per_connection: bool,
     /// Only how soon a cold start gets its first ORCA weights ([`first_weights`]).
     first_weights: bool,
+    /// Only the cold start and the transitions, over time ([`timeline`]).
+    timeline: bool,
+    /// The timeline's events and set-ups to run (all when empty), by key.
+    events: Vec<String>,
+    setups: Vec<String>,
 }
 
 impl Options {
@@ -226,6 +235,9 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         connections: CONNECTIONS,
         per_connection: false,
         first_weights: false,
+        timeline: false,
+        events: Vec::new(),
+        setups: Vec::new(),
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -242,6 +254,9 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             }
             "--per-connection" => options.per_connection = true,
             "--first-weights" => options.first_weights = true,
+            "--timeline" => options.timeline = true,
+            "--event" => options.events.push(args.value(flag)?.to_owned()),
+            "--setup" => options.setups.push(args.value(flag)?.to_owned()),
             other => return Err(args.unknown(other)),
         }
     }

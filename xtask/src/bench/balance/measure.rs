@@ -60,6 +60,7 @@ impl Bench<'_> {
             connections: options.connections,
             timeout: TIMEOUT,
             per_connection: options.per_connection,
+            burst: None,
         };
         let side = (case.scenario == Scenario::SideLoad).then(|| Plan {
             addr: workers[0].addr,
@@ -69,6 +70,7 @@ impl Bench<'_> {
             connections: SIDE_CONNECTIONS,
             timeout: TIMEOUT,
             per_connection: false,
+            burst: None,
         });
         // Time for the load threads to connect before the first request is due.
         let start = Instant::now() + Duration::from_millis(500);
@@ -131,6 +133,7 @@ impl Bench<'_> {
             connections: options.connections,
             timeout: TIMEOUT,
             per_connection: options.per_connection,
+            burst: None,
         };
         let start = Instant::now() + Duration::from_millis(500);
         let own: Vec<u32> = self.own.iter().copied().chain(case.hog).collect();

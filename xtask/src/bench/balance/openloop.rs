@@ -49,6 +49,41 @@ pub(crate) struct Plan {
     /// Each connection its own schedule (every `connections`-th request) instead of the next
     /// request to whichever connection is free.
     pub(crate) per_connection: bool,
+    /// A span of `duration` sent at a multiple of `rate`.
+    pub(crate) burst: Option<Burst>,
+}
+
+/// `factor` times the plan's rate from `from` to `to` (offsets from the start).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Burst {
+    pub(crate) from: Duration,
+    pub(crate) to: Duration,
+    pub(crate) factor: f64,
+}
+
+impl Plan {
+    /// Every request's scheduled send time, as an offset from the start, in order: evenly spaced at
+    /// `rate`, and at `rate * factor` within the burst.
+    pub(crate) fn schedule(&self) -> Vec<Duration> {
+        let end = self.duration;
+        let spans = match self.burst {
+            Some(Burst { from, to, factor }) => {
+                let (from, to) = (from.min(end), to.clamp(from.min(end), end));
+                vec![
+                    (Duration::ZERO, from, self.rate),
+                    (from, to, self.rate * factor),
+                    (to, end, self.rate),
+                ]
+            }
+            None => vec![(Duration::ZERO, end, self.rate)],
+        };
+        let mut times = Vec::new();
+        for (from, to, rate) in spans {
+            let count = (rate * (to - from).as_secs_f64()).round() as usize;
+            times.extend((0..count).map(|i| from + Duration::from_secs_f64(i as f64 / rate)));
+        }
+        times
+    }
 }
 
 /// How a request ended.
@@ -83,7 +118,7 @@ impl Record {
 /// Runs `plan`, starting at `start` (which should be a little in the future, so the threads are
 /// connected by then), and returns every scheduled request's record, in no particular order.
 pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
-    let total = (plan.rate * plan.duration.as_secs_f64()).round() as usize;
+    let schedule: Arc<[Duration]> = plan.schedule().into();
     let next = Arc::new(AtomicUsize::new(0));
     let request = Arc::new(
         format!(
@@ -95,14 +130,15 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
     let threads = (0..plan.connections.max(1))
         .map(|n| {
             let (plan, next, request) = (plan.clone(), next.clone(), request.clone());
+            let schedule = schedule.clone();
             thread::Builder::new()
                 .name(format!("load-{n}"))
                 .stack_size(STACK)
-                .spawn(move || worker(&plan, start, total, (n, &next), &request))
+                .spawn(move || worker(&plan, start, &schedule, (n, &next), &request))
                 .context("starting a load thread")
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut records = Vec::with_capacity(total);
+    let mut records = Vec::with_capacity(schedule.len());
     for thread in threads {
         records.extend(
             thread
@@ -118,7 +154,7 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
 fn worker(
     plan: &Plan,
     start: Instant,
-    total: usize,
+    schedule: &[Duration],
     (n, next): (usize, &AtomicUsize),
     request: &[u8],
 ) -> Vec<Record> {
@@ -132,10 +168,9 @@ fn worker(
         } else {
             next.fetch_add(1, Ordering::Relaxed)
         };
-        if i >= total {
+        let Some(&scheduled) = schedule.get(i) else {
             return records;
-        }
-        let scheduled = Duration::from_secs_f64(i as f64 / plan.rate);
+        };
         let at = start + scheduled;
         let now = Instant::now();
         if at > now {
@@ -411,6 +446,7 @@ mod tests {
             connections: 1,
             timeout: Duration::from_secs(5),
             per_connection: false,
+            burst: None,
         };
         let start = Instant::now() + Duration::from_millis(50);
         let mut records = run(&plan, start).unwrap();
@@ -441,6 +477,7 @@ mod tests {
             connections: 2,
             timeout: Duration::from_secs(1),
             per_connection: false,
+            burst: None,
         };
         let records = run(&plan, Instant::now()).unwrap();
         assert_eq!(records.len(), 5);
@@ -461,6 +498,7 @@ mod tests {
             connections: 3,
             timeout: Duration::from_secs(1),
             per_connection: true,
+            burst: None,
         };
         let mut records = run(&plan, Instant::now()).unwrap();
         records.sort_by_key(|r| r.scheduled);
@@ -469,5 +507,33 @@ mod tests {
             .map(|r| r.scheduled.as_millis() as u64)
             .collect();
         assert_eq!(scheduled, [0, 10, 20, 30, 40, 50, 60]);
+    }
+
+    #[test]
+    fn a_burst_multiplies_the_rate_over_its_span_only() {
+        let plan = Plan {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            path: "/".into(),
+            rate: 10.0,
+            duration: Duration::from_secs(3),
+            connections: 1,
+            timeout: Duration::from_secs(1),
+            per_connection: true,
+            burst: Some(Burst {
+                from: Duration::from_secs(1),
+                to: Duration::from_secs(2),
+                factor: 2.0,
+            }),
+        };
+        let times = plan.schedule();
+        assert_eq!(times.len(), 10 + 20 + 10);
+        assert!(times.windows(2).all(|w| w[0] < w[1]), "{times:?}");
+        let in_burst = times
+            .iter()
+            .filter(|&&t| (Duration::from_secs(1)..Duration::from_secs(2)).contains(&t))
+            .count();
+        assert_eq!(in_burst, 20);
+        assert_eq!(times[11] - times[10], Duration::from_millis(50));
+        assert_eq!(times[31] - times[30], Duration::from_millis(100));
     }
 }

@@ -47,13 +47,25 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    if options.timeline {
+        // Before pinning: matplotlib installs on both cores, and the report names the CPUs.
+        crate::bench::plot::python(&out)?;
+        let cpu_line = cpu_line()?;
+        pin_to_other_cpu()?;
+        super::timeline::run(
+            &peregrine,
+            &envoy_binary,
+            &options,
+            &cpu_line,
+            &super::super::command_line("balance", args),
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
     // Before pinning: the report names the CPUs this process may use.
     let cpu_line = cpu_line()?;
     // Build and install first, on both cores; from here on everything this process starts inherits
     // CPU 1, except what pins itself (the workers, the hog).
-    let mut cpu = rustix::thread::CpuSet::new();
-    cpu.set(OTHER_CPU);
-    rustix::thread::sched_setaffinity(None, &cpu).context("pinning the benchmark to CPU 1")?;
+    pin_to_other_cpu()?;
 
     let dir = TempDir::new().context("a temporary directory")?;
     let (listen, admin) = (free_port(), free_port());
@@ -144,6 +156,13 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         samples_csv.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Pins this process (and what it starts from now on, except what pins itself) to CPU 1.
+fn pin_to_other_cpu() -> anyhow::Result<()> {
+    let mut cpu = rustix::thread::CpuSet::new();
+    cpu.set(OTHER_CPU);
+    rustix::thread::sched_setaffinity(None, &cpu).context("pinning the benchmark to CPU 1")
 }
 
 /// The `SO_REUSEPORT` baseline: two `hyper-baseline --reuseport` processes on one port, process `i`
