@@ -228,10 +228,10 @@ pub(super) fn write(
     let others: Vec<f64> = timelines.iter().map(|t| t.others).collect();
     writeln!(
         report,
-        "Load: {CLIENTS} keep-alive clients, each its own schedule, {RATE:.0} requests/s of `?cpu={CPU_MS}` in all, {} s per run, the event at {} s ({}x for 2 s in the burst); other processes' CPU: median {:.2} cores, max {:.2}\n",
+        "Load: {CLIENTS} keep-alive clients, each its own schedule, {RATE:.0} requests/s of `?cpu={CPU_MS}` in all ({:.0}/s outside the burst's 2 s), {} s per run, the event at {} s; other processes' CPU: median {:.2} cores, max {:.2}\n",
+        RATE / BURST_FACTOR,
         LENGTH.as_secs(),
         EVENT_AT.as_secs(),
-        BURST_FACTOR,
         median(others.clone()),
         others.iter().copied().fold(0.0, f64::max),
     )?;

@@ -18,7 +18,7 @@ EVENTS = [
     ("cold", "cold start (hog on CPU 0)", 0.0, 0.0),
     ("hog-appears", "a hog appears on CPU 0", 6.0, 6.0),
     ("hog-leaves", "the hog on CPU 0 goes away", 6.0, 6.0),
-    ("burst", "the rate doubles for 2 s (hog)", 6.0, 8.0),
+    ("burst", "the rate doubles for 2 s, 130/s to 260/s (hog)", 6.0, 8.0),
     ("replacement", "both workers replaced (hog)", 6.0, 6.0),
 ]
 SETUPS = [
