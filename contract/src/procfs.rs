@@ -198,6 +198,8 @@ pub struct CpuTicks {
     pub total: u64,
     /// Idle and iowait.
     pub idle: u64,
+    /// Steal: time a virtual machine's CPU was runnable but its hypervisor ran something else.
+    pub steal: u64,
 }
 
 impl CpuTicks {
@@ -247,6 +249,7 @@ impl CpuStat {
             let ticks = CpuTicks {
                 total: ticks.iter().sum(),
                 idle: ticks[3] + ticks[4],
+                steal: ticks.get(7).copied().unwrap_or(0),
             };
             if name.is_empty() {
                 all = Some(ticks);
@@ -327,24 +330,26 @@ mod tests {
 
     #[test]
     fn parses_the_cpu_lines_of_proc_stat() {
-        let text = "cpu  10 0 5 100 3 0 1 0 7 0\n\
-                    cpu0 6 0 3 50 1 0 1 0 7 0\n\
+        let text = "cpu  10 0 5 100 3 0 1 2 7 0\n\
+                    cpu0 6 0 3 50 1 0 1 2 7 0\n\
                     cpu1 4 0 2 50 2 0 0 0 0 0\n\
                     intr 12345\n";
         let stat = CpuStat::parse(text).unwrap();
         assert_eq!(
             stat.all,
             CpuTicks {
-                total: 119,
-                idle: 103
+                total: 121,
+                idle: 103,
+                steal: 2,
             }
         );
         assert_eq!(stat.cpus.len(), 2);
         assert_eq!(stat.cpus[1].0, 1);
-        assert_eq!(stat.cpus[0].1.busy(), 10);
+        assert_eq!(stat.cpus[0].1.busy(), 12);
         let later = CpuTicks {
-            total: 219,
+            total: 221,
             idle: 153,
+            steal: 2,
         };
         assert!((later.busy_since(stat.all) - 0.5).abs() < 1e-9);
         assert_eq!(CpuStat::parse("intr 1\n"), None, "no cpu line");

@@ -187,6 +187,9 @@ struct Timeline {
     weights: Vec<(Duration, [Option<u64>; 2])>,
     /// Every worker pid seen and its index.
     pids: Vec<(u32, usize)>,
+    /// `(t, [steal ticks of CPU 0, of CPU 1])` (`/proc/stat`, cumulative) at each monitor step: the
+    /// time the hypervisor gave this virtual machine's CPUs to something else.
+    steal: Vec<(Duration, [u64; 2])>,
     /// When the event was over (for a replacement, when `peregrine restart` returned).
     over: Duration,
     /// Other processes' CPU during the run, in cores.
@@ -324,7 +327,7 @@ fn one_run(
         // requests.
         let start = Instant::now() + Duration::from_millis(50);
         let stop = AtomicBool::new(false);
-        let seen = Mutex::new((Vec::new(), Vec::new()));
+        let seen = Mutex::new(Seen::default());
         let (records, over) = thread::scope(|scope| {
             let monitor = scope.spawn(|| monitor(admin, start, &stop, &seen));
             let happening = scope.spawn(|| -> anyhow::Result<Duration> {
@@ -352,12 +355,20 @@ fn one_run(
                 .context(event.title())?;
             Ok::<_, anyhow::Error>((records?, over))
         })?;
-        let (weights, pids) = seen.into_inner().unwrap_or_else(|e| e.into_inner());
-        Ok::<_, anyhow::Error>((records, weights, pids, over))
+        let seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
+        Ok::<_, anyhow::Error>((records, seen, over))
     })();
     let others = Busy::now(std::process::id())?.since(before).1;
     drop(hog);
-    let (records, weights, pids, over) = match result {
+    let (
+        records,
+        Seen {
+            weights,
+            pids,
+            steal,
+        },
+        over,
+    ) = match result {
         Ok(seen) => seen,
         Err(error) => {
             eprintln!("{}", supervisor.logs());
@@ -373,22 +384,36 @@ fn one_run(
         records,
         weights,
         pids,
+        steal,
         over,
         others,
     })
 }
 
-/// Every [`MONITOR_STEP`] until `stop`: Envoy's weight of each worker index, and the pid of each
-/// worker it holds, into `seen`.
-#[allow(clippy::type_complexity)]
-fn monitor(
-    admin: std::net::SocketAddr,
-    start: Instant,
-    stop: &AtomicBool,
-    seen: &Mutex<(Vec<(Duration, [Option<u64>; 2])>, Vec<(u32, usize)>)>,
-) {
+/// What the monitor saw (see [`Timeline`]'s fields of the same names).
+#[derive(Debug, Default)]
+struct Seen {
+    weights: Vec<(Duration, [Option<u64>; 2])>,
+    pids: Vec<(u32, usize)>,
+    steal: Vec<(Duration, [u64; 2])>,
+}
+
+/// Every [`MONITOR_STEP`] until `stop`: Envoy's weight of each worker index, the pid of each worker
+/// it holds, and the CPUs' steal time, into `seen`.
+fn monitor(admin: std::net::SocketAddr, start: Instant, stop: &AtomicBool, seen: &Mutex<Seen>) {
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
+        let t = now.saturating_duration_since(start);
+        if let Ok(stat) = peregrine_contract::procfs::cpu_stat() {
+            let steal = |cpu: usize| {
+                stat.cpus
+                    .iter()
+                    .find(|(n, _)| *n as usize == cpu)
+                    .map_or(0, |(_, ticks)| ticks.steal)
+            };
+            let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+            seen.steal.push((t, [steal(0), steal(1)]));
+        }
         if let Ok((_, text)) = http_get(admin, "/clusters") {
             let mut weights = [None; 2];
             let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -404,11 +429,11 @@ fn monitor(
                 if index < 2 && host.healthy {
                     weights[index] = Some(host.weight);
                 }
-                if !seen.1.contains(&(pid, index)) {
-                    seen.1.push((pid, index));
+                if !seen.pids.contains(&(pid, index)) {
+                    seen.pids.push((pid, index));
                 }
             }
-            seen.0.push((now.saturating_duration_since(start), weights));
+            seen.weights.push((t, weights));
         }
         thread::sleep(MONITOR_STEP.saturating_sub(now.elapsed()));
     }

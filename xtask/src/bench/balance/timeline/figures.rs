@@ -57,6 +57,12 @@ pub(super) struct Figures {
     /// From the load's start to Envoy's first weights that favour worker 1 (worker 0's weight
     /// share below 45%): when the hog starts to count.
     pub(super) weighted_after: Option<Duration>,
+    /// The windows over twice the steady p99 from a second after the event on (spikes), and how
+    /// many of them had hypervisor steal on a CPU in the same window or the one before.
+    pub(super) spikes: usize,
+    pub(super) spikes_with_steal: usize,
+    /// Steal on both CPUs over the run.
+    pub(super) steal: Duration,
 }
 
 pub(super) fn figures(timeline: &Timeline) -> Figures {
@@ -124,7 +130,28 @@ pub(super) fn figures(timeline: &Timeline) -> Figures {
             _ => false,
         })
         .map(|(t, _)| *t);
+    let (spikes, spikes_with_steal) = steady.map_or((0, 0), |steady| {
+        let limit = steady * SETTLE_FACTOR;
+        let spiking: Vec<usize> = windows
+            .iter()
+            .enumerate()
+            .filter(|(k, w)| WINDOW * *k as u32 >= over + SECOND && w.is_none_or(|w| w > limit))
+            .map(|(k, _)| k)
+            .collect();
+        let with_steal = spiking
+            .iter()
+            .filter(|&&k| {
+                let from = (WINDOW * k as u32).saturating_sub(WINDOW);
+                steal_within(timeline, from, WINDOW * (k as u32 + 1)) > Duration::ZERO
+            })
+            .count();
+        (spiking.len(), with_steal)
+    });
+    let steal = steal_within(timeline, Duration::ZERO, LENGTH + SECOND);
     Figures {
+        spikes,
+        spikes_with_steal,
+        steal,
         windows,
         steady,
         before: (event != Event::ColdStart)
@@ -147,6 +174,25 @@ pub(super) fn figures(timeline: &Timeline) -> Figures {
         share0,
         weighted_after,
     }
+}
+
+/// The steal on both CPUs between the monitor's last sample at or before `from` and its first at or
+/// after `to` (so a little more than the span, never less).
+fn steal_within(timeline: &Timeline, from: Duration, to: Duration) -> Duration {
+    let before = timeline.steal.iter().rev().find(|(t, _)| *t <= from);
+    let after = timeline.steal.iter().find(|(t, _)| *t >= to);
+    let (Some((_, before)), Some((_, after))) = (
+        before.or(timeline.steal.first()),
+        after.or(timeline.steal.last()),
+    ) else {
+        return Duration::ZERO;
+    };
+    let ticks: u64 = (0..2)
+        .map(|cpu| after[cpu].saturating_sub(before[cpu]))
+        .sum();
+    Duration::from_secs_f64(
+        ticks as f64 / peregrine_contract::procfs::clock_ticks_per_second() as f64,
+    )
 }
 
 fn ms(d: Option<Duration>) -> String {
@@ -180,7 +226,14 @@ pub(super) fn describe(timeline: &Timeline) -> String {
             f.weighted_after.map_or("never".into(), format_duration),
         );
     }
-    let _ = write!(line, " (others {:.2} cores)", timeline.others);
+    let _ = write!(
+        line,
+        "; {} spikes ({} with steal), steal {} (others {:.2} cores)",
+        f.spikes,
+        f.spikes_with_steal,
+        format_duration(f.steal),
+        timeline.others
+    );
     line
 }
 
@@ -354,6 +407,50 @@ pub(super) fn write(
         }
     }
     report.push_str(&markdown(&rows, 2));
+    // Spikes: what else moves the latency.
+    writeln!(
+        report,
+        "\n**Spikes**: 250 ms windows whose p99 is over {SETTLE_FACTOR}x their run's settled p99, from a second after the event on, and how many of them had hypervisor steal (`/proc/stat`) on a CPU in the same window or the one before\n"
+    )?;
+    let mut rows = vec![
+        [
+            "set-up",
+            "spikes",
+            "with steal",
+            "windows",
+            "steal per run: median",
+            "max",
+        ]
+        .map(str::to_owned),
+    ];
+    for variant in VARIANTS {
+        let runs: Vec<&Figures> = all
+            .iter()
+            .filter(|(t, _)| t.variant.key == variant.key)
+            .map(|(_, f)| f)
+            .collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let steal: Vec<f64> = runs.iter().map(|f| f.steal.as_secs_f64()).collect();
+        rows.push([
+            variant.label.to_owned(),
+            runs.iter().map(|f| f.spikes).sum::<usize>().to_string(),
+            runs.iter()
+                .map(|f| f.spikes_with_steal)
+                .sum::<usize>()
+                .to_string(),
+            runs.iter()
+                .map(|f| f.windows.len())
+                .sum::<usize>()
+                .to_string(),
+            format_duration(Duration::from_secs_f64(median(steal.clone()))),
+            format_duration(Duration::from_secs_f64(
+                steal.iter().copied().fold(0.0, f64::max),
+            )),
+        ]);
+    }
+    report.push_str(&markdown(&rows, 1));
     println!("{report}");
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out)?;
@@ -397,11 +494,12 @@ fn markdown_dynamic(rows: &[Vec<String>], width: usize) -> String {
     out
 }
 
-/// The CSV of every run's windows: `event,setup,round,t_s,p99_ms,weight0_share`, where
+/// The CSV of every run's windows: `event,setup,round,t_s,p99_ms,weight0_share,steal_ms`, where
 /// `weight0_share` is worker 0's share of Envoy's weights at the window's start (empty when Envoy
-/// held fewer than two weighted hosts).
+/// held fewer than two weighted hosts) and `steal_ms` the steal on both CPUs around the window
+/// ([`steal_within`]).
 fn series(all: &[(&Timeline, Figures)]) -> String {
-    let mut csv = String::from("event,setup,round,t_s,p99_ms,weight0_share\n");
+    let mut csv = String::from("event,setup,round,t_s,p99_ms,weight0_share,steal_ms\n");
     for (timeline, figures) in all {
         for (k, p99) in figures.windows.iter().enumerate() {
             let t = WINDOW * k as u32;
@@ -416,7 +514,7 @@ fn series(all: &[(&Timeline, Figures)]) -> String {
                 });
             let _ = writeln!(
                 csv,
-                "{},{},{},{:.3},{},{}",
+                "{},{},{},{:.3},{},{},{:.0}",
                 timeline.event.key(),
                 timeline.variant.key,
                 timeline.round + 1,
@@ -426,6 +524,7 @@ fn series(all: &[(&Timeline, Figures)]) -> String {
                     d.as_secs_f64() * 1000.0
                 )),
                 share.map_or(String::new(), |s| format!("{s:.4}")),
+                steal_within(timeline, t, t + WINDOW).as_secs_f64() * 1000.0,
             );
         }
     }
