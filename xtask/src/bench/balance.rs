@@ -1,8 +1,8 @@
 //! `cargo xtask bench balance`: round robin, least request and ORCA-weighted round robin through the
 //! real Envoy, side by side, when one worker has less capacity than Envoy can see from the outside.
 //!
-//! **Set-up.** One supervisor (release build, default sampling: every 1 s; default `[orca]`: no
-//! blackout, weights recomputed every 1 s) with three services of two hello workers each: `rr`
+//! **Set-up.** One supervisor (release build, default sampling: every 200 ms; default `[orca]`: no
+//! blackout, weights recomputed every 100 ms) with three services of two hello workers each: `rr`
 //! (`lb_policy = "round_robin"`), `lr` (`"least_request"`) and `orca` (client-side weighted round robin
 //! on ORCA reports). In every service worker 0 is pinned to CPU 0 and worker 1 to CPU 1 (`taskset -c
 //! {index}`). One Envoy (`--concurrency 1`) routes `/rr`, `/lr` and `/orca`. This process pins itself to

@@ -61,6 +61,8 @@ pub(super) struct Figures {
     /// many of them had hypervisor steal on a CPU in the same window or the one before.
     pub(super) spikes: usize,
     pub(super) spikes_with_steal: usize,
+    /// The requests over twice the steady p99 in those windows, by the worker that answered them.
+    pub(super) spike_requests: [usize; 2],
     /// Steal on both CPUs over the run.
     pub(super) steal: Duration,
 }
@@ -130,7 +132,7 @@ pub(super) fn figures(timeline: &Timeline) -> Figures {
             _ => false,
         })
         .map(|(t, _)| *t);
-    let (spikes, spikes_with_steal) = steady.map_or((0, 0), |steady| {
+    let (spikes, spikes_with_steal) = steady.map_or((Vec::new(), 0), |steady| {
         let limit = steady * SETTLE_FACTOR;
         let spiking: Vec<usize> = windows
             .iter()
@@ -145,12 +147,29 @@ pub(super) fn figures(timeline: &Timeline) -> Figures {
                 steal_within(timeline, from, WINDOW * (k as u32 + 1)) > Duration::ZERO
             })
             .count();
-        (spiking.len(), with_steal)
+        (spiking, with_steal)
     });
+    let spike_requests = steady.map_or([0, 0], |steady| {
+        let mut by_worker = [0; 2];
+        for k in &spikes {
+            let from = WINDOW * *k as u32;
+            for record in within(from, from + WINDOW) {
+                if let Answer::Worker(pid) = record.answer
+                    && record.latency() > steady * SETTLE_FACTOR
+                    && let Some(index) = index_of(pid)
+                {
+                    by_worker[index.min(1)] += 1;
+                }
+            }
+        }
+        by_worker
+    });
+    let spikes = spikes.len();
     let steal = steal_within(timeline, Duration::ZERO, LENGTH + SECOND);
     Figures {
         spikes,
         spikes_with_steal,
+        spike_requests,
         steal,
         windows,
         steady,
@@ -228,9 +247,11 @@ pub(super) fn describe(timeline: &Timeline) -> String {
     }
     let _ = write!(
         line,
-        "; {} spikes ({} with steal), steal {} (others {:.2} cores)",
+        "; {} spikes ({} with steal; slow requests from worker 0: {}, worker 1: {}), steal {} (others {:.2} cores)",
         f.spikes,
         f.spikes_with_steal,
+        f.spike_requests[0],
+        f.spike_requests[1],
         format_duration(f.steal),
         timeline.others
     );
@@ -417,6 +438,7 @@ pub(super) fn write(
             "set-up",
             "spikes",
             "with steal",
+            "slow answers in them: worker 0 / 1",
             "windows",
             "steal per run: median",
             "max",
@@ -440,6 +462,11 @@ pub(super) fn write(
                 .map(|f| f.spikes_with_steal)
                 .sum::<usize>()
                 .to_string(),
+            format!(
+                "{} / {}",
+                runs.iter().map(|f| f.spike_requests[0]).sum::<usize>(),
+                runs.iter().map(|f| f.spike_requests[1]).sum::<usize>()
+            ),
             runs.iter()
                 .map(|f| f.windows.len())
                 .sum::<usize>()
