@@ -11,7 +11,10 @@
 //! [`run`] is the loop: on every tick it reconciles the tracked workers with the registry's snapshot
 //! (tracks new pids, untracks gone ones), reads every worker, turns two readings into rates with the pure
 //! [`rates::step`], and publishes the lot as one [`Loads`] value on the registry's load channel. A
-//! worker's first reading is its baseline: its rates are `None` until the second.
+//! worker's first reading is its baseline: its rates are `None` until the second. Between ticks, a
+//! change of the endpoints (a registration) makes the loop take the baseline of any new worker at
+//! once, so that its first rates come one tick after it registered (at least half an interval later:
+//! a first rate never rests on a sliver of time), not two.
 //!
 //! A worker that served nothing in an interval is also looked at for a stall ([`stall`]): stopped,
 //! or leaving requests unread. A stall, and its end, is the one thing the sampler writes into the
@@ -141,18 +144,46 @@ pub async fn run(
     };
     tracing::info!(sampler = %info.kind, interval = ?info.interval, "Sampling workers");
     registry.publish_loads(Loads::new(Some(info), []));
-    let mut state = Some(Sampler::new(source, children));
+    let mut sampler = Sampler::new(source, children);
+    sampler.min_window = options.interval / 2;
+    let mut state = Some(sampler);
     let mut ticks = tokio::time::interval(options.interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut snapshots = registry.subscribe();
     loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
+        let full = tokio::select! {
+            _ = ticks.tick() => true,
+            changed = snapshots.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                false
+            }
             _ = stop.wait_for(|stop| *stop) => break,
-        }
+        };
         let Some(mut sampler) = state.take() else {
             break;
         };
-        let snapshot = registry.snapshot();
+        let snapshot = snapshots.borrow_and_update().clone();
+        if !full {
+            // The endpoints changed (a registration, most often): a new worker's baseline now, so
+            // that its first rates come at the next tick rather than the one after.
+            match tokio::task::spawn_blocking(move || {
+                sampler.baseline_new(&snapshot, Instant::now());
+                sampler
+            })
+            .await
+            {
+                Ok(sampler) => {
+                    state = Some(sampler);
+                    continue;
+                }
+                Err(error) => {
+                    tracing::error!(%error, "The sampler failed; loads are no longer published");
+                    break;
+                }
+            }
+        }
         let tick = tokio::task::spawn_blocking(move || {
             let loads = sampler.tick(&snapshot, Instant::now(), SystemTime::now());
             (sampler, loads)
@@ -198,6 +229,9 @@ struct Sampler {
     children: Arc<Children>,
     /// Followed workers by lane.
     tracked: HashMap<usize, Tracked>,
+    /// A baseline taken between ticks ([`Sampler::baseline_new`]) gives rates only once it is this
+    /// old: half the interval, so a first rate never rests on a sliver of time.
+    min_window: Duration,
 }
 
 /// A worker instance the source follows.
@@ -212,6 +246,8 @@ struct Tracked {
     suspect: bool,
     /// Its stall, as last published.
     stall: Option<Stall>,
+    /// When its history is a baseline taken between ticks, when that was.
+    baseline_at: Option<Instant>,
 }
 
 /// What one tick found.
@@ -245,6 +281,32 @@ impl Sampler {
             source,
             children,
             tracked: HashMap::new(),
+            min_window: Duration::ZERO,
+        }
+    }
+
+    /// Follows the workers of `snapshot` that are new and takes their baseline reading at `now`,
+    /// between ticks; publishes nothing (a baseline has no rates). A read that fails is left to the
+    /// next tick, which reports it.
+    fn baseline_new(&mut self, snapshot: &Snapshot, now: Instant) {
+        for Current { lane, .. } in self.reconcile(snapshot) {
+            let Some(tracked) = self.tracked.get_mut(&lane) else {
+                continue;
+            };
+            if tracked.history.is_some() {
+                continue;
+            }
+            let Ok(sched) = self.source.read(lane, tracked.pid) else {
+                continue;
+            };
+            let reading = rates::Reading {
+                pid: tracked.pid,
+                sched,
+                requests: tracked.counter.load(),
+                at: now,
+            };
+            tracked.history = Some(rates::step(None, reading).0);
+            tracked.baseline_at = Some(now);
         }
     }
 
@@ -276,6 +338,14 @@ impl Sampler {
                 continue;
             };
             let pid = tracked.pid;
+            // A baseline of a moment ago: no rates yet.
+            if let (Some(at), Some(history)) = (tracked.baseline_at, tracked.history.as_ref())
+                && now.saturating_duration_since(at) < self.min_window
+            {
+                sample.loads.push(history.load(service, index, None, wall));
+                continue;
+            }
+            tracked.baseline_at = None;
             // Scheduler time first: a worker that is gone fails here, before its lane's counter could
             // have been zeroed for a successor.
             let sched = match self.source.read(lane, pid) {
@@ -364,6 +434,7 @@ impl Sampler {
                                 warned: false,
                                 suspect: false,
                                 stall: None,
+                                baseline_at: None,
                             },
                         );
                     }
@@ -534,6 +605,54 @@ mod tests {
                 "untrack 2 200"
             ]
         );
+    }
+
+    #[test]
+    fn a_new_worker_is_baselined_between_ticks_and_gets_rates_at_the_next_tick_past_half_an_interval()
+     {
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(2).unwrap());
+        let registry = Registry::new(["a".to_string()]);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        sampler.min_window = Duration::from_millis(100);
+        children.insert_with_lane_for_test(100, "a", 0, 0, &counters);
+        register(&registry, "a", 0, 100);
+        fake.totals
+            .lock()
+            .unwrap()
+            .insert(100, SchedTotals::default());
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH;
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+
+        sampler.baseline_new(&registry.snapshot(), ms(0));
+        assert_eq!(fake.calls.lock().unwrap().as_slice(), ["track 0 100"]);
+        // Work done after the baseline counts from it.
+        fake.totals.lock().unwrap().insert(
+            100,
+            SchedTotals {
+                on_cpu_ns: 60_000_000,
+                runq_wait_ns: 30_000_000,
+            },
+        );
+        counters.region().lane(0).store(12, Ordering::Relaxed);
+        // A tick 50 ms after the baseline: too soon for a rate.
+        let soon = sampler.tick(&registry.snapshot(), ms(50), wall).loads;
+        assert_eq!((soon[0].pid, soon[0].cpu_cores), (100, None));
+        // The next one, 150 ms after the baseline: rates over those 150 ms.
+        let next = sampler.tick(&registry.snapshot(), ms(150), wall).loads;
+        assert!((next[0].cpu_cores.unwrap() - 0.4).abs() < 1e-9, "{next:?}");
+        assert!((next[0].runq_wait_cores.unwrap() - 0.2).abs() < 1e-9);
+        assert!((next[0].requests_per_second.unwrap() - 80.0).abs() < 1e-9);
+        // Baselining again changes nothing for a worker already followed.
+        sampler.baseline_new(&registry.snapshot(), ms(160));
+        let later = sampler.tick(&registry.snapshot(), ms(170), wall).loads;
+        assert!(
+            later[0].cpu_cores.is_some(),
+            "a regular reading is never held back"
+        );
+        assert_eq!(fake.calls.lock().unwrap().len(), 1, "tracked once");
     }
 
     #[test]
