@@ -102,7 +102,10 @@ const EXIT_USAGE: u8 = 64;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    if let Err(error) = init_tracing() {
+        eprintln!("peregrine: {error}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     match cli.command {
         Command::Tls {
             command: TlsCommand::Init { dir, san },
@@ -264,18 +267,57 @@ fn status(socket: &std::path::Path, json: bool) -> ExitCode {
 }
 
 fn config_error(error: &peregrine_supervisor::config::ConfigError) -> ExitCode {
-    eprintln!("error: {}", peregrine_contract::ErrorChain(error));
+    report(&peregrine_contract::ErrorChain(error).to_string());
     ExitCode::from(EXIT_USAGE)
 }
 
 fn fail(error: &anyhow::Error) -> ExitCode {
-    eprintln!("error: {error:#}");
+    report(&format!("{error:#}"));
     ExitCode::FAILURE
 }
 
-/// Logs go to stderr; `RUST_LOG` (or `PEREGRINE_LOG`) sets the filter, `info` by default.
-fn init_tracing() {
+/// The error that ends the command, on stderr: `error: ...` for a person, or a JSON log line when
+/// the logs are JSON, so that a log collector reads every line.
+fn report(error: &str) {
+    if LOG_FORMAT.get() == Some(&LogFormat::Json) {
+        tracing::error!("{error}");
+    } else {
+        eprintln!("error: {error}");
+    }
+}
+
+/// The format [`init_tracing`] set up.
+static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+/// How log lines are written (`PEREGRINE_LOG_FORMAT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    /// One human-readable line per event (the default).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the event's fields,
+    /// for log collectors.
+    Json,
+}
+
+impl LogFormat {
+    /// The format `PEREGRINE_LOG_FORMAT` names (`None`: unset).
+    fn parse(value: Option<&str>) -> Result<LogFormat, String> {
+        match value {
+            None | Some("" | "text") => Ok(LogFormat::Text),
+            Some("json") => Ok(LogFormat::Json),
+            Some(other) => Err(format!(
+                "PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got {other:?}"
+            )),
+        }
+    }
+}
+
+/// Logs to stderr, as text or JSON lines (`PEREGRINE_LOG_FORMAT`), filtered by `PEREGRINE_LOG` (or
+/// `RUST_LOG`). A format it does not know is a usage error: nothing runs.
+fn init_tracing() -> Result<(), String> {
     use tracing_subscriber::EnvFilter;
+    let format = LogFormat::parse(std::env::var("PEREGRINE_LOG_FORMAT").ok().as_deref())?;
+    let _ = LOG_FORMAT.set(format);
     let filter = std::env::var("PEREGRINE_LOG")
         .ok()
         .and_then(|f| EnvFilter::try_new(f).ok())
@@ -284,9 +326,34 @@ fn init_tracing() {
             // for, say): by default only its errors are logged. RUST_LOG=h2=warn shows them.
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,h2=error"))
         });
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init(),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LogFormat;
+
+    #[test]
+    fn the_log_format_is_text_unless_json_and_anything_else_is_an_error() {
+        assert_eq!(LogFormat::parse(None), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::parse(Some("text")), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::parse(Some("json")), Ok(LogFormat::Json));
+        assert_eq!(
+            LogFormat::parse(Some("JSON")),
+            Err("PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got \"JSON\"".into())
+        );
+    }
 }

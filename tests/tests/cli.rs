@@ -101,3 +101,78 @@ fn run_refuses_an_ebpf_sampler_that_cannot_load_before_starting_anything() {
         "the error says what is missing: {stderr}"
     );
 }
+
+#[test]
+fn json_logs_are_one_object_per_line_from_the_supervisor_and_its_workers() {
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    let port = peregrine_e2e::free_port();
+    let config = format!(
+        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\n\n\
+         [service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
+        grpc = peregrine_e2e::free_port(),
+        control = dir.path().join("peregrine.sock").display(),
+    );
+    let mut supervisor = peregrine_e2e::Supervisor::start_in_with_env(
+        &peregrine_path(),
+        dir.path(),
+        &config,
+        &[("PEREGRINE_LOG_FORMAT", "json"), ("RUST_LOG", "info")],
+    )
+    .unwrap();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    peregrine_e2e::wait_until(
+        std::time::Duration::from_secs(30),
+        "the worker answering",
+        || peregrine_e2e::http_get(addr, "/").ok(),
+    );
+    let stderr = dir.path().join("peregrine.stderr.log");
+    // The worker logs its listener, the supervisor the registration.
+    let lines = peregrine_e2e::wait_until(
+        std::time::Duration::from_secs(10),
+        "the registration in the log",
+        || {
+            let text = std::fs::read_to_string(&stderr).ok()?;
+            text.contains("registered")
+                .then(|| text.lines().map(str::to_owned).collect::<Vec<_>>())
+        },
+    );
+    supervisor.stop().unwrap();
+    let events: Vec<serde_json::Value> = lines
+        .iter()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
+        .collect();
+    assert!(events.len() >= 3, "{lines:?}");
+    for event in &events {
+        for key in ["timestamp", "level", "target", "message"] {
+            assert!(event.get(key).is_some(), "no {key} in {event}");
+        }
+    }
+    // Fields are top-level keys beside the message, e.g. the sampler's kind.
+    assert!(
+        events
+            .iter()
+            .any(|e| e["message"] == "Sampling workers" && e.get("sampler").is_some()),
+        "{lines:?}"
+    );
+    assert!(
+        events.iter().any(|e| e["target"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("peregrine_worker"))),
+        "a worker's own line: {lines:?}"
+    );
+}
+
+#[test]
+fn an_unknown_log_format_is_a_usage_error() {
+    let output = Command::new(peregrine_path())
+        .args(["check", "/nonexistent.toml"])
+        .env("PEREGRINE_LOG_FORMAT", "xml")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr).trim(),
+        "peregrine: PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got \"xml\""
+    );
+}
