@@ -21,6 +21,7 @@ pub mod registration;
 pub mod registry;
 pub mod run;
 pub mod sampler;
+pub mod service_manager;
 pub mod status;
 pub mod throttle;
 pub mod tls;

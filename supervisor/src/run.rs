@@ -40,6 +40,7 @@ use crate::{
     registration,
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
+    service_manager,
     tls::server::ServerTls,
     xds::{self, acks::Acks},
 };
@@ -384,6 +385,8 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         xds_stop,
     ));
     tracing::info!(grpc = %bound, control = %control.display(), services = config.services.len(), adopted = adopted_pids.len(), "Supervisor running");
+    let status = format!("serving xDS on {bound}: {} services", config.services.len());
+    service_manager::ready(&status);
     let sampler_task = sources.sched.map(|sched| {
         tokio::spawn(sampler::run(
             sched,
@@ -409,8 +412,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             tls,
         },
     ));
+    // The watchdog's pings come from this loop: if it stops turning, they stop.
+    let watchdog = service_manager::watchdog_interval();
+    let mut pings = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
     let xds_result = loop {
         tokio::select! {
+            _ = pings.tick(), if watchdog.is_some() => service_manager::watchdog(),
             _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping workers"); break None; }
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping workers"); break None; }
             _ = sighup.recv() => {
@@ -426,6 +433,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             result = &mut xds_task => break Some(result),
         }
     };
+    service_manager::stopping();
     let _ = stop_tx.send(true);
     registration_task.abort();
     drop(operations_tx);

@@ -131,6 +131,10 @@ impl Launch {
                 Ok(())
             });
         }
+        // Only the supervisor speaks for its unit to the service manager.
+        for name in crate::service_manager::INHERITED {
+            command.env_remove(name);
+        }
         let child = command.spawn()?;
         // The pid is reaped through its pidfd, not through `Child`.
         Ok(child.id())

@@ -13,6 +13,7 @@ use crate::{
     config::Config,
     manager::Manager,
     sampler::ErrorChain,
+    service_manager,
     tls::server::{self, ServerTls},
     xds,
 };
@@ -42,7 +43,9 @@ pub(super) async fn operate(
 ) -> Manager {
     while let Some((request, reply)) = operations.recv().await {
         let begun = std::time::Instant::now();
+        service_manager::reloading();
         let answer = apply(&mut manager, &path, request, &outputs).await;
+        service_manager::reloaded(&answer.summary);
         if answer.ok {
             tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
         } else {
