@@ -42,6 +42,9 @@ pub use self::{
 
 /// The default gRPC (xDS) address: loopback only.
 pub const DEFAULT_BIND: &str = "http://[::1]:18000";
+/// The default of `supervisor.metrics`: Prometheus metrics on loopback, at 9464 (the port
+/// OpenTelemetry's Prometheus exporter uses).
+pub const DEFAULT_METRICS: &str = "http://127.0.0.1:9464";
 /// The default registration socket, relative to the config file's directory.
 pub const DEFAULT_CONTROL: &str = "peregrine.sock";
 /// The default bind url of a service's workers.
@@ -200,6 +203,8 @@ impl OrcaConfig {
 pub struct SupervisorConfig {
     /// Where the gRPC server (xDS) listens.
     pub bind: SocketAddr,
+    /// Where Prometheus metrics are served (`GET /metrics`); `None`: not at all (`metrics = ""`).
+    pub metrics: Option<SocketAddr>,
     /// The registration socket's path (absolute).
     pub control: PathBuf,
     /// The name Envoy's bootstrap gives the cluster that reaches this supervisor.

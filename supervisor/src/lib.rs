@@ -16,6 +16,7 @@ pub mod fleet;
 pub mod grpc_port;
 pub mod instance;
 pub mod manager;
+pub mod metrics;
 pub mod orca;
 pub mod registration;
 pub mod registry;

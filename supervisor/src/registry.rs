@@ -280,6 +280,8 @@ pub struct Registry {
     loads: watch::Sender<Arc<Loads>>,
     slots: watch::Sender<Arc<Slots>>,
     orca: Mutex<OrcaByHostname>,
+    /// ORCA reports sent since the start, over every stream (a worker's own count leaves with it).
+    orca_reports: std::sync::atomic::AtomicU64,
     fleet_status: Mutex<Option<FleetStatus>>,
     /// In a fleet, this host's name: it leads every worker's hostname.
     host: Option<String>,
@@ -314,6 +316,7 @@ impl Registry {
             loads: watch::Sender::new(Arc::default()),
             slots: watch::Sender::new(Arc::default()),
             orca: Mutex::default(),
+            orca_reports: std::sync::atomic::AtomicU64::new(0),
             fleet_status: Mutex::default(),
             host: None,
         }
@@ -354,6 +357,13 @@ impl Registry {
         let streams = orca.entry(hostname.to_owned()).or_default();
         streams.reports += 1;
         streams.last_report = Some(report);
+        self.orca_reports
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// ORCA reports sent since the start, over every stream.
+    pub fn orca_reports_total(&self) -> u64 {
+        self.orca_reports.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The ORCA streams of every worker that has or had one.

@@ -36,6 +36,7 @@ use crate::{
     grpc_port::{self, Admission},
     instance::{InstanceLock, LockError},
     manager::{self, Manager},
+    metrics,
     orca::OrcaService,
     registration,
     registry::Registry,
@@ -62,6 +63,17 @@ pub enum RunError {
     /// The gRPC address could not be bound.
     #[error("cannot bind the gRPC (xDS) address {addr}")]
     Grpc {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The metrics address could not be bound.
+    #[error(
+        "cannot listen for Prometheus metrics on {addr} (supervisor.metrics, or PEREGRINE_METRICS; \"\" turns them off)"
+    )]
+    Metrics {
         /// The address.
         addr: SocketAddr,
         /// The cause.
@@ -234,6 +246,14 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         .await
         .map_err(|source| RunError::Grpc { addr: bind, source })?;
     let bound = grpc.local_addr().unwrap_or(bind);
+    let metrics_listener = match config.supervisor.metrics {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| RunError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
     // Read before any worker starts: a certificate that cannot be used stops the start here.
     let tls = config
         .supervisor
@@ -288,6 +308,15 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
     // it).
     let acks = Arc::new(Acks::default());
+    let _metrics_task = metrics_listener.map(|listener| {
+        match listener.local_addr() {
+            Ok(addr) if !addr.ip().is_loopback() => tracing::warn!(%addr, "Prometheus metrics are served beyond this host, without TLS or authentication: anyone who reaches the port reads every worker's load"),
+            Ok(addr) => tracing::info!(%addr, "Serving Prometheus metrics at /metrics"),
+            Err(_) => {}
+        }
+        let metrics = Arc::new(metrics::registry(registry.clone(), acks.clone()));
+        AbortOnDrop(tokio::spawn(metrics::server::serve(listener, metrics)))
+    });
     let (xds_options_tx, xds_options_rx) =
         watch::channel(xds_options(&config, &orca, bound.port()));
     // In a fleet, the host's workers go to etcd and the other hosts' come back into the registry. The

@@ -353,6 +353,9 @@ fn run_command(wrapper: &[String], binary: &Path, config: &Path, dir: &Path) -> 
     if std::env::var_os("RUST_LOG").is_none() {
         command.env("RUST_LOG", "info");
     }
+    // Metrics on a port of the kernel's choosing: tests run many supervisors at once, and the
+    // default port (9464) would admit one. A test that scrapes sets its own.
+    command.env("PEREGRINE_METRICS", "http://127.0.0.1:0");
     command
 }
 

@@ -447,6 +447,7 @@ url = "http://127.0.0.1:0"
     let output = std::process::Command::new(peregrine_e2e::peregrine_path())
         .arg("run")
         .arg(&path)
+        .env("PEREGRINE_METRICS", "")
         .output()
         .expect("peregrine run");
     let stderr = String::from_utf8_lossy(&output.stderr);

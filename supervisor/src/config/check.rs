@@ -21,8 +21,8 @@ use std::{
 use toml::Spanned;
 
 use super::{
-    Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_SAMPLE_INTERVAL, GrpcLimits, Lifecycle,
-    OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
+    Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_METRICS, DEFAULT_SAMPLE_INTERVAL, GrpcLimits,
+    Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
     error::Problem,
     files::absolute_in,
     limits::{MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
@@ -307,10 +307,40 @@ impl Checker<'_> {
         env: &HashMap<String, String>,
     ) -> Option<SupervisorConfig> {
         let bind = match env.get("PEREGRINE_BIND") {
-            Some(bind) => self.grpc_address(bind, None, "PEREGRINE_BIND (environment)"),
+            Some(bind) => {
+                self.http_address(bind, None, "PEREGRINE_BIND (environment)", DEFAULT_BIND)
+            }
             None => match &raw.bind {
-                Some(b) => self.grpc_address(b.get_ref(), Some(b.span()), "supervisor.bind"),
-                None => self.grpc_address(DEFAULT_BIND, None, "supervisor.bind"),
+                Some(b) => {
+                    self.http_address(b.get_ref(), Some(b.span()), "supervisor.bind", DEFAULT_BIND)
+                }
+                None => self.http_address(DEFAULT_BIND, None, "supervisor.bind", DEFAULT_BIND),
+            },
+        };
+        // `""` turns metrics off; the environment wins over the file, as for `bind`.
+        let metrics = match env.get("PEREGRINE_METRICS") {
+            Some(url) if url.is_empty() => Some(None),
+            Some(url) => self
+                .http_address(
+                    url,
+                    None,
+                    "PEREGRINE_METRICS (environment)",
+                    DEFAULT_METRICS,
+                )
+                .map(Some),
+            None => match &raw.metrics {
+                Some(url) if url.get_ref().is_empty() => Some(None),
+                Some(url) => self
+                    .http_address(
+                        url.get_ref(),
+                        Some(url.span()),
+                        "supervisor.metrics",
+                        DEFAULT_METRICS,
+                    )
+                    .map(Some),
+                None => self
+                    .http_address(DEFAULT_METRICS, None, "supervisor.metrics", DEFAULT_METRICS)
+                    .map(Some),
             },
         };
         let control = match env.get("PEREGRINE_CONTROL") {
@@ -410,6 +440,7 @@ impl Checker<'_> {
         }
         Some(SupervisorConfig {
             bind: bind?,
+            metrics: metrics?,
             control,
             xds_cluster,
             restart,
@@ -422,11 +453,12 @@ impl Checker<'_> {
     }
 
     /// Parses `http://IP:PORT`.
-    fn grpc_address(
+    fn http_address(
         &mut self,
         url: &str,
         span: Option<Range<usize>>,
         key: &str,
+        example: &str,
     ) -> Option<SocketAddr> {
         let parsed = url
             .strip_prefix("http://")
@@ -436,7 +468,7 @@ impl Checker<'_> {
             self.report(
                 span,
                 key.into(),
-                format!("expected http://IP:PORT (e.g. {DEFAULT_BIND}), got {url:?}"),
+                format!("expected http://IP:PORT (e.g. {example}), got {url:?}"),
             );
         }
         parsed
@@ -579,6 +611,45 @@ count = 0
         let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();
         assert_eq!(config.supervisor.bind.port(), 1);
         assert_eq!(config.supervisor.control, Path::new("/run/x.sock"));
+    }
+
+    #[test]
+    fn metrics_default_to_loopback_turn_off_with_an_empty_url_and_a_bad_one_is_named() {
+        let default = parse("[service.a]\n").unwrap();
+        assert_eq!(
+            default.supervisor.metrics,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        let off = parse("[supervisor]\nmetrics = \"\"\n[service.a]\n").unwrap();
+        assert_eq!(off.supervisor.metrics, None);
+        let other = parse("[supervisor]\nmetrics = \"http://[::1]:9000\"\n[service.a]\n").unwrap();
+        assert_eq!(
+            other.supervisor.metrics,
+            Some("[::1]:9000".parse().unwrap())
+        );
+        assert_eq!(
+            problems("[supervisor]\nmetrics = \"127.0.0.1:9464\"\n[service.a]\n"),
+            [
+                "line 2: supervisor.metrics: expected http://IP:PORT (e.g. http://127.0.0.1:9464), got \"127.0.0.1:9464\""
+            ]
+        );
+        let env = HashMap::from([(
+            "PEREGRINE_METRICS".to_string(),
+            "http://127.0.0.1:0".to_string(),
+        )]);
+        let config = Config::parse(
+            "[supervisor]\nmetrics = \"\"\n[service.a]\n",
+            Path::new("/"),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(
+            config.supervisor.metrics,
+            Some("127.0.0.1:0".parse().unwrap())
+        );
+        let env = HashMap::from([("PEREGRINE_METRICS".to_string(), String::new())]);
+        let config = Config::parse("[service.a]\n", Path::new("/"), &env).unwrap();
+        assert_eq!(config.supervisor.metrics, None);
     }
 
     #[test]

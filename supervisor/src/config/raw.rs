@@ -89,6 +89,7 @@ pub(super) struct RawOrca {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawSupervisor {
     pub(super) bind: Option<Spanned<String>>,
+    pub(super) metrics: Option<Spanned<String>>,
     pub(super) control: Option<Spanned<String>>,
     pub(super) xds_cluster: Option<Spanned<String>>,
     pub(super) restart_delay_ms: Option<Spanned<u64>>,

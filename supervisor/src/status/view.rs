@@ -5,7 +5,7 @@ use peregrine_proto::v1;
 use serde::Serialize;
 
 /// A status answer for people and scripts: `--json` prints it with serde.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct StatusView {
     /// The sampler's scheduler source, `null` when none runs.
     pub sampler: Option<String>,
@@ -57,7 +57,7 @@ pub struct XdsStreamView {
 }
 
 /// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct WorkerRow {
     /// The host it runs on, `null` on a single host.
     pub host: Option<String>,

@@ -82,7 +82,8 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
             .args(["-c", LOAD_CPU])
             .arg(peregrine)
             .arg("run")
-            .arg(&config);
+            .arg(&config)
+            .env("PEREGRINE_METRICS", "http://127.0.0.1:0");
         if env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "info");
         }

@@ -1,0 +1,29 @@
+//! Prometheus metrics at `GET /metrics` on `supervisor.metrics` (loopback by default), in the
+//! OpenMetrics text format, with the `prometheus-client` crate: a registry of this supervisor's own,
+//! never a global one.
+//!
+//! Every figure is read at scrape time from where it already lives ([`collector`]): the workers and
+//! their loads from the registry's status report (the same one `peregrine status` prints, so the two
+//! never disagree), the open xDS streams from their ACK records, and the process's own figures from
+//! `/proc/self` ([`process`]). Labels are services and slot indexes, never pids, so a restart adds no
+//! series. [`server`] answers the scrapes.
+//!
+//! Invariant: reads the registry and the ACK records; writes nothing anywhere.
+
+pub mod collector;
+pub mod process;
+pub mod server;
+
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry as Metrics;
+
+use crate::{registry::Registry, xds::acks::Acks};
+
+/// This supervisor's metrics registry: the status collector and the process collector.
+pub fn registry(registry: Arc<Registry>, acks: Arc<Acks>) -> Metrics {
+    let mut metrics = Metrics::default();
+    metrics.register_collector(Box::new(collector::StatusCollector::new(registry, acks)));
+    metrics.register_collector(Box::new(process::ProcessCollector));
+    metrics
+}

@@ -1,0 +1,144 @@
+//! Prometheus metrics, scraped by a real Prometheus (Debian's `prometheus`, started here with a scrape
+//! config pointing at the supervisor): its query API returns the workers' series, and a killed
+//! worker shows in `peregrine_worker_restarts_total`. Without Prometheus the test skips (fails with
+//! `PEREGRINE_REQUIRE_PROMETHEUS=1`).
+
+use std::{io::Write as _, net::SocketAddr, process::Command, time::Duration};
+
+use peregrine_e2e::{
+    ChildGuard, Supervisor, TempDir, free_port, http_get, peregrine_path, try_wait_until,
+};
+use serde_json::Value;
+
+fn prometheus_or_skip(test: &str) -> Option<&'static str> {
+    let found = Command::new("prometheus")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        let reason = "no prometheus (apt install prometheus)";
+        assert!(
+            std::env::var("PEREGRINE_REQUIRE_PROMETHEUS").map_or(true, |v| v != "1"),
+            "{test}: PEREGRINE_REQUIRE_PROMETHEUS=1 but {reason}"
+        );
+        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
+        return None;
+    }
+    Some("prometheus")
+}
+
+/// The series of an instant query: each one's labels and value.
+fn query(prometheus: SocketAddr, expr: &str) -> Option<Vec<(Value, f64)>> {
+    let (status, body) = http_get(prometheus, &format!("/api/v1/query?query={expr}")).ok()?;
+    if status != 200 {
+        return None;
+    }
+    let json: Value = serde_json::from_str(&body).ok()?;
+    json["data"]["result"]
+        .as_array()?
+        .iter()
+        .map(|series| {
+            let value = series["value"][1].as_str()?.parse().ok()?;
+            Some((series["metric"].clone(), value))
+        })
+        .collect()
+}
+
+#[test]
+fn prometheus_scrapes_the_workers_and_sees_a_restart() {
+    let Some(binary) = prometheus_or_skip("Prometheus metrics") else {
+        return;
+    };
+    let dir = TempDir::new().unwrap();
+    let metrics = free_port();
+    let config = format!(
+        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\nrestart_delay_ms = 50\n\n\
+         [service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n",
+        grpc = free_port(),
+        control = dir.path().join("peregrine.sock").display(),
+    );
+    let supervisor = Supervisor::start_in_with_env(
+        &peregrine_path(),
+        dir.path(),
+        &config,
+        &[("PEREGRINE_METRICS", &format!("http://127.0.0.1:{metrics}"))],
+    )
+    .unwrap();
+    let scrape = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &scrape,
+        format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: peregrine\n    \
+             static_configs:\n      - targets: ['127.0.0.1:{metrics}']\n"
+        ),
+    )
+    .unwrap();
+    let web = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let _prometheus = ChildGuard::spawn(
+        "prometheus",
+        Command::new(binary)
+            .arg(format!("--config.file={}", scrape.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={web}")),
+        dir.path(),
+    )
+    .unwrap();
+    let logs = || {
+        format!(
+            "{}\n{}",
+            supervisor.logs(),
+            std::fs::read_to_string(dir.path().join("prometheus.stderr.log")).unwrap_or_default()
+        )
+    };
+
+    // Both workers' series, labelled by service and slot (no pid), sampled (a value exists).
+    let series = try_wait_until(Duration::from_secs(30), "the workers' CPU series", || {
+        let series = query(web, "peregrine_worker_cpu_cores")?;
+        (series.len() == 2).then_some(series)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+    let mut indexes: Vec<&str> = series
+        .iter()
+        .map(|(labels, _)| {
+            assert_eq!(labels["service"], "web", "{labels}");
+            assert!(labels.get("pid").is_none(), "{labels}");
+            labels["index"].as_str().unwrap()
+        })
+        .collect();
+    indexes.sort_unstable();
+    assert_eq!(indexes, ["0", "1"]);
+    let ready = query(web, "peregrine_workers").unwrap();
+    assert!(
+        ready
+            .iter()
+            .any(|(l, v)| l["state"] == "ready" && *v == 2.0),
+        "{ready:?}"
+    );
+    assert!(query(web, "process_resident_memory_bytes").is_some_and(|s| s.len() == 1));
+
+    // A killed worker is restarted, and the counter says so.
+    let status = supervisor.status_json().unwrap();
+    let pid = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["index"] == 0)
+        .and_then(|w| w["pid"].as_u64())
+        .unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    try_wait_until(Duration::from_secs(30), "the restart in Prometheus", || {
+        let restarts = query(web, "peregrine_worker_restarts_total")?;
+        restarts
+            .iter()
+            .any(|(l, v)| l["index"] == "0" && *v >= 1.0)
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+}
