@@ -2,6 +2,11 @@
 //! it, or records why it could not be built. Without clang the crate still builds and the supervisor
 //! falls back to procfs with a warning naming the missing tool; with `PEREGRINE_REQUIRE_EBPF=1` a
 //! missing tool fails the build.
+//!
+//! Cargo keeps a build script's result until something it was told to watch changes: besides the
+//! sources and the variables, the tools (see `compile::rerun_paths`). A tree built without clang is
+//! rebuilt with the eBPF sampler once clang or libbpf's headers appear, and one built with them is not
+//! rebuilt until they change.
 
 #[path = "build/compile.rs"]
 #[allow(
@@ -10,7 +15,7 @@
 )]
 mod compile;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn main() {
     let crate_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
@@ -23,8 +28,21 @@ fn main() {
     println!("cargo::rerun-if-env-changed=PEREGRINE_REQUIRE_EBPF");
     println!("cargo::rerun-if-env-changed=PATH");
     let required = std::env::var("PEREGRINE_REQUIRE_EBPF").is_ok_and(|v| v == "1");
+    let clang = compile::find_clang();
+    let include = compile::find_libbpf();
+    for path in compile::rerun_paths(
+        clang.as_ref().ok().map(|(clang, _)| clang.as_path()),
+        include.as_ref().ok().copied(),
+        std::env::var_os("CLANG").as_deref(),
+        std::env::var_os("PATH").as_deref(),
+        Path::exists,
+    ) {
+        println!("cargo::rerun-if-changed={}", path.display());
+    }
     let object = out_dir.join("sampler.bpf.o");
-    let generated = match compile::build(&crate_dir, &object) {
+    let built =
+        clang.and_then(|(clang, _)| compile::compile(&clang, include?, &crate_dir, &object));
+    let generated = match built {
         Ok(_) => "/// The kernel program, built by clang.\n\
              pub(crate) static OBJECT: Result<&[u8], &str> = \
              Ok(aya::include_bytes_aligned!(concat!(env!(\"OUT_DIR\"), \"/sampler.bpf.o\")));\n"

@@ -76,12 +76,14 @@ fn keep_running(args: &[String]) -> anyhow::Result<bool> {
 }
 
 /// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),
-/// else the debug build, built now (with protoc installed first: the etcd client's protos need it).
+/// else the debug build, built now (with protoc installed first, the etcd client's protos need it, and
+/// clang and libbpf's headers for the eBPF sampler).
 fn peregrine_binary() -> anyhow::Result<PathBuf> {
     if let Some(path) = std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
         return Ok(path.into());
     }
     crate::packages::ensure(crate::packages::FLEET)?;
+    crate::ebpf::tools::ensure()?;
     run_checked(cargo().args(["build", "-p", "peregrine-supervisor", "--bin", "peregrine"]))?;
     Ok(target_dir().join("debug/peregrine"))
 }

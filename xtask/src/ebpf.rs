@@ -1,5 +1,6 @@
 //! `cargo xtask build-ebpf`: the same clang build the `peregrine-ebpf` build script runs, into
-//! `target/ebpf/sampler.bpf.o`, then a listing of the object's programs and maps.
+//! `target/ebpf/sampler.bpf.o`, then a listing of the object's programs and maps; and ([`tools`]) that
+//! build's clang and libbpf headers, installed before `test` and `demo` build.
 
 use std::process::ExitCode;
 
@@ -15,6 +16,7 @@ use crate::workspace_root;
     reason = "the eBPF build script's own module: this command calls only part of it"
 )]
 mod compile;
+pub(crate) mod tools;
 
 /// BPF map type numbers (`enum bpf_map_type` in linux/bpf.h) that the object uses.
 fn map_type_name(map_type: u32) -> String {

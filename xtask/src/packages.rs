@@ -51,6 +51,22 @@ pub(crate) fn ensure(needed: &[(&str, &str)]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `apt-get update`, then `apt-get install -y --no-install-recommends` of `packages`,
+/// non-interactive; apt-get's own output kept short (`-qq`).
+pub(crate) fn apt_get_install(packages: &[&str]) -> anyhow::Result<()> {
+    let apt_get = || {
+        let mut command = Command::new("apt-get");
+        command.env("DEBIAN_FRONTEND", "noninteractive").arg("-qq");
+        command
+    };
+    run_checked(apt_get().arg("update"))?;
+    run_checked(
+        apt_get()
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(packages),
+    )
+}
+
 /// What building the supervisor and running the fleet's tests and demo need: `protoc` (the etcd
 /// client's build script compiles etcd's protos), etcd itself (Debian's `etcd-server`, 3.4), `ip`
 /// (hosts as network namespaces), and `openssl` (checks the certificates `peregrine tls init`

@@ -1,5 +1,5 @@
-//! `cargo xtask test`: install Envoy (and, with apt-get, etcd and protoc where missing), build the
-//! workspace, run the whole test suite against them.
+//! `cargo xtask test`: install Envoy (and, with apt-get, etcd and protoc where missing, and clang and
+//! libbpf's headers for the eBPF sampler), build the workspace, run the whole test suite against them.
 //!
 //! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
 //! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
@@ -8,10 +8,11 @@ use std::process::ExitCode;
 
 use peregrine_e2e::target_dir;
 
-use crate::{cargo, envoy, packages, pyclients, run_checked};
+use crate::{cargo, ebpf, envoy, packages, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     packages::ensure(packages::FLEET)?;
+    ebpf::tools::ensure()?;
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
     let python = pyclients::install()?;
