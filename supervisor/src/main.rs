@@ -44,6 +44,13 @@ enum Command {
         /// Print a JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// Redraw the status every interval until Ctrl-C, like top (with --json: one JSON line per
+        /// interval).
+        #[arg(long)]
+        watch: bool,
+        /// The interval of --watch, in seconds (at least 0.1).
+        #[arg(long, value_name = "SECS", default_value_t = 2.0, requires = "watch")]
+        interval: f64,
     },
     /// Replace the running supervisor's workers without dropping a request.
     ///
@@ -170,6 +177,8 @@ fn main() -> ExitCode {
             config,
             socket,
             json,
+            watch,
+            interval,
         } => {
             let socket = match (socket, config) {
                 (Some(socket), _) => socket,
@@ -179,7 +188,21 @@ fn main() -> ExitCode {
                 },
                 (None, None) => unreachable!("clap requires CONFIG without --socket"),
             };
-            status(&socket, json)
+            if watch {
+                let min = peregrine_supervisor::status::watch::MIN_INTERVAL;
+                match std::time::Duration::try_from_secs_f64(interval) {
+                    Ok(interval) if interval >= min => watch_status(&socket, json, interval),
+                    _ => {
+                        eprintln!(
+                            "error: --interval must be at least {} seconds, got {interval}",
+                            min.as_secs_f64()
+                        );
+                        ExitCode::from(EXIT_USAGE)
+                    }
+                }
+            } else {
+                status(&socket, json)
+            }
         }
         Command::Restart {
             config,
@@ -263,6 +286,47 @@ fn status(socket: &std::path::Path, json: bool) -> ExitCode {
             fail(&anyhow::Error::new(error).context("cannot write to stdout"))
         }
         _ => ExitCode::SUCCESS,
+    }
+}
+
+/// `peregrine status --watch`: a frame every `interval` until Ctrl-C (or a reader that goes away).
+fn watch_status(socket: &std::path::Path, json: bool, interval: std::time::Duration) -> ExitCode {
+    use std::io::{IsTerminal, Write};
+
+    use peregrine_supervisor::status::{StatusView, query, watch};
+    let clear = std::io::stdout().is_terminal();
+    loop {
+        let started = std::time::Instant::now();
+        let answer = query(socket)
+            .map(StatusView::from)
+            .map_err(|e| peregrine_contract::ErrorChain(&e).to_string());
+        let status = answer.as_ref().map_err(String::as_str);
+        let text = if json {
+            watch::json_line(status)
+        } else {
+            watch::frame(
+                clear,
+                interval,
+                socket,
+                std::time::SystemTime::now(),
+                status,
+            )
+        };
+        let mut stdout = std::io::stdout().lock();
+        match stdout
+            .write_all(text.as_bytes())
+            .and_then(|()| stdout.flush())
+        {
+            Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => {
+                return ExitCode::SUCCESS;
+            }
+            Err(error) => {
+                return fail(&anyhow::Error::new(error).context("cannot write to stdout"));
+            }
+            Ok(()) => {}
+        }
+        drop(stdout);
+        std::thread::sleep(interval.saturating_sub(started.elapsed()));
     }
 }
 

@@ -14,6 +14,7 @@
 
 pub mod client;
 pub mod view;
+pub mod watch;
 
 use std::{collections::BTreeMap, time::SystemTime};
 

@@ -208,3 +208,115 @@ fn status_without_a_supervisor_says_so_in_one_line() {
         }
     }
 }
+
+/// A tmux session that is killed when dropped, even when the test fails.
+struct Tmux(String);
+
+impl Tmux {
+    fn capture(&self) -> String {
+        Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &self.0])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn alive(&self) -> bool {
+        Command::new("tmux")
+            .args(["has-session", "-t", &self.0])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .output();
+    }
+}
+
+#[test]
+fn status_watch_redraws_the_table_in_place_until_ctrl_c() {
+    let tmux_found = Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !tmux_found {
+        assert!(
+            std::env::var("PEREGRINE_REQUIRE_TMUX").map_or(true, |v| v != "1"),
+            "PEREGRINE_REQUIRE_TMUX=1 but there is no tmux (apt install tmux)"
+        );
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipping status --watch: no tmux (apt install tmux)"
+        );
+        return;
+    }
+    let (supervisor, _) = peregrine_e2e::one_worker();
+    let socket = supervisor.dir().join("peregrine.sock");
+    let session = Tmux(format!("peregrine-watch-{}", std::process::id()));
+    let started = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            &session.0,
+            "-x",
+            "160",
+            "-y",
+            "30",
+        ])
+        .arg(format!(
+            "{} status --watch --interval 0.2 --socket {}",
+            peregrine_path().display(),
+            socket.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(started.success());
+    let pid_in = |screen: &str| -> Option<u32> {
+        let row = screen.lines().find(|l| l.starts_with("web "))?;
+        row.split_whitespace().nth(2)?.parse().ok()
+    };
+    let first = try_wait_until(Duration::from_secs(10), "the watched table", || {
+        let screen = session.capture();
+        (screen.contains("every 0.2s: peregrine status") && pid_in(&screen).is_some())
+            .then_some(screen)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", session.capture()));
+    let pid = pid_in(&first).unwrap();
+    // A killed worker's replacement shows up in place: a new pid, one restart, one header on screen.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let after = try_wait_until(Duration::from_secs(20), "the replacement on screen", || {
+        let screen = session.capture();
+        pid_in(&screen).is_some_and(|p| p != pid).then_some(screen)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", session.capture()));
+    assert_eq!(
+        after.matches("every 0.2s: peregrine status").count(),
+        1,
+        "redrawn in place, not appended:\n{after}"
+    );
+    let row = after.lines().find(|l| l.starts_with("web ")).unwrap();
+    assert_eq!(
+        row.split_whitespace().last(),
+        Some("1"),
+        "one restart: {row}"
+    );
+    // Ctrl-C ends it.
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session.0, "C-c"])
+        .status()
+        .unwrap();
+    try_wait_until(Duration::from_secs(5), "the watch to end on Ctrl-C", || {
+        (!session.alive()).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", session.capture()));
+}
