@@ -4,11 +4,12 @@
 //!
 //! Every figure is read at scrape time from where it already lives ([`collector`]): the workers and
 //! their loads from the registry's status report (the same one `peregrine status` prints, so the two
-//! never disagree), the open xDS streams from their ACK records, and the process's own figures from
+//! never disagree), the open xDS streams from their ACK records, the xDS pushes and NACKs from the
+//! streams' counters, and the process's own figures from
 //! `/proc/self` ([`process`]). Labels are services and slot indexes, never pids, so a restart adds no
 //! series. [`server`] answers the scrapes.
 //!
-//! Invariant: reads the registry and the ACK records; writes nothing anywhere.
+//! Invariant: reads the registry, the ACK records and the xDS counters; writes nothing anywhere.
 
 pub mod collector;
 pub mod process;
@@ -18,12 +19,17 @@ use std::sync::Arc;
 
 use prometheus_client::registry::Registry as Metrics;
 
-use crate::{registry::Registry, xds::acks::Acks};
+use crate::{
+    registry::Registry,
+    xds::{acks::Acks, counters::XdsCounters},
+};
 
 /// This supervisor's metrics registry: the status collector and the process collector.
-pub fn registry(registry: Arc<Registry>, acks: Arc<Acks>) -> Metrics {
+pub fn registry(registry: Arc<Registry>, acks: Arc<Acks>, xds: Arc<XdsCounters>) -> Metrics {
     let mut metrics = Metrics::default();
-    metrics.register_collector(Box::new(collector::StatusCollector::new(registry, acks)));
+    metrics.register_collector(Box::new(collector::StatusCollector::new(
+        registry, acks, xds,
+    )));
     metrics.register_collector(Box::new(process::ProcessCollector));
     metrics
 }

@@ -308,13 +308,18 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
     // it).
     let acks = Arc::new(Acks::default());
+    let xds_counters = Arc::new(xds::counters::XdsCounters::default());
     let _metrics_task = metrics_listener.map(|listener| {
         match listener.local_addr() {
             Ok(addr) if !addr.ip().is_loopback() => tracing::warn!(%addr, "Prometheus metrics are served beyond this host, without TLS or authentication: anyone who reaches the port reads every worker's load"),
             Ok(addr) => tracing::info!(%addr, "Serving Prometheus metrics at /metrics"),
             Err(_) => {}
         }
-        let metrics = Arc::new(metrics::registry(registry.clone(), acks.clone()));
+        let metrics = Arc::new(metrics::registry(
+            registry.clone(),
+            acks.clone(),
+            xds_counters.clone(),
+        ));
         AbortOnDrop(tokio::spawn(metrics::server::serve(listener, metrics)))
     });
     let (xds_options_tx, xds_options_rx) =
@@ -409,6 +414,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             snapshots: registry.subscribe(),
             options: xds_options_rx,
             acks,
+            counters: xds_counters,
             orca: orca_service,
         },
         xds_stop,

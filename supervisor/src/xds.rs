@@ -13,6 +13,7 @@
 
 pub mod acks;
 pub mod cache;
+pub mod counters;
 pub mod priorities;
 pub mod resources;
 pub mod stream_kind;
@@ -161,9 +162,13 @@ pub fn spawn_cache_following(
 }
 
 /// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]), recording each stream's
-/// ACKs in `acks`; add more services to it before serving.
-pub fn router(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> GrpcRouter {
-    let service = XdsService::new(resources, acks);
+/// ACKs in `acks` and its pushes and NACKs in `counters`; add more services to it before serving.
+pub fn router(
+    resources: watch::Receiver<Arc<Resources>>,
+    acks: Arc<Acks>,
+    counters: Arc<counters::XdsCounters>,
+) -> GrpcRouter {
+    let service = XdsService::new(resources, acks, counters);
     server()
         .add_service(ClusterDiscoveryServiceServer::new(service.clone()))
         .add_service(EndpointDiscoveryServiceServer::new(service.clone()))
@@ -203,6 +208,8 @@ pub struct Inputs {
     pub options: watch::Receiver<XdsOptions>,
     /// Where every xDS stream records how far its Envoy has ACKed while it is open.
     pub acks: Arc<Acks>,
+    /// Where every xDS stream adds its pushes and NACKs.
+    pub counters: Arc<counters::XdsCounters>,
     /// ORCA, when load reports are served.
     pub orca: Option<OrcaService>,
 }
@@ -226,6 +233,7 @@ pub async fn serve(
         snapshots,
         options,
         acks,
+        counters,
         orca,
     } = inputs;
     let (cache_stop_tx, cache_stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -258,7 +266,7 @@ pub async fn serve(
         }
     }
     let incoming = grpc_port::incoming(listeners, admission);
-    let mut router = router(resources, acks);
+    let mut router = router(resources, acks, counters);
     if let Some(orca) = orca {
         router = router.add_service(orca.into_server());
     }

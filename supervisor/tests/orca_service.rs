@@ -36,6 +36,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
             snapshots: registry.subscribe(),
             options: tokio::sync::watch::channel(XdsOptions::default()).1,
             acks: Arc::new(Acks::default()),
+            counters: Default::default(),
             orca: Some(OrcaService::new(registry, min_interval)),
         },
         async {

@@ -90,6 +90,7 @@ impl Server {
                 snapshots: registry.subscribe(),
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
                 acks,
+                counters: Default::default(),
                 orca: None,
             },
             async {

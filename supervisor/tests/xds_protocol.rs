@@ -67,6 +67,7 @@ impl Server {
                 snapshots,
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
                 acks: Arc::new(Acks::default()),
+                counters: Default::default(),
                 orca: None,
             },
             async {

@@ -19,7 +19,7 @@ use crate::{
         self,
         view::{StatusView, WorkerRow},
     },
-    xds::acks::Acks,
+    xds::{acks::Acks, counters::XdsCounters, stream_kind::StreamKind},
 };
 
 /// The states a slot's row can be in, each a `peregrine_workers` series of every service (0 when
@@ -31,21 +31,43 @@ pub const STATES: [&str; 5] = ["ready", "draining", "stalled", "starting", "cras
 pub struct StatusCollector {
     registry: Arc<Registry>,
     acks: Arc<Acks>,
+    xds: Arc<XdsCounters>,
 }
 
 impl StatusCollector {
-    /// A collector of `registry`'s workers and `acks`' streams.
-    pub fn new(registry: Arc<Registry>, acks: Arc<Acks>) -> Self {
-        StatusCollector { registry, acks }
+    /// A collector of `registry`'s workers, `acks`' streams and `xds`' pushes and NACKs.
+    pub fn new(registry: Arc<Registry>, acks: Arc<Acks>, xds: Arc<XdsCounters>) -> Self {
+        StatusCollector {
+            registry,
+            acks,
+            xds,
+        }
     }
 }
 
 impl Collector for StatusCollector {
     fn encode(&self, encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
         let view = StatusView::from(status::report_of(&self.registry, &self.acks.streams()));
-        let orca_reports = self.registry.orca_reports_total();
-        encode(&view, orca_reports, encoder)
+        let totals = Totals {
+            orca_reports: self.registry.orca_reports_total(),
+            streams: self.acks.kinds(),
+            pushes: self.xds.pushes(),
+            nacks: self.xds.nacks(),
+        };
+        encode(&view, &totals, encoder)
     }
+}
+
+/// What the status report does not hold: counts kept beside it.
+#[derive(Debug, Default)]
+pub struct Totals {
+    /// ORCA reports sent.
+    pub orca_reports: u64,
+    /// The kind of every open xDS stream.
+    pub streams: Vec<StreamKind>,
+    /// xDS responses sent and NACKs received, per type label.
+    pub pushes: [(&'static str, u64); 2],
+    pub nacks: [(&'static str, u64); 2],
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -53,7 +75,7 @@ type Labels = Vec<(&'static str, String)>;
 /// `view`'s metric families into `encoder` (pure: the tests feed it views).
 pub fn encode(
     view: &StatusView,
-    orca_reports: u64,
+    totals: &Totals,
     mut encoder: DescriptorEncoder<'_>,
 ) -> Result<(), fmt::Error> {
     // A fleet's status has the other hosts' workers too; their supervisors report those.
@@ -148,7 +170,45 @@ pub fn encode(
         &mut encoder,
         "peregrine_orca_reports",
         "ORCA load reports sent, over every stream",
-        [(Labels::new(), orca_reports)],
+        [(Labels::new(), totals.orca_reports)],
+    )?;
+
+    // Every type and variant has a series, 0 when no stream is open.
+    let mut streams: BTreeMap<(&str, &str), i64> = StreamKind::ALL
+        .iter()
+        .map(|kind| (kind.type_and_variant(), 0))
+        .collect();
+    for kind in &totals.streams {
+        *streams.entry(kind.type_and_variant()).or_insert(0) += 1;
+    }
+    gauges(
+        &mut encoder,
+        "peregrine_xds_streams",
+        "Open xDS streams by what they serve (cds, eds, ads) and how (sotw, delta)",
+        streams.iter().map(|((kind, variant), n)| {
+            (
+                vec![("type", kind.to_string()), ("variant", variant.to_string())],
+                *n,
+            )
+        }),
+    )?;
+    let by_type = |counts: &[(&'static str, u64); 2]| -> Vec<(Labels, u64)> {
+        counts
+            .iter()
+            .map(|(kind, n)| (vec![("type", kind.to_string())], *n))
+            .collect()
+    };
+    counters(
+        &mut encoder,
+        "peregrine_xds_pushes",
+        "xDS responses sent, by resource type (ADS streams count under the type they carry)",
+        by_type(&totals.pushes),
+    )?;
+    counters(
+        &mut encoder,
+        "peregrine_xds_nacks",
+        "xDS responses Envoy rejected (NACK), by resource type",
+        by_type(&totals.nacks),
     )?;
     Ok(())
 }
@@ -219,7 +279,13 @@ mod tests {
 
     impl Collector for Fixed {
         fn encode(&self, encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-            encode(&self.0, 7, encoder)
+            let totals = Totals {
+                orca_reports: 7,
+                streams: vec![StreamKind::Ads, StreamKind::Ads, StreamKind::DeltaEds],
+                pushes: [("cds", 4), ("eds", 9)],
+                nacks: [("cds", 0), ("eds", 1)],
+            };
+            encode(&self.0, &totals, encoder)
         }
     }
 
@@ -295,6 +361,11 @@ mod tests {
             "peregrine_worker_restarts_total{service=\"web\",index=\"1\"} 6",
             "peregrine_orca_streams 2",
             "peregrine_orca_reports_total 7",
+            "peregrine_xds_streams{type=\"ads\",variant=\"sotw\"} 2",
+            "peregrine_xds_streams{type=\"eds\",variant=\"delta\"} 1",
+            "peregrine_xds_streams{type=\"cds\",variant=\"sotw\"} 0",
+            "peregrine_xds_pushes_total{type=\"eds\"} 9",
+            "peregrine_xds_nacks_total{type=\"eds\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

@@ -136,6 +136,11 @@ impl Acks {
         }
     }
 
+    /// The kind of every open stream, endpoint-serving or not.
+    pub fn kinds(&self) -> Vec<StreamKind> {
+        self.lock().values().map(|t| t.sync.kind).collect()
+    }
+
     pub fn streams(&self) -> Vec<StreamSync> {
         self.lock()
             .values()

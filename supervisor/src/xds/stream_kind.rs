@@ -91,6 +91,31 @@ impl StreamKind {
     }
 }
 
+impl StreamKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [StreamKind; 6] = [
+        StreamKind::Cds,
+        StreamKind::Eds,
+        StreamKind::Ads,
+        StreamKind::DeltaCds,
+        StreamKind::DeltaEds,
+        StreamKind::DeltaAds,
+    ];
+
+    /// What the stream serves (`cds`, `eds` or `ads`) and how (`sotw` or `delta`): the labels of
+    /// its metrics.
+    pub fn type_and_variant(self) -> (&'static str, &'static str) {
+        match self {
+            StreamKind::Cds => ("cds", "sotw"),
+            StreamKind::Eds => ("eds", "sotw"),
+            StreamKind::Ads => ("ads", "sotw"),
+            StreamKind::DeltaCds => ("cds", "delta"),
+            StreamKind::DeltaEds => ("eds", "delta"),
+            StreamKind::DeltaAds => ("ads", "delta"),
+        }
+    }
+}
+
 impl fmt::Display for StreamKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

@@ -57,7 +57,12 @@ use tracing::Instrument;
 
 use self::{delta::DeltaWatch, sotw::TypeWatch};
 use super::stream_kind::StreamKind;
-use super::{acks::Acks, cache::Resources, priorities::Requester};
+use super::{
+    acks::Acks,
+    cache::Resources,
+    counters::{self, XdsCounters},
+    priorities::Requester,
+};
 
 /// The response stream of every state-of-the-world method.
 pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
@@ -77,6 +82,7 @@ const RESPONSE_BUFFER: usize = 8;
 pub struct XdsService {
     resources: watch::Receiver<Arc<Resources>>,
     acks: Arc<Acks>,
+    counters: Arc<XdsCounters>,
 }
 
 /// The rules of one variant of the protocol (state of the world or delta): fed the client's requests
@@ -104,6 +110,9 @@ trait StreamRules {
     fn on_resources(&mut self, resources: &Resources) -> Vec<Self::Response> {
         self.respond_all(resources, None)
     }
+
+    /// The type a response carries.
+    fn type_url(response: &Self::Response) -> &str;
 }
 
 /// The responses of the streams whose state is `Stream<W>`.
@@ -112,9 +121,18 @@ type Responses<W> = ReceiverStream<Result<<Stream<W> as StreamRules>::Response, 
 // === impl XdsService ===
 
 impl XdsService {
-    /// A service reading `resources` and publishing each stream's ACK progress to `acks`.
-    pub fn new(resources: watch::Receiver<Arc<Resources>>, acks: Arc<Acks>) -> Self {
-        XdsService { resources, acks }
+    /// A service reading `resources`, publishing each stream's ACK progress to `acks` and its
+    /// pushes and NACKs to `counters`.
+    pub fn new(
+        resources: watch::Receiver<Arc<Resources>>,
+        acks: Arc<Acks>,
+        counters: Arc<XdsCounters>,
+    ) -> Self {
+        XdsService {
+            resources,
+            acks,
+            counters,
+        }
     }
 
     fn open<W: Send + 'static>(
@@ -130,7 +148,7 @@ impl XdsService {
             kind,
             requests,
             self.resources.clone(),
-            self.acks.clone(),
+            (self.acks.clone(), self.counters.clone()),
             tx,
         ));
         ReceiverStream::new(rx)
@@ -210,7 +228,7 @@ async fn run_stream<W: Send + 'static>(
     kind: StreamKind,
     mut requests: Streaming<<Stream<W> as StreamRules>::Request>,
     mut resources: watch::Receiver<Arc<Resources>>,
-    acks: Arc<Acks>,
+    (acks, counters): (Arc<Acks>, Arc<XdsCounters>),
     tx: mpsc::Sender<Result<<Stream<W> as StreamRules>::Response, Status>>,
 ) where
     Stream<W>: StreamRules,
@@ -285,10 +303,13 @@ async fn run_stream<W: Send + 'static>(
                 _ => Instant::now(),
             });
             registered.publish(state.serves_endpoints(), state.synced_revision(), silent_since);
+            counters.nacked(std::mem::take(&mut state.nacks));
             for response in responses {
+                let type_url = Stream::<W>::type_url(&response).to_owned();
                 if tx.send(Ok(response)).await.is_err() {
                     return;
                 }
+                counters.pushed(&type_url);
             }
         }
     }
@@ -340,6 +361,15 @@ struct Stream<W> {
     clusters: Option<W>,
     endpoints: Option<W>,
     sync: EndpointSync,
+    /// NACKs since the driver last took them, per type of [`counters::TYPES`].
+    nacks: [u64; 2],
+}
+
+/// Counts a NACK of `type_url` in a stream's `nacks`.
+fn count_nack(nacks: &mut [u64; 2], type_url: &str) {
+    if let Some(i) = counters::index(type_url) {
+        nacks[i] += 1;
+    }
 }
 
 /// Nonces are unique per supervisor process.
@@ -452,6 +482,7 @@ impl<W> Stream<W> {
             clusters: None,
             endpoints: None,
             sync: EndpointSync::default(),
+            nacks: [0; 2],
         }
     }
 

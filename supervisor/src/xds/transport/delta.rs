@@ -177,6 +177,10 @@ impl StreamRules for DeltaStreamState {
         request.node.as_ref()
     }
 
+    fn type_url(response: &DeltaDiscoveryResponse) -> &str {
+        &response.type_url
+    }
+
     fn on_request(
         &mut self,
         mut request: DeltaDiscoveryRequest,
@@ -200,6 +204,9 @@ impl StreamRules for DeltaStreamState {
             None,
         );
         // A stale nonce still changes subscriptions (see the module docs): only the sync minds it.
+        if matches!(reply, Reply::Nack) {
+            super::count_nack(&mut self.nacks, type_url);
+        }
         if type_url == ENDPOINT_TYPE_URL {
             self.sync.on_reply(&reply, &request.response_nonce);
         }

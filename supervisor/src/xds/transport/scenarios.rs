@@ -352,6 +352,11 @@ fn a_nack_is_not_answered_with_the_same_content_nor_advances_the_synced_revision
     assert_eq!(out.len(), 1);
     assert!(W::on_request(&mut state, W::nack(&out[0], &["a"]), &r2).is_empty());
     assert_eq!(state.synced_revision(), Some(1));
+    assert_eq!(
+        state.nacks,
+        [0, 1],
+        "counted as an endpoints NACK, for the metrics"
+    );
     // A change the stream does not serve: the rejected content is still owed, not resent.
     let r3 = fixture.register("b", 0, 20);
     assert!(W::on_resources(&mut state, &r3).is_empty());

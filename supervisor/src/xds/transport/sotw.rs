@@ -57,6 +57,10 @@ impl StreamRules for StreamState {
         request.node.as_ref()
     }
 
+    fn type_url(response: &DiscoveryResponse) -> &str {
+        &response.type_url
+    }
+
     fn on_request(
         &mut self,
         request: DiscoveryRequest,
@@ -77,6 +81,9 @@ impl StreamRules for StreamState {
             type_url,
             Some(&request.version_info),
         );
+        if matches!(reply, Reply::Nack) {
+            super::count_nack(&mut self.nacks, type_url);
+        }
         if type_url == ENDPOINT_TYPE_URL {
             self.sync.on_reply(&reply, &request.response_nonce);
         }
