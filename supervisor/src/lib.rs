@@ -25,6 +25,7 @@ pub mod sampler;
 pub mod service_manager;
 pub mod status;
 pub mod throttle;
+pub mod timings;
 pub mod tls;
 pub mod xds;
 

@@ -17,16 +17,35 @@ pub mod server;
 
 use std::sync::Arc;
 
-use prometheus_client::registry::Registry as Metrics;
+use prometheus_client::registry::{Registry as Metrics, Unit};
 
 use crate::{
     registry::Registry,
+    timings::Timings,
     xds::{acks::Acks, counters::XdsCounters},
 };
 
-/// This supervisor's metrics registry: the status collector and the process collector.
-pub fn registry(registry: Arc<Registry>, acks: Arc<Acks>, xds: Arc<XdsCounters>) -> Metrics {
+/// This supervisor's metrics registry: the status collector, the process collector and the
+/// histograms of `timings`.
+pub fn registry(
+    registry: Arc<Registry>,
+    acks: Arc<Acks>,
+    xds: Arc<XdsCounters>,
+    timings: &Timings,
+) -> Metrics {
     let mut metrics = Metrics::default();
+    metrics.register_with_unit(
+        "peregrine_sampler_pass",
+        "One sampler pass over every worker",
+        Unit::Seconds,
+        timings.sampler_pass.clone(),
+    );
+    metrics.register_with_unit(
+        "peregrine_drain",
+        "A worker's drain: from DRAINING in EDS until every Envoy (and every host of a fleet) has it, or the drain timeout",
+        Unit::Seconds,
+        timings.drain.clone(),
+    );
     metrics.register_collector(Box::new(collector::StatusCollector::new(
         registry, acks, xds,
     )));

@@ -42,6 +42,7 @@ use crate::{
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
     service_manager,
+    timings::Timings,
     tls::server::ServerTls,
     xds::{self, acks::Acks},
 };
@@ -309,6 +310,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // it).
     let acks = Arc::new(Acks::default());
     let xds_counters = Arc::new(xds::counters::XdsCounters::default());
+    let timings = Timings::default();
     let _metrics_task = metrics_listener.map(|listener| {
         match listener.local_addr() {
             Ok(addr) if !addr.ip().is_loopback() => tracing::warn!(%addr, "Prometheus metrics are served beyond this host, without TLS or authentication: anyone who reaches the port reads every worker's load"),
@@ -319,6 +321,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             registry.clone(),
             acks.clone(),
             xds_counters.clone(),
+            &timings,
         ));
         AbortOnDrop(tokio::spawn(metrics::server::serve(listener, metrics)))
     });
@@ -371,6 +374,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         fleet: fleet_drains,
         counters: sources.counters.clone(),
         lineage: lock.lineage().clone(),
+        timings: timings.clone(),
     });
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the socket's backlog).
@@ -429,6 +433,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             registry.clone(),
             sampler::Options {
                 interval: config.supervisor.sample_interval,
+                pass_time: Some(timings.sampler_pass.clone()),
             },
             stop_rx,
         ))

@@ -125,6 +125,8 @@ impl fmt::Debug for dyn SchedSource {
 pub struct Options {
     /// Time between samples.
     pub interval: Duration,
+    /// Where each pass's duration goes, for the metrics.
+    pub pass_time: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 /// Samples every registered worker each `interval` and publishes the loads, until `stop` turns true.
@@ -185,11 +187,15 @@ pub async fn run(
             }
         }
         let tick = tokio::task::spawn_blocking(move || {
-            let loads = sampler.tick(&snapshot, Instant::now(), SystemTime::now());
-            (sampler, loads)
+            let started = Instant::now();
+            let loads = sampler.tick(&snapshot, started, SystemTime::now());
+            (sampler, loads, started.elapsed())
         });
         match tick.await {
-            Ok((sampler, sample)) => {
+            Ok((sampler, sample, took)) => {
+                if let Some(pass_time) = &options.pass_time {
+                    pass_time.observe(took.as_secs_f64());
+                }
                 registry.publish_loads(Loads::new(Some(info), sample.loads));
                 for change in sample.stalls {
                     let StallChange {
@@ -773,6 +779,7 @@ mod tests {
             registry.clone(),
             Options {
                 interval: Duration::from_millis(10),
+                pass_time: None,
             },
             stop_rx,
         ));

@@ -1,6 +1,6 @@
 //! Prometheus metrics, scraped by a real Prometheus (Debian's `prometheus`, started here with a scrape
-//! config pointing at the supervisor): its query API returns the workers' series, and a killed
-//! worker shows in `peregrine_worker_restarts_total`. Without Prometheus the test skips (fails with
+//! config pointing at the supervisor): its query API returns the workers' series, a killed worker
+//! shows in `peregrine_worker_restarts_total`, and sampler passes and drains are timed. Without Prometheus the test skips (fails with
 //! `PEREGRINE_REQUIRE_PROMETHEUS=1`).
 
 use std::{io::Write as _, net::SocketAddr, process::Command, time::Duration};
@@ -139,6 +139,16 @@ fn prometheus_scrapes_the_workers_and_sees_a_restart() {
             .iter()
             .any(|(l, v)| l["index"] == "0" && *v >= 1.0)
             .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+
+    // Every sampler pass is timed, and a restart's drains too (no Envoy here: each drain ends at
+    // once, with no stream to wait for).
+    supervisor.control("restart", &[]).unwrap();
+    try_wait_until(Duration::from_secs(30), "the timings in Prometheus", || {
+        let passes = query(web, "peregrine_sampler_pass_seconds_count")?;
+        let drains = query(web, "peregrine_drain_seconds_count")?;
+        (passes.first()?.1 >= 2.0 && drains.first()?.1 >= 2.0).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
 }

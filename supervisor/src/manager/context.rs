@@ -11,6 +11,7 @@ use crate::{
     fleet::FleetDrains,
     instance::Lineage,
     registry::Registry,
+    timings::Timings,
     xds::acks::Acks,
 };
 
@@ -31,6 +32,8 @@ pub struct Context {
     pub counters: Arc<Counters>,
     /// The control socket's lineage, which every worker carries (see [`crate::instance`]).
     pub lineage: Lineage,
+    /// Where drains are timed, for the metrics.
+    pub timings: Timings,
 }
 
 /// A command to a slot task.

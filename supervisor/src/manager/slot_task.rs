@@ -494,6 +494,10 @@ impl SlotTask {
                     exit = exited(&instance.pidfd) => return self.reap(instance, exit),
                 }
             }
+            self.context
+                .timings
+                .drain
+                .observe(begun.elapsed().as_secs_f64());
         }
         tracing::debug!(pid, why, "Stopping worker");
         signal(&instance.pidfd, Signal::TERM);
@@ -585,6 +589,7 @@ mod tests {
             fleet: None,
             counters,
             lineage: crate::instance::Lineage::random().unwrap(),
+            timings: Default::default(),
         });
         let slot = Slot {
             service: "web".into(),
