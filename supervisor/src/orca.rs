@@ -8,9 +8,9 @@
 //! handler). A stream reports the worker's latest sample from the registry's loads (see
 //! [`report_for`] for what each field means), first as soon as a real sample exists, then the first
 //! sample of every report interval (Envoy's request, never below the configured floor) as soon as
-//! the sampler publishes it, and ends with OK when the
-//! worker leaves the registry. An authority that names no worker gets NOT_FOUND, which Envoy retries
-//! with backoff (UNIMPLEMENTED would disable ORCA for that host until the next CDS change).
+//! the sampler publishes it, and ends with OK when the worker leaves the registry. An authority that
+//! names no worker gets NOT_FOUND, which Envoy retries with backoff (UNIMPLEMENTED would disable ORCA
+//! for that host until the next CDS change).
 //!
 //! Invariant: reads the registry (snapshot and loads) and records its streams there; never writes
 //! endpoints.
@@ -23,8 +23,6 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use tokio::time::Instant;
-
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use peregrine_proto::xds::{
     data::orca::v3::OrcaLoadReport,
@@ -33,7 +31,7 @@ use peregrine_proto::xds::{
         open_rca_service_server::{OpenRcaService, OpenRcaServiceServer},
     },
 };
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, time::Instant};
 use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tonic::{
     Request, Response, Status,
@@ -193,7 +191,8 @@ impl Drop for OpenStream<'_> {
 }
 
 /// Sends `worker`'s reports on `tx`: the first once a real sample exists, then the first sample of
-/// each `interval` as it is published, until the worker leaves the registry (the stream then ends with OK) or Envoy goes away.
+/// each `interval` as it is published, until the worker leaves the registry (the stream then ends
+/// with OK) or Envoy goes away.
 async fn report_loop(
     registry: Arc<Registry>,
     worker: Worker,
