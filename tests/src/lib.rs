@@ -46,7 +46,7 @@ pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
-    python_clients_or_skip, target_dir, venv_envoy_binary, workspace_root,
+    python_clients_or_skip, target_dir, tool_or_skip, venv_envoy_binary, workspace_root,
 };
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.

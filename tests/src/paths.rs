@@ -63,6 +63,26 @@ pub fn envoy_path() -> Option<PathBuf> {
         .find_map(|target| venv_envoy_binary(&target.join("envoy/venv")))
 }
 
+/// Whether `program` runs (`program ARG` exits 0), for a test named `test` that needs it; else
+/// prints why the test skips and returns false, or panics when `require` (e.g.
+/// `PEREGRINE_REQUIRE_PROMETHEUS`) is `1`: a CI run must not skip. `install` says how to get it.
+pub fn tool_or_skip(test: &str, program: &str, arg: &str, require: &str, install: &str) -> bool {
+    let found = std::process::Command::new(program)
+        .arg(arg)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        let reason = format!("no {program} ({install})");
+        assert!(
+            env::var(require).map_or(true, |v| v != "1"),
+            "{test}: {require}=1 but {reason}"
+        );
+        // Straight to stderr: the test runner does not capture it, so the skip shows.
+        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
+    }
+    found
+}
+
 /// The Envoy binary for a test named `test`, or `None` after printing why the test skips.
 ///
 /// # Panics

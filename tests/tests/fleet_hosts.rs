@@ -657,7 +657,14 @@ fn a_host_cut_off_leaves_the_other_envoys_and_rejoins() {
         "a was back in the other Envoys {:.2?} after its link",
         restored.elapsed()
     );
-    assert_eq!(a.etcd_state(), "connected");
+    // Its keys are in etcd (the other Envoys have its workers) a moment before its session says
+    // so: the status turns connected once the session's watch is open too.
+    try_wait_until(
+        Duration::from_secs(10),
+        "a's etcd session connected",
+        || (a.etcd_state() == "connected").then_some(()),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", a.etcd_state()));
     for name in ["b", "c"] {
         let load = &loads[name];
         each_answers(

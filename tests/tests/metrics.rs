@@ -3,29 +3,13 @@
 //! shows in `peregrine_worker_restarts_total`, and sampler passes and drains are timed. Without Prometheus the test skips (fails with
 //! `PEREGRINE_REQUIRE_PROMETHEUS=1`).
 
-use std::{io::Write as _, net::SocketAddr, process::Command, time::Duration};
+use std::{net::SocketAddr, process::Command, time::Duration};
 
 use peregrine_e2e::{
-    ChildGuard, Supervisor, TempDir, free_port, http_get, peregrine_path, try_wait_until,
+    ChildGuard, Supervisor, TempDir, free_port, http_get, peregrine_path, tool_or_skip,
+    try_wait_until,
 };
 use serde_json::Value;
-
-fn prometheus_or_skip(test: &str) -> Option<&'static str> {
-    let found = Command::new("prometheus")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        let reason = "no prometheus (apt install prometheus)";
-        assert!(
-            std::env::var("PEREGRINE_REQUIRE_PROMETHEUS").map_or(true, |v| v != "1"),
-            "{test}: PEREGRINE_REQUIRE_PROMETHEUS=1 but {reason}"
-        );
-        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
-        return None;
-    }
-    Some("prometheus")
-}
 
 /// The series of an instant query: each one's labels and value.
 fn query(prometheus: SocketAddr, expr: &str) -> Option<Vec<(Value, f64)>> {
@@ -46,9 +30,15 @@ fn query(prometheus: SocketAddr, expr: &str) -> Option<Vec<(Value, f64)>> {
 
 #[test]
 fn prometheus_scrapes_the_workers_and_sees_a_restart() {
-    let Some(binary) = prometheus_or_skip("Prometheus metrics") else {
+    if !tool_or_skip(
+        "Prometheus metrics",
+        "prometheus",
+        "--version",
+        "PEREGRINE_REQUIRE_PROMETHEUS",
+        "apt install prometheus",
+    ) {
         return;
-    };
+    }
     let dir = TempDir::new().unwrap();
     let metrics = free_port();
     let config = format!(
@@ -76,7 +66,7 @@ fn prometheus_scrapes_the_workers_and_sees_a_restart() {
     let web = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let _prometheus = ChildGuard::spawn(
         "prometheus",
-        Command::new(binary)
+        Command::new("prometheus")
             .arg(format!("--config.file={}", scrape.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",

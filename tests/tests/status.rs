@@ -239,20 +239,13 @@ impl Drop for Tmux {
 
 #[test]
 fn status_watch_redraws_the_table_in_place_until_ctrl_c() {
-    let tmux_found = Command::new("tmux")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !tmux_found {
-        assert!(
-            std::env::var("PEREGRINE_REQUIRE_TMUX").map_or(true, |v| v != "1"),
-            "PEREGRINE_REQUIRE_TMUX=1 but there is no tmux (apt install tmux)"
-        );
-        use std::io::Write as _;
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipping status --watch: no tmux (apt install tmux)"
-        );
+    if !peregrine_e2e::tool_or_skip(
+        "status --watch",
+        "tmux",
+        "-V",
+        "PEREGRINE_REQUIRE_TMUX",
+        "apt install tmux",
+    ) {
         return;
     }
     let (supervisor, _) = peregrine_e2e::one_worker();

@@ -4,38 +4,25 @@
 //! `STOPPING=1`; its workers inherit none of it.
 
 use std::{
-    io::Write as _,
     os::unix::net::UnixDatagram,
     path::Path,
     process::Command,
     time::{Duration, Instant},
 };
 
-use peregrine_e2e::{Supervisor, TempDir, free_port, peregrine_path, workspace_root};
-
-/// `systemd-analyze`, or `None` (the test skips; with `PEREGRINE_REQUIRE_SYSTEMD=1` it fails).
-fn systemd_analyze_or_skip(test: &str) -> Option<&'static str> {
-    let found = Command::new("systemd-analyze")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        let reason = "no systemd-analyze (apt install systemd)";
-        assert!(
-            std::env::var("PEREGRINE_REQUIRE_SYSTEMD").map_or(true, |v| v != "1"),
-            "{test}: PEREGRINE_REQUIRE_SYSTEMD=1 but {reason}"
-        );
-        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
-        return None;
-    }
-    Some("systemd-analyze")
-}
+use peregrine_e2e::{Supervisor, TempDir, free_port, peregrine_path, tool_or_skip, workspace_root};
 
 #[test]
 fn the_unit_passes_systemd_analyze_verify() {
-    let Some(analyze) = systemd_analyze_or_skip("the systemd unit") else {
+    if !tool_or_skip(
+        "the systemd unit",
+        "systemd-analyze",
+        "--version",
+        "PEREGRINE_REQUIRE_SYSTEMD",
+        "apt install systemd",
+    ) {
         return;
-    };
+    }
     let unit =
         std::fs::read_to_string(workspace_root().join("packaging/systemd/peregrine.service"))
             .unwrap();
@@ -66,7 +53,7 @@ fn the_unit_passes_systemd_analyze_verify() {
         );
     let path = dir.path().join("peregrine.service");
     std::fs::write(&path, local).unwrap();
-    let output = Command::new(analyze)
+    let output = Command::new("systemd-analyze")
         .args(["verify", "--man=no"])
         .arg(&path)
         .output()

@@ -183,6 +183,21 @@ impl Scenario {
     }
 }
 
+/// A busy loop pinned to the shared core (scenario A's hog, the timeline's).
+fn spawn_hog(dir: &std::path::Path) -> anyhow::Result<peregrine_e2e::ChildGuard> {
+    peregrine_e2e::ChildGuard::spawn(
+        "hog",
+        std::process::Command::new("taskset").args([
+            "-c",
+            &SHARED_CPU.to_string(),
+            "sh",
+            "-c",
+            "while :; do :; done",
+        ]),
+        dir,
+    )
+}
+
 // === options ===
 
 #[derive(Clone, Debug, PartialEq)]

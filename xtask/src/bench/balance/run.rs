@@ -94,19 +94,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         let mut runs = Vec::new();
         for scenario in Scenario::ALL {
             let hog = (scenario == Scenario::Hog)
-                .then(|| {
-                    ChildGuard::spawn(
-                        "hog",
-                        Command::new("taskset").args([
-                            "-c",
-                            &SHARED_CPU.to_string(),
-                            "sh",
-                            "-c",
-                            "while :; do :; done",
-                        ]),
-                        dir.path(),
-                    )
-                })
+                .then(|| super::spawn_hog(dir.path()))
                 .transpose()?;
             let hog_pid = hog.as_ref().map(ChildGuard::id);
             for round in 0..options.rounds {
@@ -351,7 +339,17 @@ impl Bench<'_> {
 /// Polls `f` every 250 ms until it returns `Some` or `deadline` passes. Not the harness's
 /// `try_wait_until` (every 20 ms, a timeout per wait): each check here runs `peregrine status` or asks
 /// Envoy, and [`Bench::ready`]'s waits share one deadline.
-fn poll<T>(deadline: Instant, what: &str, mut f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+fn poll<T>(deadline: Instant, what: &str, f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    poll_every(Duration::from_millis(250), deadline, what, f)
+}
+
+/// Polls `f` every `step` until it returns `Some` or `deadline` passes.
+pub(super) fn poll_every<T>(
+    step: Duration,
+    deadline: Instant,
+    what: &str,
+    mut f: impl FnMut() -> Option<T>,
+) -> anyhow::Result<T> {
     loop {
         if let Some(value) = f() {
             return Ok(value);
@@ -359,6 +357,6 @@ fn poll<T>(deadline: Instant, what: &str, mut f: impl FnMut() -> Option<T>) -> a
         if Instant::now() >= deadline {
             bail!("timed out waiting for {what}");
         }
-        thread::sleep(Duration::from_millis(250));
+        thread::sleep(step);
     }
 }

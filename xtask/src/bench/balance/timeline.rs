@@ -36,10 +36,10 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::{ChildGuard, Envoy, Supervisor, TempDir, free_port, hosts, http_get};
+use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port, hosts, http_get};
 
 use super::{
-    Options, SHARED_CPU, TIMEOUT,
+    Options, TIMEOUT,
     openloop::{self, Burst, Plan, Record},
 };
 use crate::bench::machine::{Busy, cpus_allowed};
@@ -278,7 +278,7 @@ fn one_run(
     let envoy = envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
     let mut hog = event
         .hog_from_start()
-        .then(|| spawn_hog(dir.path()))
+        .then(|| super::spawn_hog(dir.path()))
         .transpose()?;
     let supervisor = Supervisor::start_in(peregrine, dir.path(), &config)?;
     let admin = envoy.admin_addr();
@@ -334,7 +334,7 @@ fn one_run(
                 let at = start + event.at();
                 thread::sleep(at.saturating_duration_since(Instant::now()));
                 match event {
-                    Event::HogAppears => hog = Some(spawn_hog(dir.path())?),
+                    Event::HogAppears => hog = Some(super::spawn_hog(dir.path())?),
                     Event::HogLeaves => hog = None,
                     Event::Replacement => {
                         supervisor.control("restart", &["web"])?;
@@ -462,30 +462,7 @@ fn envoy_before_supervisor(
     Envoy::start_in(envoy, dir, &String::from_utf8_lossy(&output.stdout))
 }
 
-/// A busy loop pinned to the shared core.
-fn spawn_hog(dir: &Path) -> anyhow::Result<ChildGuard> {
-    ChildGuard::spawn(
-        "hog",
-        Command::new("taskset").args([
-            "-c",
-            &SHARED_CPU.to_string(),
-            "sh",
-            "-c",
-            "while :; do :; done",
-        ]),
-        dir,
-    )
-}
-
 /// Polls `f` every 10 ms until it returns `Some` or `deadline` passes.
-fn wait<T>(deadline: Instant, what: &str, mut f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
-    loop {
-        if let Some(value) = f() {
-            return Ok(value);
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out waiting for {what}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
+fn wait<T>(deadline: Instant, what: &str, f: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    super::run::poll_every(Duration::from_millis(10), deadline, what, f)
 }
