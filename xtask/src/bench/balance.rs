@@ -198,6 +198,29 @@ fn spawn_hog(dir: &std::path::Path) -> anyhow::Result<peregrine_e2e::ChildGuard>
     )
 }
 
+/// Envoy, bootstrapped from `config` alone (`peregrine envoy-bootstrap`), before any supervisor runs.
+fn envoy_before_supervisor(
+    peregrine: &std::path::Path,
+    envoy: &std::path::Path,
+    dir: &std::path::Path,
+    config: &str,
+) -> anyhow::Result<peregrine_e2e::Envoy> {
+    let path = dir.join("bootstrap.toml");
+    std::fs::write(&path, config).with_context(|| format!("writing {}", path.display()))?;
+    let output = std::process::Command::new(peregrine)
+        .arg("envoy-bootstrap")
+        .arg(&path)
+        .output()
+        .context("running peregrine envoy-bootstrap")?;
+    if !output.status.success() {
+        anyhow::bail!(
+            "envoy-bootstrap: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    peregrine_e2e::Envoy::start_in(envoy, dir, &String::from_utf8_lossy(&output.stdout))
+}
+
 // === options ===
 
 #[derive(Clone, Debug, PartialEq)]

@@ -10,13 +10,12 @@
 use std::{
     fmt::Write as _,
     path::Path,
-    process::Command,
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, bail};
-use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port, hosts, http_get, target_dir};
+use peregrine_e2e::{Supervisor, TempDir, free_port, hosts, http_get, target_dir};
 
 use crate::bench::table::{format_duration, markdown, median};
 
@@ -102,23 +101,7 @@ fn one_start(
         control = dir.path().join("peregrine.sock").display(),
     );
     // The bootstrap comes from the config alone: Envoy runs before the supervisor does.
-    let config_path = dir.path().join("bootstrap.toml");
-    std::fs::write(&config_path, &config)?;
-    let output = Command::new(peregrine)
-        .arg("envoy-bootstrap")
-        .arg(&config_path)
-        .output()?;
-    if !output.status.success() {
-        bail!(
-            "envoy-bootstrap: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let envoy = Envoy::start_in(
-        envoy_binary,
-        dir.path(),
-        &String::from_utf8_lossy(&output.stdout),
-    )?;
+    let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
     let _supervisor = Supervisor::start_in(peregrine, dir.path(), &config)?;
     let started = Instant::now();
     let mut held = None;

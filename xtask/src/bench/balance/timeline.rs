@@ -26,7 +26,6 @@ mod figures;
 
 use std::{
     path::Path,
-    process::Command,
     sync::{
         Mutex,
         atomic::{AtomicBool, Ordering},
@@ -35,8 +34,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, bail, ensure};
-use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port, hosts, http_get};
+use anyhow::{Context, ensure};
+use peregrine_e2e::{Supervisor, TempDir, free_port, hosts, http_get};
 
 use super::{
     Options, TIMEOUT,
@@ -275,7 +274,7 @@ fn one_run(
         peregrine = peregrine.display(),
     );
     let before = Busy::now(std::process::id())?;
-    let envoy = envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
+    let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
     let mut hog = event
         .hog_from_start()
         .then(|| super::spawn_hog(dir.path()))
@@ -437,29 +436,6 @@ fn monitor(admin: std::net::SocketAddr, start: Instant, stop: &AtomicBool, seen:
         }
         thread::sleep(MONITOR_STEP.saturating_sub(now.elapsed()));
     }
-}
-
-/// Envoy, bootstrapped from `config` alone (`peregrine envoy-bootstrap`), before any supervisor runs.
-fn envoy_before_supervisor(
-    peregrine: &Path,
-    envoy: &Path,
-    dir: &Path,
-    config: &str,
-) -> anyhow::Result<Envoy> {
-    let path = dir.join("bootstrap.toml");
-    std::fs::write(&path, config).with_context(|| format!("writing {}", path.display()))?;
-    let output = Command::new(peregrine)
-        .arg("envoy-bootstrap")
-        .arg(&path)
-        .output()
-        .context("running peregrine envoy-bootstrap")?;
-    if !output.status.success() {
-        bail!(
-            "envoy-bootstrap: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Envoy::start_in(envoy, dir, &String::from_utf8_lossy(&output.stdout))
 }
 
 /// Polls `f` every 10 ms until it returns `Some` or `deadline` passes.
