@@ -46,6 +46,12 @@ pub fn registry(
         Unit::Seconds,
         timings.drain.clone(),
     );
+    metrics.register_with_unit(
+        "peregrine_xds_convergence",
+        "A registry change an xDS stream had to send, until its Envoy ACKed it",
+        Unit::Seconds,
+        timings.xds_convergence.clone(),
+    );
     metrics.register_collector(Box::new(collector::StatusCollector::new(
         registry, acks, xds,
     )));

@@ -27,6 +27,7 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
+    time::Instant,
 };
 
 use tokio::sync::watch;
@@ -230,17 +231,37 @@ impl ServiceView {
 }
 
 /// An immutable view of the registry at one revision.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Snapshot {
     /// Increases by one with every change (not across supervisor restarts).
     pub revision: u64,
+    /// When this revision was made: where the time an Envoy takes to converge on it starts.
+    pub changed_at: Instant,
     /// Every configured service, by name (also those without workers).
     pub services: BTreeMap<String, ServiceView>,
     /// The other hosts of the fleet (empty on a single host).
     pub fleet: Fleet,
 }
 
+impl Default for Snapshot {
+    fn default() -> Self {
+        Snapshot {
+            revision: 0,
+            changed_at: Instant::now(),
+            services: BTreeMap::new(),
+            fleet: Fleet::new(),
+        }
+    }
+}
+
 impl Snapshot {
+    /// Moves to the next revision, made now, and sends it to every subscriber.
+    fn publish(&mut self, tx: &watch::Sender<Arc<Snapshot>>) {
+        self.revision += 1;
+        self.changed_at = Instant::now();
+        tx.send_replace(Arc::new(self.clone()));
+    }
+
     /// The registered instance `pid` of `service`'s slot `index`.
     pub fn instance(&self, service: &str, index: u32, pid: u32) -> Option<&Worker> {
         self.services.get(service)?.instance(index, pid)
@@ -303,6 +324,7 @@ impl Registry {
     pub fn new(services: impl IntoIterator<Item = String>) -> Self {
         let snapshot = Snapshot {
             revision: 0,
+            changed_at: Instant::now(),
             services: services
                 .into_iter()
                 .map(|s| (s, ServiceView::default()))
@@ -435,8 +457,7 @@ impl Registry {
             return Some(state.revision);
         }
         worker.state = WorkerState::Draining;
-        state.revision += 1;
-        self.tx.send_replace(Arc::new(state.clone()));
+        state.publish(&self.tx);
         Some(state.revision)
     }
 
@@ -569,8 +590,7 @@ impl Registry {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let changed = change(&mut state)?;
         if changed {
-            state.revision += 1;
-            self.tx.send_replace(Arc::new(state.clone()));
+            state.publish(&self.tx);
         }
         Ok(changed)
     }

@@ -309,8 +309,10 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
     // it).
     let acks = Arc::new(Acks::default());
-    let xds_counters = Arc::new(xds::counters::XdsCounters::default());
     let timings = Timings::default();
+    let xds_counters = Arc::new(xds::counters::XdsCounters::new(
+        timings.xds_convergence.clone(),
+    ));
     let _metrics_task = metrics_listener.map(|listener| {
         match listener.local_addr() {
             Ok(addr) if !addr.ip().is_loopback() => tracing::warn!(%addr, "Prometheus metrics are served beyond this host, without TLS or authentication: anyone who reaches the port reads every worker's load"),

@@ -1,7 +1,9 @@
 //! The durations the metrics show as histograms, observed where they happen: every sampler pass
-//! (`peregrine_sampler_pass_seconds`) and every drain, from publishing a worker as draining to the
+//! (`peregrine_sampler_pass_seconds`), every drain, from publishing a worker as draining to the
 //! moment every Envoy (and, in a fleet, every host) has it so and it is asked to stop
-//! (`peregrine_drain_seconds`). `prometheus-client` histograms are shared handles: the metrics
+//! (`peregrine_drain_seconds`), and every registry change an xDS stream sent, until its Envoy ACKed
+//! it (`peregrine_xds_convergence_seconds`, observed through
+//! [`XdsCounters`](crate::xds::counters::XdsCounters)). `prometheus-client` histograms are shared handles: the metrics
 //! registry holds one clone and the code that times holds another.
 //!
 //! Invariant: plain data; knows nothing of who observes or who reads.
@@ -15,6 +17,8 @@ pub struct Timings {
     pub sampler_pass: Histogram,
     /// A drain, until every Envoy has the worker as draining (or the drain timeout).
     pub drain: Histogram,
+    /// A registry change, until the Envoy of one stream that had to be sent it ACKed it.
+    pub xds_convergence: Histogram,
 }
 
 impl Default for Timings {
@@ -24,6 +28,8 @@ impl Default for Timings {
             sampler_pass: Histogram::new(exponential_buckets(20e-6, 2.0, 15)),
             // 5 ms (one Envoy on loopback) to 41 s (past the default 10 s drain timeout).
             drain: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            // 1 ms (an Envoy on loopback) to 16 s (an Envoy far away, or stalled).
+            xds_convergence: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
         }
     }
 }

@@ -13,6 +13,7 @@
 
 pub mod acks;
 pub mod cache;
+pub mod convergence;
 pub mod counters;
 pub mod priorities;
 pub mod resources;

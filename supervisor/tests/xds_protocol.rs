@@ -29,8 +29,9 @@ use envoy_types::pb::{
 };
 use peregrine_supervisor::{
     registry::{Address, Protocol, Registry, ServiceView, Snapshot, Worker},
-    xds::{self, XdsOptions, acks::Acks},
+    xds::{self, XdsOptions, acks::Acks, counters::XdsCounters},
 };
+use prometheus_client::metrics::histogram::Histogram;
 use prost::Message;
 use tokio::{
     sync::{mpsc, oneshot, watch},
@@ -53,6 +54,14 @@ struct Server {
 
 impl Server {
     async fn start(snapshots: watch::Receiver<Arc<Snapshot>>) -> Server {
+        Server::start_counting(snapshots, Default::default()).await
+    }
+
+    /// A server whose streams count their pushes, NACKs and convergence times in `counters`.
+    async fn start_counting(
+        snapshots: watch::Receiver<Arc<Snapshot>>,
+        counters: Arc<XdsCounters>,
+    ) -> Server {
         // `RUST_LOG=peregrine_supervisor=debug` shows the server's side of each script.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -67,7 +76,7 @@ impl Server {
                 snapshots,
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
                 acks: Arc::new(Acks::default()),
-                counters: Default::default(),
+                counters,
                 orca: None,
             },
             async {
@@ -414,6 +423,61 @@ async fn eds_names_dropped_and_named_again_are_sent_again() {
     let second = eds.recv().await;
     assert_eq!(second.version_info, first.version_info);
     assert_eq!(assignments(&second).keys().collect::<Vec<_>>(), ["a", "b"]);
+}
+
+#[tokio::test]
+async fn convergence_is_timed_from_the_registry_change_to_the_ack() {
+    let registry = Arc::new(Registry::new(["a".to_string(), "b".to_string()]));
+    let convergence = Histogram::new([0.001, 0.01, 0.1, 1.0]);
+    let counters = Arc::new(XdsCounters::new(convergence.clone()));
+    let server = Server::start_counting(registry.subscribe(), counters).await;
+    let mut eds = Client::open(&server, Rpc::Eds).await;
+    eds.send(request(EDS, "", "", &["a"])).await;
+    let first = eds.recv().await;
+    eds.send(ack(&first, &["a"])).await;
+    eds.expect_silence("after an ACK").await;
+    assert_eq!(convergence.count(), 0, "a first subscription is no change");
+
+    // A change this stream does not serve: nothing to converge on.
+    registry
+        .register(worker("b", 0, 20, &[Protocol::Http1]))
+        .unwrap();
+    eds.expect_silence("b is not requested").await;
+    assert_eq!(convergence.count(), 0);
+
+    // A change it serves, NACKed first: timed only at the ACK, from the change.
+    let changed = std::time::Instant::now();
+    registry
+        .register(worker("a", 0, 10, &[Protocol::Http1]))
+        .unwrap();
+    let second = eds.recv().await;
+    eds.send(DiscoveryRequest {
+        resource_names: vec!["a".into()],
+        ..nack(&second, &first.version_info)
+    })
+    .await;
+    eds.expect_silence("a NACK of unchanged content").await;
+    assert_eq!(convergence.count(), 0, "a NACK is no convergence");
+    registry
+        .register(worker("a", 1, 11, &[Protocol::Http1]))
+        .unwrap();
+    let third = eds.recv().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    eds.send(ack(&third, &["a"])).await;
+    // Observed once the server has read the ACK: wait for it, bounded.
+    let deadline = tokio::time::Instant::now() + RESPONSE_WITHIN;
+    while convergence.count() < 2 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = changed.elapsed().as_secs_f64();
+    assert_eq!(convergence.count(), 2, "both changes converged at the ACK");
+    // The first change waited through the NACK and the 50 ms before the ACK; neither can exceed the
+    // time since it was made.
+    assert!(
+        convergence.sum() >= 0.05 + 0.05 && convergence.sum() <= 2.0 * took,
+        "sum {} s, {took} s since the first change",
+        convergence.sum()
+    );
 }
 
 #[tokio::test]

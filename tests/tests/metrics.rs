@@ -1,13 +1,14 @@
 //! Prometheus metrics, scraped by a real Prometheus (Debian's `prometheus`, started here with a scrape
 //! config pointing at the supervisor): its query API returns the workers' series, a killed worker
-//! shows in `peregrine_worker_restarts_total`, and sampler passes and drains are timed. Without Prometheus the test skips (fails with
-//! `PEREGRINE_REQUIRE_PROMETHEUS=1`).
+//! shows in `peregrine_worker_restarts_total`, and sampler passes and drains are timed. Without
+//! Prometheus that test skips (fails with `PEREGRINE_REQUIRE_PROMETHEUS=1`). A real Envoy's
+//! convergence on a restart is timed too, read from a plain scrape.
 
 use std::{net::SocketAddr, process::Command, time::Duration};
 
 use peregrine_e2e::{
-    ChildGuard, Supervisor, TempDir, free_port, http_get, peregrine_path, tool_or_skip,
-    try_wait_until,
+    ChildGuard, Envoy, Supervisor, TempDir, free_port, http_get, peregrine_path, tool_or_skip,
+    try_wait_until, wait_until,
 };
 use serde_json::Value;
 
@@ -141,4 +142,80 @@ fn prometheus_scrapes_the_workers_and_sees_a_restart() {
         (passes.first()?.1 >= 2.0 && drains.first()?.1 >= 2.0).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+}
+
+/// The value of the unlabelled sample `name` in a scrape.
+fn sample(scrape: &str, name: &str) -> Option<f64> {
+    scrape.lines().find_map(|line| {
+        let (series, value) = line.split_once(' ')?;
+        (series == name).then(|| value.parse().ok())?
+    })
+}
+
+#[test]
+fn a_real_envoys_convergence_on_a_restart_is_timed() {
+    let dir = TempDir::new().unwrap();
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let config = peregrine_e2e::sample_config(dir.path(), grpc, listen, admin, 2).replacen(
+        "[envoy]",
+        "restart_delay_ms = 50\n\n[envoy]",
+        1,
+    );
+    let supervisor = Supervisor::start_in_with_env(
+        &peregrine_path(),
+        dir.path(),
+        &config,
+        &[("PEREGRINE_METRICS", &format!("http://{metrics}"))],
+    )
+    .unwrap();
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
+    let hosts = || peregrine_e2e::hosts(&envoy.clusters(), "cluster");
+    let scrape = || {
+        http_get(metrics, "/metrics")
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    };
+    wait_until(Duration::from_secs(30), "2 hosts in Envoy", || {
+        (hosts().len() == 2).then_some(())
+    });
+    let before = sample(&scrape(), "peregrine_xds_convergence_seconds_count").unwrap_or(0.0);
+
+    // A killed worker: its removal and its successor are registry changes Envoy must ACK.
+    let pid = supervisor.worker_pids()[0];
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(30), "the successor in Envoy", || {
+        let hosts = hosts();
+        (hosts.len() == 2
+            && hosts
+                .iter()
+                .all(|h| peregrine_e2e::hostname_pid(&h.hostname) != Some(pid)))
+        .then_some(())
+    });
+    let (count, sum) = wait_until(Duration::from_secs(10), "the convergence timed", || {
+        let scrape = scrape();
+        let count = sample(&scrape, "peregrine_xds_convergence_seconds_count")?;
+        let sum = sample(&scrape, "peregrine_xds_convergence_seconds_sum")?;
+        (count >= before + 2.0).then_some((count, sum))
+    });
+    // On loopback an Envoy ACKs within milliseconds; the bound leaves room for a loaded machine.
+    let mean = sum / count;
+    eprintln!("{count} changes converged, {:.2} ms on average", mean * 1e3);
+    assert!(
+        mean > 0.0 && mean < 1.0,
+        "mean convergence {mean} s over {count}"
+    );
+    let scrape = scrape();
+    assert!(
+        scrape.contains("peregrine_xds_streams{type=\"eds\",variant=\"sotw\"} 1"),
+        "{scrape}"
+    );
+    assert!(
+        sample(&scrape, "peregrine_xds_pushes_total{type=\"eds\"}").is_some_and(|n| n >= 3.0),
+        "{scrape}"
+    );
 }

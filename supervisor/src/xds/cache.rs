@@ -66,6 +66,8 @@ pub struct TypeResources {
 pub struct Resources {
     /// The registry revision they were built from.
     pub revision: u64,
+    /// When the registry made that revision.
+    pub changed_at: std::time::Instant,
     /// Clusters whose endpoints come over a dedicated EDS stream (served on CDS streams).
     pub clusters: Arc<TypeResources>,
     /// The same clusters with endpoints over a dedicated delta EDS stream (served on delta CDS
@@ -298,6 +300,7 @@ impl Cache {
             .is_some_and(|f| f.routing == Routing::LocalFirst);
         Resources {
             revision: snapshot.revision,
+            changed_at: snapshot.changed_at,
             clusters: Arc::new(
                 self.clusters
                     .advance(&self.epoch, CLUSTER_TYPE_URL, clusters),

@@ -60,6 +60,7 @@ use super::stream_kind::StreamKind;
 use super::{
     acks::Acks,
     cache::Resources,
+    convergence::Convergence,
     counters::{self, XdsCounters},
     priorities::Requester,
 };
@@ -257,7 +258,11 @@ async fn run_stream<W: Send + 'static>(
         // (a late answer to an outdated response restarts the clock: that client is alive).
         let mut silent_since = None;
         let mut replies = 0;
+        // The registry changes sent and not yet ACKed, for the convergence times.
+        let mut convergence = Convergence::default();
         loop {
+            // The registry change this step answers, if it is one.
+            let mut change = None;
             let responses = if let Some(request) = next.take() {
                 // Not marked seen: if the request is ignored (a stale nonce), `changed()` below still
                 // fires for resources newer than the stream has answered.
@@ -292,6 +297,7 @@ async fn run_stream<W: Send + 'static>(
                             return;
                         }
                         let current = resources.borrow_and_update().clone();
+                        change = Some((current.revision, current.changed_at));
                         state.on_resources(&current)
                     }
                     () = tx.closed() => return,
@@ -302,8 +308,18 @@ async fn run_stream<W: Send + 'static>(
                 Some(since) if !answered => since,
                 _ => Instant::now(),
             });
-            registered.publish(state.serves_endpoints(), state.synced_revision(), silent_since);
+            let synced = state.synced_revision();
+            registered.publish(state.serves_endpoints(), synced, silent_since);
             counters.nacked(std::mem::take(&mut state.nacks));
+            if let Some((revision, changed_at)) = change
+                && !responses.is_empty()
+                && state.serves_endpoints()
+            {
+                convergence.sent(revision, changed_at);
+            }
+            for took in convergence.synced(synced, std::time::Instant::now()) {
+                counters.converged(took);
+            }
             for response in responses {
                 let type_url = Stream::<W>::type_url(&response).to_owned();
                 if tx.send(Ok(response)).await.is_err() {
