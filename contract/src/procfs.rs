@@ -1,5 +1,6 @@
 //! The kernel's accounting of a process as procfs shows it: `/proc/PID/stat`, the threads'
-//! `schedstat`, and the per-CPU lines of `/proc/stat`.
+//! `schedstat`, and the per-CPU lines of `/proc/stat`; and from them ([`Busy`]), how much of the
+//! machine processes outside one tree took.
 //!
 //! Every part reads these numbers the same way: the supervisor's procfs sampler and adoption, the
 //! stall check, the test harness and the benchmarks (which check the eBPF sampler against them). One
@@ -8,10 +9,14 @@
 //! Written by hand rather than with the `procfs` crate: the sampler reads these files for every worker
 //! on every pass, and needs only a handful of fields; a parse here allocates nothing but the text.
 
+mod busy;
+
 use std::{
     io,
     path::{Path, PathBuf},
 };
+
+pub use self::busy::{Busy, descendants, machine_busy, own_ticks};
 
 /// The fields of `/proc/PID/stat` that Peregrine reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -82,7 +82,10 @@ pub fn etcd_or_skip(test: &str) -> bool {
         std::env::var("PEREGRINE_REQUIRE_ETCD").map_or(true, |v| v != "1"),
         "{test}: PEREGRINE_REQUIRE_ETCD=1 but there is no etcd (apt install etcd-server)"
     );
-    eprintln!("skipping {test}: no etcd binary (apt install etcd-server, or set ETCD)");
+    crate::skip(
+        test,
+        "no etcd binary (apt install etcd-server, or set ETCD)",
+    );
     false
 }
 

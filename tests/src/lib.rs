@@ -32,6 +32,7 @@ mod netns;
 mod paths;
 pub mod pki;
 mod process;
+mod skips;
 mod slots;
 mod stack;
 mod supervisor;
@@ -52,6 +53,7 @@ pub use paths::{
 /// by the test: a zombie counts as gone too.
 pub use peregrine_contract::procfs::gone;
 pub use process::ChildGuard;
+pub use skips::{SKIPS_VAR, current_test, skip};
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use stack::{CLUSTER, Stack};
 pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};

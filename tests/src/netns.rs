@@ -64,7 +64,7 @@ pub fn netns_or_skip(test: &str) -> bool {
         std::env::var("PEREGRINE_REQUIRE_ETCD").map_or(true, |v| v != "1"),
         "{test}: PEREGRINE_REQUIRE_ETCD=1 but {why}"
     );
-    eprintln!("skipping {test}: {why}");
+    crate::skip(test, why);
     false
 }
 

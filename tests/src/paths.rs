@@ -2,7 +2,6 @@
 
 use std::{
     env,
-    io::Write,
     net::{Ipv4Addr, TcpListener},
     path::{Path, PathBuf},
     process::Command,
@@ -77,8 +76,7 @@ pub fn tool_or_skip(test: &str, program: &str, arg: &str, require: &str, install
             env::var(require).map_or(true, |v| v != "1"),
             "{test}: {require}=1 but {reason}"
         );
-        // Straight to stderr: the test runner does not capture it, so the skip shows.
-        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
+        crate::skip(test, reason);
     }
     found
 }
@@ -97,9 +95,7 @@ pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
                 "{test}: {reason} (PEREGRINE_REQUIRE_ENVOY is set, so this fails instead of skipping)"
             );
         }
-        // Written to stderr directly, not with `eprintln!`, so the test runner does not capture it and the
-        // skip shows even when the test passes.
-        let _ = writeln!(std::io::stderr(), "skipping {test}: {reason}");
+        crate::skip(test, reason);
     }
     path
 }
@@ -189,7 +185,7 @@ pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
         env::var_os("PEREGRINE_REQUIRE_ENVOY").is_none(),
         "{test}: {why}"
     );
-    eprintln!("skipping {test}: {why}");
+    crate::skip(test, why);
     None
 }
 
@@ -205,7 +201,7 @@ pub fn ebpf_or_skip(test: &str) -> bool {
         env::var("PEREGRINE_REQUIRE_EBPF").map_or(true, |v| v != "1"),
         "{test}: PEREGRINE_REQUIRE_EBPF=1 but the eBPF sampler cannot load: {why}"
     );
-    eprintln!("skipping {test}: the eBPF sampler cannot load here: {why}");
+    crate::skip(test, format!("the eBPF sampler cannot load here: {why}"));
     false
 }
 

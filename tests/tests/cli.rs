@@ -86,7 +86,10 @@ fn run_refuses_an_ebpf_sampler_that_cannot_load_before_starting_anything() {
         .arg(&path)
         .output()
     else {
-        eprintln!("skipping: setpriv (util-linux) is not installed");
+        peregrine_e2e::skip(
+            &peregrine_e2e::current_test(),
+            "setpriv (util-linux) is not installed",
+        );
         return;
     };
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -108,10 +108,10 @@ fn fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights() {
     .unwrap_or_else(|e| panic!("{e}: {:?}", weights(&envoy)));
     assert!(warm_answers > 0, "no answer during the warm-up");
     // Round robin would give each host half; CSWRR weighs A's worker, waiting for its core as long
-    // as it runs, at about half of B's. Other processes on B's core (a build, another test) can only
-    // lift A's share, never lower it: a window that shows the steering counts, up to three.
-    let mut shares = Vec::new();
-    for _ in 0..3 {
+    // as it runs, at about half of B's. Other processes on B's core (a build, another test) lift A's
+    // share: a window in which they took a core is measured again, and two quiet windows may still
+    // show the weights settling.
+    peregrine_e2e::cpus::passes_on_free_cores("the hogged host's share", 6, 2, || {
         let (counts, failed) = answers_for(listen, "/?cpu=4", 4, Duration::from_secs(5));
         let total = counts.values().sum::<u64>().max(1) as f64;
         let share = counts.get(&a_pid).copied().unwrap_or(0) as f64 / total;
@@ -121,10 +121,13 @@ fn fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights() {
             self::weights(&envoy)
         );
         assert_eq!(failed, 0, "no request failed");
-        shares.push(share);
         if share < 0.42 {
-            return;
+            Ok(())
+        } else {
+            Err(format!(
+                "CSWRR gave the hogged host {:.1}% of the requests",
+                share * 100.0
+            ))
         }
-    }
-    panic!("CSWRR gave the hogged host {shares:.3?} of the requests in three windows");
+    });
 }

@@ -178,37 +178,44 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
     let path = |service: &str| format!("/{service}?cpu=4");
     let (warm, _) = answers_for(listen, &path("cswrr"), 4, Duration::from_secs(3));
     assert!(!warm.is_empty(), "no answer during the warm-up");
-    let started = Instant::now();
-    let (cswrr, cswrr_failed) = answers_for(listen, &path("cswrr"), 4, Duration::from_secs(5));
-    let (rr, rr_failed) = answers_for(listen, &path("rr"), 4, Duration::from_secs(5));
     let share = |counts: &BTreeMap<u32, u64>, pid: u32| {
         counts.get(&pid).copied().unwrap_or(0) as f64 / counts.values().sum::<u64>().max(1) as f64
     };
-    let (cswrr_share, rr_share) = (share(&cswrr, cswrr0), share(&rr, rr0));
-    eprintln!(
-        "hogged worker's share over {:.0?}: CSWRR {:.1}% ({cswrr:?}), round robin {:.1}% ({rr:?})\nweights: {:?}",
-        started.elapsed(),
-        cswrr_share * 100.0,
-        rr_share * 100.0,
-        hosts(&envoy.clusters(), "cswrr")
-            .iter()
-            .map(|h| (h.hostname.clone(), h.weight))
-            .collect::<Vec<_>>()
-    );
-    assert_eq!((cswrr_failed, rr_failed), (0, 0), "no request failed");
     // Round robin alternates: the hogged worker gets half. CSWRR weighs it by rate / (CPU + wait):
-    // waiting for its core as long as it runs, it weighs about half its peer, so about a third.
-    assert!(
-        (rr_share - 0.5).abs() < 0.05,
-        "round robin gave the hogged worker {:.1}%",
-        rr_share * 100.0
-    );
-    assert!(
-        cswrr_share < rr_share - 0.08,
-        "CSWRR gave the hogged worker {:.1}%, round robin {:.1}%",
-        cswrr_share * 100.0,
-        rr_share * 100.0
-    );
+    // waiting for its core as long as it runs, it weighs about half its peer, so about a third. That
+    // holds only while worker 1's core is free: a window in which other processes took a core is
+    // measured again.
+    peregrine_e2e::cpus::passes_on_free_cores("the hogged worker's share", 4, 0, || {
+        let started = Instant::now();
+        let (cswrr, cswrr_failed) = answers_for(listen, &path("cswrr"), 4, Duration::from_secs(5));
+        let (rr, rr_failed) = answers_for(listen, &path("rr"), 4, Duration::from_secs(5));
+        let (cswrr_share, rr_share) = (share(&cswrr, cswrr0), share(&rr, rr0));
+        eprintln!(
+            "hogged worker's share over {:.0?}: CSWRR {:.1}% ({cswrr:?}), round robin {:.1}% ({rr:?})\nweights: {:?}",
+            started.elapsed(),
+            cswrr_share * 100.0,
+            rr_share * 100.0,
+            hosts(&envoy.clusters(), "cswrr")
+                .iter()
+                .map(|h| (h.hostname.clone(), h.weight))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!((cswrr_failed, rr_failed), (0, 0), "no request failed");
+        if (rr_share - 0.5).abs() >= 0.05 {
+            return Err(format!(
+                "round robin gave the hogged worker {:.1}%",
+                rr_share * 100.0
+            ));
+        }
+        if cswrr_share >= rr_share - 0.08 {
+            return Err(format!(
+                "CSWRR gave the hogged worker {:.1}%, round robin {:.1}%",
+                cswrr_share * 100.0,
+                rr_share * 100.0
+            ));
+        }
+        Ok(())
+    });
 }
 
 #[test]

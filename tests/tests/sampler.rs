@@ -58,7 +58,10 @@ fn auto_chooses_ebpf_where_it_loads() {
 #[test]
 fn auto_falls_back_to_procfs_with_a_warning_where_ebpf_cannot_load() {
     if which("setpriv").is_none() {
-        eprintln!("skipping: setpriv (util-linux) is not installed");
+        peregrine_e2e::skip(
+            &peregrine_e2e::current_test(),
+            "setpriv (util-linux) is not installed",
+        );
         return;
     }
     let port = free_port();

@@ -18,7 +18,10 @@ fn the_vagrantfile_validates() {
             if std::env::var("PEREGRINE_REQUIRE_VAGRANT").is_ok_and(|v| v == "1") {
                 panic!("PEREGRINE_REQUIRE_VAGRANT=1 but vagrant cannot run: {error}");
             }
-            eprintln!("skipped: vagrant is not installed ({error})");
+            peregrine_e2e::skip(
+                &peregrine_e2e::current_test(),
+                format!("vagrant is not installed ({error})"),
+            );
             return;
         }
     };

@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use peregrine_e2e::target_dir;
+use peregrine_e2e::{SKIPS_VAR, target_dir};
 
 use crate::{cargo, ebpf, envoy, packages, pyclients, run_checked};
 
@@ -18,6 +18,9 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let python = pyclients::install()?;
     run_checked(cargo().args(["build", "--workspace", "--bins", "--examples"]))?;
     let peregrine = target_dir().join("debug/peregrine");
+    // Every test that skips appends why to this file; listed once the run ends.
+    let skips = target_dir().join("test-skips.txt");
+    let _ = std::fs::remove_file(&skips);
     let status = cargo()
         .args(["test", "--workspace"])
         .args(args)
@@ -29,7 +32,9 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         // Tests that need Envoy or etcd fail instead of skipping if one goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
         .env("PEREGRINE_REQUIRE_ETCD", "1")
+        .env(SKIPS_VAR, &skips)
         .status()?;
+    report_skips(&std::fs::read_to_string(&skips).unwrap_or_default());
     Ok(match status.code() {
         Some(0) => ExitCode::SUCCESS,
         Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -38,4 +43,17 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             ExitCode::FAILURE
         }
     })
+}
+
+/// Lists the tests that skipped (each said why), or says that none did.
+fn report_skips(skips: &str) {
+    let lines: Vec<&str> = skips.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        eprintln!("No test skipped.");
+        return;
+    }
+    eprintln!("Tests skipped ({}):", lines.len());
+    for line in lines {
+        eprintln!("  {}", line.strip_prefix("skipping ").unwrap_or(line));
+    }
 }

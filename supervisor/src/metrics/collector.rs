@@ -238,15 +238,12 @@ fn gauges<N>(
 where
     ConstGauge<N>: EncodeMetric,
 {
-    let series: Vec<(Labels, N)> = series.into_iter().collect();
-    if series.is_empty() {
-        return Ok(());
-    }
-    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, value) in series {
-        ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
-    }
-    Ok(())
+    family(
+        encoder,
+        (name, help, MetricType::Gauge),
+        series,
+        ConstGauge::new,
+    )
 }
 
 fn counters(
@@ -255,13 +252,29 @@ fn counters(
     help: &str,
     series: impl IntoIterator<Item = (Labels, u64)>,
 ) -> Result<(), fmt::Error> {
-    let series: Vec<(Labels, u64)> = series.into_iter().collect();
+    family(
+        encoder,
+        (name, help, MetricType::Counter),
+        series,
+        ConstCounter::new,
+    )
+}
+
+/// One family (name, help, type) with a series per labels, its value encoded as `metric` makes it;
+/// nothing when there is no series.
+fn family<N, M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder<'_>,
+    (name, help, kind): (&str, &str, MetricType),
+    series: impl IntoIterator<Item = (Labels, N)>,
+    metric: impl Fn(N) -> M,
+) -> Result<(), fmt::Error> {
+    let series: Vec<(Labels, N)> = series.into_iter().collect();
     if series.is_empty() {
         return Ok(());
     }
-    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let mut family = encoder.encode_descriptor(name, help, None, kind)?;
     for (labels, value) in series {
-        ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        metric(value).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }

@@ -410,6 +410,28 @@ mod tests {
         assert!(parse_head(b"garbage").is_err());
     }
 
+    /// A plan of `GET /` at `rate` per second for `duration` on `connections` to `addr`.
+    fn plan(addr: SocketAddr, rate: f64, duration: Duration, connections: usize) -> Plan {
+        Plan {
+            addr,
+            path: "/".into(),
+            rate,
+            duration,
+            connections,
+            timeout: Duration::from_secs(1),
+            per_connection: false,
+            burst: None,
+        }
+    }
+
+    /// An address nothing listens on (bound once, then closed).
+    fn closed_port() -> SocketAddr {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
     /// A server that answers every request on one connection, alternating content-length and chunked
     /// framing, with the hello body of pid 7.
     fn serve(listener: TcpListener, answers: usize) {
@@ -439,14 +461,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let server = thread::spawn(move || serve(listener, 20));
         let plan = Plan {
-            addr,
-            path: "/".into(),
-            rate: 100.0,
-            duration: Duration::from_millis(200),
-            connections: 1,
             timeout: Duration::from_secs(5),
-            per_connection: false,
-            burst: None,
+            ..plan(addr, 100.0, Duration::from_millis(200), 1)
         };
         let start = Instant::now() + Duration::from_millis(50);
         let mut records = run(&plan, start).unwrap();
@@ -465,20 +481,7 @@ mod tests {
 
     #[test]
     fn a_closed_server_is_an_error_per_request_and_nothing_hangs() {
-        let addr = {
-            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap()
-        };
-        let plan = Plan {
-            addr,
-            path: "/".into(),
-            rate: 50.0,
-            duration: Duration::from_millis(100),
-            connections: 2,
-            timeout: Duration::from_secs(1),
-            per_connection: false,
-            burst: None,
-        };
+        let plan = plan(closed_port(), 50.0, Duration::from_millis(100), 2);
         let records = run(&plan, Instant::now()).unwrap();
         assert_eq!(records.len(), 5);
         assert!(records.iter().all(|r| r.answer == Answer::Error));
@@ -486,19 +489,9 @@ mod tests {
 
     #[test]
     fn per_connection_clients_send_every_request_once_on_their_own_schedules() {
-        let addr = {
-            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap()
-        };
         let plan = Plan {
-            addr,
-            path: "/".into(),
-            rate: 100.0,
-            duration: Duration::from_millis(70),
-            connections: 3,
-            timeout: Duration::from_secs(1),
             per_connection: true,
-            burst: None,
+            ..plan(closed_port(), 100.0, Duration::from_millis(70), 3)
         };
         let mut records = run(&plan, Instant::now()).unwrap();
         records.sort_by_key(|r| r.scheduled);
@@ -512,18 +505,18 @@ mod tests {
     #[test]
     fn a_burst_multiplies_the_rate_over_its_span_only() {
         let plan = Plan {
-            addr: "127.0.0.1:9".parse().unwrap(),
-            path: "/".into(),
-            rate: 10.0,
-            duration: Duration::from_secs(3),
-            connections: 1,
-            timeout: Duration::from_secs(1),
             per_connection: true,
             burst: Some(Burst {
                 from: Duration::from_secs(1),
                 to: Duration::from_secs(2),
                 factor: 2.0,
             }),
+            ..plan(
+                "127.0.0.1:9".parse().unwrap(),
+                10.0,
+                Duration::from_secs(3),
+                1,
+            )
         };
         let times = plan.schedule();
         assert_eq!(times.len(), 10 + 20 + 10);
