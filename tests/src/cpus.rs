@@ -85,31 +85,44 @@ pub fn passes_on_free_cores(
     settling: u32,
     mut window: impl FnMut() -> Result<(), String>,
 ) -> bool {
-    passes_in_windows(what, attempts, settling, || {
+    let noisy = passes_in_windows(what, attempts, settling, || {
         let before = Busy::now_for_this_tree();
         let verdict = window();
         let others = before
             .and_then(|before| Ok(Busy::now_for_this_tree()?.since(before).1))
             .unwrap_or(0.0);
         (verdict, others)
-    })
+    });
+    match noisy {
+        None => true,
+        Some(noisy) => {
+            crate::skip(
+                &crate::current_test(),
+                format!(
+                    "{what} failed only while other processes kept {noisy:.2?} cores busy; the \
+                     comparison needs a free core"
+                ),
+            );
+            false
+        }
+    }
 }
 
 /// [`passes_on_free_cores`] over windows that say their verdict and the cores other processes took
-/// while they ran.
+/// while they ran: `None` when one passed, else the cores others took in each noisy window.
 #[track_caller]
 fn passes_in_windows(
     what: &str,
     attempts: u32,
     settling: u32,
     mut window: impl FnMut() -> (Result<(), String>, f64),
-) -> bool {
+) -> Option<Vec<f64>> {
     let mut quiet_failures = 0;
     let mut noisy = Vec::new();
     for _ in 0..attempts {
         let (verdict, others) = window();
         let failure = match verdict {
-            Ok(()) => return true,
+            Ok(()) => return None,
             Err(failure) => failure,
         };
         if others > MAX_OTHERS {
@@ -130,14 +143,7 @@ fn passes_in_windows(
         !noisy.is_empty(),
         "{what}: failed in all {attempts} windows"
     );
-    crate::skip(
-        &crate::current_test(),
-        format!(
-            "{what} failed only while other processes kept {noisy:.2?} cores busy; the \
-             comparison needs a free core"
-        ),
-    );
-    false
+    Some(noisy)
 }
 
 /// A process spinning on `cpu`, killed on drop.
@@ -165,15 +171,16 @@ impl Drop for Hog {
 mod tests {
     use super::*;
 
-    /// Windows that give these verdicts and other processes' cores, in turn; how many ran.
+    /// Windows that give these verdicts and other processes' cores, in turn: whether one passed,
+    /// and how many ran.
     fn run(settling: u32, windows: &[(bool, f64)]) -> (bool, usize) {
         let mut ran = 0;
-        let passed = passes_in_windows("the share", windows.len() as u32, settling, || {
+        let noisy = passes_in_windows("the share", windows.len() as u32, settling, || {
             let (pass, others) = windows[ran];
             ran += 1;
             (if pass { Ok(()) } else { Err("too high".into()) }, others)
         });
-        (passed, ran)
+        (noisy.is_none(), ran)
     }
 
     #[test]
