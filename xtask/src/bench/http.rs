@@ -43,22 +43,30 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N]";
+const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]...";
 
-/// The two servers, in table order.
+/// The servers `--with` adds beside the worker and hyper: the data-path candidates of
+/// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
+const CANDIDATES: [(&str, &str); 2] = [
+    ("spike-uring", "peregrine-spike-uring"),
+    ("spike-compio", "peregrine-spike-compio"),
+];
+
+/// A server under test, in table order: the worker, hyper, then the candidates asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Server {
     Worker,
     Hyper,
+    /// One of [`CANDIDATES`], by binary name.
+    Candidate(&'static str),
 }
 
 impl Server {
-    const ALL: [Server; 2] = [Server::Worker, Server::Hyper];
-
     fn name(self) -> &'static str {
         match self {
             Server::Worker => "worker",
             Server::Hyper => "hyper",
+            Server::Candidate(name) => name,
         }
     }
 }
@@ -143,12 +151,15 @@ pub(super) enum Outcome {
 struct Options {
     duration: u64,
     rounds: usize,
+    /// The candidates to measure beside the worker and hyper.
+    with: Vec<Server>,
 }
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
     let mut options = Options {
         duration: 5,
         rounds: 3,
+        with: Vec::new(),
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -165,6 +176,19 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                     .parse()
                     .context("--rounds N: a whole number")?;
             }
+            "--with" => {
+                let name = args.value(flag)?;
+                let (binary, _) = CANDIDATES
+                    .iter()
+                    .find(|(binary, _)| *binary == name)
+                    .with_context(|| {
+                        let names: Vec<&str> = CANDIDATES.iter().map(|(b, _)| *b).collect();
+                        format!("--with {name:?}: one of {}", names.join(", "))
+                    })?;
+                if !options.with.contains(&Server::Candidate(binary)) {
+                    options.with.push(Server::Candidate(binary));
+                }
+            }
             other => return Err(args.unknown(other)),
         }
     }
@@ -179,17 +203,38 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse_args(args)?;
     preflight()?;
-    let peregrine =
-        super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
+    let mut builds = vec!["-p", "peregrine-e2e", "--bin", "hyper-baseline"];
+    for server in &options.with {
+        let (binary, package) = CANDIDATES
+            .iter()
+            .find(|(binary, _)| *binary == server.name())
+            .expect("a candidate");
+        builds.extend(["-p", package, "--bin", binary]);
+    }
+    let peregrine = super::release_peregrine_and(&builds)?;
 
     let dir = TempDir::new().context("a temporary directory")?;
-    let worker = Running::worker(&peregrine, dir.path())?;
-    let hyper = Running::hyper(&peregrine.with_file_name("hyper-baseline"), dir.path())?;
-    let targets = [
-        (Server::Worker, worker.pid, worker.port),
-        (Server::Hyper, hyper.pid, hyper.port),
+    let mut running = vec![
+        (Server::Worker, Running::worker(&peregrine, dir.path())?),
+        (
+            Server::Hyper,
+            Running::binary(
+                "hyper-baseline",
+                &peregrine.with_file_name("hyper-baseline"),
+                dir.path(),
+            )?,
+        ),
     ];
-    for (server, pid, port) in targets {
+    for &server in &options.with {
+        let binary = peregrine.with_file_name(server.name());
+        running.push((server, Running::binary(server.name(), &binary, dir.path())?));
+    }
+    let servers: Vec<Server> = running.iter().map(|(server, _)| *server).collect();
+    let targets: Vec<(Server, u32, u16)> = running
+        .iter()
+        .map(|(server, r)| (*server, r.pid, r.port))
+        .collect();
+    for &(server, pid, port) in &targets {
         let (status, body) = http_get(([127, 0, 0, 1], port), "/")?;
         let affinity = cpus_allowed(pid)?;
         ensure!(
@@ -204,19 +249,18 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
 
     // results[load][server]: one outcome per round.
-    let mut results: Vec<[Vec<Outcome>; 2]> = Load::ALL.iter().map(|_| [vec![], vec![]]).collect();
+    let mut results: Vec<Vec<Vec<Outcome>>> = Load::ALL
+        .iter()
+        .map(|_| servers.iter().map(|_| Vec::new()).collect())
+        .collect();
     let started = Instant::now();
     for round in 0..options.rounds {
         for (l, load) in Load::ALL.into_iter().enumerate() {
-            let mut order = targets;
-            if round % 2 == 1 {
-                order.reverse();
-            }
+            // Each round starts from another server, so none is always first (or last).
+            let mut order = targets.clone();
+            order.rotate_left(round % targets.len());
             for (server, pid, port) in order {
-                let s = Server::ALL
-                    .iter()
-                    .position(|&x| x == server)
-                    .expect("a server");
+                let s = servers.iter().position(|&x| x == server).expect("a server");
                 let runs = &mut results[l][s];
                 if matches!(runs.first(), Some(Outcome::NoH2)) {
                     continue;
@@ -239,8 +283,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         }
     }
     let elapsed = started.elapsed();
-    drop(hyper);
-    drop(worker);
+    drop(running);
 
     let mut report = String::new();
     let command = super::command_line("http", args);
@@ -277,7 +320,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         )?;
     }
     writeln!(report)?;
-    report.push_str(&table(&results));
+    report.push_str(&table(&servers, &results));
     println!("{report}");
     Ok(ExitCode::SUCCESS)
 }
@@ -423,26 +466,36 @@ fn describe(load: Load, outcome: &Outcome) -> String {
 
 // === the table ===
 
-/// The markdown table of medians: one row per load and metric, columns worker, hyper, worker/hyper.
-fn table(results: &[[Vec<Outcome>; 2]]) -> String {
-    let mut rows = vec![[
-        "load".to_owned(),
-        "metric".to_owned(),
-        "worker".to_owned(),
-        "hyper".to_owned(),
-        "worker/hyper".to_owned(),
-    ]];
+/// The markdown table of medians: one row per load and metric, a column per server (the worker and
+/// hyper first), then each other server's ratio to hyper.
+fn table(servers: &[Server], results: &[Vec<Vec<Outcome>>]) -> String {
+    let hyper = servers
+        .iter()
+        .position(|&s| s == Server::Hyper)
+        .expect("hyper is always measured");
+    let others: Vec<usize> = (0..servers.len()).filter(|&s| s != hyper).collect();
+    let mut header = vec!["load".to_owned(), "metric".to_owned()];
+    header.extend(servers.iter().map(|s| s.name().to_owned()));
+    header.extend(
+        others
+            .iter()
+            .map(|&s| format!("{}/hyper", servers[s].name())),
+    );
+    let mut rows = vec![header];
     for (load, runs) in Load::ALL.into_iter().zip(results) {
-        let samples = runs.each_ref().map(|runs| {
-            let samples: Vec<&Sample> = runs
-                .iter()
-                .filter_map(|outcome| match outcome {
-                    Outcome::Measured(sample) => Some(sample),
-                    Outcome::NoH2 => None,
-                })
-                .collect();
-            (!samples.is_empty()).then_some(samples)
-        });
+        let samples: Vec<Option<Vec<&Sample>>> = runs
+            .iter()
+            .map(|runs| {
+                let samples: Vec<&Sample> = runs
+                    .iter()
+                    .filter_map(|outcome| match outcome {
+                        Outcome::Measured(sample) => Some(sample),
+                        Outcome::NoH2 => None,
+                    })
+                    .collect();
+                (!samples.is_empty()).then_some(samples)
+            })
+            .collect();
         type Metric = (String, Box<dyn Fn(&Sample) -> f64>, fn(f64) -> String);
         let mut metrics: Vec<Metric> = vec![(
             "requests/s".into(),
@@ -472,18 +525,21 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
             |v| format!("{:.0}%", v * 100.0),
         ));
         for (m, (label, get, format)) in metrics.iter().enumerate() {
-            let medians = samples.each_ref().map(|samples| {
-                samples
-                    .as_ref()
-                    .map(|s| median(s.iter().map(|s| get(s)).collect()))
-            });
+            let medians: Vec<Option<f64>> = samples
+                .iter()
+                .map(|samples| {
+                    samples
+                        .as_ref()
+                        .map(|s| median(s.iter().map(|s| get(s)).collect()))
+                })
+                .collect();
             let cell = |server: usize| match medians[server] {
                 Some(value) => format(value),
                 None if load == Load::H2c => "n/a (no h2 yet)".into(),
                 None => "n/a".into(),
             };
-            let ratio = match medians {
-                [Some(worker), Some(hyper)] if hyper > 0.0 => format!("{:.2}", worker / hyper),
+            let ratio = |server: usize| match (medians[server], medians[hyper]) {
+                (Some(value), Some(hyper)) if hyper > 0.0 => format!("{:.2}", value / hyper),
                 _ => "n/a".into(),
             };
             let load_cell = if m == 0 {
@@ -491,7 +547,10 @@ fn table(results: &[[Vec<Outcome>; 2]]) -> String {
             } else {
                 String::new()
             };
-            rows.push([load_cell, label.clone(), cell(0), cell(1), ratio]);
+            let mut row = vec![load_cell, label.clone()];
+            row.extend((0..servers.len()).map(cell));
+            row.extend(others.iter().map(|&s| ratio(s)));
+            rows.push(row);
         }
     }
     markdown(&rows, 2)
@@ -526,16 +585,22 @@ mod tests {
             parse_args(&[]).unwrap(),
             Options {
                 duration: 5,
-                rounds: 3
+                rounds: 3,
+                with: Vec::new(),
             }
         );
         assert_eq!(
-            parse_args(&args("--rounds 1 --duration 2")).unwrap(),
+            parse_args(&args(
+                "--rounds 1 --duration 2 --with spike-uring --with spike-uring"
+            ))
+            .unwrap(),
             Options {
                 duration: 2,
-                rounds: 1
+                rounds: 1,
+                with: vec![Server::Candidate("spike-uring")],
             }
         );
+        assert!(parse_args(&args("--with nginx")).is_err());
         assert!(parse_args(&args("--duration")).is_err());
         assert!(parse_args(&args("--duration 0")).is_err());
         assert!(parse_args(&args("--rounds x")).is_err());
@@ -555,7 +620,7 @@ mod tests {
             })
         };
         let results = vec![
-            [
+            vec![
                 vec![
                     sample(100.0, 2, 2),
                     sample(300.0, 4, 2),
@@ -563,10 +628,10 @@ mod tests {
                 ],
                 vec![sample(100.0, 6, 2)],
             ],
-            [vec![sample(50.0, 1, 1)], vec![sample(100.0, 2, 1)]],
-            [vec![Outcome::NoH2], vec![sample(10.0, 5, 1)]],
+            vec![vec![sample(50.0, 1, 1)], vec![sample(100.0, 2, 1)]],
+            vec![vec![Outcome::NoH2], vec![sample(10.0, 5, 1)]],
         ];
-        let table = table(&results);
+        let table = table(&[Server::Worker, Server::Hyper], &results);
         let lines: Vec<&str> = table.lines().collect();
         assert!(lines[1].contains("---: |"), "{table}");
         // The cells of every line, trimmed.
@@ -601,5 +666,59 @@ mod tests {
             "{table}"
         );
         assert_eq!(lines.len(), 2 + 6 + 5 + 5, "{table}");
+    }
+
+    #[test]
+    fn every_other_server_gets_a_column_and_a_ratio_to_hyper() {
+        let sample = |cpu_us: u64, latencies: usize| {
+            Outcome::Measured(Sample {
+                requests_per_sec: 1.0,
+                latencies: vec![Duration::from_micros(100); latencies],
+                cpu_per_request: Duration::from_micros(cpu_us),
+                server_busy: 1.0,
+                load_core_busy: 0.5,
+                others_on_server_core: 0.0,
+            })
+        };
+        let servers = [
+            Server::Worker,
+            Server::Hyper,
+            Server::Candidate("spike-uring"),
+        ];
+        let results: Vec<Vec<Vec<Outcome>>> = [2, 1, 1]
+            .iter()
+            .map(|&latencies| {
+                vec![
+                    vec![sample(6, latencies)],
+                    vec![sample(4, latencies)],
+                    vec![sample(3, latencies)],
+                ]
+            })
+            .collect();
+        let table = table(&servers, &results);
+        let header: Vec<&str> = table
+            .lines()
+            .next()
+            .unwrap()
+            .split('|')
+            .map(str::trim)
+            .collect();
+        assert_eq!(
+            header[1..header.len() - 1],
+            [
+                "load",
+                "metric",
+                "worker",
+                "hyper",
+                "spike-uring",
+                "worker/hyper",
+                "spike-uring/hyper"
+            ]
+        );
+        let cpu = table.lines().nth(5).unwrap();
+        assert!(
+            cpu.contains(" 1.50 |") && cpu.contains(" 0.75 |"),
+            "{table}"
+        );
     }
 }

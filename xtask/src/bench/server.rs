@@ -97,18 +97,19 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
         })
     }
 
-    /// The hyper baseline; `taskset` execs it, so the child's pid is the server's.
-    pub(super) fn hyper(binary: &Path, dir: &Path) -> anyhow::Result<Self> {
+    /// A server binary that takes `ADDR` (the hyper baseline, a candidate data path), named `name`
+    /// in logs; `taskset` execs it, so the child's pid is the server's.
+    pub(super) fn binary(name: &str, binary: &Path, dir: &Path) -> anyhow::Result<Self> {
         let port = free_port();
         let mut process = ChildGuard::spawn(
-            "hyper-baseline",
+            name,
             Command::new("taskset")
                 .args(["-c", SERVER_CPU])
                 .arg(binary)
                 .arg(format!("127.0.0.1:{port}")),
             dir,
         )?;
-        wait_answering(&mut process, port, "the hyper baseline to answer")?;
+        wait_answering(&mut process, port, &format!("{name} to answer"))?;
         Ok(Running {
             pid: process.id(),
             process,

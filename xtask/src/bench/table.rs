@@ -2,13 +2,14 @@
 
 use std::{fmt::Write as _, time::Duration};
 
-/// A markdown table with padded columns; the first row is the header, the first `left` columns are
-/// left-aligned and the others right-aligned.
-pub(crate) fn markdown<const N: usize>(rows: &[[String; N]], left: usize) -> String {
-    let widths: Vec<usize> = (0..N)
+/// A markdown table with padded columns; the first row is the header (every row as wide as it), the
+/// first `left` columns are left-aligned and the others right-aligned.
+pub(crate) fn markdown<R: AsRef<[String]>>(rows: &[R], left: usize) -> String {
+    let columns = rows.first().map_or(0, |row| row.as_ref().len());
+    let widths: Vec<usize> = (0..columns)
         .map(|c| {
             rows.iter()
-                .map(|row| row[c].chars().count())
+                .map(|row| row.as_ref()[c].chars().count())
                 .max()
                 .unwrap_or(0)
                 .max(3)
@@ -17,7 +18,7 @@ pub(crate) fn markdown<const N: usize>(rows: &[[String; N]], left: usize) -> Str
     let mut out = String::new();
     for (r, row) in rows.iter().enumerate() {
         out.push('|');
-        for (c, cell) in row.iter().enumerate() {
+        for (c, cell) in row.as_ref().iter().enumerate() {
             if c < left {
                 write!(out, " {cell:<w$} |", w = widths[c]).expect("a String");
             } else {
