@@ -28,7 +28,7 @@ use peregrine_contract::procfs;
 use peregrine_e2e::{TempDir, http_get};
 
 use super::{
-    Flags,
+    Flags, kernel_ops,
     machine::{cpu_line, cpus_allowed, machine_lines},
     parse,
     server::{LOAD_CPU, Running, SERVER_CPU, preflight},
@@ -43,7 +43,8 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]...";
+const USAGE: &str =
+    "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops]";
 
 /// The servers `--with` adds beside the worker and hyper: the data-path candidates of
 /// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
@@ -125,6 +126,8 @@ impl Load {
 /// One run of one load against one server.
 #[derive(Clone, Debug)]
 pub(super) struct Sample {
+    /// Requests completed.
+    pub(super) requests: u64,
     pub(super) requests_per_sec: f64,
     /// In the order of [`Load::latency_labels`].
     latencies: Vec<Duration>,
@@ -153,6 +156,9 @@ struct Options {
     rounds: usize,
     /// The candidates to measure beside the worker and hyper.
     with: Vec<Server>,
+    /// Also count each server's system calls and io_uring submissions per request, in runs of
+    /// their own.
+    ops: bool,
 }
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
@@ -160,6 +166,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         duration: 5,
         rounds: 3,
         with: Vec::new(),
+        ops: false,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -176,6 +183,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                     .parse()
                     .context("--rounds N: a whole number")?;
             }
+            "--ops" => options.ops = true,
             "--with" => {
                 let name = args.value(flag)?;
                 let (binary, _) = CANDIDATES
@@ -282,6 +290,32 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    // ops[load][server]: (system calls, io_uring submissions) per request, from one counted run.
+    let mut ops: Vec<Vec<Option<(f64, f64)>>> = Vec::new();
+    if options.ops {
+        for load in Load::ALL {
+            let mut row = Vec::new();
+            for &(server, pid, port) in &targets {
+                let counting = kernel_ops::Counting::start(pid)?;
+                let outcome = run_load(load, pid, port, options.duration);
+                let counted = counting.stop()?;
+                let per_request = match outcome? {
+                    Outcome::Measured(sample) => {
+                        let n = sample.requests as f64;
+                        Some((counted.syscalls as f64 / n, counted.submissions as f64 / n))
+                    }
+                    Outcome::NoH2 => None,
+                };
+                eprintln!(
+                    "counted {:>12} {:>6}: {per_request:.2?} (system calls, io_uring submissions) per request",
+                    load.short(),
+                    server.name()
+                );
+                row.push(per_request);
+            }
+            ops.push(row);
+        }
+    }
     let elapsed = started.elapsed();
     drop(running);
 
@@ -321,6 +355,13 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     writeln!(report)?;
     report.push_str(&table(&servers, &results));
+    if options.ops {
+        writeln!(
+            report,
+            "\nKernel entries per request (one run of each load and server under `perf stat`, apart from the runs above):\n"
+        )?;
+        report.push_str(&ops_table(&servers, &ops));
+    }
     println!("{report}");
     Ok(ExitCode::SUCCESS)
 }
@@ -428,6 +469,7 @@ fn run_load(load: Load, pid: u32, port: u16, duration: u64) -> anyhow::Result<Ou
     let server_busy = cpu.as_secs_f64() / wall.as_secs_f64();
     let others = busy(SERVER_CPU)? - server_busy;
     Ok(Outcome::Measured(Sample {
+        requests,
         requests_per_sec,
         latencies,
         cpu_per_request: cpu.div_f64(requests as f64),
@@ -556,6 +598,31 @@ fn table(servers: &[Server], results: &[Vec<Vec<Outcome>>]) -> String {
     markdown(&rows, 2)
 }
 
+/// The table of system calls and io_uring submissions per request: a row per load, a column pair per
+/// server.
+fn ops_table(servers: &[Server], ops: &[Vec<Option<(f64, f64)>>]) -> String {
+    let mut header = vec!["load".to_owned()];
+    for server in servers {
+        header.push(format!("{} syscalls", server.name()));
+        header.push(format!("{} SQEs", server.name()));
+    }
+    let mut rows = vec![header];
+    for (load, row) in Load::ALL.into_iter().zip(ops) {
+        let mut cells = vec![load.name().to_owned()];
+        for counted in row {
+            match counted {
+                Some((syscalls, submissions)) => {
+                    cells.push(format!("{syscalls:.3}"));
+                    cells.push(format!("{submissions:.3}"));
+                }
+                None => cells.extend(["n/a".to_owned(), "n/a".to_owned()]),
+            }
+        }
+        rows.push(cells);
+    }
+    markdown(&rows, 1)
+}
+
 /// The first line a tool prints about its version (`wrk -v` prints it and then its usage).
 fn tool_version(program: &str, flag: &str) -> String {
     Command::new(program)
@@ -587,17 +654,19 @@ mod tests {
                 duration: 5,
                 rounds: 3,
                 with: Vec::new(),
+                ops: false,
             }
         );
         assert_eq!(
             parse_args(&args(
-                "--rounds 1 --duration 2 --with spike-uring --with spike-uring"
+                "--rounds 1 --duration 2 --with spike-uring --with spike-uring --ops"
             ))
             .unwrap(),
             Options {
                 duration: 2,
                 rounds: 1,
                 with: vec![Server::Candidate("spike-uring")],
+                ops: true,
             }
         );
         assert!(parse_args(&args("--with nginx")).is_err());
@@ -611,6 +680,7 @@ mod tests {
     fn builds_the_table_with_medians_and_no_h2() {
         let sample = |rps: f64, cpu_us: u64, latencies: usize| {
             Outcome::Measured(Sample {
+                requests: 1,
                 requests_per_sec: rps,
                 latencies: vec![Duration::from_micros(100); latencies],
                 cpu_per_request: Duration::from_micros(cpu_us),
@@ -672,6 +742,7 @@ mod tests {
     fn every_other_server_gets_a_column_and_a_ratio_to_hyper() {
         let sample = |cpu_us: u64, latencies: usize| {
             Outcome::Measured(Sample {
+                requests: 1,
                 requests_per_sec: 1.0,
                 latencies: vec![Duration::from_micros(100); latencies],
                 cpu_per_request: Duration::from_micros(cpu_us),
