@@ -180,9 +180,8 @@ impl H2Conn {
             shared.input.extend_from_slice(data);
             shared.read_waker.take()
         };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        // A server that is not waiting on a read is woken all the same: it may be waiting for these.
+        waker.unwrap_or_else(|| self.waker.clone()).wake();
     }
 
     /// The peer closed its side.
@@ -192,7 +191,6 @@ impl H2Conn {
             shared.eof = true;
             shared.read_waker.take()
         };
-        // Even a server that is not reading must see the end.
         waker.unwrap_or_else(|| self.waker.clone()).wake();
     }
 

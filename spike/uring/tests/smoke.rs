@@ -81,26 +81,42 @@ fn answers_h2c() {
             tokio::spawn(async move {
                 let _ = connection.await;
             });
-            let request = http::Request::get(format!("http://{addr}/"))
-                .body(())
-                .unwrap();
-            let (response, _) = client.send_request(request, true).unwrap();
-            let response = tokio::time::timeout(Duration::from_secs(10), response)
-                .await
-                .expect("an answer in time")
-                .unwrap();
-            assert_eq!(response.status(), http::StatusCode::OK);
-            assert_eq!(
-                response.headers()["content-type"],
-                "text/plain; charset=utf-8"
-            );
-            let mut stream = response.into_body();
-            let mut got = Vec::new();
-            while let Some(chunk) = stream.data().await {
-                let chunk = chunk.unwrap();
-                let _ = stream.flow_control().release_capacity(chunk.len());
-                got.extend_from_slice(&chunk);
+            // One request, then one more on the same connection, then five at once.
+            for _ in 0..2 {
+                assert_eq!(get(&mut client, addr).await, body);
             }
-            assert_eq!(String::from_utf8(got).unwrap(), body);
+            let mut concurrent = Vec::new();
+            for _ in 0..5 {
+                let mut client = client.clone();
+                concurrent.push(tokio::spawn(async move { get(&mut client, addr).await }));
+            }
+            for answer in concurrent {
+                assert_eq!(answer.await.unwrap(), body);
+            }
         });
+}
+
+/// One GET over `client`: checks the status and content type, returns the body.
+async fn get(client: &mut h2::client::SendRequest<bytes::Bytes>, addr: SocketAddr) -> String {
+    let request = http::Request::get(format!("http://{addr}/"))
+        .body(())
+        .unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("an answer in time")
+        .unwrap();
+    assert_eq!(response.status(), http::StatusCode::OK);
+    assert_eq!(
+        response.headers()["content-type"],
+        "text/plain; charset=utf-8"
+    );
+    let mut stream = response.into_body();
+    let mut got = Vec::new();
+    while let Some(chunk) = stream.data().await {
+        let chunk = chunk.unwrap();
+        let _ = stream.flow_control().release_capacity(chunk.len());
+        got.extend_from_slice(&chunk);
+    }
+    String::from_utf8(got).unwrap()
 }
