@@ -87,27 +87,32 @@ fn main() -> ExitCode {
 fn serve(addr: SocketAddr) -> io::Result<()> {
     let listener = TcpListener::bind(addr)?;
     SockRef::from(&listener).listen(LISTEN_BACKLOG)?;
-    let ring = new_ring()?;
+    let (ring, deferred) = new_ring()?;
     let bufs = BufRing::new(&ring, BUF_GROUP, BUF_COUNT, BUF_SIZE)?;
     let stats = std::env::var_os("SPIKE_STATS").is_some_and(|v| v == "1");
+    if stats {
+        eprintln!("spike-uring: listening on {addr}, DEFER_TASKRUN {deferred}");
+    }
     Driver::new(ring, bufs, listener, stats).run()
 }
 
-/// The ring, with `DEFER_TASKRUN` if the kernel takes it.
-fn new_ring() -> io::Result<IoUring> {
-    IoUring::builder()
+/// The ring, with `DEFER_TASKRUN` if the kernel takes it (then `true`).
+fn new_ring() -> io::Result<(IoUring, bool)> {
+    let deferred = IoUring::builder()
         .setup_cqsize(RING_ENTRIES * 4)
         .setup_coop_taskrun()
         .setup_single_issuer()
         .setup_defer_taskrun()
-        .build(RING_ENTRIES)
-        .or_else(|_| {
-            IoUring::builder()
-                .setup_cqsize(RING_ENTRIES * 4)
-                .setup_coop_taskrun()
-                .setup_single_issuer()
-                .build(RING_ENTRIES)
-        })
+        .build(RING_ENTRIES);
+    match deferred {
+        Ok(ring) => Ok((ring, true)),
+        Err(_) => IoUring::builder()
+            .setup_cqsize(RING_ENTRIES * 4)
+            .setup_coop_taskrun()
+            .setup_single_issuer()
+            .build(RING_ENTRIES)
+            .map(|ring| (ring, false)),
+    }
 }
 
 /// The kind of operation a completion is for.
