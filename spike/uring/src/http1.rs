@@ -1,0 +1,186 @@
+//! HTTP/1.1: every complete request at the front of a buffer, parsed with `httparse`, turned into an
+//! `http::Request`, answered by the application and encoded into the connection's output, in order.
+//!
+//! Minimal on purpose: `Content-Length` bodies are skipped (the application gets an empty body), a
+//! `Transfer-Encoding` request or a malformed one gets a `400` and the connection closes, and there are
+//! no limits on head or body size.
+
+use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version, header};
+use http_body::Body;
+use peregrine_worker::{Hello, RequestBody};
+
+use crate::app;
+
+/// Header slots on the stack.
+const MAX_HEADERS: usize = 64;
+
+/// Answers every complete request at the front of `buf` into `out`. Returns how many bytes the
+/// answered requests took, and whether the connection must close once `out` is sent (the rest of the
+/// input then is to be ignored).
+pub(crate) fn serve(buf: &[u8], out: &mut Vec<u8>, service: &mut Hello) -> (usize, bool) {
+    let mut at = 0;
+    while at < buf.len() {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Request::new(&mut headers);
+        let head_len = match parsed.parse(&buf[at..]) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => break,
+            Err(_) => return refuse(out, StatusCode::BAD_REQUEST),
+        };
+        let version = if parsed.version == Some(1) {
+            Version::HTTP_11
+        } else {
+            Version::HTTP_10
+        };
+        let mut keep_alive = version == Version::HTTP_11;
+        let mut body_len = 0usize;
+        for field in parsed.headers.iter() {
+            if field.name.eq_ignore_ascii_case("content-length") {
+                match std::str::from_utf8(field.value)
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                {
+                    Some(n) => body_len = n,
+                    None => return refuse(out, StatusCode::BAD_REQUEST),
+                }
+            } else if field.name.eq_ignore_ascii_case("transfer-encoding") {
+                return refuse(out, StatusCode::BAD_REQUEST);
+            } else if field.name.eq_ignore_ascii_case("connection") {
+                for token in field.value.split(|&b| b == b',') {
+                    let token = token.trim_ascii();
+                    if token.eq_ignore_ascii_case(b"close") {
+                        keep_alive = false;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        keep_alive = true;
+                    }
+                }
+            }
+        }
+        let Some(len) = head_len.checked_add(body_len) else {
+            return refuse(out, StatusCode::BAD_REQUEST);
+        };
+        if buf.len() - at < len {
+            break;
+        }
+        let Some(request) = to_request(&parsed, version) else {
+            return refuse(out, StatusCode::BAD_REQUEST);
+        };
+        let head_only = request.method() == Method::HEAD;
+        let Some(response) = app::call(service, request) else {
+            return refuse(out, StatusCode::INTERNAL_SERVER_ERROR);
+        };
+        if !encode(out, response, version, head_only, keep_alive) {
+            return refuse(out, StatusCode::INTERNAL_SERVER_ERROR);
+        }
+        at += len;
+        if !keep_alive {
+            return (at, true);
+        }
+    }
+    (at, false)
+}
+
+/// The `http::Request` of a parsed head, with an empty body.
+fn to_request(
+    parsed: &httparse::Request<'_, '_>,
+    version: Version,
+) -> Option<Request<RequestBody>> {
+    let method = Method::from_bytes(parsed.method?.as_bytes()).ok()?;
+    let uri = Uri::try_from(parsed.path?).ok()?;
+    let mut request = Request::new(RequestBody::default());
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    let headers = request.headers_mut();
+    headers.reserve(parsed.headers.len());
+    for field in parsed.headers.iter() {
+        let name = HeaderName::from_bytes(field.name.as_bytes()).ok()?;
+        let value = HeaderValue::from_bytes(field.value).ok()?;
+        headers.append(name, value);
+    }
+    Some(request)
+}
+
+/// Appends a response (head, then body unless `head_only`) to `out`, like the worker's encoder for a
+/// body of known size. `false` if the body was not ready at once.
+fn encode<B: Body>(
+    out: &mut Vec<u8>,
+    response: Response<B>,
+    version: Version,
+    head_only: bool,
+    keep_alive: bool,
+) -> bool {
+    let (parts, body) = response.into_parts();
+    let Some(data) = app::body_bytes(body) else {
+        return false;
+    };
+    let status = parts.status;
+    if status == StatusCode::OK {
+        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+    } else {
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let bodiless = status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    if !bodiless {
+        out.extend_from_slice(b"content-length: ");
+        push_decimal(out, data.len());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if version == Version::HTTP_10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    if !head_only && !bodiless {
+        out.extend_from_slice(&data);
+    }
+    true
+}
+
+/// Appends `n` in decimal, without allocating.
+fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
+/// Appends a short plain-text refusal that closes the connection; all input counts as consumed.
+fn refuse(out: &mut Vec<u8>, status: StatusCode) -> (usize, bool) {
+    let reason = status.canonical_reason().unwrap_or("Error");
+    out.extend_from_slice(
+        format!(
+            "HTTP/1.1 {} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{reason}\n",
+            status.as_str(),
+            reason.len() + 1
+        )
+        .as_bytes(),
+    );
+    (usize::MAX, true)
+}
