@@ -56,7 +56,7 @@ use anyhow::Context as _;
 use bytes::{Buf, Bytes};
 use compio::{
     driver::{BufferRef, ProactorBuilder},
-    io::{AsyncReadMulti, AsyncWriteExt, compat::AsyncWriteStream},
+    io::{AsyncReadMulti, AsyncWrite as _, AsyncWriteExt, compat::AsyncWriteStream},
     net::{TcpListener, TcpStream},
     runtime::RuntimeBuilder,
 };
