@@ -311,8 +311,7 @@ fn parse(data: &Bytes, at: usize) -> Result<Option<Parsed>, ()> {
                 let token = token.trim_ascii();
                 if token.eq_ignore_ascii_case(b"close") {
                     keep_alive = false;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10
-                {
+                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
                     keep_alive = true;
                 }
             }
@@ -517,7 +516,9 @@ async fn h2_respond(
     let (mut parts, body) = response.into_parts();
     let mut body = pin!(body);
     if let Some(n) = body.size_hint().exact() {
-        parts.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
     }
     let end = body.is_end_stream();
     let Ok(mut send) = respond.send_response(Response::from_parts(parts, ()), end) else {
