@@ -23,6 +23,10 @@
 //! - writes: one owned-buffer `write_all` (`IORING_OP_SEND`) per batch of responses; the buffer comes
 //!   back and is reused.
 //!
+//! Both multishots were seen in use on kernel 6.18 with the `io_uring:io_uring_submit_req` and
+//! `io_uring:io_uring_complete` tracepoints: one `ACCEPT` submitted for the listener and one `RECV` per
+//! connection, their completions flagged `IORING_CQE_F_MORE` (and `F_BUFFER` for the receives).
+//!
 //! HTTP/1.1: the bytes of each receive are made shared (`Bytes`) once and every complete request in
 //! them is parsed with `httparse` (method, target and header values sliced from them, as the worker
 //! does); a `Content-Length` body is waited for and handed to the app whole; the responses of all of
@@ -32,9 +36,9 @@
 //! h2c (prior knowledge): when the first bytes are the HTTP/2 preface, the connection is served by the
 //! `h2` crate. Its tokio I/O is a small adapter ([`H2Io`]): reads replay the bytes already received and
 //! then keep draining the same multishot receive; writes go through compio-io's compat
-//! `AsyncWriteStream` (futures-io traits over owned-buffer writes). A stream whose request has no body
-//! is answered inline in the accept loop (the hello app's future is ready at once); one with a body is
-//! spawned on the runtime to read it first.
+//! `AsyncWriteStream` (futures-io traits over owned-buffer writes; each flush `h2` asks for is one
+//! send). A stream whose request has no body is answered inline in the accept loop (the hello app's
+//! future is ready at once); one with a body is spawned on the runtime to read it first.
 //!
 //! Left out versus the real worker: limits beyond a fixed head/body cap (no configurable
 //! header/body/connection limits, no 431/413 responses: an oversized or malformed request gets a bare
@@ -186,13 +190,13 @@ async fn connection(stream: TcpStream, mut app: Hello) {
                 }
                 Protocol::Http1 => {}
             }
-        } else if pending.is_empty() {
-            pending.extend_from_slice(&received);
         } else {
             if pending.len() + received.len() > MAX_HEAD + MAX_BODY {
                 return;
             }
             pending.extend_from_slice(&received);
+            // Back to the ring before anything is awaited.
+            drop(received);
         }
         // The bytes are made shared once; request parts are slices of them.
         let data = Bytes::from(std::mem::take(&mut pending));
