@@ -105,7 +105,10 @@ mod tests {
     #[test]
     fn counts_the_system_calls_of_this_process() {
         if crate::packages::program_path("perf").is_err() {
-            peregrine_e2e::skip("counts_the_system_calls_of_this_process", "no perf");
+            peregrine_e2e::skip(
+                "counts_the_system_calls_of_this_process",
+                "no perf (apt install linux-perf)",
+            );
             return;
         }
         let counting = Counting::start(std::process::id()).unwrap();
