@@ -27,6 +27,7 @@ mod balance;
 mod fleet;
 mod hashing;
 mod http;
+mod idle;
 mod kernel_ops;
 mod lifecycle;
 mod machine;

@@ -28,7 +28,7 @@ use peregrine_contract::procfs;
 use peregrine_e2e::{TempDir, http_get};
 
 use super::{
-    Flags, kernel_ops,
+    Flags, idle, kernel_ops,
     machine::{cpu_line, cpus_allowed, machine_lines},
     parse,
     server::{LOAD_CPU, Running, SERVER_CPU, preflight},
@@ -44,7 +44,7 @@ const NOISY: f64 = 0.1;
 const NOISY_RETRIES: usize = 2;
 
 const USAGE: &str =
-    "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops]";
+    "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N]";
 
 /// The servers `--with` adds beside the worker and hyper: the data-path candidates of
 /// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
@@ -159,6 +159,8 @@ struct Options {
     /// Also count each server's system calls and io_uring submissions per request, in runs of
     /// their own.
     ops: bool,
+    /// Instead of the loads: the memory of this many idle connections, per server.
+    idle: Option<usize>,
 }
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
@@ -167,6 +169,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         rounds: 3,
         with: Vec::new(),
         ops: false,
+        idle: None,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -184,6 +187,14 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                     .context("--rounds N: a whole number")?;
             }
             "--ops" => options.ops = true,
+            "--idle" => {
+                let n: usize = args
+                    .value(flag)?
+                    .parse()
+                    .context("--idle N: a whole number of connections")?;
+                ensure!(n >= 1, "--idle must be at least 1 connection");
+                options.idle = Some(n);
+            }
             "--with" => {
                 let name = args.value(flag)?;
                 let (binary, _) = CANDIDATES
@@ -222,22 +233,30 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let peregrine = super::release_peregrine_and(&builds)?;
 
     let dir = TempDir::new().context("a temporary directory")?;
-    let mut running = vec![
-        (Server::Worker, Running::worker(&peregrine, dir.path())?),
-        (
-            Server::Hyper,
-            Running::binary(
-                "hyper-baseline",
-                &peregrine.with_file_name("hyper-baseline"),
-                dir.path(),
-            )?,
+    let servers: Vec<Server> = [Server::Worker, Server::Hyper]
+        .into_iter()
+        .chain(options.with.iter().copied())
+        .collect();
+    let start = |server: Server| match server {
+        Server::Worker => Running::worker(&peregrine, dir.path()),
+        Server::Hyper => Running::binary(
+            "hyper-baseline",
+            &peregrine.with_file_name("hyper-baseline"),
+            dir.path(),
         ),
-    ];
-    for &server in &options.with {
-        let binary = peregrine.with_file_name(server.name());
-        running.push((server, Running::binary(server.name(), &binary, dir.path())?));
+        Server::Candidate(name) => {
+            Running::binary(name, &peregrine.with_file_name(name), dir.path())
+        }
+    };
+    if let Some(n) = options.idle {
+        let report = idle_report(&servers, start, n, options.rounds)?;
+        println!("Command: `{}`\n{report}", super::command_line("http", args));
+        return Ok(ExitCode::SUCCESS);
     }
-    let servers: Vec<Server> = running.iter().map(|(server, _)| *server).collect();
+    let running = servers
+        .iter()
+        .map(|&server| Ok((server, start(server)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let targets: Vec<(Server, u32, u16)> = running
         .iter()
         .map(|(server, r)| (*server, r.pid, r.port))
@@ -598,6 +617,75 @@ fn table(servers: &[Server], results: &[Vec<Vec<Outcome>>]) -> String {
     markdown(&rows, 2)
 }
 
+/// The idle-connection memory of every server: per kind, each server's growth per connection (median
+/// and range over `rounds`) and its ratio to hyper's median. Every measurement starts a fresh server
+/// (`start`): memory freed by earlier connections stays with a process's allocator and would hide the
+/// next connections' cost.
+fn idle_report(
+    servers: &[Server],
+    start: impl Fn(Server) -> anyhow::Result<Running>,
+    n: usize,
+    rounds: usize,
+) -> anyhow::Result<String> {
+    let hyper = servers
+        .iter()
+        .position(|&s| s == Server::Hyper)
+        .expect("hyper is always measured");
+    let mut report = String::new();
+    machine_lines(&mut report, &cpu_line()?)?;
+    writeln!(
+        report,
+        "Resident memory growth per idle connection, {n} connections, median (range) of {rounds} rounds:\n"
+    )?;
+    let mut header = vec!["idle connection".to_owned()];
+    header.extend(servers.iter().map(|s| s.name().to_owned()));
+    header.extend(
+        servers
+            .iter()
+            .filter(|&&s| s != Server::Hyper)
+            .map(|s| format!("{}/hyper", s.name())),
+    );
+    let mut rows = vec![header];
+    for kind in idle::Idle::ALL {
+        let mut medians = Vec::new();
+        let mut cells = vec![kind.name().to_owned()];
+        for &server in servers {
+            let mut growth = Vec::new();
+            for round in 0..rounds {
+                let running = start(server)?;
+                let bytes = idle::growth_per_connection(kind, running.pid, running.port, n)
+                    .with_context(|| format!("{} idle connections to {}", n, server.name()))?;
+                eprintln!(
+                    "round {}/{rounds} {:?} {:>12}: {bytes:.0} bytes per idle connection",
+                    round + 1,
+                    kind,
+                    server.name()
+                );
+                growth.push(bytes);
+            }
+            let (low, high) = growth
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(l, h), &g| (l.min(g), h.max(g)));
+            let median = median(growth);
+            cells.push(format!("{} ({}-{})", kib(median), kib(low), kib(high)));
+            medians.push(median);
+        }
+        for (s, median) in medians.iter().enumerate() {
+            if s != hyper {
+                cells.push(format!("{:.2}", median / medians[hyper]));
+            }
+        }
+        rows.push(cells);
+    }
+    report.push_str(&markdown(&rows, 1));
+    Ok(report)
+}
+
+/// Bytes as KiB with one decimal.
+fn kib(bytes: f64) -> String {
+    format!("{:.1} KiB", bytes / 1024.0)
+}
+
 /// The table of system calls and io_uring submissions per request: a row per load, a column pair per
 /// server.
 fn ops_table(servers: &[Server], ops: &[Vec<Option<(f64, f64)>>]) -> String {
@@ -655,6 +743,7 @@ mod tests {
                 rounds: 3,
                 with: Vec::new(),
                 ops: false,
+                idle: None,
             }
         );
         assert_eq!(
@@ -667,6 +756,7 @@ mod tests {
                 rounds: 1,
                 with: vec![Server::Candidate("spike-uring")],
                 ops: true,
+                idle: None,
             }
         );
         assert!(parse_args(&args("--with nginx")).is_err());
