@@ -24,6 +24,7 @@
 
 mod attacks;
 mod balance;
+mod behind_envoy;
 mod fleet;
 mod hashing;
 mod http;

@@ -28,7 +28,7 @@ use peregrine_contract::procfs;
 use peregrine_e2e::{TempDir, http_get};
 
 use super::{
-    Flags, idle, kernel_ops,
+    Flags, behind_envoy, idle, kernel_ops,
     machine::{cpu_line, cpus_allowed, machine_lines},
     parse,
     server::{LOAD_CPU, Running, SERVER_CPU, preflight},
@@ -43,8 +43,7 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-const USAGE: &str =
-    "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N]";
+const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N] [--behind-envoy]";
 
 /// The servers `--with` adds beside the worker and hyper: the data-path candidates of
 /// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
@@ -161,6 +160,8 @@ struct Options {
     ops: bool,
     /// Instead of the loads: the memory of this many idle connections, per server.
     idle: Option<usize>,
+    /// Instead of the loads: each server behind an Envoy of its own, over HTTP/2.
+    behind_envoy: bool,
 }
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
@@ -170,6 +171,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         with: Vec::new(),
         ops: false,
         idle: None,
+        behind_envoy: false,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -187,6 +189,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                     .context("--rounds N: a whole number")?;
             }
             "--ops" => options.ops = true,
+            "--behind-envoy" => options.behind_envoy = true,
             "--idle" => {
                 let n: usize = args
                     .value(flag)?
@@ -273,6 +276,13 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             "{}: pid {pid}, 127.0.0.1:{port}, CPU {affinity}, answers {status} {body:?}",
             server.name()
         );
+    }
+
+    if options.behind_envoy {
+        let report = behind_envoy_report(&targets, options.duration, options.rounds)?;
+        drop(running);
+        println!("Command: `{}`\n{report}", super::command_line("http", args));
+        return Ok(ExitCode::SUCCESS);
     }
 
     // results[load][server]: one outcome per round.
@@ -681,6 +691,82 @@ fn idle_report(
     Ok(report)
 }
 
+/// Every server behind an Envoy of its own (`behind_envoy`), `rounds` runs each, servers alternating
+/// within a round: its CPU per request (median and range) and ratio to hyper's, and Envoy's.
+fn behind_envoy_report(
+    targets: &[(Server, u32, u16)],
+    duration: u64,
+    rounds: usize,
+) -> anyhow::Result<String> {
+    let envoy = crate::envoy::install()?;
+    let fronts = targets
+        .iter()
+        .map(|&(_, _, port)| behind_envoy::Front::start(&envoy, port))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut runs: Vec<Vec<behind_envoy::Behind>> = targets.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        for i in (0..targets.len()).map(|i| (i + round) % targets.len()) {
+            let (server, pid, _) = targets[i];
+            let behind = fronts[i].measure(pid, duration)?;
+            eprintln!(
+                "round {}/{rounds} behind Envoy {:>12}: {:.0} req/s, server {} CPU/req, Envoy {} CPU/req",
+                round + 1,
+                server.name(),
+                behind.requests_per_sec,
+                format_duration(behind.server),
+                format_duration(behind.envoy)
+            );
+            runs[i].push(behind);
+        }
+    }
+    let hyper = targets
+        .iter()
+        .position(|&(s, _, _)| s == Server::Hyper)
+        .expect("hyper is always measured");
+    let medians: Vec<f64> = runs
+        .iter()
+        .map(|r| median(r.iter().map(|b| b.server.as_secs_f64()).collect()))
+        .collect();
+    let mut report = String::new();
+    machine_lines(&mut report, &cpu_line()?)?;
+    writeln!(
+        report,
+        "`h2load -c10 -m10` into an Envoy (one worker thread, CPU {LOAD_CPU}) per server, HTTP/2 to the server (CPU {SERVER_CPU}); {rounds} rounds of {duration} s, median (range):\n"
+    )?;
+    let mut rows = vec![[
+        "server".to_owned(),
+        "requests/s".to_owned(),
+        "server CPU/request".to_owned(),
+        "server/hyper".to_owned(),
+        "Envoy CPU/request".to_owned(),
+    ]];
+    for (i, &(server, _, _)) in targets.iter().enumerate() {
+        let spread = |get: fn(&behind_envoy::Behind) -> f64, format: fn(f64) -> String| {
+            let values: Vec<f64> = runs[i].iter().map(get).collect();
+            let (low, high) = values
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            format!(
+                "{} ({}-{})",
+                format(median(values)),
+                format(low),
+                format(high)
+            )
+        };
+        let time = |v: f64| format_duration(Duration::from_secs_f64(v));
+        rows.push([
+            server.name().to_owned(),
+            spread(|b| b.requests_per_sec, |v| format!("{v:.0}")),
+            spread(|b| b.server.as_secs_f64(), time),
+            format!("{:.2}", medians[i] / medians[hyper]),
+            spread(|b| b.envoy.as_secs_f64(), time),
+        ]);
+    }
+    report.push_str(&markdown(&rows, 1));
+    drop(fronts);
+    Ok(report)
+}
+
 /// Bytes as KiB with one decimal.
 fn kib(bytes: f64) -> String {
     format!("{:.1} KiB", bytes / 1024.0)
@@ -744,6 +830,7 @@ mod tests {
                 with: Vec::new(),
                 ops: false,
                 idle: None,
+                behind_envoy: false,
             }
         );
         assert_eq!(
@@ -757,6 +844,7 @@ mod tests {
                 with: vec![Server::Candidate("spike-uring")],
                 ops: true,
                 idle: None,
+                behind_envoy: false,
             }
         );
         assert!(parse_args(&args("--with nginx")).is_err());
