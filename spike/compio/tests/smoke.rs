@@ -3,46 +3,42 @@
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    process::{Child, Command},
-    time::{Duration, Instant},
+    net::{SocketAddr, TcpStream},
+    process::Command,
+    time::Duration,
 };
 
-/// The spike's process, killed when the test ends, also on a panic.
+use peregrine_e2e::{ChildGuard, TempDir, free_port, wait_until};
+
+/// The spike's process; the harness's guard kills it when the test ends, also on a panic.
 struct Server {
-    child: Child,
+    child: ChildGuard,
     addr: SocketAddr,
+    _logs: TempDir,
 }
 
 impl Server {
     fn start() -> Server {
-        // A free port: bound by the OS, released, then handed to the spike.
-        let addr = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_spike-compio"))
-            .arg(addr.to_string())
-            .spawn()
-            .expect("spawning spike-compio");
-        let server = Server { child, addr };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).is_err() {
-            assert!(Instant::now() < deadline, "spike-compio never listened");
-            std::thread::sleep(Duration::from_millis(20));
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let logs = TempDir::new().expect("a log directory");
+        let child = ChildGuard::spawn(
+            "spike-compio",
+            Command::new(env!("CARGO_BIN_EXE_spike-compio")).arg(addr.to_string()),
+            logs.path(),
+        )
+        .expect("spawning spike-compio");
+        wait_until(Duration::from_secs(10), "spike-compio to listen", || {
+            TcpStream::connect(addr).ok()
+        });
+        Server {
+            child,
+            addr,
+            _logs: logs,
         }
-        server
     }
 
     fn body(&self) -> String {
         format!("Hello from worker {}!\n", self.child.id())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

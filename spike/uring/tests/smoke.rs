@@ -2,39 +2,37 @@
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    process::{Child, Command},
-    time::{Duration, Instant},
+    net::{SocketAddr, TcpStream},
+    process::Command,
+    time::Duration,
 };
 
-/// The running server, killed when dropped (also when a test panics).
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
+use peregrine_e2e::{ChildGuard, TempDir, free_port, wait_until};
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The running server; the harness's guard kills it when dropped (also when a test panics).
+struct Server {
+    child: ChildGuard,
+    addr: SocketAddr,
+    _logs: TempDir,
 }
 
 fn start() -> Server {
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
-    let child = Command::new(env!("CARGO_BIN_EXE_spike-uring"))
-        .arg(addr.to_string())
-        .spawn()
-        .expect("start spike-uring");
-    let server = Server { child, addr };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "spike-uring never listened");
-        std::thread::sleep(Duration::from_millis(20));
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let logs = TempDir::new().expect("a log directory");
+    let child = ChildGuard::spawn(
+        "spike-uring",
+        Command::new(env!("CARGO_BIN_EXE_spike-uring")).arg(addr.to_string()),
+        logs.path(),
+    )
+    .expect("start spike-uring");
+    wait_until(Duration::from_secs(10), "spike-uring to listen", || {
+        TcpStream::connect(addr).ok()
+    });
+    Server {
+        child,
+        addr,
+        _logs: logs,
     }
-    server
 }
 
 fn expected_body(server: &Server) -> String {
