@@ -32,7 +32,7 @@ use super::{
     machine::{cpu_line, cpus_allowed, machine_lines},
     parse,
     server::{LOAD_CPU, Running, SERVER_CPU, preflight},
-    table::{format_duration, markdown, median},
+    table::{format_duration, markdown, median, median_and_range},
 };
 
 /// Extra time a load generator gets beyond `--duration` before `timeout` kills it.
@@ -673,12 +673,8 @@ fn idle_report(
                 );
                 growth.push(bytes);
             }
-            let (low, high) = growth
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(l, h), &g| (l.min(g), h.max(g)));
-            let median = median(growth);
-            cells.push(format!("{} ({}-{})", kib(median), kib(low), kib(high)));
-            medians.push(median);
+            medians.push(median(growth.clone()));
+            cells.push(median_and_range(growth, kib));
         }
         for (s, median) in medians.iter().enumerate() {
             if s != hyper {
@@ -742,16 +738,7 @@ fn behind_envoy_report(
     ]];
     for (i, &(server, _, _)) in targets.iter().enumerate() {
         let spread = |get: fn(&behind_envoy::Behind) -> f64, format: fn(f64) -> String| {
-            let values: Vec<f64> = runs[i].iter().map(get).collect();
-            let (low, high) = values
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-            format!(
-                "{} ({}-{})",
-                format(median(values)),
-                format(low),
-                format(high)
-            )
+            median_and_range(runs[i].iter().map(get).collect(), format)
         };
         let time = |v: f64| format_duration(Duration::from_secs_f64(v));
         rows.push([

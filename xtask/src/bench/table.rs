@@ -53,6 +53,19 @@ pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
+/// `median (low-high)` of `values`, each figure written by `format`.
+pub(crate) fn median_and_range(values: Vec<f64>, format: impl Fn(f64) -> String) -> String {
+    let (low, high) = values
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    format!(
+        "{} ({}-{})",
+        format(median(values)),
+        format(low),
+        format(high)
+    )
+}
+
 /// A duration with three significant digits in ns, µs, ms or s.
 pub(crate) fn format_duration(duration: Duration) -> String {
     let secs = duration.as_secs_f64();
@@ -78,6 +91,12 @@ pub(crate) fn format_duration(duration: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn writes_the_median_and_the_range() {
+        let text = median_and_range(vec![3.0, 1.0, 2.0], |v| format!("{v:.1}"));
+        assert_eq!(text, "2.0 (1.0-3.0)");
+    }
 
     #[test]
     fn medians() {
