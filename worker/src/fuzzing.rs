@@ -4,7 +4,13 @@
 //! response encoding) over an in-memory stream that delivers the input in the pieces given, and checks
 //! that what the server wrote is a well-formed sequence of HTTP/1.1 responses.
 
-use std::{cell::RefCell, collections::VecDeque, convert::Infallible, io};
+use std::{
+    cell::RefCell,
+    collections::VecDeque,
+    convert::Infallible,
+    io,
+    task::{Context, Poll},
+};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -23,19 +29,33 @@ struct Script {
 }
 
 impl Io for &Script {
-    async fn read(&self, mut buf: Vec<u8>) -> (io::Result<usize>, Vec<u8>) {
-        match self.reads.borrow_mut().pop_front() {
-            Some(piece) => {
-                buf.extend_from_slice(&piece);
-                (Ok(piece.len()), buf)
+    /// One piece per read, as one receive would bring it; what the reader leaves stays at the front.
+    fn poll_read(
+        &self,
+        _: &mut Context<'_>,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Poll<io::Result<usize>> {
+        let mut reads = self.reads.borrow_mut();
+        Poll::Ready(Ok(match reads.pop_front() {
+            Some(mut piece) => {
+                let n = take(&piece);
+                if n < piece.len() {
+                    piece.drain(..n);
+                    reads.push_front(piece);
+                }
+                n
             }
-            None => (Ok(0), buf),
-        }
+            None => 0,
+        }))
     }
 
-    async fn write_all(&self, buf: Vec<u8>) -> (io::Result<()>, Vec<u8>) {
-        self.written.borrow_mut().extend_from_slice(&buf);
-        (Ok(()), buf)
+    fn poll_write(&self, _: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        self.written.borrow_mut().extend_from_slice(data);
+        Poll::Ready(Ok(data.len()))
+    }
+
+    fn poll_flushed(&self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
 
     fn shutdown(&self) {}

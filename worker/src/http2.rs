@@ -3,7 +3,7 @@
 //! [`serve_connection`] serves one connection whose first bytes are the HTTP/2 preface (`PRI * HTTP/2.0`):
 //! whoever detected the preface passes the bytes it already read as `already_read`, and they are handed
 //! to `h2` before anything else is read. The connection runs as **one future**, which the caller polls (in
-//! practice: spawns with `tokio_uring::spawn`); it owns the `h2` connection and every stream's work, so
+//! practice: spawns on the worker's runtime); it owns the `h2` connection and every stream's work, so
 //! dropping it drops them all. Nothing is spawned. Each turn it:
 //!
 //! 1. polls the `h2` connection, which reads and writes frames and hands over new streams;
@@ -16,7 +16,8 @@
 //!    [`crate::counter`]; a stream the peer reset while it waited is dropped without a call;
 //! 4. drives every call's future and response concurrently: the head, then the body's DATA frames under
 //!    flow control (capacity is reserved and awaited per chunk, so a slow reader holds back only its own
-//!    stream), then trailers if any. An application error becomes a `500` on that stream only; a
+//!    stream; a chunk of one frame or less goes to `h2` at once, which holds it until the window
+//!    allows), then trailers if any. An application error becomes a `500` on that stream only; a
 //!    response body error resets that stream.
 //!
 //! A stream the peer resets stops its work at once (its call's future is dropped).
@@ -246,7 +247,7 @@ pub enum ConnectionError {
 /// turning true, or the idle timeout) completes; see the module docs.
 ///
 /// `already_read` are bytes read from `io` before (the preface, or part of it); they are handed to `h2`
-/// first. The returned future must be polled on the tokio-uring runtime that owns `io`.
+/// first. The returned future must be polled on the worker's runtime, which drives `io`.
 pub(crate) async fn serve_connection<S, T>(
     io: Rc<T>,
     already_read: Vec<u8>,
@@ -471,13 +472,13 @@ impl Closing<'_> {
 /// over real sockets.
 #[doc(hidden)]
 pub async fn serve_tcp<S: HttpService>(
-    stream: tokio_uring::net::TcpStream,
+    stream: std::net::TcpStream,
     already_read: Vec<u8>,
     service: S,
     limits: &Limits,
     stopped: watch::Receiver<bool>,
 ) -> Result<(), ConnectionError> {
-    let stream = Rc::new(Stream::Tcp(stream));
+    let stream = Rc::new(Stream::new(stream.into()));
     let bodies = Budget::new(usize::MAX, None);
     let result = serve_connection(
         stream.clone(),

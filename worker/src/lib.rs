@@ -1,8 +1,9 @@
 //! A Peregrine worker.
 //!
 //! A worker binds its own listeners ([`listen`]), registers them with the supervisor ([`register`]) and
-//! serves HTTP/1.1 on one io_uring thread ([`server`], [`http1`]) with an application given as a
-//! [`tower::Service`] over `http` types. It stops accepting on SIGTERM or SIGINT, lets in-flight requests
+//! serves HTTP/1.1 and HTTP/2 ([`server`], [`http1`], [`http2`]) on one thread, whose sockets are driven
+//! by an io_uring driver of the worker's own inside a tokio current-thread runtime ([`runtime`]), with
+//! an application given as a [`tower::Service`] over `http` types. It stops accepting on SIGTERM or SIGINT, lets in-flight requests
 //! finish within a short deadline and exits.
 //!
 //! A worker outlives its supervisor: it goes on serving and registers again with the next supervisor on
@@ -17,6 +18,7 @@
 
 mod budget;
 pub mod counter;
+mod driver;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod hello;
@@ -25,6 +27,7 @@ pub mod http2;
 pub mod listen;
 mod log_limit;
 pub mod register;
+pub mod runtime;
 pub mod server;
 pub mod service;
 mod stream;
@@ -78,19 +81,6 @@ pub enum WorkerError {
     /// A later supervisor refused to register the worker again: it is no longer wanted, so it stopped.
     #[error("stopped: a new supervisor refused to register the worker again")]
     Unwanted(#[source] RegisterError),
-}
-
-/// The io_uring settings of a worker's runtime.
-///
-/// One thread submits and reaps (`SINGLE_ISSUER`), and completions do not interrupt it while it runs:
-/// with `COOP_TASKRUN` the kernel posts them at its next entry into the kernel (which the event loop
-/// makes anyway) instead of forcing a signal-style task-work interrupt per completion.
-pub fn runtime_builder() -> tokio_uring::Builder {
-    let mut ring = tokio_uring::uring_builder();
-    ring.setup_coop_taskrun().setup_single_issuer();
-    let mut builder = tokio_uring::builder();
-    builder.entries(1024).uring_builder(&ring);
-    builder
 }
 
 /// Maps the counter lane the supervisor gave this worker.
@@ -159,50 +149,51 @@ where
     let shown: Vec<String> = addresses.iter().map(ToString::to_string).collect();
     tracing::info!(url = %settings.url, addresses = ?shown, "Bound");
 
-    let runtime = tokio_uring::Runtime::new(&runtime_builder()).map_err(WorkerError::Runtime)?;
-    runtime.block_on(async move {
-        let shutdown = match shutdown {
-            Some(shutdown) => shutdown,
-            None => Box::pin(signals().map_err(WorkerError::Signals)?),
-        };
-        let registration = register::register(
-            &settings.control,
-            &Announcement {
-                service: &settings.service,
-                index: settings.index,
-                addresses: &addresses,
-            },
-        )
-        .await?;
-        tracing::info!(
-            hostname = registration.hostname(),
-            service = %settings.service,
-            index = settings.index,
-            "Registered"
-        );
-        // The task owns the connection and registers again when it ends. It is never waited for: it
-        // is aborted once the server has drained, which closes the connection (deregistering the
-        // worker) if it is open.
-        let mut keeper = tokio_uring::spawn(registration.keep(settings.orphan_timeout));
-        let mut abandoned = None;
-        let stop = async {
-            tokio::select! {
-                () = shutdown => {}
-                outcome = &mut keeper => match outcome {
-                    Ok(outcome) => abandoned = Some(outcome),
-                    // Only a panic ends it otherwise (it is aborted only below); that stops the worker.
-                    Err(error) => tracing::error!(%error, "The registration task failed"),
+    runtime::Builder::new()
+        .block_on(async move {
+            let shutdown = match shutdown {
+                Some(shutdown) => shutdown,
+                None => Box::pin(signals().map_err(WorkerError::Signals)?),
+            };
+            let registration = register::register(
+                &settings.control,
+                &Announcement {
+                    service: &settings.service,
+                    index: settings.index,
+                    addresses: &addresses,
                 },
+            )
+            .await?;
+            tracing::info!(
+                hostname = registration.hostname(),
+                service = %settings.service,
+                index = settings.index,
+                "Registered"
+            );
+            // The task owns the connection and registers again when it ends. It is never waited for: it
+            // is aborted once the server has drained, which closes the connection (deregistering the
+            // worker) if it is open.
+            let mut keeper = runtime::spawn(registration.keep(settings.orphan_timeout));
+            let mut abandoned = None;
+            let stop = async {
+                tokio::select! {
+                    () = shutdown => {}
+                    outcome = &mut keeper => match outcome {
+                        Ok(outcome) => abandoned = Some(outcome),
+                        // Only a panic ends it otherwise (it is aborted only below); that stops the worker.
+                        Err(error) => tracing::error!(%error, "The registration task failed"),
+                    },
+                }
+            };
+            let served = server::serve(listeners, make_service, Config::default(), stop).await;
+            keeper.abort();
+            served?;
+            match abandoned {
+                Some(Abandoned::Refused(error)) => Err(WorkerError::Unwanted(error)),
+                Some(Abandoned::Orphaned(_)) | None => Ok(()),
             }
-        };
-        let served = server::serve(listeners, make_service, Config::default(), stop).await;
-        keeper.abort();
-        served?;
-        match abandoned {
-            Some(Abandoned::Refused(error)) => Err(WorkerError::Unwanted(error)),
-            Some(Abandoned::Orphaned(_)) | None => Ok(()),
-        }
-    })
+        })
+        .map_err(WorkerError::Runtime)?
 }
 
 /// Completes on the first SIGTERM or SIGINT. Must be called on the runtime.

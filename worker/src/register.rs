@@ -24,7 +24,10 @@ use peregrine_proto::{
         address, supervisor_message, worker_message,
     },
 };
-use tokio_uring::net::UnixStream;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::UnixStream,
+};
 
 use crate::listen::BoundAddr;
 
@@ -137,7 +140,7 @@ pub fn register_message(announcement: &Announcement<'_>) -> WorkerMessage {
 }
 
 /// Connects to the control socket at `control`, registers and waits for the answer (at most
-/// [`REGISTER_TIMEOUT`]). Must run on a tokio-uring runtime.
+/// [`REGISTER_TIMEOUT`]). Must run on the worker's runtime ([`crate::runtime`]).
 pub async fn register(
     control: &Path,
     announcement: &Announcement<'_>,
@@ -149,20 +152,22 @@ pub async fn register(
 /// [`REGISTER_TIMEOUT`]).
 async fn exchange(control: &Path, message: Vec<u8>) -> Result<Registration, RegisterError> {
     let exchange = async {
-        let stream =
+        let mut stream =
             UnixStream::connect(control)
                 .await
                 .map_err(|source| RegisterError::Connect {
                     path: control.into(),
                     source,
                 })?;
-        let (result, _) = stream.write_all(message.clone()).await;
-        result.map_err(|e| match e.kind() {
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RegisterError::Closed,
-            _ => RegisterError::Io(e),
-        })?;
+        stream
+            .write_all(&message)
+            .await
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => RegisterError::Closed,
+                _ => RegisterError::Io(e),
+            })?;
         let mut buf = BytesMut::new();
-        let answer = read_message(&stream, &mut buf)
+        let answer = read_message(&mut stream, &mut buf)
             .await?
             .ok_or(RegisterError::Closed)?;
         match answer.message {
@@ -189,19 +194,17 @@ async fn exchange(control: &Path, message: Vec<u8>) -> Result<Registration, Regi
 
 /// Reads one message: `Ok(None)` on a clean end of stream.
 async fn read_message(
-    stream: &UnixStream,
+    stream: &mut UnixStream,
     buf: &mut BytesMut,
 ) -> Result<Option<SupervisorMessage>, RegisterError> {
-    let mut chunk = vec![0u8; 4096];
     loop {
         if let Some(message) =
             decode_frame::<SupervisorMessage>(buf).map_err(RegisterError::Frame)?
         {
             return Ok(Some(message));
         }
-        chunk.clear();
-        let (result, read) = stream.read(chunk).await;
-        chunk = read;
+        buf.reserve(4096);
+        let result = stream.read_buf(buf).await;
         // A peer that closes with our bytes unread resets the connection: that is a close too.
         let n = match result {
             Err(e) if e.kind() == io::ErrorKind::ConnectionReset => 0,
@@ -210,7 +213,7 @@ async fn read_message(
         match n {
             0 if buf.is_empty() => return Ok(None),
             0 => return Err(RegisterError::Closed),
-            _ => buf.extend_from_slice(&chunk),
+            _ => {}
         }
     }
 }
@@ -223,7 +226,7 @@ impl Registration {
         &self.hostname
     }
 
-    /// Keeps the worker registered for as long as a supervisor will have it; must run on a tokio-uring
+    /// Keeps the worker registered for as long as a supervisor will have it; must run on the worker's
     /// runtime.
     ///
     /// Holds the connection and, whenever it ends (end of stream, reset or error: one warning), registers
@@ -279,7 +282,7 @@ impl Registration {
     /// Reads the connection until it ends: `Ok` on a clean end of stream, the error otherwise.
     async fn closed(&mut self) -> Result<(), RegisterError> {
         loop {
-            match read_message(&self.stream, &mut self.buf).await? {
+            match read_message(&mut self.stream, &mut self.buf).await? {
                 Some(message) => {
                     tracing::debug!(?message, "Unexpected message from the supervisor, ignored")
                 }

@@ -1,19 +1,18 @@
-//! Accept loops: one per bound listener, one task per connection, all on the worker's io_uring thread.
+//! Accept loops: one per bound listener, one task per connection, all on the worker's thread.
 //!
-//! [`serve`] must be polled on a tokio-uring runtime (`tokio_uring::start` or
-//! `tokio_uring::Runtime::block_on`): its tasks are spawned on the runtime's local set. Graceful shutdown:
+//! [`serve`] must be polled on the worker's runtime ([`crate::runtime`]): its tasks are spawned there.
+//! Every listener, TCP or Unix, accepts through one multishot accept, and every connection receives
+//! through one multishot receive (see the driver). Graceful shutdown:
 //! when the `shutdown` future completes, every accept loop stops, idle connections close, connections with
 //! requests in hand answer them (with `connection: close`) and close; `serve` returns once every
-//! connection is gone or [`Config::drain_timeout`] has passed, whichever is first.
-//!
-//! TCP listeners accept through io_uring. tokio-uring 0.5 cannot adopt a std Unix listener, so a Unix
-//! listener accepts through the runtime's readiness driver (tokio) and hands each accepted stream to
-//! io_uring; only the accept differs, every read and write goes through io_uring.
+//! connection is gone or [`Config::drain_timeout`] has passed, whichever is first. Stopping an accept
+//! loop cancels its multishot accept; a connection the kernel accepted meanwhile is closed unserved.
 
 use std::{
     cell::Cell,
     future::Future,
     io,
+    os::fd::OwnedFd,
     rc::Rc,
     time::{Duration, Instant},
 };
@@ -24,12 +23,14 @@ use tracing::Instrument;
 use crate::{
     BoxError,
     budget::{self, Budget},
+    driver::net::Listener as Acceptor,
     http1::{self, Limits},
     http2,
     listen::{BoundAddr, BoundListener, Listener},
     log_limit::{LogLimit, Verdict},
+    runtime,
     service::HttpService,
-    stream::{Io, Stream},
+    stream::{self, Stream},
 };
 
 /// How the server runs connections.
@@ -100,12 +101,9 @@ where
     });
     let mut loops = Vec::with_capacity(listeners.len());
     for BoundListener { listener, addr } in listeners {
-        let acceptor = Acceptor::new(listener).map_err(|source| ServeError::Listener {
-            addr: addr.clone(),
-            source,
-        })?;
+        let acceptor = new_acceptor(listener);
         tracing::info!(%addr, "Listening");
-        loops.push(tokio_uring::spawn(accept_loop(
+        loops.push(runtime::spawn(accept_loop(
             acceptor,
             addr,
             shared.clone(),
@@ -154,45 +152,31 @@ struct Shared<F> {
     drained: Notify,
 }
 
-/// A listener as the runtime accepts on it.
-enum Acceptor {
-    Tcp(tokio_uring::net::TcpListener),
-    Unix(tokio::net::UnixListener),
+/// Hands a listener to the driver.
+fn new_acceptor(listener: Listener) -> Acceptor {
+    Acceptor::new(match listener {
+        Listener::Tcp(l) => OwnedFd::from(l),
+        Listener::Unix(l) => OwnedFd::from(l),
+    })
 }
 
-// === impl Acceptor ===
-
-impl Acceptor {
-    fn new(listener: Listener) -> io::Result<Self> {
-        Ok(match listener {
-            Listener::Tcp(l) => Acceptor::Tcp(tokio_uring::net::TcpListener::from_std(l)),
-            Listener::Unix(l) => {
-                l.set_nonblocking(true)?;
-                Acceptor::Unix(tokio::net::UnixListener::from_std(l)?)
-            }
-        })
-    }
-
-    async fn accept(&self) -> io::Result<(Stream, String)> {
-        match self {
-            Acceptor::Tcp(l) => {
-                let (stream, peer) = l.accept().await?;
-                // Small responses go out at once; batching is done by the connection itself.
-                stream.set_nodelay(true)?;
-                Ok((Stream::Tcp(stream), peer.to_string()))
-            }
-            Acceptor::Unix(l) => {
-                let (stream, _) = l.accept().await?;
-                let stream = stream.into_std()?;
-                // io_uring waits for readiness itself; a blocking fd keeps it from reporting EAGAIN.
-                stream.set_nonblocking(false)?;
-                Ok((
-                    Stream::Unix(tokio_uring::net::UnixStream::from_std(stream)),
-                    "unix".into(),
-                ))
+/// Prepares an accepted connection: small responses go out at once (batching is done by the
+/// connection itself); the peer's address is looked up only when connections are logged.
+fn prepare(fd: OwnedFd, addr: &BoundAddr) -> io::Result<(Stream, String)> {
+    let peer = match addr {
+        BoundAddr::Unix(_) => "unix".into(),
+        BoundAddr::Ip(_) => {
+            rustix::net::sockopt::set_tcp_nodelay(&fd, true)?;
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                rustix::net::getpeername(&fd)?
+                    .and_then(|peer| std::net::SocketAddr::try_from(peer).ok())
+                    .map_or_else(|| "unknown".into(), |peer| peer.to_string())
+            } else {
+                String::new()
             }
         }
-    }
+    };
+    Ok((Stream::new(fd), peer))
 }
 
 async fn accept_loop<F, S>(
@@ -214,10 +198,15 @@ async fn accept_loop<F, S>(
             accepted = acceptor.accept() => accepted,
             _ = stopped.changed() => return,
         };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => {
+        let (stream, peer) = match accepted.map(|fd| prepare(fd, &addr)) {
+            Ok(Ok(accepted)) => {
                 backoff = ACCEPT_BACKOFF_MIN;
                 accepted
+            }
+            Ok(Err(error)) => {
+                // The peer may be gone already (the connection is closed unserved).
+                tracing::debug!(%error, "Accepted connection unusable, closed");
+                continue;
             }
             Err(error) => {
                 // Typically EMFILE: the condition lasts until connections close, so back off
@@ -245,7 +234,7 @@ async fn accept_loop<F, S>(
         let stopped = stopped.clone();
         shared.connections.set(shared.connections.get() + 1);
         let span = tracing::debug_span!("conn", %peer);
-        tokio_uring::spawn(
+        runtime::spawn(
             async move {
                 let _guard = Guard(&shared);
                 tracing::debug!("Accepted");
@@ -269,23 +258,16 @@ async fn accept_loop<F, S>(
                     )
                     .await
                     .map_err(BoxError::from),
-                    Protocol::Http2 => {
-                        let stream = Rc::new(stream);
-                        let result = http2::serve_connection(
-                            stream.clone(),
-                            already_read,
-                            service,
-                            &shared.http2,
-                            &shared.bodies,
-                            stopped,
-                        )
-                        .await;
-                        // A read the adapter left in flight keeps the descriptor open until it
-                        // completes, which a silent peer never lets happen: shutting the socket down
-                        // completes it, so the connection really closes now.
-                        stream.shutdown();
-                        result.map_err(BoxError::from)
-                    }
+                    Protocol::Http2 => http2::serve_connection(
+                        Rc::new(stream),
+                        already_read,
+                        service,
+                        &shared.http2,
+                        &shared.bodies,
+                        stopped,
+                    )
+                    .await
+                    .map_err(BoxError::from),
                 };
                 if let Err(error) = result {
                     tracing::debug!(%error, ?protocol, "Connection failed");
@@ -308,6 +290,9 @@ enum Protocol {
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// How many bytes telling the protocol reads at most.
+const SNIFF_BYTES: usize = 2048;
+
 /// The HTTP/2 client preface; `PRI` is reserved as an HTTP/1 method for exactly this.
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -317,35 +302,30 @@ const PRI: &[u8] = b"PRI ";
 /// Reads until the first bytes tell HTTP/1 from HTTP/2; returns the protocol and the bytes read, or
 /// `None` when the client closes, has not told within [`Limits::first_byte_timeout`] (however it
 /// trickles its bytes), sent a broken HTTP/2 preface (answered with GOAWAY), or shutdown begins first.
-/// Every `None` but the client's own close shuts the socket down, which also completes the read in
-/// flight: dropping that read alone would keep the descriptor open until the peer sends something.
+/// Every `None` but the client's own close shuts the socket down at once.
 async fn sniff(
     stream: &Stream,
     limits: &Limits,
     mut stopped: watch::Receiver<bool>,
 ) -> io::Result<Option<(Protocol, Vec<u8>)>> {
-    let mut buf = Vec::with_capacity(16 * 1024);
+    // Room for the preface, and for a typical request head: HTTP/1 grows its input when it needs to.
+    let mut buf = Vec::with_capacity(SNIFF_BYTES);
     let deadline = tokio::time::Instant::now() + limits.first_byte_timeout;
     loop {
         if *stopped.borrow_and_update() {
             stream.shutdown();
             return Ok(None);
         }
-        let (result, read) = {
-            let read = stream.read(buf);
-            let mut read = std::pin::pin!(read);
-            tokio::select! {
-                r = &mut read => r,
-                _ = stopped.changed() => {
-                    stream.shutdown();
-                    read.await
-                }
-                () = tokio::time::sleep_until(deadline) => {
-                    tracing::debug!("No request within the first-byte timeout, closing");
-                    stream.shutdown();
-                    let _ = read.await;
-                    return Ok(None);
-                }
+        let (result, read) = tokio::select! {
+            read = stream::read(stream, buf) => read,
+            _ = stopped.changed() => {
+                stream.shutdown();
+                return Ok(None);
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                tracing::debug!("No request within the first-byte timeout, closing");
+                stream.shutdown();
+                return Ok(None);
             }
         };
         buf = read;
@@ -356,9 +336,8 @@ async fn sniff(
             Some(Ok(protocol)) => return Ok(Some((protocol, buf))),
             Some(Err(BadPreface)) => {
                 tracing::debug!("Invalid HTTP/2 preface, answering GOAWAY");
-                let (written, _) = stream
-                    .write_all(http2::GOAWAY_PROTOCOL_ERROR.to_vec())
-                    .await;
+                let written =
+                    stream::write(stream, &mut http2::GOAWAY_PROTOCOL_ERROR.to_vec()).await;
                 stream.shutdown();
                 written?;
                 return Ok(None);

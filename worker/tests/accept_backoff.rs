@@ -36,6 +36,17 @@ fn open_descriptors() -> u64 {
 #[test]
 fn emfile_is_logged_once_per_interval_and_accepting_resumes() {
     EventCounter::install(count);
+    // The kernel takes the descriptor limit for an io_uring accept when the accept is armed, so the
+    // limit is lowered before the server starts, with room to start it.
+    let limit = getrlimit(Resource::Nofile);
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open_descriptors() + 64),
+            maximum: limit.maximum,
+        },
+    )
+    .unwrap();
     let (addr, stop, server) = start_server(Config::default());
     // The server is up once it answers.
     let mut probe = TcpStream::connect(addr).unwrap();
@@ -45,26 +56,30 @@ fn emfile_is_logged_once_per_interval_and_accepting_resumes() {
     probe.read_to_end(&mut Vec::new()).unwrap();
     drop(probe);
 
-    // Room for the clients' sockets only: every accept fails with EMFILE.
-    let limit = getrlimit(Resource::Nofile);
-    let clients = 4;
-    setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(open_descriptors() + clients),
-            maximum: limit.maximum,
-        },
-    )
-    .unwrap();
-    let waiting: Vec<TcpStream> = (0..clients)
-        .filter_map(|_| TcpStream::connect(addr).ok())
-        .collect();
+    // Fill the descriptor table, then free room for one client's socket only: the server's accept of
+    // it fails with EMFILE (the client's socket takes the last descriptor before it can connect, so
+    // the server cannot win that race).
+    let mut filler = Vec::new();
+    while let Ok(file) = std::fs::File::open("/dev/null") {
+        filler.push(file);
+    }
+    filler.pop();
+    let waiting: Vec<TcpStream> = TcpStream::connect(addr).into_iter().collect();
     assert!(!waiting.is_empty(), "no client could connect");
     // A window during which the loop, retrying every 50 ms as it did, would have warned 30 times.
     // What is measured is a rate, so the window is fixed.
     let window = Duration::from_millis(1500);
-    thread::sleep(window);
+    let start = std::time::Instant::now();
+    while start.elapsed() < window {
+        // Descriptors the server frees meanwhile (the probe's connection, closed at its next turn)
+        // are taken too, so the table stays full.
+        while let Ok(file) = std::fs::File::open("/dev/null") {
+            filler.push(file);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
     let warnings = ACCEPT_WARNINGS.load(Ordering::SeqCst);
+    drop(filler);
     setrlimit(Resource::Nofile, limit).unwrap();
     eprintln!("{warnings} accept warnings in {window:?} of EMFILE");
     assert!(

@@ -39,7 +39,7 @@ fn freed_body_buffers_are_returned_once_the_server_runs() {
     // Starting a server pins the threshold (and then stops: only the setting matters here).
     let listeners = listen::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
     thread::spawn(move || {
-        tokio_uring::start(async move {
+        peregrine_worker::runtime::start(async move {
             server::serve(listeners, || Ok200, Config::default(), async {})
                 .await
                 .unwrap();

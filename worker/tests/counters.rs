@@ -34,7 +34,7 @@ fn requests_are_counted_in_the_shared_lane() {
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = thread::spawn(move || {
-        tokio_uring::start(async move {
+        peregrine_worker::runtime::start(async move {
             let shutdown = async {
                 let _ = stopped.await;
             };

@@ -68,7 +68,7 @@ impl TestServer {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (done_tx, done) = mpsc::channel();
         let thread = thread::spawn(move || {
-            tokio_uring::start(async move {
+            peregrine_worker::runtime::start(async move {
                 let shutdown = async {
                     let _ = stopped.await;
                 };

@@ -145,12 +145,13 @@ impl TestServer {
             calls: calls.clone(),
         };
         let thread = thread::spawn(move || {
-            tokio_uring::start(async move {
-                let listener = tokio_uring::net::TcpListener::from_std(listener);
+            peregrine_worker::runtime::start(async move {
+                listener.set_nonblocking(true).unwrap();
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
                 let mut connections = Vec::new();
                 let mut stop_accepting = stopped.clone();
                 loop {
-                    let (stream, _) = tokio::select! {
+                    let (mut stream, _) = tokio::select! {
                         accepted = listener.accept() => accepted.unwrap(),
                         _ = stop_accepting.wait_for(|s| *s) => break,
                     };
@@ -161,11 +162,15 @@ impl TestServer {
                         stopped.clone(),
                         results_tx.clone(),
                     );
-                    connections.push(tokio_uring::spawn(async move {
+                    connections.push(peregrine_worker::runtime::spawn(async move {
                         // Like protocol detection: some bytes (part of the preface) are read before
                         // the connection is handed to HTTP/2.
-                        let (read, already_read) = stream.read(Vec::with_capacity(11)).await;
-                        read.unwrap();
+                        let mut already_read = vec![0; 11];
+                        tokio::io::AsyncReadExt::read_exact(&mut stream, &mut already_read)
+                            .await
+                            .unwrap();
+                        let stream = stream.into_std().unwrap();
+                        stream.set_nonblocking(false).unwrap();
                         let result =
                             http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
                         let _ = results.send(result);

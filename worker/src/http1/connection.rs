@@ -1,9 +1,10 @@
 //! The connection loop: read, answer every complete request in order, write the batch, wait for more.
 //!
 //! Each turn parses every complete request already in `input`, calls the application for each in order,
-//! appends the responses to `output` and writes the batch with one `write_all`, while the next read is
-//! already submitted. Between turns the connection waits for the client's bytes, bounded by the header,
-//! body and idle timeouts and by shutdown.
+//! appends the responses to `output` and queues the batch on the stream, which sends it at the end of
+//! the driver's turn; the connection goes on to wait for the client's bytes without waiting for the
+//! send (unless the stream's send queue is full), bounded by the header, body and idle timeouts and by
+//! shutdown.
 //!
 //! Invariant: one request at a time is buffered beyond what is parsed; what `input` holds beyond a head
 //! and a read is charged to the worker's budget before the next read, and a connection that cannot be
@@ -374,7 +375,7 @@ async fn read_more<I: Io>(
     idle: &mut Idle<'_>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Next {
-    let read = io.read(input);
+    let read = crate::stream::read(io, input);
     match waiting {
         Waiting::Idle => {
             if *shutdown.borrow_and_update() {

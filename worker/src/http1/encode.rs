@@ -152,15 +152,12 @@ pub(super) enum BodyError {
     },
 }
 
-/// Writes the whole of `out` and empties it.
+/// Queues the whole of `out` to send and empties it; waits only while the stream's queue is full.
 pub(super) async fn flush<I: Io>(io: &I, out: &mut Vec<u8>) -> io::Result<()> {
     if out.is_empty() {
         return Ok(());
     }
-    let (result, mut buf) = io.write_all(std::mem::take(out)).await;
-    buf.clear();
-    *out = buf;
-    result
+    crate::stream::write(io, out).await
 }
 
 /// Appends one chunk of body data to `out` in `framing`; `sent` counts the body's bytes so far.

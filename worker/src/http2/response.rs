@@ -75,8 +75,11 @@ pub(super) async fn respond_to<F, B, E>(
     B::Error: Into<BoxError>,
 {
     let response = match call {
+        // The call first: most are ready at once, and then the reset is not asked about (a reset that
+        // came meanwhile fails the response's send instead).
         Ok(future) => tokio::select! {
             biased;
+            response = future => response.map_err(Into::into),
             reset = poll_fn(|cx| respond.poll_reset(cx)) => {
                 if let Ok(reason) = reset {
                     resets.record(Instant::now());
@@ -84,7 +87,6 @@ pub(super) async fn respond_to<F, B, E>(
                 }
                 return;
             }
-            response = future => response.map_err(Into::into),
         },
         Err(error) => Err(error),
     };
@@ -153,11 +155,11 @@ where
     loop {
         let frame = tokio::select! {
             biased;
+            frame = body.frame() => frame,
             reset = poll_fn(|cx| send.poll_reset(cx)) => return Err(match reset {
                 Ok(reason) => SendError::Reset(reason),
                 Err(error) => error.into(),
             }),
-            frame = body.frame() => frame,
         };
         let frame = match frame {
             None => {
@@ -206,6 +208,12 @@ async fn send_data(
         }
         return Ok(());
     }
+    // A chunk of at most one frame goes to `h2` at once, which holds it until the window allows:
+    // waiting for capacity first would cost every small response a round of bookkeeping.
+    if data.len() <= SMALL_CHUNK {
+        send.send_data(data, end)?;
+        return Ok(());
+    }
     while !data.is_empty() {
         send.reserve_capacity(data.len());
         let capacity = poll_fn(|cx| poll_some_capacity(send, cx)).await?;
@@ -214,6 +222,10 @@ async fn send_data(
     }
     Ok(())
 }
+
+/// The largest body chunk handed to `h2` without reserving capacity first: one frame at the protocol's
+/// default size.
+const SMALL_CHUNK: usize = 16 * 1024;
 
 /// Ready once the stream has send capacity, with how much.
 fn poll_some_capacity(

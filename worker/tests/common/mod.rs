@@ -202,7 +202,7 @@ pub(crate) fn start_server(
         .unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = thread::spawn(move || {
-        tokio_uring::start(async move {
+        peregrine_worker::runtime::start(async move {
             let shutdown = async {
                 let _ = stopped.await;
             };
