@@ -3,7 +3,7 @@
 //! The messages are defined in `peregrine/worker/v1/registration.proto` and generated at build time. On
 //! the wire every message is preceded by its length as a varint ([`prost`]'s length-delimited framing).
 //! This crate holds the framing as pure functions over buffers ([`encode`], [`decode_frame`]), so the
-//! supervisor (tokio) and the worker (tokio-uring) share it without sharing an IO runtime.
+//! supervisor and the worker share it without sharing an IO path.
 //!
 //! Invariant: a frame longer than [`MAX_FRAME_LEN`] is an error, never an allocation. The one exception
 //! is a status answer, which a status client reads with [`decode_frame_limited`] and

@@ -68,14 +68,18 @@ impl TestServer {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (done_tx, done) = mpsc::channel();
         let thread = thread::spawn(move || {
-            peregrine_worker::runtime::start(async move {
-                let shutdown = async {
-                    let _ = stopped.await;
-                };
-                server::serve(listeners, make_service, config, shutdown)
-                    .await
-                    .unwrap();
-            });
+            // A small receive ring, so the tests also run with the ring running dry.
+            peregrine_worker::runtime::Builder::new()
+                .buffers(16, 1024)
+                .block_on(async move {
+                    let shutdown = async {
+                        let _ = stopped.await;
+                    };
+                    server::serve(listeners, make_service, config, shutdown)
+                        .await
+                        .unwrap();
+                })
+                .unwrap();
             let _ = done_tx.send(());
         });
         TestServer {
@@ -467,7 +471,23 @@ fn shutdown_lets_in_flight_requests_finish() {
     client.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n");
     in_flight.recv_timeout(STEP).unwrap();
 
+    let addr = server.tcp_addr();
     server.begin_stop();
+    // The drain cancels the listener's accept and closes it while the request is still in hand: new
+    // connections are refused (one that raced the cancellation is closed unserved).
+    let deadline = std::time::Instant::now() + STEP;
+    loop {
+        match TcpStream::connect(addr) {
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => break,
+            other => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "still accepting after the drain began: {other:?}"
+                );
+                thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
     // The server waits for the request in hand rather than dropping it.
     assert!(matches!(
         server.done.try_recv(),

@@ -145,41 +145,45 @@ impl TestServer {
             calls: calls.clone(),
         };
         let thread = thread::spawn(move || {
-            peregrine_worker::runtime::start(async move {
-                listener.set_nonblocking(true).unwrap();
-                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-                let mut connections = Vec::new();
-                let mut stop_accepting = stopped.clone();
-                loop {
-                    let (mut stream, _) = tokio::select! {
-                        accepted = listener.accept() => accepted.unwrap(),
-                        _ = stop_accepting.wait_for(|s| *s) => break,
-                    };
-                    stream.set_nodelay(true).unwrap();
-                    let (app, limits, stopped, results) = (
-                        app.clone(),
-                        limits.clone(),
-                        stopped.clone(),
-                        results_tx.clone(),
-                    );
-                    connections.push(peregrine_worker::runtime::spawn(async move {
-                        // Like protocol detection: some bytes (part of the preface) are read before
-                        // the connection is handed to HTTP/2.
-                        let mut already_read = vec![0; 11];
-                        tokio::io::AsyncReadExt::read_exact(&mut stream, &mut already_read)
-                            .await
-                            .unwrap();
-                        let stream = stream.into_std().unwrap();
-                        stream.set_nonblocking(false).unwrap();
-                        let result =
-                            http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
-                        let _ = results.send(result);
-                    }));
-                }
-                for connection in connections {
-                    let _ = tokio::time::timeout(STEP, connection).await;
-                }
-            });
+            // A small receive ring, so the tests also run with the ring running dry.
+            peregrine_worker::runtime::Builder::new()
+                .buffers(16, 1024)
+                .block_on(async move {
+                    listener.set_nonblocking(true).unwrap();
+                    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                    let mut connections = Vec::new();
+                    let mut stop_accepting = stopped.clone();
+                    loop {
+                        let (mut stream, _) = tokio::select! {
+                            accepted = listener.accept() => accepted.unwrap(),
+                            _ = stop_accepting.wait_for(|s| *s) => break,
+                        };
+                        stream.set_nodelay(true).unwrap();
+                        let (app, limits, stopped, results) = (
+                            app.clone(),
+                            limits.clone(),
+                            stopped.clone(),
+                            results_tx.clone(),
+                        );
+                        connections.push(peregrine_worker::runtime::spawn(async move {
+                            // Like protocol detection: some bytes (part of the preface) are read before
+                            // the connection is handed to HTTP/2.
+                            let mut already_read = vec![0; 11];
+                            tokio::io::AsyncReadExt::read_exact(&mut stream, &mut already_read)
+                                .await
+                                .unwrap();
+                            let stream = stream.into_std().unwrap();
+                            stream.set_nonblocking(false).unwrap();
+                            let result =
+                                http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
+                            let _ = results.send(result);
+                        }));
+                    }
+                    for connection in connections {
+                        let _ = tokio::time::timeout(STEP, connection).await;
+                    }
+                })
+                .unwrap();
         });
         TestServer {
             addr,
