@@ -258,14 +258,16 @@ async fn accept_loop<F, S>(
                     )
                     .await
                     .map_err(BoxError::from),
-                    Protocol::Http2 => http2::serve_connection(
+                    // Boxed: the HTTP/2 connection's future is the larger, and an HTTP/1
+                    // connection's task should not carry its size.
+                    Protocol::Http2 => Box::pin(http2::serve_connection(
                         Rc::new(stream),
                         already_read,
                         service,
                         &shared.http2,
                         &shared.bodies,
                         stopped,
-                    )
+                    ))
                     .await
                     .map_err(BoxError::from),
                 };

@@ -36,8 +36,12 @@ use crate::{
     stream::Io,
 };
 
-/// How many bytes a read asks for at least.
+/// How many bytes one read may add to `input` beyond a head, uncharged.
 const READ_CHUNK: usize = 16 * 1024;
+
+/// The least room `input` has before a read: a typical request head. It grows by doubling from there,
+/// so an idle connection holds about a kilobyte, not a chunk.
+const MIN_ROOM: usize = 1024;
 
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -66,7 +70,7 @@ where
     S: HttpService,
 {
     let mut input = already_read;
-    input.reserve(READ_CHUNK);
+    input.reserve(MIN_ROOM);
     let mut connection = Connection {
         io,
         service,
@@ -460,7 +464,8 @@ impl Idle<'_> {
 
 /// Sizes `input` for the request at its front (see [`Connection::size_input`]): a large buffer left
 /// from a finished request shrinks back; a body of known size gets room for exactly the rest of the
-/// request and no more; otherwise a read gets at least half a chunk of room.
+/// request and no more; otherwise a read gets at least [`MIN_ROOM`], growing by doubling up to a chunk
+/// at a time.
 fn size_for(input: &mut Vec<u8>, pending: Pending, allowance: usize) {
     // A large request is done: give its buffer back rather than keep it for the connection's life.
     if input.capacity() > 2 * allowance && input.len() < READ_CHUNK {
@@ -474,7 +479,9 @@ fn size_for(input: &mut Vec<u8>, pending: Pending, allowance: usize) {
         // And no more once there is room for it: a read into the last bytes of room is a short
         // read, not a reason to double a buffer the budget is charged for.
         Some(_) if pending.body => {}
-        _ if input.capacity() - input.len() < READ_CHUNK / 2 => input.reserve(READ_CHUNK),
+        _ if input.capacity() - input.len() < MIN_ROOM => {
+            input.reserve(input.len().clamp(MIN_ROOM, READ_CHUNK));
+        }
         _ => {}
     }
 }
