@@ -35,8 +35,8 @@
 //! completion of each of its operations, so a completion never meets a reused slot; the bytes of a
 //! send live in the slot until then. A buffer the kernel hands to a slot whose owner is gone goes
 //! straight back to the ring. A stream dropped with bytes still queued keeps its descriptor in the
-//! driver and sends them first (for at most [`LINGER`]; a peer that reads nothing is then cut off),
-//! then closes.
+//! driver and sends them first (for at most [`LINGER`]; a peer that reads nothing is then cut off at
+//! the next turn after that), then closes.
 //!
 //! Invariant: nothing here calls the application or any waker while the driver is borrowed: wakers are
 //! collected and woken after.

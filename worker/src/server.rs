@@ -101,7 +101,10 @@ where
     });
     let mut loops = Vec::with_capacity(listeners.len());
     for BoundListener { listener, addr } in listeners {
-        let acceptor = new_acceptor(listener);
+        let acceptor = new_acceptor(listener).map_err(|source| ServeError::Listener {
+            addr: addr.clone(),
+            source,
+        })?;
         tracing::info!(%addr, "Listening");
         loops.push(runtime::spawn(accept_loop(
             acceptor,
@@ -152,12 +155,20 @@ struct Shared<F> {
     drained: Notify,
 }
 
-/// Hands a listener to the driver.
-fn new_acceptor(listener: Listener) -> Acceptor {
-    Acceptor::new(match listener {
+/// Hands a listener to the driver; refuses a socket that is not listening (its accept would fail for
+/// ever).
+fn new_acceptor(listener: Listener) -> io::Result<Acceptor> {
+    let fd = match listener {
         Listener::Tcp(l) => OwnedFd::from(l),
         Listener::Unix(l) => OwnedFd::from(l),
-    })
+    };
+    if !rustix::net::sockopt::socket_acceptconn(&fd)? {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a listening socket",
+        ));
+    }
+    Ok(Acceptor::new(fd))
 }
 
 /// Prepares an accepted connection: small responses go out at once (batching is done by the
@@ -382,6 +393,17 @@ impl<F> Drop for Guard<'_, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_socket_that_is_not_listening_is_refused() {
+        let socket =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        socket.bind(&addr.into()).unwrap();
+        let listener = std::net::TcpListener::from(OwnedFd::from(socket));
+        let error = new_acceptor(Listener::Tcp(listener)).err().unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput);
+    }
 
     #[test]
     fn the_preface_decides_the_protocol() {

@@ -1,5 +1,5 @@
 //! Spike: the worker's data path on the [compio](https://crates.io/crates/compio) runtime, an honest
-//! minimal server built only to be measured against today's worker (tokio-uring 0.5, single-shot reads)
+//! minimal server built only to be measured against the worker as it was (tokio-uring 0.5, single-shot reads)
 //! and hyper (`tests/src/bin/hyper-baseline.rs`), CPU per request.
 //!
 //! `spike-compio ADDR` listens on `ADDR` (e.g. `127.0.0.1:8080`) with one compio runtime on the main

@@ -1,5 +1,7 @@
 //! Spike: the worker's data path on a small io_uring driver of its own, built directly on the
-//! `io-uring` crate, to measure against today's worker (tokio-uring, single-shot reads) and hyper.
+//! `io-uring` crate, measured against the worker as it was on tokio-uring (single-shot reads) and
+//! hyper. The worker's driver grew from it; it stays as the measure of a loop that owns its thread
+//! (no tokio, no timers, no limits), which the worker does not match yet (docs/runtime.md).
 //!
 //! `spike-uring ADDR` listens on `ADDR` (e.g. `127.0.0.1:8080`) and serves, on one thread until killed,
 //! the same answer as the worker's hello app and `hyper-baseline`: status 200,
@@ -24,7 +26,8 @@
 //! - `user_data` is (op kind, generation, slot).
 //! - HTTP/1.1 ([`http1`]) with `httparse`; HTTP/2 ([`h2c`]) with the `h2` crate over an in-memory IO
 //!   object polled from the loop by a waker of its own, no async runtime.
-//! - `SPIKE_STATS=1` prints the count of `io_uring_enter` calls and of completions every 5 s to stderr.
+//! - `SPIKE_STATS=1` prints the count of `io_uring_enter` calls and of completions every 5 s to stderr;
+//!   `SPIKE_NO_DEFER=1` sets the ring up without `DEFER_TASKRUN`, to measure what it is worth.
 //!
 //! Left out, versus the real worker: limits (header, body and connection counts, HTTP/2 settings),
 //! timeouts (header read, idle, handshake), request bodies (skipped on HTTP/1, dropped on HTTP/2;
@@ -98,12 +101,16 @@ fn serve(addr: SocketAddr) -> io::Result<()> {
 
 /// The ring, with `DEFER_TASKRUN` if the kernel takes it (then `true`).
 fn new_ring() -> io::Result<(IoUring, bool)> {
-    let deferred = IoUring::builder()
-        .setup_cqsize(RING_ENTRIES * 4)
-        .setup_coop_taskrun()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(RING_ENTRIES);
+    let deferred = if std::env::var_os("SPIKE_NO_DEFER").is_some() {
+        Err(io::Error::other("DEFER_TASKRUN turned off"))
+    } else {
+        IoUring::builder()
+            .setup_cqsize(RING_ENTRIES * 4)
+            .setup_coop_taskrun()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(RING_ENTRIES)
+    };
     match deferred {
         Ok(ring) => Ok((ring, true)),
         Err(_) => IoUring::builder()
