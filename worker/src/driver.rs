@@ -45,7 +45,7 @@
     reason = "submissions name memory the kernel uses until they complete"
 )]
 
-mod buf_ring;
+pub mod buf_ring;
 pub(crate) mod net;
 
 use std::{

@@ -16,7 +16,7 @@
 //!   one send per connection with output.
 //! - One multishot accept, armed again when a CQE comes without `IORING_CQE_F_MORE`.
 //! - Per connection one multishot receive into a provided buffer ring shared by all connections
-//!   ([`buf_ring`]). Requests are parsed straight from the ring buffer, which goes back to the ring at
+//!   (`peregrine_worker::buf_ring`, the worker's own). Requests are parsed straight from the ring buffer, which goes back to the ring at
 //!   once; only the bytes of an incomplete request are copied into the connection's input. `ENOBUFS`
 //!   re-arms the receive at the end of the turn (buffers are back by then), a final CQE re-arms, EOF
 //!   closes once the output is sent, an error closes.
@@ -35,7 +35,6 @@
 //! the supervisor, the request counter, logging, and receive bundles.
 
 mod app;
-mod buf_ring;
 mod h2c;
 mod http1;
 
@@ -51,10 +50,9 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use peregrine_worker::Hello;
 use socket2::SockRef;
 
-use crate::{
-    buf_ring::BufRing,
-    h2c::{H2Conn, ReadyList},
-};
+use peregrine_worker::buf_ring::BufRing;
+
+use crate::h2c::{H2Conn, ReadyList};
 
 const USAGE: &str = "usage: spike-uring ADDR (e.g. 127.0.0.1:8080)";
 
@@ -374,6 +372,9 @@ impl Driver {
 
     fn on_recv(&mut self, slot: u32, generation: u32, result: i32, flags: u32) {
         let bid = cqueue::buffer_select(flags);
+        if let Some(bid) = bid {
+            self.bufs.take(bid);
+        }
         let more = cqueue::more(flags);
         let Some(conn) = live(&mut self.conns, slot, generation) else {
             if let Some(bid) = bid {
