@@ -208,13 +208,28 @@ pub(crate) fn uninstall() {
     }
 }
 
-/// Submits everything queued and handles every completion posted; wakes the owners they concern.
-/// The host runtime calls it before it parks and whenever the ring's descriptor is readable.
+/// The end of a turn: submits everything queued in one `io_uring_enter` and handles every completion
+/// posted, before and by it; wakes the owners they concern. The host runtime calls it before it parks.
 pub(crate) fn turn() {
+    run(|driver| {
+        driver.reap();
+        driver.flush();
+        driver.reap();
+    });
+}
+
+/// Handles every completion posted, without entering the kernel: the host runtime calls it when the
+/// ring's descriptor is readable. Submitting waits for the end of the turn, when the tasks it wakes
+/// have queued their sends.
+pub(crate) fn reap() {
+    run(Driver::reap);
+}
+
+/// Runs `step` on this thread's driver, then wakes the owners it found completions for.
+fn run(step: impl FnOnce(&mut Driver)) {
     let mut wake = DRIVER.with_borrow_mut(|driver| match driver {
         Some(driver) => {
-            driver.reap();
-            driver.flush();
+            step(driver);
             std::mem::take(&mut driver.wake)
         }
         None => Vec::new(),

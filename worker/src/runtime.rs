@@ -71,7 +71,7 @@ impl Builder {
                     let Ok(mut ready) = reaper.readable().await else {
                         return;
                     };
-                    driver::turn();
+                    driver::reap();
                     ready.clear_ready();
                 }
             });

@@ -76,6 +76,7 @@ where
         service,
         limits,
         bodies,
+        stop: Box::pin(stopped(shutdown.clone())),
         shutdown,
         input,
         output: Vec::new(),
@@ -101,6 +102,10 @@ struct Connection<'a, 't, I, S> {
     limits: &'a Limits,
     bodies: &'a Rc<Budget>,
     shutdown: watch::Receiver<bool>,
+    /// Completes once shutdown begins. Made once per connection: an idle wait polls it, and it stays
+    /// registered between waits, where a `changed()` future per wait would register and deregister
+    /// each time.
+    stop: Pin<Box<dyn Future<Output = ()>>>,
     /// Bytes read and not yet answered.
     input: Vec<u8>,
     /// The responses of this turn, written at its end.
@@ -184,6 +189,7 @@ impl<I: Io, S: HttpService> Connection<'_, '_, I, S> {
                     waiting,
                     &mut self.idle,
                     &mut self.shutdown,
+                    self.stop.as_mut(),
                 ),
             );
             written?;
@@ -378,6 +384,7 @@ async fn read_more<I: Io>(
     waiting: Waiting,
     idle: &mut Idle<'_>,
     shutdown: &mut watch::Receiver<bool>,
+    stop: Pin<&mut (dyn Future<Output = ()> + '_)>,
 ) -> Next {
     let read = crate::stream::read(io, input);
     match waiting {
@@ -386,8 +393,9 @@ async fn read_more<I: Io>(
                 return Next::Close;
             }
             tokio::select! {
+                biased;
                 (result, buf) = read => Next::Read(result, buf),
-                _ = shutdown.changed() => Next::Close,
+                () = stop => Next::Close,
                 () = idle.expired() => {
                     tracing::debug!("Idle timeout, closing");
                     Next::Close
@@ -395,6 +403,7 @@ async fn read_more<I: Io>(
             }
         }
         Waiting::Until(deadline) => tokio::select! {
+            biased;
             (result, buf) = read => Next::Read(result, buf),
             () = tokio::time::sleep_until(deadline.into()) => Next::Timeout,
         },
@@ -403,6 +412,11 @@ async fn read_more<I: Io>(
             Next::Read(result, buf)
         }
     }
+}
+
+/// Completes once `shutdown` is true or its sender is gone.
+async fn stopped(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stopped| *stopped).await;
 }
 
 /// The clocks of the request at the front of `input`, for its timeouts.
