@@ -27,6 +27,9 @@ mod encode;
 mod parse;
 
 pub(crate) use self::connection::serve_connection;
+/// The response head writer, for the `spike/` measurement servers (not a stable API).
+#[doc(hidden)]
+pub use self::encode::status_and_fields;
 
 /// The limits a connection enforces on requests.
 ///

@@ -357,28 +357,7 @@ async fn encode<B>(
 {
     let (parts, body) = response.into_parts();
     let mut body = pin!(body);
-    let status = parts.status;
-    if status == http::StatusCode::OK {
-        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
-    } else {
-        out.extend_from_slice(b"HTTP/1.1 ");
-        out.extend_from_slice(status.as_str().as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
-    for (name, value) in &parts.headers {
-        if name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-        {
-            continue;
-        }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
+    peregrine_worker::http1::status_and_fields(out, &parts);
     let gathered = match body.size_hint().exact() {
         Some(n) => {
             push_length(out, n, request_version, keep_alive);

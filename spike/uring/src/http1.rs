@@ -5,7 +5,7 @@
 //! `Transfer-Encoding` request or a malformed one gets a `400` and the connection closes, and there are
 //! no limits on head or body size.
 
-use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version, header};
+use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use peregrine_worker::{Hello, RequestBody};
 
@@ -115,27 +115,7 @@ fn encode<B: Body>(
         return false;
     };
     let status = parts.status;
-    if status == StatusCode::OK {
-        out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
-    } else {
-        out.extend_from_slice(b"HTTP/1.1 ");
-        out.extend_from_slice(status.as_str().as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
-    for (name, value) in &parts.headers {
-        if name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-        {
-            continue;
-        }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
+    peregrine_worker::http1::status_and_fields(out, &parts);
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;

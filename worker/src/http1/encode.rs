@@ -31,20 +31,9 @@ enum Framing {
     UntilClose,
 }
 
-/// Appends the status line and header fields of a response to `out`; returns how its body follows and
-/// whether the connection stays open afterwards.
-///
-/// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
-/// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
-/// header is written when that differs from the version's default.
-fn encode_head(
-    out: &mut Vec<u8>,
-    res: &http::response::Parts,
-    size: Option<u64>,
-    request_version: Version,
-    head_only: bool,
-    keep_alive: bool,
-) -> (Framing, bool) {
+/// Appends the status line and every header field of `res` but the framing ones (`content-length`,
+/// `transfer-encoding`, `connection`), which the caller writes for the framing it chose.
+pub fn status_and_fields(out: &mut Vec<u8>, res: &http::response::Parts) {
     let status = res.status;
     if status == StatusCode::OK {
         out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
@@ -67,6 +56,24 @@ fn encode_head(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+}
+
+/// Appends the status line and header fields of a response to `out`; returns how its body follows and
+/// whether the connection stays open afterwards.
+///
+/// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
+/// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
+/// header is written when that differs from the version's default.
+fn encode_head(
+    out: &mut Vec<u8>,
+    res: &http::response::Parts,
+    size: Option<u64>,
+    request_version: Version,
+    head_only: bool,
+    keep_alive: bool,
+) -> (Framing, bool) {
+    let status = res.status;
+    status_and_fields(out, res);
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
