@@ -16,8 +16,8 @@
 //!    [`crate::counter`]; a stream the peer reset while it waited is dropped without a call;
 //! 4. drives every call's future and response concurrently: the head, then the body's DATA frames under
 //!    flow control (capacity is reserved and awaited per chunk, so a slow reader holds back only its own
-//!    stream; a chunk of one frame or less goes to `h2` at once, which holds it until the window
-//!    allows), then trailers if any. An application error becomes a `500` on that stream only; a
+//!    stream; a body's last chunk, when one frame or less, goes to `h2` at once, which holds it until
+//!    the window allows), then trailers if any. An application error becomes a `500` on that stream only; a
 //!    response body error resets that stream.
 //!
 //! A stream the peer resets stops its work at once (its call's future is dropped).

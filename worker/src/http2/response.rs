@@ -208,9 +208,11 @@ async fn send_data(
         }
         return Ok(());
     }
-    // A chunk of at most one frame goes to `h2` at once, which holds it until the window allows:
-    // waiting for capacity first would cost every small response a round of bookkeeping.
-    if data.len() <= SMALL_CHUNK {
+    // A body's last chunk of at most one frame goes to `h2` at once, which holds it until the window
+    // allows: waiting for capacity first would cost every small response a round of bookkeeping. Only
+    // the last: a body streaming small chunks to a slow reader must still wait for capacity, or `h2`
+    // would buffer all of it.
+    if end && data.len() <= SMALL_CHUNK {
         send.send_data(data, end)?;
         return Ok(());
     }
@@ -223,8 +225,8 @@ async fn send_data(
     Ok(())
 }
 
-/// The largest body chunk handed to `h2` without reserving capacity first: one frame at the protocol's
-/// default size.
+/// The largest last body chunk handed to `h2` without reserving capacity first: one frame at the
+/// protocol's default size.
 const SMALL_CHUNK: usize = 16 * 1024;
 
 /// Ready once the stream has send capacity, with how much.
