@@ -65,7 +65,15 @@ type Body = UnsyncBoxBody<Bytes, Infallible>;
 /// - `/fail`: an application error;
 /// - `/slow?MS`: `slow` after MS milliseconds;
 /// - `/block?MS`: blocks the server's thread for MS milliseconds in the call, then answers 404;
-/// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer.
+/// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer;
+/// - `/drip?N`: N chunks of 1 KiB, each made only when the body is polled for it, counted in
+///   [`DRIPPED`].
+/// The chunks `/drip` has made.
+static DRIPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// One chunk of `/drip`.
+static DRIP: [u8; 1024] = [b'd'; 1024];
+
 #[derive(Clone, Debug)]
 struct App {
     calls: Arc<AtomicUsize>,
@@ -115,6 +123,14 @@ impl Service<Request<RequestBody>> for App {
                     Ok(Response::new(
                         StreamBody::new(stream::iter(frames)).boxed_unsync(),
                     ))
+                }
+                "/drip" => {
+                    let chunks =
+                        futures::StreamExt::map(stream::iter(0..args.next().unwrap_or(0)), |_| {
+                            DRIPPED.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, Infallible>(Frame::data(Bytes::from_static(&DRIP)))
+                        });
+                    Ok(Response::new(StreamBody::new(chunks).boxed_unsync()))
                 }
                 _ => Ok(Response::builder()
                     .status(StatusCode::NOT_FOUND)
@@ -392,6 +408,43 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
     assert_eq!(server.calls.load(Ordering::SeqCst), STREAMS as usize);
     assert!(peregrine_worker::requests() >= requests_before + STREAMS);
     server.next_result().unwrap();
+}
+
+#[test]
+fn a_body_streaming_small_chunks_to_a_stalled_reader_is_held_back_by_the_window() {
+    const CHUNKS: usize = 5000;
+    let server = TestServer::start(Limits::default());
+    run(async {
+        const WINDOW: u32 = 1024;
+        let (client, _connection) = connect(server.addr, |b| {
+            b.initial_window_size(WINDOW);
+        })
+        .await;
+        let mut response = send(
+            &client,
+            Method::GET,
+            &format!("/drip?{CHUNKS}"),
+            Upload::Nothing,
+            false,
+        )
+        .await
+        .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        eventually("the stream's window is full", || {
+            response.body_mut().flow_control().used_capacity() >= WINDOW as usize
+        })
+        .await;
+        // Nothing more is read. A server that handed every small chunk to `h2` without waiting for
+        // capacity would have made all of them by now (in well under a millisecond); this sleep gives
+        // it that chance, it waits for nothing.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let made = DRIPPED.load(Ordering::SeqCst);
+        assert!(
+            made < CHUNKS / 5,
+            "{made} of {CHUNKS} chunks made for a reader that took {WINDOW} bytes"
+        );
+        eprintln!("{made} of {CHUNKS} chunks made for a stalled reader");
+    });
 }
 
 #[test]
