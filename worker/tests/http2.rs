@@ -60,6 +60,12 @@ fn check(seed: u64, offset: usize, chunk: &[u8]) {
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
+/// The chunks `/drip` has made.
+static DRIPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// One chunk of `/drip`.
+static DRIP: [u8; 1024] = [b'd'; 1024];
+
 /// The application under test, by path:
 /// - `/echo`: the request body;
 /// - `/fail`: an application error;
@@ -68,12 +74,6 @@ type Body = UnsyncBoxBody<Bytes, Infallible>;
 /// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer;
 /// - `/drip?N`: N chunks of 1 KiB, each made only when the body is polled for it, counted in
 ///   [`DRIPPED`].
-/// The chunks `/drip` has made.
-static DRIPPED: AtomicUsize = AtomicUsize::new(0);
-
-/// One chunk of `/drip`.
-static DRIP: [u8; 1024] = [b'd'; 1024];
-
 #[derive(Clone, Debug)]
 struct App {
     calls: Arc<AtomicUsize>,
