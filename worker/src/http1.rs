@@ -29,7 +29,7 @@ mod parse;
 pub(crate) use self::connection::serve_connection;
 /// The response head writer, for the `spike/` measurement servers (not a stable API).
 #[doc(hidden)]
-pub use self::encode::status_and_fields;
+pub use self::encode::head_of_known_size;
 
 /// The limits a connection enforces on requests.
 ///

@@ -357,12 +357,8 @@ async fn encode<B>(
 {
     let (parts, body) = response.into_parts();
     let mut body = pin!(body);
-    peregrine_worker::http1::status_and_fields(out, &parts);
-    let gathered = match body.size_hint().exact() {
-        Some(n) => {
-            push_length(out, n, request_version, keep_alive);
-            None
-        }
+    let (len, gathered) = match body.size_hint().exact() {
+        Some(n) => (n, None),
         None => {
             let mut all = Vec::new();
             while let Some(Ok(frame)) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
@@ -373,11 +369,18 @@ async fn encode<B>(
                     }
                 }
             }
-            push_length(out, all.len() as u64, request_version, keep_alive);
-            Some(all)
+            (all.len() as u64, Some(all))
         }
     };
-    if head_only {
+    let follows = peregrine_worker::http1::head_of_known_size(
+        out,
+        &parts,
+        len,
+        request_version,
+        head_only,
+        keep_alive,
+    );
+    if !follows {
         return;
     }
     if let Some(all) = gathered {
@@ -391,49 +394,6 @@ async fn encode<B>(
                 data.advance(data.chunk().len());
             }
         }
-    }
-}
-
-/// `content-length`, the `connection` field when it differs from the version's default, and the end
-/// of the head.
-fn push_length(out: &mut Vec<u8>, n: u64, request_version: Version, keep_alive: bool) {
-    out.extend_from_slice(b"content-length: ");
-    out.extend_from_slice(itoa_buf(n).as_slice());
-    out.extend_from_slice(b"\r\n");
-    if !keep_alive {
-        out.extend_from_slice(b"connection: close\r\n");
-    } else if request_version == Version::HTTP_10 {
-        out.extend_from_slice(b"connection: keep-alive\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-}
-
-/// `n` in decimal.
-fn itoa_buf(mut n: u64) -> DecimalDigits {
-    let mut digits = DecimalDigits {
-        bytes: [0; 20],
-        start: 20,
-    };
-    loop {
-        digits.start -= 1;
-        digits.bytes[digits.start] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break digits;
-        }
-    }
-}
-
-/// A number's decimal digits, on the stack.
-#[derive(Debug)]
-struct DecimalDigits {
-    bytes: [u8; 20],
-    start: usize,
-}
-
-impl DecimalDigits {
-    fn as_slice(&self) -> &[u8] {
-        &self.bytes[self.start..]
     }
 }
 
@@ -619,12 +579,5 @@ mod tests {
         assert_eq!(second.request.uri(), "/b");
         assert!(!second.keep_alive);
         assert!(parse(&data, first.len + second.len).unwrap().is_none());
-    }
-
-    #[test]
-    fn writes_decimal() {
-        assert_eq!(itoa_buf(0).as_slice(), b"0");
-        assert_eq!(itoa_buf(25).as_slice(), b"25");
-        assert_eq!(itoa_buf(u64::MAX).as_slice(), b"18446744073709551615");
     }
 }

@@ -114,41 +114,12 @@ fn encode<B: Body>(
     let Some(data) = app::body_bytes(body) else {
         return false;
     };
-    let status = parts.status;
-    peregrine_worker::http1::status_and_fields(out, &parts);
-    let bodiless = status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
-    if !bodiless {
-        out.extend_from_slice(b"content-length: ");
-        push_decimal(out, data.len());
-        out.extend_from_slice(b"\r\n");
-    }
-    if !keep_alive {
-        out.extend_from_slice(b"connection: close\r\n");
-    } else if version == Version::HTTP_10 {
-        out.extend_from_slice(b"connection: keep-alive\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-    if !head_only && !bodiless {
+    let len = data.len() as u64;
+    if peregrine_worker::http1::head_of_known_size(out, &parts, len, version, head_only, keep_alive)
+    {
         out.extend_from_slice(&data);
     }
     true
-}
-
-/// Appends `n` in decimal, without allocating.
-fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
 }
 
 /// Appends a short plain-text refusal that closes the connection; all input counts as consumed.

@@ -31,9 +31,35 @@ enum Framing {
     UntilClose,
 }
 
-/// Appends the status line and every header field of `res` but the framing ones (`content-length`,
-/// `transfer-encoding`, `connection`), which the caller writes for the framing it chose.
-pub fn status_and_fields(out: &mut Vec<u8>, res: &http::response::Parts) {
+/// Appends the head of a response whose body is `len` bytes (status line, fields, `content-length`
+/// unless the status has no body, `connection` when it differs from the version's default); returns
+/// whether the body follows (not for `head_only`, nor for a status without a body).
+pub fn head_of_known_size(
+    out: &mut Vec<u8>,
+    res: &http::response::Parts,
+    len: u64,
+    request_version: Version,
+    head_only: bool,
+    keep_alive: bool,
+) -> bool {
+    let (framing, _) = encode_head(out, res, Some(len), request_version, head_only, keep_alive);
+    framing != Framing::Empty
+}
+
+/// Appends the status line and header fields of a response to `out`; returns how its body follows and
+/// whether the connection stays open afterwards.
+///
+/// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
+/// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
+/// header is written when that differs from the version's default.
+fn encode_head(
+    out: &mut Vec<u8>,
+    res: &http::response::Parts,
+    size: Option<u64>,
+    request_version: Version,
+    head_only: bool,
+    keep_alive: bool,
+) -> (Framing, bool) {
     let status = res.status;
     if status == StatusCode::OK {
         out.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
@@ -56,24 +82,6 @@ pub fn status_and_fields(out: &mut Vec<u8>, res: &http::response::Parts) {
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-}
-
-/// Appends the status line and header fields of a response to `out`; returns how its body follows and
-/// whether the connection stays open afterwards.
-///
-/// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
-/// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
-/// header is written when that differs from the version's default.
-fn encode_head(
-    out: &mut Vec<u8>,
-    res: &http::response::Parts,
-    size: Option<u64>,
-    request_version: Version,
-    head_only: bool,
-    keep_alive: bool,
-) -> (Framing, bool) {
-    let status = res.status;
-    status_and_fields(out, res);
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
