@@ -14,11 +14,13 @@
 //! 3. hands complete requests to the application one at a time, in the order they completed
 //!    (`poll_ready` then `call`: the service is `&mut` per connection), counting each in
 //!    [`crate::counter`]; a stream the peer reset while it waited is dropped without a call;
-//! 4. drives every call's future and response concurrently: the head, then the body's DATA frames under
-//!    flow control (capacity is reserved and awaited per chunk, so a slow reader holds back only its own
-//!    stream; a body's last chunk, when one frame or less, goes to `h2` at once, which holds it until
-//!    the window allows), then trailers if any. An application error becomes a `500` on that stream only; a
-//!    response body error resets that stream.
+//! 4. polls each call's response future once where the call is made: most are ready at once, and
+//!    their responses are sent from there, the future living in a box kept for the next call; one
+//!    that must wait joins the others, and they are all driven concurrently: the head, then the
+//!    body's DATA frames under flow control (capacity is reserved and awaited per chunk, so a slow
+//!    reader holds back only its own stream; a body's last chunk, when one frame or less, goes to
+//!    `h2` at once, which holds it until the window allows), then trailers if any. An application
+//!    error becomes a `500` on that stream only; a response body error resets that stream.
 //!
 //! A stream the peer resets stops its work at once (its call's future is dropped).
 //!
@@ -71,7 +73,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use futures::{StreamExt, stream::FuturesUnordered};
+use futures::{FutureExt, StreamExt, stream::FuturesUnordered};
 use h2::{Reason, server::Builder};
 use http::{Method, Request};
 use tokio::{
@@ -284,6 +286,7 @@ where
     let mut receiving = FuturesUnordered::new();
     let mut queued: VecDeque<Received> = VecDeque::new();
     let mut responding = FuturesUnordered::new();
+    let mut spare = None;
     let mut idle = pin!(tokio::time::sleep(limits.idle_timeout.unwrap_or_default()));
     let mut closing = Closing {
         draining: false,
@@ -383,9 +386,22 @@ where
                         None => Ok(service.call(request)),
                         Some(error) => Err(error),
                     };
-                    responding.push(
-                        respond_to(call, respond, head_only, charge, &resets).instrument(span),
-                    );
+                    // Most calls are ready at once: the response is sent from here, in a box kept
+                    // for the next one, and only one that must wait joins `responding`.
+                    let response =
+                        respond_to(call, respond, head_only, charge, &resets).instrument(span);
+                    let mut slot = match spare.take() {
+                        Some(mut slot) => {
+                            Pin::set(&mut slot, response.fuse());
+                            slot
+                        }
+                        None => Box::pin(response.fuse()),
+                    };
+                    if slot.as_mut().poll(cx).is_ready() {
+                        spare = Some(slot);
+                    } else {
+                        responding.push(slot);
+                    }
                 }
 
                 // Responses.

@@ -73,7 +73,9 @@ static DRIP: [u8; 1024] = [b'd'; 1024];
 /// - `/block?MS`: blocks the server's thread for MS milliseconds in the call, then answers 404;
 /// - `/content?SEED&LEN`: LEN bytes of the content with SEED, in 16 KiB frames, then a trailer;
 /// - `/drip?N`: N chunks of 1 KiB, each made only when the body is polled for it, counted in
-///   [`DRIPPED`].
+///   [`DRIPPED`];
+/// - `/hop`: `hop` with the header fields of an HTTP/1 connection (`connection`, `keep-alive`,
+///   `proxy-connection`, `upgrade`) and `x-kept`.
 #[derive(Clone, Debug)]
 struct App {
     calls: Arc<AtomicUsize>,
@@ -132,6 +134,14 @@ impl Service<Request<RequestBody>> for App {
                         });
                     Ok(Response::new(StreamBody::new(chunks).boxed_unsync()))
                 }
+                "/hop" => Ok(Response::builder()
+                    .header("connection", "keep-alive")
+                    .header("keep-alive", "timeout=5")
+                    .header("proxy-connection", "keep-alive")
+                    .header("upgrade", "websocket")
+                    .header("x-kept", "yes")
+                    .body(Full::from("hop").boxed_unsync())
+                    .unwrap()),
                 _ => Ok(Response::builder()
                     .status(StatusCode::NOT_FOUND)
                     .body(Full::default().boxed_unsync())
@@ -547,6 +557,26 @@ fn an_application_error_is_a_500_on_that_stream_only() {
             });
         }
         join_all(streams).await;
+    });
+}
+
+#[test]
+fn connection_specific_fields_of_a_response_are_dropped_and_the_rest_kept() {
+    let server = TestServer::start(Limits::default());
+    run(async {
+        let (client, _connection) = connect(server.addr, |_| {}).await;
+        let response = send(&client, Method::GET, "/hop", Upload::Nothing, false)
+            .await
+            .expect("HTTP/2 forbids these fields: sent as they are, the response would fail");
+        assert_eq!(response.status(), StatusCode::OK);
+        let headers = response.headers().clone();
+        for name in ["connection", "keep-alive", "proxy-connection", "upgrade"] {
+            assert!(!headers.contains_key(name), "{name} was sent: {headers:?}");
+        }
+        assert_eq!(headers["x-kept"], "yes");
+        assert_eq!(headers["content-length"], "3");
+        let (body, _) = read_body(response.into_body()).await.unwrap();
+        assert_eq!(body, b"hop");
     });
 }
 

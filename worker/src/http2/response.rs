@@ -134,8 +134,15 @@ where
     B::Error: Into<BoxError>,
 {
     let (mut parts, body) = response.into_parts();
-    for name in CONNECTION_SPECIFIC {
-        parts.headers.remove(name);
+    // Looked for before they are removed: a removal hashes the name even when it is absent.
+    if parts
+        .headers
+        .keys()
+        .any(|name| CONNECTION_SPECIFIC.contains(&name.as_str()))
+    {
+        for name in CONNECTION_SPECIFIC {
+            parts.headers.remove(name);
+        }
     }
     // A body of known size says so, as over HTTP/1 (Envoy and clients use it to size buffers).
     if let Some(len) = body.size_hint().exact()
