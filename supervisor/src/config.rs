@@ -49,8 +49,22 @@ pub const DEFAULT_METRICS: &str = "http://127.0.0.1:9464";
 pub const DEFAULT_CONTROL: &str = "peregrine.sock";
 /// The default bind url of a service's workers.
 pub const DEFAULT_URL: &str = "http://localhost:0";
-/// The placeholder replaced by the worker's index in a `unix://` url.
+/// The default bind url of a `pass_socket` service's workers: one loopback address.
+pub const DEFAULT_PASSED_URL: &str = "http://127.0.0.1:0";
+/// The placeholder replaced by the worker's index in a `unix://` url and in `command`.
 pub const INDEX_PLACEHOLDER: &str = "{index}";
+/// In the `command` of a `pass_socket` service: the passed listener's descriptor number (3).
+pub const FD_PLACEHOLDER: &str = "{fd}";
+/// In the `command` of a `pass_socket` service: the passed TCP listener's port.
+pub const PORT_PLACEHOLDER: &str = "{port}";
+/// In the `command` of a `pass_socket` service: the passed listener's address (`IP:PORT`, or the
+/// socket's path).
+pub const ADDRESS_PLACEHOLDER: &str = "{address}";
+/// The descriptor a passed listener has in the worker: the first after stdin, stdout and stderr, as
+/// systemd's socket activation has it (`SD_LISTEN_FDS_START`).
+pub const PASSED_FD: i32 = 3;
+/// The default `ready_path`.
+pub const DEFAULT_READY_PATH: &str = "/";
 /// The default of `supervisor.sample_interval_ms`. Until a worker's first weight reaches Envoy (one
 /// to two intervals after its first requests) Envoy round-robins, and a slowed worker builds a
 /// backlog: measured by `cargo xtask bench balance --timeline` (BENCHMARKS.md), the first 10 s of a
@@ -398,6 +412,61 @@ pub struct ServiceConfig {
     pub weights: Vec<u32>,
     /// How many workers a rolling restart replaces at once (`restart_batch`, 1).
     pub restart_batch: u32,
+    /// Whether the supervisor binds each worker's listener and passes it as descriptor
+    /// [`PASSED_FD`] (systemd's socket activation), and registers the worker on its behalf once
+    /// `GET ready_path` answers: for servers that do not speak Peregrine's registration.
+    pub pass_socket: bool,
+    /// With `pass_socket`: what a worker must answer (any status below 500) before it is published.
+    pub ready_path: String,
+    /// What asks a worker to finish its requests and exit (SIGTERM by default).
+    pub stop_signal: StopSignal,
+}
+
+/// A signal that stops a worker gracefully, by name (`stop_signal`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StopSignal {
+    /// Its name without `SIG` (`TERM`).
+    pub name: &'static str,
+    /// The signal.
+    pub signal: rustix::process::Signal,
+}
+
+impl Default for StopSignal {
+    fn default() -> Self {
+        StopSignal {
+            name: "TERM",
+            signal: rustix::process::Signal::TERM,
+        }
+    }
+}
+
+impl StopSignal {
+    /// The signals a server may take as its request to stop, by name without `SIG`.
+    pub const NAMES: [(&'static str, rustix::process::Signal); 7] = [
+        ("TERM", rustix::process::Signal::TERM),
+        ("INT", rustix::process::Signal::INT),
+        ("QUIT", rustix::process::Signal::QUIT),
+        ("HUP", rustix::process::Signal::HUP),
+        ("USR1", rustix::process::Signal::USR1),
+        ("USR2", rustix::process::Signal::USR2),
+        ("WINCH", rustix::process::Signal::WINCH),
+    ];
+
+    /// The signal named `name`, with or without `SIG` (`SIGTERM`, `TERM`), in any case.
+    pub fn parse(name: &str) -> Option<StopSignal> {
+        let upper = name.to_ascii_uppercase();
+        let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == bare)
+            .map(|&(name, signal)| StopSignal { name, signal })
+    }
+}
+
+impl std::fmt::Display for StopSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SIG{}", self.name)
+    }
 }
 
 /// The program a worker runs.

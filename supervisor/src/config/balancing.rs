@@ -108,6 +108,17 @@ const OPTION_POLICIES: [(&str, &[&str]); 5] = [
     ("hash_balance_factor", &["ring_hash", "maglev"]),
 ];
 
+/// Whether Envoy's ORCA streams can reach a service's workers, and why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OrcaReach {
+    /// They listen on IP addresses and count their requests.
+    Yes,
+    /// They listen on Unix sockets, which Envoy's ORCA streams (to each worker's IP) cannot reach.
+    Unix,
+    /// Their listeners are passed by the supervisor to servers that do not count requests for it.
+    PassedSocket,
+}
+
 impl Checker<'_> {
     /// The service's balancing and its workers' weights (one per slot).
     pub(super) fn balancing(
@@ -115,7 +126,7 @@ impl Checker<'_> {
         service: &str,
         raw: RawBalancing,
         count: u32,
-        unix: bool,
+        reach: OrcaReach,
     ) -> (Balancing, Vec<u32>) {
         let key = |field: &str| format!("service.{service}.{field}");
         let weights = self.weights(&key, &raw, count);
@@ -139,25 +150,41 @@ impl Checker<'_> {
             }
             (Some(orca), _) => *orca.get_ref(),
             (None, Some((name, _))) => name == "orca",
-            (None, None) => !unix,
+            (None, None) => reach == OrcaReach::Yes,
         };
         let orca_span = raw
             .orca
             .as_ref()
             .map(Spanned::span)
             .or(policy.clone().map(|(_, s)| s));
-        if orca_wanted && unix {
-            self.report(
-                orca_span,
-                key(if raw.orca.is_some() { "orca" } else { "lb_policy" }),
+        let why_not = match reach {
+            OrcaReach::Yes => None,
+            OrcaReach::Unix => Some(
                 "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its IP \
                  address; choose another lb_policy (ORCA is off by default for unix:// urls)",
+            ),
+            OrcaReach::PassedSocket => Some(
+                "ORCA needs each worker's request rate, and a server the supervisor passes its \
+                 socket to does not count its requests for it yet; choose another lb_policy \
+                 (least_request is the default for pass_socket services)",
+            ),
+        };
+        if let Some(why_not) = why_not.filter(|_| orca_wanted) {
+            self.report(
+                orca_span,
+                key(if raw.orca.is_some() {
+                    "orca"
+                } else {
+                    "lb_policy"
+                }),
+                why_not,
             );
         }
 
         let name = match (policy.clone(), orca_wanted) {
             (_, true) => "orca",
             (Some((name, _)), false) if name != "orca" => name,
+            (None, false) if reach == OrcaReach::PassedSocket => "least_request",
             _ => "round_robin",
         };
         // Options that do not apply to the chosen policy.

@@ -4,20 +4,29 @@
 //! Invariant: a service's workers can all bind at once: a fixed port or a shared socket path is only
 //! accepted for a single worker.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, ops::Range};
+
+type Span = Range<usize>;
 
 use peregrine_contract::url::BindUrl;
+use toml::Spanned;
 
 use super::{Checker, NAME_RULE, valid_name};
 use crate::config::{
-    DEFAULT_URL, INDEX_PLACEHOLDER, Program, ServiceConfig, WorkerCommand, files::resolve_program,
-    limits::MAX_WORKERS, raw::RawService,
+    ADDRESS_PLACEHOLDER, DEFAULT_PASSED_URL, DEFAULT_READY_PATH, DEFAULT_URL, FD_PLACEHOLDER,
+    INDEX_PLACEHOLDER, PORT_PLACEHOLDER, Program, ServiceConfig, StopSignal, WorkerCommand,
+    balancing::OrcaReach, files::resolve_program, limits::MAX_WORKERS, raw::RawService,
 };
 
 impl Checker<'_> {
     pub(super) fn service(&mut self, name: String, mut raw: RawService) -> ServiceConfig {
         let key = |field: &str| format!("service.{name}.{field}");
         let balancing = raw.take_balancing();
+        let passing = Passing {
+            pass_socket: raw.pass_socket.take(),
+            ready_path: raw.ready_path.take(),
+            stop_signal: raw.stop_signal.take(),
+        };
         if !valid_name(&name) {
             let at = self.source.find(&format!("\"{name}\"")).map(|at| at..at);
             self.report(at, format!("service.{name}"), NAME_RULE);
@@ -27,8 +36,13 @@ impl Checker<'_> {
             .map_or(1, |n| n as u32);
         let (url, url_span) = match raw.url {
             Some(url) => (url.get_ref().clone(), Some(url.span())),
+            // One address: a passed listener is one socket, where `localhost` binds two.
+            None if passing.pass_socket.as_ref().is_some_and(|p| *p.get_ref()) => {
+                (DEFAULT_PASSED_URL.to_string(), None)
+            }
             None => (DEFAULT_URL.to_string(), None),
         };
+        let url_span_for_pass = url_span.clone();
         match url.replace(INDEX_PLACEHOLDER, "0").parse::<BindUrl>() {
             Err(err) => self.report(url_span, key("url"), err.to_string()),
             Ok(BindUrl::Tcp { .. }) if url.contains(INDEX_PLACEHOLDER) => self.report(
@@ -88,7 +102,8 @@ impl Checker<'_> {
                 env
             }
         };
-        let command = match raw.command {
+        let command_span = raw.command.as_ref().map(Spanned::span);
+        let command = match raw.command.take() {
             None => WorkerCommand::default(),
             Some(command) if command.get_ref().iter().any(|word| word.contains('\0')) => {
                 self.report(
@@ -124,6 +139,14 @@ impl Checker<'_> {
                 }
             }
         };
+        let pass_socket = passing.pass_socket.as_ref().is_some_and(|p| *p.get_ref());
+        let (ready_path, stop_signal) = self.passed_socket(
+            &key,
+            &passing,
+            (&url, url_span_for_pass.clone()),
+            &command,
+            command_span.clone(),
+        );
         let prefix = self.valid(
             raw.prefix,
             key("prefix"),
@@ -138,8 +161,14 @@ impl Checker<'_> {
             "must name at least one domain (\"*\" for any)",
             || vec!["*".into()],
         );
-        let unix = url.starts_with("unix:");
-        let (balancing, weights) = self.balancing(&name, balancing, count, unix);
+        let reach = if url.starts_with("unix:") {
+            OrcaReach::Unix
+        } else if pass_socket {
+            OrcaReach::PassedSocket
+        } else {
+            OrcaReach::Yes
+        };
+        let (balancing, weights) = self.balancing(&name, balancing, count, reach);
         let restart_batch = raw
             .restart_batch
             .and_then(|batch| {
@@ -162,8 +191,123 @@ impl Checker<'_> {
             balancing,
             weights,
             restart_batch,
+            pass_socket,
+            ready_path,
+            stop_signal,
         }
     }
+
+    /// The keys of a service whose listener the supervisor binds and passes (`pass_socket`,
+    /// `ready_path`, the command's placeholders) and `stop_signal`: the ready path and the stop signal.
+    fn passed_socket(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        raw: &Passing,
+        (url, url_span): (&str, Option<Span>),
+        command: &WorkerCommand,
+        command_span: Option<Span>,
+    ) -> (String, StopSignal) {
+        let pass_socket = raw.pass_socket.as_ref().is_some_and(|p| *p.get_ref());
+        let uses = |placeholder: &str| command.args.iter().any(|a| a.contains(placeholder));
+        if pass_socket {
+            if command.program == Program::Peregrine {
+                self.report(
+                    raw.pass_socket.as_ref().map(Spanned::span),
+                    key("pass_socket"),
+                    "is for servers of your own (command = [...]): the built-in worker binds its \
+                     own listener and registers itself",
+                );
+            }
+            match url.replace(INDEX_PLACEHOLDER, "0").parse::<BindUrl>() {
+                Ok(BindUrl::Tcp { host, .. }) if host.parse::<std::net::IpAddr>().is_err() => {
+                    self.report(
+                        url_span,
+                        key("url"),
+                        format!(
+                            "with pass_socket the supervisor binds one listener per worker: give an IP \
+                             address (127.0.0.1, ::1, 0.0.0.0), not {host:?}, which may resolve to several"
+                        ),
+                    );
+                }
+                Ok(BindUrl::Unix { .. }) if uses(PORT_PLACEHOLDER) => self.report(
+                    command_span.clone(),
+                    key("command"),
+                    format!("{PORT_PLACEHOLDER} needs a TCP url: a unix:// listener has no port"),
+                ),
+                _ => {}
+            }
+        } else {
+            for placeholder in [FD_PLACEHOLDER, PORT_PLACEHOLDER, ADDRESS_PLACEHOLDER] {
+                if uses(placeholder) {
+                    self.report(
+                        command_span.clone(),
+                        key("command"),
+                        format!(
+                            "{placeholder} names the listener the supervisor passes, and it passes \
+                             none: set pass_socket = true"
+                        ),
+                    );
+                }
+            }
+        }
+        let ready_path = match &raw.ready_path {
+            None => DEFAULT_READY_PATH.to_owned(),
+            Some(path) if !pass_socket => {
+                self.report(
+                    Some(path.span()),
+                    key("ready_path"),
+                    "applies to pass_socket services only: a worker that registers itself is ready \
+                     when it registers",
+                );
+                DEFAULT_READY_PATH.to_owned()
+            }
+            Some(path) if !is_request_path(path.get_ref()) => {
+                self.report(
+                    Some(path.span()),
+                    key("ready_path"),
+                    format!(
+                        "{:?} is not a request path: it must start with / and hold only visible \
+                         ASCII, without #",
+                        path.get_ref()
+                    ),
+                );
+                DEFAULT_READY_PATH.to_owned()
+            }
+            Some(path) => path.get_ref().clone(),
+        };
+        let stop_signal = match &raw.stop_signal {
+            None => StopSignal::default(),
+            Some(name) => StopSignal::parse(name.get_ref()).unwrap_or_else(|| {
+                let known: Vec<String> = StopSignal::NAMES
+                    .iter()
+                    .map(|(n, _)| format!("SIG{n}"))
+                    .collect();
+                self.report(
+                    Some(name.span()),
+                    key("stop_signal"),
+                    format!(
+                        "no such signal {:?}: one of {}",
+                        name.get_ref(),
+                        known.join(", ")
+                    ),
+                );
+                StopSignal::default()
+            }),
+        };
+        (ready_path, stop_signal)
+    }
+}
+
+/// The keys of a service about a passed socket and its stop, taken out of its table.
+struct Passing {
+    pass_socket: Option<Spanned<bool>>,
+    ready_path: Option<Spanned<String>>,
+    stop_signal: Option<Spanned<String>>,
+}
+
+/// Whether `path` can be sent as the target of a request line: `/`, then visible ASCII without `#`.
+fn is_request_path(path: &str) -> bool {
+    path.starts_with('/') && path.bytes().all(|b| b.is_ascii_graphic() && b != b'#')
 }
 
 #[cfg(test)]
@@ -213,6 +357,64 @@ mod tests {
         );
         let got = parse("[service.a]\ncommand = []\n").unwrap_err();
         assert!(got[0].message.contains("must name a program"), "{got:?}");
+    }
+
+    #[test]
+    fn a_passed_socket_service_takes_placeholders_a_ready_path_and_a_stop_signal() {
+        let config = parse(
+            "[service.api]\ncount = 2\nurl = \"http://127.0.0.1:0\"\npass_socket = true\n\
+             command = [\"/bin/sh\", \"-c\", \"exec app --fd {fd} --port {port} {address}\"]\n\
+             ready_path = \"/healthz?deep=1\"\nstop_signal = \"SIGQUIT\"\n",
+        )
+        .unwrap();
+        let api = &config.services["api"];
+        assert!(api.pass_socket);
+        assert_eq!(api.ready_path, "/healthz?deep=1");
+        assert_eq!(api.stop_signal.signal, rustix::process::Signal::QUIT);
+        assert_eq!(api.stop_signal.to_string(), "SIGQUIT");
+        // Its servers count no requests for ORCA: least request unless told otherwise.
+        assert_eq!(api.balancing.name(), "least_request");
+
+        let plain = parse("[service.a]\n").unwrap();
+        let a = &plain.services["a"];
+        assert!(!a.pass_socket);
+        assert_eq!(a.ready_path, "/");
+        assert_eq!(a.stop_signal.to_string(), "SIGTERM");
+        assert_eq!(
+            StopSignal::parse("term").map(|s| s.signal),
+            Some(rustix::process::Signal::TERM)
+        );
+    }
+
+    #[test]
+    fn passed_socket_mistakes_are_explained_with_their_lines() {
+        let got = problems(
+            "[service.a]\ncommand = [\"/bin/sh\", \"--bind\", \"fd://{fd}\"]\n\
+             [service.b]\npass_socket = true\ncommand = [\"/bin/sh\"]\nready_path = \"healthz\"\n\
+             [service.c]\npass_socket = true\ncommand = [\"/bin/sh\"]\nstop_signal = \"SIGSTOPP\"\n\
+             [service.d]\nready_path = \"/ready\"\n\
+             [service.e]\npass_socket = true\n\
+             [service.f]\npass_socket = true\ncommand = [\"/bin/sh\"]\norca = true\n\
+             [service.g]\npass_socket = true\nurl = \"http://localhost:0\"\ncommand = [\"/bin/sh\"]\n\
+             [service.h]\npass_socket = true\nurl = \"unix:///run/h.sock\"\ncommand = [\"/bin/sh\", \"{port}\"]\n",
+        );
+        let expect = [
+            "line 2: service.a.command: {fd} names the listener the supervisor passes, and it passes none: set pass_socket = true",
+            "line 6: service.b.ready_path: \"healthz\" is not a request path",
+            "line 10: service.c.stop_signal: no such signal \"SIGSTOPP\": one of SIGTERM, SIGINT, SIGQUIT",
+            "line 12: service.d.ready_path: applies to pass_socket services only",
+            "line 14: service.e.pass_socket: is for servers of your own",
+            "line 18: service.f.orca: ORCA needs each worker's request rate",
+            "line 21: service.g.url: with pass_socket the supervisor binds one listener per worker",
+            "line 26: service.h.command: {port} needs a TCP url",
+        ];
+        assert_eq!(got.len(), expect.len(), "{got:#?}");
+        for (got, expect) in got.iter().zip(expect) {
+            assert!(
+                got.starts_with(expect),
+                "{got:?} does not start with {expect:?}"
+            );
+        }
     }
 
     #[test]
