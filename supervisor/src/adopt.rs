@@ -39,8 +39,10 @@ use peregrine_contract::{
     procfs::Stat,
     settings::{
         ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX, ENV_LINEAGE, ENV_SERVICE,
+        ENV_URL,
     },
     shm::ShmError,
+    url::BindUrl,
 };
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 
@@ -49,7 +51,7 @@ use crate::{
     config::Config,
     instance::Lineage,
     manager::Adopted,
-    registry::Registry,
+    registry::{Address, Registry},
 };
 
 /// What a worker's environment and `/proc/PID/stat` say about it.
@@ -61,6 +63,9 @@ pub struct Described {
     pub counter: Option<(i32, usize)>,
     /// When it started, in clock ticks after boot (`/proc/PID/stat` field 22): the newest wins a slot.
     pub started: u64,
+    /// Where it listens, as its environment says (`PEREGRINE_URL`): for a worker whose listener the
+    /// supervisor passed, the address it was bound to.
+    pub url: Option<BindUrl>,
 }
 
 /// A worker of an earlier supervisor of this socket, held by a pidfd.
@@ -117,13 +122,21 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
                 })
                 .ok()
         });
-        tracing::info!(pid = worker.pid, %slot, counted = counter.is_some(), "Adopting a worker of an earlier supervisor");
+        // A server on a passed listener never registers itself: it is probed again where it
+        // listens.
+        let passed = config
+            .services
+            .get(&slot.service)
+            .filter(|service| service.pass_socket)
+            .and_then(|_| worker.described.url.as_ref().and_then(passed_address));
+        tracing::info!(pid = worker.pid, %slot, counted = counter.is_some(), passed = ?passed, "Adopting a worker of an earlier supervisor");
         adopted.insert(
             slot,
             Adopted {
                 pid: worker.pid,
                 pidfd: worker.pidfd,
                 counter,
+                passed,
             },
         );
     }
@@ -191,11 +204,24 @@ fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Optio
         _ => None,
     };
     let started = Stat::parse(stat)?.starttime;
+    let url = text(ENV_URL).and_then(|url| url.parse().ok());
     Some(Described {
         slot: Slot { service, index },
         counter,
         started,
+        url,
     })
+}
+
+/// The address of a listener the supervisor bound: an IP and a port, or a Unix path.
+fn passed_address(url: &BindUrl) -> Option<Address> {
+    match url {
+        BindUrl::Tcp { host, port } if *port != 0 => Some(Address::Tcp(
+            (host.parse::<std::net::IpAddr>().ok()?, *port).into(),
+        )),
+        BindUrl::Tcp { .. } => None,
+        BindUrl::Unix { path } => Some(Address::Unix(path.clone())),
+    }
 }
 
 /// Waits until every worker of `pids` still alive has registered (at most `timeout`); returns how long
@@ -307,6 +333,7 @@ mod tests {
                 },
                 counter: Some((5, 17)),
                 started: 987654,
+                url: None,
             })
         );
         assert_eq!(

@@ -86,6 +86,17 @@ enum Command {
     },
     /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
     Worker,
+    /// Start a server on the listener the supervisor passed as descriptor 3: sets `LISTEN_PID` to
+    /// this process's pid and execs PROGRAM, which keeps it (started by `peregrine run` for
+    /// `pass_socket` services; the name is `manager::EXEC_PASSED`).
+    #[command(name = "exec-passed", hide = true)]
+    ExecPassed {
+        /// The server.
+        program: PathBuf,
+        /// Its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -114,6 +125,15 @@ fn main() -> ExitCode {
         return ExitCode::from(EXIT_USAGE);
     }
     match cli.command {
+        Command::ExecPassed { program, args } => {
+            use std::os::unix::process::CommandExt;
+            let error = std::process::Command::new(&program)
+                .args(&args)
+                .env("LISTEN_PID", std::process::id().to_string())
+                .exec();
+            eprintln!("peregrine: cannot run {}: {error}", program.display());
+            ExitCode::from(127)
+        }
         Command::Tls {
             command: TlsCommand::Init { dir, san },
         } => match peregrine_supervisor::tls::init::init(&dir, &san) {
@@ -408,7 +428,29 @@ fn init_tracing() -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::LogFormat;
+    use clap::Parser;
+
+    use super::{Cli, Command, LogFormat};
+
+    #[test]
+    fn the_launcher_of_passed_socket_servers_takes_the_servers_own_flags() {
+        let cli = Cli::try_parse_from([
+            "peregrine",
+            peregrine_supervisor::manager::EXEC_PASSED,
+            "--",
+            "/usr/bin/gunicorn",
+            "--bind",
+            "fd://3",
+            "-w",
+            "1",
+        ])
+        .unwrap();
+        let Command::ExecPassed { program, args } = cli.command else {
+            panic!("not exec-passed: {:?}", cli.command);
+        };
+        assert_eq!(program.to_str(), Some("/usr/bin/gunicorn"));
+        assert_eq!(args, ["--bind", "fd://3", "-w", "1"]);
+    }
 
     #[test]
     fn the_log_format_is_text_unless_json_and_anything_else_is_an_error() {

@@ -16,6 +16,7 @@ mod backoff;
 mod context;
 mod error;
 mod launch;
+mod passed;
 mod process;
 mod slot_task;
 
@@ -43,6 +44,7 @@ use self::{
 pub use self::{
     context::{Context, Replaced},
     error::{Fallback, ReplaceError, StartError},
+    launch::EXEC_PASSED,
     process::{Ending, Exit},
     slot_task::Adopted,
 };
@@ -207,6 +209,13 @@ impl Manager {
         adopted: Option<Adopted>,
     ) -> io::Result<()> {
         let launch = self.launch(service, slot.index)?;
+        let current = adopted
+            .map(|a| a.into_instance(&slot, &self.context, &launch))
+            .transpose()
+            .map_err(|error| match error {
+                StartError::Spawn(error) => error,
+                StartError::NoLane => io::Error::other(error),
+            })?;
         let (tx, rx) = mpsc::channel(4);
         let task = SlotTask {
             slot: slot.clone(),
@@ -219,13 +228,6 @@ impl Manager {
             restarts: 0,
         };
         let span = tracing::info_span!("slot", service = %slot.service, index = slot.index);
-        let current = adopted
-            .map(|a| a.into_instance(&slot, &self.context))
-            .transpose()
-            .map_err(|error| match error {
-                StartError::Spawn(error) => error,
-                StartError::NoLane => io::Error::other(error),
-            })?;
         self.tasks.spawn(task.run(current).instrument(span));
         self.slots.insert(
             slot,

@@ -18,11 +18,17 @@ use peregrine_contract::{
 };
 use rustix::io::FdFlags;
 
+use super::passed::PassedListener;
 use crate::{
     children::Counters,
-    config::{INDEX_PLACEHOLDER, Program, ServiceConfig, SupervisorConfig},
+    config::{INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal, SupervisorConfig},
     instance::Lineage,
+    registry::Address,
 };
+
+/// The hidden subcommand that starts a passed-socket server: `peregrine exec-passed -- PROGRAM
+/// ARGS...` sets `LISTEN_PID` to its own pid and execs `PROGRAM`, which keeps it.
+pub const EXEC_PASSED: &str = "exec-passed";
 
 /// What a slot task needs to start its worker.
 #[derive(Clone, Debug)]
@@ -35,6 +41,19 @@ pub(super) struct Launch {
     pub(super) settings: Settings,
     /// The request counter region, inherited by the worker.
     counters: Arc<Counters>,
+    /// Whether the supervisor binds the worker's listener and passes it (`pass_socket`).
+    pub(super) pass_socket: bool,
+    /// What a passed-socket worker must answer before it is registered.
+    pub(super) ready_path: String,
+    /// What asks the worker to finish its requests and exit.
+    pub(super) stop_signal: StopSignal,
+}
+
+/// A started worker: its pid and, for a passed-socket worker, the address of its listener.
+#[derive(Debug)]
+pub(super) struct Spawned {
+    pub(super) pid: u32,
+    pub(super) passed: Option<Address>,
 }
 
 /// What, in a service's config, its workers are started with: a change replaces them.
@@ -43,6 +62,7 @@ pub(super) struct LaunchKey {
     command: crate::config::WorkerCommand,
     url: String,
     env: std::collections::BTreeMap<String, String>,
+    pass_socket: bool,
 }
 
 impl LaunchKey {
@@ -51,6 +71,7 @@ impl LaunchKey {
             command: service.command.clone(),
             url: service.url.clone(),
             env: service.env.clone(),
+            pass_socket: service.pass_socket,
         }
     }
 }
@@ -94,11 +115,72 @@ impl Launch {
                 .collect(),
             settings,
             counters: counters.clone(),
+            pass_socket: service.pass_socket,
+            ready_path: service.ready_path.clone(),
+            stop_signal: service.stop_signal,
+        })
+    }
+
+    /// Starts a worker: one that counts its requests in line `lane` (zeroed first), or a server on a
+    /// listener bound here and passed ([`passed`](super::passed)).
+    pub(super) fn spawn(&self, lane: usize) -> io::Result<Spawned> {
+        if self.pass_socket {
+            return self.spawn_passed();
+        }
+        self.spawn_counting(lane)
+            .map(|pid| Spawned { pid, passed: None })
+    }
+
+    /// Binds the worker's listener and starts the server on it, as descriptor [`PASSED_FD`], through
+    /// `peregrine exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The
+    /// server counts no requests for the supervisor, so it inherits no counter region.
+    fn spawn_passed(&self) -> io::Result<Spawned> {
+        let listener = PassedListener::bind(&self.settings.url)?;
+        let settings = Settings {
+            url: listener.url(),
+            counters: None,
+            ..self.settings.clone()
+        };
+        let mut command = Command::new(std::env::current_exe()?);
+        command
+            .arg(EXEC_PASSED)
+            .arg("--")
+            .arg(&self.program)
+            .args(self.args.iter().map(|arg| listener.substitute(arg)))
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(settings.to_env())
+            .env("LISTEN_FDS", "1")
+            .env("LISTEN_FDNAMES", &self.settings.service)
+            .env_remove("LISTEN_PID")
+            .stdin(Stdio::null())
+            .process_group(0);
+        let fd = listener.fd.as_raw_fd();
+        // SAFETY: the closure runs in the child between fork and exec and calls only dup2(2) and
+        // fcntl(2), which are async-signal-safe; it touches no memory shared with the parent. The
+        // listener is owned by `listener`, open until after the spawn, so `fd` is valid in the child.
+        unsafe {
+            command.pre_exec(move || {
+                if fd == PASSED_FD {
+                    rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(fd), FdFlags::empty())?;
+                } else if libc::dup2(fd, PASSED_FD) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        for name in crate::service_manager::INHERITED {
+            command.env_remove(name);
+        }
+        let child = command.spawn()?;
+        // The worker owns its listener now: the supervisor's copy closes here.
+        Ok(Spawned {
+            pid: child.id(),
+            passed: Some(listener.address),
         })
     }
 
     /// Starts a worker that counts its requests in line `lane`, zeroed first.
-    pub(super) fn spawn(&self, lane: usize) -> io::Result<u32> {
+    fn spawn_counting(&self, lane: usize) -> io::Result<u32> {
         // No worker counts in this lane now, so nothing counts in it until the new one starts.
         self.counters
             .region()

@@ -30,12 +30,14 @@ use super::{
     context::{Context, Replaced, SlotCommand},
     error::{Fallback, ReplaceError, StartError},
     launch::{Launch, fixed_address},
+    passed::{LastProbe, register_when_ready},
     process::{Ending, Exit, exited, pid_of, signal},
 };
 use crate::{
     children::{Child, CounterRef, Lane, Slot},
     config::Lifecycle,
     fleet::FleetOutcome,
+    registry::Address,
 };
 #[cfg(doc)]
 use crate::{fleet::FleetDrains, xds::acks::Acks};
@@ -49,6 +51,9 @@ pub struct Adopted {
     pub pidfd: OwnedFd,
     /// Where it counts its requests (the earlier supervisor's region, taken from the worker).
     pub counter: Option<CounterRef>,
+    /// Where it listens, when the earlier supervisor passed it its listener: it is probed there and
+    /// registered on its behalf again.
+    pub passed: Option<Address>,
 }
 
 impl Adopted {
@@ -56,6 +61,7 @@ impl Adopted {
         self,
         slot: &Slot,
         context: &Context,
+        launch: &Launch,
     ) -> Result<Instance, StartError> {
         let lane = context.lanes.take().ok_or(StartError::NoLane)?;
         let counter = self
@@ -77,6 +83,10 @@ impl Adopted {
             pidfd,
             lane,
             started: Instant::now(),
+            prober: self
+                .passed
+                .filter(|_| launch.pass_socket)
+                .map(|address| Prober::start(context, slot, self.pid, address, launch)),
         })
     }
 }
@@ -90,6 +100,60 @@ pub(super) struct Instance {
     #[allow(dead_code, reason = "held for its Drop")]
     lane: Lane,
     started: Instant,
+    /// For a passed-socket worker, the probe that registers it once it answers.
+    prober: Option<Prober>,
+}
+
+/// The task that registers a passed-socket worker once it is ready; it ends with its instance.
+#[derive(Debug)]
+struct Prober {
+    task: tokio::task::AbortHandle,
+    /// What the last probe found, while the worker is not ready.
+    last: LastProbe,
+}
+
+impl Instance {
+    /// Logs why a passed-socket worker was never ready, as its last probe found.
+    fn report_not_ready(&self, ready_path: &str, timeout: Duration) {
+        if let Some(prober) = &self.prober {
+            let last = prober
+                .last
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            tracing::warn!(
+                pid = self.pid,
+                ready_path,
+                ?timeout,
+                last_probe = last.as_deref().unwrap_or("none yet"),
+                "The worker never answered its ready path"
+            );
+        }
+    }
+}
+
+impl Prober {
+    /// Probes worker `pid` of `slot` at `address` until it is ready, then registers it.
+    fn start(context: &Context, slot: &Slot, pid: u32, address: Address, launch: &Launch) -> Self {
+        let last = LastProbe::default();
+        let task = tokio::spawn(register_when_ready(
+            context.registry.clone(),
+            (slot.service.clone(), slot.index, pid),
+            address,
+            launch.ready_path.clone(),
+            last.clone(),
+        ));
+        Prober {
+            task: task.abort_handle(),
+            last,
+        }
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// One slot's task: starts its worker, restarts it after it exits (with backoff), replaces and
@@ -352,12 +416,14 @@ impl SlotTask {
             lane: lane.index(),
             counter: CounterRef::new(self.context.counters.clone(), lane.index()),
         };
-        let (pid, pidfd) = self.context.children.spawn(child, || {
-            let pid = self.launch.spawn(lane.index())?;
-            let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
-            Ok((pid, pidfd))
+        let (pid, (pidfd, passed)) = self.context.children.spawn(child, || {
+            let spawned = self.launch.spawn(lane.index())?;
+            let pidfd = rustix::process::pidfd_open(pid_of(spawned.pid), PidfdFlags::empty())?;
+            Ok((spawned.pid, (pidfd, spawned.passed)))
         })?;
         tracing::info!(pid, lane = lane.index(), restarts = self.restarts, program = %self.launch.program.display(), "Worker started");
+        let prober = passed
+            .map(|address| Prober::start(&self.context, &self.slot, pid, address, &self.launch));
         Ok(Instance {
             pid,
             // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it is
@@ -365,6 +431,7 @@ impl SlotTask {
             pidfd: unsafe { AsyncFd::register(pidfd) }.map_err(io::Error::from)?,
             lane,
             started: Instant::now(),
+            prober,
         })
     }
 
@@ -397,6 +464,7 @@ impl SlotTask {
             }
             Registration::TimedOut => {
                 let timeout = self.lifecycle.register_timeout;
+                new.report_not_ready(&self.launch.ready_path, timeout);
                 self.retire(new, "it did not register in time").await;
                 return Err(ReplaceError::RegisterTimeout { timeout, fallback });
             }
@@ -500,7 +568,7 @@ impl SlotTask {
                 .observe(begun.elapsed().as_secs_f64());
         }
         tracing::debug!(pid, why, "Stopping worker");
-        signal(&instance.pidfd, Signal::TERM);
+        signal(&instance.pidfd, self.launch.stop_signal.signal);
         let exit = match tokio::time::timeout(self.lifecycle.stop_timeout, exited(&instance.pidfd))
             .await
         {
@@ -686,6 +754,7 @@ mod tests {
             pidfd: watched(child.id()),
             lane: task.context.lanes.take().unwrap(),
             started: Instant::now(),
+            prober: None,
         };
         let exit = tokio::time::timeout(Duration::from_secs(10), task.retire(instance, "a test"))
             .await

@@ -1,0 +1,335 @@
+//! Workers whose listener the supervisor binds and passes (`pass_socket`): the listener, the
+//! command's placeholders, and the readiness probe that registers such a worker on its behalf.
+//!
+//! The listener is bound anew for every start (port 0 gives each worker instance a fresh port, as a
+//! worker binding its own would have), never with `SO_REUSEPORT`, and passed as descriptor
+//! [`PASSED_FD`] with systemd's socket-activation variables (`LISTEN_FDS`, `LISTEN_FDNAMES`, and
+//! `LISTEN_PID`, which only the child can know: `peregrine exec-passed` sets it and execs the
+//! server, keeping the pid). The supervisor keeps no copy: the worker owns its listener.
+//!
+//! A worker is published once `GET ready_path` on its listener answers with a status below 500; the
+//! probe also asks, with the HTTP/2 preface, whether it speaks h2c.
+//!
+//! Invariant: a passed-socket worker is registered only after its own listener answered, and only by
+//! the task of its slot (through [`register_when_ready`]).
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+    os::fd::OwnedFd,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use peregrine_contract::url::BindUrl;
+use socket2::{Domain, SockAddr, Socket, Type};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    net::{TcpStream, UnixStream},
+};
+
+use crate::{
+    config::{ADDRESS_PLACEHOLDER, FD_PLACEHOLDER, PASSED_FD, PORT_PLACEHOLDER},
+    registry::{Address, Protocol, Registry, Worker},
+};
+
+/// The backlog of a passed listener, as the built-in worker's.
+const BACKLOG: i32 = 1024;
+/// How long one probe may take to connect and to be answered.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The first pause between probes, doubled up to [`PROBE_PAUSE_MAX`].
+const PROBE_PAUSE: Duration = Duration::from_millis(20);
+const PROBE_PAUSE_MAX: Duration = Duration::from_millis(500);
+/// The most of an answer's head the probe reads for its status line.
+const MAX_STATUS_LINE: usize = 1024;
+/// The HTTP/2 connection preface, then an empty SETTINGS frame.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+/// A listener bound for one worker instance, and where it listens.
+#[derive(Debug)]
+pub(super) struct PassedListener {
+    pub(super) fd: OwnedFd,
+    pub(super) address: Address,
+}
+
+impl PassedListener {
+    /// Binds `url` (a TCP url with an IP address, or a Unix path) and listens.
+    pub(super) fn bind(url: &BindUrl) -> io::Result<Self> {
+        match url {
+            BindUrl::Tcp { host, port } => {
+                let ip: IpAddr = host.parse().map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{host:?} is not an IP address"),
+                    )
+                })?;
+                let addr = SocketAddr::new(ip, *port);
+                let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+                // A restarted worker may bind the port its predecessor's connections linger on.
+                socket.set_reuse_address(true)?;
+                if ip.is_ipv6() {
+                    socket.set_only_v6(true)?;
+                }
+                socket.bind(&addr.into())?;
+                socket.listen(BACKLOG)?;
+                let bound = socket
+                    .local_addr()?
+                    .as_socket()
+                    .ok_or_else(|| io::Error::other("the listener has no IP address"))?;
+                Ok(PassedListener {
+                    fd: socket.into(),
+                    address: Address::Tcp(bound),
+                })
+            }
+            BindUrl::Unix { path } => {
+                remove_stale_socket(path)?;
+                let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+                socket.bind(&SockAddr::unix(path)?)?;
+                socket.listen(BACKLOG)?;
+                Ok(PassedListener {
+                    fd: socket.into(),
+                    address: Address::Unix(path.clone()),
+                })
+            }
+        }
+    }
+
+    /// The bind url a worker on this listener is told it has (`PEREGRINE_URL`).
+    pub(super) fn url(&self) -> BindUrl {
+        match &self.address {
+            Address::Tcp(addr) => BindUrl::Tcp {
+                host: addr.ip().to_string(),
+                port: addr.port(),
+            },
+            Address::Unix(path) => BindUrl::Unix { path: path.clone() },
+        }
+    }
+
+    /// `arg` with `{fd}`, `{port}` and `{address}` replaced for this listener.
+    pub(super) fn substitute(&self, arg: &str) -> String {
+        let (port, address) = match &self.address {
+            Address::Tcp(addr) => (addr.port().to_string(), addr.to_string()),
+            Address::Unix(path) => (String::new(), path.display().to_string()),
+        };
+        arg.replace(FD_PLACEHOLDER, &PASSED_FD.to_string())
+            .replace(PORT_PLACEHOLDER, &port)
+            .replace(ADDRESS_PLACEHOLDER, &address)
+    }
+}
+
+/// Removes a socket file at `path` that nothing listens on (left by a worker that died); a live one
+/// is an error: its listener is somebody's.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(meta) if !meta.file_type().is_socket() => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a socket", path.display()),
+        )),
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("{} is in use: something listens on it", path.display()),
+            )),
+            Err(_) => std::fs::remove_file(path),
+        },
+    }
+}
+
+/// What the last probe of a worker that is not ready yet found, for the report when it never is.
+pub(super) type LastProbe = Arc<Mutex<Option<String>>>;
+
+/// Probes `address` until `GET ready_path` answers below 500, then registers worker `pid` of
+/// `service`'s slot `index` with the protocols it speaks. Runs until it has registered (the slot
+/// task bounds it with the registration timeout, and aborts it when the worker exits).
+pub(super) async fn register_when_ready(
+    registry: Arc<Registry>,
+    (service, index, pid): (String, u32, u32),
+    address: Address,
+    ready_path: String,
+    last: LastProbe,
+) {
+    let mut pause = PROBE_PAUSE;
+    loop {
+        match probe_ready(&address, &ready_path).await {
+            Ok(status) => {
+                let mut protocols = vec![Protocol::Http1];
+                if speaks_h2c(&address).await {
+                    protocols.push(Protocol::Http2);
+                }
+                tracing::info!(pid, %address, status, ?protocols, ready_path, "Worker ready");
+                let worker = Worker::ready(&service, index, pid, protocols, vec![address]);
+                if let Err(error) = registry.register(worker) {
+                    tracing::error!(pid, %error, "Cannot register the ready worker");
+                }
+                return;
+            }
+            Err(why) => {
+                tracing::debug!(pid, %address, why, "Worker not ready yet");
+                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(PROBE_PAUSE_MAX);
+    }
+}
+
+/// Sends `GET path` and returns the answer's status when below 500; else why not.
+async fn probe_ready(address: &Address, path: &str) -> Result<u16, String> {
+    let host = match address {
+        Address::Tcp(addr) => addr.to_string(),
+        Address::Unix(_) => "localhost".to_owned(),
+    };
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: peregrine-ready\r\nConnection: close\r\n\r\n"
+    );
+    let answer = exchange(address, request.as_bytes(), MAX_STATUS_LINE).await?;
+    let status = status_of(&answer)?;
+    if status >= 500 {
+        return Err(format!("GET {path} answered {status}"));
+    }
+    Ok(status)
+}
+
+/// The status code of an HTTP/1 answer's first line.
+fn status_of(answer: &[u8]) -> Result<u16, String> {
+    let line = answer.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut words = line.split_ascii_whitespace();
+    match (words.next(), words.next().map(str::parse::<u16>)) {
+        (Some(version), Some(Ok(status))) if version.starts_with("HTTP/1.") => Ok(status),
+        _ if answer.is_empty() => Err("closed without an answer".to_owned()),
+        _ => Err(format!("not an HTTP/1 answer: {:?}", line.trim_end())),
+    }
+}
+
+/// Whether the server answers the HTTP/2 preface with a SETTINGS frame (h2c with prior knowledge).
+async fn speaks_h2c(address: &Address) -> bool {
+    exchange(address, H2_PREFACE, 9)
+        .await
+        .is_ok_and(|head| head.len() >= 9 && head[3] == 0x4 && head[5..9] == [0, 0, 0, 0])
+}
+
+/// Connects, sends `request`, and reads until `want` bytes or the end, within [`PROBE_TIMEOUT`].
+async fn exchange(address: &Address, request: &[u8], want: usize) -> Result<Vec<u8>, String> {
+    let run = async {
+        match address {
+            Address::Tcp(addr) => {
+                let stream = TcpStream::connect(addr).await?;
+                send_and_read(stream, request, want).await
+            }
+            Address::Unix(path) => {
+                let stream = UnixStream::connect(path).await?;
+                send_and_read(stream, request, want).await
+            }
+        }
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, run).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+    }
+}
+
+async fn send_and_read(
+    mut stream: impl AsyncRead + AsyncWrite + Unpin,
+    request: &[u8],
+    want: usize,
+) -> io::Result<Vec<u8>> {
+    stream.write_all(request).await?;
+    let mut answer = Vec::with_capacity(want);
+    let mut chunk = [0u8; 512];
+    while answer.len() < want {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&chunk[..n]);
+        if want == MAX_STATUS_LINE && answer.contains(&b'\n') {
+            break;
+        }
+    }
+    answer.truncate(want);
+    Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_status_of_an_answer() {
+        assert_eq!(status_of(b"HTTP/1.1 204 No Content\r\n"), Ok(204));
+        assert_eq!(status_of(b"HTTP/1.0 404 Not Found\r\n\r\n"), Ok(404));
+        assert!(status_of(b"").unwrap_err().contains("closed"));
+        assert!(
+            status_of(b"SSH-2.0-OpenSSH\r\n")
+                .unwrap_err()
+                .contains("not an HTTP/1")
+        );
+    }
+
+    #[test]
+    fn binds_a_fresh_port_and_fills_the_placeholders() {
+        let url: BindUrl = "http://127.0.0.1:0".parse().unwrap();
+        let listener = PassedListener::bind(&url).unwrap();
+        let Address::Tcp(addr) = listener.address else {
+            panic!("not TCP");
+        };
+        assert_ne!(addr.port(), 0);
+        assert_eq!(
+            listener.substitute("--bind=fd://{fd} --port {port} {address}"),
+            format!("--bind=fd://3 --port {} {addr}", addr.port())
+        );
+        assert_eq!(listener.url().to_string(), format!("http://{addr}"));
+        // Not SO_REUSEPORT: nobody else can bind it while it lives.
+        assert!(std::net::TcpListener::bind(addr).is_err());
+    }
+
+    #[test]
+    fn a_stale_unix_socket_is_replaced_and_a_live_one_refused() {
+        let dir = std::env::temp_dir().join(format!("peregrine-passed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.sock");
+        let url = BindUrl::Unix { path: path.clone() };
+        let first = PassedListener::bind(&url).unwrap();
+        let refused = PassedListener::bind(&url).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::AddrInUse, "{refused}");
+        drop(first);
+        let second = PassedListener::bind(&url).expect("the stale socket is replaced");
+        drop(second);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_server_is_ready_once_it_answers_below_500_and_h2c_is_asked_for() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = Address::Tcp(listener.local_addr().unwrap());
+        let statuses = ["503 Service Unavailable", "200 OK"];
+        let server = tokio::spawn(async move {
+            for status in statuses {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 256];
+                let n = stream.read(&mut buf).await.unwrap();
+                assert!(buf[..n].starts_with(b"GET /healthz HTTP/1.1\r\n"));
+                let answer = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n");
+                stream.write_all(answer.as_bytes()).await.unwrap();
+            }
+            // The h2c question: this server speaks HTTP/1 only and closes.
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 64];
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(buf[..n].starts_with(b"PRI * HTTP/2.0"));
+        });
+        assert_eq!(
+            probe_ready(&address, "/healthz").await,
+            Err("GET /healthz answered 503".into())
+        );
+        assert_eq!(probe_ready(&address, "/healthz").await, Ok(200));
+        assert!(!speaks_h2c(&address).await);
+        server.await.unwrap();
+    }
+}
