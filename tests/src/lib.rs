@@ -12,6 +12,10 @@
 //! it skips when there is none, and fails instead when `PEREGRINE_REQUIRE_ENVOY` is set (as
 //! `cargo xtask test` does), so a missing Envoy is never silently skipped in CI.
 //!
+//! Third-party HTTP servers run as workers (gunicorn, uvicorn, Node) come from
+//! [`app_servers_or_skip`], which skips or fails the same way, and the applications they serve from
+//! [`test_app`] (`tests/apps/`).
+//!
 //! Many hosts on one machine: a [`Network`] makes each host a network namespace on a bridge (root
 //! only; [`netns_or_skip`]), runs processes there through [`NetHost::wrapper`] and the test's own
 //! sockets through [`NetHost::run`], and cuts a host off and back; an [`EtcdCluster`] is etcd with
@@ -48,8 +52,9 @@ pub use http::{http_get, http_get_with, http_post_json, worker_pid};
 pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
-    ebpf_or_skip, envoy_or_skip, envoy_path, example_path, free_port, peregrine_path,
-    python_clients_or_skip, target_dir, tool_or_skip, venv_envoy_binary, workspace_root,
+    AppServers, app_servers_or_skip, ebpf_or_skip, envoy_or_skip, envoy_path, example_path,
+    free_port, peregrine_path, python_clients_or_skip, target_dir, test_app, tool_or_skip,
+    venv_envoy_binary, workspace_root,
 };
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.

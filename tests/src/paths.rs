@@ -189,6 +189,79 @@ pub fn python_clients_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// The unchanged third-party HTTP servers the tests run as workers, each found and seen to run.
+#[derive(Clone, Debug)]
+pub struct AppServers {
+    /// gunicorn (WSGI), from the virtualenv `cargo xtask test` installs.
+    pub gunicorn: PathBuf,
+    /// uvicorn (ASGI), from the same virtualenv.
+    pub uvicorn: PathBuf,
+    /// Node, from `PATH`.
+    pub node: PathBuf,
+}
+
+/// The third-party servers for a test named `test`: gunicorn and uvicorn in `PEREGRINE_PYAPPS` (a bin
+/// directory, set by `cargo xtask test`), else in `<target>/pyapps/venv/bin`, and `node` on `PATH`, each
+/// checked to run (`--version`). `None` prints why the caller skips, unless `PEREGRINE_REQUIRE_ENVOY`
+/// is set (`cargo xtask test`), where it panics instead.
+pub fn app_servers_or_skip(test: &str) -> Option<AppServers> {
+    let bin = env::var_os("PEREGRINE_PYAPPS")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("pyapps/venv/bin"));
+    let runs = |program: &Path| {
+        Command::new(program)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let gunicorn = bin.join("gunicorn");
+    let uvicorn = bin.join("uvicorn");
+    let node = program_in_path("node");
+    let mut missing = Vec::new();
+    for program in [&gunicorn, &uvicorn] {
+        if !runs(program) {
+            missing.push(format!(
+                "{} does not run (run `cargo xtask test`)",
+                program.display()
+            ));
+        }
+    }
+    match &node {
+        Some(node) if runs(node) => {}
+        Some(node) => missing.push(format!("{} does not run", node.display())),
+        None => missing.push("no node in PATH (apt-get install nodejs)".to_owned()),
+    }
+    if let Some(node) = node.filter(|_| missing.is_empty()) {
+        return Some(AppServers {
+            gunicorn,
+            uvicorn,
+            node,
+        });
+    }
+    let why = missing.join("; ");
+    assert!(
+        env::var_os("PEREGRINE_REQUIRE_ENVOY").is_none(),
+        "{test}: {why}"
+    );
+    crate::skip(test, why);
+    None
+}
+
+/// The absolute path of the test application `tests/apps/<name>` (e.g. `wsgi_app.py`).
+pub fn test_app(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("apps")
+        .join(name)
+}
+
+/// `program` in one of `PATH`'s directories, if it is there.
+fn program_in_path(program: &str) -> Option<PathBuf> {
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+}
+
 /// Whether the eBPF sampler loads here (root with CAP_BPF and CAP_PERFMON, a kernel with BTF, and a
 /// build that had clang). When it does not, the test is skipped with a message, unless
 /// `PEREGRINE_REQUIRE_EBPF=1` (CI), which fails it.
@@ -257,5 +330,23 @@ mod tests {
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::write(bin.join("envoy"), "").unwrap();
         assert_eq!(venv_envoy_binary(venv.path()), Some(bin.join("envoy")));
+    }
+
+    #[test]
+    fn finds_the_app_servers() {
+        let Some(servers) = app_servers_or_skip("paths::tests::finds_the_app_servers") else {
+            return;
+        };
+        for program in [&servers.gunicorn, &servers.uvicorn, &servers.node] {
+            assert!(program.is_file(), "{}", program.display());
+        }
+    }
+
+    #[test]
+    fn test_apps_are_in_the_tests_crate() {
+        for app in ["wsgi_app.py", "asgi_app.py", "node_app.js"] {
+            let path = test_app(app);
+            assert!(path.is_absolute() && path.is_file(), "{}", path.display());
+        }
     }
 }

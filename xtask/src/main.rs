@@ -13,6 +13,7 @@ mod envoy;
 mod interrupt;
 mod logs;
 mod packages;
+mod pyapps;
 mod pyclients;
 mod test;
 

@@ -77,3 +77,7 @@ pub(crate) const FLEET: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("openssl", "openssl"),
 ];
+
+/// What the tests that run third-party HTTP servers as workers need besides the Python ones
+/// (`pyapps`): Node, for a plain `http` server (Debian's `nodejs`).
+pub(crate) const APP_SERVERS: &[(&str, &str)] = &[("node", "nodejs")];

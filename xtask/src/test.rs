@@ -1,5 +1,6 @@
-//! `cargo xtask test`: install Envoy (and, with apt-get, etcd and protoc where missing, and clang and
-//! libbpf's headers for the eBPF sampler), build the workspace, run the whole test suite against them.
+//! `cargo xtask test`: install Envoy (and, with apt-get, etcd, protoc and Node where missing, and clang
+//! and libbpf's headers for the eBPF sampler), the strict Python clients and the third-party app
+//! servers (gunicorn, uvicorn), build the workspace, run the whole test suite against them.
 //!
 //! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
 //! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
@@ -8,14 +9,15 @@ use std::process::ExitCode;
 
 use peregrine_e2e::{SKIPS_VAR, target_dir};
 
-use crate::{cargo, ebpf, envoy, packages, pyclients, run_checked};
+use crate::{cargo, ebpf, envoy, packages, pyapps, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    packages::ensure(packages::FLEET)?;
+    packages::ensure(&[packages::FLEET, packages::APP_SERVERS].concat())?;
     ebpf::tools::ensure()?;
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
     let python = pyclients::install()?;
+    let pyapps = pyapps::install()?;
     run_checked(cargo().args(["build", "--workspace", "--bins", "--examples"]))?;
     let peregrine = target_dir().join("debug/peregrine");
     // Every test that skips appends why to this file; listed once the run ends.
@@ -29,6 +31,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .env("PEREGRINE", &peregrine)
         .env("PEREGRINE_EXAMPLES", target_dir().join("debug/examples"))
         .env("PEREGRINE_PYTHON", &python)
+        // gunicorn and uvicorn, the third-party servers the tests run as workers (Node is on PATH).
+        .env("PEREGRINE_PYAPPS", &pyapps)
         // Tests that need Envoy or etcd fail instead of skipping if one goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
         .env("PEREGRINE_REQUIRE_ETCD", "1")

@@ -1,0 +1,61 @@
+"""A tiny WSGI application for the end-to-end tests, served by gunicorn.
+
+GET /healthz answers `ok`; every other path answers `Hello from gunicorn worker <pid>!`. `?cpu=MS`
+first burns MS milliseconds of CPU (at most 1000), so one worker can be loaded more than another;
+`/slow?ms=N` first sleeps N milliseconds (at most 60000).
+
+Under socket activation (LISTEN_FDS=1, LISTEN_PID) run
+`gunicorn --no-control-socket --workers 1 --chdir tests/apps wsgi_app:app`: gunicorn takes fd 3 from
+LISTEN_FDS itself (adding `--bind fd://3` makes it open fd 3 twice and fail); without
+`--no-control-socket` each gunicorn binds `~/.gunicorn/gunicorn.ctl`, the last started taking it.
+"""
+import os
+import time
+from urllib.parse import parse_qs
+
+SERVER = "gunicorn"
+MAX_CPU_MS = 1000
+MAX_SLEEP_MS = 60000
+
+
+def burn_cpu(ms):
+    """Busy-loops until this thread has used `ms` milliseconds of CPU."""
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        pass
+
+
+def millis(query, name, cap):
+    """The query's `name` as a count of milliseconds (0 when absent, capped); ValueError if malformed."""
+    values = query.get(name)
+    if not values:
+        return 0
+    value = int(values[0])
+    if value < 0:
+        raise ValueError(name)
+    return min(value, cap)
+
+
+def app(environ, start_response):
+    path = environ.get("PATH_INFO", "/")
+    query = parse_qs(environ.get("QUERY_STRING", ""))
+    status = "200 OK"
+    if path == "/healthz":
+        body = b"ok\n"
+    else:
+        try:
+            cpu = millis(query, "cpu", MAX_CPU_MS)
+            sleep = millis(query, "ms", MAX_SLEEP_MS) if path == "/slow" else 0
+        except ValueError:
+            cpu = sleep = None
+        if cpu is None:
+            status, body = "400 Bad Request", b"cpu and ms take a count of milliseconds\n"
+        else:
+            burn_cpu(cpu)
+            time.sleep(sleep / 1000)
+            body = f"Hello from {SERVER} worker {os.getpid()}!\n".encode()
+    start_response(
+        status,
+        [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
+    )
+    return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
