@@ -1,7 +1,7 @@
 """A tiny ASGI 3 application for the end-to-end tests, served by uvicorn: the WSGI app's behaviour.
 
-GET /healthz answers `ok`; every other path answers `Hello from uvicorn worker <pid>!`. `?cpu=MS`
-first burns MS milliseconds of CPU (at most 1000; it blocks the event loop, as a CPU-bound handler
+GET /healthz answers `ok`; every other path answers `Hello from worker <pid>!` (the hello worker's
+answer), and the `x-server` header says `uvicorn`. `?cpu=MS` first burns MS milliseconds of CPU (at most 1000; it blocks the event loop, as a CPU-bound handler
 does), so one worker can be loaded more than another; `/slow?ms=N` first sleeps N milliseconds (at
 most 60000) without blocking.
 
@@ -57,7 +57,7 @@ async def app(scope, receive, send):
         else:
             burn_cpu(cpu)
             await asyncio.sleep(sleep / 1000)
-            body = f"Hello from {SERVER} worker {os.getpid()}!\n".encode()
+            body = f"Hello from worker {os.getpid()}!\n".encode()
     await send(
         {
             "type": "http.response.start",
@@ -65,6 +65,7 @@ async def app(scope, receive, send):
             "headers": [
                 (b"content-type", b"text/plain"),
                 (b"content-length", str(len(body)).encode()),
+                (b"x-server", SERVER.encode()),
             ],
         }
     )

@@ -1,7 +1,8 @@
 // A tiny Node `http` application for the end-to-end tests: the WSGI app's behaviour.
 //
-// GET /healthz answers `ok`; every other path answers `Hello from node worker <pid>!`. `?cpu=MS`
-// first burns MS milliseconds of CPU (at most 1000; it blocks the event loop, as a CPU-bound handler
+// GET /healthz answers `ok` (`503` when APP_UNREADY is set: a server that never becomes ready);
+// every other path answers `Hello from worker <pid>!` (the hello worker's answer), and the `x-server`
+// header says `node`. `?cpu=MS` first burns MS milliseconds of CPU (at most 1000; it blocks the event loop, as a CPU-bound handler
 // does), so one worker can be loaded more than another; `/slow?ms=N` first sleeps N milliseconds (at
 // most 60000) without blocking. It listens on file descriptor 3, the socket passed by socket
 // activation (LISTEN_FDS=1): `node tests/apps/node_app.js`. On SIGTERM it stops accepting, closes
@@ -49,12 +50,18 @@ const server = http.createServer((req, res) => {
     res.writeHead(status, {
       'Content-Type': 'text/plain',
       'Content-Length': Buffer.byteLength(body),
+      'X-Server': SERVER,
       ...(closing ? { Connection: 'close' } : {}),
     });
     res.end(req.method === 'HEAD' ? undefined : body);
   };
   if (url.pathname === '/healthz') {
-    answer(200, 'ok\n');
+    // APP_UNREADY in the environment: a server that never becomes ready.
+    if (process.env.APP_UNREADY) {
+      answer(503, 'not ready\n');
+    } else {
+      answer(200, 'ok\n');
+    }
     return;
   }
   const cpu = millis(url.searchParams, 'cpu', MAX_CPU_MS);
@@ -64,7 +71,7 @@ const server = http.createServer((req, res) => {
     return;
   }
   burnCpu(cpu);
-  setTimeout(() => answer(200, `Hello from ${SERVER} worker ${process.pid}!\n`), sleep);
+  setTimeout(() => answer(200, `Hello from worker ${process.pid}!\n`), sleep);
 });
 
 process.on('SIGTERM', () => {

@@ -1,6 +1,8 @@
 """A tiny WSGI application for the end-to-end tests, served by gunicorn.
 
-GET /healthz answers `ok`; every other path answers `Hello from gunicorn worker <pid>!`. `?cpu=MS`
+GET /healthz answers `ok`; every other path answers `Hello from worker <pid>!` (the hello worker's answer, so the tests'
+load tells workers apart the same way), `<pid>` being the process the supervisor started: gunicorn's
+arbiter, the parent of the process that serves; the `x-server` header says `gunicorn`. `?cpu=MS`
 first burns MS milliseconds of CPU (at most 1000), so one worker can be loaded more than another;
 `/slow?ms=N` first sleeps N milliseconds (at most 60000).
 
@@ -53,9 +55,13 @@ def app(environ, start_response):
         else:
             burn_cpu(cpu)
             time.sleep(sleep / 1000)
-            body = f"Hello from {SERVER} worker {os.getpid()}!\n".encode()
+            body = f"Hello from worker {os.getppid()}!\n".encode()
     start_response(
         status,
-        [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
+        [
+            ("Content-Type", "text/plain"),
+            ("Content-Length", str(len(body))),
+            ("X-Server", SERVER),
+        ],
     )
     return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]

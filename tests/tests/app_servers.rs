@@ -1,0 +1,304 @@
+//! Unchanged third-party servers as workers (`pass_socket`): gunicorn with a WSGI app, uvicorn with an
+//! ASGI app and a Node `http` server, each on a listener the supervisor binds and passes as descriptor
+//! 3, registered on its behalf once `GET /healthz` answers, behind the real Envoy and under load.
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use peregrine_e2e::{
+    AppServers, Envoy, Load, LoadReport, Supervisor, app_servers_or_skip, base_config,
+    current_test, envoy_or_skip, free_port, gone, http_get, test_app, wait_until, worker_pid,
+};
+
+/// The service (and Envoy cluster) the tests run.
+const SERVICE: &str = "app";
+/// How long a step (hosts in Envoy, a restart) may take.
+const STEP: Duration = Duration::from_secs(60);
+/// The longest any load runs (each test stops its load long before).
+const LOAD_LIMIT: Duration = Duration::from_secs(120);
+
+/// The servers under test.
+#[derive(Clone, Copy, Debug)]
+enum Server {
+    Gunicorn,
+    Uvicorn,
+    Node,
+}
+
+impl Server {
+    /// The service's `command`, as TOML.
+    fn command(self, servers: &AppServers) -> String {
+        let apps = test_app("");
+        let words: Vec<String> = match self {
+            // gunicorn takes the passed socket from LISTEN_FDS itself.
+            Server::Gunicorn => vec![
+                servers.gunicorn.display().to_string(),
+                "--no-control-socket".into(),
+                "--workers".into(),
+                "1".into(),
+                "--chdir".into(),
+                apps.display().to_string(),
+                "wsgi_app:app".into(),
+            ],
+            Server::Uvicorn => vec![
+                servers.uvicorn.display().to_string(),
+                "--fd".into(),
+                "{fd}".into(),
+                "--app-dir".into(),
+                apps.display().to_string(),
+                "asgi_app:app".into(),
+            ],
+            Server::Node => vec![
+                servers.node.display().to_string(),
+                test_app("node_app.js").display().to_string(),
+            ],
+        };
+        let quoted: Vec<String> = words.iter().map(|w| format!("{w:?}")).collect();
+        format!("[{}]", quoted.join(", "))
+    }
+}
+
+/// A supervisor running `count` workers of `server` and an Envoy bootstrapped from it.
+struct Apps {
+    // Envoy first: it is killed before the supervisor when dropped.
+    envoy: Envoy,
+    supervisor: Supervisor,
+    listen: SocketAddr,
+}
+
+impl Apps {
+    fn start(server: Server, servers: &AppServers, count: u32, extra: &str) -> Apps {
+        let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+        let supervisor = Supervisor::start(&format!(
+            "{base}\n[service.{SERVICE}]\ncount = {count}\n\
+             pass_socket = true\nready_path = \"/healthz\"\ncommand = {command}\n{extra}",
+            base = base_config(grpc, listen, admin).replacen(
+                "[envoy]",
+                "register_timeout_ms = 20000\n\n[envoy]",
+                1
+            ),
+            command = server.command(servers),
+        ));
+        let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+        Apps {
+            envoy,
+            supervisor,
+            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        }
+    }
+
+    /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`.
+    fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32> {
+        wait_until(
+            STEP,
+            &format!("{n} healthy hosts in Envoy, none of {not:?}"),
+            || {
+                let (healthy, all) = self.envoy.host_pids(SERVICE).ok()?;
+                (healthy.len() == n && all.len() == n && healthy.is_disjoint(not))
+                    .then_some(healthy)
+            },
+        )
+    }
+
+    /// Starts two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once both are served.
+    fn load(&self) -> Load {
+        let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
+        wait_until(STEP, "the load to be served", || {
+            let seen = load.snapshot();
+            assert!(seen.failures.is_empty(), "{:?}", seen.failures);
+            (seen.ok.len() == 2 && seen.ok.values().all(|n| *n >= 20)).then_some(())
+        });
+        load
+    }
+
+    /// Lets the load serve `more` requests per protocol, stops it, and checks none failed.
+    fn finish(&self, load: Load, more: u64) -> LoadReport {
+        let before = load.snapshot();
+        wait_until(STEP, "more requests served", || {
+            let now = load.snapshot();
+            now.ok
+                .iter()
+                .all(|(protocol, n)| *n >= before.ok[protocol] + more)
+                .then_some(())
+        });
+        let report = load.stop();
+        assert!(
+            report.failures.is_empty(),
+            "failed requests: {:?}\n{}",
+            report.failures,
+            self.supervisor.all_logs()
+        );
+        report
+    }
+
+    /// The address the supervisor published for worker `pid`.
+    fn address_of(&self, pid: u32) -> String {
+        let status = self.supervisor.status_json().expect("status");
+        status["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|w| w["pid"].as_u64() == Some(u64::from(pid)))
+            .and_then(|w| w["addresses"][0].as_str().map(str::to_owned))
+            .unwrap_or_else(|| panic!("worker {pid} in the status: {status}"))
+    }
+}
+
+/// `server` serves through Envoy; a SIGKILLed worker is replaced on a new port while the load loses
+/// no request; a rolling restart under load loses none either.
+fn serves_and_recovers(server: Server) {
+    let test = current_test();
+    if envoy_or_skip(&test).is_none() {
+        return;
+    }
+    let Some(servers) = app_servers_or_skip(&test) else {
+        return;
+    };
+    let mut apps = Apps::start(server, &servers, 2, "");
+    let first = apps.wait_for_workers(2, &BTreeSet::new());
+    let (status, body) = http_get(apps.listen, "/").unwrap();
+    assert_eq!(status, 200, "{body}");
+    let pid = worker_pid(&body).expect("a worker's answer");
+    assert!(
+        first.contains(&pid),
+        "{pid} answered, Envoy routes to {first:?}"
+    );
+    let load = apps.load();
+
+    // SIGKILL: the slot's next worker gets a listener of its own, on another port.
+    let victim = *first.iter().next().unwrap();
+    let old_address = apps.address_of(victim);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(victim as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let not: BTreeSet<u32> = [victim].into();
+    let second = apps.wait_for_workers(2, &not);
+    let replacement = *second.difference(&first).next().expect("a new worker");
+    let new_address = apps.address_of(replacement);
+    assert_ne!(new_address, old_address, "a new listener");
+    wait_until(STEP, "the replacement answering", || {
+        let (_, body) = http_get(apps.listen, "/").ok()?;
+        (worker_pid(&body) == Some(replacement)).then_some(())
+    });
+
+    // A rolling restart: each new worker is ready before its predecessor drains.
+    let out = apps.supervisor.control("restart", &[]).unwrap();
+    assert!(
+        out.starts_with("2 replaced, 0 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    let third = apps.wait_for_workers(2, &second);
+    for pid in &second {
+        wait_until(STEP, "the old workers to exit", || gone(*pid).then_some(()));
+    }
+    let report = apps.finish(load, 50);
+    assert!(
+        third.iter().all(|pid| report.by_pid.contains_key(pid)),
+        "the new workers served: {third:?} in {:?}",
+        report.by_pid
+    );
+    let logs = apps.supervisor.all_logs();
+    assert!(logs.contains("Worker ready"), "{logs}");
+    let status = apps.supervisor.stop().expect("the supervisor stops");
+    assert!(status.success(), "{status}\n{}", apps.supervisor.all_logs());
+}
+
+#[test]
+fn gunicorn_serves_through_envoy_and_recovers_from_kills_and_restarts() {
+    serves_and_recovers(Server::Gunicorn);
+}
+
+#[test]
+fn uvicorn_serves_through_envoy_and_recovers_from_kills_and_restarts() {
+    serves_and_recovers(Server::Uvicorn);
+}
+
+#[test]
+fn node_serves_through_envoy_and_recovers_from_kills_and_restarts() {
+    serves_and_recovers(Server::Node);
+}
+
+#[test]
+fn a_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
+    let test = current_test();
+    if envoy_or_skip(&test).is_none() {
+        return;
+    }
+    let Some(servers) = app_servers_or_skip(&test) else {
+        return;
+    };
+    let apps = Apps::start(Server::Node, &servers, 1, "");
+    let old = apps.wait_for_workers(1, &BTreeSet::new());
+    let load = apps.load();
+
+    // The new command's servers answer their ready path 503: the reload replaces nothing.
+    let path = apps.supervisor.config_path();
+    let good = std::fs::read_to_string(path).unwrap();
+    let unready = format!("{good}env = {{ APP_UNREADY = \"1\" }}\n").replacen(
+        "register_timeout_ms = 20000",
+        "register_timeout_ms = 3000",
+        1,
+    );
+    std::fs::write(path, &unready).unwrap();
+    let begun = Instant::now();
+    let error = format!("{:#}", apps.supervisor.control("reload", &[]).unwrap_err());
+    assert!(
+        error.contains("did not register") && error.contains("the old one keeps serving"),
+        "{error}"
+    );
+    assert!(
+        begun.elapsed() >= Duration::from_secs(3),
+        "waited for the ready path"
+    );
+    let logs = apps.supervisor.all_logs();
+    assert!(
+        logs.contains("The worker never answered its ready path")
+            && logs.contains("GET /healthz answered 503"),
+        "{logs}"
+    );
+    assert_eq!(
+        apps.envoy.host_pids(SERVICE).unwrap().0,
+        old,
+        "the old worker still serves"
+    );
+    apps.finish(load, 50);
+}
+
+#[test]
+fn a_restarted_supervisor_adopts_servers_on_passed_sockets() {
+    let test = current_test();
+    if envoy_or_skip(&test).is_none() {
+        return;
+    }
+    let Some(servers) = app_servers_or_skip(&test) else {
+        return;
+    };
+    let mut apps = Apps::start(Server::Uvicorn, &servers, 2, "");
+    let workers = apps.wait_for_workers(2, &BTreeSet::new());
+    let load = apps.load();
+    apps.supervisor.kill_and_start_again().unwrap();
+    let registered = wait_until(STEP, "the servers registered again", || {
+        let pids = apps.supervisor.status_pids().ok()?;
+        (pids.len() == 2).then_some(pids)
+    });
+    assert_eq!(registered, workers, "the same servers are adopted");
+    let logs = apps.supervisor.all_logs();
+    assert!(
+        logs.contains("Adopting a worker") && logs.contains("passed=Some"),
+        "{logs}"
+    );
+    wait_until(STEP, "Envoy to reconnect", || {
+        (apps
+            .envoy
+            .stat("cluster_manager.cds.control_plane.connected_state")
+            == Some(1))
+        .then_some(())
+    });
+    assert_eq!(apps.envoy.host_pids(SERVICE).unwrap().0, workers);
+    apps.finish(load, 50);
+}
