@@ -4,12 +4,17 @@
 //! Every stop is a drain ([`SlotTask::retire`]): the worker is marked draining in the registry (EDS
 //! publishes `health_status: DRAINING`), the task waits until every Envoy endpoint stream has ACKed
 //! that revision ([`Acks::wait_synced`], bounded by `drain_timeout`), in a fleet also until every other
-//! host's supervisor says its Envoys have ([`FleetDrains::wait`], within the same bound), then
-//! SIGTERM, and SIGKILL after `stop_timeout`. A replacement starts first and registers (its predecessor turns draining in the
-//! same snapshot) before the predecessor is retired, unless both would need the same fixed address.
+//! host's supervisor says its Envoys have ([`FleetDrains::wait`], within the same bound), then the
+//! service's `stop_signal` (SIGTERM by default), and SIGKILL after `stop_timeout`. A replacement
+//! starts first and registers (its predecessor turns draining in the same snapshot) before the
+//! predecessor is retired, unless both would need the same fixed address.
+//!
+//! A passed-socket worker (`pass_socket`) never registers itself: the task starts its probe
+//! ([`register_when_ready`]) with it, and the probe registers it once its listener answers.
 //!
 //! Invariant: the task is the only writer of its slot's entries, in the process table and in the
-//! registry's slot status; a worker's endpoint is only ever drained or removed here, never added.
+//! registry's slot status; a worker's endpoint is only ever drained or removed here, and added only
+//! by the probe of a passed-socket worker the task started.
 
 use std::{
     io,
@@ -523,7 +528,7 @@ impl SlotTask {
     }
 
     /// Drains and stops `instance`: marks it draining, waits until every connected Envoy has ACKed that
-    /// (at most `drain_timeout`), then SIGTERM, and SIGKILL after `stop_timeout`.
+    /// (at most `drain_timeout`), then its `stop_signal`, and SIGKILL after `stop_timeout`.
     async fn retire(&self, instance: Instance, why: &str) -> Ending {
         let Slot { service, index } = &self.slot;
         let pid = instance.pid;
@@ -567,7 +572,7 @@ impl SlotTask {
                 .drain
                 .observe(begun.elapsed().as_secs_f64());
         }
-        tracing::debug!(pid, why, "Stopping worker");
+        tracing::debug!(pid, why, signal = %self.launch.stop_signal, "Stopping worker");
         signal(&instance.pidfd, self.launch.stop_signal.signal);
         let exit = match tokio::time::timeout(self.lifecycle.stop_timeout, exited(&instance.pidfd))
             .await
