@@ -63,6 +63,9 @@ pub struct Described {
     pub counter: Option<(i32, usize)>,
     /// When it started, in clock ticks after boot (`/proc/PID/stat` field 22): the newest wins a slot.
     pub started: u64,
+    /// Its parent (`/proc/PID/stat` field 4): a process whose parent is a worker too is part of
+    /// that worker (a server's own children, as gunicorn's), not a worker of its own.
+    pub ppid: u32,
     /// Where it listens, as its environment says (`PEREGRINE_URL`): for a worker whose listener the
     /// supervisor passed, the address it was bound to.
     pub url: Option<BindUrl>,
@@ -83,6 +86,11 @@ pub struct Found {
 /// and takes over those with a slot in `config`; stops the others.
 pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
     let found = scan(&config.supervisor.control, lineage);
+    // A worker's own children carry its environment: they go with it, adopted or stopped.
+    let pids: std::collections::HashSet<u32> = found.iter().map(|w| w.pid).collect();
+    let found = found
+        .into_iter()
+        .filter(|w| !pids.contains(&w.described.ppid));
     let mut by_slot: HashMap<Slot, Found> = HashMap::new();
     let mut unwanted = Vec::new();
     for worker in found {
@@ -203,12 +211,13 @@ fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Optio
         (Some(fd), Some(lane)) => Some((fd.parse().ok()?, lane.parse().ok()?)),
         _ => None,
     };
-    let started = Stat::parse(stat)?.starttime;
+    let stat = Stat::parse(stat)?;
     let url = text(ENV_URL).and_then(|url| url.parse().ok());
     Some(Described {
         slot: Slot { service, index },
         counter,
-        started,
+        started: stat.starttime,
+        ppid: stat.ppid,
         url,
     })
 }
@@ -333,6 +342,7 @@ mod tests {
                 },
                 counter: Some((5, 17)),
                 started: 987654,
+                ppid: 1,
                 url: None,
             })
         );

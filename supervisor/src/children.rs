@@ -72,6 +72,9 @@ pub struct Child {
     pub lane: usize,
     /// Where it counts its requests.
     pub counter: CounterRef,
+    /// Whether it counts its requests there at all: a server on a passed listener (`pass_socket`)
+    /// does not, so its request rate is unknown, and no stall is judged from it.
+    pub counts_requests: bool,
 }
 
 /// Live worker processes by pid.
@@ -130,6 +133,18 @@ impl Children {
         lane: usize,
         counters: &Arc<Counters>,
     ) {
+        self.insert_counted_for_test(pid, (service, index), lane, counters, true);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn insert_counted_for_test(
+        &self,
+        pid: u32,
+        (service, index): (&str, u32),
+        lane: usize,
+        counters: &Arc<Counters>,
+        counts_requests: bool,
+    ) {
         let child = Child {
             slot: Slot {
                 service: service.into(),
@@ -137,6 +152,7 @@ impl Children {
             },
             lane,
             counter: CounterRef::new(counters.clone(), lane),
+            counts_requests,
         };
         self.lock().insert(pid, child);
     }

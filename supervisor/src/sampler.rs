@@ -245,6 +245,8 @@ struct Sampler {
 struct Tracked {
     pid: u32,
     counter: CounterRef,
+    /// Whether the worker counts its requests (see [`crate::children::Child::counts_requests`]).
+    counted: bool,
     history: Option<rates::History>,
     /// Whether a read error other than "gone" was logged already (once per instance is enough).
     warned: bool,
@@ -372,8 +374,10 @@ impl Sampler {
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
             tracked.history = Some(history);
-            // Only a worker that served nothing can be stalled; one that did is not.
+            // Only a worker that served nothing can be stalled; one that did is not. One that counts
+            // no requests (a server on a passed listener) is never judged by them.
             let (stall, suspect) = match rates {
+                Some(_) if !tracked.counted => (None, false),
                 Some(rates) if rates.requests_per_second == 0.0 => {
                     let seen = stall::Observation {
                         state: peregrine_contract::procfs::stat(pid).ok().map(|s| s.state),
@@ -404,14 +408,20 @@ impl Sampler {
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, bool)> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
                 if let Some(child) = self.children.child(worker.pid) {
                     current.insert(
                         child.lane,
-                        (worker.pid, service, worker.index, child.counter),
+                        (
+                            worker.pid,
+                            service,
+                            worker.index,
+                            child.counter,
+                            child.counts_requests,
+                        ),
                     );
                 }
             }
@@ -426,7 +436,7 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter)) in current {
+        for (lane, (pid, service, index, counter, counted)) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
@@ -436,6 +446,7 @@ impl Sampler {
                             Tracked {
                                 pid,
                                 counter,
+                                counted,
                                 history: None,
                                 warned: false,
                                 suspect: false,
@@ -746,6 +757,35 @@ mod tests {
         assert_eq!(sample.stalls[0].stall, None);
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_worker_that_counts_no_requests_is_never_judged_stalled_by_them() {
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(2).unwrap());
+        let registry = Registry::new(["a".to_string()]);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        // A server on a passed listener: bytes wait in its sockets while its arbiter sleeps, and its
+        // requests are served (by a child process) without a count.
+        let pid = std::process::id();
+        children.insert_counted_for_test(pid, ("a", 0), 0, &counters, false);
+        register(&registry, "a", 0, pid);
+        fake.totals
+            .lock()
+            .unwrap()
+            .insert(pid, SchedTotals::default());
+        let t0 = Instant::now();
+        let snapshot = registry.snapshot();
+        for s in 0..4 {
+            let sample = sampler.tick_with(
+                &snapshot,
+                t0 + Duration::from_secs(s),
+                SystemTime::UNIX_EPOCH,
+                |_| Some(512),
+            );
+            assert!(sample.stalls.is_empty(), "tick {s}: {:?}", sample.stalls);
+        }
     }
 
     /// Waits (up to 5 s) until process `pid` is in scheduler state `state`.

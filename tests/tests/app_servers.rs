@@ -204,6 +204,8 @@ fn serves_and_recovers(server: Server) {
     );
     let logs = apps.supervisor.all_logs();
     assert!(logs.contains("Worker ready"), "{logs}");
+    // It counts no requests for the supervisor: never taken for a stalled worker for that.
+    assert!(!logs.contains("Worker stalled"), "{logs}");
     let status = apps.supervisor.stop().expect("the supervisor stops");
     assert!(status.success(), "{status}\n{}", apps.supervisor.all_logs());
 }
@@ -270,7 +272,24 @@ fn a_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_on
 }
 
 #[test]
-fn a_restarted_supervisor_adopts_servers_on_passed_sockets() {
+fn a_restarted_supervisor_adopts_gunicorn_and_not_its_workers_children() {
+    adopts(Server::Gunicorn);
+}
+
+#[test]
+fn a_restarted_supervisor_adopts_uvicorn() {
+    adopts(Server::Uvicorn);
+}
+
+#[test]
+fn a_restarted_supervisor_adopts_node() {
+    adopts(Server::Node);
+}
+
+/// A supervisor SIGKILLed and started again adopts `server`'s workers (they never dial the control
+/// socket: it finds them by their environment and probes them again), under load, losing nothing. The
+/// children a server forks (gunicorn's workers) carry the same environment and are left to it.
+fn adopts(server: Server) {
     let test = current_test();
     if envoy_or_skip(&test).is_none() {
         return;
@@ -278,7 +297,7 @@ fn a_restarted_supervisor_adopts_servers_on_passed_sockets() {
     let Some(servers) = app_servers_or_skip(&test) else {
         return;
     };
-    let mut apps = Apps::start(Server::Uvicorn, &servers, 2, "");
+    let mut apps = Apps::start(server, &servers, 2, "");
     let workers = apps.wait_for_workers(2, &BTreeSet::new());
     let load = apps.load();
     apps.supervisor.kill_and_start_again().unwrap();
@@ -291,6 +310,10 @@ fn a_restarted_supervisor_adopts_servers_on_passed_sockets() {
     assert!(
         logs.contains("Adopting a worker") && logs.contains("passed=Some"),
         "{logs}"
+    );
+    assert!(
+        !logs.contains("has no slot here"),
+        "nothing was stopped: {logs}"
     );
     wait_until(STEP, "Envoy to reconnect", || {
         (apps

@@ -8,6 +8,10 @@
 //! a guard that kills its process group on drop, and the supervisor's guard also kills its workers (found
 //! by their environment), so nothing outlives the demo, even on error.
 //!
+//! `cargo xtask demo --app python` runs the same show with gunicorn serving a WSGI app as the workers,
+//! on listeners the supervisor binds and passes (`pass_socket`), without the ORCA part: such workers
+//! are balanced by least request.
+//!
 //! `cargo xtask demo fleet [--keep-running]` is the fleet's demo ([`fleet`]): three hosts as network
 //! namespaces sharing membership through etcd, a host killed and one cut off under traffic.
 
@@ -39,23 +43,41 @@ const REQUESTS: usize = 100;
 /// How long to wait for Envoy to see the workers.
 const CONVERGE: Duration = Duration::from_secs(60);
 
+/// What the workers of the demo are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum App {
+    /// The built-in hello worker.
+    Hello,
+    /// gunicorn serving a WSGI app (`tests/apps/wsgi_app.py`), on listeners the supervisor passes.
+    Python,
+}
+
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if args.first().is_some_and(|arg| arg == "fleet") {
         return fleet::run(&args[1..]);
     }
-    let keep_running = keep_running(args)?;
+    let (app, keep_running) = options(args)?;
     let peregrine = peregrine_binary()?;
     let envoy_binary = envoy::install()?;
     let dir = demo_dir("")?;
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = sample_config(&dir, grpc, listen, admin, WORKERS as u32);
+    let mut config = sample_config(&dir, grpc, listen, admin, WORKERS as u32);
+    if app == App::Python {
+        config = python_service(&config)?;
+    }
     println!("demo directory: {}", dir.display());
     println!(
         "xDS on 127.0.0.1:{grpc}, Envoy listener on 127.0.0.1:{listen}, admin on 127.0.0.1:{admin}"
     );
 
     let mut supervisor = Supervisor::start_in(&peregrine, &dir, &config)?;
-    let result = with_envoy(&mut supervisor, &envoy_binary, &dir, listen, keep_running);
+    let result = with_envoy(
+        &mut supervisor,
+        &envoy_binary,
+        &dir,
+        listen,
+        (app, keep_running),
+    );
     if result.is_err() {
         eprintln!("{}", supervisor.logs());
     }
@@ -66,13 +88,56 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     result.map(|()| ExitCode::SUCCESS)
 }
 
-/// `--keep-running` or nothing.
+/// `--keep-running` or nothing (the fleet demo's options).
 fn keep_running(args: &[String]) -> anyhow::Result<bool> {
     match args {
         [] => Ok(false),
         [flag] if flag == "--keep-running" => Ok(true),
         _ => bail!("unexpected arguments {args:?}\n\n{USAGE}"),
     }
+}
+
+/// `[--app python] [--keep-running]`.
+fn options(args: &[String]) -> anyhow::Result<(App, bool)> {
+    let (mut app, mut keep_running) = (App::Hello, false);
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--keep-running" => keep_running = true,
+            "--app" => match args.next().map(String::as_str) {
+                Some("python") => app = App::Python,
+                Some("hello") => app = App::Hello,
+                other => bail!("--app takes python or hello, not {other:?}\n\n{USAGE}"),
+            },
+            _ => bail!("unexpected argument {arg:?}\n\n{USAGE}"),
+        }
+    }
+    Ok((app, keep_running))
+}
+
+/// The demo config with its service run by gunicorn (installed now, pinned, into
+/// `target/pyapps/`) on listeners the supervisor binds and passes, ready once `/healthz` answers.
+fn python_service(config: &str) -> anyhow::Result<String> {
+    let bin = crate::pyapps::install()?;
+    let apps = peregrine_e2e::workspace_root().join("tests/apps");
+    let command = [
+        bin.join("gunicorn").display().to_string(),
+        "--no-control-socket".into(),
+        "--workers".into(),
+        "1".into(),
+        "--chdir".into(),
+        apps.display().to_string(),
+        "wsgi_app:app".into(),
+    ]
+    .map(|word| format!("{word:?}"))
+    .join(", ");
+    let service = format!("pass_socket = true\nready_path = \"/healthz\"\ncommand = [{command}]\n");
+    let replaced = config.replacen("url = \"http://localhost:0\"\n", &service, 1);
+    anyhow::ensure!(
+        replaced != config,
+        "the demo config has no worker url to replace"
+    );
+    Ok(replaced)
 }
 
 /// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),
@@ -105,12 +170,12 @@ fn with_envoy(
     envoy_binary: &Path,
     dir: &Path,
     listen: u16,
-    keep_running: bool,
+    (app, keep_running): (App, bool),
 ) -> anyhow::Result<()> {
     let bootstrap = supervisor.envoy_bootstrap()?;
     let mut envoy = Envoy::start_in(envoy_binary, dir, &bootstrap)?;
     let listener = SocketAddr::from((Ipv4Addr::LOCALHOST, listen));
-    let result = show(supervisor, &mut envoy, listener, keep_running);
+    let result = show(supervisor, &mut envoy, listener, (app, keep_running));
     if result.is_err() {
         eprintln!("{}", envoy.logs());
     }
@@ -121,7 +186,7 @@ fn show(
     supervisor: &mut Supervisor,
     envoy: &mut Envoy,
     listener: SocketAddr,
-    keep_running: bool,
+    (app, keep_running): (App, bool),
 ) -> anyhow::Result<()> {
     let start = Instant::now();
     let first = converge(supervisor, envoy, "Envoy to list 2 hosts", |hosts| {
@@ -160,6 +225,14 @@ fn show(
     let answers = traffic(listener)?;
     if answers.contains_key(&victim) {
         bail!("the killed worker {victim} still answers");
+    }
+
+    if app == App::Python {
+        println!(
+            "\ngunicorn's workers count no requests for the supervisor: Envoy balances them by least \
+             request (README, \"Bring your own server\")"
+        );
+        return finish(supervisor, envoy, listener, keep_running);
     }
 
     // Load reports under load: two clients send CPU-heavy requests (`?cpu=2`) while the sampler's
@@ -204,7 +277,16 @@ fn show(
     println!("{table}");
     println!("Envoy's client-side weighted round robin weights from those reports:");
     print_hosts(&weighted);
+    finish(supervisor, envoy, listener, keep_running)
+}
 
+/// The deploys under load, then, with `--keep-running`, the stack until Ctrl-C.
+fn finish(
+    supervisor: &mut Supervisor,
+    envoy: &mut Envoy,
+    listener: SocketAddr,
+    keep_running: bool,
+) -> anyhow::Result<()> {
     deploys(supervisor, envoy, listener)?;
 
     if keep_running {

@@ -37,7 +37,9 @@ commands:
                         (e.g. `cargo xtask test -- envoy` runs the tests whose names contain `envoy`)
   build-ebpf            build the eBPF sampler with clang (as the peregrine-ebpf build script does) into
                         target/ebpf/sampler.bpf.o and list its programs and maps
-  demo [--keep-running] start the supervisor and Envoy, send traffic, kill a worker, watch it come back
+  demo [--app python] [--keep-running]
+                        start the supervisor and Envoy, send traffic, kill a worker, watch it come back
+                        (--app python: gunicorn workers on listeners the supervisor passes)
   demo fleet [--keep-running]
                         as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
                         Envoy under traffic; kill a host and start it again, cut one off and restore it,

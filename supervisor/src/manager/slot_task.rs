@@ -81,6 +81,7 @@ impl Adopted {
                 slot: slot.clone(),
                 lane: lane.index(),
                 counter,
+                counts_requests: !launch.pass_socket,
             },
         );
         Ok(Instance {
@@ -420,6 +421,7 @@ impl SlotTask {
             slot: self.slot.clone(),
             lane: lane.index(),
             counter: CounterRef::new(self.context.counters.clone(), lane.index()),
+            counts_requests: !self.launch.pass_socket,
         };
         let (pid, (pidfd, passed)) = self.context.children.spawn(child, || {
             let spawned = self.launch.spawn(lane.index())?;
