@@ -11,30 +11,11 @@ killed by SIGTERM rather than with status 0.
 """
 import asyncio
 import os
-import time
 from urllib.parse import parse_qs
 
+from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
+
 SERVER = "uvicorn"
-MAX_CPU_MS = 1000
-MAX_SLEEP_MS = 60000
-
-
-def burn_cpu(ms):
-    """Busy-loops until this thread has used `ms` milliseconds of CPU."""
-    end = time.thread_time() + ms / 1000
-    while time.thread_time() < end:
-        pass
-
-
-def millis(query, name, cap):
-    """The query's `name` as a count of milliseconds (0 when absent, capped); ValueError if malformed."""
-    values = query.get(name)
-    if not values:
-        return 0
-    value = int(values[0])
-    if value < 0:
-        raise ValueError(name)
-    return min(value, cap)
 
 
 async def app(scope, receive, send):

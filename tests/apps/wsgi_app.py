@@ -15,27 +15,12 @@ import os
 import time
 from urllib.parse import parse_qs
 
+from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
+
 SERVER = "gunicorn"
-MAX_CPU_MS = 1000
-MAX_SLEEP_MS = 60000
-
-
-def burn_cpu(ms):
-    """Busy-loops until this thread has used `ms` milliseconds of CPU."""
-    end = time.thread_time() + ms / 1000
-    while time.thread_time() < end:
-        pass
-
-
-def millis(query, name, cap):
-    """The query's `name` as a count of milliseconds (0 when absent, capped); ValueError if malformed."""
-    values = query.get(name)
-    if not values:
-        return 0
-    value = int(values[0])
-    if value < 0:
-        raise ValueError(name)
-    return min(value, cap)
+# The process the supervisor started: gunicorn's arbiter, which forked this worker and then loaded
+# the app in it. Taken now, so a worker orphaned by a killed arbiter still names it.
+SUPERVISED_PID = os.getppid()
 
 
 def app(environ, start_response):
@@ -55,7 +40,7 @@ def app(environ, start_response):
         else:
             burn_cpu(cpu)
             time.sleep(sleep / 1000)
-            body = f"Hello from worker {os.getppid()}!\n".encode()
+            body = f"Hello from worker {SUPERVISED_PID}!\n".encode()
     start_response(
         status,
         [

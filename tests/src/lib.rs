@@ -27,6 +27,7 @@
 
 pub mod admin_watch;
 pub mod cpus;
+pub mod deploy;
 mod envoy;
 mod etcd;
 mod fleet;
@@ -53,8 +54,8 @@ pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     AppServers, app_servers_or_skip, ebpf_or_skip, envoy_or_skip, envoy_path, example_path,
-    free_port, peregrine_path, python_clients_or_skip, target_dir, test_app, tool_or_skip,
-    venv_envoy_binary, workspace_root,
+    free_port, gunicorn_command, peregrine_path, python_clients_or_skip, target_dir, test_app,
+    tool_or_skip, venv_envoy_binary, workspace_root,
 };
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.

@@ -248,6 +248,20 @@ pub fn app_servers_or_skip(test: &str) -> Option<AppServers> {
     None
 }
 
+/// The command that runs `gunicorn` on the WSGI test application, one process on the listener the
+/// supervisor passes (gunicorn takes it from `LISTEN_FDS` itself: no `--bind`).
+pub fn gunicorn_command(gunicorn: &Path) -> Vec<String> {
+    vec![
+        gunicorn.display().to_string(),
+        "--no-control-socket".into(),
+        "--workers".into(),
+        "1".into(),
+        "--chdir".into(),
+        test_app("").display().to_string(),
+        "wsgi_app:app".into(),
+    ]
+}
+
 /// The absolute path of the test application `tests/apps/<name>` (e.g. `wsgi_app.py`).
 pub fn test_app(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

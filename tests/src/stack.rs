@@ -4,7 +4,8 @@
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use crate::{
-    Envoy, Host, Supervisor, free_port, hosts, http_get, sample_config, wait_until, worker_pid,
+    Envoy, Host, Supervisor, deploy::Deployed, free_port, hosts, http_get, sample_config,
+    wait_until, worker_pid,
 };
 
 /// The Envoy cluster (and service) a [`Stack`] runs.
@@ -23,6 +24,16 @@ pub struct Stack {
 }
 
 impl Stack {
+    /// The stack's Envoy and supervisor as the zero-downtime steps see them ([`Deployed`]).
+    pub fn deployed(&self) -> Deployed<'_> {
+        Deployed {
+            envoy: &self.envoy,
+            supervisor: &self.supervisor,
+            cluster: CLUSTER,
+            listen: self.listen,
+        }
+    }
+
     /// `workers` hello workers on `http://localhost:0`, dedicated CDS/EDS streams.
     #[track_caller]
     pub fn start(workers: u32) -> Stack {

@@ -9,16 +9,13 @@ use std::{
 };
 
 use peregrine_e2e::{
-    AppServers, Envoy, Load, LoadReport, Supervisor, app_servers_or_skip, base_config,
-    current_test, envoy_or_skip, free_port, gone, http_get, test_app, wait_until, worker_pid,
+    AppServers, Envoy, Supervisor, app_servers_or_skip, base_config, current_test,
+    deploy::{Deployed, STEP},
+    envoy_or_skip, free_port, gone, gunicorn_command, http_get, test_app, wait_until, worker_pid,
 };
 
 /// The service (and Envoy cluster) the tests run.
 const SERVICE: &str = "app";
-/// How long a step (hosts in Envoy, a restart) may take.
-const STEP: Duration = Duration::from_secs(60);
-/// The longest any load runs (each test stops its load long before).
-const LOAD_LIMIT: Duration = Duration::from_secs(120);
 
 /// The servers under test.
 #[derive(Clone, Copy, Debug)]
@@ -31,24 +28,14 @@ enum Server {
 impl Server {
     /// The service's `command`, as TOML.
     fn command(self, servers: &AppServers) -> String {
-        let apps = test_app("");
         let words: Vec<String> = match self {
-            // gunicorn takes the passed socket from LISTEN_FDS itself.
-            Server::Gunicorn => vec![
-                servers.gunicorn.display().to_string(),
-                "--no-control-socket".into(),
-                "--workers".into(),
-                "1".into(),
-                "--chdir".into(),
-                apps.display().to_string(),
-                "wsgi_app:app".into(),
-            ],
+            Server::Gunicorn => gunicorn_command(&servers.gunicorn),
             Server::Uvicorn => vec![
                 servers.uvicorn.display().to_string(),
                 "--fd".into(),
                 "{fd}".into(),
                 "--app-dir".into(),
-                apps.display().to_string(),
+                test_app("").display().to_string(),
                 "asgi_app:app".into(),
             ],
             Server::Node => vec![
@@ -90,48 +77,14 @@ impl Apps {
         }
     }
 
-    /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`.
-    fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32> {
-        wait_until(
-            STEP,
-            &format!("{n} healthy hosts in Envoy, none of {not:?}"),
-            || {
-                let (healthy, all) = self.envoy.host_pids(SERVICE).ok()?;
-                (healthy.len() == n && all.len() == n && healthy.is_disjoint(not))
-                    .then_some(healthy)
-            },
-        )
-    }
-
-    /// Starts two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once both are served.
-    fn load(&self) -> Load {
-        let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
-        wait_until(STEP, "the load to be served", || {
-            let seen = load.snapshot();
-            assert!(seen.failures.is_empty(), "{:?}", seen.failures);
-            (seen.ok.len() == 2 && seen.ok.values().all(|n| *n >= 20)).then_some(())
-        });
-        load
-    }
-
-    /// Lets the load serve `more` requests per protocol, stops it, and checks none failed.
-    fn finish(&self, load: Load, more: u64) -> LoadReport {
-        let before = load.snapshot();
-        wait_until(STEP, "more requests served", || {
-            let now = load.snapshot();
-            now.ok
-                .iter()
-                .all(|(protocol, n)| *n >= before.ok[protocol] + more)
-                .then_some(())
-        });
-        let report = load.stop();
-        assert!(
-            report.failures.is_empty(),
-            "failed requests: {:?}\n{}",
-            report.failures,
-            self.supervisor.all_logs()
-        );
-        report
+    /// The stack as the zero-downtime steps see it.
+    fn deployed(&self) -> Deployed<'_> {
+        Deployed {
+            envoy: &self.envoy,
+            supervisor: &self.supervisor,
+            cluster: SERVICE,
+            listen: self.listen,
+        }
     }
 
     /// The address the supervisor published for worker `pid`.
@@ -147,18 +100,21 @@ impl Apps {
     }
 }
 
+/// The servers, or `None` when the test skips (no Envoy, or a server missing).
+fn servers() -> Option<AppServers> {
+    let test = current_test();
+    envoy_or_skip(&test)?;
+    app_servers_or_skip(&test)
+}
+
 /// `server` serves through Envoy; a SIGKILLed worker is replaced on a new port while the load loses
 /// no request; a rolling restart under load loses none either.
 fn serves_and_recovers(server: Server) {
-    let test = current_test();
-    if envoy_or_skip(&test).is_none() {
-        return;
-    }
-    let Some(servers) = app_servers_or_skip(&test) else {
+    let Some(servers) = servers() else {
         return;
     };
     let mut apps = Apps::start(server, &servers, 2, "");
-    let first = apps.wait_for_workers(2, &BTreeSet::new());
+    let first = apps.deployed().wait_for_workers(2, &BTreeSet::new());
     let (status, body) = http_get(apps.listen, "/").unwrap();
     assert_eq!(status, 200, "{body}");
     let pid = worker_pid(&body).expect("a worker's answer");
@@ -166,7 +122,7 @@ fn serves_and_recovers(server: Server) {
         first.contains(&pid),
         "{pid} answered, Envoy routes to {first:?}"
     );
-    let load = apps.load();
+    let load = apps.deployed().load();
 
     // SIGKILL: the slot's next worker gets a listener of its own, on another port.
     let victim = *first.iter().next().unwrap();
@@ -177,7 +133,7 @@ fn serves_and_recovers(server: Server) {
     )
     .unwrap();
     let not: BTreeSet<u32> = [victim].into();
-    let second = apps.wait_for_workers(2, &not);
+    let second = apps.deployed().wait_for_workers(2, &not);
     let replacement = *second.difference(&first).next().expect("a new worker");
     let new_address = apps.address_of(replacement);
     assert_ne!(new_address, old_address, "a new listener");
@@ -192,11 +148,12 @@ fn serves_and_recovers(server: Server) {
         out.starts_with("2 replaced, 0 added, 0 removed, 0 failed"),
         "{out}"
     );
-    let third = apps.wait_for_workers(2, &second);
+    let third = apps.deployed().wait_for_workers(2, &second);
     for pid in &second {
         wait_until(STEP, "the old workers to exit", || gone(*pid).then_some(()));
     }
-    let report = apps.finish(load, 50);
+    let all: BTreeSet<u32> = first.iter().chain(&second).chain(&third).copied().collect();
+    let report = apps.deployed().finish(load, 50, &all);
     assert!(
         third.iter().all(|pid| report.by_pid.contains_key(pid)),
         "the new workers served: {third:?} in {:?}",
@@ -227,16 +184,12 @@ fn node_serves_through_envoy_and_recovers_from_kills_and_restarts() {
 
 #[test]
 fn a_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
-    let test = current_test();
-    if envoy_or_skip(&test).is_none() {
-        return;
-    }
-    let Some(servers) = app_servers_or_skip(&test) else {
+    let Some(servers) = servers() else {
         return;
     };
     let apps = Apps::start(Server::Node, &servers, 1, "");
-    let old = apps.wait_for_workers(1, &BTreeSet::new());
-    let load = apps.load();
+    let old = apps.deployed().wait_for_workers(1, &BTreeSet::new());
+    let load = apps.deployed().load();
 
     // The new command's servers answer their ready path 503: the reload replaces nothing.
     let path = apps.supervisor.config_path();
@@ -268,7 +221,7 @@ fn a_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_on
         old,
         "the old worker still serves"
     );
-    apps.finish(load, 50);
+    apps.deployed().finish(load, 50, &old);
 }
 
 #[test]
@@ -290,16 +243,12 @@ fn a_restarted_supervisor_adopts_node() {
 /// socket: it finds them by their environment and probes them again), under load, losing nothing. The
 /// children a server forks (gunicorn's workers) carry the same environment and are left to it.
 fn adopts(server: Server) {
-    let test = current_test();
-    if envoy_or_skip(&test).is_none() {
-        return;
-    }
-    let Some(servers) = app_servers_or_skip(&test) else {
+    let Some(servers) = servers() else {
         return;
     };
     let mut apps = Apps::start(server, &servers, 2, "");
-    let workers = apps.wait_for_workers(2, &BTreeSet::new());
-    let load = apps.load();
+    let workers = apps.deployed().wait_for_workers(2, &BTreeSet::new());
+    let load = apps.deployed().load();
     apps.supervisor.kill_and_start_again().unwrap();
     let registered = wait_until(STEP, "the servers registered again", || {
         let pids = apps.supervisor.status_pids().ok()?;
@@ -323,5 +272,5 @@ fn adopts(server: Server) {
         .then_some(())
     });
     assert_eq!(apps.envoy.host_pids(SERVICE).unwrap().0, workers);
-    apps.finish(load, 50);
+    apps.deployed().finish(load, 50, &workers);
 }

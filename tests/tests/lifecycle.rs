@@ -2,20 +2,11 @@
 //! by reload, and a supervisor killed and started again, each under continuous HTTP/1.1 and HTTP/2
 //! load through the real Envoy. Every request is checked; none may fail.
 
-use std::{
-    collections::BTreeSet,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeSet, process::Command, time::Instant};
 
 use peregrine_e2e::{
-    CLUSTER, Load, LoadReport, Stack, envoy_or_skip, gone, peregrine_path, wait_until,
+    CLUSTER, Load, LoadReport, Stack, deploy::STEP, envoy_or_skip, gone, peregrine_path, wait_until,
 };
-
-/// The longest any load runs (each test stops its load long before).
-const LOAD_LIMIT: Duration = Duration::from_secs(150);
-/// How long a step (hosts in Envoy, a restart) may take.
-const STEP: Duration = Duration::from_secs(60);
 
 /// Starts a [`Stack`] of `workers` (see [`Stack::start_at`]) and waits until Envoy routes to them all.
 fn started(workers: u32, envoy_extra: &str, url: &str) -> Stack {
@@ -35,36 +26,16 @@ trait Deploys {
 }
 
 impl Deploys for Stack {
-    /// The pids of the `cluster` hosts Envoy routes to (healthy), and of all it lists.
     fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
-        self.envoy
-            .host_pids(CLUSTER)
-            .expect("Envoy's admin /clusters")
+        self.deployed().envoy_pids()
     }
 
-    /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`; returns their
-    /// pids.
     fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32> {
-        wait_until(
-            STEP,
-            &format!("{n} healthy hosts in Envoy, none of {not:?}"),
-            || {
-                let (healthy, all) = self.envoy_pids();
-                (healthy.len() == n && all.len() == n && healthy.is_disjoint(not))
-                    .then_some(healthy)
-            },
-        )
+        self.deployed().wait_for_workers(n, not)
     }
 
-    /// Starts the load: two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once it is served.
     fn load(&self) -> Load {
-        let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
-        wait_until(STEP, "the load to be served", || {
-            let seen = load.snapshot();
-            assert!(seen.failures.is_empty(), "{:?}", seen.failures);
-            (seen.ok.len() == 2 && seen.ok.values().all(|n| *n >= 20)).then_some(())
-        });
-        load
+        self.deployed().load()
     }
 
     /// Runs `peregrine COMMAND CONFIG [EXTRA]` and returns its stdout; panics if it fails.
@@ -79,49 +50,8 @@ impl Deploys for Stack {
         self.supervisor.set_count(count).expect("the config file");
     }
 
-    /// Lets the load go on until each protocol served `more` further requests, then stops it and
-    /// checks that no request failed and that every answer came from one of `workers`.
     fn finish(&self, load: Load, more: u64, workers: &BTreeSet<u32>) -> LoadReport {
-        let before = load.snapshot();
-        wait_until(STEP, "more requests served", || {
-            let now = load.snapshot();
-            now.ok
-                .iter()
-                .all(|(protocol, n)| *n >= before.ok[protocol] + more)
-                .then_some(())
-        });
-        let report = load.stop();
-        assert!(
-            report.failures.is_empty(),
-            "{} of {} requests failed: {:?}\n{}",
-            report.failures.len(),
-            report.served() + report.failures.len() as u64,
-            &report.failures[..report.failures.len().min(10)],
-            self.supervisor.all_logs()
-        );
-        let strangers: Vec<&u32> = report
-            .by_pid
-            .keys()
-            .filter(|pid| !workers.contains(pid))
-            .collect();
-        assert!(
-            strangers.is_empty(),
-            "answered by {strangers:?}, not a worker of {workers:?}"
-        );
-        // Envoy's own retries (the route retries resets and refused streams) would hide a drain that
-        // let a request reach a stopping worker: say how many there were.
-        let retries = self
-            .envoy
-            .stat(&format!("cluster.{CLUSTER}.upstream_rq_retry"))
-            .unwrap_or(0);
-        eprintln!(
-            "{} requests in {:?} ({:?} by protocol), none failed, {retries} retried by Envoy; by worker: {:?}",
-            report.served(),
-            report.elapsed,
-            report.ok,
-            report.by_pid
-        );
-        report
+        self.deployed().finish(load, more, workers)
     }
 }
 

@@ -119,18 +119,11 @@ fn options(args: &[String]) -> anyhow::Result<(App, bool)> {
 /// `target/pyapps/`) on listeners the supervisor binds and passes, ready once `/healthz` answers.
 fn python_service(config: &str) -> anyhow::Result<String> {
     let bin = crate::pyapps::install()?;
-    let apps = peregrine_e2e::workspace_root().join("tests/apps");
-    let command = [
-        bin.join("gunicorn").display().to_string(),
-        "--no-control-socket".into(),
-        "--workers".into(),
-        "1".into(),
-        "--chdir".into(),
-        apps.display().to_string(),
-        "wsgi_app:app".into(),
-    ]
-    .map(|word| format!("{word:?}"))
-    .join(", ");
+    let command = peregrine_e2e::gunicorn_command(&bin.join("gunicorn"))
+        .iter()
+        .map(|word| format!("{word:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     let service = format!("pass_socket = true\nready_path = \"/healthz\"\ncommand = [{command}]\n");
     let replaced = config.replacen("url = \"http://localhost:0\"\n", &service, 1);
     anyhow::ensure!(

@@ -1,0 +1,103 @@
+//! The steps of the zero-downtime tests, for one Envoy cluster of a supervisor's workers: wait until
+//! Envoy routes to a given set of workers, run load through Envoy, and check that none of it failed.
+
+use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
+
+use crate::{Envoy, Load, LoadReport, Supervisor, wait_until};
+
+/// How long a step (hosts in Envoy, a restart, more requests served) may take.
+pub const STEP: Duration = Duration::from_secs(60);
+/// The longest any load runs (each test stops its load long before).
+pub const LOAD_LIMIT: Duration = Duration::from_secs(150);
+
+/// An Envoy routing `cluster` to `supervisor`'s workers, with its listener at `listen`.
+#[derive(Clone, Copy, Debug)]
+pub struct Deployed<'a> {
+    /// The Envoy.
+    pub envoy: &'a Envoy,
+    /// The supervisor (its logs go with every failure).
+    pub supervisor: &'a Supervisor,
+    /// The cluster (and service) under test.
+    pub cluster: &'a str,
+    /// Envoy's HTTP listener.
+    pub listen: SocketAddr,
+}
+
+impl Deployed<'_> {
+    /// The pids of the hosts Envoy routes to (healthy), and of all it lists.
+    pub fn envoy_pids(&self) -> (BTreeSet<u32>, BTreeSet<u32>) {
+        self.envoy
+            .host_pids(self.cluster)
+            .expect("Envoy's admin /clusters")
+    }
+
+    /// Waits until Envoy lists exactly `n` hosts, all healthy and none of them in `not`; returns their
+    /// pids.
+    pub fn wait_for_workers(&self, n: usize, not: &BTreeSet<u32>) -> BTreeSet<u32> {
+        wait_until(
+            STEP,
+            &format!("{n} healthy hosts in Envoy, none of {not:?}"),
+            || {
+                let (healthy, all) = self.envoy_pids();
+                (healthy.len() == n && all.len() == n && healthy.is_disjoint(not))
+                    .then_some(healthy)
+            },
+        )
+    }
+
+    /// Starts the load: two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once it is served.
+    pub fn load(&self) -> Load {
+        let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
+        wait_until(STEP, "the load to be served", || {
+            let seen = load.snapshot();
+            assert!(seen.failures.is_empty(), "{:?}", seen.failures);
+            (seen.ok.len() == 2 && seen.ok.values().all(|n| *n >= 20)).then_some(())
+        });
+        load
+    }
+
+    /// Lets the load serve `more` requests per protocol, stops it, and checks that none failed and that
+    /// only `workers` answered; says how many Envoy retried.
+    pub fn finish(&self, load: Load, more: u64, workers: &BTreeSet<u32>) -> LoadReport {
+        let before = load.snapshot();
+        wait_until(STEP, "more requests served", || {
+            let now = load.snapshot();
+            now.ok
+                .iter()
+                .all(|(protocol, n)| *n >= before.ok[protocol] + more)
+                .then_some(())
+        });
+        let report = load.stop();
+        assert!(
+            report.failures.is_empty(),
+            "{} of {} requests failed: {:?}\n{}",
+            report.failures.len(),
+            report.served() + report.failures.len() as u64,
+            &report.failures[..report.failures.len().min(10)],
+            self.supervisor.all_logs()
+        );
+        let strangers: Vec<&u32> = report
+            .by_pid
+            .keys()
+            .filter(|pid| !workers.contains(pid))
+            .collect();
+        assert!(
+            strangers.is_empty(),
+            "answered by {strangers:?}, not a worker of {workers:?}"
+        );
+        // Envoy's own retries (the route retries resets and refused streams) would hide a drain that
+        // let a request reach a stopping worker: say how many there were.
+        let retries = self
+            .envoy
+            .stat(&format!("cluster.{}.upstream_rq_retry", self.cluster))
+            .unwrap_or(0);
+        eprintln!(
+            "{} requests in {:?} ({:?} by protocol), none failed, {retries} retried by Envoy; by worker: {:?}",
+            report.served(),
+            report.elapsed,
+            report.ok,
+            report.by_pid
+        );
+        report
+    }
+}
