@@ -246,8 +246,7 @@ impl Probe {
     }
 
     /// Starts accounting process `pid` (all its threads) to `lane`, as a *root*: the processes it
-    /// forks from now on (and theirs) are accounted to it too, each until its thread-group leader
-    /// exits.
+    /// forks from now on (and theirs) are accounted to it too, each until its last thread exits.
     pub fn track(&mut self, lane: u32, pid: u32) -> Result<(), Error> {
         self.check_lane(lane)?;
         // A pid that is some root's descendant becomes a root of its own: its place in the

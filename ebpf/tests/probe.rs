@@ -275,7 +275,8 @@ const HELPER: &str = "PEREGRINE_EBPF_TEST_HELPER";
 ///
 /// Modes: `tree` (a process that runs and starts helpers on command), `burn:MS:DEPTH` (spins until
 /// it has been on a CPU MS ms, prints it, then runs `burn:MS:DEPTH-1` if DEPTH > 0), `sleep` (waits
-/// for its stdin to close), `nest` (starts a `sleep`, then sleeps), `serve:PORT` (a TCP server that
+/// for its stdin to close), `nest` (starts a `sleep`, then sleeps), `thread_exec` (execs `execed`
+/// from a second thread), `execed` (prints its pid, then sleeps), `serve:PORT` (a TCP server that
 /// also holds a client connection to PORT).
 #[test]
 fn helper() {
@@ -299,6 +300,19 @@ fn helper() {
             drop(Proc(child));
         }
         ["serve", sink] => serve(sink.parse().unwrap()),
+        ["thread_exec"] => {
+            // Exec from a thread other than the leader: the kernel kills the leader first.
+            let thread = std::thread::spawn(|| {
+                use std::os::unix::process::CommandExt;
+                panic!("exec: {}", helper_command("execed").exec());
+            });
+            let _ = thread.join();
+            panic!("the exec failed");
+        }
+        ["execed"] => {
+            println!("execed {}", std::process::id());
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        }
         _ => panic!("unknown helper mode {mode}"),
     }
     std::process::exit(0);
@@ -427,7 +441,14 @@ impl Helper {
 
     /// The next line of its own (the test harness prints some too), within [`DEADLINE`].
     fn line(&self) -> String {
-        let own = ["ready", "reaped", "started ", "burned ", "listening "];
+        let own = [
+            "ready",
+            "reaped",
+            "started ",
+            "burned ",
+            "listening ",
+            "execed ",
+        ];
         loop {
             let line = self
                 .lines
@@ -512,6 +533,17 @@ fn children_add_to_their_roots_totals_and_leave_the_map_with_it() {
     expected.sort_by_key(|(tgid, _)| *tgid);
     assert_eq!(found, expected);
     assert_eq!(probe.tracked().unwrap(), vec![root.pid()]);
+    // A child whose leader thread exits while the process lives on (it execs from another thread)
+    // keeps its entry.
+    root.send("start thread_exec");
+    let mut lines = [root.line(), root.line()];
+    lines.sort();
+    let execer: u32 = lines[0].strip_prefix("execed ").unwrap().parse().unwrap();
+    assert_eq!(lines[1], format!("started {execer}"));
+    assert!(
+        probe.descendants().unwrap().contains(&(execer, entry)),
+        "the process that exec'ed from a thread lost its entry"
+    );
     probe.untrack(root.pid()).unwrap();
     assert_eq!(probe.descendants().unwrap(), Vec::new());
     assert_eq!(probe.tracked().unwrap(), Vec::<u32>::new());

@@ -6,7 +6,7 @@
  * Process trees. The supervisor inserts each worker (the *root*) in map `tracked`; a process that a
  * tracked process forks (a new thread group, not a thread) is inserted by the fork program with its
  * parent's lane and root, so grandchildren inherit the root too, and removed by the exit program when
- * its thread-group leader exits. Cells are tagged with the root: a descendant's time adds to its
+ * its thread group dies (its last thread exits). Cells are tagged with the root: a descendant's time adds to its
  * root's totals. An entry whose root is no longer tracked as a root in the same lane (a fork that
  * raced the root's untracking) is stale: it counts nothing and is deleted when found. Descendants
  * have a budget of entries (`max_descendants`, set by the loader); past it, or when the map is full,
@@ -25,8 +25,8 @@
  * fields used, marked preserve_access_index, so libbpf-style relocations fix the offsets against the
  * running kernel's BTF at load time. tp_btf programs receive typed pointers and read them directly.
  *
- * Cost for a process that is not tracked: one hash lookup per scheduler event, per fork, per exit of
- * a thread-group leader and per socket send that sent bytes.
+ * Cost for a process that is not tracked: one hash lookup per scheduler event, per fork, per
+ * process exit (a thread's exit reads one counter) and per socket send that sent bytes.
  */
 #include <stdbool.h>
 #include <linux/types.h>
@@ -39,9 +39,19 @@
 #define TASK_RUNNING 0
 #define TASK_DEAD 0x80
 
+/* The kernel's atomic_t. */
+struct peregrine_atomic {
+	int counter;
+};
+
+struct signal_struct {
+	struct peregrine_atomic live; /* the thread group's threads that have not begun to exit */
+} __attribute__((preserve_access_index));
+
 struct task_struct {
 	int pid;
 	int tgid;
+	struct signal_struct *signal;
 } __attribute__((preserve_access_index));
 
 #define AF_INET 2
@@ -300,14 +310,17 @@ int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
 }
 
 /*
- * A task exits. When a descendant's thread-group leader exits, its entry goes; a root's stays until
- * the supervisor removes it.
+ * A task exits. When a descendant's thread group is dead (its last thread has begun to exit:
+ * do_exit has counted signal->live down to 0 before this tracepoint), its entry goes; a root's
+ * stays until the supervisor removes it. Not the leader's exit: a leader may exit before its
+ * threads, and exec from another thread kills the leader while the process lives on. (Two threads
+ * exiting at once may both see 0; the second delete finds nothing.)
  */
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(on_exit, struct task_struct *task)
 {
 	__u32 tgid = task->tgid;
-	if (task->pid != task->tgid)
+	if (task->signal->live.counter != 0)
 		return 0;
 	struct peregrine_tracked *entry = bpf_map_lookup_elem(&tracked, &tgid);
 	if (entry && entry->root != tgid)
