@@ -141,8 +141,14 @@ pub struct Probe {
 }
 
 impl Probe {
-    /// Loads the program for `lanes` worker lanes and attaches it to the scheduler's tracepoints.
+    /// Loads the program for `lanes` worker lanes and attaches it to the scheduler's tracepoints, with
+    /// room for [`MAX_DESCENDANTS`] descendants.
     pub fn load(lanes: u32) -> Result<Probe, Error> {
+        Probe::load_with_budget(lanes, MAX_DESCENDANTS)
+    }
+
+    /// [`load`](Probe::load), with room for `max_descendants` descendants instead.
+    pub fn load_with_budget(lanes: u32, max_descendants: u32) -> Result<Probe, Error> {
         let object = crate::object().map_err(Error::NotBuilt)?;
         // The programs see the kernel's (initial namespace) pids; pids tracked from a nested pid
         // namespace would never match, and every worker would read as idle.
@@ -156,9 +162,9 @@ impl Probe {
             .btf(Some(&btf))
             .override_global("lanes", &lanes, true)
             .override_global("nr_cpus", &cpus, true)
-            .override_global("max_descendants", &u64::from(MAX_DESCENDANTS), true)
+            .override_global("max_descendants", &u64::from(max_descendants), true)
             // Room for a departing and an arriving root per lane, and the descendants' budget.
-            .map_max_entries("tracked", lanes * 2 + MAX_DESCENDANTS)
+            .map_max_entries("tracked", (lanes * 2).saturating_add(max_descendants))
             .map_max_entries("cells", cpus * lanes)
             .map_max_entries("counters", lanes)
             .map_max_entries("ports", lanes)
@@ -304,6 +310,12 @@ impl Probe {
     /// diagnostics.
     pub fn descendants(&self) -> Result<Vec<(u32, Tracked)>, Error> {
         self.descendants_of(None)
+    }
+
+    /// How many descendants' entries the budget counts now (shared memory: no syscall).
+    pub fn descendant_entries(&self) -> u64 {
+        self.descendants
+            .load_u64(offset_of!(Descendants, entries), Ordering::Acquire)
     }
 
     /// Counts, in `counters[lane].requests`, every send call that sent bytes (`send`, `sendto`,

@@ -13,13 +13,17 @@ use std::{
 };
 
 use peregrine_contract::{ErrorChain, counters::CounterRegion, procfs};
-use peregrine_ebpf::{Probe, SchedTotals, Tracked};
+use peregrine_ebpf::{MAX_DESCENDANTS, Probe, SchedTotals, Tracked};
 
 /// The tests measure CPU time: one at a time, so they do not steal each other's cores.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn probe(lanes: u32) -> Option<Probe> {
-    match Probe::load(lanes) {
+    probe_with_budget(lanes, MAX_DESCENDANTS)
+}
+
+fn probe_with_budget(lanes: u32, max_descendants: u32) -> Option<Probe> {
+    match Probe::load_with_budget(lanes, max_descendants) {
         Ok(probe) => Some(probe),
         Err(error) => {
             let text = ErrorChain(&error);
@@ -547,6 +551,43 @@ fn children_add_to_their_roots_totals_and_leave_the_map_with_it() {
     probe.untrack(root.pid()).unwrap();
     assert_eq!(probe.descendants().unwrap(), Vec::new());
     assert_eq!(probe.tracked().unwrap(), Vec::<u32>::new());
+}
+
+#[test]
+fn descendants_past_their_budget_are_not_counted_and_places_are_given_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut probe) = probe_with_budget(1, 1) else {
+        return;
+    };
+    let mut root = Helper::spawn("tree");
+    root.expect("ready");
+    probe.track(0, root.pid()).unwrap();
+    let entry = Tracked {
+        lane: 0,
+        root: root.pid(),
+    };
+    // A child and a grandchild, with room for one: the grandchild is not counted.
+    root.send("start nest");
+    let child: u32 = root.expect("started ").parse().unwrap();
+    let _grandchild: u32 = root.expect("started ").parse().unwrap();
+    assert_eq!(probe.descendants().unwrap(), vec![(child, entry)]);
+    assert_eq!(probe.descendant_entries(), 1);
+    // Untracking the root gives the child's place back.
+    probe.untrack(root.pid()).unwrap();
+    assert_eq!(probe.descendants().unwrap(), Vec::new());
+    assert_eq!(probe.descendant_entries(), 0);
+    // And so does a child's exit: the next child is counted.
+    probe.track(0, root.pid()).unwrap();
+    root.send("run burn:10:0");
+    let burned = root.expect("burned ");
+    root.expect("reaped");
+    let burner: u32 = burned.split_once(' ').unwrap().0.parse().unwrap();
+    assert_ne!(burner, 0);
+    assert_eq!(probe.descendant_entries(), 0);
+    root.send("start sleep");
+    let sleeper: u32 = root.expect("started ").parse().unwrap();
+    assert_eq!(probe.descendants().unwrap(), vec![(sleeper, entry)]);
+    assert_eq!(probe.descendant_entries(), 1);
 }
 
 /// Sends `request` on a new connection to `port`; the answer, read until the server closes.
