@@ -5,11 +5,34 @@
 
 use std::mem::{offset_of, size_of};
 
+/// `struct peregrine_tracked`: a value of map `tracked` (key: the tgid), the lane a process is
+/// accounted to and its root, the process the supervisor tracked (a root names itself).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tracked {
+    /// The lane.
+    pub lane: u32,
+    /// The root's tgid.
+    pub root: u32,
+}
+
+// SAFETY: `#[repr(C)]`, two `u32`s, no padding: every bit pattern is a valid value.
+unsafe impl aya::Pod for Tracked {}
+
+/// `struct peregrine_descendants`: how many entries of `tracked` are descendants'.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Descendants {
+    /// The entries.
+    pub entries: u64,
+    _reserved: [u64; 7],
+}
+
 /// `struct peregrine_cell`: one worker lane's scheduler totals as seen by one CPU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cell {
-    /// The process these totals belong to.
+    /// The root whose totals these are (its descendants' time included).
     pub tgid: u32,
     _pad: u32,
     /// Nanoseconds on a CPU.
@@ -24,6 +47,11 @@ pub use peregrine_contract::counters::Counter;
 /// `PEREGRINE_LINE`: every shared entry is one cache line, the request counters' too.
 pub use peregrine_contract::counters::LINE;
 
+const _: () = assert!(size_of::<Tracked>() == 8);
+const _: () = assert!(offset_of!(Tracked, lane) == 0);
+const _: () = assert!(offset_of!(Tracked, root) == 4);
+const _: () = assert!(size_of::<Descendants>() == LINE);
+const _: () = assert!(offset_of!(Descendants, entries) == 0);
 const _: () = assert!(size_of::<Cell>() == LINE);
 const _: () = assert!(offset_of!(Cell, tgid) == 0);
 const _: () = assert!(offset_of!(Cell, on_cpu_ns) == 8);

@@ -3,15 +3,17 @@
 //!
 //! [`Probe::load`] loads and attaches the program for a fixed number of worker lanes. The supervisor
 //! then [`track`](Probe::track)s each worker's pid in its lane and [`read`](Probe::read)s the lane's
-//! totals: on-CPU and run-queue wait nanoseconds, summed over CPUs from a memory-mapped map, so a read
-//! costs no syscall. The request counters live in an mmapable map too; its descriptor
-//! ([`Probe::counters`]) is handed to the workers, which count in it directly.
+//! totals: on-CPU and run-queue wait nanoseconds of the worker and every process it forks, summed over
+//! CPUs from a memory-mapped map, so a read costs no syscall. The request counters live in an mmapable
+//! map too; its descriptor ([`Probe::counters`]) is handed to the workers, which count in it directly,
+//! or, for a server that cannot, the kernel counts its sends on the listener it was passed
+//! ([`Probe::count_sends`]).
 
 mod layout;
 mod probe;
 
-pub use layout::{Cell, Counter, LINE};
-pub use probe::{Error, Probe, SchedTotals};
+pub use layout::{Cell, Counter, Descendants, LINE, Tracked};
+pub use probe::{Error, MAX_DESCENDANTS, Probe, SchedTotals};
 
 mod object {
     include!(concat!(env!("OUT_DIR"), "/object.rs"));

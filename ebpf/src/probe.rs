@@ -2,27 +2,38 @@
 
 use std::{
     io,
-    mem::offset_of,
+    mem::{offset_of, size_of},
     os::fd::{AsFd, BorrowedFd},
     sync::atomic::Ordering,
 };
 
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, MapError},
+    maps::{Array, HashMap, Map, MapData, MapError},
     programs::{BtfTracePoint, ProgramError},
 };
 use peregrine_contract::shm::{Access, SharedMemory, ShmError};
 
-use crate::layout::{Cell, LINE};
+use crate::layout::{Cell, Descendants, LINE, Tracked};
 
-/// The programs and the scheduler tracepoints they attach to.
-const PROGRAMS: [(&str, &str); 4] = [
+/// The programs and the tracepoints they attach to.
+const PROGRAMS: [(&str, &str); 6] = [
     ("on_runtime", "sched_stat_runtime"),
     ("on_wakeup", "sched_wakeup"),
     ("on_wakeup_new", "sched_wakeup_new"),
     ("on_switch", "sched_switch"),
+    ("on_fork", "sched_process_fork"),
+    ("on_exit", "sched_process_exit"),
 ];
+
+/// The program that counts sends as requests, and its tracepoint (once per socket send, after it).
+const SENDS: (&str, &str) = ("on_send", "sock_send_length");
+
+/// How many processes forked by tracked processes (at any depth, alive at once) are counted with
+/// their roots, over all lanes. A child forked past it is simply not counted: its time is missing
+/// from its root's totals (and its sends from its lane's requests). It is a budget of its own, so
+/// the descendants never take the room of the roots the supervisor tracks.
+pub const MAX_DESCENDANTS: u32 = 4096;
 
 /// Why the sampler could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +88,10 @@ pub enum Error {
         "this process runs in a nested pid namespace: the eBPF programs see the host's pids, not these"
     )]
     PidNamespace,
+    /// The kernel would not load or attach the program that counts sends (its tracepoint,
+    /// `sock_send_length`, is in Linux 6.3 and later); the scheduler programs work without it.
+    #[error("cannot count sends in the kernel: {0}")]
+    SendsUnavailable(String),
     /// A lane outside `0..lanes`.
     #[error("lane {lane} is out of range 0..{lanes}")]
     LaneOutOfRange {
@@ -87,7 +102,8 @@ pub enum Error {
     },
 }
 
-/// Cumulative scheduler time of one process (all its threads) since it was first seen in its lane.
+/// Cumulative scheduler time of one process (all its threads) and the processes it forked (theirs
+/// while they were alive), since it was first seen in its lane.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedTotals {
     /// Nanoseconds on a CPU.
@@ -96,14 +112,28 @@ pub struct SchedTotals {
     pub runq_wait_ns: u64,
 }
 
+/// Map `ports` (lane -> listening port), which aya's `Array` does not print.
+struct Ports(Array<MapData, u16>);
+
+impl std::fmt::Debug for Ports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ports")
+    }
+}
+
 /// The loaded and attached sampler. Dropping it detaches the programs and frees the maps (workers
 /// that mapped the counters keep their mapping until they exit).
 #[derive(Debug)]
 pub struct Probe {
     /// Owns the programs and their links.
     _ebpf: Ebpf,
-    tracked: HashMap<MapData, u32, u32>,
+    tracked: HashMap<MapData, u32, Tracked>,
     runnable: HashMap<MapData, u32, u64>,
+    ports: Ports,
+    /// `struct peregrine_descendants`, written: user space gives back the places it frees.
+    descendants: SharedMemory,
+    /// Whether the sends program is attached, or why not.
+    sends: Result<(), String>,
     cells: SharedMemory,
     counters: MapData,
     lanes: u32,
@@ -111,8 +141,14 @@ pub struct Probe {
 }
 
 impl Probe {
-    /// Loads the program for `lanes` worker lanes and attaches it to the scheduler's tracepoints.
+    /// Loads the program for `lanes` worker lanes and attaches it to the scheduler's tracepoints, with
+    /// room for [`MAX_DESCENDANTS`] descendants.
     pub fn load(lanes: u32) -> Result<Probe, Error> {
+        Probe::load_with_budget(lanes, MAX_DESCENDANTS)
+    }
+
+    /// [`load`](Probe::load), with room for `max_descendants` descendants instead.
+    pub fn load_with_budget(lanes: u32, max_descendants: u32) -> Result<Probe, Error> {
         let object = crate::object().map_err(Error::NotBuilt)?;
         // The programs see the kernel's (initial namespace) pids; pids tracked from a nested pid
         // namespace would never match, and every worker would read as idle.
@@ -126,10 +162,12 @@ impl Probe {
             .btf(Some(&btf))
             .override_global("lanes", &lanes, true)
             .override_global("nr_cpus", &cpus, true)
-            // Room for a departing and an arriving process per lane.
-            .map_max_entries("tracked", lanes * 2)
+            .override_global("max_descendants", &u64::from(max_descendants), true)
+            // Room for a departing and an arriving root per lane, and the descendants' budget.
+            .map_max_entries("tracked", (lanes * 2).saturating_add(max_descendants))
             .map_max_entries("cells", cpus * lanes)
             .map_max_entries("counters", lanes)
+            .map_max_entries("ports", lanes)
             .load(object)
             .map_err(Error::Load)?;
         for (program, tracepoint) in PROGRAMS {
@@ -150,6 +188,7 @@ impl Probe {
             prog.load(tracepoint, &btf).map_err(err)?;
             prog.attach().map_err(err)?;
         }
+        let sends = attach_sends(&mut ebpf, &btf);
         let tracked =
             HashMap::try_from(take_map(&mut ebpf, "tracked")?).map_err(|source| Error::Map {
                 name: "tracked",
@@ -160,6 +199,22 @@ impl Probe {
                 name: "runnable",
                 source,
             })?;
+        let ports = Ports(
+            Array::try_from(take_map(&mut ebpf, "ports")?).map_err(|source| Error::Map {
+                name: "ports",
+                source,
+            })?,
+        );
+        let descendants = array_data(take_map(&mut ebpf, "descendants")?, "descendants")?;
+        let descendants = SharedMemory::map(
+            descendants.fd().as_fd(),
+            size_of::<Descendants>(),
+            Access::ReadWrite,
+        )
+        .map_err(|source| Error::Mmap {
+            name: "descendants",
+            source,
+        })?;
         let cells = array_data(take_map(&mut ebpf, "cells")?, "cells")?;
         let cells = SharedMemory::map(
             cells.fd().as_fd(),
@@ -175,6 +230,9 @@ impl Probe {
             _ebpf: ebpf,
             tracked,
             runnable,
+            ports,
+            descendants,
+            sends,
             cells,
             counters,
             lanes,
@@ -193,30 +251,129 @@ impl Probe {
         self.lanes
     }
 
-    /// Starts accounting process `pid` (all its threads) to `lane`.
+    /// Starts accounting process `pid` (all its threads) to `lane`, as a *root*: the processes it
+    /// forks from now on (and theirs) are accounted to it too, each until its last thread exits.
     pub fn track(&mut self, lane: u32, pid: u32) -> Result<(), Error> {
-        if lane >= self.lanes {
-            return Err(Error::LaneOutOfRange {
-                lane,
-                lanes: self.lanes,
-            });
+        self.check_lane(lane)?;
+        // A pid that is some root's descendant becomes a root of its own: its place in the
+        // descendants' budget is given back.
+        if let Some(entry) = self.entry(pid)?
+            && entry.root != pid
+        {
+            self.forget_descendant(pid)?;
         }
         self.tracked
-            .insert(pid, lane, 0)
+            .insert(pid, Tracked { lane, root: pid }, 0)
             .map_err(|source| Error::Map {
                 name: "tracked",
                 source,
             })
     }
 
-    /// Stops accounting process `pid`; a pid that is not tracked is not an error.
+    /// Stops accounting process `pid`; a pid that is not tracked is not an error. For a root, its
+    /// descendants' entries go too, and its lane's sends stop being counted
+    /// ([`stop_counting`](Probe::stop_counting)).
     pub fn untrack(&mut self, pid: u32) -> Result<(), Error> {
-        match self.tracked.remove(&pid) {
-            Ok(()) => Ok(()),
-            Err(MapError::KeyNotFound) => Ok(()),
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc_enoent()) => {
-                Ok(())
+        let Some(entry) = self.entry(pid)? else {
+            return Ok(());
+        };
+        if entry.root != pid {
+            return self.forget_descendant(pid);
+        }
+        // The root first: from then on the kernel sees its descendants as stale (a fork racing this
+        // adds one the listing below may miss; it counts nothing and goes when found or when it
+        // exits).
+        self.remove(pid)?;
+        for (tgid, _) in self.descendants_of(Some(pid))? {
+            self.forget_descendant(tgid)?;
+        }
+        self.stop_counting(entry.lane)
+    }
+
+    /// The roots being tracked now, the pids [`track`](Probe::track) was given (one syscall per
+    /// entry: for tests, diagnostics and reconciliation, not sampling).
+    pub fn tracked(&self) -> Result<Vec<u32>, Error> {
+        let mut roots = Vec::new();
+        for item in self.tracked.iter() {
+            let (tgid, entry) = item.map_err(|source| Error::Map {
+                name: "tracked",
+                source,
+            })?;
+            if entry.root == tgid {
+                roots.push(tgid);
             }
+        }
+        Ok(roots)
+    }
+
+    /// The descendants being accounted now, each with its entry (its lane and root), for tests and
+    /// diagnostics.
+    pub fn descendants(&self) -> Result<Vec<(u32, Tracked)>, Error> {
+        self.descendants_of(None)
+    }
+
+    /// How many descendants' entries the budget counts now (shared memory: no syscall).
+    pub fn descendant_entries(&self) -> u64 {
+        self.descendants
+            .load_u64(offset_of!(Descendants, entries), Ordering::Acquire)
+    }
+
+    /// Counts, in `counters[lane].requests`, every send call that sent bytes (`send`, `sendto`,
+    /// `sendmsg`, each of `sendmmsg`'s messages, `write` on a socket, io_uring's sends, `sendfile` and
+    /// `splice` to a socket) that a process of the lane (its root or a descendant) makes on a TCP
+    /// socket whose local port is `port`: for a server on a listener it was passed, a send on a
+    /// connection that listener accepted. Its own outgoing connections (ephemeral local ports) do not
+    /// count. One send, one count: a response written in two sends counts two, so the count is the
+    /// lane's requests times the server's sends per response, which scales the same way on every
+    /// worker of a service (all that a rate compared with utilization needs). The kernel adds
+    /// atomically; a worker that counts its own requests must not be given a port. `port` 0 stops
+    /// counting. The lane's root must be tracked first: untracking it stops the counting.
+    pub fn count_sends(&mut self, lane: u32, port: u16) -> Result<(), Error> {
+        self.check_lane(lane)?;
+        if port != 0
+            && let Err(why) = &self.sends
+        {
+            return Err(Error::SendsUnavailable(why.clone()));
+        }
+        self.ports
+            .0
+            .set(lane, port, 0)
+            .map_err(|source| Error::Map {
+                name: "ports",
+                source,
+            })
+    }
+
+    /// Stops counting `lane`'s sends (see [`count_sends`](Probe::count_sends)).
+    pub fn stop_counting(&mut self, lane: u32) -> Result<(), Error> {
+        self.count_sends(lane, 0)
+    }
+
+    /// The listening port whose sends `lane` counts, if any.
+    pub fn counted_port(&self, lane: u32) -> Result<Option<u16>, Error> {
+        self.check_lane(lane)?;
+        let port = self.ports.0.get(&lane, 0).map_err(|source| Error::Map {
+            name: "ports",
+            source,
+        })?;
+        Ok((port != 0).then_some(port))
+    }
+
+    fn check_lane(&self, lane: u32) -> Result<(), Error> {
+        if lane >= self.lanes {
+            return Err(Error::LaneOutOfRange {
+                lane,
+                lanes: self.lanes,
+            });
+        }
+        Ok(())
+    }
+
+    /// `pid`'s entry in `tracked`, if it has one.
+    fn entry(&self, pid: u32) -> Result<Option<Tracked>, Error> {
+        match self.tracked.get(&pid, 0) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(e) if not_found(&e) => Ok(None),
             Err(source) => Err(Error::Map {
                 name: "tracked",
                 source,
@@ -224,15 +381,43 @@ impl Probe {
         }
     }
 
-    /// The pids being tracked now (one syscall per entry: for tests and diagnostics, not sampling).
-    pub fn tracked(&self) -> Result<Vec<u32>, Error> {
-        self.tracked
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(|source| Error::Map {
+    /// Removes `pid`'s entry; whether it was there.
+    fn remove(&mut self, pid: u32) -> Result<bool, Error> {
+        match self.tracked.remove(&pid) {
+            Ok(()) => Ok(true),
+            Err(e) if not_found(&e) => Ok(false),
+            Err(source) => Err(Error::Map {
                 name: "tracked",
                 source,
-            })
+            }),
+        }
+    }
+
+    /// Removes descendant `pid`'s entry and, if this removed it (not the kernel first), gives its
+    /// place back to the budget.
+    fn forget_descendant(&mut self, pid: u32) -> Result<(), Error> {
+        if self.remove(pid)? {
+            self.descendants
+                .u64_at(offset_of!(Descendants, entries))
+                .fetch_sub(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// The descendants' entries (of `root` only, if given). Listed before any is removed: a hash
+    /// map's iteration restarts when its current key goes.
+    fn descendants_of(&self, root: Option<u32>) -> Result<Vec<(u32, Tracked)>, Error> {
+        let mut found = Vec::new();
+        for item in self.tracked.iter() {
+            let (tgid, entry) = item.map_err(|source| Error::Map {
+                name: "tracked",
+                source,
+            })?;
+            if entry.root != tgid && root.is_none_or(|root| entry.root == root) {
+                found.push((tgid, entry));
+            }
+        }
+        Ok(found)
     }
 
     /// How many threads of tracked processes are runnable and waiting for a CPU right now (one syscall
@@ -295,8 +480,34 @@ fn nested_pid_namespace() -> bool {
         .unwrap_or(false)
 }
 
-fn libc_enoent() -> i32 {
-    rustix::io::Errno::NOENT.raw_os_error()
+/// Whether a map operation failed because the key is not there.
+fn not_found(error: &MapError) -> bool {
+    match error {
+        MapError::KeyNotFound => true,
+        MapError::SyscallError(e) => {
+            e.io_error.raw_os_error() == Some(rustix::io::Errno::NOENT.raw_os_error())
+        }
+        _ => false,
+    }
+}
+
+/// Loads and attaches the program that counts sends; why not, if it cannot (the sampler works
+/// without it).
+fn attach_sends(ebpf: &mut Ebpf, btf: &Btf) -> Result<(), String> {
+    let (program, tracepoint) = SENDS;
+    let prog: &mut BtfTracePoint = ebpf
+        .program_mut(program)
+        .ok_or_else(|| format!("{program} is not in the object"))?
+        .try_into()
+        .map_err(|e| format!("{program}: {e}"))?;
+    prog.load(tracepoint, btf)
+        .and_then(|()| prog.attach().map(drop))
+        .map_err(|e| {
+            format!(
+                "cannot load or attach {program} to {tracepoint}: {}",
+                peregrine_contract::ErrorChain(&e)
+            )
+        })
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, Error> {

@@ -55,7 +55,7 @@ pub(crate) fn run(_args: &[String]) -> anyhow::Result<ExitCode> {
             ""
         };
         println!(
-            "  {name:<10} {:<10} key {} B, value {} B, max_entries {}{flags}",
+            "  {name:<12} {:<10} key {} B, value {} B, max_entries {}{flags}",
             map_type_name(map.map_type()),
             map.key_size(),
             map.value_size(),

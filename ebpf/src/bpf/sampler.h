@@ -10,9 +10,20 @@
 #define PEREGRINE_LINE 64
 
 /*
+ * A value of map `tracked` (key: a tgid): the lane the process is accounted to and its *root*, the
+ * process the supervisor tracked. A root's entry names itself; a descendant's (inserted by the fork
+ * program for a process a tracked process forked, at any depth) names the root it inherited.
+ */
+struct peregrine_tracked {
+	__u32 lane;
+	__u32 root;
+};
+
+/*
  * Scheduler totals of one worker lane, as seen by one CPU: map `cells`, entry `cpu * lanes + lane`.
  * Only programs running on `cpu` write it, so no two CPUs ever contend for a line. `tgid` says whose
- * totals these are: the first event of a new process in the lane on that CPU zeroes the cell.
+ * totals these are, a root's (its descendants' time adds to it): the first event of a process with
+ * another root in the lane on that CPU zeroes the cell.
  */
 struct peregrine_cell {
 	__u32 tgid;
@@ -26,11 +37,24 @@ struct peregrine_cell {
 
 /*
  * The request counter of one worker lane: map `counters` (BPF_F_MMAPABLE), entry `lane`. The worker
- * maps the map's descriptor and increments `requests` once per request; nothing else writes it.
- * A memfd with the same layout stands in where eBPF cannot load.
+ * maps the map's descriptor and increments `requests` once per request; or, for a lane whose
+ * listening port is set (map `ports`), the send program increments it once per send on an
+ * accepted socket of that port (and such a worker does not count). A memfd with the same layout
+ * stands in where eBPF cannot load.
  */
 struct peregrine_counter {
 	__u64 requests;
+	__u64 _reserved[7];
+};
+
+/*
+ * Map `descendants` (BPF_F_MMAPABLE, one entry): how many entries of `tracked` are descendants'. The
+ * fork program adds one per entry it inserts and refuses past its budget (so the roots' room in
+ * `tracked` is never taken); whoever deletes a descendant's entry (the exit program, a program that
+ * finds it stale, or user space untracking its root) subtracts one, atomically.
+ */
+struct peregrine_descendants {
+	__u64 entries;
 	__u64 _reserved[7];
 };
 

@@ -1,6 +1,6 @@
 //! The eBPF scheduler source: [`peregrine_ebpf::Probe`] counts each tracked worker's on-CPU and
-//! run-queue time in the kernel, from scheduler events, per CPU; a read sums the CPUs' cells from
-//! shared memory without a syscall. Its mmapable `counters` map is the request counter region.
+//! run-queue time (with that of the processes it forks) in the kernel, from scheduler events, per
+//! CPU; a read sums the CPUs' cells from shared memory without a syscall. Its mmapable `counters` map is the request counter region.
 
 use std::{os::fd::AsFd, sync::Arc};
 
