@@ -134,6 +134,8 @@ pub struct Probe {
     descendants: SharedMemory,
     /// Whether the sends program is attached, or why not.
     sends: Result<(), String>,
+    /// The descendants' budget (entries of `tracked` that are not roots).
+    max_descendants: u32,
     cells: SharedMemory,
     counters: MapData,
     lanes: u32,
@@ -233,6 +235,7 @@ impl Probe {
             ports,
             descendants,
             sends,
+            max_descendants,
             cells,
             counters,
             lanes,
@@ -267,7 +270,29 @@ impl Probe {
             .map_err(|source| Error::Map {
                 name: "tracked",
                 source,
-            })
+            })?;
+        // Processes it forked before now (a server forks its workers at once, before the
+        // supervisor, which tracks it once it is ready, gets to it) join it here; later ones the fork
+        // program adds.
+        for child in descendants_in_proc(pid) {
+            self.add_descendant(child, Tracked { lane, root: pid })?;
+        }
+        Ok(())
+    }
+
+    /// Adds `pid` as a descendant `entry`, within the budget; a pid that has an entry already (the
+    /// fork program was first) is left as it is.
+    fn add_descendant(&mut self, pid: u32, entry: Tracked) -> Result<(), Error> {
+        let entries = self.descendants.u64_at(offset_of!(Descendants, entries));
+        if entries.fetch_add(1, Ordering::SeqCst) >= u64::from(self.max_descendants) {
+            entries.fetch_sub(1, Ordering::SeqCst);
+            return Ok(());
+        }
+        // BPF_NOEXIST.
+        if self.tracked.insert(pid, entry, 1).is_err() {
+            entries.fetch_sub(1, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     /// Stops accounting process `pid`; a pid that is not tracked is not an error. For a root, its
@@ -522,4 +547,33 @@ fn array_data(map: Map, name: &'static str) -> Result<MapData, Error> {
         Map::Array(data) => Ok(data),
         _ => Err(Error::NotAnArray(name)),
     }
+}
+
+/// The processes below `pid` in the process tree (children, grandchildren...), from
+/// `/proc/PID/task/TID/children`; threads are not processes of their own and are not listed. Empty
+/// where the kernel does not list children (no `CONFIG_PROC_CHILDREN`).
+fn descendants_in_proc(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut queue = vec![pid];
+    while let Some(parent) = queue.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Ok(children) = std::fs::read_to_string(task.path().join("children")) else {
+                continue;
+            };
+            for child in children
+                .split_ascii_whitespace()
+                .filter_map(|c| c.parse().ok())
+            {
+                // Bounded: a tree is never walked twice through the same process.
+                if child != pid && !found.contains(&child) {
+                    found.push(child);
+                    queue.push(child);
+                }
+            }
+        }
+    }
+    found
 }

@@ -554,6 +554,37 @@ fn children_add_to_their_roots_totals_and_leave_the_map_with_it() {
 }
 
 #[test]
+fn processes_forked_before_the_root_is_tracked_join_it_when_it_is() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut probe) = probe(2) else { return };
+    // A server that forks its workers at once, before the supervisor tracks it (once it is ready).
+    let mut root = Helper::spawn("tree");
+    root.expect("ready");
+    root.send("start nest");
+    let child: u32 = root.expect("started ").parse().unwrap();
+    let grandchild: u32 = root.expect("started ").parse().unwrap();
+    assert_eq!(
+        probe.descendants().unwrap(),
+        Vec::new(),
+        "nothing tracked yet"
+    );
+    probe.track(0, root.pid()).unwrap();
+    let entry = Tracked {
+        lane: 0,
+        root: root.pid(),
+    };
+    let mut found = probe.descendants().unwrap();
+    found.sort_by_key(|(tgid, _)| *tgid);
+    let mut expected = vec![(child, entry), (grandchild, entry)];
+    expected.sort_by_key(|(tgid, _)| *tgid);
+    assert_eq!(found, expected);
+    assert_eq!(probe.descendant_entries(), 2, "counted in the budget");
+    probe.untrack(root.pid()).unwrap();
+    assert_eq!(probe.descendants().unwrap(), Vec::new());
+    assert_eq!(probe.descendant_entries(), 0, "the places are back");
+}
+
+#[test]
 fn descendants_past_their_budget_are_not_counted_and_places_are_given_back() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(mut probe) = probe_with_budget(1, 1) else {
@@ -576,16 +607,23 @@ fn descendants_past_their_budget_are_not_counted_and_places_are_given_back() {
     probe.untrack(root.pid()).unwrap();
     assert_eq!(probe.descendants().unwrap(), Vec::new());
     assert_eq!(probe.descendant_entries(), 0);
-    // And so does a child's exit: the next child is counted.
-    probe.track(0, root.pid()).unwrap();
-    root.send("run burn:10:0");
-    let burned = root.expect("burned ");
-    root.expect("reaped");
+    // And so does a child's exit: the next child is counted. (Another root: tracked again, this one
+    // would take its live child back at once, as a root forked before it was tracked.)
+    let mut other = Helper::spawn("tree");
+    other.expect("ready");
+    probe.track(0, other.pid()).unwrap();
+    let entry = Tracked {
+        lane: 0,
+        root: other.pid(),
+    };
+    other.send("run burn:10:0");
+    let burned = other.expect("burned ");
+    other.expect("reaped");
     let burner: u32 = burned.split_once(' ').unwrap().0.parse().unwrap();
     assert_ne!(burner, 0);
     assert_eq!(probe.descendant_entries(), 0);
-    root.send("start sleep");
-    let sleeper: u32 = root.expect("started ").parse().unwrap();
+    other.send("start sleep");
+    let sleeper: u32 = other.expect("started ").parse().unwrap();
     assert_eq!(probe.descendants().unwrap(), vec![(sleeper, entry)]);
     assert_eq!(probe.descendant_entries(), 1);
 }

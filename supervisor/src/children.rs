@@ -72,9 +72,13 @@ pub struct Child {
     pub lane: usize,
     /// Where it counts its requests.
     pub counter: CounterRef,
-    /// Whether it counts its requests there at all: a server on a passed listener (`pass_socket`)
-    /// does not, so its request rate is unknown, and no stall is judged from it.
+    /// Whether it counts its requests there itself: a server on a passed listener (`pass_socket`)
+    /// does not.
     pub counts_requests: bool,
+    /// For a server on a passed TCP listener, the listener's port: the eBPF sampler counts the
+    /// responses sent on the connections it accepted, in the lane's counter. Without it (procfs, or a
+    /// Unix listener) such a server has no request rate, and no stall is judged from one.
+    pub listen_port: Option<u16>,
 }
 
 /// Live worker processes by pid.
@@ -153,6 +157,7 @@ impl Children {
             lane,
             counter: CounterRef::new(counters.clone(), lane),
             counts_requests,
+            listen_port: None,
         };
         self.lock().insert(pid, child);
     }

@@ -56,6 +56,16 @@ pub enum Address {
     Unix(PathBuf),
 }
 
+impl Address {
+    /// The port of a TCP address.
+    pub fn port(&self) -> Option<u16> {
+        match self {
+            Address::Tcp(addr) => Some(addr.port()),
+            Address::Unix(_) => None,
+        }
+    }
+}
+
 impl fmt::Display for Address {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

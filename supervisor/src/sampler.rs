@@ -112,6 +112,13 @@ pub trait SchedSource: Send {
     fn untrack(&mut self, lane: usize, pid: u32);
     /// The process's cumulative scheduler time. [`SampleError::Gone`] when it has exited.
     fn read(&mut self, lane: usize, pid: u32) -> Result<SchedTotals, SampleError>;
+    /// Counts, in `lane`'s request counter, the responses the lane's processes send on connections
+    /// their listener on `port` accepted: for a server that does not count its requests. `false`
+    /// when this source cannot (procfs); the lane then has no request rate.
+    fn count_sends(&mut self, lane: usize, port: u16) -> bool {
+        let _ = (lane, port);
+        false
+    }
 }
 
 impl fmt::Debug for dyn SchedSource {
@@ -238,6 +245,17 @@ struct Sampler {
     /// A baseline taken between ticks ([`Sampler::baseline_new`]) gives rates only once it is this
     /// old: half the interval, so a first rate never rests on a sliver of time.
     min_window: Duration,
+}
+
+/// Who counts a worker's requests in its lane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Counting {
+    /// The worker, once per request.
+    ByWorker,
+    /// The source, from the responses sent on connections its listener on this port accepted.
+    Sends(u16),
+    /// Nobody (a server on a passed Unix listener).
+    None,
 }
 
 /// A worker instance the source follows.
@@ -408,7 +426,7 @@ impl Sampler {
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, bool)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, Counting)> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
@@ -420,7 +438,11 @@ impl Sampler {
                             service,
                             worker.index,
                             child.counter,
-                            child.counts_requests,
+                            match (child.counts_requests, child.listen_port) {
+                                (true, _) => Counting::ByWorker,
+                                (false, Some(port)) => Counting::Sends(port),
+                                (false, None) => Counting::None,
+                            },
                         ),
                     );
                 }
@@ -436,11 +458,16 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, counted)) in current {
+        for (lane, (pid, service, index, counter, counting)) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
                         tracing::debug!(%service, index, pid, lane, "Sampling worker");
+                        let counted = match counting {
+                            Counting::ByWorker => true,
+                            Counting::Sends(port) => self.source.count_sends(lane, port),
+                            Counting::None => false,
+                        };
                         self.tracked.insert(
                             lane,
                             Tracked {

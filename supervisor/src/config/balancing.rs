@@ -164,8 +164,8 @@ impl Checker<'_> {
                  address; choose another lb_policy (ORCA is off by default for unix:// urls)",
             ),
             OrcaReach::PassedSocket => Some(
-                "ORCA needs each worker's request rate, and a server the supervisor passes its \
-                 socket to does not count its requests for it yet; choose another lb_policy \
+                "ORCA needs each worker's request rate, and weighing servers on passed sockets by \
+                 the kernel's count of their responses is not built yet; choose another lb_policy \
                  (least_request is the default for pass_socket services)",
             ),
         };

@@ -18,7 +18,7 @@ use peregrine_contract::{
 };
 use rustix::io::FdFlags;
 
-use super::passed::PassedListener;
+pub(super) use super::passed::PassedListener;
 use crate::{
     children::Counters,
     config::{INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal, SupervisorConfig},
@@ -121,21 +121,35 @@ impl Launch {
         })
     }
 
-    /// Starts a worker: one that counts its requests in line `lane` (zeroed first), or a server on a
-    /// listener bound here and passed ([`passed`](super::passed)).
-    pub(super) fn spawn(&self, lane: usize) -> io::Result<Spawned> {
-        if self.pass_socket {
-            return self.spawn_passed();
+    /// Starts a worker: one that counts its requests in line `lane` (zeroed first), or a server on
+    /// `passed`, the listener [`bind_passed`](Self::bind_passed) bound for it
+    /// ([`passed`](super::passed)).
+    pub(super) fn spawn(&self, lane: usize, passed: Option<PassedListener>) -> io::Result<Spawned> {
+        match passed {
+            Some(listener) => self.spawn_passed(lane, listener),
+            None => self
+                .spawn_counting(lane)
+                .map(|pid| Spawned { pid, passed: None }),
         }
-        self.spawn_counting(lane)
-            .map(|pid| Spawned { pid, passed: None })
     }
 
-    /// Binds the worker's listener and starts the server on it, as descriptor [`PASSED_FD`], through
-    /// `peregrine exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The
-    /// server counts no requests for the supervisor, so it inherits no counter region.
-    fn spawn_passed(&self) -> io::Result<Spawned> {
-        let listener = PassedListener::bind(&self.settings.url)?;
+    /// For a passed-socket service, the listener of the next worker, bound now.
+    pub(super) fn bind_passed(&self) -> io::Result<Option<PassedListener>> {
+        if !self.pass_socket {
+            return Ok(None);
+        }
+        PassedListener::bind(&self.settings.url).map(Some)
+    }
+
+    /// Starts the server on its listener, as descriptor [`PASSED_FD`], through `peregrine
+    /// exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The server counts
+    /// no requests for the supervisor, so it inherits no counter region; the eBPF sampler may count
+    /// its responses in line `lane`, zeroed first.
+    fn spawn_passed(&self, lane: usize, listener: PassedListener) -> io::Result<Spawned> {
+        self.counters
+            .region()
+            .lane(lane)
+            .store(0, Ordering::Relaxed);
         let settings = Settings {
             url: listener.url(),
             counters: None,

@@ -34,7 +34,7 @@ use super::{
     backoff::Backoff,
     context::{Context, Replaced, SlotCommand},
     error::{Fallback, ReplaceError, StartError},
-    launch::{Launch, fixed_address},
+    launch::{Launch, PassedListener, fixed_address},
     passed::{LastProbe, register_when_ready},
     process::{Ending, Exit, exited, pid_of, signal},
 };
@@ -82,6 +82,7 @@ impl Adopted {
                 lane: lane.index(),
                 counter,
                 counts_requests: !launch.pass_socket,
+                listen_port: self.passed.as_ref().and_then(Address::port),
             },
         );
         Ok(Instance {
@@ -417,14 +418,16 @@ impl SlotTask {
     /// Starts a worker in a free lane.
     async fn start(&self) -> Result<Instance, StartError> {
         let lane = self.context.lanes.take().ok_or(StartError::NoLane)?;
+        let listener = self.launch.bind_passed()?;
         let child = Child {
             slot: self.slot.clone(),
             lane: lane.index(),
             counter: CounterRef::new(self.context.counters.clone(), lane.index()),
             counts_requests: !self.launch.pass_socket,
+            listen_port: listener.as_ref().and_then(PassedListener::port),
         };
         let (pid, (pidfd, passed)) = self.context.children.spawn(child, || {
-            let spawned = self.launch.spawn(lane.index())?;
+            let spawned = self.launch.spawn(lane.index(), listener)?;
             let pidfd = rustix::process::pidfd_open(pid_of(spawned.pid), PidfdFlags::empty())?;
             Ok((spawned.pid, (pidfd, spawned.passed)))
         })?;

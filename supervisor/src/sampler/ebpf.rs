@@ -57,6 +57,19 @@ impl SchedSource for EbpfSource {
             .map_err(|e| backend("cannot track the worker in the eBPF map", e))
     }
 
+    fn count_sends(&mut self, lane: usize, port: u16) -> bool {
+        let Ok(lane) = u32::try_from(lane) else {
+            return false;
+        };
+        match self.probe.count_sends(lane, port) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(lane, port, error = %error, "Cannot count the server's responses in the kernel: it has no request rate");
+                false
+            }
+        }
+    }
+
     fn untrack(&mut self, _lane: usize, pid: u32) {
         if let Err(error) = self.probe.untrack(pid) {
             tracing::warn!(pid, error = %error, "Cannot untrack a worker in the eBPF map");
