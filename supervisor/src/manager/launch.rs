@@ -23,7 +23,6 @@ use crate::{
     children::Counters,
     config::{INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal, SupervisorConfig},
     instance::Lineage,
-    registry::Address,
 };
 
 /// The hidden subcommand that starts a passed-socket server: `peregrine exec-passed -- PROGRAM
@@ -47,13 +46,6 @@ pub(super) struct Launch {
     pub(super) ready_path: String,
     /// What asks the worker to finish its requests and exit.
     pub(super) stop_signal: StopSignal,
-}
-
-/// A started worker: its pid and, for a passed-socket worker, the address of its listener.
-#[derive(Debug)]
-pub(super) struct Spawned {
-    pub(super) pid: u32,
-    pub(super) passed: Option<Address>,
 }
 
 /// What, in a service's config, its workers are started with: a change replaces them.
@@ -124,12 +116,10 @@ impl Launch {
     /// Starts a worker: one that counts its requests in line `lane` (zeroed first), or a server on
     /// `passed`, the listener [`bind_passed`](Self::bind_passed) bound for it
     /// ([`passed`](super::passed)).
-    pub(super) fn spawn(&self, lane: usize, passed: Option<PassedListener>) -> io::Result<Spawned> {
+    pub(super) fn spawn(&self, lane: usize, passed: Option<PassedListener>) -> io::Result<u32> {
         match passed {
             Some(listener) => self.spawn_passed(lane, listener),
-            None => self
-                .spawn_counting(lane)
-                .map(|pid| Spawned { pid, passed: None }),
+            None => self.spawn_counting(lane),
         }
     }
 
@@ -145,7 +135,7 @@ impl Launch {
     /// exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The server counts
     /// no requests for the supervisor, so it inherits no counter region; the eBPF sampler may count
     /// its responses in line `lane`, zeroed first.
-    fn spawn_passed(&self, lane: usize, listener: PassedListener) -> io::Result<Spawned> {
+    fn spawn_passed(&self, lane: usize, listener: PassedListener) -> io::Result<u32> {
         self.counters
             .region()
             .lane(lane)
@@ -187,10 +177,8 @@ impl Launch {
         }
         let child = command.spawn()?;
         // The worker owns its listener now: the supervisor's copy closes here.
-        Ok(Spawned {
-            pid: child.id(),
-            passed: Some(listener.address),
-        })
+        drop(listener);
+        Ok(child.id())
     }
 
     /// Starts a worker that counts its requests in line `lane`, zeroed first.

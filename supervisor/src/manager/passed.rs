@@ -95,11 +95,6 @@ impl PassedListener {
         }
     }
 
-    /// The TCP listener's port (`None` for a Unix socket).
-    pub(super) fn port(&self) -> Option<u16> {
-        self.address.port()
-    }
-
     /// The bind url a worker on this listener is told it has (`PEREGRINE_URL`).
     pub(super) fn url(&self) -> BindUrl {
         match &self.address {

@@ -34,7 +34,7 @@ use super::{
     backoff::Backoff,
     context::{Context, Replaced, SlotCommand},
     error::{Fallback, ReplaceError, StartError},
-    launch::{Launch, PassedListener, fixed_address},
+    launch::{Launch, fixed_address},
     passed::{LastProbe, register_when_ready},
     process::{Ending, Exit, exited, pid_of, signal},
 };
@@ -419,17 +419,18 @@ impl SlotTask {
     async fn start(&self) -> Result<Instance, StartError> {
         let lane = self.context.lanes.take().ok_or(StartError::NoLane)?;
         let listener = self.launch.bind_passed()?;
+        let passed = listener.as_ref().map(|listener| listener.address.clone());
         let child = Child {
             slot: self.slot.clone(),
             lane: lane.index(),
             counter: CounterRef::new(self.context.counters.clone(), lane.index()),
             counts_requests: !self.launch.pass_socket,
-            listen_port: listener.as_ref().and_then(PassedListener::port),
+            listen_port: passed.as_ref().and_then(Address::port),
         };
-        let (pid, (pidfd, passed)) = self.context.children.spawn(child, || {
-            let spawned = self.launch.spawn(lane.index(), listener)?;
-            let pidfd = rustix::process::pidfd_open(pid_of(spawned.pid), PidfdFlags::empty())?;
-            Ok((spawned.pid, (pidfd, spawned.passed)))
+        let (pid, pidfd) = self.context.children.spawn(child, || {
+            let pid = self.launch.spawn(lane.index(), listener)?;
+            let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
+            Ok((pid, pidfd))
         })?;
         tracing::info!(pid, lane = lane.index(), restarts = self.restarts, program = %self.launch.program.display(), "Worker started");
         let prober = passed
