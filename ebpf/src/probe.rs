@@ -343,6 +343,12 @@ impl Probe {
             .load_u64(offset_of!(Descendants, entries), Ordering::Acquire)
     }
 
+    /// Whether the send program is attached, so that [`count_sends`](Self::count_sends) can count
+    /// (it needs the `sock_send_length` tracepoint, Linux 6.3).
+    pub fn counts_sends(&self) -> bool {
+        self.sends.is_ok()
+    }
+
     /// Counts, in `counters[lane].requests`, every send call that sent bytes (`send`, `sendto`,
     /// `sendmsg`, each of `sendmmsg`'s messages, `write` on a socket, io_uring's sends, `sendfile` and
     /// `splice` to a socket) that a process of the lane (its root or a descendant) makes on a TCP

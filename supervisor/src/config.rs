@@ -34,7 +34,7 @@ mod raw;
 
 use self::raw::RawConfig;
 pub use self::{
-    balancing::{Balancing, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
+    balancing::{Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
     check::{cluster::ENV_ETCD, tls::DEFAULT_SERVER_NAME},
     error::{ConfigError, Problem},
     limits::{MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},

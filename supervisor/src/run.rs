@@ -284,6 +284,10 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     }
     let orca_reach = OrcaReach {
         sampling: sources.sched.is_some(),
+        kernel_counts: sources
+            .sched
+            .as_ref()
+            .is_some_and(|source| source.counts_sends()),
         bound,
         listening: orca_listeners
             .iter()

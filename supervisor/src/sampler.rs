@@ -119,6 +119,10 @@ pub trait SchedSource: Send {
         let _ = (lane, port);
         false
     }
+    /// Whether [`count_sends`](Self::count_sends) can count at all.
+    fn counts_sends(&self) -> bool {
+        false
+    }
 }
 
 impl fmt::Debug for dyn SchedSource {

@@ -286,3 +286,47 @@ fn adopts(server: Server) {
     assert_eq!(apps.envoy.host_pids(SERVICE).unwrap().0, workers);
     apps.deployed().finish(load, 50, &workers);
 }
+
+/// With the eBPF sampler the kernel counts a passed-socket server's responses, so its service is
+/// balanced on ORCA by default: Envoy weighs gunicorn's workers from their reports. With procfs only
+/// it balances by least request and says so.
+#[test]
+fn envoy_weighs_gunicorn_workers_on_orca_reports_of_the_kernels_count() {
+    let Some(servers) = servers() else {
+        return;
+    };
+    let apps = Apps::start(Server::Gunicorn, &servers, 2, "");
+    let workers = apps.deployed().wait_for_workers(2, &BTreeSet::new());
+    if apps.supervisor.status_json().unwrap()["sampler"] != "ebpf" {
+        let logs = apps.supervisor.all_logs();
+        assert!(logs.contains("least request instead of ORCA"), "{logs}");
+        return;
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = http_get(apps.listen, "/?cpu=2");
+                }
+            });
+        }
+        wait_until(STEP, "ORCA reports of every worker's request rate", || {
+            let status = apps.supervisor.status_json().ok()?;
+            let rows = status["workers"].as_array()?;
+            (rows.len() == 2
+                && rows.iter().all(|row| {
+                    row["orca_last_report"]["rps_fractional"]
+                        .as_f64()
+                        .is_some_and(|rps| rps > 1.0)
+                }))
+            .then_some(())
+        });
+        let weighted = wait_until(STEP, "Envoy to weigh the workers", || {
+            let hosts = peregrine_e2e::hosts(&apps.envoy.clusters(), SERVICE);
+            (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(hosts)
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        eprintln!("Envoy's weights for {workers:?}: {weighted:?}");
+    });
+}

@@ -108,15 +108,16 @@ const OPTION_POLICIES: [(&str, &[&str]); 5] = [
     ("hash_balance_factor", &["ring_hash", "maglev"]),
 ];
 
-/// Whether Envoy's ORCA streams can reach a service's workers, and why not.
+/// `choice_count`'s default: least request compares two workers per pick.
+pub const DEFAULT_CHOICE_COUNT: u32 = 2;
+
+/// Whether Envoy's ORCA streams can reach a service's workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum OrcaReach {
-    /// They listen on IP addresses and count their requests.
+    /// They listen on IP addresses.
     Yes,
     /// They listen on Unix sockets, which Envoy's ORCA streams (to each worker's IP) cannot reach.
     Unix,
-    /// Their listeners are passed by the supervisor to servers that do not count requests for it.
-    PassedSocket,
 }
 
 impl Checker<'_> {
@@ -163,11 +164,6 @@ impl Checker<'_> {
                 "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its IP \
                  address; choose another lb_policy (ORCA is off by default for unix:// urls)",
             ),
-            OrcaReach::PassedSocket => Some(
-                "ORCA needs each worker's request rate, and weighing servers on passed sockets by \
-                 the kernel's count of their responses is not built yet; choose another lb_policy \
-                 (least_request is the default for pass_socket services)",
-            ),
         };
         if let Some(why_not) = why_not.filter(|_| orca_wanted) {
             self.report(
@@ -184,7 +180,6 @@ impl Checker<'_> {
         let name = match (policy.clone(), orca_wanted) {
             (_, true) => "orca",
             (Some((name, _)), false) if name != "orca" => name,
-            (None, false) if reach == OrcaReach::PassedSocket => "least_request",
             _ => "round_robin",
         };
         // Options that do not apply to the chosen policy.
@@ -237,7 +232,8 @@ impl Checker<'_> {
             "least_request" => Balancing::LeastRequest {
                 choice_count: self
                     .number(&key, "choice_count", &raw.choice_count, 2..101)
-                    .unwrap_or(2) as u32,
+                    .unwrap_or(u64::from(DEFAULT_CHOICE_COUNT))
+                    as u32,
             },
             "ring_hash" => {
                 let min = self.number(

@@ -26,6 +26,9 @@ use crate::{
 pub(super) struct OrcaReach {
     /// Whether a sampler runs (without one there is nothing to report).
     pub(super) sampling: bool,
+    /// Whether it counts the responses of servers on passed sockets (eBPF with the send
+    /// tracepoint): without it they have no request rate to report, and balance by least request.
+    pub(super) kernel_counts: bool,
     /// The gRPC port's address.
     pub(super) bound: SocketAddr,
     /// Every address the supervisor listens on for ORCA, the gRPC port's included.
@@ -45,6 +48,10 @@ impl OrcaReach {
             .values()
             .filter(|s| s.orca())
             .filter(|s| {
+                if s.pass_socket && !self.kernel_counts {
+                    tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs eBPF): least request instead of ORCA");
+                    return false;
+                }
                 let one = BTreeSet::from([s.name.clone()]);
                 let needed = orca_listen_addresses(config, &one, self.bound);
                 let covered = needed.iter().all(|addr| self.listening.contains(addr));
@@ -68,8 +75,12 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
         tls: config.supervisor.tls.is_some(),
     };
     let balancer = |service: &config::ServiceConfig| match service.balancing {
-        // Without a sampler there is nothing to report: round robin (see `orca_services`).
+        // Without a sampler there is nothing to report: round robin (see `orca_services`). Servers
+        // on passed sockets without the kernel's count of their responses: least request.
         Balancing::Orca if orca.contains(&service.name) => Balancer::Orca(policy),
+        Balancing::Orca if service.pass_socket => Balancer::LeastRequest {
+            choice_count: config::DEFAULT_CHOICE_COUNT,
+        },
         Balancing::Orca | Balancing::RoundRobin => Balancer::RoundRobin,
         Balancing::LeastRequest { choice_count } => Balancer::LeastRequest { choice_count },
         Balancing::Random => Balancer::Random,

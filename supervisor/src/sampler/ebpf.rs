@@ -70,6 +70,10 @@ impl SchedSource for EbpfSource {
         }
     }
 
+    fn counts_sends(&self) -> bool {
+        self.probe.counts_sends()
+    }
+
     fn untrack(&mut self, _lane: usize, pid: u32) {
         if let Err(error) = self.probe.untrack(pid) {
             tracing::warn!(pid, error = %error, "Cannot untrack a worker in the eBPF map");

@@ -163,8 +163,6 @@ impl Checker<'_> {
         );
         let reach = if url.starts_with("unix:") {
             OrcaReach::Unix
-        } else if pass_socket {
-            OrcaReach::PassedSocket
         } else {
             OrcaReach::Yes
         };
@@ -372,8 +370,8 @@ mod tests {
         assert_eq!(api.ready_path, "/healthz?deep=1");
         assert_eq!(api.stop_signal.signal, rustix::process::Signal::QUIT);
         assert_eq!(api.stop_signal.to_string(), "SIGQUIT");
-        // Its servers count no requests for ORCA: least request unless told otherwise.
-        assert_eq!(api.balancing.name(), "least_request");
+        // The kernel counts its servers' responses: ORCA, as for any IP url.
+        assert_eq!(api.balancing.name(), "orca");
 
         let plain = parse("[service.a]\n").unwrap();
         let a = &plain.services["a"];
@@ -394,7 +392,6 @@ mod tests {
              [service.c]\npass_socket = true\ncommand = [\"/bin/sh\"]\nstop_signal = \"SIGSTOPP\"\n\
              [service.d]\nready_path = \"/ready\"\n\
              [service.e]\npass_socket = true\n\
-             [service.f]\npass_socket = true\ncommand = [\"/bin/sh\"]\norca = true\n\
              [service.g]\npass_socket = true\nurl = \"http://localhost:0\"\ncommand = [\"/bin/sh\"]\n\
              [service.h]\npass_socket = true\nurl = \"unix:///run/h.sock\"\ncommand = [\"/bin/sh\", \"{port}\"]\n",
         );
@@ -404,9 +401,8 @@ mod tests {
             "line 10: service.c.stop_signal: no such signal \"SIGSTOPP\": one of SIGTERM, SIGINT, SIGQUIT",
             "line 12: service.d.ready_path: applies to pass_socket services only",
             "line 14: service.e.pass_socket: is for servers of your own",
-            "line 18: service.f.orca: ORCA needs each worker's request rate",
-            "line 21: service.g.url: with pass_socket the supervisor binds one listener per worker",
-            "line 26: service.h.command: {port} needs a TCP url",
+            "line 17: service.g.url: with pass_socket the supervisor binds one listener per worker",
+            "line 22: service.h.command: {port} needs a TCP url",
         ];
         assert_eq!(got.len(), expect.len(), "{got:#?}");
         for (got, expect) in got.iter().zip(expect) {
