@@ -274,8 +274,10 @@ impl Probe {
         // Processes it forked before now (a server forks its workers at once, before the
         // supervisor, which tracks it once it is ready, gets to it) join it here; later ones the fork
         // program adds.
-        for child in descendants_in_proc(pid) {
-            self.add_descendant(child, Tracked { lane, root: pid })?;
+        for child in peregrine_contract::procfs::descendants(pid) {
+            if child != pid {
+                self.add_descendant(child, Tracked { lane, root: pid })?;
+            }
         }
         Ok(())
     }
@@ -553,33 +555,4 @@ fn array_data(map: Map, name: &'static str) -> Result<MapData, Error> {
         Map::Array(data) => Ok(data),
         _ => Err(Error::NotAnArray(name)),
     }
-}
-
-/// The processes below `pid` in the process tree (children, grandchildren...), from
-/// `/proc/PID/task/TID/children`; threads are not processes of their own and are not listed. Empty
-/// where the kernel does not list children (no `CONFIG_PROC_CHILDREN`).
-fn descendants_in_proc(pid: u32) -> Vec<u32> {
-    let mut found = Vec::new();
-    let mut queue = vec![pid];
-    while let Some(parent) = queue.pop() {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
-            continue;
-        };
-        for task in tasks.flatten() {
-            let Ok(children) = std::fs::read_to_string(task.path().join("children")) else {
-                continue;
-            };
-            for child in children
-                .split_ascii_whitespace()
-                .filter_map(|c| c.parse().ok())
-            {
-                // Bounded: a tree is never walked twice through the same process.
-                if child != pid && !found.contains(&child) {
-                    found.push(child);
-                    queue.push(child);
-                }
-            }
-        }
-    }
-    found
 }

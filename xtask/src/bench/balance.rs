@@ -45,6 +45,11 @@
 //! the hog) took from the two cores (`/proc/stat` minus `/proc/PID/stat`), runs again (twice at most)
 //! when that is over 0.1 core, keeps the quietest run, and the report says how noisy the runs were.
 //!
+//! **Other servers** (`--app gunicorn`): the same with gunicorn serving `tests/apps/wsgi_app.py` as
+//! every service's workers (`pass_socket`; `taskset` pins each, and its forked worker with it), to
+//! measure how close the kernel's count of their responses gets ORCA to the built-in worker's own
+//! request count; the baseline stays hyper's.
+//!
 //! **First weights** (`--first-weights`): how soon a cold start gets its ORCA weights, per
 //! blackout and sample interval ([`first_weights`]); nothing else runs then.
 //!
@@ -71,7 +76,7 @@ use anyhow::{Context, ensure};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-1s|lr]...";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-1s|lr]...";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -245,6 +250,9 @@ struct Options {
     /// The timeline's events and set-ups to run (all when empty), by key.
     events: Vec<String>,
     setups: Vec<String>,
+    /// The workers are gunicorn serving the WSGI test app (`--app gunicorn`, on listeners the
+    /// supervisor passes, their responses counted in the kernel) instead of the built-in worker.
+    gunicorn: bool,
 }
 
 impl Options {
@@ -276,6 +284,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         timeline: false,
         events: Vec::new(),
         setups: Vec::new(),
+        gunicorn: false,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -291,6 +300,11 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                 options.connections = args.value(flag)?.parse().context("--connections N")?;
             }
             "--per-connection" => options.per_connection = true,
+            "--app" => match args.value(flag)? {
+                "gunicorn" => options.gunicorn = true,
+                "hello" => options.gunicorn = false,
+                other => anyhow::bail!("--app takes gunicorn or hello, not {other:?}\n\n{USAGE}"),
+            },
             "--first-weights" => options.first_weights = true,
             "--timeline" => options.timeline = true,
             "--event" => options.events.push(args.value(flag)?.to_owned()),
@@ -443,6 +457,9 @@ mod tests {
             parse_args(&args("--connections 64")).unwrap().connections,
             64
         );
+        assert!(!defaults.gunicorn);
+        assert!(parse_args(&args("--app gunicorn")).unwrap().gunicorn);
+        assert!(parse_args(&args("--app nginx")).is_err());
         assert!(parse_args(&args("--connections 0")).is_err());
         assert!(parse_args(&args("--load 1.5")).is_err());
         assert!(parse_args(&args("--cpu-ms 0")).is_err());

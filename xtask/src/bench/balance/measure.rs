@@ -22,6 +22,17 @@ use crate::bench::{
 };
 
 impl Bench<'_> {
+    /// The benchmark's own processes and `hog`, with every process they forked (gunicorn's workers):
+    /// their CPU is not other processes' noise.
+    fn own_now(&self, hog: Option<u32>) -> Vec<u32> {
+        self.own
+            .iter()
+            .copied()
+            .chain(hog)
+            .flat_map(procfs::descendants)
+            .collect()
+    }
+
     /// [`Bench::run`], again (up to [`NOISY_RETRIES`] times) while other processes used more than
     /// [`NOISY`] cores; keeps the quietest.
     pub(super) fn run_quietest(&self, case: Case) -> anyhow::Result<Run> {
@@ -75,7 +86,7 @@ impl Bench<'_> {
         // Time for the load threads to connect before the first request is due.
         let start = Instant::now() + Duration::from_millis(500);
         let stop = AtomicBool::new(false);
-        let own: Vec<u32> = self.own.iter().copied().chain(case.hog).collect();
+        let own = self.own_now(case.hog);
         let before = (Instant::now(), machine_busy()?, own_ticks(&own));
         let (records, side_records, samples) = thread::scope(|scope| {
             let monitor = scope.spawn(|| self.monitor(service, &workers, start, &stop));
@@ -136,7 +147,7 @@ impl Bench<'_> {
             burst: None,
         };
         let start = Instant::now() + Duration::from_millis(500);
-        let own: Vec<u32> = self.own.iter().copied().chain(case.hog).collect();
+        let own = self.own_now(case.hog);
         let before = (Instant::now(), machine_busy()?, own_ticks(&own));
         let records = openloop::run(&plan, start)?;
         let (machine, mine) = (

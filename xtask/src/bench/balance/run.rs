@@ -69,7 +69,12 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 
     let dir = TempDir::new().context("a temporary directory")?;
     let (listen, admin) = (free_port(), free_port());
-    let config = config(&peregrine, dir.path(), listen, admin)?;
+    let gunicorn = if options.gunicorn {
+        Some(crate::pyapps::install()?.join("gunicorn"))
+    } else {
+        None
+    };
+    let config = config(&peregrine, gunicorn.as_deref(), dir.path(), listen, admin)?;
     let supervisor = Supervisor::start_in(&peregrine, dir.path(), &config)?;
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     let result = (|| {
@@ -204,8 +209,35 @@ fn reuseport_baseline(binary: &Path, dir: &Path) -> anyhow::Result<(ReusePort, V
     Ok((ReusePort { addr, workers }, processes))
 }
 
-/// The supervisor's config: three services of two workers, worker `i` pinned to CPU `i`.
-fn config(peregrine: &Path, dir: &Path, listen: u16, admin: u16) -> anyhow::Result<String> {
+/// The supervisor's config: three services of two workers, worker `i` pinned to CPU `i`: the
+/// built-in worker, or `gunicorn` on the WSGI test app.
+fn config(
+    peregrine: &Path,
+    gunicorn: Option<&Path>,
+    dir: &Path,
+    listen: u16,
+    admin: u16,
+) -> anyhow::Result<String> {
+    let worker = match gunicorn {
+        // `taskset` execs gunicorn, which keeps the pid; the worker it forks inherits the CPU.
+        Some(gunicorn) => {
+            let command: Vec<String> = ["taskset", "-c", "{index}"]
+                .map(String::from)
+                .into_iter()
+                .chain(peregrine_e2e::gunicorn_command(gunicorn))
+                .map(|word| format!("{word:?}"))
+                .collect();
+            format!(
+                "pass_socket = true\nready_path = \"/healthz\"\ncommand = [{}]",
+                command.join(", ")
+            )
+        }
+        // `taskset` execs the worker, which keeps the pid the supervisor started.
+        None => format!(
+            "command = [\"taskset\", \"-c\", \"{{index}}\", \"{}\", \"worker\"]",
+            peregrine.display()
+        ),
+    };
     let mut toml = format!(
         r#"[supervisor]
 bind = "http://127.0.0.1:{grpc}"
@@ -219,7 +251,6 @@ admin = "127.0.0.1:{admin}"
         control = dir.join("peregrine.sock").display(),
     );
     for policy in Policy::ALL {
-        // `taskset` execs the worker, which keeps the pid the supervisor started.
         write!(
             toml,
             r#"
@@ -228,11 +259,10 @@ count = 2
 url = "http://127.0.0.1:0"
 prefix = "/{name}"
 {balance}
-command = ["taskset", "-c", "{{index}}", "{peregrine}", "worker"]
+{worker}
 "#,
             name = policy.service(),
             balance = policy.toml(),
-            peregrine = peregrine.display(),
         )?;
     }
     Ok(toml)
