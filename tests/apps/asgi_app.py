@@ -1,6 +1,6 @@
 """A tiny ASGI 3 application for the end-to-end tests, served by uvicorn: the WSGI app's behaviour.
 
-GET /healthz answers `ok`; every other path answers `Hello from worker <pid>!` (the hello worker's
+GET /healthz answers `ok` (`503` when APP_UNREADY is set); every other path answers `Hello from worker <pid>!` (the hello worker's
 answer), and the `x-server` header says `uvicorn`. `?cpu=MS` first burns MS milliseconds of CPU (at most 1000; it blocks the event loop, as a CPU-bound handler
 does), so one worker can be loaded more than another; `/slow?ms=N` first sleeps N milliseconds (at
 most 60000) without blocking.
@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
 
 SERVER = "uvicorn"
+UNREADY = bool(os.environ.get("APP_UNREADY"))
 
 
 async def app(scope, receive, send):
@@ -26,7 +27,11 @@ async def app(scope, receive, send):
     query = parse_qs(scope["query_string"].decode("latin-1"))
     status = 200
     if path == "/healthz":
-        body = b"ok\n"
+        # APP_UNREADY in the environment: a server that never becomes ready.
+        if UNREADY:
+            status, body = 503, b"not ready\n"
+        else:
+            body = b"ok\n"
     else:
         try:
             cpu = millis(query, "cpu", MAX_CPU_MS)

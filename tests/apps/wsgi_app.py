@@ -1,6 +1,6 @@
 """A tiny WSGI application for the end-to-end tests, served by gunicorn.
 
-GET /healthz answers `ok`; every other path answers `Hello from worker <pid>!` (the hello worker's answer, so the tests'
+GET /healthz answers `ok` (`503` when APP_UNREADY is set); every other path answers `Hello from worker <pid>!` (the hello worker's answer, so the tests'
 load tells workers apart the same way), `<pid>` being the process the supervisor started: gunicorn's
 arbiter, the parent of the process that serves; the `x-server` header says `gunicorn`. `?cpu=MS`
 first burns MS milliseconds of CPU (at most 1000), so one worker can be loaded more than another;
@@ -18,6 +18,7 @@ from urllib.parse import parse_qs
 from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
 
 SERVER = "gunicorn"
+UNREADY = bool(os.environ.get("APP_UNREADY"))
 # The process the supervisor started: gunicorn's arbiter, which forked this worker and then loaded
 # the app in it. Taken now, so a worker orphaned by a killed arbiter still names it.
 SUPERVISED_PID = os.getppid()
@@ -28,7 +29,11 @@ def app(environ, start_response):
     query = parse_qs(environ.get("QUERY_STRING", ""))
     status = "200 OK"
     if path == "/healthz":
-        body = b"ok\n"
+        # APP_UNREADY in the environment: a server that never becomes ready.
+        if UNREADY:
+            status, body = "503 Service Unavailable", b"not ready\n"
+        else:
+            body = b"ok\n"
     else:
         try:
             cpu = millis(query, "cpu", MAX_CPU_MS)

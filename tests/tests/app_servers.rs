@@ -195,11 +195,27 @@ fn node_serves_through_envoy_and_recovers_from_kills_and_restarts() {
 }
 
 #[test]
-fn a_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
+fn a_gunicorn_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
+    never_ready(Server::Gunicorn);
+}
+
+#[test]
+fn a_uvicorn_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
+    never_ready(Server::Uvicorn);
+}
+
+#[test]
+fn a_node_server_that_never_becomes_ready_is_reported_and_does_not_replace_the_old_one() {
+    never_ready(Server::Node);
+}
+
+/// A reload whose `server` never answers its ready path replaces nothing, says why, and the old
+/// worker serves on without a failed request.
+fn never_ready(server: Server) {
     let Some(servers) = servers() else {
         return;
     };
-    let apps = Apps::start(Server::Node, &servers, 1, "");
+    let apps = Apps::start(server, &servers, 1, "");
     let old = apps.deployed().wait_for_workers(1, &BTreeSet::new());
     let load = apps.deployed().load();
 
