@@ -10,7 +10,7 @@
 //! addresses and every name or address asked for.
 //!
 //! These are test certificates: the CAs' keys sit beside them and they never expire. Real ones come
-//! from the operator's own CA (README).
+//! from the operator's own CA (docs/tls.md, "Real certificates").
 //!
 //! Invariant: nothing is overwritten; a directory that already holds any of the files is refused
 //! before anything is written.
