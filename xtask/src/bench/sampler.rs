@@ -31,8 +31,18 @@ use crate::{cargo, run_checked};
 
 const USAGE: &str = "cargo xtask bench sampler [--duration SECS] [--rounds N]";
 
-/// The program names of the eBPF sampler (`ebpf/src/bpf/sampler.bpf.c`).
-const PROGRAMS: [&str; 4] = ["on_runtime", "on_wakeup", "on_wakeup_new", "on_switch"];
+/// The program names of the eBPF sampler (`ebpf/src/bpf/sampler.bpf.c`): the scheduler's, the process
+/// trees' and the send counter's. Each runs for every such event on the machine, tracked or not, so
+/// all of them are the sampler's cost.
+const PROGRAMS: [&str; 7] = [
+    "on_runtime",
+    "on_wakeup",
+    "on_wakeup_new",
+    "on_switch",
+    "on_fork",
+    "on_exit",
+    "on_send",
+];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
