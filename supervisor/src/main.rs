@@ -2,12 +2,18 @@
 
 use std::{path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use peregrine_supervisor::config::Config;
 
+/// The configuration file a command reads when none is given: where the package installs it.
+const DEFAULT_CONFIG: &str = "/etc/peregrine/peregrine.toml";
+
 /// A worker supervisor that feeds Envoy: per-worker listeners, live endpoints over xDS.
+///
+/// Commands that read the configuration file take its path, `/etc/peregrine/peregrine.toml` when it
+/// is left out.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "peregrine")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -18,16 +24,19 @@ enum Command {
     /// Run the supervisor: start the workers and serve xDS until SIGINT or SIGTERM.
     Run {
         /// The configuration file.
+        #[arg(default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Check a configuration file and exit.
     Check {
         /// The configuration file.
+        #[arg(default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Print an Envoy bootstrap (YAML) that routes to the configured services through this supervisor.
     EnvoyBootstrap {
         /// The configuration file.
+        #[arg(default_value = DEFAULT_CONFIG)]
         config: PathBuf,
     },
     /// Show the running supervisor's workers: pids, addresses, load and restarts.
@@ -36,8 +45,8 @@ enum Command {
     /// PEREGRINE_CONTROL, or --socket); only the supervisor's own user may ask.
     Status {
         /// The configuration file the supervisor runs with.
-        #[arg(required_unless_present = "socket")]
-        config: Option<PathBuf>,
+        #[arg(default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
         /// The supervisor's control socket (instead of reading CONFIG).
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
@@ -58,9 +67,12 @@ enum Command {
     /// then replaces the workers of SERVICE (every service without one), `restart_batch` at a time:
     /// each new worker registers before its predecessor is drained (DRAINING in EDS, ACKed by every
     /// Envoy) and stopped. SIGHUP to the supervisor does the same for every service.
+    ///
+    /// A single argument is CONFIG when it holds a `/` or ends in `.toml`, and SERVICE otherwise:
+    /// `peregrine restart web` replaces the workers of `web` under the default config.
     Restart {
-        /// The configuration file the supervisor runs with.
-        config: PathBuf,
+        /// The configuration file the supervisor runs with [default: /etc/peregrine/peregrine.toml].
+        config: Option<PathBuf>,
         /// The service whose workers to replace (default: all).
         service: Option<String>,
         /// The supervisor's control socket (instead of `supervisor.control` of CONFIG).
@@ -74,6 +86,7 @@ enum Command {
     /// invalid config is reported and changes nothing.
     Reload {
         /// The configuration file the supervisor runs with.
+        #[arg(default_value = DEFAULT_CONFIG)]
         config: PathBuf,
         /// The supervisor's control socket (instead of `supervisor.control` of CONFIG).
         #[arg(long, value_name = "PATH")]
@@ -97,6 +110,13 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Write the manual pages (`peregrine.1`, and `peregrine-COMMAND.1` for each command) into DIR,
+    /// from these very definitions (used to build the package).
+    #[command(hide = true)]
+    Man {
+        /// Where to write them (made if missing).
+        dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -118,8 +138,36 @@ enum TlsCommand {
 /// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
 const EXIT_USAGE: u8 = 64;
 
+/// `peregrine --version`: the version, the commit built from (see `build.rs`) and whether the eBPF
+/// sampler is in this binary, e.g. `0.1.0 (1f00ca1, eBPF sampler built in)`.
+fn version() -> &'static str {
+    static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        version_line(
+            env!("CARGO_PKG_VERSION"),
+            env!("PEREGRINE_BUILD_COMMIT"),
+            peregrine_ebpf::object().is_ok(),
+        )
+    });
+    VERSION.as_str()
+}
+
+/// The text of [`version`] (after the command's name, which clap prints first).
+fn version_line(version: &str, commit: &str, ebpf: bool) -> String {
+    let sampler = if ebpf {
+        "eBPF sampler built in"
+    } else {
+        "eBPF sampler not built in: procfs only"
+    };
+    format!("{version} ({commit}, {sampler})")
+}
+
+/// The command line's definition, with the version known at run time.
+fn command() -> clap::Command {
+    Cli::command().version(version())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|error| error.exit());
     if let Err(error) = init_tracing() {
         eprintln!("peregrine: {error}");
         return ExitCode::from(EXIT_USAGE);
@@ -134,6 +182,15 @@ fn main() -> ExitCode {
             eprintln!("peregrine: cannot run {}: {error}", program.display());
             ExitCode::from(127)
         }
+        Command::Man { dir } => match write_man_pages(&dir) {
+            Ok(written) => {
+                for path in &written {
+                    println!("wrote {}", path.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(error) => fail(&error),
+        },
         Command::Tls {
             command: TlsCommand::Init { dir, san },
         } => match peregrine_supervisor::tls::init::init(&dir, &san) {
@@ -200,13 +257,12 @@ fn main() -> ExitCode {
             watch,
             interval,
         } => {
-            let socket = match (socket, config) {
-                (Some(socket), _) => socket,
-                (None, Some(config)) => match Config::load(&config) {
+            let socket = match socket {
+                Some(socket) => socket,
+                None => match Config::load(&config) {
                     Ok(c) => c.supervisor.control,
                     Err(error) => return config_error(&error),
                 },
-                (None, None) => unreachable!("clap requires CONFIG without --socket"),
             };
             if watch {
                 let min = peregrine_supervisor::status::watch::MIN_INTERVAL;
@@ -230,6 +286,7 @@ fn main() -> ExitCode {
             socket,
         } => {
             use peregrine_proto::v1;
+            let (config, service) = restart_target(config, service);
             let request = v1::ControlRequest {
                 action: Some(v1::control_request::Action::Restart(v1::Restart {
                     service: service.unwrap_or_default(),
@@ -249,6 +306,57 @@ fn main() -> ExitCode {
             Err(error) => fail(&anyhow::Error::new(error)),
         },
     }
+}
+
+/// The config file and service of `peregrine restart [CONFIG] [SERVICE]`: one argument is the file
+/// when it looks like a path (a `/` in it, or a `.toml` name), else a service under the default
+/// file. A service name has no `/`; one ending in `.toml` needs the file named before it.
+fn restart_target(config: Option<PathBuf>, service: Option<String>) -> (PathBuf, Option<String>) {
+    match (config, service) {
+        (Some(first), None) => {
+            let path_like = first.as_os_str().as_encoded_bytes().contains(&b'/')
+                || first.extension().is_some_and(|e| e == "toml");
+            match first.into_os_string().into_string() {
+                Ok(name) if !path_like => (PathBuf::from(DEFAULT_CONFIG), Some(name)),
+                Ok(path) => (PathBuf::from(path), None),
+                Err(path) => (PathBuf::from(path), None),
+            }
+        }
+        (config, service) => (
+            config.unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG)),
+            service,
+        ),
+    }
+}
+
+/// `peregrine man DIR`: the manual pages of the command and of each visible subcommand, as
+/// `clap_mangen` renders them; returns the files written.
+fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
+    use anyhow::Context;
+    fn write(
+        command: clap::Command,
+        dir: &std::path::Path,
+        written: &mut Vec<PathBuf>,
+    ) -> std::io::Result<()> {
+        for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+            write(sub.clone(), dir, written)?;
+        }
+        let page = clap_mangen::Man::new(command)
+            .source(format!("peregrine {}", env!("CARGO_PKG_VERSION")))
+            .manual("Peregrine");
+        written.push(page.generate_to(dir)?);
+        Ok(())
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Built as clap_mangen::generate_to builds it: no `help` subcommand, and each subcommand named
+    // `peregrine-NAME` so that its page is `peregrine-NAME.1`.
+    let mut command = command().disable_help_subcommand(true);
+    command.build();
+    let mut written = Vec::new();
+    write(command, dir, &mut written)
+        .with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
+    written.sort();
+    Ok(written)
 }
 
 /// `peregrine restart` and `peregrine reload`: sends the command, waits for it to be carried out and
@@ -430,7 +538,9 @@ fn init_tracing() -> Result<(), String> {
 mod tests {
     use clap::Parser;
 
-    use super::{Cli, Command, LogFormat};
+    use std::path::PathBuf;
+
+    use super::{Cli, Command, DEFAULT_CONFIG, LogFormat, restart_target, version_line};
 
     #[test]
     fn the_launcher_of_passed_socket_servers_takes_the_servers_own_flags() {
@@ -450,6 +560,71 @@ mod tests {
         };
         assert_eq!(program.to_str(), Some("/usr/bin/gunicorn"));
         assert_eq!(args, ["--bind", "fd://3", "-w", "1"]);
+    }
+
+    #[test]
+    fn the_version_names_the_commit_and_the_sampler() {
+        assert_eq!(
+            version_line("0.1.0", "1f00ca1", true),
+            "0.1.0 (1f00ca1, eBPF sampler built in)"
+        );
+        assert_eq!(
+            version_line("0.1.0", "unknown", false),
+            "0.1.0 (unknown, eBPF sampler not built in: procfs only)"
+        );
+    }
+
+    #[test]
+    fn every_command_that_reads_the_config_defaults_to_the_installed_one() {
+        for name in ["run", "check", "envoy-bootstrap", "status", "reload"] {
+            let cli = Cli::try_parse_from(["peregrine", name]).unwrap();
+            let config = match cli.command {
+                Command::Run { config }
+                | Command::Check { config }
+                | Command::EnvoyBootstrap { config }
+                | Command::Status { config, .. }
+                | Command::Reload { config, .. } => config,
+                other => panic!("{name} parsed as {other:?}"),
+            };
+            assert_eq!(config, PathBuf::from(DEFAULT_CONFIG), "{name}");
+        }
+        let cli = Cli::try_parse_from(["peregrine", "restart"]).unwrap();
+        let Command::Restart {
+            config, service, ..
+        } = cli.command
+        else {
+            panic!("not restart: {:?}", cli.command);
+        };
+        assert_eq!(
+            restart_target(config, service),
+            (PathBuf::from(DEFAULT_CONFIG), None)
+        );
+    }
+
+    #[test]
+    fn a_single_restart_argument_is_the_config_when_it_looks_like_a_path() {
+        let target = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["peregrine", "restart"].iter().chain(args)).unwrap();
+            let Command::Restart {
+                config, service, ..
+            } = cli.command
+            else {
+                panic!("not restart: {:?}", cli.command);
+            };
+            let (config, service) = restart_target(config, service);
+            (config.display().to_string(), service)
+        };
+        let named =
+            |config: &str, service: Option<&str>| (config.to_owned(), service.map(str::to_owned));
+        assert_eq!(target(&["web"]), named(DEFAULT_CONFIG, Some("web")));
+        assert_eq!(target(&["api.v2"]), named(DEFAULT_CONFIG, Some("api.v2")));
+        assert_eq!(target(&["peregrine.toml"]), named("peregrine.toml", None));
+        assert_eq!(target(&["./conf"]), named("./conf", None));
+        assert_eq!(
+            target(&["/etc/p.toml", "web"]),
+            named("/etc/p.toml", Some("web"))
+        );
+        assert_eq!(target(&["conf", "web"]), named("conf", Some("web")));
     }
 
     #[test]

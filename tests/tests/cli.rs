@@ -1,9 +1,27 @@
 //! The command line: configuration errors are one line per problem, naming the key and line, with exit
-//! code 64, and `run` starts nothing on a bad config or a sampler it cannot run.
+//! code 64, and `run` starts nothing on a bad config or a sampler it cannot run; `--version` names
+//! the commit and the sampler, commands read the installed config when given none, and the manual
+//! pages come from the same definitions.
 
-use std::process::Command;
+use std::{path::Path, process::Command};
 
-use peregrine_e2e::peregrine_path;
+use peregrine_e2e::{TempDir, peregrine_path, workspace_root};
+
+/// Where the package installs the config, which commands read when given none.
+const INSTALLED_CONFIG: &str = "/etc/peregrine/peregrine.toml";
+
+/// `peregrine ARGS`: the exit code, stdout and stderr.
+fn peregrine_args(args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(peregrine_path())
+        .args(args)
+        .output()
+        .expect("run peregrine");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
 
 fn peregrine(args: &[&str], config: &str) -> (i32, String, String) {
     let dir = tempfile::tempdir().unwrap();
@@ -177,5 +195,128 @@ fn an_unknown_log_format_is_a_usage_error() {
     assert_eq!(
         String::from_utf8_lossy(&output.stderr).trim(),
         "peregrine: PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got \"xml\""
+    );
+}
+
+#[test]
+fn the_version_names_the_commit_and_whether_the_ebpf_sampler_is_built_in() {
+    let (code, stdout, stderr) = peregrine_args(&["--version"]);
+    assert_eq!(code, 0, "{stderr}");
+    let line = stdout.trim();
+    let inside = line
+        .strip_prefix(&format!("peregrine {} (", env!("CARGO_PKG_VERSION")))
+        .and_then(|rest| rest.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("not `peregrine VERSION (COMMIT, SAMPLER)`: {line:?}"));
+    let (commit, sampler) = inside
+        .split_once(", ")
+        .unwrap_or_else(|| panic!("no commit and sampler: {line:?}"));
+    // The sampler this build has, as the eBPF crate itself says (built by the same cargo).
+    let expected = if peregrine_ebpf::object().is_ok() {
+        "eBPF sampler built in"
+    } else {
+        "eBPF sampler not built in: procfs only"
+    };
+    assert_eq!(sampler, expected, "{line:?}");
+    if std::env::var("PEREGRINE_REQUIRE_EBPF").is_ok_and(|v| v == "1") {
+        assert_eq!(sampler, "eBPF sampler built in", "{line:?}");
+    }
+    // Built in this git tree: one of its commits (HEAD may have moved on since the build).
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(workspace_root())
+            .args(args)
+            .output()
+            .is_ok_and(|output| output.status.success())
+    };
+    if git(&["rev-parse", "--git-dir"]) {
+        assert!(
+            commit.len() >= 7 && commit.bytes().all(|b| b.is_ascii_hexdigit()),
+            "not a short hash: {line:?}"
+        );
+        assert!(
+            git(&["cat-file", "-e", &format!("{commit}^{{commit}}")]),
+            "{commit} is no commit of this repository: {line:?}"
+        );
+    } else {
+        assert!(
+            !commit.is_empty() && !commit.contains(char::is_whitespace),
+            "{line:?}"
+        );
+    }
+}
+
+#[test]
+fn commands_read_the_installed_config_when_given_none_and_say_so() {
+    for command in [
+        "run",
+        "check",
+        "envoy-bootstrap",
+        "status",
+        "restart",
+        "reload",
+    ] {
+        let (code, help, stderr) = peregrine_args(&[command, "--help"]);
+        assert_eq!(code, 0, "{stderr}");
+        assert!(
+            help.contains(&format!("[default: {INSTALLED_CONFIG}]")),
+            "`peregrine {command} --help` names no default config:\n{help}"
+        );
+    }
+    // Check, and status with no flags at all, read the installed config: on a machine without one,
+    // a usage error naming it.
+    for command in ["check", "status"] {
+        let (code, stdout, stderr) = peregrine_args(&[command]);
+        let said = format!("{stdout}{stderr}");
+        assert!(
+            said.contains(INSTALLED_CONFIG),
+            "`peregrine {command}` names no config: {said}"
+        );
+        if !Path::new(INSTALLED_CONFIG).exists() {
+            assert_eq!(code, 64, "{said}");
+        }
+    }
+}
+
+#[test]
+fn the_manual_pages_are_written_from_the_command_line() {
+    let dir = TempDir::new().unwrap();
+    let out = dir.path().join("man1");
+    let (code, stdout, stderr) = peregrine_args(&["man", &out.display().to_string()]);
+    assert_eq!(code, 0, "{stderr}");
+    let page = |name: &str| {
+        std::fs::read_to_string(out.join(name))
+            .unwrap_or_else(|e| panic!("no {name} ({e}); wrote:\n{stdout}"))
+    };
+    let main = page("peregrine.1");
+    assert!(main.contains(".TH peregrine 1"), "{main}");
+    for command in [
+        "run",
+        "check",
+        "envoy-bootstrap",
+        "status",
+        "restart",
+        "reload",
+        "tls",
+    ] {
+        assert!(
+            // Roff escapes each hyphen.
+            main.contains(&format!("peregrine\\-{}(1)", command.replace('-', "\\-"))),
+            "peregrine.1 lists no {command}:\n{main}"
+        );
+        let sub = page(&format!("peregrine-{command}.1"));
+        assert!(sub.contains(".SH SYNOPSIS"), "{sub}");
+    }
+    assert!(page("peregrine-tls-init.1").contains("\\-\\-san"));
+    // Hidden commands have no page; their own help says how they are run.
+    for hidden in ["man", "exec-passed", "help"] {
+        assert!(
+            !out.join(format!("peregrine-{hidden}.1")).exists(),
+            "{hidden}"
+        );
+    }
+    assert!(
+        page("peregrine-check.1").contains(INSTALLED_CONFIG),
+        "the default config is in the page"
     );
 }
