@@ -134,14 +134,16 @@ fn python_service(config: &str) -> anyhow::Result<String> {
 }
 
 /// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),
-/// else the debug build, built now (with protoc installed first, the etcd client's protos need it, and
-/// clang and libbpf's headers for the eBPF sampler).
+/// else the debug build, built now, after the system packages the demo needs
+/// ([`crate::packages::DEMO`]: protoc and its include files, clang and libbpf's headers for the eBPF
+/// sampler, python3-venv for Envoy's virtualenv) are installed, or named in the one `apt-get` line
+/// to run.
 fn peregrine_binary() -> anyhow::Result<PathBuf> {
     if let Some(path) = std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
         return Ok(path.into());
     }
-    crate::packages::ensure(crate::packages::FLEET)?;
-    crate::ebpf::tools::ensure()?;
+    crate::packages::ensure(crate::packages::DEMO)?;
+    crate::ebpf::tools::check_clang_var()?;
     run_checked(cargo().args(["build", "-p", "peregrine-supervisor", "--bin", "peregrine"]))?;
     Ok(target_dir().join("debug/peregrine"))
 }

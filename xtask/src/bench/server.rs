@@ -129,5 +129,5 @@ pub(super) fn preflight() -> anyhow::Result<()> {
     for (program, package) in [("taskset", "util-linux"), ("timeout", "coreutils")] {
         program_path(program).with_context(|| format!("install the Debian package {package}"))?;
     }
-    crate::packages::ensure(&[("wrk", "wrk"), ("h2load", "nghttp2-client")])
+    crate::packages::ensure(crate::packages::BENCH)
 }

@@ -409,7 +409,6 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     interrupt::install()?;
-    crate::packages::ensure(&[("ip", "iproute2")])?;
     crate::packages::ensure(crate::packages::FLEET)?;
     let peregrine = super::peregrine_binary()?;
     let envoy_binary = envoy::install()?;
