@@ -10,6 +10,7 @@ mod bench;
 mod demo;
 mod ebpf;
 mod envoy;
+mod fresh;
 mod interrupt;
 mod logs;
 mod packages;
@@ -40,6 +41,12 @@ commands:
   demo [--app python] [--keep-running]
                         start the supervisor and Envoy, send traffic, kill a worker, watch it come back
                         (--app python: gunicorn workers on listeners the supervisor passes)
+  fresh                 as root: `cargo xtask demo` on a minimal Debian 12 root (debootstrap --variant=minbase
+                        bookworm from apt's mirror, cached in /var/cache/peregrine/fresh/ or the tarball
+                        PEREGRINE_FRESH_CACHE names) with only build-essential, git, python3 and
+                        ca-certificates added and the host's Rust toolchain bound in; the tree at HEAD
+                        (committed work only) is cloned into it; passes if the demo shows the eBPF
+                        sampler and 0 failed requests; prints each phase's time
   demo fleet [--keep-running]
                         as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
                         Envoy under traffic; kill a host and start it again, cut one off and restore it,
@@ -85,6 +92,7 @@ fn main() -> ExitCode {
         Some("demo") => demo::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("build-ebpf") => ebpf::run(&args[1..]),
+        Some("fresh") => fresh::run(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)

@@ -1,0 +1,322 @@
+//! `cargo xtask fresh`: the README's first command, `cargo xtask demo`, on a machine as fresh as a
+//! new user's: a minimal Debian 12 root (`debootstrap --variant=minbase bookworm` from the host's
+//! mirror, cached as a tarball, [`base`]) with only build-essential, git, python3 and
+//! ca-certificates added and the host's Rust toolchain bound in read-only ([`Root`]), the tree at
+//! HEAD cloned into it (committed work only), and the demo run there in a chroot with a clean
+//! environment. It passes when the demo exits 0 and its output shows the eBPF sampler
+//! (`sampler: ebpf` in `peregrine status`) and no failed request (its load reports say `0 failed`,
+//! and none says more); see [`judge`]. Each phase is timed.
+//!
+//! Whatever the demo needs beyond those four packages (protoc and its include files, clang and
+//! libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
+//! the check that a hole in that list cannot pass.
+//!
+//! [`Root`] is the reusable part: the package test installs the `.deb` into the same kind of root.
+
+mod base;
+mod mirror;
+mod mounts;
+mod root;
+
+use std::{
+    fmt::Write as _,
+    process::{Command, ExitCode},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+
+#[allow(
+    unused_imports,
+    reason = "the root's API, for the package test as much as for this command"
+)]
+pub(crate) use self::root::{Builder, Root, Transcript};
+use crate::{interrupt, no_args, run_checked, workspace_root};
+
+/// The root's name (`target/fresh/<NAME>/`).
+const NAME: &str = "demo";
+/// All that is added to the minimal root: what the README assumes a machine has.
+const PACKAGES: &[&str] = &["build-essential", "git", "python3", "ca-certificates"];
+/// Where the tree is cloned in the root.
+const CLONE: &str = "/root/peregrine";
+/// The demo's command, as the README gives it.
+const DEMO: &str = "cargo xtask demo";
+/// How long the demo may take, building the whole project on a small machine included.
+const DEMO_DEADLINE: Duration = Duration::from_secs(90 * 60);
+
+pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    no_args("fresh", args)?;
+    interrupt::install()?;
+    let started = Instant::now();
+    let (commit, dirty) = head()?;
+    println!(
+        "fresh-machine check of commit {commit}: committed work only{}",
+        if dirty {
+            " (the checkout's uncommitted changes are not in it)"
+        } else {
+            ""
+        }
+    );
+    let root = Root::builder(NAME)
+        .packages(PACKAGES)
+        .rust_toolchain()
+        .prepare()?;
+    let mut phases = root.phases().to_vec();
+
+    let cloning = Instant::now();
+    let clone = root.host_path(CLONE);
+    run_checked(
+        Command::new("git")
+            .args(["clone", "--quiet", "--no-hardlinks"])
+            .arg(workspace_root())
+            .arg(&clone),
+    )?;
+    phases.push(("git clone of HEAD".to_owned(), cloning.elapsed()));
+
+    println!(
+        "\n$ cd {CLONE} && {DEMO}   (in the root {})",
+        root.path().display()
+    );
+    let demoing = Instant::now();
+    let transcript = root.transcript(&format!("cd {CLONE} && {DEMO}"), DEMO_DEADLINE)?;
+    phases.push((
+        format!("{DEMO} (the project built inside)"),
+        demoing.elapsed(),
+    ));
+    let log = root.log_dir().join("demo.log");
+    std::fs::write(&log, &transcript.text).with_context(|| format!("writing {}", log.display()))?;
+
+    let tearing_down = Instant::now();
+    drop(root);
+    phases.push(("teardown".to_owned(), tearing_down.elapsed()));
+
+    let verdict = judge(transcript.status.success(), &transcript.text);
+    println!("\n{}", times(&phases, started.elapsed()));
+    match verdict {
+        Ok(lines) => {
+            println!(
+                "fresh-machine check passed: the demo ran on a minimal Debian 12 root; it said:"
+            );
+            for line in lines {
+                println!("  {line}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(why) => {
+            eprintln!(
+                "fresh-machine check failed: {why} (the demo's output: {})",
+                log.display()
+            );
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// HEAD's short commit, and whether the checkout has uncommitted changes to tracked files.
+fn head() -> anyhow::Result<(String, bool)> {
+    let git = |args: &[&str]| -> anyhow::Result<String> {
+        let output = Command::new("git")
+            .args(args)
+            .current_dir(workspace_root())
+            .output()
+            .with_context(|| format!("running git {}", args.join(" ")))?;
+        anyhow::ensure!(output.status.success(), "git {} failed", args.join(" "));
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"])?;
+    let dirty = !git(&["status", "--porcelain", "--untracked-files=no"])?.is_empty();
+    Ok((commit, dirty))
+}
+
+/// The demo's verdict from whether it exited 0 and its output: the lines that show it passed, or
+/// why it did not. It passes when
+///
+/// - a line says `sampler: ebpf` (the `peregrine status` header: `sampler: ebpf, every 1000 ms`),
+///   and no line names another sampler (`sampler: procfs`);
+/// - at least one line counts failed requests as `<n> failed` (the load reports: `600 requests in
+///   2.01s, 0 failed; by worker: ...`), and every such count is 0;
+/// - no line reports failures as `failed <n>: ...` (the traffic rounds' failure lines).
+fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
+    let mut matched = Vec::new();
+    let mut problems = Vec::new();
+    if !exited_ok {
+        problems.push("the demo did not exit 0".to_owned());
+    }
+    let mut ebpf = false;
+    let mut counts = 0;
+    for line in output.lines() {
+        let trimmed = line.trim();
+        if let Some(sampler) = trimmed.strip_prefix("sampler: ") {
+            if sampler.starts_with("ebpf") {
+                if !ebpf {
+                    matched.push(trimmed.to_owned());
+                }
+                ebpf = true;
+            } else {
+                problems.push(format!(
+                    "the demo's supervisor ran another sampler: {trimmed:?}"
+                ));
+            }
+        }
+        if trimmed
+            .strip_prefix("failed ")
+            .and_then(|rest| rest.trim_start().split_once(':'))
+            .is_some_and(|(count, _)| count.parse::<u64>().is_ok())
+        {
+            problems.push(format!("requests failed: {trimmed:?}"));
+        }
+        let words: Vec<&str> = trimmed.split_whitespace().collect();
+        for pair in words.windows(2) {
+            let [count, word] = pair else { continue };
+            if !word.starts_with("failed") {
+                continue;
+            }
+            let Ok(count) = count
+                .trim_matches(|c: char| !c.is_ascii_digit())
+                .parse::<u64>()
+            else {
+                continue;
+            };
+            counts += 1;
+            if count == 0 {
+                matched.push(trimmed.to_owned());
+            } else {
+                problems.push(format!("{count} requests failed: {trimmed:?}"));
+            }
+        }
+    }
+    if !ebpf {
+        problems.push("no `sampler: ebpf` line (the eBPF sampler did not run)".to_owned());
+    }
+    if counts == 0 {
+        problems.push("no `0 failed` line (no load report)".to_owned());
+    }
+    if problems.is_empty() {
+        Ok(matched)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+/// The phases' times as a table, with the total.
+fn times(phases: &[(String, Duration)], total: Duration) -> String {
+    let width = phases
+        .iter()
+        .map(|(phase, _)| phase.len())
+        .max()
+        .unwrap_or(0)
+        .max(5);
+    let mut table = String::from("fresh-machine check times:\n");
+    for (phase, took) in phases {
+        let _ = writeln!(table, "  {phase:<width$}  {}", minutes(*took));
+    }
+    let _ = write!(table, "  {:<width$}  {}", "total", minutes(total));
+    table
+}
+
+/// `12m 05s`, or `4.2s` under a minute.
+fn minutes(took: Duration) -> String {
+    let seconds = took.as_secs();
+    if seconds < 60 {
+        format!("{:.1}s", took.as_secs_f64())
+    } else {
+        format!("{}m {:02}s", seconds / 60, seconds % 60)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lines of today's demo that the check reads, among others.
+    const PASSING: &str = "\
+Envoy lists 2 hosts after 1.21s:
+`peregrine status` once every worker's load went to Envoy over ORCA (2.02s):
+sampler: ebpf, every 1000 ms
+xds: revision 7; 1 Envoy connected for endpoints
+`peregrine restart` while 2 HTTP/1.1 and 2 HTTP/2 clients send requests through Envoy
+  restarted 2 workers in 3.1s: workers {101, 102} -> {201, 202}
+  1314 requests in 4.52s, 0 failed; by worker: {201: 650, 202: 664}
+SIGKILL to the supervisor, then `peregrine run` again, under the same load
+  the new supervisor adopted workers {201, 202} (1.02s after the kill)
+  732 requests in 2.71s, 0 failed; by worker: {201: 366, 202: 366}
+supervisor exited: exit status: 0
+";
+
+    #[test]
+    fn a_demo_with_the_ebpf_sampler_and_no_failed_request_passes() {
+        assert_eq!(
+            judge(true, PASSING).unwrap(),
+            [
+                "sampler: ebpf, every 1000 ms",
+                "1314 requests in 4.52s, 0 failed; by worker: {201: 650, 202: 664}",
+                "732 requests in 2.71s, 0 failed; by worker: {201: 366, 202: 366}",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_procfs_sampler_a_failed_request_or_a_failed_exit_fails() {
+        let procfs = PASSING.replace("sampler: ebpf", "sampler: procfs");
+        let error = judge(true, &procfs).unwrap_err();
+        assert!(
+            error.contains("another sampler: \"sampler: procfs, every 1000 ms\""),
+            "{error}"
+        );
+        assert!(error.contains("no `sampler: ebpf` line"), "{error}");
+
+        let failed = PASSING.replace(
+            "732 requests in 2.71s, 0 failed",
+            "732 requests in 2.71s, 3 failed",
+        );
+        let error = judge(true, &failed).unwrap_err();
+        assert_eq!(
+            error,
+            "3 requests failed: \"732 requests in 2.71s, 3 failed; by worker: {201: 366, 202: 366}\""
+        );
+
+        let traffic = format!("{PASSING}  failed   2: connection refused\n");
+        assert!(
+            judge(true, &traffic)
+                .unwrap_err()
+                .contains("requests failed: \"failed   2")
+        );
+
+        assert_eq!(
+            judge(false, PASSING).unwrap_err(),
+            "the demo did not exit 0"
+        );
+    }
+
+    #[test]
+    fn a_demo_that_never_got_to_its_load_fails() {
+        let error = judge(
+            false,
+            "error: protoc failed: google/protobuf/descriptor.proto: File not found.\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            error,
+            "the demo did not exit 0; no `sampler: ebpf` line (the eBPF sampler did not run); no \
+             `0 failed` line (no load report)"
+        );
+    }
+
+    #[test]
+    fn times_are_a_table() {
+        let table = times(
+            &[
+                ("debootstrap".to_owned(), Duration::from_secs(245)),
+                ("git clone of HEAD".to_owned(), Duration::from_millis(420)),
+            ],
+            Duration::from_secs(250),
+        );
+        assert_eq!(
+            table,
+            "fresh-machine check times:\n  \
+             debootstrap        4m 05s\n  \
+             git clone of HEAD  0.4s\n  \
+             total              4m 10s"
+        );
+    }
+}
