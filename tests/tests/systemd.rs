@@ -1,5 +1,6 @@
-//! Under systemd: the unit in `packaging/systemd/` passes `systemd-analyze verify`, and the
-//! supervisor speaks the readiness protocol to a real datagram socket set as `NOTIFY_SOCKET`:
+//! Under systemd: the unit in `packaging/systemd/` passes `systemd-analyze verify` with the config
+//! the package installs beside it, which passes `peregrine check` and puts the control socket in the
+//! unit's runtime directory; and the supervisor speaks the readiness protocol to a real datagram socket set as `NOTIFY_SOCKET`:
 //! `READY=1` once xDS serves, watchdog pings, `RELOADING=1` then `READY=1` around a reload,
 //! `STOPPING=1`; its workers inherit none of it.
 
@@ -29,7 +30,9 @@ fn the_unit_passes_systemd_analyze_verify() {
     for line in [
         "Type=notify",
         "KillMode=process",
-        "ExecReload=/usr/local/bin/peregrine reload /etc/peregrine/peregrine.toml",
+        "ExecStart=/usr/bin/peregrine run /etc/peregrine/peregrine.toml",
+        "ExecReload=/usr/bin/peregrine reload /etc/peregrine/peregrine.toml",
+        "RuntimeDirectory=peregrine",
         "RuntimeDirectoryPreserve=restart",
         "WatchdogSec=",
     ] {
@@ -38,13 +41,21 @@ fn the_unit_passes_systemd_analyze_verify() {
             "no {line:?} in the unit"
         );
     }
-    // The installed paths, pointed at this build and a real config, so verify can check them.
+    // The socket's path is the config's alone: a shell's `peregrine status` has no unit environment.
+    assert!(
+        !unit
+            .lines()
+            .any(|l| l.starts_with("Environment=PEREGRINE_CONTROL")),
+        "the unit overrides the config's control socket"
+    );
+    // The installed paths, pointed at this build and the config the package installs, so verify
+    // can check them.
     let dir = TempDir::new().unwrap();
     let config = dir.path().join("peregrine.toml");
-    std::fs::write(&config, "[service.web]\n").unwrap();
+    std::fs::copy(workspace_root().join("packaging/peregrine.toml"), &config).unwrap();
     let local = unit
         .replace(
-            "/usr/local/bin/peregrine",
+            "/usr/bin/peregrine",
             &peregrine_path().display().to_string(),
         )
         .replace(
@@ -65,6 +76,45 @@ fn the_unit_passes_systemd_analyze_verify() {
     );
     // A misspelt value is only a warning (exit 0): nothing may be printed at all.
     assert!(output.status.success() && said.trim().is_empty(), "{said}");
+}
+
+#[test]
+fn the_installed_config_checks_and_puts_the_socket_in_the_units_runtime_directory() {
+    let config = workspace_root().join("packaging/peregrine.toml");
+    let output = Command::new(peregrine_path())
+        .arg("check")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("ok (1 service, 2 workers)"), "{stdout}");
+    // `RuntimeDirectory=peregrine` is /run/peregrine.
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "control = \"/run/peregrine/peregrine.sock\""),
+        "{text}"
+    );
+    // Loopback only, as the comments say: the workers, the gRPC port, the metrics and Envoy.
+    let bootstrap = Command::new(peregrine_path())
+        .arg("envoy-bootstrap")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(bootstrap.status.success());
+    let yaml = String::from_utf8_lossy(&bootstrap.stdout);
+    assert!(!yaml.contains("0.0.0.0"), "{yaml}");
+    for line in text
+        .lines()
+        .filter(|l| l.contains("http://") && !l.starts_with('#'))
+    {
+        assert!(line.contains("127.0.0.1"), "not on loopback: {line}");
+    }
 }
 
 /// The notify socket's datagrams, as they arrive.
