@@ -31,6 +31,8 @@ mod error;
 mod files;
 mod limits;
 mod raw;
+#[cfg(test)]
+mod reference;
 
 use self::raw::RawConfig;
 pub use self::{
