@@ -12,8 +12,10 @@
 //! typed values; the raw layer and the checker are private to this module.
 //!
 //! Environment overrides (for paths and addresses that differ per machine): `PEREGRINE_BIND` replaces
-//! `supervisor.bind`, `PEREGRINE_CONTROL` replaces `supervisor.control`. Tests pass a map instead of
-//! touching the process environment.
+//! `supervisor.bind`, `PEREGRINE_METRICS` `supervisor.metrics`, `PEREGRINE_CONTROL`
+//! `supervisor.control` and `PEREGRINE_ETCD` `cluster.etcd`. Tests pass a map instead of touching the
+//! process environment. Every key, its default and its range are in `docs/configuration.md`, which
+//! the tests in `reference` hold to this parser.
 
 use std::{
     collections::{BTreeMap, HashMap},
