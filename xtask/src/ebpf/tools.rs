@@ -23,7 +23,7 @@ pub(crate) fn libbpf_found() -> bool {
 
 /// What the clang probe looks for, in words.
 pub(crate) fn clang_wanted() -> String {
-    format!("clang >= {MIN_CLANG} in PATH (clang-NN or clang)")
+    format!("clang >= {MIN_CLANG} in PATH, as clang-NN or clang")
 }
 
 /// What the libbpf probe looks for, in words.
@@ -113,7 +113,7 @@ mod tests {
 
     #[test]
     fn the_probes_say_what_they_look_for() {
-        assert_eq!(clang_wanted(), "clang >= 14 in PATH (clang-NN or clang)");
+        assert_eq!(clang_wanted(), "clang >= 14 in PATH, as clang-NN or clang");
         assert_eq!(
             libbpf_wanted(),
             "bpf/bpf_helpers.h in /usr/include or /usr/local/include"
