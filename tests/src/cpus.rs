@@ -8,13 +8,22 @@
 //! Peregrine and is measured again; if the machine never stays quiet, the test is skipped and says
 //! why. Other work is told from the test's own by process tree ([`procfs::Busy`]): this test
 //! process and everything it started (supervisor, workers, Envoy, etcd, the hog) are its own.
+//!
+//! A process started without a pin (a worker the supervisor spawns) is pinned afterwards with
+//! [`pin_threads`], every thread of it, and checked with [`allowed_cpus`].
 
 use std::{
+    io,
     process::{Child, Command},
     time::{Duration, Instant},
 };
 
 use peregrine_contract::procfs::{self, Busy};
+use rustix::{
+    io::Errno,
+    process::Pid,
+    thread::{CpuSet, sched_getaffinity, sched_setaffinity},
+};
 
 /// The cores other processes may keep busy while a window of a core-sharing test runs: beyond this,
 /// the core meant to be free is not.
@@ -146,6 +155,49 @@ fn passes_in_windows(
     Some(noisy)
 }
 
+/// The CPUs thread `tid` may run on, in order (a process's pid names its main thread; `0` is the
+/// calling thread).
+pub fn allowed_cpus(tid: u32) -> io::Result<Vec<usize>> {
+    let set = sched_getaffinity(pid(tid)?)?;
+    Ok((0..CpuSet::MAX_CPU).filter(|&cpu| set.is_set(cpu)).collect())
+}
+
+/// Pins every thread of process `pid` to `cpu` (`sched_setaffinity` on each task in
+/// `/proc/PID/task`), and returns how many it pinned. A thread started later inherits the affinity
+/// of the thread that starts it, so a process that is not starting threads stays pinned. A thread
+/// that ends meanwhile is skipped, and so is one the kernel keeps on its own CPUs (an io_uring
+/// worker refuses with `EINVAL`); an error when the process is gone or no thread could be pinned.
+pub fn pin_threads(pid: u32, cpu: usize) -> io::Result<usize> {
+    let mut set = CpuSet::new();
+    set.set(cpu);
+    let mut pinned = 0;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let Some(tid) = entry?.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        match sched_setaffinity(self::pid(tid)?, &set) {
+            Ok(()) => pinned += 1,
+            Err(Errno::SRCH | Errno::INVAL) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    if pinned == 0 {
+        return Err(io::Error::other(format!(
+            "no thread of process {pid} could be pinned to CPU {cpu}"
+        )));
+    }
+    Ok(pinned)
+}
+
+/// `tid` as rustix's `Pid`, `None` (the calling thread) for 0.
+fn pid(tid: u32) -> io::Result<Option<Pid>> {
+    match i32::try_from(tid) {
+        Ok(0) => Ok(None),
+        Ok(raw) => Ok(Pid::from_raw(raw)),
+        Err(_) => Err(io::Error::other(format!("{tid} is not a thread id"))),
+    }
+}
+
 /// A process spinning on `cpu`, killed on drop.
 #[derive(Debug)]
 pub struct Hog(Child);
@@ -181,6 +233,20 @@ mod tests {
             (if pass { Ok(()) } else { Err("too high".into()) }, others)
         });
         (noisy.is_none(), ran)
+    }
+
+    #[test]
+    fn pins_every_thread_of_a_process() {
+        let cpus = allowed_cpus(0).unwrap();
+        let last = *cpus.last().unwrap();
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pinned = pin_threads(child.id(), last);
+        let allowed = allowed_cpus(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(pinned.unwrap(), 1, "sleep runs one thread");
+        assert_eq!(allowed.unwrap(), vec![last]);
+        assert!(pin_threads(child.id(), last).is_err(), "the process is gone");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Continuous load through Envoy for lifecycle tests: HTTP/1.1 keep-alive and HTTP/2 (h2c) clients
-//! that send `GET /` one after another until stopped, and record every answer.
+//! that send `GET /` (or another path, [`LoadOptions::path`]) one after another until stopped, and
+//! record every answer.
 //!
 //! Every request is checked: a 200 whose body is the hello worker's (`Hello from worker <pid>!`) counts
 //! as served by that pid; anything else (a status other than 200, a body that is not a worker's, a
@@ -69,6 +70,9 @@ pub struct LoadOptions {
     pub limit: Duration,
     /// Each client waits this long after each answer before its next request (zero: none).
     pub pause: Duration,
+    /// The request target every client sends: `/` by default, e.g. `/?cpu=2` for requests that
+    /// each take 2 ms of a worker's CPU.
+    pub path: String,
     /// Run first on the load's thread, before any connection: e.g.
     /// [`NetHost::entry`](crate::NetHost::entry), so that the load comes from inside a host. An
     /// error is recorded as a failure and no request is sent.
@@ -83,6 +87,7 @@ impl LoadOptions {
             http2,
             limit,
             pause: Duration::ZERO,
+            path: "/".to_owned(),
             enter: None,
         }
     }
@@ -95,6 +100,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("http2", &self.http2)
             .field("limit", &self.limit)
             .field("pause", &self.pause)
+            .field("path", &self.path)
             .field("enter", &self.enter.is_some())
             .finish()
     }
@@ -122,8 +128,10 @@ impl Load {
             http2,
             limit,
             pause,
+            path,
             enter,
         } = options;
+        let path: Arc<str> = path.into();
         let stop = Arc::new(AtomicBool::new(false));
         let report = Arc::new(Mutex::new(LoadReport::default()));
         let started = Instant::now();
@@ -149,8 +157,8 @@ impl Load {
                     let protocols = std::iter::repeat_n(Protocol::Http1, http1)
                         .chain(std::iter::repeat_n(Protocol::Http2, http2));
                     for protocol in protocols {
-                        let (stop, report) = (stop.clone(), report.clone());
-                        clients.spawn(client(addr, protocol, pause, stop, report, deadline));
+                        let (stop, report, path) = (stop.clone(), report.clone(), path.clone());
+                        clients.spawn(client(addr, path, protocol, pause, stop, report, deadline));
                     }
                     while clients.join_next().await.is_some() {}
                 });
@@ -197,6 +205,7 @@ impl Drop for Load {
 /// One client: a connection at a time, requests one after another on it.
 async fn client(
     addr: SocketAddr,
+    path: Arc<str>,
     protocol: Protocol,
     pause: Duration,
     stop: Arc<AtomicBool>,
@@ -223,7 +232,7 @@ async fn client(
             }
         };
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-            match tokio::time::timeout(REQUEST_TIMEOUT, sender.get(addr)).await {
+            match tokio::time::timeout(REQUEST_TIMEOUT, sender.get(addr, &path)).await {
                 Ok(Ok(pid)) => {
                     record(Ok(pid));
                     if !pause.is_zero() {
@@ -278,8 +287,8 @@ async fn connect(addr: SocketAddr, protocol: Protocol) -> anyhow::Result<Sender>
 }
 
 impl Sender {
-    /// `GET /`: the pid of the worker that answered.
-    async fn get(&mut self, addr: SocketAddr) -> Result<u32, Failure> {
+    /// `GET path`: the pid of the worker that answered.
+    async fn get(&mut self, addr: SocketAddr, path: &str) -> Result<u32, Failure> {
         let ready = match self {
             Sender::Http1(s) => s.ready().await,
             Sender::Http2(s) => s.ready().await,
@@ -287,7 +296,7 @@ impl Sender {
         if ready.is_err() {
             return Err(Failure::Closed);
         }
-        let request = Request::get(format!("http://{addr}/"))
+        let request = Request::get(format!("http://{addr}{path}"))
             .header("host", addr.to_string())
             .body(Empty::<Bytes>::new())
             .expect("a valid request");
