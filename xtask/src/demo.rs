@@ -1,7 +1,9 @@
 //! `cargo xtask demo [--keep-running]`: the supervisor and a real Envoy on free ports, traffic through
-//! Envoy, one worker killed, its replacement taking traffic, the workers' load reports and Envoy's
-//! weights, then a rolling restart and a supervisor killed and started again under continuous load,
-//! without a failed request.
+//! Envoy, one worker killed, its replacement taking traffic, then what the workers' load reports are
+//! for ([`steering`]): the two workers pinned to a core each under steady load, a CPU hog started
+//! beside one and stopped again, and Envoy's weights and the requests moving away from the hogged
+//! worker and back, printed as a timeline as they happen; then a rolling restart and a supervisor
+//! killed and started again under continuous load, without a failed request.
 //!
 //! `peregrine` is built in the debug profile: the demo shows how fast endpoints converge, not request
 //! throughput, and a debug build is much quicker to make (and shared with the tests). Every child runs in
@@ -33,6 +35,7 @@ use rustix::process::{Pid, Signal, kill_process};
 use crate::{USAGE, cargo, envoy, run_checked};
 
 mod fleet;
+mod steering;
 
 /// The service (and Envoy cluster) the demo config declares.
 const CLUSTER: &str = "cluster";
@@ -230,48 +233,9 @@ fn show(
         return finish(supervisor, envoy, listener, keep_running);
     }
 
-    // Load reports under load: two clients send CPU-heavy requests (`?cpu=2`) while the sampler's
-    // figures go to Envoy on each worker's ORCA stream.
-    println!("\nloading the workers with `GET /?cpu=2` from 2 clients while the load is sampled");
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (table, weighted) = std::thread::scope(|scope| {
-        for _ in 0..2 {
-            scope.spawn(|| {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let _ = http_get(listener, "/?cpu=2");
-                }
-            });
-        }
-        let reported = Instant::now();
-        let result = try_wait_until(CONVERGE, "ORCA reports of every worker's load", || {
-            let status = supervisor.status_json().ok()?;
-            let rows = status["workers"].as_array()?;
-            let all = rows.len() == WORKERS
-                && rows.iter().all(|row| {
-                    row["orca_last_report"]["rps_fractional"]
-                        .as_f64()
-                        .is_some_and(|rps| rps > 1.0)
-                });
-            all.then(|| supervisor.status_table().ok()).flatten()
-        })
-        .and_then(|table| {
-            let weighted = converge(supervisor, envoy, "Envoy to weigh the workers", |hosts| {
-                hosts.len() == WORKERS && hosts.iter().all(|host| host.weight > 1)
-            })?;
-            Ok((
-                format!(
-                    "\n`peregrine status` once every worker's load went to Envoy over ORCA ({:.2?}):\n{table}",
-                    reported.elapsed()
-                ),
-                weighted,
-            ))
-        });
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        result
-    })?;
-    println!("{table}");
-    println!("Envoy's client-side weighted round robin weights from those reports:");
-    print_hosts(&weighted);
+    // What the load reports are for: the workers pinned to a core each, a CPU hog beside worker 0,
+    // and Envoy's weights and the requests moving away from it and back.
+    steering::show(supervisor, envoy, listener)?;
     finish(supervisor, envoy, listener, keep_running)
 }
 
