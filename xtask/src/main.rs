@@ -13,6 +13,7 @@ mod envoy;
 mod fresh;
 mod interrupt;
 mod logs;
+mod package;
 mod packages;
 mod pyapps;
 mod pyclients;
@@ -47,6 +48,11 @@ commands:
                         ca-certificates added and the host's Rust toolchain bound in; the tree at HEAD
                         (committed work only) is cloned into it; passes if the demo shows the eBPF
                         sampler and 0 failed requests; prints each phase's time
+  package [--test]      target/debian/peregrine_<version>_<arch>.deb (dpkg-deb) from a release build with the
+                        eBPF sampler (PEREGRINE_REQUIRE_EBPF=1); prints its size and contents. --test, as
+                        root: apt-get install it on a fresh Debian 12 root, run the unit's commands, see the
+                        workers in `peregrine status`, get 200s through Envoy, systemd-analyze verify the
+                        unit, purge it and find nothing of it left
   demo fleet [--keep-running]
                         as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
                         Envoy under traffic; kill a host and start it again, cut one off and restore it,
@@ -93,6 +99,7 @@ fn main() -> ExitCode {
         Some("bench") => bench::run(&args[1..]),
         Some("build-ebpf") => ebpf::run(&args[1..]),
         Some("fresh") => fresh::run(&args[1..]),
+        Some("package") => package::run(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
