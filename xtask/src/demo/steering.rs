@@ -60,6 +60,9 @@ const CLEAR: f64 = 0.08;
 /// Busy threads of the hog: a neighbour that wants more than the core, as a noisy one does, so
 /// worker 0 gets about a quarter of its core while the hog runs.
 const HOG_THREADS: usize = 3;
+/// Timelines at most: a second one only when other processes kept the cores busy during the first
+/// and it showed no clear shift.
+const ATTEMPTS: u32 = 2;
 /// The longest the demo waits for other processes to leave the cores idle before the timeline.
 const IDLE_WAIT: Duration = Duration::from_secs(10);
 
@@ -148,20 +151,27 @@ pub(super) fn show(
     if !steer {
         return stop(load).map(|_| ());
     }
-    let before = Busy::now_for_this_tree().ok();
-    let (ticks, hogged_status) = timeline((supervisor, envoy, &load), &workers, cpus[0])?;
-    let others = before
-        .and_then(|before| Some(Busy::now_for_this_tree().ok()?.since(before).1))
-        .unwrap_or(0.0);
-    stop(load)?;
-    if let Some(table) = hogged_status {
-        println!(
-            "\n`peregrine status` just before the hog stopped (RUNQ WAIT: the time a worker waited \
-             for its core, which its ORCA reports count as busy):\n{table}"
-        );
+    for attempt in 1..=ATTEMPTS {
+        let before = Busy::now_for_this_tree().ok();
+        let (ticks, hogged_status) = timeline((supervisor, envoy, &load), &workers, cpus[0])?;
+        let others = before
+            .and_then(|before| Some(Busy::now_for_this_tree().ok()?.since(before).1))
+            .unwrap_or(0.0);
+        if let Some(table) = hogged_status {
+            println!(
+                "\n`peregrine status` just before the hog stopped (RUNQ WAIT: the time a worker \
+                 waited for its core, which its ORCA reports count as busy):\n{table}"
+            );
+        }
+        let (line, clear) = conclusion(&ticks, others);
+        println!("\n{line}");
+        if clear || others <= MAX_OTHERS || attempt == ATTEMPTS {
+            break;
+        }
+        println!("\nonce more, as other processes kept the cores busy");
+        idle_cores();
     }
-    println!("\n{}", conclusion(&ticks, others));
-    Ok(())
+    stop(load).map(|_| ())
 }
 
 /// Waits up to [`IDLE_WAIT`] for a second in which other processes take at most [`MAX_OTHERS`]
@@ -361,14 +371,15 @@ fn settled(phase: &[Tick]) -> &[Tick] {
 }
 
 /// The one-line conclusion: worker 0's share before, during and after the hog, how soon it moved,
-/// Envoy's weights, and how much of the machine other processes took (`others`, in cores).
-fn conclusion(ticks: &[Tick], others: f64) -> String {
+/// Envoy's weights, and how much of the machine other processes took (`others`, in cores); and
+/// whether the share moved clearly ([`CLEAR`]).
+fn conclusion(ticks: &[Tick], others: f64) -> (String, bool) {
     let (before, rest) = ticks.split_at(BEFORE as usize);
     let (hogged, after) = rest.split_at(HOGGED as usize);
     let (Some(b), Some(h), Some(a)) =
         (share(before), share(settled(hogged)), share(settled(after)))
     else {
-        return "load steering: too few answers to tell".to_owned();
+        return ("load steering: too few answers to tell".to_owned(), false);
     };
     let pct = |share: f64| format!("{:.0}%", share * 100.0);
     let within = |phase: &[Tick], from: f64, to: f64, what: &str| match moved(phase, from, to) {
@@ -379,18 +390,22 @@ fn conclusion(ticks: &[Tick], others: f64) -> String {
         ),
     };
     let mut line = String::from("load steering: ");
-    if b - h >= CLEAR {
+    let clear = b - h >= CLEAR;
+    if clear {
         let _ = write!(
             line,
-            "worker 0's share of the answers fell from {} to {} {}, and came back to {} {}",
+            "worker 0's share of the answers fell from {} to {} {}, and {}",
             pct(b),
             pct(h),
             within(hogged, b, h, "the hog starting"),
-            pct(a),
             if a - h >= CLEAR / 2.0 {
-                within(after, h, a, "it stopping")
+                format!(
+                    "came back to {} {}",
+                    pct(a),
+                    within(after, h, a, "it stopping")
+                )
             } else {
-                "after it stopped".to_owned()
+                format!("stayed at {} after it stopped", pct(a))
             }
         );
     } else {
@@ -420,7 +435,7 @@ fn conclusion(ticks: &[Tick], others: f64) -> String {
     if others > MAX_OTHERS {
         line.push_str(", so the cores were not idle and the figures are blurred");
     }
-    line
+    (line, clear)
 }
 
 // === impl Hog ===
@@ -477,5 +492,84 @@ impl Drop for Hog {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A timeline whose windows give worker 0 these shares of 100 answers, and weights in the
+    /// same proportion.
+    fn ticks(shares: &[u64]) -> Vec<Tick> {
+        shares
+            .iter()
+            .enumerate()
+            .map(|(k, &share)| Tick {
+                at: TICK * (k as u32 + 1),
+                hog: (BEFORE as usize..(BEFORE + HOGGED) as usize).contains(&k),
+                weights: [Some(share * 10), Some((100 - share) * 10)],
+                answers: [share, 100 - share],
+            })
+            .collect()
+    }
+
+    /// Six windows at 50%, the hog's twelve (its first window at `first`, then 25%), and twelve
+    /// after it (the first at 30%, then 50%).
+    fn hog_timeline(first: u64) -> Vec<Tick> {
+        let mut shares = vec![50; BEFORE as usize];
+        shares.push(first);
+        shares.extend([25; HOGGED as usize - 1]);
+        shares.push(30);
+        shares.extend([50; AFTER as usize - 1]);
+        ticks(&shares)
+    }
+
+    #[test]
+    fn a_clear_shift_says_how_far_and_how_soon() {
+        let (line, clear) = conclusion(&hog_timeline(40), 0.02);
+        assert!(clear);
+        assert_eq!(
+            line,
+            "load steering: worker 0's share of the answers fell from 50% to 25% within 0.50 s of \
+             the hog starting, and came back to 50% within 0.50 s of it stopping (its weight: 50%, \
+             25%, 50% of Envoy's total); other processes used 0.02 cores meanwhile"
+        );
+        let (line, _) = conclusion(&hog_timeline(25), 0.02);
+        assert!(line.contains("within 0.25 s of the hog starting"), "{line}");
+    }
+
+    #[test]
+    fn one_window_that_gets_there_is_not_enough() {
+        // Three quarters of the way from 50% to 25% is 31.25%: the second window gets there, the
+        // third does not, the fourth and after do.
+        let phase = ticks(&[45, 30, 40, 30, 25, 25]);
+        assert_eq!(moved(&phase, 0.5, 0.25), Some(TICK * 4));
+        assert_eq!(moved(&ticks(&[45, 45]), 0.5, 0.25), None);
+    }
+
+    #[test]
+    fn no_shift_on_busy_cores_is_said_so() {
+        let (line, clear) = conclusion(&ticks(&[50; 30]), 0.9);
+        assert!(!clear);
+        assert_eq!(
+            line,
+            "load steering: worker 0's share of the answers went from 50% to 50% with the hog and \
+             50% after it: no clear shift (its weight: 50%, 50%, 50% of Envoy's total); other \
+             processes used 0.90 cores meanwhile, so the cores were not idle and the figures are \
+             blurred"
+        );
+    }
+
+    #[test]
+    fn a_share_that_does_not_come_back_is_reported_as_it_is() {
+        let mut shares = vec![50; BEFORE as usize];
+        shares.extend([25; (HOGGED + AFTER) as usize]);
+        let (line, clear) = conclusion(&ticks(&shares), 0.0);
+        assert!(clear);
+        assert!(
+            line.contains("and stayed at 25% after it stopped"),
+            "{line}"
+        );
     }
 }
