@@ -40,8 +40,11 @@ commands:
   build-ebpf            build the eBPF sampler with clang (as the peregrine-ebpf build script does) into
                         target/ebpf/sampler.bpf.o and list its programs and maps
   demo [--app python] [--keep-running]
-                        start the supervisor and Envoy, send traffic, kill a worker, watch it come back
-                        (--app python: gunicorn workers on listeners the supervisor passes)
+                        start the supervisor and Envoy, send traffic, kill a worker, watch it come back;
+                        pin the workers to a core each and hog worker 0's core: Envoy's weights and the
+                        requests move away from it and back, shown every 250 ms; a rolling restart and a
+                        SIGKILLed supervisor under load (--app python: gunicorn workers on listeners the
+                        supervisor passes, without the hog)
   fresh                 as root: `cargo xtask demo` on a minimal Debian 12 root (debootstrap --variant=minbase
                         bookworm from apt's mirror, cached in /var/cache/peregrine/fresh/ or the tarball
                         PEREGRINE_FRESH_CACHE names) with only build-essential, git, python3 and
