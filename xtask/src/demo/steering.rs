@@ -433,7 +433,7 @@ fn conclusion(ticks: &[Tick], others: f64) -> (String, bool) {
     }
     let _ = write!(line, "; other processes used {others:.2} cores meanwhile");
     if others > MAX_OTHERS {
-        line.push_str(", so the cores were not idle and the figures are blurred");
+        line.push_str(" (the cores were not idle)");
     }
     (line, clear)
 }
@@ -556,8 +556,7 @@ mod tests {
             line,
             "load steering: worker 0's share of the answers went from 50% to 50% with the hog and \
              50% after it: no clear shift (its weight: 50%, 50%, 50% of Envoy's total); other \
-             processes used 0.90 cores meanwhile, so the cores were not idle and the figures are \
-             blurred"
+             processes used 0.90 cores meanwhile (the cores were not idle)"
         );
     }
 
