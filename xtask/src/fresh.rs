@@ -11,6 +11,11 @@
 //! libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
 //! the check that a hole in that list cannot pass.
 //!
+//! `cargo xtask fresh --test` runs the README's other command, `cargo xtask test`, there instead,
+//! with CI's `PEREGRINE_REQUIRE_*` (a test whose tool is missing fails instead of skipping): it
+//! passes when every test passes, and shows the skip report. It takes longer (every package the
+//! tests use is installed, every test built and run), so `.ci/run` does not run it.
+//!
 //! [`Root`] is the reusable part: the package test installs the `.deb` into the same kind of root.
 
 mod base;
@@ -24,28 +29,39 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 
 #[allow(
     unused_imports,
     reason = "the root's API, for the package test as much as for this command"
 )]
 pub(crate) use self::root::{Builder, Root, Transcript};
-use crate::{interrupt, no_args, run_checked, workspace_root};
+use crate::{USAGE, interrupt, run_checked, workspace_root};
 
-/// The root's name (`target/fresh/<NAME>/`).
-const NAME: &str = "demo";
 /// All that is added to the minimal root: what the README assumes a machine has.
 const PACKAGES: &[&str] = &["build-essential", "git", "python3", "ca-certificates"];
 /// Where the tree is cloned in the root.
 const CLONE: &str = "/root/peregrine";
-/// The demo's command, as the README gives it.
-const DEMO: &str = "cargo xtask demo";
-/// How long the demo may take, building the whole project on a small machine included.
-const DEMO_DEADLINE: Duration = Duration::from_secs(90 * 60);
+/// CI's variables: the tests that would skip for a missing tool fail instead.
+const REQUIRE: &str = "PEREGRINE_REQUIRE_EBPF=1 PEREGRINE_REQUIRE_VAGRANT=1 \
+                       PEREGRINE_REQUIRE_SYSTEMD=1 PEREGRINE_REQUIRE_PROMETHEUS=1 \
+                       PEREGRINE_REQUIRE_TMUX=1";
+
+/// Which of the README's commands runs in the root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// `cargo xtask demo`.
+    Demo,
+    /// `cargo xtask test`, with CI's `PEREGRINE_REQUIRE_*`.
+    Test,
+}
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    no_args("fresh", args)?;
+    let check = match args {
+        [] => Check::Demo,
+        [flag] if flag == "--test" => Check::Test,
+        _ => bail!("`cargo xtask fresh` takes --test or nothing, not {args:?}\n\n{USAGE}"),
+    };
     interrupt::install()?;
     let started = Instant::now();
     let (commit, dirty) = head()?;
@@ -57,7 +73,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             ""
         }
     );
-    let root = Root::builder(NAME)
+    let root = Root::builder(check.name())
         .packages(PACKAGES)
         .rust_toolchain()
         .prepare()?;
@@ -73,29 +89,31 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     )?;
     phases.push(("git clone of HEAD".to_owned(), cloning.elapsed()));
 
-    println!(
-        "\n$ cd {CLONE} && {DEMO}   (in the root {})",
-        root.path().display()
-    );
-    let demoing = Instant::now();
-    let transcript = root.transcript(&format!("cd {CLONE} && {DEMO}"), DEMO_DEADLINE)?;
+    let script = format!("cd {CLONE} && {}", check.command());
+    println!("\n$ {script}   (in the root {})", root.path().display());
+    let running = Instant::now();
+    let transcript = root.transcript(&script, check.deadline())?;
     phases.push((
-        format!("{DEMO} (the project built inside)"),
-        demoing.elapsed(),
+        format!("{} (the project built inside)", check.command()),
+        running.elapsed(),
     ));
-    let log = root.log_dir().join("demo.log");
+    let log = root.log_dir().join(format!("{}.log", check.name()));
     std::fs::write(&log, &transcript.text).with_context(|| format!("writing {}", log.display()))?;
 
     let tearing_down = Instant::now();
     drop(root);
     phases.push(("teardown".to_owned(), tearing_down.elapsed()));
 
-    let verdict = judge(transcript.status.success(), &transcript.text);
+    let verdict = match check {
+        Check::Demo => judge(transcript.status.success(), &transcript.text),
+        Check::Test => judge_test(transcript.status.success(), &transcript.text),
+    };
     println!("\n{}", times(&phases, started.elapsed()));
     match verdict {
         Ok(lines) => {
             println!(
-                "fresh-machine check passed: the demo ran on a minimal Debian 12 root; it said:"
+                "fresh-machine check passed: `{}` ran on a minimal Debian 12 root; it said:",
+                check.command()
             );
             for line in lines {
                 println!("  {line}");
@@ -104,7 +122,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         }
         Err(why) => {
             eprintln!(
-                "fresh-machine check failed: {why} (the demo's output: {})",
+                "fresh-machine check failed: {why} (the output: {})",
                 log.display()
             );
             Ok(ExitCode::FAILURE)
@@ -195,6 +213,56 @@ fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
         Ok(matched)
     } else {
         Err(problems.join("; "))
+    }
+}
+
+/// The verdict of `cargo xtask test` in the root: the skip report's lines when it exited 0 (with
+/// CI's `PEREGRINE_REQUIRE_*`, a missing tool fails its test), else why not.
+fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
+    let mut report = Vec::new();
+    let mut in_report = false;
+    for line in output.lines() {
+        if line == "No test skipped." || line.starts_with("Tests skipped (") {
+            report.push(line.to_owned());
+            in_report = line.starts_with("Tests skipped (");
+        } else if in_report && line.starts_with("  ") {
+            report.push(line.trim().to_owned());
+        } else {
+            in_report = false;
+        }
+    }
+    match (exited_ok, report.is_empty()) {
+        (true, false) => Ok(report),
+        (true, true) => Err("the test run printed no skip report".to_owned()),
+        (false, _) => Err("a test failed (or the run stopped before the tests)".to_owned()),
+    }
+}
+
+// === impl Check ===
+
+impl Check {
+    /// The root's name (`target/fresh/<name>/`).
+    fn name(self) -> &'static str {
+        match self {
+            Check::Demo => "demo",
+            Check::Test => "test",
+        }
+    }
+
+    /// The command, as the README gives it (the tests with CI's variables).
+    fn command(self) -> String {
+        match self {
+            Check::Demo => "cargo xtask demo".to_owned(),
+            Check::Test => format!("{REQUIRE} cargo xtask test"),
+        }
+    }
+
+    /// How long it may take, building on a small machine included.
+    fn deadline(self) -> Duration {
+        match self {
+            Check::Demo => Duration::from_secs(90 * 60),
+            Check::Test => Duration::from_secs(180 * 60),
+        }
     }
 }
 
@@ -300,6 +368,29 @@ supervisor exited: exit status: 0
             "the demo did not exit 0; no `sampler: ebpf` line (the eBPF sampler did not run); no \
              `0 failed` line (no load report)"
         );
+    }
+
+    #[test]
+    fn a_test_run_passes_when_it_exits_0_and_shows_its_skip_report() {
+        let output = "\
+test result: ok. 12 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 3.2s
+Tests skipped (1):
+  fleet_routing: the comparison needs a free core
+supervisor log line
+";
+        assert_eq!(
+            judge_test(true, output).unwrap(),
+            [
+                "Tests skipped (1):",
+                "fleet_routing: the comparison needs a free core"
+            ]
+        );
+        assert_eq!(
+            judge_test(true, "No test skipped.\n").unwrap(),
+            ["No test skipped."]
+        );
+        assert!(judge_test(false, output).is_err());
+        assert!(judge_test(true, "error: could not compile\n").is_err());
     }
 
     #[test]

@@ -45,12 +45,13 @@ commands:
                         requests move away from it and back, shown every 250 ms; a rolling restart and a
                         SIGKILLed supervisor under load (--app python: gunicorn workers on listeners the
                         supervisor passes, without the hog)
-  fresh                 as root: `cargo xtask demo` on a minimal Debian 12 root (debootstrap --variant=minbase
+  fresh [--test]        as root: `cargo xtask demo` on a minimal Debian 12 root (debootstrap --variant=minbase
                         bookworm from apt's mirror, cached in /var/cache/peregrine/fresh/ or the tarball
                         PEREGRINE_FRESH_CACHE names) with only build-essential, git, python3 and
                         ca-certificates added and the host's Rust toolchain bound in; the tree at HEAD
                         (committed work only) is cloned into it; passes if the demo shows the eBPF
-                        sampler and 0 failed requests; prints each phase's time
+                        sampler and 0 failed requests; prints each phase's time. --test: `cargo xtask
+                        test` there instead, with CI's PEREGRINE_REQUIRE_*; passes if every test passes
   package [--test]      target/debian/peregrine_<version>_<arch>.deb (dpkg-deb) from a release build with the
                         eBPF sampler (PEREGRINE_REQUIRE_EBPF=1); prints its size and contents. --test, as
                         root: apt-get install it on a fresh Debian 12 root, run the unit's commands, see the
