@@ -92,27 +92,25 @@ pub(super) fn show(
 ) -> anyhow::Result<()> {
     let cpus = allowed_cpus(0).context("reading the CPUs this process may use")?;
     let workers = workers(supervisor)?;
-    let steer = cpus.len() >= WORKERS;
-    if steer {
-        let mut pinned = Vec::new();
-        for (index, worker) in workers.iter().enumerate() {
-            let threads = pin_threads(worker.pid, cpus[index])
-                .with_context(|| format!("pinning worker {index} (pid {})", worker.pid))?;
-            pinned.push(format!(
-                "worker {index} (pid {}, {threads} thread{}) to CPU {}",
-                worker.pid,
-                if threads == 1 { "" } else { "s" },
-                cpus[index]
-            ));
-        }
-        println!("\npinned {}", pinned.join(", "));
-        idle_cores();
-    } else {
+    let steer = if cpus.len() < WORKERS {
         println!(
             "\nthis process may use CPU {cpus:?} only: the workers cannot have a core each, so no \
              hog is started"
         );
-    }
+        false
+    } else {
+        match pin(&workers, &cpus) {
+            Ok(pinned) => {
+                println!("\npinned {pinned}");
+                idle_cores();
+                true
+            }
+            Err(error) => {
+                println!("\nthe workers could not be pinned, so no hog is started: {error:#}");
+                false
+            }
+        }
+    };
     println!(
         "loading the workers through Envoy: {CLIENTS} HTTP/1.1 clients send `GET /?cpu={CPU_MS}` \
          ({CPU_MS} ms of a worker's CPU each), one after another with {PAUSE:?} pauses"
@@ -145,7 +143,8 @@ pub(super) fn show(
             .flatten()
     })?;
     println!(
-        "\n`peregrine status` under this load; each worker's sampled load goes to Envoy over ORCA:\n{table}"
+        "\n`peregrine status` under this load; each worker's sampled load goes to Envoy over ORCA:\n{}",
+        table.trim_end()
     );
 
     if !steer {
@@ -160,7 +159,8 @@ pub(super) fn show(
         if let Some(table) = hogged_status {
             println!(
                 "\n`peregrine status` just before the hog stopped (RUNQ WAIT: the time a worker \
-                 waited for its core, which its ORCA reports count as busy):\n{table}"
+                 waited for its core, which its ORCA reports count as busy):\n{}",
+                table.trim_end()
             );
         }
         let (line, clear) = conclusion(&ticks, others);
@@ -172,6 +172,21 @@ pub(super) fn show(
         idle_cores();
     }
     stop(load).map(|_| ())
+}
+
+/// Pins worker `i` to `cpus[i]`, every thread of it; says what it pinned.
+fn pin(workers: &[Worker], cpus: &[usize]) -> anyhow::Result<String> {
+    let mut pinned = Vec::new();
+    for (index, (worker, cpu)) in workers.iter().zip(cpus).enumerate() {
+        let threads = pin_threads(worker.pid, *cpu)
+            .with_context(|| format!("pinning worker {index} (pid {})", worker.pid))?;
+        pinned.push(format!(
+            "worker {index} (pid {}, {threads} thread{}) to CPU {cpu}",
+            worker.pid,
+            if threads == 1 { "" } else { "s" },
+        ));
+    }
+    Ok(pinned.join(", "))
 }
 
 /// Waits up to [`IDLE_WAIT`] for a second in which other processes take at most [`MAX_OTHERS`]
