@@ -12,8 +12,9 @@
 //! the check that a hole in that list cannot pass.
 //!
 //! `cargo xtask fresh --test` runs the README's other command, `cargo xtask test`, there instead,
-//! with CI's `PEREGRINE_REQUIRE_*` (a test whose tool is missing fails instead of skipping): it
-//! passes when every test passes, and shows the skip report. It takes longer (every package the
+//! with CI's `PEREGRINE_REQUIRE_*` (a test whose tool is missing fails instead of skipping; see
+//! [`REQUIRE`]): it passes when every test passes and none skipped for the eBPF sampler, and shows
+//! the skip report. It takes longer (every package the
 //! tests use is installed, every test built and run), so `.ci/run` does not run it.
 //!
 //! [`Root`] is the reusable part: the package test installs the `.deb` into the same kind of root.
@@ -42,10 +43,11 @@ use crate::{USAGE, interrupt, run_checked, workspace_root};
 const PACKAGES: &[&str] = &["build-essential", "git", "python3", "ca-certificates"];
 /// Where the tree is cloned in the root.
 const CLONE: &str = "/root/peregrine";
-/// CI's variables: the tests that would skip for a missing tool fail instead.
-const REQUIRE: &str = "PEREGRINE_REQUIRE_EBPF=1 PEREGRINE_REQUIRE_VAGRANT=1 \
-                       PEREGRINE_REQUIRE_SYSTEMD=1 PEREGRINE_REQUIRE_PROMETHEUS=1 \
-                       PEREGRINE_REQUIRE_TMUX=1";
+/// CI's variables but `PEREGRINE_REQUIRE_EBPF`: the tests that would skip for a missing tool fail
+/// instead. (With `PEREGRINE_REQUIRE_EBPF=1` the xtask itself would not build on a machine without
+/// clang, before it can install clang; a skip for the eBPF sampler fails the check instead.)
+const REQUIRE: &str = "PEREGRINE_REQUIRE_VAGRANT=1 PEREGRINE_REQUIRE_SYSTEMD=1 \
+                       PEREGRINE_REQUIRE_PROMETHEUS=1 PEREGRINE_REQUIRE_TMUX=1";
 
 /// Which of the README's commands runs in the root.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +96,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let running = Instant::now();
     let transcript = root.transcript(&script, check.deadline())?;
     phases.push((
-        format!("{} (the project built inside)", check.command()),
+        format!("{} (the project built inside)", check.readme_command()),
         running.elapsed(),
     ));
     let log = root.log_dir().join(format!("{}.log", check.name()));
@@ -113,7 +115,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Ok(lines) => {
             println!(
                 "fresh-machine check passed: `{}` ran on a minimal Debian 12 root; it said:",
-                check.command()
+                check.readme_command()
             );
             for line in lines {
                 println!("  {line}");
@@ -217,7 +219,8 @@ fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
 }
 
 /// The verdict of `cargo xtask test` in the root: the skip report's lines when it exited 0 (with
-/// CI's `PEREGRINE_REQUIRE_*`, a missing tool fails its test), else why not.
+/// [`REQUIRE`], a missing tool fails its test) and no test skipped for the eBPF sampler, else why
+/// not.
 fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
     let mut report = Vec::new();
     let mut in_report = false;
@@ -231,10 +234,14 @@ fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
             in_report = false;
         }
     }
+    let ebpf: Vec<&String> = report.iter().filter(|line| line.contains("eBPF")).collect();
     match (exited_ok, report.is_empty()) {
-        (true, false) => Ok(report),
-        (true, true) => Err("the test run printed no skip report".to_owned()),
         (false, _) => Err("a test failed (or the run stopped before the tests)".to_owned()),
+        (true, true) => Err("the test run printed no skip report".to_owned()),
+        (true, false) if !ebpf.is_empty() => {
+            Err(format!("tests skipped for the eBPF sampler: {ebpf:?}"))
+        }
+        (true, false) => Ok(report),
     }
 }
 
@@ -249,11 +256,19 @@ impl Check {
         }
     }
 
-    /// The command, as the README gives it (the tests with CI's variables).
+    /// The command, as the README gives it.
+    fn readme_command(self) -> &'static str {
+        match self {
+            Check::Demo => "cargo xtask demo",
+            Check::Test => "cargo xtask test",
+        }
+    }
+
+    /// The command as it runs (the tests with [`REQUIRE`]).
     fn command(self) -> String {
         match self {
-            Check::Demo => "cargo xtask demo".to_owned(),
-            Check::Test => format!("{REQUIRE} cargo xtask test"),
+            Check::Demo => self.readme_command().to_owned(),
+            Check::Test => format!("{REQUIRE} {}", self.readme_command()),
         }
     }
 
@@ -390,6 +405,12 @@ supervisor log line
             ["No test skipped."]
         );
         assert!(judge_test(false, output).is_err());
+        let ebpf = "Tests skipped (1):\n  sampler: the eBPF sampler cannot load here: no clang\n";
+        assert_eq!(
+            judge_test(true, ebpf).unwrap_err(),
+            "tests skipped for the eBPF sampler: [\"sampler: the eBPF sampler cannot load here: no \
+             clang\"]"
+        );
         assert!(judge_test(true, "error: could not compile\n").is_err());
     }
 
