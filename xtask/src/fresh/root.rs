@@ -14,8 +14,9 @@
 //!
 //! [`Builder::prepare`] (as root) installs `debootstrap` on the host when missing, makes or reuses
 //! the base tarball ([`super::base`]), unpacks it, points apt at the host's Debian mirror, copies in
-//! `/etc/resolv.conf` and the host's CA bundle (the file `SSL_CERT_FILE` names), mounts a new
-//! `/proc` and binds `/sys` and `/dev` (slave binds: for eBPF), and installs the packages asked for
+//! `/etc/resolv.conf` and the host's CA bundle (the file `SSL_CERT_FILE` names), binds the root on
+//! itself (so that `/` is a mount point, as `ip netns` needs), mounts a new `/proc` and binds `/sys`
+//! and `/dev` (slave binds: for eBPF), and installs the packages asked for
 //! with `apt-get --no-install-recommends`. Services are not started in the root (a `policy-rc.d`
 //! that says no). Every command runs through `chroot` with a clean environment ([`Root::env`]):
 //! `PATH`, `HOME=/root`, `LANG=C.UTF-8`, the CA bundle in `SSL_CERT_FILE`, `CARGO_HTTP_CAINFO`,
@@ -385,8 +386,12 @@ impl Root {
         Ok(())
     }
 
-    /// `/proc`, `/sys`, `/dev` (with `/dev/pts` and `/dev/shm`), apt's downloads, the toolchain.
+    /// The root on itself, `/proc`, `/sys`, `/dev` (with `/dev/pts` and `/dev/shm`), apt's
+    /// downloads, the toolchain.
     fn mount(&self, name: &str, rust: bool) -> anyhow::Result<()> {
+        // A root that is a mount point, as on a machine: `ip netns exec` makes `/` a slave mount,
+        // which fails on a plain folder.
+        mounts::bind(&self.root, &self.root)?;
         mounts::mount_proc(&self.host_path("/proc"))?;
         mounts::bind_tree(Path::new("/sys"), &self.host_path("/sys"))?;
         mounts::bind_tree(Path::new("/dev"), &self.host_path("/dev"))?;
