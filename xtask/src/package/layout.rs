@@ -35,25 +35,26 @@ const FILES: &[(&str, &str)] = &[
     ("packaging/peregrine.toml", CONFIG),
     ("README.md", "/usr/share/doc/peregrine/README.md"),
     ("SECURITY.md", "/usr/share/doc/peregrine/SECURITY.md"),
+    // The guide's links to the code map, the figures and the worker's design hold on the host too.
+    (
+        "ARCHITECTURE.md",
+        "/usr/share/doc/peregrine/ARCHITECTURE.md",
+    ),
+    ("BENCHMARKS.md", "/usr/share/doc/peregrine/BENCHMARKS.md"),
+    (
+        "worker/DESIGN.md",
+        "/usr/share/doc/peregrine/worker/DESIGN.md",
+    ),
     (
         "packaging/debian/lintian-overrides",
         "/usr/share/lintian/overrides/peregrine",
     ),
 ];
-/// Folders whose files go into the documentation folder, keeping the tree's layout, so the
-/// README's links (`docs/configuration.md`) hold: (folder, what to take).
-const DOC_FOLDERS: &[(&str, Take)] = &[("docs", Take::Markdown), ("examples", Take::All)];
+/// Folders whose files (subfolders and the docs' pictures included) go into the documentation
+/// folder, keeping the tree's layout, so the README's links (`docs/configuration.md`) hold.
+const DOC_FOLDERS: &[&str] = &["docs", "examples"];
 /// The maintainer scripts, in `packaging/debian/`.
 const SCRIPTS: &[&str] = &["postinst", "prerm", "postrm"];
-
-/// Which files of a folder are taken.
-#[derive(Debug, Clone, Copy)]
-enum Take {
-    /// `*.md` directly in it (the docs' pictures belong to BENCHMARKS.md, which is not installed).
-    Markdown,
-    /// Everything, subfolders included.
-    All,
-}
 
 /// What the package is made from.
 #[derive(Debug)]
@@ -107,10 +108,10 @@ pub(super) fn lay_out(s: &Sources<'_>) -> anyhow::Result<()> {
         copy(&s.workspace.join(from), &at(to))?;
     }
     let doc = at(DOC);
-    for (folder, take) in DOC_FOLDERS {
+    for folder in DOC_FOLDERS {
         let from = s.workspace.join(folder);
         if from.is_dir() {
-            copy_folder(&from, &doc.join(folder), *take)?;
+            copy_folder(&from, &doc.join(folder))?;
         }
     }
     // The Envoy bootstrap of the installed config, as `peregrine envoy-bootstrap` prints it.
@@ -239,16 +240,14 @@ fn gzip_text(text: &str, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Copies `folder`'s files that `take` takes into `to`, keeping subfolders.
-fn copy_folder(folder: &Path, to: &Path, take: Take) -> anyhow::Result<()> {
+/// Copies `folder`'s files into `to`, keeping subfolders.
+fn copy_folder(folder: &Path, to: &Path) -> anyhow::Result<()> {
     for entry in fs::read_dir(folder).with_context(|| format!("reading {}", folder.display()))? {
         let path = entry?.path();
         let name = path.file_name().context("a name")?;
         if path.is_dir() {
-            if matches!(take, Take::All) {
-                copy_folder(&path, &to.join(name), take)?;
-            }
-        } else if matches!(take, Take::All) || path.extension().is_some_and(|e| e == "md") {
+            copy_folder(&path, &to.join(name))?;
+        } else {
             copy(&path, &to.join(name))?;
         }
     }
