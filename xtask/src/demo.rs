@@ -11,8 +11,8 @@
 //! by their environment), so nothing outlives the demo, even on error.
 //!
 //! `cargo xtask demo --app python` runs the same show with gunicorn serving a WSGI app as the workers,
-//! on listeners the supervisor binds and passes (`pass_socket`), without the ORCA part: such workers
-//! are balanced by least request.
+//! on listeners the supervisor binds and passes (`pass_socket`), without the load-steering part (its
+//! CPU-heavy requests are the built-in worker's).
 //!
 //! `cargo xtask demo fleet [--keep-running]` is the fleet's demo ([`fleet`]): three hosts as network
 //! namespaces sharing membership through etcd, a host killed and one cut off under traffic.
@@ -227,8 +227,9 @@ fn show(
 
     if app == App::Python {
         println!(
-            "\ngunicorn's workers count no requests for the supervisor: Envoy balances them by least \
-             request (README, \"Bring your own server\")"
+            "\nThe load steering is shown with the built-in worker (`cargo xtask demo`). gunicorn's \
+             workers are weighed on ORCA too, from the kernel's count of their responses where the \
+             eBPF sampler runs, else balanced by least request (docs/apps.md)"
         );
         return finish(supervisor, envoy, listener, keep_running);
     }
