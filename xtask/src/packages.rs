@@ -173,7 +173,7 @@ pub(crate) const PACKAGES: &[Package] = &[
         name: "linux-perf",
         probe: Probe::Program("perf"),
         uses: &[Use::Test],
-        why: "the benchmarks count the system calls of a process with perf (and test it)",
+        why: "the benchmarks count a process's system calls with perf, and a test checks that",
     },
     Package {
         name: "wrk",
