@@ -136,7 +136,7 @@ impl Checker<'_> {
             .as_ref()
             .map(|p| (p.get_ref().as_str(), p.span()));
 
-        // orca = true/false against lb_policy.
+        // orca = true/false against lb_policy: each must agree with the other when both are written.
         let orca_wanted = match (&raw.orca, policy.clone()) {
             (Some(orca), Some((name, _))) if *orca.get_ref() && name != "orca" => {
                 self.report(
@@ -146,6 +146,15 @@ impl Checker<'_> {
                         "orca = true balances on ORCA reports (client-side weighted round robin), \
                          which replaces lb_policy = \"{name}\": remove one of them"
                     ),
+                );
+                false
+            }
+            (Some(orca), Some(("orca", _))) if !*orca.get_ref() => {
+                self.report(
+                    Some(orca.span()),
+                    key("orca"),
+                    "lb_policy = \"orca\" needs ORCA reports; orca = false turns them off: \
+                     remove one of them",
                 );
                 false
             }
@@ -453,6 +462,26 @@ mod tests {
             config.orca,
             OrcaConfig::defaults_for(DEFAULT_SAMPLE_INTERVAL)
         );
+    }
+
+    #[test]
+    fn orca_false_beside_lb_policy_orca_is_refused_with_its_line() {
+        let got = problems("[service.a]\nlb_policy = \"orca\"\norca = false\n");
+        assert_eq!(
+            got,
+            [
+                "line 3: service.a.orca: lb_policy = \"orca\" needs ORCA reports; orca = false \
+                 turns them off: remove one of them"
+            ]
+        );
+        // Either order, and the keys that agree, are fine.
+        let config = parse(
+            "[service.a]\norca = true\nlb_policy = \"orca\"\n\
+             [service.b]\norca = false\nlb_policy = \"round_robin\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.services["a"].balancing, Balancing::Orca);
+        assert_eq!(config.services["b"].balancing, Balancing::RoundRobin);
     }
 
     #[test]
