@@ -339,7 +339,7 @@ impl fmt::Display for SamplerSetting {
 pub struct RestartPolicy {
     /// The first delay after an exit.
     pub initial: Duration,
-    /// The largest delay.
+    /// The largest delay (`restart_delay_max_ms`; 10 s, or `initial` when that is longer).
     pub max: Duration,
     /// A worker that ran this long resets its delay to `initial`.
     pub healthy_after: Duration,

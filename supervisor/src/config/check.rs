@@ -367,15 +367,24 @@ impl Checker<'_> {
             }
             restart.initial = Duration::from_millis(*ms.get_ref());
         }
-        if let Some(ms) = raw.restart_delay_max_ms {
-            if Duration::from_millis(*ms.get_ref()) < restart.initial {
-                self.report(
-                    Some(ms.span()),
-                    "supervisor.restart_delay_max_ms".into(),
-                    "must not be smaller than restart_delay_ms",
-                );
+        match raw.restart_delay_max_ms {
+            Some(ms) => {
+                if Duration::from_millis(*ms.get_ref()) < restart.initial {
+                    self.report(
+                        Some(ms.span()),
+                        "supervisor.restart_delay_max_ms".into(),
+                        format!(
+                            "must not be shorter than supervisor.restart_delay_ms ({} ms), got {}",
+                            restart.initial.as_millis(),
+                            ms.get_ref()
+                        ),
+                    );
+                }
+                restart.max = Duration::from_millis(*ms.get_ref());
             }
-            restart.max = Duration::from_millis(*ms.get_ref());
+            // Left out, the cap is never below the first delay: a cap under it would make the second
+            // delay shorter than the first.
+            None => restart.max = restart.max.max(restart.initial),
         }
         if let Some(ms) = raw.healthy_after_ms {
             restart.healthy_after = Duration::from_millis(ms);
@@ -720,6 +729,41 @@ count = 0
                 "line 2: supervisor.stop_timeout_ms: must be at least 1 (milliseconds), got 0",
                 "line 3: supervisor.register_timeout_ms: must be at least 100 (milliseconds), got -1",
                 "line 5: service.a.restart_batch: must be at least 1 (workers replaced at once), got 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_restart_delay_cap_is_never_below_the_first_delay() {
+        let restart = |source: &str| parse(source).unwrap().supervisor.restart;
+        assert_eq!(restart("[service.a]\n"), RestartPolicy::default());
+        // A first delay above the default cap raises the cap to it: the delay never shrinks.
+        let long = restart("[supervisor]\nrestart_delay_ms = 30000\n[service.a]\n");
+        assert_eq!(
+            (long.initial, long.max),
+            (Duration::from_secs(30), Duration::from_secs(30))
+        );
+        let short = restart("[supervisor]\nrestart_delay_ms = 500\n[service.a]\n");
+        assert_eq!(short.max, Duration::from_secs(10));
+        let both = restart(
+            "[supervisor]\nrestart_delay_ms = 30000\nrestart_delay_max_ms = 60000\n[service.a]\n",
+        );
+        assert_eq!(both.max, Duration::from_secs(60));
+        // A cap written below the first delay is refused, at the cap's line.
+        assert_eq!(
+            problems(
+                "[supervisor]\nrestart_delay_ms = 30000\n\nrestart_delay_max_ms = 20000\n[service.a]\n"
+            ),
+            [
+                "line 4: supervisor.restart_delay_max_ms: must not be shorter than \
+                 supervisor.restart_delay_ms (30000 ms), got 20000"
+            ]
+        );
+        assert_eq!(
+            problems("[supervisor]\nrestart_delay_max_ms = 50\n[service.a]\n"),
+            [
+                "line 2: supervisor.restart_delay_max_ms: must not be shorter than \
+                 supervisor.restart_delay_ms (100 ms), got 50"
             ]
         );
     }
