@@ -9,6 +9,9 @@ use toml::Spanned;
 use super::Checker;
 use crate::config::{EnvoyConfig, XdsVariant, raw::RawEnvoy};
 
+/// The default of `envoy.timeout_ms` and of `envoy.per_try_timeout_ms`: Envoy's route timeout.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(15);
+
 impl Checker<'_> {
     fn socket_address(
         &mut self,
@@ -83,8 +86,9 @@ impl Checker<'_> {
                 ("delta", XdsVariant::Delta),
             ],
         );
-        let mut timeout = Duration::from_secs(15);
-        let mut per_try_timeout = Duration::from_secs(15);
+        let mut timeout = DEFAULT_TIMEOUT;
+        let mut per_try_timeout = DEFAULT_TIMEOUT;
+        let timeout_span = raw.timeout_ms.as_ref().map(|v| v.span());
         let per_try_span = raw.per_try_timeout_ms.as_ref().map(|v| v.span());
         self.millis(raw.timeout_ms, "envoy.timeout_ms", 1, &mut timeout);
         self.millis(
@@ -93,7 +97,21 @@ impl Checker<'_> {
             1,
             &mut per_try_timeout,
         );
-        if per_try_timeout > timeout {
+        if per_try_timeout > timeout && per_try_span.is_none() {
+            // Only the overall timeout was written: it is the key to name, and the per-try timeout
+            // the way out.
+            self.report(
+                timeout_span,
+                "envoy.timeout_ms".into(),
+                format!(
+                    "{} ms is shorter than each try's default timeout ({} ms), which must fit \
+                     within it: write a per_try_timeout_ms of at most {} too",
+                    timeout.as_millis(),
+                    DEFAULT_TIMEOUT.as_millis(),
+                    timeout.as_millis()
+                ),
+            );
+        } else if per_try_timeout > timeout {
             self.report(
                 per_try_span,
                 "envoy.per_try_timeout_ms".into(),
@@ -175,6 +193,24 @@ mod tests {
         assert!(
             got[0].starts_with("line 4: envoy.per_try_timeout_ms: must not be longer"),
             "{got:?}"
+        );
+        // A short timeout alone: the per-try default does not fit under it, and the problem is the
+        // key that was written, at its line.
+        assert_eq!(
+            problems("[envoy]\n\ntimeout_ms = 1000\n[service.a]\n"),
+            [
+                "line 3: envoy.timeout_ms: 1000 ms is shorter than each try's default timeout \
+                 (15000 ms), which must fit within it: write a per_try_timeout_ms of at most 1000 too"
+            ]
+        );
+        // A long per-try timeout alone is named at its own line.
+        let got = problems("[envoy]\nper_try_timeout_ms = 20000\n[service.a]\n");
+        assert_eq!(
+            got,
+            [
+                "line 2: envoy.per_try_timeout_ms: must not be longer than envoy.timeout_ms \
+                 (15000 ms), which bounds all tries"
+            ]
         );
     }
 }
