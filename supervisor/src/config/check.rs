@@ -25,7 +25,7 @@ use super::{
     Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
     error::Problem,
     files::absolute_in,
-    limits::{MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
+    limits::{MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_HEALTHY_AFTER, MIN_SAMPLE_INTERVAL},
     raw::{RawConfig, RawOrca, RawSupervisor},
     workers_in_all,
 };
@@ -387,7 +387,20 @@ impl Checker<'_> {
             None => restart.max = restart.max.max(restart.initial),
         }
         if let Some(ms) = raw.healthy_after_ms {
-            restart.healthy_after = Duration::from_millis(ms);
+            let min = MIN_HEALTHY_AFTER.as_millis() as u64;
+            match u64::try_from(*ms.get_ref()) {
+                Ok(n) if n >= min => restart.healthy_after = Duration::from_millis(n),
+                _ => self.report(
+                    Some(ms.span()),
+                    "supervisor.healthy_after_ms".into(),
+                    format!(
+                        "must be at least {min} (milliseconds), got {}: a shorter run would count \
+                         a worker that crashes at start-up as healthy, and its restart delay would \
+                         never grow",
+                        ms.get_ref()
+                    ),
+                ),
+            }
         }
         let sampler = self.choice(
             raw.sampler,
@@ -766,6 +779,28 @@ count = 0
                  supervisor.restart_delay_ms (100 ms), got 50"
             ]
         );
+    }
+
+    #[test]
+    fn a_healthy_run_lasts_at_least_100_ms_and_a_shorter_one_is_named_with_its_line() {
+        let healthy_after = |source: &str| parse(source).unwrap().supervisor.restart.healthy_after;
+        assert_eq!(healthy_after("[service.a]\n"), Duration::from_secs(10));
+        assert_eq!(
+            healthy_after("[supervisor]\nhealthy_after_ms = 100\n[service.a]\n"),
+            Duration::from_millis(100)
+        );
+        for (value, line) in [("0", 3), ("99", 3), ("-1", 3)] {
+            assert_eq!(
+                problems(&format!(
+                    "[supervisor]\nrestart_delay_ms = 200\nhealthy_after_ms = {value}\n[service.a]\n"
+                )),
+                [format!(
+                    "line {line}: supervisor.healthy_after_ms: must be at least 100 (milliseconds), \
+                     got {value}: a shorter run would count a worker that crashes at start-up as \
+                     healthy, and its restart delay would never grow"
+                )]
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The bounds a configuration is held to, whatever the file asks for: how much of a file is read, how
-//! many workers one service and one supervisor run, and how often the load sampler may sample.
+//! many workers one service and one supervisor run, how often the load sampler may sample, and how
+//! short a run may count as healthy.
 //!
 //! Invariant: each bound is written here once; the checks and their error messages read it from here.
 //! The balancing options' bounds (weights, ring and table sizes) live with them in
@@ -19,6 +20,13 @@ pub const MAX_TOTAL_WORKERS: u64 = 16384;
 
 /// The shortest `supervisor.sample_interval_ms`: below it, sampling costs more than it tells.
 pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);
+
+/// The shortest `supervisor.healthy_after_ms`. A run that long resets a slot's restart delay, so at
+/// 0 every exit would count as healthy and a crashing worker would restart without backoff (and never
+/// show as crash-looping). 100 ms is `restart_delay_ms`'s default and the floor of the other timeouts
+/// that wait on a worker (`register_timeout_ms`); a benchmark that wants every kill restarted after the
+/// first delay still can (150 ms).
+pub(super) const MIN_HEALTHY_AFTER: Duration = Duration::from_millis(100);
 
 /// The longest interval between two ORCA reports on a stream, whatever Envoy asks for, and the most
 /// `orca.min_report_interval_ms` may say. Envoy drops a weight it has had no report for within its

@@ -94,7 +94,7 @@ pub(super) struct RawSupervisor {
     pub(super) xds_cluster: Option<Spanned<String>>,
     pub(super) restart_delay_ms: Option<Spanned<u64>>,
     pub(super) restart_delay_max_ms: Option<Spanned<u64>>,
-    pub(super) healthy_after_ms: Option<u64>,
+    pub(super) healthy_after_ms: Option<Spanned<i64>>,
     pub(super) sampler: Option<Spanned<String>>,
     pub(super) sample_interval_ms: Option<Spanned<i64>>,
     pub(super) drain_timeout_ms: Option<Spanned<i64>>,
