@@ -159,7 +159,9 @@ fn passes_in_windows(
 /// calling thread).
 pub fn allowed_cpus(tid: u32) -> io::Result<Vec<usize>> {
     let set = sched_getaffinity(pid(tid)?)?;
-    Ok((0..CpuSet::MAX_CPU).filter(|&cpu| set.is_set(cpu)).collect())
+    Ok((0..CpuSet::MAX_CPU)
+        .filter(|&cpu| set.is_set(cpu))
+        .collect())
 }
 
 /// Pins every thread of process `pid` to `cpu` (`sched_setaffinity` on each task in
@@ -246,7 +248,10 @@ mod tests {
         let _ = child.wait();
         assert_eq!(pinned.unwrap(), 1, "sleep runs one thread");
         assert_eq!(allowed.unwrap(), vec![last]);
-        assert!(pin_threads(child.id(), last).is_err(), "the process is gone");
+        assert!(
+            pin_threads(child.id(), last).is_err(),
+            "the process is gone"
+        );
     }
 
     #[test]
