@@ -11,6 +11,13 @@
 //! libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
 //! the check that a hole in that list cannot pass.
 //!
+//! Before that, the same command runs in the same root as an unprivileged user ([`USER`], made
+//! there, with its own clone, `CARGO_HOME` and target folder in its home), to prove the other path
+//! of the package list: it must stop, exiting non-zero, with one `sudo apt-get install` line that
+//! names just the packages the demo needs and the root lacks (protoc and its include files, clang
+//! and libbpf's headers, python3-venv), and have installed none of them (`dpkg -s`); see
+//! [`judge_as_user`].
+//!
 //! `cargo xtask fresh --test` runs the README's other command, `cargo xtask test`, there instead,
 //! with CI's `PEREGRINE_REQUIRE_*` (a test whose tool is missing fails instead of skipping; see
 //! [`REQUIRE`]): it passes when every test passes and none skipped for the eBPF sampler, and shows
@@ -37,12 +44,16 @@ use anyhow::{Context, bail};
     reason = "the root's API, for the package test as much as for this command"
 )]
 pub(crate) use self::root::{Builder, Root, Transcript};
-use crate::{USAGE, interrupt, run_checked, workspace_root};
+use crate::{USAGE, interrupt, packages, run_checked, workspace_root};
 
 /// All that is added to the minimal root: what the README assumes a machine has.
 const PACKAGES: &[&str] = &["build-essential", "git", "python3", "ca-certificates"];
 /// Where the tree is cloned in the root.
 const CLONE: &str = "/root/peregrine";
+/// The unprivileged user the demo first runs as, made in the root; it has no sudo.
+const USER: &str = "builder";
+/// That user's home, where its clone, `CARGO_HOME` and target folder are.
+const USER_HOME: &str = "/home/builder";
 /// CI's variables but `PEREGRINE_REQUIRE_EBPF`: the tests that would skip for a missing tool fail
 /// instead. (With `PEREGRINE_REQUIRE_EBPF=1` the xtask itself would not build on a machine without
 /// clang, before it can install clang; a skip for the eBPF sampler fails the check instead.)
@@ -91,6 +102,28 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     )?;
     phases.push(("git clone of HEAD".to_owned(), cloning.elapsed()));
 
+    if check == Check::Demo {
+        let as_user = Instant::now();
+        let verdict = demo_as_user(&root);
+        phases.push((
+            format!("cargo xtask demo as {USER} (stops at the apt-get line)"),
+            as_user.elapsed(),
+        ));
+        match verdict? {
+            Ok(line) => println!("\nas {USER}, the demo stopped as it should, saying:\n  {line}"),
+            Err(why) => {
+                let log = root.log_dir().join(format!("demo-as-{USER}.log"));
+                drop(root);
+                println!("\n{}", times(&phases, started.elapsed()));
+                eprintln!(
+                    "fresh-machine check failed: as {USER}, not root: {why} (the output: {})",
+                    log.display()
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+
     let script = format!("cd {CLONE} && {}", check.command());
     println!("\n$ {script}   (in the root {})", root.path().display());
     let running = Instant::now();
@@ -129,6 +162,134 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::FAILURE)
         }
+    }
+}
+
+/// `cargo xtask demo` run in `root` as [`USER`], made there with a clone of its own: its verdict
+/// ([`judge_as_user`]), its output kept in `<log dir>/demo-as-<user>.log`.
+fn demo_as_user(root: &Root) -> anyhow::Result<Result<String, String>> {
+    let clone = format!("{USER_HOME}/peregrine");
+    // `--no-hardlinks`: the user's objects are its own, not root's clone's files chowned.
+    root.run(&format!(
+        "useradd --create-home --home-dir {USER_HOME} --shell /bin/sh {USER} && \
+         git clone --quiet --no-hardlinks {CLONE} {clone} && \
+         chown -R {USER}:{USER} {clone}"
+    ))?;
+    // setpriv leaves the environment alone: the root's, with the user's own HOME, CARGO_HOME and
+    // target folder.
+    let script = format!(
+        "setpriv --reuid={USER} --regid={USER} --init-groups \
+         env HOME={USER_HOME} USER={USER} LOGNAME={USER} CARGO_HOME={USER_HOME}/.cargo \
+         CARGO_TARGET_DIR={USER_HOME}/target sh -c 'cd {clone} && cargo xtask demo'"
+    );
+    println!("\n$ {script}   (in the root {})", root.path().display());
+    let transcript = root.transcript(&script, Check::Demo.deadline())?;
+    let log = root.log_dir().join(format!("demo-as-{USER}.log"));
+    std::fs::write(&log, &transcript.text).with_context(|| format!("writing {}", log.display()))?;
+
+    let expected = lacking();
+    let mut installed = Vec::new();
+    for name in &expected {
+        let status = root
+            .command("dpkg")
+            .args(["-s", name])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .context("running dpkg -s in the root")?;
+        if status.success() {
+            installed.push(*name);
+        }
+    }
+    Ok(judge_as_user(
+        transcript.status.success(),
+        &transcript.text,
+        &expected,
+        &installed,
+    ))
+}
+
+/// The packages `cargo xtask demo` needs ([`packages::DEMO`]) that the root lacks: all but the
+/// ones it was made with ([`PACKAGES`]).
+fn lacking() -> Vec<&'static str> {
+    packages::names(packages::DEMO)
+        .into_iter()
+        .filter(|name| !PACKAGES.contains(name))
+        .collect()
+}
+
+/// The verdict of `cargo xtask demo` run by a user that is not root, with `expected` missing: the
+/// line it stopped with, or why it is not right. It passes when the demo exited non-zero, exactly
+/// one line contains `apt-get install`, that line has `sudo apt-get install` followed by exactly
+/// the `expected` packages (up to a closing backquote), and none of them is `installed`.
+fn judge_as_user(
+    exited_ok: bool,
+    output: &str,
+    expected: &[&str],
+    installed: &[&str],
+) -> Result<String, String> {
+    let mut problems = Vec::new();
+    if exited_ok {
+        problems.push("the demo exited 0 without its packages".to_owned());
+    }
+    let lines: Vec<&str> = output
+        .lines()
+        .map(str::trim)
+        .filter(|line| line.contains("apt-get install"))
+        .collect();
+    let line = match lines[..] {
+        [line] => Some(line),
+        [] => {
+            problems.push("no line says `apt-get install`".to_owned());
+            None
+        }
+        _ => {
+            problems.push(format!(
+                "{} lines say `apt-get install`, not one: {lines:?}",
+                lines.len()
+            ));
+            None
+        }
+    };
+    if let Some(line) = line {
+        match line.split_once("sudo apt-get install ") {
+            None => problems.push(format!(
+                "the line does not say `sudo apt-get install`: {line:?}"
+            )),
+            Some((_, rest)) => {
+                let named: Vec<&str> = rest
+                    .split('`')
+                    .next()
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .collect();
+                let unnamed: Vec<&str> = expected
+                    .iter()
+                    .copied()
+                    .filter(|name| !named.contains(name))
+                    .collect();
+                let extra: Vec<&str> = named
+                    .iter()
+                    .copied()
+                    .filter(|name| !expected.contains(name))
+                    .collect();
+                if !unnamed.is_empty() {
+                    problems.push(format!("the line does not name {unnamed:?}: {line:?}"));
+                }
+                if !extra.is_empty() {
+                    problems.push(format!(
+                        "the line names {extra:?}, which the root has: {line:?}"
+                    ));
+                }
+            }
+        }
+    }
+    if !installed.is_empty() {
+        problems.push(format!("installed all the same: {installed:?}"));
+    }
+    match (problems.is_empty(), line) {
+        (true, Some(line)) => Ok(line.to_owned()),
+        _ => Err(problems.join("; ")),
     }
 }
 
@@ -382,6 +543,76 @@ supervisor exited: exit status: 0
             error,
             "the demo did not exit 0; no `sampler: ebpf` line (the eBPF sampler did not run); no \
              `0 failed` line (no load report)"
+        );
+    }
+
+    /// What `cargo xtask demo` says as a user that is not root, in the fresh root.
+    const STOPPED: &str = "\
+error: missing packages:
+  protobuf-compiler: no protoc in PATH (the etcd client's build script compiles etcd's protos with protoc)
+  python3-venv: no `import ensurepip, venv` in python3 (`python3 -m venv`)
+to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev python3-venv`
+";
+    const LACKING: &[&str] = &["protobuf-compiler", "libprotobuf-dev", "python3-venv"];
+
+    #[test]
+    fn the_demo_as_a_user_stops_at_one_apt_get_line_naming_what_the_root_lacks() {
+        assert_eq!(
+            judge_as_user(false, STOPPED, LACKING, &[]).unwrap(),
+            "to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev \
+             python3-venv`"
+        );
+        // The root's packages are not named; the demo's are, in the list's order.
+        assert_eq!(
+            lacking(),
+            [
+                "protobuf-compiler",
+                "libprotobuf-dev",
+                "clang-19",
+                "libbpf-dev",
+                "python3-venv"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_demo_as_a_user_fails_the_check_when_it_goes_on_or_installs_or_names_otherwise() {
+        assert_eq!(
+            judge_as_user(true, STOPPED, LACKING, &[]).unwrap_err(),
+            "the demo exited 0 without its packages"
+        );
+        assert_eq!(
+            judge_as_user(false, STOPPED, LACKING, &["protobuf-compiler"]).unwrap_err(),
+            "installed all the same: [\"protobuf-compiler\"]"
+        );
+        let error =
+            judge_as_user(false, STOPPED, &["protobuf-compiler", "clang-19"], &[]).unwrap_err();
+        assert!(
+            error.starts_with("the line does not name [\"clang-19\"]: "),
+            "{error}"
+        );
+        assert!(
+            error.contains(
+                "the line names [\"libprotobuf-dev\", \"python3-venv\"], which the root has"
+            ),
+            "{error}"
+        );
+        // The root's path (apt-get without sudo), no line at all, or the line twice.
+        let as_root = STOPPED.replace("sudo apt-get", "apt-get");
+        assert!(
+            judge_as_user(false, &as_root, LACKING, &[])
+                .unwrap_err()
+                .starts_with("the line does not say `sudo apt-get install`")
+        );
+        assert_eq!(
+            judge_as_user(false, "error: could not compile `xtask`\n", LACKING, &[]).unwrap_err(),
+            "no line says `apt-get install`"
+        );
+        let twice = format!("{STOPPED}warning: run `sudo apt-get install clang-19`\n");
+        assert!(
+            judge_as_user(false, &twice, LACKING, &[])
+                .unwrap_err()
+                .starts_with("2 lines say `apt-get install`, not one")
         );
     }
 

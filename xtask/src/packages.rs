@@ -298,6 +298,11 @@ fn missing(uses: &[Use]) -> Vec<&'static Package> {
         .collect()
 }
 
+/// The names of the packages with a use in `uses`, in the list's order.
+pub(crate) fn names(uses: &[Use]) -> Vec<&'static str> {
+    needed(uses).map(|package| package.name).collect()
+}
+
 /// The packages with a use in `uses`, in the list's order.
 fn needed(uses: &[Use]) -> impl Iterator<Item = &'static Package> {
     PACKAGES
