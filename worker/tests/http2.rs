@@ -393,6 +393,13 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
     let requests_before = peregrine_worker::requests();
     run(async {
         let (client, connection) = connect(server.addr, |_| {}).await;
+        // Until the server's SETTINGS arrive a client may open any number of streams (RFC 9113,
+        // 6.5.2); those past its limit are then refused. Open them once the limit is known.
+        let limit = Limits::default().max_concurrent_streams as usize;
+        eventually("the server's SETTINGS are in", || {
+            client.current_max_send_streams() == limit
+        })
+        .await;
         let mut streams = JoinSet::new();
         for seed in 0..STREAMS {
             let client = client.clone();
