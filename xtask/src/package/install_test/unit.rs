@@ -214,15 +214,15 @@ mod tests {
             ]]
         );
         assert_eq!(service.runtime_directory, "peregrine");
-        assert_eq!(service.runtime_directory_mode, 0o700);
+        assert_eq!(service.runtime_directory_mode, 0o755);
         assert_eq!(service.timeout_stop, Duration::from_secs(40));
         let wrapped = service.wrap(&service.exec_start, &service.limits).join(" ");
         assert_eq!(
             wrapped,
             "prlimit --nofile=1048576:1048576 --memlock=unlimited:unlimited setpriv \
              --no-new-privs --bounding-set=-all,+bpf,+perfmon,+sys_resource,+sys_ptrace,+kill,\
-             +net_bind_service --inh-caps=-all -- /usr/bin/peregrine run \
-             /etc/peregrine/peregrine.toml"
+             +net_bind_service,+setuid,+setgid,+setpcap,+chown --inh-caps=-all -- \
+             /usr/bin/peregrine run /etc/peregrine/peregrine.toml"
         );
     }
 
