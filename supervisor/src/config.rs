@@ -7,8 +7,8 @@
 //!
 //! This file holds the typed configuration the rest of the supervisor reads and the entry points
 //! [`Config::load`] and [`Config::parse`]; `error` holds what a rejected file says, `files` the
-//! paths a file names, `limits` the bounds it is held to, and `balancing` a service's balancing
-//! policy from its type to its checks. Invariant: the rest of the supervisor sees only checked,
+//! paths a file names, `limits` the bounds it is held to, `balancing` a service's balancing
+//! policy from its type to its checks, and [`account`] the user a service's workers run as. Invariant: the rest of the supervisor sees only checked,
 //! typed values; the raw layer and the checker are private to this module.
 //!
 //! Environment overrides (for paths and addresses that differ per machine): `PEREGRINE_BIND` replaces
@@ -27,6 +27,7 @@ use std::{
 
 use peregrine_contract::url::BindUrl;
 
+pub mod account;
 mod balancing;
 mod check;
 mod error;
@@ -38,10 +39,14 @@ mod reference;
 
 use self::raw::RawConfig;
 pub use self::{
+    account::{Account, Identity, can_switch_users, worker_socket},
     balancing::{Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
     check::{cluster::ENV_ETCD, tls::DEFAULT_SERVER_NAME},
     error::{ConfigError, Problem},
-    limits::{MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_SAMPLE_INTERVAL},
+    limits::{
+        MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_SOCKET_PATH, MAX_TOTAL_WORKERS,
+        MIN_SAMPLE_INTERVAL,
+    },
 };
 
 /// The default gRPC (xDS) address: loopback only.
@@ -424,6 +429,9 @@ pub struct ServiceConfig {
     pub ready_path: String,
     /// What asks a worker to finish its requests and exit (SIGTERM by default).
     pub stop_signal: StopSignal,
+    /// The account its workers run as (`user`, `group`); `None`: the supervisor's own. A service
+    /// with one registers on its own socket, [`worker_socket`].
+    pub account: Option<Account>,
 }
 
 /// A signal that stops a worker gracefully, by name (`stop_signal`).
@@ -553,13 +561,15 @@ impl Config {
     }
 
     /// Checks a configuration's text; relative paths are taken from `base`. Returns every problem.
+    /// A service's `user` and `group` are looked up in this machine's user and group databases, and
+    /// held to what this process may switch to ([`Identity::of_this_process`]).
     pub fn parse(
         source: &str,
         base: &Path,
         env: &HashMap<String, String>,
     ) -> Result<Config, Vec<Problem>> {
         let raw = RawConfig::from_toml(source).map_err(|problem| vec![problem])?;
-        check::config(raw, source, base, env)
+        check::config(raw, source, base, env, Identity::of_this_process())
     }
 }
 
@@ -574,11 +584,23 @@ mod testing {
 
     use std::{collections::HashMap, path::Path};
 
-    use super::{Config, Problem};
+    use super::{Config, Identity, Problem, check, raw::RawConfig};
 
     /// Parses `source` as if read from `/etc/peregrine`, without environment.
     pub(super) fn parse(source: &str) -> Result<Config, Vec<Problem>> {
         Config::parse(source, Path::new("/etc/peregrine"), &HashMap::new())
+    }
+
+    /// [`parse`], in a supervisor that is `identity`.
+    pub(super) fn parse_as(source: &str, identity: Identity) -> Result<Config, Vec<Problem>> {
+        let raw = RawConfig::from_toml(source).map_err(|problem| vec![problem])?;
+        check::config(
+            raw,
+            source,
+            Path::new("/etc/peregrine"),
+            &HashMap::new(),
+            identity,
+        )
     }
 
     /// The problems of a rejected `source`, as printed.

@@ -14,7 +14,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     net::SocketAddr,
     ops::Range,
-    path::Path,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
@@ -22,7 +22,8 @@ use toml::Spanned;
 
 use super::{
     Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_METRICS, DEFAULT_SAMPLE_INTERVAL, GrpcLimits,
-    Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig, SupervisorConfig,
+    Identity, Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig,
+    SupervisorConfig,
     error::Problem,
     files::absolute_in,
     limits::{MAX_REPORT_INTERVAL, MAX_TOTAL_WORKERS, MIN_HEALTHY_AFTER, MIN_SAMPLE_INTERVAL},
@@ -42,6 +43,8 @@ pub(super) struct Checker<'a> {
     base: &'a Path,
     /// `PATH`, to resolve worker programs.
     search_path: Option<&'a str>,
+    /// Who the supervisor is: what a service's `user` is held to.
+    identity: Identity,
     problems: Vec<Problem>,
 }
 
@@ -169,22 +172,28 @@ impl Checker<'_> {
 }
 
 /// Checks every value of `raw` (read from `source`; relative paths are taken from `base`, overrides
-/// from `env`) and returns the typed configuration, or every problem found.
+/// from `env`; services' accounts held to what a supervisor that is `identity` may switch to) and
+/// returns the typed configuration, or every problem found.
 pub(super) fn config(
     mut raw: RawConfig,
     source: &str,
     base: &Path,
     env: &HashMap<String, String>,
+    identity: Identity,
 ) -> Result<Config, Vec<Problem>> {
     let mut check = Checker {
         source,
         base,
         search_path: env.get("PATH").map(String::as_str),
+        identity,
         problems: Vec::new(),
     };
     let server_tls = raw.supervisor.tls.take();
     let envoy_tls = raw.envoy.tls.take();
-    let mut supervisor = check.supervisor(raw.supervisor, env);
+    // The control socket's path is known even when another `[supervisor]` key is wrong: the
+    // services' worker sockets are named after it.
+    let control = check.control(raw.supervisor.control.take(), env);
+    let mut supervisor = check.supervisor(raw.supervisor, control.clone(), env);
     let mut envoy = check.envoy(raw.envoy);
     let server_span = server_tls.as_ref().map(Spanned::span);
     let envoy_span = envoy_tls.as_ref().map(Spanned::span);
@@ -210,7 +219,10 @@ pub(super) fn config(
     let services: BTreeMap<String, ServiceConfig> = raw
         .service
         .into_iter()
-        .map(|(name, service)| (name.clone(), check.service(name, service)))
+        .map(|(name, service)| {
+            let checked = check.service(name.clone(), service, &control);
+            (name, checked)
+        })
         .collect();
     let workers = workers_in_all(&services);
     if workers > MAX_TOTAL_WORKERS {
@@ -301,9 +313,21 @@ impl Checker<'_> {
         orca
     }
 
+    /// `supervisor.control` (or `PEREGRINE_CONTROL`), absolute.
+    fn control(&self, raw: Option<Spanned<String>>, env: &HashMap<String, String>) -> PathBuf {
+        let control = match env.get("PEREGRINE_CONTROL") {
+            Some(c) => Some(c.clone()),
+            None => raw.map(|c| c.into_inner()),
+        }
+        .unwrap_or_else(|| DEFAULT_CONTROL.into());
+        absolute_in(self.base, Path::new(&control))
+    }
+
+    /// `[supervisor]` but its `control` (already made absolute by [`Checker::control`]).
     fn supervisor(
         &mut self,
         raw: RawSupervisor,
+        control: PathBuf,
         env: &HashMap<String, String>,
     ) -> Option<SupervisorConfig> {
         let bind = match env.get("PEREGRINE_BIND") {
@@ -343,12 +367,6 @@ impl Checker<'_> {
                     .map(Some),
             },
         };
-        let control = match env.get("PEREGRINE_CONTROL") {
-            Some(c) => Some(c.clone()),
-            None => raw.control.map(|c| c.into_inner()),
-        }
-        .unwrap_or_else(|| DEFAULT_CONTROL.into());
-        let control = absolute_in(self.base, Path::new(&control));
         let xds_cluster = self.valid(
             raw.xds_cluster,
             "supervisor.xds_cluster".into(),

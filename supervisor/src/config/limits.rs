@@ -1,6 +1,6 @@
 //! The bounds a configuration is held to, whatever the file asks for: how much of a file is read, how
-//! many workers one service and one supervisor run, how often the load sampler may sample, and how
-//! short a run may count as healthy.
+//! many workers one service and one supervisor run, how often the load sampler may sample, how
+//! short a run may count as healthy, and how long a socket's path may be.
 //!
 //! Invariant: each bound is written here once; the checks and their error messages read it from here.
 //! The balancing options' bounds (weights, ring and table sizes) live with them in
@@ -27,6 +27,10 @@ pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);
 /// that wait on a worker (`register_timeout_ms`); a benchmark that wants every kill restarted after the
 /// first delay still can (150 ms).
 pub(super) const MIN_HEALTHY_AFTER: Duration = Duration::from_millis(100);
+
+/// The longest path a Unix socket may be bound at, in bytes: `sun_path` holds 108 with its NUL. The
+/// worker socket of a service with a `user` (`<control>.<service>.workers`) is held to it.
+pub const MAX_SOCKET_PATH: usize = 107;
 
 /// The longest interval between two ORCA reports on a stream, whatever Envoy asks for, and the most
 /// `orca.min_report_interval_ms` may say. Envoy drops a weight it has had no report for within its

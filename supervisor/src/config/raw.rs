@@ -134,6 +134,8 @@ pub(super) struct RawService {
     pub(super) pass_socket: Option<Spanned<bool>>,
     pub(super) ready_path: Option<Spanned<String>>,
     pub(super) stop_signal: Option<Spanned<String>>,
+    pub(super) user: Option<Spanned<AccountId>>,
+    pub(super) group: Option<Spanned<AccountId>>,
     pub(super) env: Option<Spanned<BTreeMap<String, String>>>,
     pub(super) prefix: Option<Spanned<String>>,
     pub(super) domains: Option<Spanned<Vec<String>>>,
@@ -179,6 +181,41 @@ impl RawService {
             weight: self.weight.take(),
             weights: self.weights.take(),
         }
+    }
+}
+
+/// `user` and `group`: a name, or a numeric id written as an integer (`65534`) or as a text of digits
+/// (`"65534"`); either way the text of digits.
+#[derive(Debug)]
+pub(super) struct AccountId(pub(super) String);
+
+impl<'de> Deserialize<'de> for AccountId {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = AccountId;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a name or a numeric id")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<AccountId, E> {
+                Ok(AccountId(text.to_owned()))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, id: u64) -> Result<AccountId, E> {
+                Ok(AccountId(id.to_string()))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, id: i64) -> Result<AccountId, E> {
+                u64::try_from(id)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(id), &self))
+                    .and_then(|id| self.visit_u64(id))
+            }
+        }
+        // A text is asked for, and an integer is taken too: a TOML value says what it is, whatever
+        // is asked (and the key walk of `reference` answers a text).
+        deserializer.deserialize_str(Visitor)
     }
 }
 

@@ -1,10 +1,11 @@
-//! The checks of a `[service.NAME]` table: its name, count, url, command, environment, routes and
-//! restart batch; its balancing keys go on to [`balancing`](crate::config::balancing).
+//! The checks of a `[service.NAME]` table: its name, count, url, command, environment, routes,
+//! restart batch and account (`user`, `group`); its balancing keys go on to
+//! [`balancing`](crate::config::balancing).
 //!
 //! Invariant: a service's workers can all bind at once: a fixed port or a shared socket path is only
 //! accepted for a single worker.
 
-use std::{collections::BTreeMap, ops::Range};
+use std::{collections::BTreeMap, ops::Range, path::Path};
 
 type Span = Range<usize>;
 
@@ -15,11 +16,22 @@ use super::{Checker, NAME_RULE, valid_name};
 use crate::config::{
     ADDRESS_PLACEHOLDER, DEFAULT_PASSED_URL, DEFAULT_READY_PATH, DEFAULT_URL, FD_PLACEHOLDER,
     INDEX_PLACEHOLDER, PORT_PLACEHOLDER, Program, ServiceConfig, StopSignal, WorkerCommand,
-    balancing::OrcaReach, files::resolve_program, limits::MAX_WORKERS, raw::RawService,
+    account::{self, Account, AccountKey, worker_socket},
+    balancing::OrcaReach,
+    files::resolve_program,
+    limits::{MAX_SOCKET_PATH, MAX_WORKERS},
+    raw::{AccountId, RawService},
 };
 
 impl Checker<'_> {
-    pub(super) fn service(&mut self, name: String, mut raw: RawService) -> ServiceConfig {
+    /// `[service.NAME]`; `control` is the control socket's path, which a service with a `user` names
+    /// its worker socket after.
+    pub(super) fn service(
+        &mut self,
+        name: String,
+        mut raw: RawService,
+        control: &Path,
+    ) -> ServiceConfig {
         let key = |field: &str| format!("service.{name}.{field}");
         let balancing = raw.take_balancing();
         let passing = Passing {
@@ -178,6 +190,7 @@ impl Checker<'_> {
                 )
             })
             .unwrap_or(1);
+        let account = self.account(&key, &name, (raw.user, raw.group), control);
         ServiceConfig {
             name,
             count,
@@ -192,7 +205,65 @@ impl Checker<'_> {
             pass_socket,
             ready_path,
             stop_signal,
+            account,
         }
+    }
+
+    /// `user` and `group`: the account the service's workers run as, which must exist and be one this
+    /// supervisor may switch to, and a worker socket whose path a Unix socket can be bound at.
+    fn account(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        name: &str,
+        (user, group): (Option<Spanned<AccountId>>, Option<Spanned<AccountId>>),
+        control: &Path,
+    ) -> Option<Account> {
+        let user_span = user.as_ref().map(Spanned::span);
+        let group_span = group.as_ref().map(Spanned::span);
+        if user.is_some() {
+            let socket = worker_socket(control, name);
+            let length = socket.as_os_str().len();
+            if length > MAX_SOCKET_PATH {
+                self.report(
+                    user_span.clone(),
+                    key("user"),
+                    format!(
+                        "the workers of a service with a user register on a socket of their own, \
+                         {}, whose path of {length} bytes is longer than the {MAX_SOCKET_PATH} a Unix \
+                         socket's may be: shorten supervisor.control or the service's name",
+                        socket.display()
+                    ),
+                );
+            }
+        }
+        let written =
+            |id: &Option<Spanned<AccountId>>| id.as_ref().map(|id| id.get_ref().0.clone());
+        let account = match account::resolve(written(&user).as_deref(), written(&group).as_deref())
+        {
+            Ok(account) => account?,
+            Err(error) => {
+                let (span, at) = match error.key() {
+                    AccountKey::User => (user_span, "user"),
+                    AccountKey::Group => (group_span, "group"),
+                };
+                self.report(span, key(at), error.to_string());
+                return None;
+            }
+        };
+        let identity = self.identity;
+        if account.is_other_than(&identity) && !identity.can_switch {
+            self.report(
+                user_span,
+                key("user"),
+                format!(
+                    "the workers would run as uid {} and gid {}, but the supervisor runs as uid {} \
+                     and gid {} and cannot switch users: it must run as root or with CAP_SETUID and \
+                     CAP_SETGID",
+                    account.uid, account.gid, identity.uid, identity.gid
+                ),
+            );
+        }
+        Some(account)
     }
 
     /// The keys of a service whose listener the supervisor binds and passes (`pass_socket`,
@@ -314,8 +385,8 @@ mod tests {
 
     use super::*;
     use crate::config::{
-        Config,
-        testing::{parse, problems},
+        Config, Identity,
+        testing::{parse, parse_as, problems},
     };
 
     #[test]
@@ -411,6 +482,156 @@ mod tests {
                 "{got:?} does not start with {expect:?}"
             );
         }
+    }
+
+    /// The uid and gid of `nobody`, from the user database.
+    fn nobody() -> (u32, u32) {
+        let nobody = nix::unistd::User::from_name("nobody")
+            .unwrap()
+            .expect("a nobody user");
+        (nobody.uid.as_raw(), nobody.gid.as_raw())
+    }
+
+    #[test]
+    fn a_user_and_a_group_give_the_workers_account() {
+        let (uid, gid) = nobody();
+        let config = parse("[service.a]\nuser = \"nobody\"\n[service.b]\n").unwrap();
+        let account = config.services["a"].account.as_ref().expect("an account");
+        assert_eq!(
+            (account.user.as_str(), account.uid, account.gid),
+            ("nobody", uid, gid)
+        );
+        assert!(account.groups.contains(&gid), "{account:?}");
+        assert_eq!(config.services["b"].account, None);
+        // A numeric id, as an integer or as a text, and a group by name.
+        for user in [uid.to_string(), format!("\"{uid}\"")] {
+            let config = parse(&format!("[service.a]\nuser = {user}\ngroup = \"root\"\n")).unwrap();
+            let account = config.services["a"].account.clone().unwrap();
+            assert_eq!((account.uid, account.gid), (uid, 0), "{user}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_user_or_group_and_a_group_without_a_user_are_named_with_their_lines() {
+        let got = problems(
+            "[service.a]\nuser = \"no-such-user-here\"\n\
+             [service.b]\nuser = \"nobody\"\ngroup = \"no-such-group-here\"\n\
+             [service.c]\n\ngroup = \"root\"\n\
+             [service.d]\nuser = \"\"\n\
+             [service.e]\nuser = 4294967295\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 2: service.a.user: no user \"no-such-user-here\" in the user database",
+                "line 5: service.b.group: no group \"no-such-group-here\" in the group database",
+                "line 8: service.c.group: is set without user: a service's workers run as the \
+                 supervisor's own user and group unless user names another; set user too",
+                "line 10: service.d.user: must name a user or give a numeric uid",
+                "line 12: service.e.user: 4294967295 is not a valid uid: ids run from 0 to \
+                 4294967294",
+            ]
+        );
+        let got = problems("[service.a]\nuser = -1\n");
+        assert!(
+            got[0].starts_with("line 2: service.a.user: invalid value"),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_uid_without_an_entry_in_the_user_database_needs_a_group() {
+        let uid = (2_000_000_000_u32..)
+            .find(|&uid| {
+                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+                    .unwrap()
+                    .is_none()
+            })
+            .unwrap();
+        let got = problems(&format!("[service.a]\nuser = {uid}\n"));
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with(&format!(
+                "line 2: service.a.user: uid {uid} has no entry in the user database"
+            )),
+            "{got:?}"
+        );
+        let config = parse(&format!("[service.a]\nuser = {uid}\ngroup = 4242\n")).unwrap();
+        let account = config.services["a"].account.clone().unwrap();
+        assert_eq!(
+            (account.uid, account.gid, account.groups),
+            (uid, 4242, vec![4242])
+        );
+    }
+
+    #[test]
+    fn another_user_needs_a_supervisor_that_can_switch_users() {
+        let (uid, gid) = nobody();
+        let unprivileged = Identity {
+            uid: 1000,
+            gid: 1000,
+            can_switch: false,
+        };
+        let got =
+            parse_as("[service.a]\ncount = 2\nuser = \"nobody\"\n", unprivileged).unwrap_err();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            got[0].to_string(),
+            format!(
+                "line 3: service.a.user: the workers would run as uid {uid} and gid {gid}, but the \
+                 supervisor runs as uid 1000 and gid 1000 and cannot switch users: it must run as \
+                 root or with CAP_SETUID and CAP_SETGID"
+            )
+        );
+        // Its own account needs no switch; a supervisor that may switch takes any.
+        let itself = Identity {
+            uid,
+            gid,
+            can_switch: false,
+        };
+        assert!(parse_as("[service.a]\nuser = \"nobody\"\n", itself).is_ok());
+        let privileged = Identity {
+            can_switch: true,
+            ..unprivileged
+        };
+        assert!(parse_as("[service.a]\nuser = \"nobody\"\n", privileged).is_ok());
+    }
+
+    #[test]
+    fn a_worker_socket_path_too_long_for_a_unix_socket_is_refused_at_the_user() {
+        // `/r/` + the directory + `/c.sock` + `.a.workers`: 3 + dir + 7 + 10 bytes.
+        let config = |dir_len: usize, user: &str| {
+            format!(
+                "[supervisor]\ncontrol = \"/r/{}/c.sock\"\n[service.a]\n{user}",
+                "d".repeat(dir_len)
+            )
+        };
+        let fits = 107 - 20;
+        let path = crate::config::worker_socket(
+            parse(&config(fits, ""))
+                .unwrap()
+                .supervisor
+                .control
+                .as_path(),
+            "a",
+        );
+        assert_eq!(path.as_os_str().len(), 107, "{}", path.display());
+        assert!(parse(&config(fits, "user = \"nobody\"\n")).is_ok());
+        // Without a user the service has no worker socket, and its length does not matter.
+        assert!(parse(&config(fits + 1, "")).is_ok());
+        let got = problems(&config(fits + 1, "\nuser = \"nobody\"\n"));
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with(
+                "line 5: service.a.user: the workers of a service with a user register"
+            ),
+            "{got:?}"
+        );
+        assert!(
+            got[0]
+                .contains("whose path of 108 bytes is longer than the 107 a Unix socket's may be"),
+            "{got:?}"
+        );
     }
 
     #[test]
