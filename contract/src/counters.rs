@@ -4,11 +4,13 @@
 //! Layout (the one definition; the kernel program's `struct peregrine_counter` in
 //! `ebpf/src/bpf/sampler.h` mirrors it, and `ebpf/src/layout.rs` asserts the two agree): lane `k`'s
 //! counter is the native-endian `u64` at byte offset `64 * k` ([`LINE`]: a cache line each, so workers
-//! on different cores never share a line). The region is a `memfd`, or, where the eBPF sampler loads,
-//! its `counters` map (a BPF array created with `BPF_F_MMAPABLE`, [`Counter`]-sized values); a worker
-//! inherits its descriptor and lane through [`crate::settings`]. The supervisor zeroes a lane before it
-//! starts a worker in it, so a lane holds exactly the requests of its current worker; while that worker
-//! runs, the counter only grows.
+//! on different cores never share a line). A worker that counts its own requests inherits a region of
+//! its own, a `memfd` of one line (lane 0), through [`crate::settings`]: it can map no other worker's
+//! count. The supervisor's shared region, a lane per worker instance, is a `memfd` or, where the eBPF
+//! sampler loads, its `counters` map (a BPF array created with `BPF_F_MMAPABLE`, [`Counter`]-sized
+//! values), where the kernel counts the responses of servers on passed listeners; no worker inherits
+//! it. The supervisor zeroes a shared lane before it starts a worker in it, so a lane holds exactly the
+//! requests of its current worker; while that worker runs, the counter only grows.
 //!
 //! Invariant: a region is mapped only once the object behind it is known to hold every lane asked for
 //! ([`SharedMemory::map`]), so a descriptor named by another process's environment ends in an error,
@@ -54,10 +56,10 @@ impl CounterRegion {
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )
         .map_err(std::io::Error::from)?;
+        // Exactly the lanes asked for: a region made for one worker's line offers no second line to
+        // map.
         let bytes = lanes.max(1) * LINE;
-        let page = rustix::param::page_size();
-        rustix::fs::ftruncate(&fd, bytes.div_ceil(page) as u64 * page as u64)
-            .map_err(std::io::Error::from)?;
+        rustix::fs::ftruncate(&fd, bytes as u64).map_err(std::io::Error::from)?;
         // The size is fixed: a worker can never shrink it under the others.
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(std::io::Error::from)?;
@@ -129,6 +131,16 @@ mod tests {
             region.lane(2);
         }));
         assert!(out_of_range.is_err());
+    }
+
+    #[test]
+    fn a_region_of_one_line_maps_no_second_line() {
+        let (fd, region) = CounterRegion::create(1).unwrap();
+        region.lane(0).fetch_add(1, Ordering::Relaxed);
+        assert!(matches!(
+            CounterRegion::map(fd.as_fd(), 2),
+            Err(ShmError::TooSmall { .. })
+        ));
     }
 
     #[test]

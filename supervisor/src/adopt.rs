@@ -2,26 +2,32 @@
 //! died, are taken over instead of started again.
 //!
 //! Workers outlive their supervisor (they are started in their own process group, with no parent-death
-//! signal) and keep reconnecting to the control socket. A supervisor that starts finds them before it
-//! accepts registrations: a process of its own user is a worker of an earlier supervisor of this socket
-//! when its environment carries both the socket's canonical path (`PEREGRINE_CONTROL_SOCKET`) and the
-//! socket's lineage (`PEREGRINE_LINEAGE`, a random value from the owner-only lock file, see
-//! [`crate::instance`]); the environment also says its service, slot and request counter. The path
-//! alone is not enough: two supervisors in different directories may use the same relative socket
-//! name, and any process can put any text in its environment. For each slot of the config it keeps one
-//! such worker (the newest, if a restart was under way), watched through a pidfd; it takes a duplicate
-//! of the worker's counter descriptor with `pidfd_getfd(2)` so that its requests are still counted.
+//! signal) and keep reconnecting to the control socket (or, for a service with a `user`, to its
+//! worker socket beside it). A supervisor that starts finds them before it accepts registrations: a
+//! process of its own user, or of a user a service of the config names, is a worker of an earlier
+//! supervisor of this socket when its environment carries both the socket's canonical path
+//! (`PEREGRINE_CONTROL_SOCKET`, or its service's worker socket) and the socket's lineage
+//! (`PEREGRINE_LINEAGE`, a random value from the owner-only lock file, see [`crate::instance`]); the
+//! environment also says its service, slot and request counter. The path alone is not enough: two
+//! supervisors in different directories may use the same relative socket name, and any process can
+//! put any text in its environment, its lineage included once it ran as a worker. So a worker is
+//! taken for its slot only when it runs as the user its service names (the supervisor's own without
+//! `user`): a worker of one service's user never passes for a worker of a service of another. For
+//! each slot of the config it keeps one such worker (the newest, if a restart was under way), watched
+//! through a pidfd; it takes a duplicate of the worker's counter descriptor with `pidfd_getfd(2)` so
+//! that its requests are still counted.
 //! Workers with no slot in the config, and the older of two in one slot, are stopped.
 //!
 //! Each candidate's pidfd is opened *before* its `/proc` files are read, and the process is checked to
 //! be still alive after: the pid then named the same process throughout, so a process that exited and
 //! whose pid was reused is never taken for a worker, nor signalled.
 //!
-//! Invariant: adoption never admits or signals a process another user runs, nor one that does not
-//! carry this socket's lineage.
+//! Invariant: adoption never admits or signals a process of a user that neither the supervisor runs
+//! as nor a service names, nor one that does not carry this socket's lineage; it admits a worker into
+//! a slot only when it runs as that slot's service's user.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::OsStr,
     os::{
         fd::{AsFd, OwnedFd},
@@ -48,7 +54,7 @@ use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 
 use crate::{
     children::{Children, CounterRef, Counters, Slot},
-    config::Config,
+    config::{Config, worker_socket},
     instance::Lineage,
     manager::Adopted,
     registry::{Address, Registry},
@@ -78,6 +84,8 @@ pub struct Found {
     pub pid: u32,
     /// A pidfd of it, opened before its environment was read.
     pub pidfd: OwnedFd,
+    /// The user it runs as.
+    pub uid: u32,
     /// What its environment says.
     pub described: Described,
 }
@@ -85,7 +93,18 @@ pub struct Found {
 /// Finds the workers of an earlier supervisor of `config`'s control socket (those carrying `lineage`)
 /// and takes over those with a slot in `config`; stops the others.
 pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
-    let found = scan(&config.supervisor.control, lineage);
+    let own = rustix::process::geteuid().as_raw();
+    let uid_of = |service: &str| {
+        let service = config.services.get(service)?;
+        Some(service.account.as_ref().map_or(own, |account| account.uid))
+    };
+    let uids: HashSet<u32> = config
+        .services
+        .keys()
+        .filter_map(|name| uid_of(name))
+        .chain([own])
+        .collect();
+    let found = scan(&config.supervisor.control, &uids, lineage);
     // A worker's own children carry its environment: they go with it, adopted or stopped.
     let pids: std::collections::HashSet<u32> = found.iter().map(|w| w.pid).collect();
     let found = found
@@ -95,6 +114,13 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
     let mut unwanted = Vec::new();
     for worker in found {
         let slot = &worker.described.slot;
+        if uid_of(&slot.service).is_some_and(|uid| uid != worker.uid) {
+            // Its lineage says ours, its user says not this service's (the config changed its
+            // `user`, or a worker of another service's user is posing as one): left alone. A worker
+            // of ours stops once no supervisor takes its registration.
+            tracing::warn!(pid = worker.pid, uid = worker.uid, %slot, "A process carrying this socket's lineage runs as another user than its service names: not adopted");
+            continue;
+        }
         let wanted = config
             .services
             .get(&slot.service)
@@ -143,6 +169,7 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
             Adopted {
                 pid: worker.pid,
                 pidfd: worker.pidfd,
+                uid: worker.uid,
                 counter,
                 passed,
             },
@@ -151,20 +178,20 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
     adopted
 }
 
-/// Every live process of this user whose environment names `control` as its control socket and
-/// carries `lineage`.
-pub fn scan(control: &Path, lineage: &Lineage) -> Vec<Found> {
+/// Every live process of one of `uids` whose environment names `control` (or its service's worker
+/// socket beside it) as its control socket and carries `lineage`.
+pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let uid = rustix::process::geteuid().as_raw();
     let own = std::process::id();
     entries
         .flatten()
         .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
             // Other users' processes are passed over without a pidfd.
-            if pid == own || entry.metadata().ok()?.uid() != uid {
+            let uid = entry.metadata().ok()?.uid();
+            if pid == own || !uids.contains(&uid) {
                 return None;
             }
             // The pidfd first: whatever is read below is then known to be of this very process if
@@ -181,6 +208,7 @@ pub fn scan(control: &Path, lineage: &Lineage) -> Vec<Found> {
             alive(&pidfd).then_some(Found {
                 pid,
                 pidfd,
+                uid,
                 described,
             })
         })
@@ -198,14 +226,15 @@ fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Optio
         })
         .collect();
     let get = |name: &str| vars.get(name.as_bytes()).copied();
-    if Path::new(OsStr::from_bytes(get(ENV_CONTROL)?)) != control {
-        return None;
-    }
     if !lineage.matches(get(ENV_LINEAGE)?) {
         return None;
     }
     let text = |name: &str| std::str::from_utf8(get(name)?).ok();
     let service = text(ENV_SERVICE)?.to_owned();
+    let named = Path::new(OsStr::from_bytes(get(ENV_CONTROL)?));
+    if named != control && named != worker_socket(control, &service) {
+        return None;
+    }
     let index = text(ENV_INDEX)?.parse().ok()?;
     let counter = match (text(ENV_COUNTERS_FD), text(ENV_COUNTERS_LANE)) {
         (Some(fd), Some(lane)) => Some((fd.parse().ok()?, lane.parse().ok()?)),
@@ -306,7 +335,6 @@ fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> Result<CounterRef, ShmE
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_contract::counters::LINE;
 
     const STAT: &str =
         "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";
@@ -387,7 +415,8 @@ mod tests {
         let child = command.spawn().unwrap();
         let deadline = Instant::now() + Duration::from_secs(2);
         let found = loop {
-            let found: Vec<Found> = scan(control, lineage)
+            let uids = HashSet::from([rustix::process::geteuid().as_raw()]);
+            let found: Vec<Found> = scan(control, &uids, lineage)
                 .into_iter()
                 .filter(|f| f.pid == child.id())
                 .collect();
@@ -426,16 +455,15 @@ mod tests {
     #[test]
     fn a_descriptor_too_small_for_the_counter_line_is_refused_not_mapped() {
         let (fd, _region) = CounterRegion::create(2).unwrap();
-        let lines = rustix::param::page_size() / LINE;
         let me = rustix::process::pidfd_open(
             rustix::process::getpid(),
             rustix::process::PidfdFlags::empty(),
         )
         .unwrap();
         use std::os::fd::AsRawFd;
-        assert!(counter_of(&me, fd.as_raw_fd(), lines - 1).is_ok());
+        assert!(counter_of(&me, fd.as_raw_fd(), 1).is_ok());
         assert!(matches!(
-            counter_of(&me, fd.as_raw_fd(), lines),
+            counter_of(&me, fd.as_raw_fd(), 2),
             Err(ShmError::TooSmall { .. })
         ));
         let file = tempfile::tempfile().unwrap();

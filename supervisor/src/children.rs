@@ -53,6 +53,16 @@ impl CounterRef {
         CounterRef { region, index }
     }
 
+    /// The descriptor of the region its line is in.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.region.fd()
+    }
+
+    /// Its line in that region.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The requests counted so far.
     pub fn load(&self) -> u64 {
         self.region
@@ -67,10 +77,10 @@ impl CounterRef {
 pub struct Child {
     /// Its slot.
     pub slot: Slot,
-    /// Its lane: its own line in the request counter region (unless adopted) and its slot in the
-    /// scheduler source; no two live workers share one.
+    /// Its lane: its slot in the scheduler source and, for a passed-socket server, its line in the
+    /// shared request counter region; no two live workers share one.
     pub lane: usize,
-    /// Where it counts its requests.
+    /// Where it counts its requests: a region of its own, or its lane of the shared one.
     pub counter: CounterRef,
     /// Whether it counts its requests there itself: a server on a passed listener (`pass_socket`)
     /// does not.
@@ -79,6 +89,9 @@ pub struct Child {
     /// responses sent on the connections it accepted, in the lane's counter. Without it (procfs, or a
     /// Unix listener) such a server has no request rate, and no stall is judged from one.
     pub listen_port: Option<u16>,
+    /// The uid it was started with (its service's `user`, or the supervisor's): the only uid it may
+    /// register as.
+    pub uid: u32,
 }
 
 /// Live worker processes by pid.
@@ -129,6 +142,14 @@ impl Children {
     }
 
     #[cfg(test)]
+    pub(crate) fn insert_as_for_test(&self, pid: u32, service: &str, index: u32, uid: u32) {
+        self.insert_for_test(pid, service, index);
+        if let Some(child) = self.lock().get_mut(&pid) {
+            child.uid = uid;
+        }
+    }
+
+    #[cfg(test)]
     pub(crate) fn insert_with_lane_for_test(
         &self,
         pid: u32,
@@ -158,6 +179,7 @@ impl Children {
             counter: CounterRef::new(counters.clone(), lane),
             counts_requests,
             listen_port: None,
+            uid: rustix::process::geteuid().as_raw(),
         };
         self.lock().insert(pid, child);
     }
@@ -245,10 +267,13 @@ pub fn slot_count(config: &Config) -> usize {
     config.services.values().map(|s| s.count as usize).sum()
 }
 
-/// The shared request counters: the descriptor workers inherit, and the supervisor's mapping of it.
+/// A request counter region: its descriptor, and the supervisor's mapping of it.
 ///
-/// The eBPF sampler's `BPF_F_MMAPABLE` `counters` map ([`crate::sampler::ebpf::EbpfSource::load`]), or a memfd of the
-/// same layout ([`Counters::memfd`]).
+/// The shared one, with a lane per worker instance, is the eBPF sampler's `BPF_F_MMAPABLE` `counters`
+/// map ([`crate::sampler::ebpf::EbpfSource::load`]), where the kernel counts passed-socket servers'
+/// responses, or a memfd of the same layout ([`Counters::memfd`]). A worker that counts its own
+/// requests gets a one-line memfd of its own, the one descriptor it inherits: it cannot reach
+/// another's count.
 #[derive(Debug)]
 pub struct Counters {
     fd: OwnedFd,
@@ -267,7 +292,7 @@ impl Counters {
         Ok(Counters { fd, region })
     }
 
-    /// The descriptor workers inherit.
+    /// The descriptor (a worker inherits its own region's).
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }

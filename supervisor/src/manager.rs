@@ -17,6 +17,7 @@ mod context;
 mod error;
 mod launch;
 mod passed;
+mod privileges;
 mod process;
 mod slot_task;
 

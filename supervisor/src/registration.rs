@@ -1,16 +1,20 @@
-//! The registration server: workers announce their listeners over the supervisor's Unix socket.
+//! The registration server: workers announce their listeners over the supervisor's Unix sockets.
 //!
-//! The socket is owner-only (mode 0600). For each connection the server reads the peer's credentials
-//! (SO_PEERCRED) and accepts a registration only from a live worker process the manager started, with
-//! the same user id, whose message names that worker's own pid, service and slot. Anything else gets a
-//! `Refused` answer, a log line, and a closed connection; nothing else is touched. A registered
-//! worker's connection stays open: its close deregisters the worker.
+//! The control socket is owner-only (mode 0600); the workers of a service with a `user` register on
+//! the service's own worker socket beside it ([`WorkerSockets`]: the service's group may open it).
+//! For each connection the server reads the peer's credentials (SO_PEERCRED) and accepts a
+//! registration only from a live worker process the manager started, running as the uid it was
+//! started with, on its service's socket, whose message names that worker's own pid, service and
+//! slot ([`admission`]). Anything else gets a `Refused` answer, a log line (with the peer's uid and
+//! pid), and a closed connection; nothing else is touched. A registered worker's connection stays
+//! open: its close deregisters the worker.
 //!
-//! The same socket answers `peregrine status`: a connection whose first message is a status request
-//! gets the registry's status ([`crate::status::report`]) and is closed. It need not be a worker, but
-//! it must be a process of the supervisor's own (effective) user. Control commands (`peregrine
-//! restart`, `peregrine reload`) are held to the same rule; they are handed to the supervisor's run
-//! loop ([`Commands`]) and answered once carried out.
+//! The control socket also answers `peregrine status`: a connection whose first message is a status
+//! request gets the registry's status ([`crate::status::report`]) and is closed. Control commands
+//! (`peregrine restart`, `peregrine reload`) are handed to the supervisor's run loop ([`Commands`])
+//! and answered once carried out. Both are taken only from a process of the supervisor's own
+//! (effective) user that is neither a worker nor started by one: a worker registers and does nothing
+//! else.
 
 use std::{
     io,
@@ -36,9 +40,11 @@ use tokio::{
 use tracing::Instrument;
 
 mod admission;
+mod worker_sockets;
 
-pub use self::admission::{ListenerError, PeerCred, Refusal, admit_peer};
-use self::admission::{admit, same_user};
+pub use self::admission::{ListenerError, PeerCred, Refusal, Socket, admit_peer};
+use self::admission::{admit, commander};
+pub use self::worker_sockets::WorkerSockets;
 use crate::{
     children::Children, instance::InstanceLock, registry::Registry, status, xds::acks::Acks,
 };
@@ -61,17 +67,41 @@ pub enum BindError {
         #[source]
         source: io::Error,
     },
+    /// A service's workers could not reach their worker socket.
+    #[error(
+        "{service}'s workers run as {user}, who cannot reach {path}: {dir} is not searchable by \
+         that user (mode {mode:04o}); put the control socket in a directory every service's user \
+         may search"
+    )]
+    Unreachable {
+        /// The service.
+        service: String,
+        /// Its user, as the config names it.
+        user: String,
+        /// The worker socket.
+        path: PathBuf,
+        /// The first directory on the way that the user may not search.
+        dir: PathBuf,
+        /// That directory's mode.
+        mode: u32,
+    },
 }
 
 /// Binds the registration socket at `path`, owner-only, replacing a socket file left by a supervisor
 /// that died. `lock` is the socket's instance lock: holding it proves that no other supervisor serves
 /// on `path`, so whatever socket is there is stale.
 pub fn bind(path: &Path, lock: &InstanceLock) -> Result<UnixListener, BindError> {
+    debug_assert_eq!(lock.path(), crate::instance::lock_path(path));
+    bind_replacing(path, 0o600)
+}
+
+/// Binds a socket at `path` with permission bits `mode`, replacing a socket file left by a
+/// supervisor that died; the caller holds the instance lock that proves it stale.
+fn bind_replacing(path: &Path, mode: u32) -> Result<UnixListener, BindError> {
     let io_err = |source| BindError::Io {
         path: path.to_owned(),
         source,
     };
-    debug_assert_eq!(lock.path(), crate::instance::lock_path(path));
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             return Err(BindError::NotASocket(path.to_owned()));
@@ -86,29 +116,48 @@ pub fn bind(path: &Path, lock: &InstanceLock) -> Result<UnixListener, BindError>
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io_err)?;
     }
-    // Until the mode is set, another user could connect; the server admits no one but this user
-    // (SO_PEERCRED), so such a connection gets nothing.
+    // Until the mode is set, another user could connect; the server admits no one but a worker as the
+    // user it was started as, or the supervisor's user (SO_PEERCRED), so such a connection gets
+    // nothing.
     let listener = UnixListener::bind(path).map_err(io_err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_err)?;
     Ok(listener)
 }
 
 /// Where control commands go: each with the channel its reply comes back on.
 pub type Commands = mpsc::Sender<(v1::ControlRequest, oneshot::Sender<v1::ControlReply>)>;
 
-/// Accepts registrations (and status and control requests) until the task is dropped.
-pub async fn serve(
-    listener: UnixListener,
-    registry: Arc<Registry>,
-    children: Arc<Children>,
-    acks: Arc<Acks>,
-    commands: Commands,
-) {
+/// What the registration server reads and writes, on every socket.
+#[derive(Clone)]
+pub struct Server {
+    /// Where registered workers go.
+    pub registry: Arc<Registry>,
+    /// Who is a worker, in which slot, as which user.
+    pub children: Arc<Children>,
+    /// What the status report says of the xDS streams.
+    pub acks: Arc<Acks>,
+    /// Where control commands go.
+    pub commands: Commands,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server").finish_non_exhaustive()
+    }
+}
+
+/// Accepts registrations, status and control requests on the control socket until the task is
+/// dropped.
+pub async fn serve(listener: UnixListener, server: Server) {
+    serve_on(listener, server, Socket::Control).await;
+}
+
+/// Accepts connections on `socket` until the task is dropped.
+async fn serve_on(listener: UnixListener, server: Server, socket: Socket) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let (registry, children) = (registry.clone(), children.clone());
-                let (acks, commands) = (acks.clone(), commands.clone());
+                let (server, socket) = (server.clone(), socket.clone());
                 let cred = stream.peer_cred().ok();
                 let span = tracing::info_span!(
                     "registration",
@@ -117,7 +166,7 @@ pub async fn serve(
                 );
                 tokio::spawn(
                     async move {
-                        match handle(stream, &registry, &children, &acks, &commands).await {
+                        match handle(stream, &server, &socket).await {
                             Ok(()) => {}
                             // A connect-and-close (a client that gave up, a port scan of sorts).
                             Err(reason @ Closed::EarlyEof) => {
@@ -157,13 +206,13 @@ enum Closed {
     Io(#[from] io::Error),
 }
 
-async fn handle(
-    mut stream: UnixStream,
-    registry: &Registry,
-    children: &Children,
-    acks: &Acks,
-    commands: &Commands,
-) -> Result<(), Closed> {
+async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Result<(), Closed> {
+    let Server {
+        registry,
+        children,
+        acks,
+        commands,
+    } = server;
     let mut buf = BytesMut::with_capacity(1024);
     let message =
         match tokio::time::timeout(REGISTER_TIMEOUT, read_message(&mut stream, &mut buf)).await {
@@ -173,15 +222,20 @@ async fn handle(
             Ok(Err(e)) => return Err(e),
         };
     let message = match message.message {
+        Some(worker_message::Message::Status(_) | worker_message::Message::Control(_))
+            if *socket != Socket::Control =>
+        {
+            return Err(refuse(&mut stream, Refusal::RegistrationsOnly.to_string()).await);
+        }
         Some(worker_message::Message::Status(_)) => {
-            return answer_status(&mut stream, registry, acks).await;
+            return answer_status(&mut stream, registry, children, acks).await;
         }
         Some(worker_message::Message::Control(request)) => {
-            return answer_control(&mut stream, request, commands).await;
+            return answer_control(&mut stream, request, children, commands).await;
         }
         other => WorkerMessage { message: other },
     };
-    let worker = match admit(&stream, message, children) {
+    let worker = match admit(&stream, socket, message, children) {
         Ok(worker) => worker,
         Err(refusal) => return Err(refuse(&mut stream, refusal.to_string()).await),
     };
@@ -211,13 +265,15 @@ async fn handle(
     result
 }
 
-/// Answers a status request from a process of the supervisor's user; the caller then closes.
+/// Answers a status request from a process of the supervisor's user that is no worker; the caller
+/// then closes.
 async fn answer_status(
     stream: &mut UnixStream,
     registry: &Registry,
+    children: &Children,
     acks: &Acks,
 ) -> Result<(), Closed> {
-    if let Err(refusal) = same_user(stream) {
+    if let Err(refusal) = commander(stream, children) {
         return Err(refuse(stream, refusal.to_string()).await);
     }
     let report = status::report_of(registry, &acks.streams());
@@ -229,14 +285,15 @@ async fn answer_status(
     Ok(())
 }
 
-/// Hands a control command from a process of the supervisor's user to the run loop and answers with
-/// its reply; the caller then closes.
+/// Hands a control command from a process of the supervisor's user that is no worker to the run
+/// loop and answers with its reply; the caller then closes.
 async fn answer_control(
     stream: &mut UnixStream,
     request: v1::ControlRequest,
+    children: &Children,
     commands: &Commands,
 ) -> Result<(), Closed> {
-    if let Err(refusal) = same_user(stream) {
+    if let Err(refusal) = commander(stream, children) {
         return Err(refuse(stream, refusal.to_string()).await);
     }
     tracing::info!(?request, "Control command received");
@@ -342,10 +399,12 @@ mod tests {
             let lock = InstanceLock::acquire(&path).unwrap();
             let server = tokio::spawn(serve(
                 bind(&path, &lock).unwrap(),
-                registry.clone(),
-                children.clone(),
-                Arc::default(),
-                commands,
+                Server {
+                    registry: registry.clone(),
+                    children: children.clone(),
+                    acks: Arc::default(),
+                    commands,
+                },
             ));
             Fixture {
                 _dir: dir,
@@ -479,7 +538,7 @@ mod tests {
         fx.children.insert_for_test(own_pid(), "web", 0);
         let (stream, _peer) = UnixStream::pair().unwrap();
         let check = |message: WorkerMessage, expected: fn(&Refusal) -> bool| {
-            let refusal = admit(&stream, message, &fx.children).unwrap_err();
+            let refusal = admit(&stream, &Socket::Control, message, &fx.children).unwrap_err();
             assert!(expected(&refusal), "{refusal:?}");
         };
         check(
@@ -607,7 +666,13 @@ mod tests {
             let (registry, children) = (fx.registry.clone(), fx.children.clone());
             let (commands, mut received) = mpsc::channel(1);
             let served = tokio::spawn(async move {
-                handle(server, &registry, &children, &Acks::default(), &commands).await
+                let server_side = Server {
+                    registry,
+                    children,
+                    acks: Arc::default(),
+                    commands,
+                };
+                handle(server, &server_side, &Socket::Control).await
             });
             client.write_all(&encode(&request)).await.unwrap();
             let reason = match read_answer(&mut client).await.and_then(|a| a.message) {

@@ -382,19 +382,23 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         lineage: lock.lineage().clone(),
         timings: timings.clone(),
     });
+    let server = registration::Server {
+        registry: registry.clone(),
+        children: children.clone(),
+        acks: acks.clone(),
+        commands: commands_tx,
+    };
+    // The sockets the workers of a service with a `user` register on, there before they start.
+    let mut worker_sockets = registration::WorkerSockets::new(&control, server.clone());
+    worker_sockets.open(&config)?;
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
-    // reconnects is then admitted as one of ours (registrations wait in the socket's backlog).
+    // reconnects is then admitted as one of ours (registrations wait in the sockets' backlogs).
     let adopted = adopt::find(&config, lock.lineage());
     let adopted_pids: Vec<u32> = adopted.values().map(|a| a.pid).collect();
     let manager =
         Manager::start(&config, context, adopted, stop_rx.clone()).map_err(RunError::Workers)?;
-    let registration_task = tokio::spawn(registration::serve(
-        registrations,
-        registry.clone(),
-        children.clone(),
-        acks.clone(),
-        commands_tx,
-    ));
+    let registration_task = tokio::spawn(registration::serve(registrations, server));
+    worker_sockets.serve();
     // Envoy keeps the endpoints it has while no control plane answers; it must not get a set without
     // the adopted workers, so xDS waits (bounded) until they have registered again.
     if !adopted_pids.is_empty() {
@@ -456,6 +460,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             xds_options: xds_options_tx,
             orca: orca_reach,
             tls,
+            worker_sockets,
         },
     ));
     // The watchdog's pings come from this loop: if it stops turning, they stop.

@@ -5,7 +5,7 @@
 //! Checked: nothing panics; the length prefix is read as protobuf's varint (what prost reads), and a
 //! frame announced over the 64 KiB cap is refused as soon as its prefix is in, never waited for
 //! (buffered); splitting the stream changes nothing that is decoded; an admitted registration comes
-//! from the supervisor's user, claims the peer's own pid and the slot the table started it in, has a
+//! from the uid the table started its pid with, claims the peer's own pid and the slot the table started it in, has a
 //! listener of known protocols (at least one, no duplicates) and valid addresses (an IP with a port in
 //! 1..=65535, or an absolute Unix path; at least one), exactly the ones it sent; and it registers in
 //! a registry of the table's services, whose resources then build.
@@ -24,13 +24,14 @@ use peregrine_proto::{
 };
 use peregrine_supervisor::{
     children::{Child, Children, CounterRef, Counters, Slot},
-    registration::{PeerCred, Refusal, admit_peer},
+    registration::{PeerCred, Refusal, Socket, admit_peer},
     registry::{Address, Protocol, Registry, WorkerState, hostname_for},
     xds::{cache::Cache, resources::ClusterOptions},
 };
 
-/// The supervisor's uid.
-const OURS: u32 = 1000;
+/// The supervisor's uid: this process's (a worker started without a `user` runs as it, and registers
+/// on the control socket).
+static OURS: LazyLock<u32> = LazyLock::new(|| rustix::process::geteuid().as_raw());
 
 /// The process table: pid, service, index.
 const TABLE: [(u32, &str, u32); 3] = [(4242, "web", 0), (4243, "web", 1), (7, "api", 3)];
@@ -50,6 +51,9 @@ static CHILDREN: LazyLock<Children> = LazyLock::new(|| {
                 slot,
                 lane,
                 counter,
+                counts_requests: true,
+                listen_port: None,
+                uid: *OURS,
             },
         );
     }
@@ -85,7 +89,7 @@ fuzz_target!(|data: &[u8]| {
 /// The peer's credentials: the supervisor's user or another, a pid of the table or not, or none.
 fn peer(u: &mut Unstructured<'_>) -> PeerCred {
     let uid = if u.ratio(7, 8).unwrap_or(true) {
-        OURS
+        *OURS
     } else {
         u.arbitrary().unwrap_or(0)
     };
@@ -182,16 +186,22 @@ fn prefix_of(buf: &[u8]) -> Option<(usize, usize)> {
 
 /// Runs `message` through admission from `cred` and checks what is admitted.
 fn check_admission(message: WorkerMessage, cred: PeerCred) {
-    let result = admit_peer(message.clone(), cred, OURS, &CHILDREN);
+    let result = admit_peer(message.clone(), cred, &Socket::Control, &CHILDREN);
     let worker = match result {
         Ok(worker) => worker,
         Err(refusal) => {
             assert!(!refusal.to_string().is_empty());
             // The credentials are checked first, whatever the message.
-            if cred.uid != OURS {
-                assert!(matches!(refusal, Refusal::OtherUser { .. }), "{refusal:?}");
-            } else if cred.pid.is_none_or(|p| p < 0) {
-                assert!(matches!(refusal, Refusal::PidUnknown), "{refusal:?}");
+            let pid = cred.pid.and_then(|p| u32::try_from(p).ok());
+            match pid {
+                None => assert!(matches!(refusal, Refusal::PidUnknown), "{refusal:?}"),
+                Some(pid) if CHILDREN.child(pid).is_none() => {
+                    assert!(matches!(refusal, Refusal::NotOurs(_)), "{refusal:?}")
+                }
+                Some(_) if cred.uid != *OURS => {
+                    assert!(matches!(refusal, Refusal::NotItsUser { .. }), "{refusal:?}")
+                }
+                Some(_) => {}
             }
             return;
         }
@@ -200,7 +210,7 @@ fn check_admission(message: WorkerMessage, cred: PeerCred) {
         panic!("admitted a message that is no registration: {worker:?}");
     };
     let peer = u32::try_from(cred.pid.expect("admitted without a pid")).expect("a negative pid");
-    assert_eq!(cred.uid, OURS);
+    assert_eq!(cred.uid, *OURS);
     assert_eq!(worker.pid, peer, "the peer's pid");
     assert_eq!(register.pid, peer, "the claimed pid is the peer's");
     let started = CHILDREN

@@ -1,7 +1,10 @@
 //! What a slot's worker is started with, and the spawn itself.
 //!
-//! Invariant: the request counter region is the one descriptor a worker inherits, and its lane is
-//! zeroed before the worker starts, so a lane counts exactly its current worker's requests.
+//! Invariant: a worker inherits one descriptor besides its standard streams and a passed listener:
+//! its own request counter, a one-line region no other worker can reach, created for it (so it
+//! counts exactly its own requests). A passed-socket server inherits none; the kernel counts its
+//! responses in its lane of the shared region, zeroed before it starts. Every worker starts without
+//! the supervisor's privileges ([`Privileges`]).
 
 use std::{
     io,
@@ -19,8 +22,9 @@ use peregrine_contract::{
 use rustix::io::FdFlags;
 
 pub(super) use super::passed::PassedListener;
+use super::privileges::{Identity, Privileges};
 use crate::{
-    children::Counters,
+    children::{CounterRef, Counters},
     config::{INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal, SupervisorConfig},
     instance::Lineage,
 };
@@ -46,6 +50,9 @@ pub(super) struct Launch {
     pub(super) ready_path: String,
     /// What asks the worker to finish its requests and exit.
     pub(super) stop_signal: StopSignal,
+    /// What the worker gives up before it runs: the supervisor's user, for the service's, and every
+    /// capability.
+    privileges: Privileges,
 }
 
 /// What, in a service's config, its workers are started with: a change replaces them.
@@ -55,6 +62,7 @@ pub(super) struct LaunchKey {
     url: String,
     env: std::collections::BTreeMap<String, String>,
     pass_socket: bool,
+    account: Option<crate::config::Account>,
 }
 
 impl LaunchKey {
@@ -64,6 +72,7 @@ impl LaunchKey {
             url: service.url.clone(),
             env: service.env.clone(),
             pass_socket: service.pass_socket,
+            account: service.account.clone(),
         }
     }
 }
@@ -88,11 +97,17 @@ impl Launch {
             .iter()
             .map(|arg| arg.replace(INDEX_PLACEHOLDER, &index.to_string()))
             .collect();
+        // A service of its own user registers on a socket its group may open; the others on the
+        // owner-only control socket.
+        let control = match &service.account {
+            Some(_) => crate::config::worker_socket(&supervisor.control, &service.name),
+            None => supervisor.control.clone(),
+        };
         let settings = Settings {
             service: service.name.clone(),
             index,
             url: service.url_for(index),
-            control: supervisor.control.clone(),
+            control,
             counters: None,
             orphan_timeout: supervisor.lifecycle.orphan_timeout,
         };
@@ -110,16 +125,50 @@ impl Launch {
             pass_socket: service.pass_socket,
             ready_path: service.ready_path.clone(),
             stop_signal: service.stop_signal,
+            privileges: Privileges {
+                identity: service
+                    .account
+                    .as_ref()
+                    .filter(|account| switches(account))
+                    .map(Identity::of),
+            },
         })
     }
 
-    /// Starts a worker: one that counts its requests in line `lane` (zeroed first), or a server on
-    /// `passed`, the listener [`bind_passed`](Self::bind_passed) bound for it
+    /// The uid the worker runs as: the service's `user`, or the supervisor's own.
+    pub(super) fn uid(&self) -> u32 {
+        match &self.privileges.identity {
+            Some(identity) => identity.uid.as_raw(),
+            None => rustix::process::geteuid().as_raw(),
+        }
+    }
+
+    /// Where the next worker, in lane `lane`, counts its requests: a region of its own, or (for a
+    /// passed-socket server, counted by the kernel) its lane of the shared region, zeroed now.
+    pub(super) fn counter(&self, lane: usize) -> io::Result<CounterRef> {
+        if self.pass_socket {
+            // No worker counts in this lane now, so nothing counts in it until the new one starts.
+            self.counters
+                .region()
+                .lane(lane)
+                .store(0, Ordering::Relaxed);
+            return Ok(CounterRef::new(self.counters.clone(), lane));
+        }
+        let own = Counters::memfd(1).map_err(io::Error::other)?;
+        Ok(CounterRef::new(Arc::new(own), 0))
+    }
+
+    /// Starts a worker: one that counts its requests in `counter` ([`counter`](Self::counter)), or
+    /// a server on `passed`, the listener [`bind_passed`](Self::bind_passed) bound for it
     /// ([`passed`](super::passed)).
-    pub(super) fn spawn(&self, lane: usize, passed: Option<PassedListener>) -> io::Result<u32> {
+    pub(super) fn spawn(
+        &self,
+        counter: &CounterRef,
+        passed: Option<PassedListener>,
+    ) -> io::Result<u32> {
         match passed {
-            Some(listener) => self.spawn_passed(lane, listener),
-            None => self.spawn_counting(lane),
+            Some(listener) => self.spawn_passed(listener),
+            None => self.spawn_counting(counter),
         }
     }
 
@@ -134,12 +183,8 @@ impl Launch {
     /// Starts the server on its listener, as descriptor [`PASSED_FD`], through `peregrine
     /// exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The server counts
     /// no requests for the supervisor, so it inherits no counter region; the eBPF sampler may count
-    /// its responses in line `lane`, zeroed first.
-    fn spawn_passed(&self, lane: usize, listener: PassedListener) -> io::Result<u32> {
-        self.counters
-            .region()
-            .lane(lane)
-            .store(0, Ordering::Relaxed);
+    /// its responses in its lane.
+    fn spawn_passed(&self, listener: PassedListener) -> io::Result<u32> {
         let settings = Settings {
             url: listener.url(),
             counters: None,
@@ -159,9 +204,12 @@ impl Launch {
             .stdin(Stdio::null())
             .process_group(0);
         let fd = listener.fd.as_raw_fd();
-        // SAFETY: the closure runs in the child between fork and exec and calls only dup2(2) and
-        // fcntl(2), which are async-signal-safe; it touches no memory shared with the parent. The
-        // listener is owned by `listener`, open until after the spawn, so `fd` is valid in the child.
+        let privileges = self.privileges.clone();
+        // SAFETY: the closure runs in the child between fork and exec and calls only dup2(2),
+        // fcntl(2) and `Privileges::apply`, which are async-signal-safe; it touches no memory shared
+        // with the parent (`privileges` is its own copy). The listener is owned by `listener`, open
+        // until after the spawn, so `fd` is valid in the child. The listener is bound already: a
+        // server of a user without CAP_NET_BIND_SERVICE still serves a port below 1024.
         unsafe {
             command.pre_exec(move || {
                 if fd == PASSED_FD {
@@ -169,7 +217,7 @@ impl Launch {
                 } else if libc::dup2(fd, PASSED_FD) < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                Ok(())
+                privileges.apply()
             });
         }
         for name in crate::service_manager::INHERITED {
@@ -181,18 +229,13 @@ impl Launch {
         Ok(child.id())
     }
 
-    /// Starts a worker that counts its requests in line `lane`, zeroed first.
-    fn spawn_counting(&self, lane: usize) -> io::Result<u32> {
-        // No worker counts in this lane now, so nothing counts in it until the new one starts.
-        self.counters
-            .region()
-            .lane(lane)
-            .store(0, Ordering::Relaxed);
-        let counters = self.counters.fd().as_raw_fd();
+    /// Starts a worker that counts its requests in `counter`, a region of its own.
+    fn spawn_counting(&self, counter: &CounterRef) -> io::Result<u32> {
+        let counters = counter.fd().as_raw_fd();
         let settings = Settings {
             counters: Some(CounterLane {
                 fd: counters,
-                lane: u32::try_from(lane).map_err(io::Error::other)?,
+                lane: u32::try_from(counter.index()).map_err(io::Error::other)?,
             }),
             ..self.settings.clone()
         };
@@ -205,14 +248,16 @@ impl Launch {
             // A terminal's Ctrl-C reaches the supervisor only; it stops the workers in order. Workers
             // outlive a supervisor that dies, and re-register with the next one.
             .process_group(0);
-        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2), which is
-        // async-signal-safe; it touches no memory shared with the parent. The counter descriptor is
-        // owned by `self.counters`, open while `self` lives, so it is valid in the child.
+        let privileges = self.privileges.clone();
+        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2) and
+        // `Privileges::apply`, which are async-signal-safe; it touches no memory shared with the
+        // parent (`privileges` is its own copy). The counter descriptor is owned by `counter`,
+        // borrowed across the spawn, so it is valid in the child.
         unsafe {
             command.pre_exec(move || {
                 // The counter region is the one descriptor the worker inherits.
                 rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(counters), FdFlags::empty())?;
-                Ok(())
+                privileges.apply()
             });
         }
         // Only the supervisor speaks for its unit to the service manager.
@@ -223,6 +268,14 @@ impl Launch {
         // The pid is reaped through its pidfd, not through `Child`.
         Ok(child.id())
     }
+}
+
+/// Whether workers of `account` are switched to it: always when this supervisor may switch users;
+/// otherwise the config check let it through only as the supervisor's own uid and gid, and the
+/// workers keep the supervisor's groups (setting them takes the right to switch).
+fn switches(account: &crate::config::Account) -> bool {
+    let own = crate::config::account::Identity::of_this_process();
+    own.can_switch || account.is_other_than(&own)
 }
 
 /// Whether two workers cannot listen on `url` at once: a given TCP port, or a Unix socket path.

@@ -54,6 +54,8 @@ pub struct Adopted {
     pub pid: u32,
     /// A pidfd of it.
     pub pidfd: OwnedFd,
+    /// The user it runs as.
+    pub uid: u32,
     /// Where it counts its requests (the earlier supervisor's region, taken from the worker).
     pub counter: Option<CounterRef>,
     /// Where it listens, when the earlier supervisor passed it its listener: it is probed there and
@@ -83,6 +85,7 @@ impl Adopted {
                 counter,
                 counts_requests: !launch.pass_socket,
                 listen_port: self.passed.as_ref().and_then(Address::port),
+                uid: self.uid,
             },
         );
         Ok(Instance {
@@ -420,15 +423,17 @@ impl SlotTask {
         let lane = self.context.lanes.take().ok_or(StartError::NoLane)?;
         let listener = self.launch.bind_passed()?;
         let passed = listener.as_ref().map(|listener| listener.address.clone());
+        let counter = self.launch.counter(lane.index())?;
         let child = Child {
             slot: self.slot.clone(),
             lane: lane.index(),
-            counter: CounterRef::new(self.context.counters.clone(), lane.index()),
+            counter: counter.clone(),
             counts_requests: !self.launch.pass_socket,
             listen_port: passed.as_ref().and_then(Address::port),
+            uid: self.launch.uid(),
         };
         let (pid, pidfd) = self.context.children.spawn(child, || {
-            let pid = self.launch.spawn(lane.index(), listener)?;
+            let pid = self.launch.spawn(&counter, listener)?;
             let pidfd = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())?;
             Ok((pid, pidfd))
         })?;

@@ -1,9 +1,12 @@
 //! Who may register, and what a registration must say: the checks between a peer on the control
 //! socket and an endpoint in the registry.
 //!
-//! A registration is admitted only from a live process in the process table ([`Children`]) of the
-//! supervisor's own user (SO_PEERCRED), whose message names that process's own pid and the slot it was
-//! started in, with a listener of known protocols and valid addresses.
+//! A registration is admitted only from a live process in the process table ([`Children`]), running
+//! as the user it was started as (SO_PEERCRED: its service's `user`, or the supervisor's own), on the
+//! socket its service registers on, whose message names that process's own pid and the slot it was
+//! started in, with a listener of known protocols and valid addresses. A status request or a control
+//! command is taken only from a process of the supervisor's own user that is neither a worker nor a
+//! descendant of one ([`commander`]).
 //!
 //! Invariant: admission reads the process table and the peer's credentials and writes nothing; the
 //! caller registers what it returns, or refuses with its [`Refusal`]. Once the credentials are read
@@ -33,6 +36,36 @@ pub enum Refusal {
         /// The supervisor's.
         ours: u32,
     },
+    /// A worker runs as another user than the one it was started as.
+    #[error("process {pid} runs as uid {peer}, not as uid {started}, which it was started as")]
+    NotItsUser {
+        /// The peer.
+        pid: u32,
+        /// The peer's uid.
+        peer: u32,
+        /// The uid its slot was started with.
+        started: u32,
+    },
+    /// A worker registers on another service's worker socket, or on the control socket while its
+    /// service has a socket of its own.
+    #[error("process {pid} is a worker of {service}, which does not register on this socket")]
+    WrongSocket {
+        /// The peer.
+        pid: u32,
+        /// Its service.
+        service: String,
+    },
+    /// A worker, or a process a worker started, asked for a status or a command.
+    #[error("process {pid} is worker {worker} or was started by it: workers may only register")]
+    FromWorker {
+        /// The peer.
+        pid: u32,
+        /// The worker it is, or descends from.
+        worker: u32,
+    },
+    /// A status request or a command on a service's worker socket.
+    #[error("a worker socket takes registrations only")]
+    RegistrationsOnly,
     /// The kernel gave no pid for the peer.
     #[error("peer pid unknown")]
     PidUnknown,
@@ -113,9 +146,62 @@ impl PeerCred {
     }
 }
 
-/// Refuses a peer that does not run as the supervisor's user.
-pub(super) fn same_user(stream: &UnixStream) -> Result<(), Refusal> {
-    check_user(PeerCred::of(stream)?, rustix::process::geteuid().as_raw())
+/// Which socket a peer came in on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Socket {
+    /// The control socket (owner-only): registrations of workers that run as the supervisor's user,
+    /// status requests and commands from its user.
+    Control,
+    /// A service's worker socket (its group may open it): registrations of that service's workers
+    /// alone.
+    Workers {
+        /// The service.
+        service: String,
+    },
+}
+
+/// Refuses a status request or a command from a peer that does not run as the supervisor's user, or
+/// that is a worker or a descendant of one (a worker's children, however deep, until they leave its
+/// process tree): workers register, and do nothing else.
+pub(super) fn commander(stream: &UnixStream, children: &Children) -> Result<(), Refusal> {
+    let cred = PeerCred::of(stream)?;
+    check_user(cred, rustix::process::geteuid().as_raw())?;
+    let pid = cred
+        .pid
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or(Refusal::PidUnknown)?;
+    match worker_ancestor(pid, children, |pid| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        Some(peregrine_contract::procfs::Stat::parse(&stat)?.ppid)
+    }) {
+        Some(worker) => Err(Refusal::FromWorker { pid, worker }),
+        None => Ok(()),
+    }
+}
+
+/// How many parents up a peer is looked at for a worker: deeper than any server's process tree.
+const ANCESTRY: usize = 64;
+
+/// The worker `pid` is, or the nearest worker among its ancestors (`parent` gives a process's parent,
+/// `None` once it cannot be read); none once the chain reaches init, this supervisor or
+/// [`ANCESTRY`] steps.
+fn worker_ancestor(
+    pid: u32,
+    children: &Children,
+    parent: impl Fn(u32) -> Option<u32>,
+) -> Option<u32> {
+    let own = std::process::id();
+    let mut current = pid;
+    for _ in 0..ANCESTRY {
+        if current <= 1 || current == own {
+            return None;
+        }
+        if children.slot_of(current).is_some() {
+            return Some(current);
+        }
+        current = parent(current)?;
+    }
+    None
 }
 
 /// Refuses a peer that does not run as `ours`.
@@ -129,35 +215,56 @@ fn check_user(cred: PeerCred, ours: u32) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Checks a registration against the peer's credentials and the process table.
+/// Checks a registration on `socket` against the peer's credentials and the process table.
 pub(super) fn admit(
     stream: &UnixStream,
+    socket: &Socket,
     message: WorkerMessage,
     children: &Children,
 ) -> Result<Worker, Refusal> {
     let cred = PeerCred::of(stream)?;
-    admit_peer(message, cred, rustix::process::geteuid().as_raw(), children)
+    admit_peer(message, cred, socket, children)
 }
 
-/// Checks a registration from a peer with credentials `cred` against the process table, for a
-/// supervisor running as uid `ours`: what [`admit`] decides once the credentials are read. Pure: it
-/// reads `children` and writes nothing.
+/// Checks a registration on `socket` from a peer with credentials `cred` against the process table:
+/// what [`admit`] decides once the credentials are read. Pure: it reads `children` and writes
+/// nothing.
 ///
-/// An admitted worker is ready, in the slot `children` has for the peer's pid, with that pid, a
-/// listener of known protocols (without duplicates, at least one) and valid addresses (IPs with a
-/// port in 1..=65535, absolute Unix paths; at least one).
+/// An admitted worker is ready, in the slot `children` has for the peer's pid, running as the uid it
+/// was started with, on its service's socket, with that pid, a listener of known protocols (without
+/// duplicates, at least one) and valid addresses (IPs with a port in 1..=65535, absolute Unix paths;
+/// at least one).
 pub fn admit_peer(
     message: WorkerMessage,
     cred: PeerCred,
-    ours: u32,
+    socket: &Socket,
     children: &Children,
 ) -> Result<Worker, Refusal> {
-    check_user(cred, ours)?;
     let peer = cred
         .pid
         .and_then(|p| u32::try_from(p).ok())
         .ok_or(Refusal::PidUnknown)?;
-    let slot = children.slot_of(peer).ok_or(Refusal::NotOurs(peer))?;
+    let child = children.child(peer).ok_or(Refusal::NotOurs(peer))?;
+    if cred.uid != child.uid {
+        return Err(Refusal::NotItsUser {
+            pid: peer,
+            peer: cred.uid,
+            started: child.uid,
+        });
+    }
+    let slot = child.slot;
+    let on_its_socket = match socket {
+        Socket::Workers { service } => *service == slot.service,
+        // A worker of the supervisor's user registers here; one of another user on its own socket
+        // (it cannot open this one: owner-only).
+        Socket::Control => child.uid == rustix::process::geteuid().as_raw(),
+    };
+    if !on_its_socket {
+        return Err(Refusal::WrongSocket {
+            pid: peer,
+            service: slot.service,
+        });
+    }
     let Some(worker_message::Message::Register(register)) = message.message else {
         return Err(Refusal::NotRegister);
     };
@@ -233,10 +340,22 @@ fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>)
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
     use crate::registry::WorkerState;
 
-    const OURS: u32 = 1000;
+    /// The supervisor's uid: this process's.
+    fn ours() -> u32 {
+        rustix::process::geteuid().as_raw()
+    }
+
+    /// A uid that is not [`ours`].
+    fn other() -> u32 {
+        if ours() == 65534 { 65533 } else { 65534 }
+    }
+
+    const CONTROL: &Socket = &Socket::Control;
 
     fn register(service: &str, index: u32, pid: u32, addresses: Vec<v1::Address>) -> WorkerMessage {
         WorkerMessage {
@@ -265,7 +384,7 @@ mod tests {
 
     fn peer(pid: i32) -> PeerCred {
         PeerCred {
-            uid: OURS,
+            uid: ours(),
             pid: Some(pid),
         }
     }
@@ -278,7 +397,7 @@ mod tests {
             address: Some(v1::address::Address::UnixPath("/run/web.sock".into())),
         };
         let message = register("web", 3, 42, vec![tcp("::1", 8080), unix]);
-        let worker = admit_peer(message, peer(42), OURS, &children).unwrap();
+        let worker = admit_peer(message, peer(42), CONTROL, &children).unwrap();
         assert_eq!(
             (worker.service.as_str(), worker.index, worker.pid),
             ("web", 3, 42)
@@ -305,20 +424,17 @@ mod tests {
         let children = Children::default();
         children.insert_for_test(42, "web", 3);
         let message = || register("web", 3, 42, vec![tcp("127.0.0.1", 8080)]);
-        let refusal = |cred| admit_peer(message(), cred, OURS, &children).unwrap_err();
+        let refusal = |cred| admit_peer(message(), cred, CONTROL, &children).unwrap_err();
         assert!(matches!(
             refusal(PeerCred {
-                uid: 0,
+                uid: other(),
                 pid: Some(42)
             }),
-            Refusal::OtherUser {
-                peer: 0,
-                ours: OURS
-            }
+            Refusal::NotItsUser { pid: 42, peer, started } if peer == other() && started == ours()
         ));
         assert!(matches!(
             refusal(PeerCred {
-                uid: OURS,
+                uid: ours(),
                 pid: None
             }),
             Refusal::PidUnknown
@@ -329,13 +445,69 @@ mod tests {
             message: Some(worker_message::Message::Status(v1::StatusRequest {})),
         };
         assert!(matches!(
-            admit_peer(status, peer(42), OURS, &children),
+            admit_peer(status, peer(42), CONTROL, &children),
             Err(Refusal::NotRegister)
         ));
         let bad = register("web", 3, 42, vec![tcp("localhost", 8080)]);
         assert!(matches!(
-            admit_peer(bad, peer(42), OURS, &children),
+            admit_peer(bad, peer(42), CONTROL, &children),
             Err(Refusal::Listener(ListenerError::Ip(ip))) if ip == "localhost"
         ));
+    }
+
+    #[test]
+    fn a_worker_of_its_own_user_registers_on_its_services_socket_alone() {
+        let children = Children::default();
+        children.insert_as_for_test(42, "web", 0, other());
+        children.insert_as_for_test(43, "api", 0, other());
+        let cred = |pid| PeerCred {
+            uid: other(),
+            pid: Some(pid),
+        };
+        let web = Socket::Workers {
+            service: "web".into(),
+        };
+        let message = |service: &str, pid| register(service, 0, pid, vec![tcp("127.0.0.1", 8080)]);
+        let worker = admit_peer(message("web", 42), cred(42), &web, &children).unwrap();
+        assert_eq!((worker.service.as_str(), worker.pid), ("web", 42));
+        // A worker of api, of the same user, on web's socket: as itself, or claiming to be web's.
+        assert!(matches!(
+            admit_peer(message("api", 43), cred(43), &web, &children),
+            Err(Refusal::WrongSocket { pid: 43, service }) if service == "api"
+        ));
+        assert!(matches!(
+            admit_peer(message("web", 43), cred(43), &web, &children),
+            Err(Refusal::WrongSocket { pid: 43, .. })
+        ));
+        // Nor on the control socket, which is the supervisor's user's.
+        assert!(matches!(
+            admit_peer(message("web", 42), cred(42), CONTROL, &children),
+            Err(Refusal::WrongSocket { pid: 42, .. })
+        ));
+        // A process of that user that is no worker.
+        assert!(matches!(
+            admit_peer(message("web", 44), cred(44), &web, &children),
+            Err(Refusal::NotOurs(44))
+        ));
+        // A worker of the supervisor's user has no business on a worker socket either.
+        assert!(matches!(
+            admit_peer(message("web", 42), peer(42), &web, &children),
+            Err(Refusal::NotItsUser { pid: 42, .. })
+        ));
+    }
+
+    #[test]
+    fn a_worker_and_whatever_it_starts_are_found_up_the_process_tree() {
+        let children = Children::default();
+        children.insert_for_test(100, "web", 0);
+        // 300 -> 200 -> 100 (a worker) -> 1; 400 -> 1.
+        let parents = HashMap::from([(300, 200), (200, 100), (100, 1), (400, 1)]);
+        let parent = |pid| parents.get(&pid).copied();
+        assert_eq!(worker_ancestor(100, &children, parent), Some(100));
+        assert_eq!(worker_ancestor(300, &children, parent), Some(100));
+        assert_eq!(worker_ancestor(400, &children, parent), None);
+        // A process that is gone, or a chain that never ends, is no worker's.
+        assert_eq!(worker_ancestor(500, &children, parent), None);
+        assert_eq!(worker_ancestor(600, &children, |pid| Some(pid + 1)), None);
     }
 }

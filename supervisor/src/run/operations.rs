@@ -12,6 +12,7 @@ use crate::{
     children,
     config::Config,
     manager::Manager,
+    registration,
     sampler::ErrorChain,
     service_manager,
     tls::server::{self, ServerTls},
@@ -26,6 +27,8 @@ pub(super) struct Outputs {
     pub(super) orca: OrcaReach,
     /// The gRPC port's TLS, when it has it: a reload reads its files again.
     pub(super) tls: Option<Arc<ServerTls>>,
+    /// The worker sockets of the services with a `user`.
+    pub(super) worker_sockets: registration::WorkerSockets,
 }
 
 /// A control command and, unless it came from a signal, where its reply goes.
@@ -39,12 +42,12 @@ pub(super) async fn operate(
     mut manager: Manager,
     path: PathBuf,
     mut operations: mpsc::Receiver<Operation>,
-    outputs: Outputs,
+    mut outputs: Outputs,
 ) -> Manager {
     while let Some((request, reply)) = operations.recv().await {
         let begun = std::time::Instant::now();
         service_manager::reloading();
-        let answer = apply(&mut manager, &path, request, &outputs).await;
+        let answer = apply(&mut manager, &path, request, &mut outputs).await;
         service_manager::reloaded(&answer.summary);
         if answer.ok {
             tracing::info!(summary = %answer.summary, took = ?begun.elapsed(), "Control command done");
@@ -63,12 +66,13 @@ async fn apply(
     manager: &mut Manager,
     path: &std::path::Path,
     request: v1::ControlRequest,
-    outputs: &Outputs,
+    outputs: &mut Outputs,
 ) -> v1::ControlReply {
     let Outputs {
         xds_options,
         orca,
         tls,
+        worker_sockets,
     } = outputs;
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -138,12 +142,22 @@ async fn apply(
     }
     // The new clusters (balancers, weights, ring sizes) are published before the workers change; a
     // service on its way out keeps its cluster as it was while its workers drain.
+    // A service that gets a `user` needs its worker socket before its new workers start.
+    if let Err(error) = worker_sockets.open(&config) {
+        return failed(
+            "the new config cannot be applied; nothing changed".into(),
+            vec![ErrorChain(&error).to_string()],
+        );
+    }
     let new_options =
         envoy_facing::xds_options(&config, &orca.services(&config), orca.bound.port());
     let meanwhile = new_options.keeping_departed(&xds_options.borrow());
     xds_options.send_replace(meanwhile);
     let reloaded = manager.reload(&config).await;
     xds_options.send_replace(new_options);
+    if reloaded.is_ok() {
+        worker_sockets.retain(&config);
+    }
     let mut report = match reloaded {
         Ok(report) => report,
         Err(error) => {
