@@ -22,6 +22,10 @@
 //! members that can be killed and started again ([`Etcd`]: one member, for the tests that need no
 //! more); a [`FleetHostConfig`] is one host's supervisor config, and an [`AdminWatch`] records every
 //! change of what an Envoy routes to.
+//!
+//! Workers under another user: [`proc_status`] reads a process's ids, capabilities and the processes
+//! it forked from `/proc`, and looks up the [`Account`] a test runs workers as; the
+//! `register-as` binary (`tests/src/bin/`) claims any registration it is told to.
 
 #![forbid(unsafe_code)]
 
@@ -37,6 +41,7 @@ pub mod load;
 mod netns;
 mod paths;
 pub mod pki;
+pub mod proc_status;
 mod process;
 mod skips;
 mod slots;
@@ -60,6 +65,7 @@ pub use paths::{
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.
 pub use peregrine_contract::procfs::gone;
+pub use proc_status::{Account, Privileges, assert_unprivileged};
 pub use process::ChildGuard;
 pub use skips::{SKIPS_VAR, current_test, skip};
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};

@@ -111,14 +111,34 @@ impl Supervisor {
         Self::start_wrapped(wrapper, binary, dir, &config_toml, false)
     }
 
+    /// Like [`Supervisor::start_wrapped_in`] (no wrapper when `wrapper` is empty), in a directory
+    /// every user may enter (mode 0755, as the package's `/run/peregrine`): the workers of a service
+    /// with `user` open their registration socket there.
+    #[track_caller]
+    pub fn start_open_to_workers(wrapper: &[&str], config_toml: &str) -> Self {
+        Self::start_in_temp_with(wrapper, config_toml, false, true)
+    }
+
     /// [`Supervisor::start_wrapped`] in a fresh temporary directory (`{dir}` in `config_toml`),
     /// removed when the supervisor is dropped.
     #[track_caller]
     fn start_in_temp(wrapper: &[&str], config_toml: &str, relative: bool) -> Self {
+        Self::start_in_temp_with(wrapper, config_toml, relative, false)
+    }
+
+    /// [`Supervisor::start_in_temp`], in a directory only its owner may enter, or every user if
+    /// `open`.
+    #[track_caller]
+    fn start_in_temp_with(wrapper: &[&str], config_toml: &str, relative: bool, open: bool) -> Self {
+        use std::os::unix::fs::PermissionsExt;
         let temp = tempfile::Builder::new()
             .prefix("peregrine-")
             .tempdir()
             .expect("a temp dir");
+        if open {
+            std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755))
+                .expect("chmod the temp dir");
+        }
         let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
         let mut supervisor = Self::start_wrapped(
             wrapper,

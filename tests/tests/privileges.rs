@@ -1,0 +1,926 @@
+//! Workers under their own user, checked from outside against a supervisor that runs as root:
+//!
+//! - built-in workers and gunicorn (`pass_socket`) with `user = "nobody"`: every worker and every
+//!   process it forks runs with nobody's uid, gid and groups, no capability in any set and
+//!   `no_new_privs`, and serves through Envoy; a SIGKILLed worker comes back so, a rolling restart
+//!   loses no request, and a SIGKILLed supervisor started again adopts them (and not a process of a
+//!   user no service names);
+//! - registration: a `nobody` process that is not a worker, and a worker of one service claiming
+//!   another service or slot, are refused, and the log names their uid and pid;
+//! - commands: a worker that asks for `restart` is refused and nothing is replaced; a `nobody`
+//!   worker cannot even open the control socket;
+//! - files: a `nobody` worker cannot read the TLS keys `peregrine tls init` wrote;
+//! - port 80 in a network namespace, where nobody may not bind it, served by a `nobody` gunicorn on
+//!   the listener the supervisor passes;
+//! - request counters: each built-in worker holds a one-line counter of its own, so one worker
+//!   cannot change another's count;
+//! - the procfs sampler reads a `nobody` worker's CPU time;
+//! - `peregrine check` names the key and line of a user or group that does not exist.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    os::unix::{
+        fs::{FileExt, MetadataExt, PermissionsExt},
+        process::CommandExt,
+    },
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use peregrine_e2e::{
+    Account, AppServers, CLUSTER, ChildGuard, Envoy, Network, Stack, Supervisor,
+    app_servers_or_skip, assert_unprivileged, base_config, current_test,
+    deploy::{Deployed, STEP},
+    envoy_or_skip, free_port, gone, gunicorn_command, http_get, netns_or_skip, peregrine_path,
+    pki::{control_plane_tables, peregrine_tls_init},
+    proc_status::environment,
+    sample_config, try_wait_until, wait_until, worker_pid,
+};
+use rustix::process::{Pid, Signal, kill_process};
+use serde_json::Value;
+
+/// The registration client that claims what it is told to (`tests/src/bin/register-as.rs`).
+const REGISTER_AS: &str = env!("CARGO_BIN_EXE_register-as");
+
+/// The user every test runs its workers as.
+fn nobody() -> Account {
+    Account::lookup("nobody")
+}
+
+/// `words` as a TOML array of strings.
+fn toml_array<S: AsRef<str>>(words: &[S]) -> String {
+    let quoted: Vec<String> = words
+        .iter()
+        .map(|word| toml_string(word.as_ref()))
+        .collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+/// `text` as a TOML basic string.
+fn toml_string(text: &str) -> String {
+    let mut quoted = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            '\n' => quoted.push_str("\\n"),
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('"');
+    quoted
+}
+
+/// The `[supervisor]` table of a test without Envoy: gRPC on a free port, the control socket in the
+/// supervisor's directory, `extra` lines added.
+fn supervisor_table(extra: &str) -> String {
+    format!(
+        "[supervisor]\nbind = \"http://127.0.0.1:{}\"\ncontrol = \"{{dir}}/peregrine.sock\"\n{extra}\n",
+        free_port()
+    )
+}
+
+/// The control socket of a supervisor started from [`supervisor_table`] or [`base_config`].
+fn control_socket(supervisor: &Supervisor) -> PathBuf {
+    supervisor.dir().join("peregrine.sock")
+}
+
+/// Where the workers of `service`, which has a `user`, register: `<control>.<service>.workers`.
+fn worker_socket(supervisor: &Supervisor, service: &str) -> PathBuf {
+    supervisor
+        .dir()
+        .join(format!("peregrine.sock.{service}.workers"))
+}
+
+/// SIGKILLs process `pid`.
+fn sigkill(pid: u32) {
+    let pid = Pid::from_raw(pid as i32).expect("a pid is positive");
+    kill_process(pid, Signal::KILL).expect("SIGKILL");
+}
+
+/// The rows of `status --json` for `service`'s workers, by index.
+fn rows(status: &Value, service: &str) -> BTreeMap<u64, Value> {
+    status["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|row| row["service"] == service)
+        .filter_map(|row| Some((row["index"].as_u64()?, row.clone())))
+        .collect()
+}
+
+/// Panics with its logs if `supervisor` has exited (it refused its config, or failed).
+#[track_caller]
+fn assert_running(supervisor: &Supervisor) {
+    assert!(
+        !gone(supervisor.pid()),
+        "the supervisor exited:\n{}",
+        supervisor.logs()
+    );
+}
+
+/// `status --json` once `ready` accepts it; panics with the last one and the logs after 30 s, or
+/// at once if the supervisor exits.
+#[track_caller]
+fn wait_for_status(supervisor: &Supervisor, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    try_wait_until(Duration::from_secs(30), what, || {
+        assert_running(supervisor);
+        last = supervisor.status_json().ok()?;
+        ready(&last).then(|| last.clone())
+    })
+    .unwrap_or_else(|error| panic!("{error}; last status: {last}\n{}", supervisor.logs()))
+}
+
+/// Waits until each of `service`'s `count` workers is registered; returns their pids by index.
+#[track_caller]
+fn ready_workers(supervisor: &Supervisor, service: &str, count: usize) -> BTreeMap<u64, u32> {
+    let status = wait_for_status(
+        supervisor,
+        &format!("{count} ready workers of {service}"),
+        |status| {
+            let rows = rows(status, service);
+            rows.len() == count && rows.values().all(|row| row["state"] == "ready")
+        },
+    );
+    rows(&status, service)
+        .into_iter()
+        .map(|(index, row)| (index, row["pid"].as_u64().expect("a pid") as u32))
+        .collect()
+}
+
+/// Waits until the supervisor's logs (its workers' output included) hold a line with `marker`;
+/// returns the first such line.
+#[track_caller]
+fn logged_line(supervisor: &Supervisor, marker: &str) -> String {
+    try_wait_until(STEP, &format!("a line with {marker:?} in the logs"), || {
+        assert_running(supervisor);
+        supervisor
+            .logs()
+            .lines()
+            .find(|line| line.contains(marker))
+            .map(str::to_owned)
+    })
+    .unwrap_or_else(|error| panic!("{error}\n{}", supervisor.logs()))
+}
+
+/// Whether a line of `logs` refuses the peer with `uid` and `pid`, naming both.
+fn refusal_logged(logs: &str, uid: u32, pid: u32) -> bool {
+    logs.lines().any(|line| {
+        line.to_lowercase().contains("refus")
+            && line.contains(&format!("uid={uid}"))
+            && line.contains(&format!("pid={pid}"))
+    })
+}
+
+/// The exit code a probe script printed in `line` (`...: exit N: ...`).
+fn exit_code(line: &str) -> i32 {
+    line.split("exit ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|code| code.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no exit code in {line:?}"))
+}
+
+/// The lineage the supervisor keeps in its lock file (`<control>.lock`, first line).
+fn lineage(supervisor: &Supervisor) -> String {
+    let lock = supervisor.dir().join("peregrine.sock.lock");
+    let text = std::fs::read_to_string(&lock)
+        .unwrap_or_else(|error| panic!("reading {}: {error}", lock.display()));
+    text.lines().next().unwrap_or_default().trim().to_owned()
+}
+
+/// Checks that every worker in `pids`, and everything it forked, runs as `nobody` without any
+/// privilege, and that it registers (or would) on its service's own socket, not the control socket.
+#[track_caller]
+fn assert_workers_unprivileged(
+    supervisor: &Supervisor,
+    service: &str,
+    pids: &BTreeSet<u32>,
+    nobody: &Account,
+) {
+    for pid in pids {
+        assert_unprivileged(*pid, nobody);
+        let environment = environment(*pid).expect("the worker's environment");
+        assert_eq!(
+            environment
+                .get("PEREGRINE_CONTROL_SOCKET")
+                .map(PathBuf::from),
+            Some(worker_socket(supervisor, service)),
+            "worker {pid} registers on its service's socket"
+        );
+    }
+}
+
+/// Starts `command` as `account` (its uid and gid, no supplementary group), in a process group of
+/// its own, logging into `dir`.
+fn spawn_as(account: &Account, name: &str, command: &mut Command, dir: &Path) -> ChildGuard {
+    command.uid(account.uid).gid(account.gid);
+    ChildGuard::spawn(name, command, dir).unwrap_or_else(|error| panic!("{name}: {error:#}"))
+}
+
+#[test]
+fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adoption() {
+    if envoy_or_skip(&current_test()).is_none() {
+        return;
+    }
+    let nobody = nobody();
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let config = format!(
+        "{}user = \"nobody\"\n",
+        sample_config("{dir}".as_ref(), grpc, listen, admin, 2)
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let mut stack = Stack {
+        envoy,
+        supervisor,
+        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+    };
+    let first = stack.deployed().wait_for_workers(2, &BTreeSet::new());
+    assert_workers_unprivileged(&stack.supervisor, CLUSTER, &first, &nobody);
+    // Their registration socket: the service's group may open it, nobody else.
+    let socket = std::fs::metadata(worker_socket(&stack.supervisor, CLUSTER)).unwrap();
+    assert_eq!(
+        (socket.mode() & 0o777, socket.gid()),
+        (0o660, nobody.gid),
+        "the worker socket's mode and group"
+    );
+    let answered = stack.spread(20);
+    assert!(
+        answered.keys().all(|pid| first.contains(pid)),
+        "{answered:?} answered through Envoy, not {first:?}"
+    );
+
+    // A SIGKILLed worker comes back as nobody, without privileges.
+    let victim = *first.iter().next().unwrap();
+    sigkill(victim);
+    let second = stack.deployed().wait_for_workers(2, &[victim].into());
+    assert_workers_unprivileged(&stack.supervisor, CLUSTER, &second, &nobody);
+
+    // A rolling restart of the service under load: no request lost, the new workers as nobody.
+    let load = stack.deployed().load();
+    let out = stack
+        .supervisor
+        .control("restart", &[CLUSTER])
+        .unwrap_or_else(|error| panic!("{error:#}\n{}", stack.supervisor.all_logs()));
+    assert!(
+        out.starts_with("2 replaced, 0 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    let third = stack.deployed().wait_for_workers(2, &second);
+    for pid in &second {
+        wait_until(STEP, "the replaced workers to exit", || {
+            gone(*pid).then_some(())
+        });
+    }
+    assert_workers_unprivileged(&stack.supervisor, CLUSTER, &third, &nobody);
+
+    // A process of a user no service names, dressed as a worker of this supervisor (its lineage,
+    // its service's socket) in a slot that does not exist: never adopted, never signalled.
+    let daemon = Account::lookup("daemon");
+    let mut dressed = Command::new("sleep");
+    dressed
+        .arg("120")
+        .env(
+            "PEREGRINE_CONTROL_SOCKET",
+            worker_socket(&stack.supervisor, CLUSTER),
+        )
+        .env("PEREGRINE_SERVICE", CLUSTER)
+        .env("PEREGRINE_WORKER_INDEX", "5")
+        .env("PEREGRINE_LINEAGE", lineage(&stack.supervisor));
+    let mut stranger = spawn_as(&daemon, "stranger", &mut dressed, stack.supervisor.dir());
+    let stranger_pid = stranger.id();
+    wait_until(STEP, "the stranger's environment", || {
+        peregrine_e2e::workers_in(stack.supervisor.dir())
+            .contains(&stranger_pid)
+            .then_some(())
+    });
+
+    // A SIGKILLed supervisor started again adopts its nobody workers: the same pids serve on.
+    stack.supervisor.kill_and_start_again().unwrap();
+    let adopted = wait_until(STEP, "the workers adopted and registered again", || {
+        let pids = stack.supervisor.status_pids().ok()?;
+        (pids.len() == 2).then_some(pids)
+    });
+    assert_eq!(adopted, third, "the same workers are adopted");
+    let logs = stack.supervisor.logs();
+    assert!(logs.contains("Adopting a worker"), "{logs}");
+    assert!(
+        !logs.contains(&format!("pid={stranger_pid}")),
+        "the stranger {stranger_pid} is left alone:\n{logs}"
+    );
+    assert!(stranger.try_wait().is_none(), "the stranger still runs");
+    wait_until(STEP, "Envoy to reconnect", || {
+        (stack
+            .envoy
+            .stat("cluster_manager.cds.control_plane.connected_state")
+            == Some(1))
+        .then_some(())
+    });
+    let all: BTreeSet<u32> = second.union(&third).copied().collect();
+    let report = stack.deployed().finish(load, 50, &all);
+    assert!(
+        third.iter().all(|pid| report.by_pid.contains_key(pid)),
+        "the restarted workers served: {third:?} in {:?}",
+        report.by_pid
+    );
+    assert!(stranger.try_wait().is_none(), "the stranger still runs");
+}
+
+/// `cluster` of `supervisor` behind `envoy`, as the zero-downtime steps see it.
+fn deployed<'a>(
+    envoy: &'a Envoy,
+    supervisor: &'a Supervisor,
+    cluster: &'a str,
+    listen: SocketAddr,
+) -> Deployed<'a> {
+    Deployed {
+        envoy,
+        supervisor,
+        cluster,
+        listen,
+    }
+}
+
+/// gunicorn runs as `account`: its virtualenv's python is one every user may run (not one under a
+/// home directory only root may enter, such as a pyenv in `/root`).
+#[track_caller]
+fn assert_runs_as(servers: &AppServers, account: &Account) {
+    let ran = Command::new(&servers.gunicorn)
+        .arg("--version")
+        .uid(account.uid)
+        .gid(account.gid)
+        .output();
+    let why = match ran {
+        Ok(output) if output.status.success() => return,
+        Ok(output) => format!(
+            "{}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+        Err(error) => error.to_string(),
+    };
+    panic!(
+        "{} does not run as {} ({why}): its virtualenv must be made from a python every user can \
+         run (/usr/bin/python3)",
+        servers.gunicorn.display(),
+        account.name,
+    );
+}
+
+/// The servers for the running test, or `None` after saying why it skips.
+fn app_servers() -> Option<AppServers> {
+    let test = current_test();
+    envoy_or_skip(&test)?;
+    app_servers_or_skip(&test)
+}
+
+#[test]
+fn gunicorn_as_nobody_and_every_process_it_forks_hold_no_privilege_through_kills_restarts_and_adoption()
+ {
+    const SERVICE: &str = "app";
+    let Some(servers) = app_servers() else {
+        return;
+    };
+    let nobody = nobody();
+    assert_runs_as(&servers, &nobody);
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let config = format!(
+        "{base}\n[service.{SERVICE}]\ncount = 2\nuser = \"nobody\"\npass_socket = true\n\
+         ready_path = \"/healthz\"\ncommand = {command}\n",
+        base = base_config(grpc, listen, admin).replacen(
+            "[envoy]",
+            "register_timeout_ms = 20000\n\n[envoy]",
+            1
+        ),
+        command = toml_array(&gunicorn_command(&servers.gunicorn)),
+    );
+    let mut supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+    // gunicorn's arbiter, and the worker it forked to answer (ready means it answered).
+    let forked = |pids: &BTreeSet<u32>| {
+        for pid in pids {
+            wait_until(STEP, "gunicorn's worker process", || {
+                (!peregrine_e2e::proc_status::descendants(*pid).is_empty()).then_some(())
+            });
+            assert!(assert_unprivileged(*pid, &nobody) >= 2);
+        }
+    };
+    let first =
+        deployed(&envoy, &supervisor, SERVICE, listen).wait_for_workers(2, &BTreeSet::new());
+    forked(&first);
+    let (status, body) = http_get(listen, "/").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        worker_pid(&body).is_some_and(|pid| first.contains(&pid)),
+        "{body}"
+    );
+
+    // A SIGKILLed server comes back as nobody, and so does what it forks.
+    let victim = *first.iter().next().unwrap();
+    sigkill(victim);
+    let second =
+        deployed(&envoy, &supervisor, SERVICE, listen).wait_for_workers(2, &[victim].into());
+    forked(&second);
+
+    // A rolling restart under load loses no request.
+    let load = deployed(&envoy, &supervisor, SERVICE, listen).load();
+    let out = supervisor
+        .control("restart", &[SERVICE])
+        .unwrap_or_else(|error| panic!("{error:#}\n{}", supervisor.all_logs()));
+    assert!(
+        out.starts_with("2 replaced, 0 added, 0 removed, 0 failed"),
+        "{out}"
+    );
+    let third = deployed(&envoy, &supervisor, SERVICE, listen).wait_for_workers(2, &second);
+    for pid in &second {
+        wait_until(STEP, "the replaced servers to exit", || {
+            gone(*pid).then_some(())
+        });
+    }
+    forked(&third);
+
+    // A SIGKILLed supervisor started again adopts them.
+    supervisor.kill_and_start_again().unwrap();
+    let adopted = wait_until(STEP, "the servers adopted", || {
+        let pids = supervisor.status_pids().ok()?;
+        (pids.len() == 2).then_some(pids)
+    });
+    assert_eq!(adopted, third, "the same servers are adopted");
+    let logs = supervisor.logs();
+    assert!(logs.contains("Adopting a worker"), "{logs}");
+    wait_until(STEP, "Envoy to reconnect", || {
+        (envoy.stat("cluster_manager.cds.control_plane.connected_state") == Some(1)).then_some(())
+    });
+    forked(&third);
+    let all: BTreeSet<u32> = second.union(&third).copied().collect();
+    let report = deployed(&envoy, &supervisor, SERVICE, listen).finish(load, 50, &all);
+    assert!(
+        third.iter().all(|pid| report.by_pid.contains_key(pid)),
+        "the restarted servers served: {third:?} in {:?}",
+        report.by_pid
+    );
+}
+
+/// One line `register-as` printed: `register-as: uid U pid P: SERVICE/INDEX as pid C on SOCKET:
+/// OUTCOME`; the uid, the pid and the outcome.
+fn claim(line: &str) -> (u32, u32, String) {
+    let parse = || -> Option<(u32, u32, String)> {
+        let rest = line.split("register-as: uid ").nth(1)?;
+        let (uid, rest) = rest.split_once(" pid ")?;
+        let (pid, rest) = rest.split_once(": ")?;
+        let (_, outcome) = rest.split_once(": ")?;
+        Some((uid.parse().ok()?, pid.parse().ok()?, outcome.to_owned()))
+    };
+    parse().unwrap_or_else(|| panic!("not a line of register-as: {line:?}"))
+}
+
+#[test]
+fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_refused() {
+    let nobody = nobody();
+    let config = format!(
+        "{}\n[service.web]\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n\n\
+         [service.imp]\nuser = \"nobody\"\ncommand = {}\n",
+        supervisor_table("sampler = \"off\""),
+        toml_array(&[
+            REGISTER_AS,
+            "--stay",
+            "120",
+            // On its own socket: the other service's slot, then another slot of its own service.
+            "-,web,0",
+            "-,imp,1",
+            // On the other service's socket, which its group may open, as that service.
+            "{dir}/peregrine.sock.web.workers,web,0",
+        ]),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let web = ready_workers(&supervisor, "web", 1)[&0];
+    assert_unprivileged(web, &nobody);
+
+    // The worker of `imp` claiming to be `web`, or another slot of `imp`.
+    let logs = wait_until(STEP, "the three claims of imp's worker", || {
+        let logs = supervisor.logs();
+        (logs.matches("register-as: uid").count() >= 3).then_some(logs)
+    });
+    let claims: Vec<(u32, u32, String)> = logs
+        .lines()
+        .filter(|line| line.contains("register-as: uid"))
+        .map(claim)
+        .collect();
+    let imp = claims[0].1;
+    for (uid, pid, outcome) in &claims {
+        assert_eq!((*uid, *pid), (nobody.uid, imp), "one worker, as nobody");
+        assert!(outcome.starts_with("refused"), "{claims:?}");
+    }
+    let environment = environment(imp).expect("imp's worker still runs");
+    assert_eq!(
+        environment.get("PEREGRINE_SERVICE").map(String::as_str),
+        Some("imp"),
+        "the claims came from imp's worker"
+    );
+    wait_until(STEP, "the refusals logged with uid and pid", || {
+        refusal_logged(&supervisor.logs(), nobody.uid, imp).then_some(())
+    });
+
+    // A nobody process that is no worker: refused on the worker socket, whatever pid it claims,
+    // and it cannot open the control socket at all.
+    let web_socket = worker_socket(&supervisor, "web").display().to_string();
+    let mut stranger = Command::new(REGISTER_AS);
+    stranger.args([
+        format!("{web_socket},web,0"),
+        format!("{web_socket},web,0,{web}"),
+        format!("{},web,0", control_socket(&supervisor).display()),
+    ]);
+    let guard = spawn_as(&nobody, "stranger", &mut stranger, supervisor.dir());
+    let (stdout, _) = guard.log_paths();
+    let stdout = stdout.to_owned();
+    let lines = wait_until(STEP, "the stranger's three claims", || {
+        let text = std::fs::read_to_string(&stdout).ok()?;
+        let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        (lines.len() == 3).then_some(lines)
+    });
+    let claims: Vec<(u32, u32, String)> = lines.iter().map(|line| claim(line)).collect();
+    let stranger_pid = claims[0].1;
+    assert_eq!(claims[0].0, nobody.uid, "{claims:?}");
+    assert!(claims[0].2.starts_with("refused"), "{claims:?}");
+    assert!(claims[1].2.starts_with("refused"), "{claims:?}");
+    assert!(
+        claims[2].2.starts_with("cannot connect") && claims[2].2.contains("Permission denied"),
+        "{claims:?}"
+    );
+    wait_until(
+        STEP,
+        "the stranger's refusals logged with uid and pid",
+        || refusal_logged(&supervisor.logs(), nobody.uid, stranger_pid).then_some(()),
+    );
+
+    // Nothing changed: web's worker is the one registered, and only it.
+    let status = supervisor.status_json().unwrap();
+    let web_rows = rows(&status, "web");
+    assert_eq!(web_rows.len(), 1, "{status}");
+    assert_eq!(web_rows[&0]["pid"], web, "{status}");
+    assert_eq!(web_rows[&0]["state"], "ready", "{status}");
+    assert_eq!(web_rows[&0]["restarts"], 0, "{status}");
+}
+
+#[test]
+fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_control_socket() {
+    let peregrine = peregrine_path().display().to_string();
+    // A worker of the supervisor's own user asks for a restart of every service, through its own
+    // control socket, and says what it got.
+    let ask = "\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" > \"$2/ctl.out\" 2>&1 & \
+               pid=$!; wait $pid; code=$?; \
+               echo \"ctl asked for a restart: pid $pid: exit $code:\" $(cat \"$2/ctl.out\"); \
+               exec sleep 120";
+    // A nobody worker tries the control socket, then asks for a restart on its own socket.
+    let try_as_nobody = "out=$(\"$1\" status --socket \"$2\" 2>&1); \
+               echo \"nobody asked for the status: exit $?:\" $out; \
+               out=$(\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" 2>&1); \
+               echo \"nobody asked for a restart: exit $?:\" $out; \
+               exec sleep 120";
+    let config = format!(
+        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n\n\
+         [service.ctl]\ncommand = {}\n\n[service.probe]\nuser = \"nobody\"\ncommand = {}\n",
+        supervisor_table("sampler = \"off\""),
+        toml_array(&["/bin/sh", "-c", ask, "ctl", &peregrine, "{dir}"]),
+        toml_array(&[
+            "/bin/sh",
+            "-c",
+            try_as_nobody,
+            "probe",
+            &peregrine,
+            "{dir}/peregrine.sock"
+        ]),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let web = ready_workers(&supervisor, "web", 2);
+
+    let asked = logged_line(&supervisor, "ctl asked for a restart: ");
+    assert_ne!(exit_code(&asked), 0, "{asked}");
+    assert!(asked.contains("refused"), "{asked}");
+    let child: u32 = asked
+        .split("pid ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {asked:?}"));
+    wait_until(STEP, "the refusal logged with uid and pid", || {
+        refusal_logged(&supervisor.logs(), 0, child).then_some(())
+    });
+
+    let status_line = logged_line(&supervisor, "nobody asked for the status: ");
+    assert_ne!(exit_code(&status_line), 0, "{status_line}");
+    assert!(status_line.contains("Permission denied"), "{status_line}");
+    let restart_line = logged_line(&supervisor, "nobody asked for a restart: ");
+    assert_ne!(exit_code(&restart_line), 0, "{restart_line}");
+
+    // No worker was replaced: not web's, not the one that asked.
+    let status = supervisor.status_json().unwrap();
+    let now: BTreeMap<u64, u32> = rows(&status, "web")
+        .into_iter()
+        .map(|(index, row)| (index, row["pid"].as_u64().unwrap_or(0) as u32))
+        .collect();
+    assert_eq!(now, web, "{status}");
+    for (service, rows) in [("web", rows(&status, "web")), ("ctl", rows(&status, "ctl"))] {
+        for row in rows.values() {
+            assert_eq!(row["restarts"], 0, "{service}: {status}");
+        }
+    }
+    let logs = supervisor.logs();
+    assert!(!logs.contains("Control command received"), "{logs}");
+}
+
+#[test]
+fn a_nobody_worker_cannot_read_the_tls_keys_tls_init_wrote() {
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let pki = dir.path().join("pki");
+    peregrine_tls_init(&peregrine_path(), &pki, &[]);
+    std::fs::set_permissions(&pki, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut keys = Vec::new();
+    let mut certificates = Vec::new();
+    for entry in std::fs::read_dir(&pki).unwrap() {
+        let path = entry.unwrap().path();
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("key") => keys.push(path),
+            Some("pem") => certificates.push(path),
+            _ => {}
+        }
+    }
+    assert!(keys.len() >= 3 && !certificates.is_empty(), "{keys:?}");
+    // Read as root: each key is the supervisor's alone.
+    for key in &keys {
+        let meta = std::fs::metadata(key).unwrap();
+        assert_eq!(
+            (meta.mode() & 0o777, meta.uid()),
+            (0o600, 0),
+            "{}",
+            key.display()
+        );
+    }
+    let files: Vec<String> = keys
+        .iter()
+        .chain(&certificates)
+        .map(|path| path.display().to_string())
+        .collect();
+    let read_each = "for f in \"$@\"; do \
+               if err=$(cat \"$f\" 2>&1 >/dev/null); then echo \"probe read $f: ok\"; \
+               else echo \"probe read $f:\" $err; fi; done; exec sleep 120";
+    let mut command = vec![
+        "/bin/sh".to_owned(),
+        "-c".into(),
+        read_each.into(),
+        "probe".into(),
+    ];
+    command.extend(files);
+    let config = format!(
+        "{}\n{}[service.probe]\nuser = \"nobody\"\ncommand = {}\n",
+        base_config(free_port(), free_port(), free_port()),
+        control_plane_tables(&pki),
+        toml_array(&command),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    for key in &keys {
+        let line = logged_line(&supervisor, &format!("probe read {}:", key.display()));
+        assert!(line.contains("Permission denied"), "{line}");
+    }
+    // The certificates, in the same directory, are read: only the keys' mode stops the worker.
+    for certificate in &certificates {
+        let line = logged_line(
+            &supervisor,
+            &format!("probe read {}:", certificate.display()),
+        );
+        assert!(line.ends_with(": ok"), "{line}");
+    }
+}
+
+#[test]
+fn a_nobody_gunicorn_serves_port_80_on_the_listener_the_supervisor_passes() {
+    let test = current_test();
+    if !netns_or_skip(&test) {
+        return;
+    }
+    let Some(servers) = app_servers_or_skip(&test) else {
+        return;
+    };
+    let nobody = nobody();
+    assert_runs_as(&servers, &nobody);
+    let network = Network::create(&["web"]).expect("a network namespace");
+    let host = network.host("web");
+    // In a fresh namespace only a privileged process may bind a port below 1024.
+    let output = host
+        .command("cat")
+        .arg("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+        .output()
+        .unwrap();
+    let first_unprivileged: u32 = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .expect("ip_unprivileged_port_start");
+    assert!(first_unprivileged > 80, "port 80 is not privileged here");
+    let config = format!(
+        "{}\n[service.app]\nurl = \"http://127.0.0.1:80\"\nuser = \"nobody\"\npass_socket = true\n\
+         ready_path = \"/healthz\"\ncommand = {}\n",
+        supervisor_table("sampler = \"procfs\"\nregister_timeout_ms = 20000"),
+        toml_array(&gunicorn_command(&servers.gunicorn)),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&host.wrapper(), &config);
+    let pid = ready_workers(&supervisor, "app", 1)[&0];
+    let (status, body) = host
+        .run(|| http_get(SocketAddr::from(([127, 0, 0, 1], 80)), "/"))
+        .unwrap_or_else(|error| panic!("GET port 80: {error:#}\n{}", supervisor.logs()));
+    assert_eq!((status, worker_pid(&body)), (200, Some(pid)), "{body}");
+    assert!(
+        assert_unprivileged(pid, &nobody) >= 2,
+        "gunicorn and its worker"
+    );
+}
+
+/// A built-in worker's request counter as the kernel shows it: the descriptor it inherited
+/// (`PEREGRINE_COUNTERS_FD`), its line in it (`PEREGRINE_COUNTERS_LANE`) and the file behind it.
+#[derive(Debug)]
+struct Counter {
+    pid: u32,
+    lane: String,
+    /// `/proc/PID/fd/N`.
+    path: PathBuf,
+    /// The file's device, inode and size.
+    file: (u64, u64, u64),
+}
+
+impl Counter {
+    fn of(pid: u32) -> Counter {
+        let environment = environment(pid).expect("the worker's environment");
+        let fd = environment
+            .get("PEREGRINE_COUNTERS_FD")
+            .unwrap_or_else(|| panic!("worker {pid} has no counter: {environment:?}"));
+        let path = PathBuf::from(format!("/proc/{pid}/fd/{fd}"));
+        let meta = std::fs::metadata(&path).unwrap();
+        Counter {
+            pid,
+            lane: environment["PEREGRINE_COUNTERS_LANE"].clone(),
+            path,
+            file: (meta.dev(), meta.ino(), meta.size()),
+        }
+    }
+
+    /// Every file the worker holds a descriptor on (device and inode).
+    fn open_files(&self) -> BTreeSet<(u64, u64)> {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid))
+            .unwrap()
+            .filter_map(|entry| {
+                let meta = std::fs::metadata(entry.ok()?.path()).ok()?;
+                Some((meta.dev(), meta.ino()))
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn one_built_in_worker_cannot_change_another_workers_request_count() {
+    let config = format!(
+        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n",
+        supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let pids = ready_workers(&supervisor, "web", 2);
+    let (a, b) = (Counter::of(pids[&0]), Counter::of(pids[&1]));
+    for counter in [&a, &b] {
+        assert_eq!(
+            counter.lane, "0",
+            "each worker counts in line 0 of its own: {counter:?}"
+        );
+        assert_eq!(
+            counter.file.2, 64,
+            "one line, no other worker's: {counter:?}"
+        );
+    }
+    assert_ne!(
+        (a.file.0, a.file.1),
+        (b.file.0, b.file.1),
+        "two counters, not one shared"
+    );
+    assert!(
+        !a.open_files().contains(&(b.file.0, b.file.1)),
+        "worker {} holds a descriptor on {}'s counter",
+        a.pid,
+        b.pid
+    );
+
+    // Requests to b, counted exactly.
+    let status = supervisor.status_json().unwrap();
+    let address: SocketAddr = rows(&status, "web")[&1]["addresses"][0]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("b's address in {status}"));
+    const SENT: u64 = 5;
+    for _ in 0..SENT {
+        let (code, body) = http_get(address, "/").unwrap();
+        assert_eq!((code, worker_pid(&body)), (200, Some(b.pid)), "{body}");
+    }
+    let count = |status: &Value, index: u64| rows(status, "web")[&index]["requests_total"].as_u64();
+    let before = wait_for_status(&supervisor, "b's requests counted", |s| {
+        count(s, 1) == Some(SENT)
+    });
+    let a_before = count(&before, 0).unwrap_or(0);
+
+    // What a's descriptor allows: its own line and nothing past it.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&a.path)
+        .unwrap();
+    assert!(
+        file.write_at(&[0xff; 8], 64).is_err(),
+        "a write past a's line succeeded"
+    );
+    let mut line = [0u8; 8];
+    file.read_exact_at(&mut line, 0).unwrap();
+    let scribbled = u64::from_le_bytes(line) + 1_000_000;
+    file.write_all_at(&scribbled.to_le_bytes(), 0).unwrap();
+    let after = wait_for_status(&supervisor, "a's own count changed", |s| {
+        count(s, 0).is_some_and(|n| n >= a_before + 1_000_000)
+    });
+    assert_eq!(
+        count(&after, 1),
+        Some(SENT),
+        "b's count is untouched: {after}"
+    );
+    let (code, body) = http_get(address, "/").unwrap();
+    assert_eq!((code, worker_pid(&body)), (200, Some(b.pid)), "{body}");
+    wait_for_status(&supervisor, "b counting on exactly", |s| {
+        count(s, 1) == Some(SENT + 1)
+    });
+}
+
+#[test]
+fn the_procfs_sampler_reads_a_nobody_workers_cpu_time() {
+    let port = free_port();
+    let config = format!(
+        "{}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\nuser = \"nobody\"\n",
+        supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
+    );
+    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let pid = ready_workers(&supervisor, "web", 1)[&0];
+    assert_unprivileged(pid, &nobody());
+    let cpu = |status: &Value| rows(status, "web")[&0]["cpu_seconds_total"].as_f64();
+    let before = wait_for_status(&supervisor, "a first sample", |s| cpu(s).is_some());
+    let before = cpu(&before).unwrap();
+    let (code, body) = http_get(SocketAddr::from(([127, 0, 0, 1], port)), "/?cpu=300").unwrap();
+    assert_eq!((code, worker_pid(&body)), (200, Some(pid)), "{body}");
+    let after = wait_for_status(&supervisor, "the burn sampled", |s| {
+        cpu(s).is_some_and(|cpu| cpu >= before + 0.25)
+    });
+    assert_eq!(after["sampler"], "procfs", "{after}");
+}
+
+/// `peregrine check` on `config`: its exit code and stderr.
+fn check(config: &str) -> (i32, String) {
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    let path = dir.path().join("peregrine.toml");
+    std::fs::write(&path, config).unwrap();
+    let output = Command::new(peregrine_path())
+        .arg("check")
+        .arg(&path)
+        .output()
+        .expect("peregrine runs");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
+    let (code, stderr) = check("[service.web]\ncount = 1\nuser = \"no-such-user-of-peregrine\"\n");
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("line 3")
+            && stderr.contains("service.web.user")
+            && stderr.contains("no-such-user-of-peregrine"),
+        "{stderr}"
+    );
+    let (code, stderr) =
+        check("[service.web]\nuser = \"nobody\"\ngroup = \"no-such-group-of-peregrine\"\n");
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("line 3")
+            && stderr.contains("service.web.group")
+            && stderr.contains("no-such-group-of-peregrine"),
+        "{stderr}"
+    );
+    // A group alone says whose group it would be.
+    let (code, stderr) = check("[service.web]\ngroup = \"root\"\n");
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("line 2") && stderr.contains("service.web.group"),
+        "{stderr}"
+    );
+    // Both known: the config is good.
+    let (code, stderr) = check("[service.web]\nuser = \"nobody\"\n");
+    assert_eq!(code, 0, "{stderr}");
+}
