@@ -21,6 +21,7 @@ use tokio::{
 };
 
 mod envoy_facing;
+mod exposure;
 mod operations;
 
 pub use self::envoy_facing::orca_listen_addresses;
@@ -388,6 +389,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         acks: acks.clone(),
         commands: commands_tx,
     };
+    exposure::warn(&config);
     // The sockets the workers of a service with a `user` register on, there before they start.
     let mut worker_sockets = registration::WorkerSockets::new(&control, server.clone());
     worker_sockets.open(&config)?;

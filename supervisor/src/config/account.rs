@@ -37,6 +37,22 @@ impl Account {
     pub fn is_other_than(&self, identity: &Identity) -> bool {
         self.uid != identity.uid || self.gid != identity.gid
     }
+
+    /// Whether a process of this account, holding no capability (as every worker), is granted
+    /// `access` (an `rwx` triplet: 4 read, 2 write, 1 search or execute) on a file of owner `uid`,
+    /// group `gid` and permission bits `mode`, as the kernel judges it from the mode bits alone (the
+    /// owner's bits for the owner, the group's for a member of the group, the others' for anyone
+    /// else; no ACLs).
+    pub fn may(&self, access: u32, (uid, gid, mode): (u32, u32, u32)) -> bool {
+        let shift = if self.uid == uid {
+            6
+        } else if self.gid == gid || self.groups.contains(&gid) {
+            3
+        } else {
+            0
+        };
+        (mode >> shift) & access & 0o7 == access & 0o7
+    }
 }
 
 /// Who the supervisor runs as, and whether it may start workers as someone else.

@@ -169,14 +169,7 @@ fn reachable(path: &Path, account: &Account) -> Result<(), (PathBuf, u32)> {
 
 /// Whether a directory of owner `uid`, group `gid` and mode `mode` may be searched by `account`.
 fn searchable(uid: u32, gid: u32, mode: u32, account: &Account) -> bool {
-    let bit = if account.uid == uid {
-        0o100
-    } else if account.gid == gid || account.groups.contains(&gid) {
-        0o010
-    } else {
-        0o001
-    };
-    mode & bit != 0
+    account.may(0o1, (uid, gid, mode))
 }
 
 #[cfg(test)]

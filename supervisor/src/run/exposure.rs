@@ -1,0 +1,93 @@
+//! What the supervisor warns of at start about its workers' privileges: a service whose workers run
+//! as root, and a private key that a service's user may read.
+//!
+//! Both are the operator's to fix, and neither stops a start (a demo runs as root, and a key's mode is
+//! the file's owner's business), so they are warnings, once per start and per reload.
+
+use std::{os::unix::fs::MetadataExt, path::Path};
+
+use crate::config::{Account, Config};
+
+/// Logs a warning for each service whose workers run as root, and for each private key in `config`
+/// that the workers of a service with a `user` could read.
+pub(super) fn warn(config: &Config) {
+    let root = rustix::process::geteuid().is_root();
+    for service in config.services.values() {
+        match &service.account {
+            None if root => {
+                tracing::warn!(service = %service.name, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys; set `user` in [service.{}]", service.name);
+            }
+            None => {}
+            Some(account) => {
+                for (what, key) in private_keys(config) {
+                    if let Some(mode) = readable_by(key, account) {
+                        tracing::warn!(service = %service.name, user = %account.user, key = %key.display(), mode = format!("{mode:04o}"), "The workers of this service can read the {what}: make it owner-only (chmod 600), owned by the supervisor's user");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The private keys a config names, each with what it is.
+fn private_keys(config: &Config) -> Vec<(&'static str, &Path)> {
+    let mut keys = Vec::new();
+    if let Some(tls) = &config.supervisor.tls {
+        keys.push(("gRPC port's TLS key", tls.identity.key.as_path()));
+    }
+    if let Some(identity) = config.envoy.tls.as_ref().and_then(|t| t.identity.as_ref()) {
+        keys.push(("Envoy's client key", identity.key.as_path()));
+    }
+    let etcd = config.cluster.as_ref().and_then(|c| c.tls.as_ref());
+    if let Some(identity) = etcd.and_then(|t| t.identity.as_ref()) {
+        keys.push(("etcd client key", identity.key.as_path()));
+    }
+    keys
+}
+
+/// The mode of `file` if `account` may read it (and search every directory on the way to it).
+fn readable_by(file: &Path, account: &Account) -> Option<u32> {
+    let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
+    for dir in file.ancestors().skip(1) {
+        let meta = std::fs::metadata(dir).ok()?;
+        if !account.may(0o1, ids(&meta)) {
+            return None;
+        }
+    }
+    let meta = std::fs::metadata(file).ok()?;
+    account.may(0o4, ids(&meta)).then_some(meta.mode() & 0o7777)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    fn stranger() -> Account {
+        let ours = rustix::process::geteuid().as_raw();
+        let uid = if ours == 4242 { 4243 } else { 4242 };
+        Account {
+            user: uid.to_string(),
+            uid,
+            gid: uid,
+            groups: vec![uid],
+        }
+    }
+
+    #[test]
+    fn a_key_others_may_read_is_found_and_an_owner_only_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let key = dir.path().join("server.key");
+        std::fs::write(&key, "secret").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(readable_by(&key, &stranger()), Some(0o644));
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(readable_by(&key, &stranger()), None);
+        // Readable, but in a directory the user cannot search.
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(readable_by(&key, &stranger()), None);
+    }
+}
