@@ -1,6 +1,6 @@
 //! `cargo xtask bench <name>`: benchmarks, built in release mode.
 //!
-//! - `restart [--kills N]`: from a worker's SIGKILL to Envoy holding its replacement endpoint, split into
+//! - `restart [--kills N] [--user NAME]`: from a worker's SIGKILL to Envoy holding its replacement endpoint, split into
 //!   exit detection, restart and xDS delivery (`tests/src/bin/restart-latency.rs`).
 //! - `http [--duration SECS] [--rounds N]`: the worker's HTTP server against a hyper baseline on the same
 //!   core, under `wrk` and `h2load` ([`http`]).
@@ -61,7 +61,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             )
         }
         None => bail!(
-            "name a benchmark: `cargo xtask bench restart [--kills N]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing`, `balance`, `lifecycle` or `fleet`"
+            "name a benchmark: `cargo xtask bench restart [--kills N] [--user NAME]` or `cargo xtask bench http [--duration SECS] [--rounds N]` or `cargo xtask bench sampler`, `hashing`, `balance`, `lifecycle` or `fleet`"
         ),
     }
 }

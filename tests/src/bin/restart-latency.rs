@@ -1,7 +1,8 @@
 //! Benchmark: from a worker's SIGKILL to the real Envoy holding its replacement endpoint.
 //!
 //! Runs `peregrine run` (the binary named by `PEREGRINE`, else a debug build) with 2 hello workers and
-//! the real Envoy, kills a worker `--kills` times (20 by default), and splits each kill into:
+//! the real Envoy, kills a worker `--kills` times (20 by default), with `--user NAME` as that service
+//! `user` (a root supervisor switching each worker to it), and splits each kill into:
 //!
 //! - **exit**: SIGKILL -> the EDS push without the dead worker (pidfd wake-up, reap, deregistration);
 //! - **restart**: SIGKILL -> the EDS push with the replacement (backoff, spawn, bind, register, publish);
@@ -47,6 +48,12 @@ fn main() -> anyhow::Result<()> {
         Some(n) => n.parse().context("--kills N")?,
         None => 20,
     };
+    // `--user NAME`: the workers run as NAME, as a service's `user` makes them (a root supervisor).
+    let user = std::env::args()
+        .skip_while(|a| a != "--user")
+        .nth(1)
+        .map(|name| format!("user = \"{name}\"\n"))
+        .unwrap_or_default();
     if envoy_path().is_none() {
         bail!("no Envoy binary: set ENVOY or run `cargo xtask envoy`");
     }
@@ -63,7 +70,7 @@ admin = "127.0.0.1:{admin}"
 
 [service.cluster]
 count = 2
-"#
+{user}"#
     ));
     let envoy = Envoy::start(&supervisor.envoy_bootstrap()?);
     let pushes = subscribe(grpc);
