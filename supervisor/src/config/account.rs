@@ -29,6 +29,9 @@ pub struct Account {
     /// Their supplementary groups, as `getgrouplist(3)` gives them for the user and `gid` (which it
     /// includes); `[gid]` alone for a uid without an entry in the user database.
     pub groups: Vec<u32>,
+    /// The user's login name and home directory from the user database, for the workers' `USER`,
+    /// `LOGNAME` and `HOME` (as systemd's `User=` sets them); none for a uid without an entry.
+    pub login: Option<(String, PathBuf)>,
 }
 
 impl Account {
@@ -233,15 +236,20 @@ pub(super) fn resolve(
             None => return Err(AccountError::UidWithoutGroup(uid_of(user))),
         },
     };
-    let (uid, groups) = match entry {
-        Some(entry) => (entry.uid.as_raw(), supplementary_groups(&entry.name, gid)?),
-        None => (uid_of(user), vec![gid]),
+    let (uid, groups, login) = match entry {
+        Some(entry) => (
+            entry.uid.as_raw(),
+            supplementary_groups(&entry.name, gid)?,
+            Some((entry.name, entry.dir)),
+        ),
+        None => (uid_of(user), vec![gid], None),
     };
     Ok(Some(Account {
         user: user.to_owned(),
         uid,
         gid,
         groups,
+        login,
     }))
 }
 

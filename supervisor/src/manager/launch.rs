@@ -114,10 +114,11 @@ impl Launch {
         Ok(Launch {
             program,
             args,
-            env: service
-                .env
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
+            // A switched worker's `USER`, `LOGNAME` and `HOME` are its user's, as a login (and
+            // systemd's `User=`) would give them; the service's own `env` may still say otherwise.
+            env: account_env(service.account.as_ref())
+                .into_iter()
+                .chain(service.env.iter().map(|(k, v)| (k.clone(), v.clone())))
                 .chain([(ENV_LINEAGE.to_owned(), lineage.as_str().to_owned())])
                 .collect(),
             settings,
@@ -268,6 +269,19 @@ impl Launch {
         // The pid is reaped through its pidfd, not through `Child`.
         Ok(child.id())
     }
+}
+
+/// The environment a worker of `account` gets from its user: `USER`, `LOGNAME` and `HOME` from the
+/// user database (nothing for a uid without an entry, or no account).
+fn account_env(account: Option<&crate::config::Account>) -> Vec<(String, String)> {
+    let Some((name, home)) = account.and_then(|a| a.login.as_ref()) else {
+        return Vec::new();
+    };
+    vec![
+        ("USER".to_owned(), name.clone()),
+        ("LOGNAME".to_owned(), name.clone()),
+        ("HOME".to_owned(), home.to_string_lossy().into_owned()),
+    ]
 }
 
 /// Whether workers of `account` are switched to it: always when this supervisor may switch users;

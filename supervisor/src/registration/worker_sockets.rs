@@ -182,6 +182,7 @@ mod tests {
             uid: 65534,
             gid: 65534,
             groups: vec![65534, 100],
+            login: None,
         }
     }
 

@@ -72,6 +72,7 @@ mod tests {
             uid,
             gid: uid,
             groups: vec![uid],
+            login: None,
         }
     }
 
