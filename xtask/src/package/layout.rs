@@ -114,12 +114,21 @@ pub(super) fn lay_out(s: &Sources<'_>) -> anyhow::Result<()> {
             copy_folder(&from, &doc.join(folder))?;
         }
     }
-    // The Envoy bootstrap of the installed config, as `peregrine envoy-bootstrap` prints it.
-    let bootstrap = output(
-        Command::new(s.binary)
-            .arg("envoy-bootstrap")
-            .arg(s.workspace.join("packaging/peregrine.toml")),
+    // The Envoy bootstrap of the installed config, as `peregrine envoy-bootstrap` prints it. Loading
+    // a config looks its services' users up, and the package's system user exists where the
+    // package is installed, not on the machine that builds it: the bootstrap, which no user
+    // changes, is made from a copy without those lines (the package test checks that it is what
+    // the installed binary prints for the installed config).
+    let config = s
+        .tree
+        .parent()
+        .context("the tree has a parent")?
+        .join("peregrine-without-users.toml");
+    write(
+        &config,
+        &without_accounts(&read(&s.workspace.join("packaging/peregrine.toml"))?),
     )?;
+    let bootstrap = output(Command::new(s.binary).arg("envoy-bootstrap").arg(&config))?;
     write(&at(ENVOY_BOOTSTRAP), &envoy_bootstrap_file(&bootstrap))?;
     let crates = copyright::crates("peregrine-supervisor")?;
     write(
@@ -197,6 +206,24 @@ pub(super) fn debian_dir(workspace: &Path, tree: &Path, control: &str) -> anyhow
     write(&debian.join("md5sums"), &format!("{sums}\n"))?;
     fs::set_permissions(&debian, fs::Permissions::from_mode(0o755))?;
     Ok(())
+}
+
+/// A config's text without its `user` and `group` lines (each replaced by an empty line, so the
+/// others keep their numbers).
+fn without_accounts(config: &str) -> String {
+    config
+        .lines()
+        .map(|line| {
+            let key = line.split('=').next().unwrap_or_default().trim();
+            if line.contains('=') && (key == "user" || key == "group") {
+                ""
+            } else {
+                line
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
 }
 
 /// The shipped bootstrap: a header that says where it comes from, then the command's output.
@@ -363,6 +390,20 @@ mod tests {
             lines.last().unwrap(),
             &" -- A Builder <builder@example.org>  Wed, 2 Dec 2026 10:20:00 +0000"
         );
+    }
+
+    #[test]
+    fn the_bootstrap_is_made_from_the_config_without_its_users() {
+        let config = "[service.hello]\n# runs as user = \"x\"\nuser = \"peregrine\"\n  group=\"adm\"\nusers = 1\ncount = 2\n";
+        assert_eq!(
+            without_accounts(config),
+            "[service.hello]\n# runs as user = \"x\"\n\n\nusers = 1\ncount = 2\n"
+        );
+        let packaged =
+            std::fs::read_to_string(workspace_root().join("packaging/peregrine.toml")).unwrap();
+        let kept = without_accounts(&packaged);
+        assert_eq!(kept.lines().count(), packaged.lines().count());
+        assert!(!kept.lines().any(|l| l.starts_with("user")), "{kept}");
     }
 
     #[test]
