@@ -4,12 +4,17 @@
 //!
 //! 1. `apt-get install ./peregrine_*.deb` (apt brings its dependencies); the binary says it has the
 //!    eBPF sampler, the unit is enabled, the system user exists, `peregrine check` (no argument)
-//!    passes on the installed config, and `systemd-analyze verify` passes on the installed unit.
+//!    passes on the installed config as root (its service runs as that user), `systemd-analyze
+//!    verify` passes on the installed unit, and the unit's bounding set holds what switching a
+//!    worker to its user takes (CAP_SETUID, CAP_SETGID, CAP_SETPCAP, CAP_CHOWN).
 //! 2. The unit's `ExecStartPre` and `ExecStart` commands, read from the installed unit file, run as
 //!    systemd would run them: in its runtime directory made with its mode, with its capability
 //!    bounding set, `NoNewPrivileges` and resource limits (the rest of its sandbox is not
 //!    reproduced). `peregrine status`, typed with no flags, shows both workers registered and the
-//!    eBPF sampler running.
+//!    eBPF sampler running. Each worker, on every thread, runs as the package's user with no
+//!    capabilities and `NoNewPrivs: 1` (`/proc/PID/task/*/status`, [`privileges`]); the control
+//!    socket and its lock are root's alone, the service's registration socket its group's; and
+//!    that user's `peregrine status` is refused.
 //! 3. A stock Envoy (the binary `cargo xtask envoy` installs, copied in as the operator's) starts
 //!    with the bootstrap the package ships, which is what `peregrine envoy-bootstrap` prints for the
 //!    installed config, and both workers answer through it with 200.
@@ -23,6 +28,7 @@
 //! (18000, 9464, 9901, 10000) and Envoy's hot-restart socket cannot meet another process's.
 
 mod listing;
+mod privileges;
 mod unit;
 
 use std::{
@@ -54,6 +60,13 @@ const ENVOY_LISTENER: &str = "127.0.0.1:10000";
 /// The installed config's service and its workers.
 const SERVICE: &str = "hello";
 const WORKERS: usize = 2;
+/// The system user postinst makes, which the installed config's service runs as.
+const USER: &str = "peregrine";
+/// The installed config's control socket (`supervisor.control`).
+const CONTROL: &str = "/run/peregrine/peregrine.sock";
+/// What switching a worker to its service's user takes, as the unit names them (less `CAP_`, in
+/// lower case).
+const SWITCH_CAPABILITIES: &[&str] = &["setuid", "setgid", "setpcap", "chown"];
 /// How long the supervisor may take to register its workers, and Envoy to route to them.
 const START_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -92,14 +105,14 @@ pub(super) fn run(package: &Package, built: Duration) -> anyhow::Result<()> {
     ));
 
     let step = Instant::now();
-    check_installed(&root, package)?;
+    let account = check_installed(&root, package)?;
     phases.push((
         "checks of the installed files, peregrine check, systemd-analyze verify".to_owned(),
         step.elapsed(),
     ));
 
     let step = Instant::now();
-    serve(&root)?;
+    serve(&root, &account)?;
     phases.push((
         "the unit's commands, peregrine status, Envoy, 200s, stop".to_owned(),
         step.elapsed(),
@@ -126,14 +139,14 @@ pub(super) fn run(package: &Package, built: Duration) -> anyhow::Result<()> {
     );
     println!(
         "package test passed: {deb} installs on a fresh Debian 12 root, serves through Envoy with \
-         the eBPF sampler, and purges clean"
+         the eBPF sampler and workers of the {USER} user without privileges, and purges clean"
     );
     Ok(())
 }
 
-/// What the install left: the binary, the unit enabled, the user, the man page, a config that
-/// checks, a unit that verifies.
-fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<()> {
+/// What the install left: the binary, the unit enabled, the user (returned), the man page, a
+/// config that checks, a unit that verifies and may switch users.
+fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<privileges::Account> {
     let installed = in_root(root, "dpkg-query -W -f='${Status} ${Version}' peregrine")?;
     ensure!(
         installed == format!("install ok installed {}", package.version),
@@ -149,7 +162,7 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<()> 
     let enabled = in_root(root, "systemctl is-enabled peregrine.service")?;
     ensure!(enabled == "enabled", "the unit is {enabled:?}, not enabled");
     println!("peregrine.service: {enabled} (not started: the install starts nothing)");
-    let user = in_root(root, "getent passwd peregrine")?;
+    let user = in_root(root, &format!("getent passwd {USER}"))?;
     let fields: Vec<&str> = user.split(':').collect();
     ensure!(
         fields.len() == 7
@@ -159,6 +172,8 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<()> 
         "the system user is not as postinst makes it: {user:?}"
     );
     println!("system user: {user}");
+    let account =
+        privileges::Account::parse(USER, &user, &in_root(root, &format!("id -G {USER}"))?)?;
     let page = in_root(root, "zcat /usr/share/man/man1/peregrine.1.gz | head -n 3")?;
     ensure!(page.contains(".TH peregrine 1"), "no manual page: {page:?}");
 
@@ -182,11 +197,29 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<()> 
         verify.text
     );
     println!("(nothing to say)");
-    Ok(())
+    let service = unit::Service::parse(&fs::read_to_string(root.host_path(UNIT))?)?;
+    let missing: Vec<&str> = SWITCH_CAPABILITIES
+        .iter()
+        .copied()
+        .filter(|cap| !service.capabilities.iter().any(|c| c == cap))
+        .collect();
+    ensure!(
+        missing.is_empty() && service.no_new_privileges,
+        "the unit cannot switch workers to their user: its CapabilityBoundingSet lacks {missing:?} \
+         (it holds {:?}), NoNewPrivileges={}",
+        service.capabilities,
+        service.no_new_privileges
+    );
+    println!(
+        "the unit's CapabilityBoundingSet: {} (NoNewPrivileges=yes)",
+        service.capabilities.join(" ")
+    );
+    Ok(account)
 }
 
-/// Runs the unit's commands, waits for the workers, serves through Envoy, and stops everything.
-fn serve(root: &fresh::Root) -> anyhow::Result<()> {
+/// Runs the unit's commands, waits for the workers, checks they run as `account` with no
+/// privileges, serves through Envoy, and stops everything.
+fn serve(root: &fresh::Root, account: &privileges::Account) -> anyhow::Result<()> {
     let service = unit::Service::parse(&fs::read_to_string(root.host_path(UNIT))?)?;
     let limits = limits_here(&service.limits)?;
     let netns = Netns::add()?;
@@ -230,6 +263,7 @@ fn serve(root: &fresh::Root) -> anyhow::Result<()> {
         "the supervisor runs another sampler: {sampler:?}"
     );
     let pids = ready_workers(&table);
+    check_privileges(root, &netns, &service, &pids, account)?;
 
     // The shipped bootstrap is the command's output for the installed config.
     let shipped = fs::read_to_string(root.host_path(ENVOY_BOOTSTRAP))?;
@@ -299,6 +333,62 @@ fn serve(root: &fresh::Root) -> anyhow::Result<()> {
         || Ok(processes_in(root.path())?.is_empty().then_some(())),
     )?;
     fs::remove_dir_all(&runtime)?;
+    Ok(())
+}
+
+/// The workers `pids` run as `account` with no privileges; the runtime directory lets that user
+/// reach its registration socket and nothing else; that user's `peregrine status` is refused.
+fn check_privileges(
+    root: &fresh::Root,
+    netns: &Netns,
+    service: &unit::Service,
+    pids: &[u32],
+    account: &privileges::Account,
+) -> anyhow::Result<()> {
+    println!();
+    for pid in pids {
+        println!("{}", privileges::check_worker(*pid, account)?);
+    }
+    let runtime = format!("/run/{}", service.runtime_directory);
+    let registration = format!("{CONTROL}.{SERVICE}.workers");
+    let lock = format!("{CONTROL}.lock");
+    for (inside, wanted) in [
+        (
+            runtime.as_str(),
+            privileges::file_line("folder", service.runtime_directory_mode, 0, 0),
+        ),
+        (CONTROL, privileges::file_line("socket", 0o600, 0, 0)),
+        (lock.as_str(), privileges::file_line("file", 0o600, 0, 0)),
+        (
+            registration.as_str(),
+            privileges::file_line("socket", 0o660, 0, account.gid),
+        ),
+    ] {
+        let found = privileges::describe(&root.host_path(inside))?;
+        ensure!(found == wanted, "{inside}: {found}, not {wanted}");
+        println!("{inside}: {found}");
+    }
+    // The workers' user cannot reach the control socket: no status, no command.
+    let as_user = [
+        "setpriv",
+        &format!("--reuid={USER}"),
+        &format!("--regid={USER}"),
+        "--init-groups",
+        "peregrine",
+        "status",
+    ];
+    println!("\n$ {}", as_user.join(" "));
+    let refused = netns
+        .command(root, &as_user)
+        .output()
+        .context("running peregrine status as the workers' user")?;
+    let said = String::from_utf8_lossy(&refused.stderr);
+    ensure!(
+        !refused.status.success(),
+        "{USER} was answered by the control socket: {}",
+        String::from_utf8_lossy(&refused.stdout)
+    );
+    println!("{} ({})", said.trim(), refused.status);
     Ok(())
 }
 
