@@ -153,11 +153,21 @@ fn run_checked(command: &mut Command) -> anyhow::Result<()> {
 /// its python. pip honours PIP_INDEX_URL, PIP_FIND_LINKS and PIP_NO_INDEX (e.g. to install from local
 /// wheels).
 fn pip_install(venv: &Path, packages: &[&str]) -> anyhow::Result<PathBuf> {
+    pip_install_with(Path::new("python3"), venv, packages)
+}
+
+/// [`pip_install`], the virtualenv made (when it has no python yet) by `base` (a path, or a name
+/// looked up in `PATH`).
+fn pip_install_with(base: &Path, venv: &Path, packages: &[&str]) -> anyhow::Result<PathBuf> {
     let python = venv.join("bin/python");
     if !python.is_file() {
         std::fs::create_dir_all(venv).with_context(|| format!("creating {}", venv.display()))?;
-        run_checked(Command::new("python3").args(["-m", "venv"]).arg(venv))
-            .context("creating the virtualenv (is python3-venv installed?)")?;
+        run_checked(Command::new(base).args(["-m", "venv"]).arg(venv)).with_context(|| {
+            format!(
+                "creating the virtualenv with {} (is python3-venv installed?)",
+                base.display()
+            )
+        })?;
     }
     run_checked(
         Command::new(&python)
