@@ -24,8 +24,11 @@
 //! change of what an Envoy routes to.
 //!
 //! Workers under another user: [`proc_status`] reads a process's ids, capabilities and the processes
-//! it forked from `/proc`, and looks up the [`Account`] a test runs workers as; the
-//! `register-as` binary (`tests/src/bin/`) claims any registration it is told to.
+//! it forked from `/proc`, and looks up the [`Account`] a test runs workers as; a [`Stage`] gives
+//! the paths of what those workers run (the supervisor's binary, gunicorn, the test applications)
+//! as that account can reach them, copied into a directory every user may enter when the checkout
+//! is somewhere it cannot (under `/root`, in a `mktemp -d` directory); the `register-as` binary
+//! (`tests/src/bin/`) claims any registration it is told to.
 
 #![forbid(unsafe_code)]
 
@@ -46,6 +49,7 @@ mod process;
 mod skips;
 mod slots;
 mod stack;
+pub mod stage;
 mod supervisor;
 mod wait;
 
@@ -70,6 +74,7 @@ pub use process::ChildGuard;
 pub use skips::{SKIPS_VAR, current_test, skip};
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use stack::{CLUSTER, Stack};
+pub use stage::Stage;
 pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

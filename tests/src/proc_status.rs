@@ -66,6 +66,22 @@ impl Account {
                 .collect::<anyhow::Result<_>>()?,
         })
     }
+
+    /// Whether a process of this account holding no capability (as every worker) is granted
+    /// `access` (an `rwx` triplet: 4 read, 2 write, 1 search or execute) on a file of owner `uid`,
+    /// group `gid` and permission bits `mode`, as the kernel judges it from the mode bits alone: the
+    /// owner's bits for the owner, the group's for a member of the group, the others' for anyone
+    /// else; no ACLs. The supervisor judges a mode the same way (its `Account::may`).
+    pub fn may(&self, access: u32, (uid, gid, mode): (u32, u32, u32)) -> bool {
+        let shift = if self.uid == uid {
+            6
+        } else if self.gid == gid || self.groups.contains(&gid) {
+            3
+        } else {
+            0
+        };
+        (mode >> shift) & access & 0o7 == access & 0o7
+    }
 }
 
 /// A process's credentials as `/proc/PID/status` shows them.
@@ -333,6 +349,17 @@ mod tests {
     #[test]
     fn the_parent_is_found_past_a_command_name_with_parentheses() {
         assert_eq!(parent_in_stat("12 (a) b (c)) S 34 12 12 0"), Some(34));
+    }
+
+    #[test]
+    fn a_mode_is_judged_by_the_owner_group_or_other_bits() {
+        let nobody = nobody();
+        // Only the first triplet that applies counts: the owner denied is not saved by others.
+        assert!(!nobody.may(4, (65534, 0, 0o044)));
+        assert!(nobody.may(5, (0, 65534, 0o750)));
+        assert!(!nobody.may(1, (0, 0, 0o750)));
+        assert!(nobody.may(1, (0, 0, 0o711)));
+        assert!(!nobody.may(5, (0, 0, 0o701)));
     }
 
     #[test]
