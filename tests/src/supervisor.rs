@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context, bail};
 use tempfile::TempDir;
 
-use crate::{ChildGuard, paths::peregrine_path};
+use crate::{ChildGuard, Stage, paths::peregrine_path};
 
 /// How long [`Supervisor::stop`] waits after SIGTERM before killing.
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -37,6 +37,9 @@ pub struct Supervisor {
     env: Vec<(String, String)>,
     restarts: u32,
     _temp: Option<TempDir>,
+    /// Where the binary is staged for the workers' user, if it is: kept until the processes that
+    /// run from it are gone (fields drop after [`Drop::drop`] killed them).
+    _stage: Option<Stage>,
 }
 
 // === impl Supervisor ===
@@ -111,43 +114,46 @@ impl Supervisor {
         Self::start_wrapped(wrapper, binary, dir, &config_toml, false)
     }
 
-    /// Like [`Supervisor::start_wrapped_in`] (no wrapper when `wrapper` is empty), in a directory
-    /// every user may enter (mode 0755, as the package's `/run/peregrine`): the workers of a service
-    /// with `user` open their registration socket there.
+    /// Like [`Supervisor::start_wrapped_in`] (no wrapper when `wrapper` is empty), for workers of
+    /// `stage`'s account: in a directory every user may enter (mode 0755, as the package's
+    /// `/run/peregrine`), where the workers of a service with `user` open their registration
+    /// socket, and from the `peregrine` binary as [`Stage::program`] gives it, so that a built-in
+    /// worker (the supervisor's own binary, `current_exe`) can be executed by that account wherever
+    /// the checkout is. The stage is kept as long as the supervisor.
     #[track_caller]
-    pub fn start_open_to_workers(wrapper: &[&str], config_toml: &str) -> Self {
-        Self::start_in_temp_with(wrapper, config_toml, false, true)
+    pub fn start_open_to_workers(stage: &Stage, wrapper: &[&str], config_toml: &str) -> Self {
+        let temp = stage.open_temp_dir("peregrine-");
+        let binary = stage.program(&peregrine_path());
+        let mut supervisor = Self::start_in_dir(wrapper, &binary, temp, config_toml, false);
+        supervisor._stage = Some(stage.clone());
+        supervisor
     }
 
     /// [`Supervisor::start_wrapped`] in a fresh temporary directory (`{dir}` in `config_toml`),
     /// removed when the supervisor is dropped.
     #[track_caller]
     fn start_in_temp(wrapper: &[&str], config_toml: &str, relative: bool) -> Self {
-        Self::start_in_temp_with(wrapper, config_toml, relative, false)
-    }
-
-    /// [`Supervisor::start_in_temp`], in a directory only its owner may enter, or every user if
-    /// `open`.
-    #[track_caller]
-    fn start_in_temp_with(wrapper: &[&str], config_toml: &str, relative: bool, open: bool) -> Self {
-        use std::os::unix::fs::PermissionsExt;
         let temp = tempfile::Builder::new()
             .prefix("peregrine-")
             .tempdir()
             .expect("a temp dir");
-        if open {
-            std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755))
-                .expect("chmod the temp dir");
-        }
+        Self::start_in_dir(wrapper, &peregrine_path(), temp, config_toml, relative)
+    }
+
+    /// Starts `binary` in `temp` (`{dir}` in `config_toml`), which is removed when the supervisor
+    /// is dropped.
+    #[track_caller]
+    fn start_in_dir(
+        wrapper: &[&str],
+        binary: &Path,
+        temp: TempDir,
+        config_toml: &str,
+        relative: bool,
+    ) -> Self {
         let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
-        let mut supervisor = Self::start_wrapped(
-            wrapper,
-            &peregrine_path(),
-            temp.path(),
-            &config_toml,
-            relative,
-        )
-        .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
+        let mut supervisor =
+            Self::start_wrapped(wrapper, binary, temp.path(), &config_toml, relative)
+                .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
         supervisor._temp = Some(temp);
         supervisor
     }
@@ -196,6 +202,7 @@ impl Supervisor {
             env,
             restarts: 0,
             _temp: None,
+            _stage: None,
         })
     }
 

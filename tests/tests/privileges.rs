@@ -16,6 +16,10 @@
 //!   cannot change another's count;
 //! - the procfs sampler reads a `nobody` worker's CPU time;
 //! - `peregrine check` names the key and line of a user or group that does not exist.
+//!
+//! Wherever the checkout is: what a `nobody` worker runs (the supervisor's binary, gunicorn and its
+//! application, `register-as`) comes through a [`Stage`], which copies it where nobody reaches it
+//! when the checkout is in a directory nobody may enter (CI under `/root`, a `mktemp -d`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -30,10 +34,10 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Account, AppServers, CLUSTER, ChildGuard, Envoy, Network, Stack, Supervisor,
+    Account, AppServers, CLUSTER, ChildGuard, Envoy, Network, Stack, Stage, Supervisor,
     app_servers_or_skip, assert_unprivileged, base_config, current_test,
     deploy::{Deployed, STEP},
-    envoy_or_skip, free_port, gone, gunicorn_command, http_get, netns_or_skip, peregrine_path,
+    envoy_or_skip, free_port, gone, http_get, netns_or_skip, peregrine_path,
     pki::{control_plane_tables, peregrine_tls_init},
     proc_status::environment,
     sample_config, try_wait_until, wait_until, worker_pid,
@@ -41,8 +45,12 @@ use peregrine_e2e::{
 use rustix::process::{Pid, Signal, kill_process};
 use serde_json::Value;
 
-/// The registration client that claims what it is told to (`tests/src/bin/register-as.rs`).
-const REGISTER_AS: &str = env!("CARGO_BIN_EXE_register-as");
+/// The registration client that claims what it is told to (`tests/src/bin/register-as.rs`), as
+/// the account of `stage` can run it.
+fn register_as(stage: &Stage) -> String {
+    let built = Path::new(env!("CARGO_BIN_EXE_register-as"));
+    stage.program(built).display().to_string()
+}
 
 /// The user every test runs its workers as.
 fn nobody() -> Account {
@@ -227,12 +235,13 @@ fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adopt
         return;
     }
     let nobody = nobody();
+    let stage = Stage::new(&nobody);
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let config = format!(
         "{}user = \"nobody\"\n",
         sample_config("{dir}".as_ref(), grpc, listen, admin, 2)
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let mut stack = Stack {
         envoy,
@@ -345,11 +354,14 @@ fn deployed<'a>(
     }
 }
 
-/// gunicorn runs as `account`: its virtualenv's python is one every user may run (not one under a
-/// home directory only root may enter, such as a pyenv in `/root`).
+/// gunicorn, as `stage` gives it, runs as its account: its virtualenv's python is one every user
+/// may run (not one under a home directory only root may enter, such as a pyenv in `/root`).
 #[track_caller]
-fn assert_runs_as(servers: &AppServers, account: &Account) {
-    let ran = Command::new(&servers.gunicorn)
+fn assert_runs_as(stage: &Stage, servers: &AppServers) {
+    let account = stage.account();
+    let gunicorn = stage.gunicorn(&servers.gunicorn);
+    let ran = Command::new(&gunicorn[0])
+        .args(&gunicorn[1..])
         .arg("--version")
         .uid(account.uid)
         .gid(account.gid)
@@ -364,9 +376,8 @@ fn assert_runs_as(servers: &AppServers, account: &Account) {
         Err(error) => error.to_string(),
     };
     panic!(
-        "{} does not run as {} ({why}): its virtualenv must be made from a python every user can \
-         run (/usr/bin/python3)",
-        servers.gunicorn.display(),
+        "{gunicorn:?} does not run as {} ({why}): its virtualenv must be made from a python every \
+         user can run (/usr/bin/python3)",
         account.name,
     );
 }
@@ -386,7 +397,8 @@ fn gunicorn_as_nobody_and_every_process_it_forks_hold_no_privilege_through_kills
         return;
     };
     let nobody = nobody();
-    assert_runs_as(&servers, &nobody);
+    let stage = Stage::new(&nobody);
+    assert_runs_as(&stage, &servers);
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let config = format!(
         "{base}\n[service.{SERVICE}]\ncount = 2\nuser = \"nobody\"\npass_socket = true\n\
@@ -396,9 +408,9 @@ fn gunicorn_as_nobody_and_every_process_it_forks_hold_no_privilege_through_kills
             "register_timeout_ms = 20000\n\n[envoy]",
             1
         ),
-        command = toml_array(&gunicorn_command(&servers.gunicorn)),
+        command = toml_array(&stage.gunicorn_command(&servers.gunicorn)),
     );
-    let mut supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let mut supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     // gunicorn's arbiter, and the worker it forked to answer (ready means it answered).
@@ -482,12 +494,14 @@ fn claim(line: &str) -> (u32, u32, String) {
 #[test]
 fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_refused() {
     let nobody = nobody();
+    let stage = Stage::new(&nobody);
+    let register_as = register_as(&stage);
     let config = format!(
         "{}\n[service.web]\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n\n\
          [service.imp]\nuser = \"nobody\"\ncommand = {}\n",
         supervisor_table("sampler = \"off\""),
         toml_array(&[
-            REGISTER_AS,
+            register_as.as_str(),
             "--stay",
             "120",
             // On its own socket: the other service's slot, then another slot of its own service.
@@ -497,7 +511,7 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
             "{dir}/peregrine.sock.web.workers,web,0",
         ]),
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
     let web = ready_workers(&supervisor, "web", 1)[&0];
     assert_unprivileged(web, &nobody);
 
@@ -529,7 +543,7 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
     // A nobody process that is no worker: refused on the worker socket, whatever pid it claims,
     // and it cannot open the control socket at all.
     let web_socket = worker_socket(&supervisor, "web").display().to_string();
-    let mut stranger = Command::new(REGISTER_AS);
+    let mut stranger = Command::new(&register_as);
     stranger.args([
         format!("{web_socket},web,0"),
         format!("{web_socket},web,0,{web}"),
@@ -569,7 +583,8 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
 
 #[test]
 fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_control_socket() {
-    let peregrine = peregrine_path().display().to_string();
+    let stage = Stage::new(&nobody());
+    let peregrine = stage.program(&peregrine_path()).display().to_string();
     // A worker of the supervisor's own user asks for a restart of every service, through its own
     // control socket, and says what it got.
     let ask = "\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" > \"$2/ctl.out\" 2>&1 & \
@@ -596,7 +611,7 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
             "{dir}/peregrine.sock"
         ]),
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
     let web = ready_workers(&supervisor, "web", 2);
 
     let asked = logged_line(&supervisor, "ctl asked for a restart: ");
@@ -636,8 +651,9 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
 
 #[test]
 fn a_nobody_worker_cannot_read_the_tls_keys_tls_init_wrote() {
-    let dir = peregrine_e2e::TempDir::new().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let stage = Stage::new(&nobody());
+    // A directory the worker may enter: only the keys' own mode may stop it.
+    let dir = stage.open_temp_dir("peregrine-tls-");
     let pki = dir.path().join("pki");
     peregrine_tls_init(&peregrine_path(), &pki, &[]);
     std::fs::set_permissions(&pki, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -683,7 +699,7 @@ fn a_nobody_worker_cannot_read_the_tls_keys_tls_init_wrote() {
         control_plane_tables(&pki),
         toml_array(&command),
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
     for key in &keys {
         let line = logged_line(&supervisor, &format!("probe read {}:", key.display()));
         assert!(line.contains("Permission denied"), "{line}");
@@ -708,7 +724,8 @@ fn a_nobody_gunicorn_serves_port_80_on_the_listener_the_supervisor_passes() {
         return;
     };
     let nobody = nobody();
-    assert_runs_as(&servers, &nobody);
+    let stage = Stage::new(&nobody);
+    assert_runs_as(&stage, &servers);
     let network = Network::create(&["web"]).expect("a network namespace");
     let host = network.host("web");
     // In a fresh namespace only a privileged process may bind a port below 1024.
@@ -726,9 +743,9 @@ fn a_nobody_gunicorn_serves_port_80_on_the_listener_the_supervisor_passes() {
         "{}\n[service.app]\nurl = \"http://127.0.0.1:80\"\nuser = \"nobody\"\npass_socket = true\n\
          ready_path = \"/healthz\"\ncommand = {}\n",
         supervisor_table("sampler = \"procfs\"\nregister_timeout_ms = 20000"),
-        toml_array(&gunicorn_command(&servers.gunicorn)),
+        toml_array(&stage.gunicorn_command(&servers.gunicorn)),
     );
-    let supervisor = Supervisor::start_open_to_workers(&host.wrapper(), &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &host.wrapper(), &config);
     let pid = ready_workers(&supervisor, "app", 1)[&0];
     let (status, body) = host
         .run(|| http_get(SocketAddr::from(([127, 0, 0, 1], 80)), "/"))
@@ -786,7 +803,7 @@ fn one_built_in_worker_cannot_change_another_workers_request_count() {
         "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n",
         supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody()), &[], &config);
     let pids = ready_workers(&supervisor, "web", 2);
     let (a, b) = (Counter::of(pids[&0]), Counter::of(pids[&1]));
     for counter in [&a, &b] {
@@ -864,9 +881,10 @@ fn the_procfs_sampler_reads_a_nobody_workers_cpu_time() {
         "{}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\nuser = \"nobody\"\n",
         supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
     );
-    let supervisor = Supervisor::start_open_to_workers(&[], &config);
+    let nobody = nobody();
+    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody), &[], &config);
     let pid = ready_workers(&supervisor, "web", 1)[&0];
-    assert_unprivileged(pid, &nobody());
+    assert_unprivileged(pid, &nobody);
     let cpu = |status: &Value| rows(status, "web")[&0]["cpu_seconds_total"].as_f64();
     let before = wait_for_status(&supervisor, "a first sample", |s| cpu(s).is_some());
     let before = cpu(&before).unwrap();
