@@ -78,9 +78,27 @@ fn the_unit_passes_systemd_analyze_verify() {
     assert!(output.status.success() && said.trim().is_empty(), "{said}");
 }
 
+/// The config the package installs, as `peregrine check` on a host with the package would read it:
+/// its service runs as the `peregrine` system user the package makes; on a machine without that user
+/// (this one, unless the package is installed), a copy in `dir` names `nobody` instead.
+fn installed_config(dir: &Path) -> std::path::PathBuf {
+    let config = workspace_root().join("packaging/peregrine.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let line = "user = \"peregrine\"";
+    assert!(text.lines().any(|l| l == line), "{text}");
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    if passwd.lines().any(|l| l.starts_with("peregrine:")) {
+        return config;
+    }
+    let copy = dir.join("peregrine.toml");
+    std::fs::write(&copy, text.replace(line, "user = \"nobody\"")).unwrap();
+    copy
+}
+
 #[test]
 fn the_installed_config_checks_and_puts_the_socket_in_the_units_runtime_directory() {
-    let config = workspace_root().join("packaging/peregrine.toml");
+    let dir = TempDir::new().unwrap();
+    let config = installed_config(dir.path());
     let output = Command::new(peregrine_path())
         .arg("check")
         .arg(&config)

@@ -1,18 +1,31 @@
 //! What the supervisor warns of at start about its workers' privileges: a service whose workers run
-//! as root, and a private key that a service's user may read.
+//! as root, a private key that a service's user may read, and workers that would bind a privileged
+//! port without the capability to.
 //!
-//! Both are the operator's to fix, and neither stops a start (a demo runs as root, and a key's mode is
-//! the file's owner's business), so they are warnings, once per start and per reload.
+//! Each is the operator's to fix, and none stops a start (a demo runs as root, a key's mode is the
+//! file's owner's business, the unprivileged port range a sysctl that may change), so they are
+//! warnings, once per start and per reload.
 
 use std::{os::unix::fs::MetadataExt, path::Path};
 
+use peregrine_contract::url::BindUrl;
+
 use crate::config::{Account, Config};
 
-/// Logs a warning for each service whose workers run as root, and for each private key in `config`
-/// that the workers of a service with a `user` could read.
+/// Logs a warning for each service whose workers run as root, for each private key in `config` that
+/// the workers of a service with a `user` could read, and for each service whose workers would bind a
+/// privileged port themselves.
 pub(super) fn warn(config: &Config) {
     let root = rustix::process::geteuid().is_root();
+    let unprivileged_from = unprivileged_port_start();
     for service in config.services.values() {
+        if let BindUrl::Tcp { port, .. } = service.url_for(0)
+            && !service.pass_socket
+            && port != 0
+            && port < unprivileged_from
+        {
+            tracing::warn!(service = %service.name, port, "These workers bind a privileged port themselves, and hold no capability to: set pass_socket = true (the supervisor binds it and passes it), or use a port from {unprivileged_from}");
+        }
         match &service.account {
             None if root => {
                 tracing::warn!(service = %service.name, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys; set `user` in [service.{}]", service.name);
@@ -27,6 +40,15 @@ pub(super) fn warn(config: &Config) {
             }
         }
     }
+}
+
+/// The lowest port a process without CAP_NET_BIND_SERVICE may bind in this network namespace
+/// (`net.ipv4.ip_unprivileged_port_start`, 1024 unless lowered).
+fn unprivileged_port_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(1024)
 }
 
 /// The private keys a config names, each with what it is.
