@@ -73,6 +73,11 @@ count = 2
 {user}"#
     ));
     let envoy = Envoy::start(&supervisor.envoy_bootstrap()?);
+    // The supervisor starts listening once its sampler is loaded and its workers are on their way:
+    // subscribe only then.
+    try_wait_until(DEADLINE, "the supervisor's gRPC port", || {
+        std::net::TcpStream::connect(("127.0.0.1", grpc)).ok()
+    })?;
     let pushes = subscribe(grpc);
     let envoy_hostnames = || -> BTreeSet<String> {
         hosts(&envoy.clusters(), "cluster")
