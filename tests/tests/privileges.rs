@@ -360,9 +360,12 @@ fn deployed<'a>(
 fn assert_runs_as(stage: &Stage, servers: &AppServers) {
     let account = stage.account();
     let gunicorn = stage.gunicorn(&servers.gunicorn);
+    // From a directory the account may enter, as the supervisor starts its workers: gunicorn
+    // changes to its working directory when it starts, and the test's own may be in the checkout.
     let ran = Command::new(&gunicorn[0])
         .args(&gunicorn[1..])
         .arg("--version")
+        .current_dir(stage.dir())
         .uid(account.uid)
         .gid(account.gid)
         .output();
@@ -627,11 +630,20 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
         refusal_logged(&supervisor.logs(), 0, child).then_some(())
     });
 
+    // `peregrine` itself ran and said so: not a shell that could not execute it.
     let status_line = logged_line(&supervisor, "nobody asked for the status: ");
     assert_ne!(exit_code(&status_line), 0, "{status_line}");
-    assert!(status_line.contains("Permission denied"), "{status_line}");
+    assert!(
+        status_line.contains("cannot ask the supervisor")
+            && status_line.contains("Permission denied"),
+        "{status_line}"
+    );
     let restart_line = logged_line(&supervisor, "nobody asked for a restart: ");
     assert_ne!(exit_code(&restart_line), 0, "{restart_line}");
+    assert!(
+        restart_line.contains("registrations only"),
+        "{restart_line}"
+    );
 
     // No worker was replaced: not web's, not the one that asked.
     let status = supervisor.status_json().unwrap();
