@@ -77,8 +77,11 @@ const server = http.createServer((req, res) => {
 process.on('SIGTERM', () => {
   closing = true;
   server.close(() => process.exit(0));
+  // A connection busy at the signal is answered with `Connection: close`; one that turns idle
+  // without another request (a response that was already on its way) is closed on the next pass.
   if (server.closeIdleConnections) {
     server.closeIdleConnections();
+    setInterval(() => server.closeIdleConnections(), 100).unref();
   }
 });
 
