@@ -254,6 +254,10 @@ pub struct GrpcLimits {
     /// what the open-file limit leaves after a reserve for workers and the control socket. Each Envoy
     /// holds one connection for xDS and one per ORCA worker.
     pub max_connections: usize,
+    /// The most connections open at once from one address (`grpc_max_connections_per_peer`, 1024),
+    /// no more than the cap in effect. A connection over it takes the slot of that address's oldest
+    /// connection that has not proved itself a client, else it is refused.
+    pub max_connections_per_peer: usize,
     /// How long a new connection has to send the HTTP/2 preface (`grpc_handshake_timeout_ms`, 10 s).
     pub handshake_timeout: Duration,
     /// How long a connection may stay open without a stream (`grpc_idle_timeout_ms`, 60 s). Envoy's
@@ -265,6 +269,7 @@ impl Default for GrpcLimits {
     fn default() -> Self {
         GrpcLimits {
             max_connections: 8192,
+            max_connections_per_peer: 1024,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
         }

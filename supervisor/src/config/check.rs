@@ -478,6 +478,12 @@ impl Checker<'_> {
         {
             grpc.max_connections = n;
         }
+        if let Some(max) = raw.grpc_max_connections_per_peer
+            && let Some(n) =
+                self.at_least(&max, "supervisor.grpc_max_connections_per_peer", 1, "")
+        {
+            grpc.max_connections_per_peer = n;
+        }
         Some(SupervisorConfig {
             bind: bind?,
             metrics: metrics?,
@@ -824,14 +830,15 @@ count = 0
     #[test]
     fn grpc_limits() {
         let config = parse(
-            "[supervisor]\ngrpc_max_connections = 100\ngrpc_handshake_timeout_ms = 500\n\
-             grpc_idle_timeout_ms = 2000\n[service.a]\n",
+            "[supervisor]\ngrpc_max_connections = 100\ngrpc_max_connections_per_peer = 10\n\
+             grpc_handshake_timeout_ms = 500\ngrpc_idle_timeout_ms = 2000\n[service.a]\n",
         )
         .unwrap();
         assert_eq!(
             config.supervisor.grpc,
             GrpcLimits {
                 max_connections: 100,
+                max_connections_per_peer: 10,
                 handshake_timeout: Duration::from_millis(500),
                 idle_timeout: Duration::from_secs(2),
             }
@@ -839,6 +846,13 @@ count = 0
         let got = problems("[supervisor]\ngrpc_max_connections = 0\n[service.a]\n");
         assert!(
             got[0].starts_with("line 2: supervisor.grpc_max_connections"),
+            "{got:?}"
+        );
+        let got = problems("[supervisor]\n\ngrpc_max_connections_per_peer = 0\n[service.a]\n");
+        assert!(
+            got[0].starts_with(
+                "line 3: supervisor.grpc_max_connections_per_peer: must be at least 1"
+            ),
             "{got:?}"
         );
     }

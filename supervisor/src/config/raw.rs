@@ -102,6 +102,7 @@ pub(super) struct RawSupervisor {
     pub(super) register_timeout_ms: Option<Spanned<i64>>,
     pub(super) orphan_timeout_ms: Option<Spanned<i64>>,
     pub(super) grpc_max_connections: Option<Spanned<i64>>,
+    pub(super) grpc_max_connections_per_peer: Option<Spanned<i64>>,
     pub(super) grpc_handshake_timeout_ms: Option<Spanned<i64>>,
     pub(super) grpc_idle_timeout_ms: Option<Spanned<i64>>,
     pub(super) tls: Option<Spanned<RawServerTls>>,

@@ -566,7 +566,7 @@ impl fmt::Display for Refusal {
                 detail,
             } => write!(
                 f,
-                "its certificate {} is not acceptable: {detail}",
+                "it presented {}, which is not acceptable: {detail}",
                 presented(p)
             ),
             Refusal::ClientRefusedOurs(alert) => write!(
@@ -755,6 +755,25 @@ mod tests {
             panic!("{result:?}");
         };
         assert!(refusal.to_string().contains("CN=old-envoy"), "{refusal}");
+
+        // A server's certificate from the right CA, presented as a client's.
+        let wrong_use = plane.ca.leaf("a-server", Usage::Server);
+        let wrong_use = wrong_use.write(dir.path(), "wrong-use");
+        let (result, _) = handshake(
+            &tls,
+            Some(client(&plane, Some((&wrong_use.0, &wrong_use.1)))),
+        )
+        .await;
+        let Err(refusal @ Refusal::BadCertificate { .. }) = &result else {
+            panic!("{result:?}");
+        };
+        let text = refusal.to_string();
+        assert!(
+            text.starts_with("it presented certificate \"CN=a-server\"")
+                && text.contains(", which is not acceptable: ")
+                && !text.contains("certificate certificate"),
+            "{text}"
+        );
 
         let (result, _) = handshake(&tls, None).await;
         assert_eq!(result, Err(Refusal::NotTls { http2: true }));
