@@ -3,7 +3,8 @@
 //!
 //! etcd holds **membership** only (hosts, workers, addresses, locality, state), which changes slowly;
 //! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
-//! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session;
+//! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session, which
+//! reads the range in pages ([`listing`]) and pauses between failed sessions ([`backoff`]);
 //! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know;
 //! [`preflight`] is the check against etcd before any worker starts.
 //!
@@ -11,7 +12,9 @@
 //! it, the other hosts' view ([`crate::registry::Registry::set_fleet`]), and reads this host's
 //! workers from its snapshots; xDS and status read the merged view as they read the rest.
 
+pub mod backoff;
 pub mod drains;
+pub mod listing;
 pub mod membership;
 pub mod preflight;
 pub mod records;

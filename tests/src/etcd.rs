@@ -99,7 +99,15 @@ pub struct Etcd {
 impl Etcd {
     /// Starts a single-member cluster on `127.0.0.1` and waits until it answers healthy.
     pub fn start() -> anyhow::Result<Etcd> {
-        let cluster = EtcdCluster::start(Ipv4Addr::LOCALHOST.into(), 1)?;
+        Self::start_with_args(&[])
+    }
+
+    /// Like [`Etcd::start`], with more command-line arguments for the member (e.g.
+    /// `--max-request-bytes`).
+    pub fn start_with_args(args: &[&str]) -> anyhow::Result<Etcd> {
+        let mut cluster = EtcdCluster::unstarted(&[], Ipv4Addr::LOCALHOST.into(), 1, None)?;
+        cluster.args = args.iter().map(|s| (*s).to_owned()).collect();
+        cluster.start_members()?;
         Ok(Etcd { cluster })
     }
 
@@ -122,6 +130,8 @@ pub struct EtcdCluster {
     ip: IpAddr,
     /// The program and arguments every member is started through (empty: none).
     wrapper: Vec<String>,
+    /// More arguments for every member.
+    args: Vec<String>,
     members: Vec<Member>,
     /// `name=peer-url,...`: every member's peer URL.
     initial_cluster: String,
@@ -169,6 +179,26 @@ impl EtcdCluster {
         size: usize,
         tls: Option<EtcdTls>,
     ) -> anyhow::Result<EtcdCluster> {
+        let mut cluster = Self::unstarted(wrapper, ip, size, tls)?;
+        cluster.start_members()?;
+        Ok(cluster)
+    }
+
+    /// Every member started, and healthy.
+    fn start_members(&mut self) -> anyhow::Result<()> {
+        for index in 0..self.size() {
+            self.spawn(index)?;
+        }
+        self.wait_healthy()
+    }
+
+    /// The cluster, its members not started yet.
+    fn unstarted(
+        wrapper: &[&str],
+        ip: IpAddr,
+        size: usize,
+        tls: Option<EtcdTls>,
+    ) -> anyhow::Result<EtcdCluster> {
         anyhow::ensure!(size > 0, "a cluster has members");
         let dir = tempfile::Builder::new()
             .prefix("peregrine-etcd-")
@@ -188,19 +218,15 @@ impl EtcdCluster {
             .map(|m| format!("{}={}", m.name, url(ip, m.peer_port)))
             .collect::<Vec<_>>()
             .join(",");
-        let mut cluster = EtcdCluster {
+        Ok(EtcdCluster {
             ip,
             wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
+            args: Vec::new(),
             members,
             initial_cluster,
             tls,
             dir,
-        };
-        for index in 0..size {
-            cluster.spawn(index)?;
-        }
-        cluster.wait_healthy()?;
-        Ok(cluster)
+        })
     }
 
     /// The number of members, running or not.
@@ -378,7 +404,8 @@ impl EtcdCluster {
             // Read on the first start only: a member started again goes by its data directory.
             .args(["--initial-cluster-state", "new"])
             .args(["--initial-cluster-token", "peregrine-e2e"])
-            .args(["--log-level", "warn"]);
+            .args(["--log-level", "warn"])
+            .args(&self.args);
         if let Some(tls) = &self.tls {
             command
                 .arg("--cert-file")
@@ -397,6 +424,100 @@ impl EtcdCluster {
         };
         member.process = Some(ChildGuard::spawn(&name, &mut command, self.dir.path())?);
         Ok(())
+    }
+}
+
+/// A client of an etcd for tests that write a fleet's keys themselves, as a host or an intruder
+/// would: blocking calls, on a runtime of its own.
+pub struct EtcdClient {
+    runtime: tokio::runtime::Runtime,
+    client: etcd_client::Client,
+}
+
+impl std::fmt::Debug for EtcdClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdClient").finish_non_exhaustive()
+    }
+}
+
+/// The most operations etcd takes in one transaction (`--max-txn-ops`, 128 by default).
+const TXN_OPS: usize = 128;
+
+impl EtcdClient {
+    /// A client of the cleartext endpoint `endpoint` (`http://IP:PORT`).
+    pub fn connect(endpoint: &str) -> anyhow::Result<EtcdClient> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let options = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(30));
+        let client = runtime.block_on(etcd_client::Client::connect([endpoint], Some(options)))?;
+        Ok(EtcdClient { runtime, client })
+    }
+
+    /// A lease of `ttl` (whole seconds), not kept alive: choose it longer than the test.
+    pub fn grant(&self, ttl: Duration) -> anyhow::Result<i64> {
+        let mut client = self.client.clone();
+        let granted = self
+            .runtime
+            .block_on(client.lease_grant(ttl.as_secs() as i64, None))?;
+        Ok(granted.id())
+    }
+
+    /// Revokes `lease`: every key under it is deleted, at one revision.
+    pub fn revoke(&self, lease: i64) -> anyhow::Result<()> {
+        let mut client = self.client.clone();
+        self.runtime.block_on(client.lease_revoke(lease))?;
+        Ok(())
+    }
+
+    /// Puts `value` at `key`, attached to `lease` (0: none).
+    pub fn put(&self, key: &str, value: impl Into<Vec<u8>>, lease: i64) -> anyhow::Result<()> {
+        let mut client = self.client.clone();
+        let options = (lease != 0).then(|| etcd_client::PutOptions::new().with_lease(lease));
+        self.runtime.block_on(client.put(key, value, options))?;
+        Ok(())
+    }
+
+    /// Puts every key and value, attached to `lease` (0: none), as many to a transaction as etcd
+    /// takes.
+    pub fn put_all(&self, kvs: &[(String, String)], lease: i64) -> anyhow::Result<()> {
+        let mut client = self.client.clone();
+        self.runtime.block_on(async {
+            for chunk in kvs.chunks(TXN_OPS) {
+                let ops = chunk
+                    .iter()
+                    .map(|(key, value)| {
+                        let options =
+                            (lease != 0).then(|| etcd_client::PutOptions::new().with_lease(lease));
+                        etcd_client::TxnOp::put(key.as_str(), value.as_str(), options)
+                    })
+                    .collect::<Vec<_>>();
+                client.txn(etcd_client::Txn::new().and_then(ops)).await?;
+            }
+            anyhow::Ok(())
+        })
+    }
+
+    /// Deletes every key under `prefix`; returns how many there were.
+    pub fn delete_prefix(&self, prefix: &str) -> anyhow::Result<i64> {
+        let mut client = self.client.clone();
+        let options = etcd_client::DeleteOptions::new().with_prefix();
+        let deleted = self
+            .runtime
+            .block_on(client.delete(prefix, Some(options)))?;
+        Ok(deleted.deleted())
+    }
+
+    /// How many keys there are under `prefix`.
+    pub fn count_prefix(&self, prefix: &str) -> anyhow::Result<i64> {
+        let mut client = self.client.clone();
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        let counted = self.runtime.block_on(client.get(prefix, Some(options)))?;
+        Ok(counted.count())
     }
 }
 

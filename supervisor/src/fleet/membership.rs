@@ -23,14 +23,16 @@ use std::{
 };
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    Txn, TxnOp, WatchOptions,
+    Client, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+    WatchOptions,
 };
 use tokio::{sync::watch, time::Instant};
 
 use super::{
+    backoff::Backoff,
     drains::FleetDrains,
-    records::{self, AcksRecord, Identity, KeyKind, Keys},
+    listing::{self, Listed},
+    records::{self, AcksRecord, Identity, KeyKind, Keys, Stored},
 };
 use peregrine_contract::ErrorChain;
 
@@ -41,8 +43,13 @@ use crate::{
     xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
 
-/// The longest pause between two attempts to reach etcd.
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// The longest pause between two sessions while this host holds no lease (while it holds one, the
+/// next session must come within a third of its TTL: see [`Membership::run`]).
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// The largest watch message read: one revision's events come in one message, and a host whose
+/// lease expires deletes every key of it at one revision (16,384 workers: about 1.5 MB of keys).
+const WATCH_DECODE_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Why a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +121,8 @@ pub struct Membership {
     lease: Option<HeldLease>,
     /// Which of the etcd endpoints the next session talks to (modulo their count).
     endpoint: usize,
+    /// Whether the last session joined the fleet (listed the range and watched it).
+    joined: bool,
 }
 
 impl Membership {
@@ -139,6 +148,7 @@ impl Membership {
             lease: None,
             // Hosts start on different members, so that a fleet spreads over its etcd cluster.
             endpoint: spread(&cluster_host),
+            joined: false,
         }
     }
 
@@ -151,7 +161,7 @@ impl Membership {
             grpc_port: self.grpc_port,
         };
         let unavailable = Throttle::new(Duration::from_secs(10));
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(spread(&me.host) as u64);
         self.registry.set_fleet_status(FleetStatus {
             host: me.host.clone(),
             etcd: EtcdState::Connecting,
@@ -162,6 +172,9 @@ impl Membership {
         loop {
             let ended = self.session(&keys, &me, &mut stop).await;
             self.drains.set_connected(false);
+            if std::mem::take(&mut self.joined) {
+                backoff.reset();
+            }
             if ended.is_err() {
                 // The next session tries the next member: one that died or was cut off is left
                 // at once instead of being dialed again.
@@ -171,7 +184,7 @@ impl Membership {
                 Ok(()) => return,
                 Err(SessionError::LeaseLost) => {
                     tracing::warn!(host = %me.host, "The fleet lease expired: putting this host's keys back under a new one");
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                     continue;
                 }
                 Err(error) => {
@@ -196,15 +209,22 @@ impl Membership {
                     }
                 }
             }
+            // While the lease lives, never longer than a third of its TTL: a session that broke must
+            // come back while its lease does, or this host's workers leave every other host's view
+            // (each session renews the lease before it lists anything). Without a lease there is
+            // nothing to keep, and the pauses grow to MAX_BACKOFF: sessions that keep failing (etcd
+            // overloaded, a member refusing) are not repeated every second. A listing no longer
+            // fails for what the range holds: it is paged, and an oversized record is skipped.
+            let cap = match self.lease {
+                Some(held) if held.expires > Instant::now() => {
+                    (self.cluster.lease_ttl / 3).min(MAX_BACKOFF)
+                }
+                _ => MAX_BACKOFF,
+            };
             tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(backoff.next(cap)) => {}
                 () = stopped(&mut stop) => return,
             }
-            // Never longer than a third of the TTL: a session that broke must come back while its
-            // lease still lives.
-            backoff = (backoff * 2)
-                .min(MAX_BACKOFF)
-                .min(self.cluster.lease_ttl / 3);
         }
     }
 
@@ -244,27 +264,32 @@ impl Membership {
         let mut published = Published::default();
         self.publish(&mut client, keys, me, lease, &mut published)
             .await?;
-        let listing = client
-            .get(keys.root(), Some(GetOptions::new().with_prefix()))
-            .await?;
-        let revision = listing.header().map_or(0, |h| h.revision());
-        let mut range: BTreeMap<String, String> = listing
-            .kvs()
-            .iter()
-            .filter_map(|kv| {
-                Some((
-                    kv.key_str().ok()?.to_owned(),
-                    kv.value_str().ok()?.to_owned(),
-                ))
-            })
-            .collect();
+        let mut range: BTreeMap<String, Stored> = BTreeMap::new();
+        let revision = listing::list_prefix(&client, keys.root(), |listed| {
+            let (kv, stored) = match listed {
+                Listed::Record(kv) => (kv, Stored::new(kv.value(), kv.lease(), kv.mod_revision())),
+                Listed::Unreadable(kv) => (kv, Stored::unreadable(kv.lease(), kv.mod_revision())),
+            };
+            // Only the layout's keys are kept: nothing else is read.
+            if let Ok(key) = kv.key_str()
+                && keys.kind(key).is_some()
+            {
+                range.insert(key.to_owned(), stored);
+            }
+        })
+        .await?;
         let mut fleet = Fleet::new();
         self.apply(keys, me, &range, &mut fleet, None);
         self.drains.set_connected(true);
         self.report_hosts(keys, me, &range, &fleet);
         // Whoever waits on this host's acks gets them once for the view just listed.
         let mut ack_due = Some((self.registry.snapshot().revision, revision));
+        // One revision's events come in one message (a host whose lease expires: one delete per
+        // key); the limit is far above any of ordinary size. A message over it ends the session, and
+        // the next one lists the range again, in pages.
         let mut watch = client
+            .watch_client()
+            .max_decoding_message_size(WATCH_DECODE_LIMIT)
             .watch(
                 keys.root(),
                 Some(
@@ -285,6 +310,7 @@ impl Membership {
                 .map(|s| s.conflicts)
                 .unwrap_or_default(),
         });
+        self.joined = true;
         tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
         let mut renew = tokio::time::interval(ttl / 3);
         let mut options_open = true;
@@ -353,7 +379,11 @@ impl Membership {
                     for event in message.events() {
                         let Some(kv) = event.kv() else { continue };
                         let Ok(key) = kv.key_str() else { continue };
-                        match keys.kind(key) {
+                        let kind = keys.kind(key);
+                        if kind.is_none() {
+                            continue;
+                        }
+                        match kind {
                             Some(
                                 KeyKind::Host(host)
                                 | KeyKind::Worker { host, .. }
@@ -365,12 +395,13 @@ impl Membership {
                         }
                         match event.event_type() {
                             EventType::Put => {
-                                if let Ok(value) = kv.value_str() {
-                                    if records::is_remote_drain(keys, &me.host, key, value) {
-                                        drain_at = drain_at.max(Some(kv.mod_revision()));
-                                    }
-                                    range.insert(key.to_owned(), value.to_owned());
+                                let stored = Stored::new(kv.value(), kv.lease(), kv.mod_revision());
+                                if let Ok(value) = stored.text()
+                                    && records::is_remote_drain(keys, &me.host, key, value)
+                                {
+                                    drain_at = drain_at.max(Some(kv.mod_revision()));
                                 }
+                                range.insert(key.to_owned(), stored);
                             }
                             EventType::Delete => {
                                 range.remove(key);
@@ -531,7 +562,7 @@ impl Membership {
         &self,
         keys: &Keys,
         me: &Identity,
-        range: &BTreeMap<String, String>,
+        range: &BTreeMap<String, Stored>,
         fleet: &Fleet,
     ) {
         let hosts = fleet
@@ -541,7 +572,7 @@ impl Membership {
                 let key = keys.acks(host);
                 let acked = range
                     .get_key_value(&key)
-                    .map(|(k, v)| (k.as_str(), v.as_str()));
+                    .and_then(|(k, v)| Some((k.as_str(), v.text().ok()?)));
                 let revision = records::acks_from(keys, &me.host, acked).remove(host);
                 (host.clone(), revision)
             })
@@ -556,13 +587,14 @@ impl Membership {
         &self,
         keys: &Keys,
         me: &Identity,
-        range: &BTreeMap<String, String>,
+        range: &BTreeMap<String, Stored>,
         fleet: &mut Fleet,
         touched: Option<&BTreeSet<String>>,
     ) {
         let skipped = match touched {
             None => {
-                let (all, skipped) = records::fleet_from(keys, &me.host, range.iter().map(as_strs));
+                let (all, skipped) =
+                    records::fleet_from(keys, &me.host, range.iter().map(as_stored));
                 *fleet = all;
                 skipped
             }
@@ -577,7 +609,7 @@ impl Membership {
                                 .range(prefix.clone()..)
                                 .take_while(move |(k, _)| k.starts_with(&prefix))
                         })
-                        .map(as_strs);
+                        .map(as_stored);
                     let (mut one, mut bad) = records::fleet_from(keys, &me.host, own);
                     skipped.append(&mut bad);
                     match one.remove(host) {
@@ -639,9 +671,9 @@ fn spread(host: &str) -> usize {
     })
 }
 
-/// A key and value of the range, borrowed.
-fn as_strs<'a>((key, value): (&'a String, &'a String)) -> (&'a str, &'a str) {
-    (key, value)
+/// A key of the range and its record, borrowed.
+fn as_stored<'a>((key, stored): (&'a String, &'a Stored)) -> (&'a str, &'a Stored) {
+    (key, stored)
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

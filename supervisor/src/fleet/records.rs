@@ -33,6 +33,10 @@ use crate::{
 /// The layout's version: a new layout gets a new one, and old supervisors do not read it.
 const LAYOUT: &str = "v1";
 
+/// The largest record read: a worker record is about 200 bytes, a host's about 60. A value over it
+/// is skipped with its size as the reason, and never kept.
+pub const MAX_RECORD_BYTES: usize = 64 * 1024;
+
 /// The keys of one fleet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Keys {
@@ -285,9 +289,82 @@ pub fn own_records(
     records
 }
 
+/// One key of the fleet's range as a supervisor keeps it: its value (unless it is over
+/// [`MAX_RECORD_BYTES`]), the lease it is attached to (0: none) and the etcd revision it was last
+/// written at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The value.
+    pub value: StoredValue,
+    /// The lease the key is attached to; 0 for none.
+    pub lease: i64,
+    /// The revision of the key's last write (`mod_revision`).
+    pub revision: i64,
+}
+
+/// The value of a [`Stored`] key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoredValue {
+    /// Text, as written.
+    Text(Box<str>),
+    /// Over [`MAX_RECORD_BYTES`]: its size, if it could be read at all.
+    TooLarge(Option<usize>),
+    /// Not UTF-8.
+    NotUtf8,
+}
+
+impl Stored {
+    /// `value`, attached to `lease`, written at `revision`.
+    pub fn new(value: &[u8], lease: i64, revision: i64) -> Stored {
+        let value = if value.len() > MAX_RECORD_BYTES {
+            StoredValue::TooLarge(Some(value.len()))
+        } else {
+            match std::str::from_utf8(value) {
+                Ok(text) => StoredValue::Text(text.into()),
+                Err(_) => StoredValue::NotUtf8,
+            }
+        };
+        Stored {
+            value,
+            lease,
+            revision,
+        }
+    }
+
+    /// A key whose value was too large to be read at all.
+    pub fn unreadable(lease: i64, revision: i64) -> Stored {
+        Stored {
+            value: StoredValue::TooLarge(None),
+            lease,
+            revision,
+        }
+    }
+
+    /// The value as text, or why there is none.
+    pub fn text(&self) -> Result<&str, RecordError> {
+        match &self.value {
+            StoredValue::Text(text) => Ok(text),
+            StoredValue::TooLarge(bytes) => Err(RecordError::TooLarge { bytes: *bytes }),
+            StoredValue::NotUtf8 => Err(RecordError::NotUtf8),
+        }
+    }
+}
+
 /// Why a record of another host was skipped.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RecordError {
+    /// Over [`MAX_RECORD_BYTES`].
+    #[error("{}over the {MAX_RECORD_BYTES}-byte limit of a record", match bytes {
+        Some(bytes) => format!("{bytes} bytes, "),
+        None => "too large to read, ".to_owned(),
+    })]
+    TooLarge {
+        /// Its size, if it could be read.
+        bytes: Option<usize>,
+    },
+    /// Not UTF-8, so not JSON.
+    #[error("not UTF-8")]
+    NotUtf8,
     /// Not JSON of the expected shape.
     #[error("not a {what} record: {reason}")]
     Shape {
@@ -377,74 +454,91 @@ pub fn acks_from<'a>(
         .collect()
 }
 
-/// The other hosts of the fleet from every key and value of its range (`kvs`), leaving out `me`.
-/// Returns the fleet and the records skipped, with their keys and why.
+/// The other hosts of the fleet from every key of its range (`kvs`), leaving out `me`. Returns the
+/// fleet and the records skipped, with their keys and why.
 pub fn fleet_from<'a>(
     keys: &Keys,
     me: &str,
-    kvs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    kvs: impl IntoIterator<Item = (&'a str, &'a Stored)>,
 ) -> (Fleet, Vec<(String, RecordError)>) {
     let mut fleet: BTreeMap<String, RemoteHost> = BTreeMap::new();
     let mut skipped = Vec::new();
-    for (key, value) in kvs {
-        match keys.kind(key) {
-            Some(KeyKind::Host(host)) if host != me => {
-                match serde_json::from_str::<HostRecord>(value) {
-                    Ok(record) => {
-                        let remote = fleet.entry(host.to_owned()).or_default();
+    for (key, stored) in kvs {
+        let Some(kind) = keys.kind(key) else { continue };
+        let host = match kind {
+            KeyKind::Host(host) | KeyKind::Service { host, .. } | KeyKind::Worker { host, .. } => {
+                host
+            }
+            KeyKind::Acks(_) => continue,
+        };
+        if host == me {
+            continue;
+        }
+        let read = match stored.text() {
+            Ok(value) => match read_record(&kind, value) {
+                Some(read) => read,
+                None => continue,
+            },
+            Err(error) => Err(error),
+        };
+        match read {
+            Ok(record) => {
+                let remote = fleet.entry(host.to_owned()).or_default();
+                match record {
+                    Record::Host(record) => {
                         remote.locality = Locality {
                             region: record.region,
                             zone: record.zone,
                         };
                         remote.grpc_port = record.grpc_port;
                     }
-                    Err(e) => skipped.push((
-                        key.to_owned(),
-                        RecordError::Shape {
-                            what: "host",
-                            reason: e.to_string(),
-                        },
-                    )),
-                }
-            }
-            Some(KeyKind::Service { host, service }) if host != me => {
-                match serde_json::from_str::<ServiceRecord>(value) {
-                    Ok(record) => {
-                        fleet
-                            .entry(host.to_owned())
-                            .or_default()
-                            .services
-                            .insert(service.to_owned(), record.balancer);
+                    Record::Service(service, record) => {
+                        remote.services.insert(service, record.balancer);
                     }
-                    Err(e) => skipped.push((
-                        key.to_owned(),
-                        RecordError::Shape {
-                            what: "service",
-                            reason: e.to_string(),
-                        },
-                    )),
+                    Record::Worker(worker) => {
+                        let id = (worker.service.clone(), worker.index, worker.pid);
+                        remote.workers.insert(id, worker);
+                    }
                 }
             }
-            Some(KeyKind::Worker {
-                host,
-                service,
-                index,
-                pid,
-            }) if host != me => match remote_worker(service, index, pid, value) {
-                Ok(worker) => {
-                    fleet
-                        .entry(host.to_owned())
-                        .or_default()
-                        .workers
-                        .insert((service.to_owned(), index, pid), worker);
-                }
-                Err(error) => skipped.push((key.to_owned(), error)),
-            },
-            _ => {}
+            Err(error) => skipped.push((key.to_owned(), error)),
         }
     }
     let fleet = fleet.into_iter().map(|(h, r)| (h, Arc::new(r))).collect();
     (fleet, skipped)
+}
+
+/// A record of another host, read.
+enum Record {
+    Host(HostRecord),
+    Service(String, ServiceRecord),
+    Worker(RemoteWorker),
+}
+
+/// The record `value` at a key of `kind`; `None` for an acks key, which is no host's record.
+fn read_record(kind: &KeyKind<'_>, value: &str) -> Option<Result<Record, RecordError>> {
+    let shape = |what| {
+        move |e: serde_json::Error| RecordError::Shape {
+            what,
+            reason: e.to_string(),
+        }
+    };
+    let read = match *kind {
+        KeyKind::Host(_) => serde_json::from_str(value)
+            .map(Record::Host)
+            .map_err(shape("host")),
+        KeyKind::Service { service, .. } => serde_json::from_str(value)
+            .map(|record| Record::Service(service.to_owned(), record))
+            .map_err(shape("service")),
+        KeyKind::Worker {
+            service,
+            index,
+            pid,
+            ..
+        } => remote_worker(service, index, pid, value).map(Record::Worker),
+        KeyKind::Acks(_) => return None,
+    };
+    Some(read)
 }
 
 #[cfg(test)]
@@ -461,6 +555,28 @@ mod tests {
             },
             grpc_port: 18000,
         }
+    }
+
+    /// A host record.
+    const HOST: &str = r#"{"region":"r","zone":"z","grpc_port":18000}"#;
+    /// The lease every record of [`read`] is under.
+    const LEASE: i64 = 7;
+
+    fn as_strs<'a>((key, value): (&'a String, &'a String)) -> (&'a str, &'a str) {
+        (key, value)
+    }
+
+    /// [`fleet_from`] of `kvs`, each under [`LEASE`].
+    fn read<'a>(
+        keys: &Keys,
+        me: &str,
+        kvs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> (Fleet, Vec<(String, RecordError)>) {
+        let range: BTreeMap<String, Stored> = kvs
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), Stored::new(v.as_bytes(), LEASE, 1)))
+            .collect();
+        fleet_from(keys, me, range.iter().map(|(k, s)| (k.as_str(), s)))
     }
 
     #[test]
@@ -541,11 +657,7 @@ mod tests {
             3,
             "the host, its service and the one IP worker: {records:#?}"
         );
-        let (fleet, skipped) = fleet_from(
-            &keys,
-            "host-b",
-            records.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        );
+        let (fleet, skipped) = read(&keys, "host-b", records.iter().map(as_strs));
         assert!(skipped.is_empty(), "{skipped:?}");
         let host = &fleet["host-a"];
         assert_eq!(host.locality.zone, "z1");
@@ -565,11 +677,7 @@ mod tests {
         assert_eq!(worker.protocols, [Protocol::Http1, Protocol::Http2]);
         assert_eq!(worker.addresses.len(), 2);
         // A host never reads itself back as remote.
-        let (mine, _) = fleet_from(
-            &keys,
-            "host-a",
-            records.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        );
+        let (mine, _) = read(&keys, "host-a", records.iter().map(as_strs));
         assert!(mine.is_empty());
     }
 
@@ -621,10 +729,11 @@ mod tests {
     #[test]
     fn a_bad_record_is_skipped_with_its_reason() {
         let keys = Keys::new("/p");
-        let (fleet, skipped) = fleet_from(
+        let (fleet, skipped) = read(
             &keys,
             "me",
             [
+                ("/p/v1/hosts/b", HOST),
                 ("/p/v1/workers/b/web/0/1", "not json"),
                 (
                     "/p/v1/workers/b/web/1/2",
@@ -645,5 +754,38 @@ mod tests {
             }
         ));
         assert_eq!(fleet["b"].workers.len(), 1);
+    }
+
+    #[test]
+    fn a_record_over_the_limit_is_never_kept() {
+        let huge = vec![b'x'; MAX_RECORD_BYTES + 1];
+        let stored = Stored::new(&huge, LEASE, 3);
+        assert_eq!(
+            stored.value,
+            StoredValue::TooLarge(Some(MAX_RECORD_BYTES + 1))
+        );
+        assert_eq!(
+            stored.text().unwrap_err().to_string(),
+            "65537 bytes, over the 65536-byte limit of a record"
+        );
+        assert_eq!(
+            Stored::unreadable(LEASE, 3).text().unwrap_err().to_string(),
+            "too large to read, over the 65536-byte limit of a record"
+        );
+        assert_eq!(
+            Stored::new(b"\xff", LEASE, 3).text(),
+            Err(RecordError::NotUtf8)
+        );
+        let keys = Keys::new("/p");
+        let range = BTreeMap::from([
+            (
+                "/p/v1/hosts/b".to_string(),
+                Stored::new(HOST.as_bytes(), LEASE, 1),
+            ),
+            ("/p/v1/services/b/web".to_string(), stored),
+        ]);
+        let (fleet, skipped) = fleet_from(&keys, "me", range.iter().map(|(k, s)| (k.as_str(), s)));
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(fleet["b"].services.is_empty());
     }
 }
