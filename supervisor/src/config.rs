@@ -25,6 +25,7 @@ use std::{
     time::Duration,
 };
 
+use ipnet::IpNet;
 use peregrine_contract::url::BindUrl;
 
 pub mod account;
@@ -40,8 +41,14 @@ mod reference;
 use self::raw::RawConfig;
 pub use self::{
     account::{Account, Identity, can_switch_users, worker_socket},
-    balancing::{Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER},
-    check::{cluster::ENV_ETCD, tls::DEFAULT_SERVER_NAME},
+    balancing::{
+        Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER,
+        balancer_problem,
+    },
+    check::{
+        cluster::{ENV_ETCD, MAX_FLEET_SERVICE_NAME, fleet_name, fleet_service_name},
+        tls::DEFAULT_SERVER_NAME,
+    },
     error::{ConfigError, Problem},
     limits::{
         MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_SOCKET_PATH, MAX_TOTAL_WORKERS,
@@ -114,6 +121,9 @@ pub struct ClusterConfig {
     pub routing: Routing,
     /// `[cluster.tls]`: the etcd client's TLS; `None` only with `allow_insecure = true`.
     pub tls: Option<EtcdTlsConfig>,
+    /// The networks other hosts' workers may be at (`allowed_networks`); empty: any unicast
+    /// address but link-local ones.
+    pub allowed_networks: Vec<IpNet>,
 }
 
 /// A certificate chain and its private key: PEM files.

@@ -4,7 +4,8 @@
 //! etcd holds **membership** only (hosts, workers, addresses, locality, state), which changes slowly;
 //! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
 //! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session, which
-//! reads the range in pages ([`listing`]) and pauses between failed sessions ([`backoff`]);
+//! reads the range in pages ([`listing`]), logs each skipped record once ([`skipped`]) and pauses
+//! between failed sessions ([`backoff`]);
 //! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know;
 //! [`preflight`] is the check against etcd before any worker starts.
 //!
@@ -18,6 +19,7 @@ pub mod listing;
 pub mod membership;
 pub mod preflight;
 pub mod records;
+pub mod skipped;
 
 pub use drains::{FleetDrains, FleetOutcome};
 pub use membership::Membership;

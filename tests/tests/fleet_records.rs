@@ -4,11 +4,14 @@
 //! supervisor's view through `peregrine status`.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
-use peregrine_e2e::{Etcd, EtcdClient, Supervisor, etcd_or_skip, free_port, wait_until};
+use peregrine_e2e::{
+    Etcd, EtcdClient, Supervisor, etcd_or_skip, free_port, http_get, try_wait_until, wait_until,
+};
 
 /// The fleet's key prefix (the default).
 const PREFIX: &str = "/peregrine/v1";
@@ -20,8 +23,8 @@ const HOST_LEASE: Duration = Duration::from_secs(600);
 const MAX_REQUEST_BYTES: &str = "8388608";
 
 /// A supervisor named `name` in the fleet on `etcd`, with one worker of [`SERVICE`], serving gRPC
-/// on `grpc`.
-fn host(name: &str, etcd: &Etcd, grpc: u16) -> Supervisor {
+/// on `grpc`; `cluster` is appended to its `[cluster]` table.
+fn host(name: &str, etcd: &Etcd, grpc: u16, cluster: &str) -> Host {
     let config = format!(
         r#"[supervisor]
 bind = "http://127.0.0.1:{grpc}"
@@ -38,6 +41,7 @@ host = "{name}"
 # One machine's loopback: nothing leaves it.
 allow_insecure = true
 lease_ttl_ms = 2000
+{cluster}
 
 [service.{SERVICE}]
 count = 1
@@ -47,7 +51,77 @@ url = "http://127.0.0.1:0"
         admin = free_port(),
         etcd = etcd.endpoint(),
     );
-    Supervisor::start(&config)
+    Host {
+        supervisor: Supervisor::start(&config),
+    }
+}
+
+/// A supervisor of the fleet.
+struct Host {
+    supervisor: Supervisor,
+}
+
+impl Host {
+    /// Where the supervisor serves its metrics (on a port of its choosing), as its log says.
+    fn metrics(&self) -> SocketAddr {
+        wait_until(Duration::from_secs(10), "the metrics endpoint", || {
+            let logs = self.supervisor.logs();
+            let line = logs
+                .lines()
+                .find(|l| l.contains("Serving Prometheus metrics"))?;
+            line.split("addr=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+    }
+
+    /// `peregrine_fleet_records_skipped` by reason, as the metrics endpoint serves it.
+    fn skipped(&self) -> BTreeMap<String, u64> {
+        let (status, body) = http_get(self.metrics(), "/metrics").expect("a scrape");
+        assert_eq!(status, 200, "{body}");
+        body.lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix("peregrine_fleet_records_skipped{reason=\"")?;
+                let (reason, value) = rest.split_once("\"} ")?;
+                Some((reason.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// The other hosts in the view, and their workers' keys (`service/index/pid`), by host.
+    fn view(&self, me: &str) -> BTreeMap<String, BTreeSet<String>> {
+        let status = self.supervisor.status_json().expect("status");
+        let mut view: BTreeMap<String, BTreeSet<String>> = status["fleet"]["hosts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|host| Some((host.as_str()?.to_owned(), BTreeSet::new())))
+            .collect();
+        for row in status["workers"].as_array().into_iter().flatten() {
+            if let Some(host) = row["host"].as_str().filter(|host| *host != me) {
+                let worker = format!(
+                    "{}/{}/{}",
+                    row["service"].as_str().unwrap_or("?"),
+                    row["index"],
+                    row["pid"]
+                );
+                view.entry(host.to_owned()).or_default().insert(worker);
+            }
+        }
+        view
+    }
+
+    /// The lines of the supervisor's log that skip a record.
+    fn skip_lines(&self) -> usize {
+        self.supervisor
+            .logs()
+            .lines()
+            .filter(|line| line.contains("Skipping a fleet record"))
+            .count()
+    }
 }
 
 /// A host's record, as a supervisor serving gRPC on `grpc` writes it.
@@ -125,7 +199,7 @@ fn wait_for_view(
 ) {
     let mut last = Instant::now() - Duration::from_secs(1);
     let mut seen = BTreeMap::new();
-    let done = peregrine_e2e::try_wait_until(within, "the fleet view", || {
+    let done = try_wait_until(within, "the fleet view", || {
         if last.elapsed() < Duration::from_millis(500) {
             return None;
         }
@@ -174,10 +248,11 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
     let written = Instant::now();
-    write_hosts(&client, &["h1", "h2"], 25_000, grpc);
+    let leases = write_hosts(&client, &["h1", "h2"], 25_000, grpc);
+    // Under h1's lease, as anyone who may write the prefix and read h1's lease can put it.
     let garbage = format!("{PREFIX}/workers/h1/{SERVICE}/99999/1");
     client
-        .put(&garbage, vec![b'x'; 3_000_000], 0)
+        .put(&garbage, vec![b'x'; 3_000_000], leases["h1"])
         .expect("the 3 MB value");
     eprintln!(
         "wrote 25,000 worker records and a 3 MB value in {:.2?}",
@@ -185,7 +260,7 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
     );
 
     let started = Instant::now();
-    let a = host("a", &etcd, grpc);
+    let a = host("a", &etcd, grpc, "").supervisor;
     wait_until(Duration::from_secs(30), "a to join the fleet", || {
         a.logs().contains("Joined the fleet").then_some(())
     });
@@ -210,5 +285,200 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
     eprintln!(
         "a joined a fleet of 25,000 workers and a 3 MB value {joined:.2?} after it was started; \
          RSS {at} KiB once joined"
+    );
+}
+
+/// Waits until `host`'s view of the other hosts is `expected` (each host with its workers'
+/// `service/index/pid`).
+#[track_caller]
+fn wait_for_hosts(host: &Host, me: &str, expected: &BTreeMap<String, BTreeSet<String>>) {
+    let mut seen = BTreeMap::new();
+    let done = try_wait_until(Duration::from_secs(15), "the fleet view", || {
+        seen = host.view(me);
+        (seen == *expected).then_some(())
+    });
+    if let Err(error) = done {
+        panic!(
+            "{error}: {seen:#?} instead of {expected:#?}\n{}",
+            tail(&host.supervisor.logs(), 6000)
+        );
+    }
+}
+
+/// `(host, [workers])` as a view.
+fn view_of(hosts: &[(&str, &[&str])]) -> BTreeMap<String, BTreeSet<String>> {
+    hosts
+        .iter()
+        .map(|(host, workers)| {
+            let workers = workers.iter().map(|w| (*w).to_owned()).collect();
+            ((*host).to_owned(), workers)
+        })
+        .collect()
+}
+
+/// Records written by hand into the prefix, as anyone who may write it could: none is served.
+/// A worker counts only under its host's lease, a host only under a lease; names follow the
+/// config's rules; addresses are unicast and in `cluster.allowed_networks`; a spec the config would
+/// refuse gets no vote. Before, every one of them was served: the lease-less worker stayed in the
+/// view after its host left, and the lease-less hosts outvoted the real ones with a spec Envoy
+/// refuses.
+#[test]
+fn records_written_by_hand_are_not_served() {
+    let test = "records_written_by_hand_are_not_served";
+    if !etcd_or_skip(test) {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd");
+    let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
+    let grpc = free_port();
+    let a = host("a", &etcd, grpc, r#"allowed_networks = ["127.0.0.0/8"]"#);
+    let leases = write_hosts(&client, &["h1"], 1, grpc);
+    let h1 = leases["h1"];
+    let worker = |host: &str, service: &str, index: u32, address: &str| {
+        (
+            format!("{PREFIX}/workers/{host}/{service}/{index}/1"),
+            format!(
+                r#"{{"hostname":"{host}-{service}-{index}-1","protocols":["http1"],"addresses":["{address}"],"health":"serving","weight":1,"hash_key":"{host}-{service}-{index}"}}"#
+            ),
+        )
+    };
+    // In h1's range, under no lease: it would outlive h1.
+    let rogue = worker("h1", SERVICE, 1, "127.0.0.9:8080");
+    client.put(&rogue.0, rogue.1.as_str(), 0).expect("a put");
+    // Under h1's lease, at addresses no worker of the fleet is at, and named as no config could.
+    let refused = [
+        worker("h1", SERVICE, 2, "169.254.169.254:80"),
+        worker("h1", SERVICE, 3, "0.0.0.0:0"),
+        worker("h1", SERVICE, 4, "8.8.8.8:53"),
+        worker("h1", "we\"b", 5, "127.0.0.2:8080"),
+        (
+            format!("{PREFIX}/services/h1/{}", "x".repeat(5000)),
+            r#"{"balancer":{"kind":"random"}}"#.to_owned(),
+        ),
+    ];
+    client.put_all(&refused, h1).expect("the refused records");
+    // Three hosts under no lease, and three under leases, all voting for a Maglev table size that
+    // is not prime (Envoy refuses the cluster).
+    let maglev = r#"{"balancer":{"kind":"maglev","table_size":65536,"hash_balance_factor":null}}"#;
+    for (n, name) in ["f1", "f2", "f3", "g1", "g2", "g3"].into_iter().enumerate() {
+        let lease = if n < 3 {
+            0
+        } else {
+            client.grant(HOST_LEASE).expect("a lease")
+        };
+        let records = [
+            (format!("{PREFIX}/hosts/{name}"), host_record(grpc)),
+            (
+                format!("{PREFIX}/services/{name}/{SERVICE}"),
+                maglev.to_owned(),
+            ),
+        ];
+        client.put_all(&records, lease).expect("a host");
+    }
+
+    let h1_worker = format!("{SERVICE}/0/100000");
+    wait_for_hosts(
+        &a,
+        "a",
+        &view_of(&[("g1", &[]), ("g2", &[]), ("g3", &[]), ("h1", &[&h1_worker])]),
+    );
+    let status = a.supervisor.status_json().expect("status");
+    assert_eq!(
+        status["fleet"]["conflicts"],
+        serde_json::json!([]),
+        "the three leased hosts' spec gets no vote, the lease-less hosts none at all"
+    );
+    let skipped = wait_until(
+        Duration::from_secs(5),
+        "the skipped records' metric",
+        || {
+            let skipped = a.skipped();
+            (skipped.values().sum::<u64>() == 15).then_some(skipped)
+        },
+    );
+    for (reason, n) in [
+        ("other_lease", 1),
+        ("address", 3),
+        ("name", 2),
+        ("no_lease", 3),
+        ("no_host", 3),
+        ("spec", 3),
+    ] {
+        assert_eq!(skipped.get(reason), Some(&n), "{reason}: {skipped:?}");
+    }
+    let logs = a.supervisor.logs();
+    for reason in [
+        "address 169.254.169.254:80 is refused: outside cluster.allowed_networks",
+        "address 8.8.8.8:53 is refused: outside cluster.allowed_networks",
+        "address 0.0.0.0:0 is refused: port 0",
+        "under lease 0, not its host's",
+        "a host record under no lease",
+        "a spec this config could not make: table_size must be a prime, got 65536",
+    ] {
+        assert!(
+            logs.contains(reason),
+            "{reason:?} in\n{}",
+            tail(&logs, 6000)
+        );
+    }
+
+    // h1 leaves: every record under its lease goes with it, and the one that was not under it is
+    // not served either.
+    client.revoke(h1).expect("revoking h1's lease");
+    wait_for_hosts(&a, "a", &view_of(&[("g1", &[]), ("g2", &[]), ("g3", &[])]));
+    assert_eq!(
+        client.count_prefix(&rogue.0).expect("a count"),
+        1,
+        "the rogue record is still in etcd"
+    );
+}
+
+/// 300 bad records written one by one into a host's range: each is logged once, and counted.
+/// Before, every write to the host logged every bad record of it again: 45,150 lines.
+#[test]
+fn each_bad_record_is_logged_once() {
+    let test = "each_bad_record_is_logged_once";
+    if !etcd_or_skip(test) {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd");
+    let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
+    let grpc = free_port();
+    let a = host("a", &etcd, grpc, "");
+    let leases = write_hosts(&client, &["h1"], 1, grpc);
+    let h1_worker = format!("{SERVICE}/0/100000");
+    wait_for_hosts(&a, "a", &view_of(&[("h1", &[&h1_worker])]));
+    assert_eq!(a.skip_lines(), 0);
+    for n in 0..300 {
+        let key = format!("{PREFIX}/workers/h1/{SERVICE}/{}/1", 1000 + n);
+        client
+            .put(&key, "not a record", leases["h1"])
+            .expect("a put");
+    }
+    // One good worker after them: once it is in the view, so is every write before it.
+    let last = format!("{PREFIX}/workers/h1/{SERVICE}/7/100007");
+    client
+        .put(&last, worker_record("h1", 7, "127.0.0.2"), leases["h1"])
+        .expect("a put");
+    let seventh = format!("{SERVICE}/7/100007");
+    wait_for_hosts(&a, "a", &view_of(&[("h1", &[&h1_worker, &seventh])]));
+    let lines = a.skip_lines();
+    let skipped = a.skipped();
+    eprintln!("300 bad records made {lines} log lines; skipped by reason: {skipped:?}");
+    assert_eq!(lines, 300);
+    assert_eq!(skipped.get("shape"), Some(&300), "{skipped:?}");
+    // A bad record deleted is forgotten; written again, it is logged again.
+    let first = format!("{PREFIX}/workers/h1/{SERVICE}/1000/1");
+    client.delete_prefix(&first).expect("a delete");
+    wait_until(Duration::from_secs(5), "the metric to count 299", || {
+        (a.skipped().get("shape") == Some(&299)).then_some(())
+    });
+    client
+        .put(&first, "not a record", leases["h1"])
+        .expect("a put");
+    wait_until(
+        Duration::from_secs(5),
+        "the bad record logged again",
+        || (a.skip_lines() == 301).then_some(()),
     );
 }

@@ -4,14 +4,21 @@
 //! Invariant: a hashing policy always knows what to hash by, an option is accepted only with a policy it
 //! applies to, and a service has exactly one weight per worker.
 
-use std::ops::Range;
+use std::{ops::Range, time::Duration};
 
 use toml::Spanned;
 
 use super::{
+    MIN_SAMPLE_INTERVAL,
     check::{Checker, alternatives, expected},
     raw::RawBalancing,
 };
+use crate::balancer::{Balancer, OrcaPolicy};
+
+/// The shortest `orca.weight_expiration_period_ms`.
+pub(super) const MIN_WEIGHT_EXPIRATION: Duration = Duration::from_millis(1000);
+/// The shortest `orca.weight_update_period_ms`.
+pub(super) const MIN_WEIGHT_UPDATE: Duration = Duration::from_millis(100);
 
 /// How Envoy balances a service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +117,15 @@ const OPTION_POLICIES: [(&str, &[&str]); 5] = [
 
 /// `choice_count`'s default: least request compares two workers per pick.
 pub const DEFAULT_CHOICE_COUNT: u32 = 2;
+
+/// The `choice_count` values accepted.
+const CHOICE_COUNTS: Range<u64> = 2..101;
+/// The `hash_balance_factor` values accepted (percent).
+const HASH_BALANCE_FACTORS: Range<u64> = 100..10_001;
+/// The ring sizes accepted.
+const RING_SIZES: Range<u64> = 1..DEFAULT_MAX_RING + 1;
+/// The Maglev table sizes accepted (a prime among them).
+const TABLE_SIZES: Range<u64> = 2..MAX_TABLE_SIZE + 1;
 
 /// Whether Envoy's ORCA streams can reach a service's workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,7 +248,7 @@ impl Checker<'_> {
             &key,
             "hash_balance_factor",
             &raw.hash_balance_factor,
-            100..10_001,
+            HASH_BALANCE_FACTORS,
         );
         let balancing = match name {
             "orca" => Balancing::Orca,
@@ -240,24 +256,14 @@ impl Checker<'_> {
             "random" => Balancing::Random,
             "least_request" => Balancing::LeastRequest {
                 choice_count: self
-                    .number(&key, "choice_count", &raw.choice_count, 2..101)
+                    .number(&key, "choice_count", &raw.choice_count, CHOICE_COUNTS)
                     .unwrap_or(u64::from(DEFAULT_CHOICE_COUNT))
                     as u32,
             },
             "ring_hash" => {
-                let min = self.number(
-                    &key,
-                    "ring_size_min",
-                    &raw.ring_size_min,
-                    1..DEFAULT_MAX_RING + 1,
-                );
+                let min = self.number(&key, "ring_size_min", &raw.ring_size_min, RING_SIZES);
                 let max = self
-                    .number(
-                        &key,
-                        "ring_size_max",
-                        &raw.ring_size_max,
-                        1..DEFAULT_MAX_RING + 1,
-                    )
+                    .number(&key, "ring_size_max", &raw.ring_size_max, RING_SIZES)
                     .unwrap_or(DEFAULT_MAX_RING);
                 if let Some(min) = min.filter(|&min| min > max) {
                     self.report(
@@ -275,7 +281,7 @@ impl Checker<'_> {
             }
             "maglev" => {
                 let table_size = self
-                    .number(&key, "table_size", &raw.table_size, 2..MAX_TABLE_SIZE + 1)
+                    .number(&key, "table_size", &raw.table_size, TABLE_SIZES)
                     .unwrap_or(DEFAULT_TABLE_SIZE);
                 if !is_prime(table_size) {
                     self.report(
@@ -407,6 +413,87 @@ impl Checker<'_> {
         }
         weights
     }
+}
+
+/// Why `balancer`, a service's spec as another host of a fleet published it, is one this config
+/// could not have made (and Envoy may refuse), if it is: the bounds above, checked on the spec.
+pub fn balancer_problem(balancer: &Balancer) -> Option<String> {
+    let outside = |what: &str, value: u64, range: Range<u64>| {
+        (!range.contains(&value)).then(|| {
+            format!(
+                "{what} must be between {} and {}, got {value}",
+                range.start,
+                range.end - 1
+            )
+        })
+    };
+    let factor = |factor: Option<u32>| {
+        factor.and_then(|f| outside("hash_balance_factor", f.into(), HASH_BALANCE_FACTORS))
+    };
+    match *balancer {
+        Balancer::RoundRobin | Balancer::Random => None,
+        Balancer::LeastRequest { choice_count } => {
+            outside("choice_count", choice_count.into(), CHOICE_COUNTS)
+        }
+        Balancer::RingHash {
+            min_ring_size,
+            max_ring_size,
+            hash_balance_factor,
+        } => outside("ring_size_min", min_ring_size, RING_SIZES)
+            .or_else(|| outside("ring_size_max", max_ring_size, RING_SIZES))
+            .or_else(|| {
+                (min_ring_size > max_ring_size).then(|| {
+                    format!("ring_size_min {min_ring_size} is larger than ring_size_max ({max_ring_size})")
+                })
+            })
+            .or_else(|| factor(hash_balance_factor)),
+        Balancer::Maglev {
+            table_size,
+            hash_balance_factor,
+        } => outside("table_size", table_size, TABLE_SIZES)
+            .or_else(|| {
+                (!is_prime(table_size))
+                    .then(|| format!("table_size must be a prime, got {table_size}"))
+            })
+            .or_else(|| factor(hash_balance_factor)),
+        Balancer::Orca(policy) => orca_problem(&policy),
+    }
+}
+
+/// Why `policy` is one the `[orca]` checks would not have let through, if it is.
+fn orca_problem(policy: &OrcaPolicy) -> Option<String> {
+    // A protobuf Duration's largest (10,000 years): Envoy refuses more.
+    const LONGEST: Duration = Duration::from_secs(315_576_000_000);
+    let periods = [
+        (
+            "reporting_period",
+            policy.reporting_period,
+            MIN_SAMPLE_INTERVAL,
+        ),
+        ("blackout_period", policy.blackout_period, Duration::ZERO),
+        (
+            "weight_expiration_period",
+            policy.weight_expiration_period,
+            MIN_WEIGHT_EXPIRATION,
+        ),
+        (
+            "weight_update_period",
+            policy.weight_update_period,
+            MIN_WEIGHT_UPDATE,
+        ),
+    ];
+    if policy.port == 0 {
+        return Some("the ORCA port is 0".into());
+    }
+    for (what, period, least) in periods {
+        if period < least || period > LONGEST {
+            return Some(format!(
+                "{what} must be between {least:?} and {LONGEST:?}, got {period:?}"
+            ));
+        }
+    }
+    (policy.weight_expiration_period <= policy.blackout_period)
+        .then(|| "weight_expiration_period must be longer than blackout_period".to_owned())
 }
 
 /// An HTTP header or cookie name.
@@ -590,5 +677,74 @@ mod tests {
         );
         let hour = parse("[orca]\nmin_report_interval_ms = 3600000\n[service.a]\n").unwrap();
         assert_eq!(hour.orca.min_report_interval, MAX_REPORT_INTERVAL);
+    }
+
+    #[test]
+    fn a_published_spec_is_held_to_the_same_bounds() {
+        let orca = OrcaPolicy {
+            port: 18000,
+            reporting_period: DEFAULT_SAMPLE_INTERVAL,
+            blackout_period: Duration::ZERO,
+            weight_expiration_period: Duration::from_secs(30),
+            weight_update_period: Duration::from_millis(100),
+            tls: false,
+        };
+        for fine in [
+            Balancer::RoundRobin,
+            Balancer::LeastRequest { choice_count: 2 },
+            Balancer::Maglev {
+                table_size: 65537,
+                hash_balance_factor: Some(150),
+            },
+            Balancer::RingHash {
+                min_ring_size: 1024,
+                max_ring_size: DEFAULT_MAX_RING,
+                hash_balance_factor: None,
+            },
+            Balancer::Orca(orca),
+        ] {
+            assert_eq!(balancer_problem(&fine), None, "{fine:?}");
+        }
+        for (bad, problem) in [
+            (
+                Balancer::Maglev {
+                    table_size: 65536,
+                    hash_balance_factor: None,
+                },
+                "table_size must be a prime, got 65536",
+            ),
+            (
+                Balancer::Maglev {
+                    table_size: 65537,
+                    hash_balance_factor: Some(99),
+                },
+                "hash_balance_factor must be between 100 and 10000, got 99",
+            ),
+            (
+                Balancer::LeastRequest { choice_count: 1 },
+                "choice_count must be between 2 and 100, got 1",
+            ),
+            (
+                Balancer::RingHash {
+                    min_ring_size: 2048,
+                    max_ring_size: 1024,
+                    hash_balance_factor: None,
+                },
+                "ring_size_min 2048 is larger than ring_size_max (1024)",
+            ),
+            (
+                Balancer::Orca(OrcaPolicy { port: 0, ..orca }),
+                "the ORCA port is 0",
+            ),
+            (
+                Balancer::Orca(OrcaPolicy {
+                    blackout_period: Duration::from_secs(60),
+                    ..orca
+                }),
+                "weight_expiration_period must be longer than blackout_period",
+            ),
+        ] {
+            assert_eq!(balancer_problem(&bad).as_deref(), Some(problem), "{bad:?}");
+        }
     }
 }

@@ -20,6 +20,7 @@ use std::{
 
 use toml::Spanned;
 
+use super::balancing::{MIN_WEIGHT_EXPIRATION, MIN_WEIGHT_UPDATE};
 use super::{
     Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_METRICS, DEFAULT_SAMPLE_INTERVAL, GrpcLimits,
     Identity, Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig,
@@ -277,13 +278,13 @@ impl Checker<'_> {
         millis(
             raw.weight_expiration_period_ms,
             "weight_expiration_period_ms",
-            1000,
+            MIN_WEIGHT_EXPIRATION.as_millis() as u64,
             &mut orca.weight_expiration_period,
         );
         millis(
             raw.weight_update_period_ms,
             "weight_update_period_ms",
-            100,
+            MIN_WEIGHT_UPDATE.as_millis() as u64,
             &mut orca.weight_update_period,
         );
         // Only a floor written in the file: the default one (the sample interval) is capped where
@@ -479,8 +480,7 @@ impl Checker<'_> {
             grpc.max_connections = n;
         }
         if let Some(max) = raw.grpc_max_connections_per_peer
-            && let Some(n) =
-                self.at_least(&max, "supervisor.grpc_max_connections_per_peer", 1, "")
+            && let Some(n) = self.at_least(&max, "supervisor.grpc_max_connections_per_peer", 1, "")
         {
             grpc.max_connections_per_peer = n;
         }

@@ -43,6 +43,7 @@ pub(super) struct RawCluster {
     pub(super) prefix: Option<Spanned<String>>,
     pub(super) routing: Option<Spanned<String>>,
     pub(super) allow_insecure: Option<Spanned<bool>>,
+    pub(super) allowed_networks: Option<Spanned<Vec<String>>>,
     pub(super) tls: Option<Spanned<RawClusterTls>>,
 }
 

@@ -32,7 +32,8 @@ use super::{
     backoff::Backoff,
     drains::FleetDrains,
     listing::{self, Listed},
-    records::{self, AcksRecord, Identity, KeyKind, Keys, Stored},
+    records::{self, AcksRecord, Identity, KeyKind, Keys, Rules, Stored},
+    skipped::SkippedRecords,
 };
 use peregrine_contract::ErrorChain;
 
@@ -123,6 +124,10 @@ pub struct Membership {
     endpoint: usize,
     /// Whether the last session joined the fleet (listed the range and watched it).
     joined: bool,
+    /// What other hosts' records are held to.
+    rules: Rules,
+    /// The records skipped, each logged once.
+    skipped: SkippedRecords,
 }
 
 impl Membership {
@@ -137,6 +142,9 @@ impl Membership {
         shared: Shared,
     ) -> Membership {
         let cluster_host = cluster.host.clone();
+        let rules = Rules {
+            allowed_networks: cluster.allowed_networks.clone(),
+        };
         Membership {
             cluster,
             grpc_port,
@@ -149,6 +157,8 @@ impl Membership {
             // Hosts start on different members, so that a fleet spreads over its etcd cluster.
             endpoint: spread(&cluster_host),
             joined: false,
+            rules,
+            skipped: SkippedRecords::default(),
         }
     }
 
@@ -168,6 +178,7 @@ impl Membership {
             since: SystemTime::now(),
             lease: None,
             conflicts: Vec::new(),
+            skipped: self.skipped.counts(),
         });
         loop {
             let ended = self.session(&keys, &me, &mut stop).await;
@@ -203,6 +214,7 @@ impl Membership {
                         since,
                         lease: previous.as_ref().and_then(|s| s.lease),
                         conflicts: previous.map(|s| s.conflicts).unwrap_or_default(),
+                        skipped: self.skipped.counts(),
                     });
                     if let Some(suppressed) = unavailable.allow() {
                         tracing::warn!(error = %ErrorChain(&error), suppressed, etcd = ?self.cluster.etcd, "etcd unavailable: serving the last fleet view");
@@ -309,6 +321,7 @@ impl Membership {
                 .fleet_status()
                 .map(|s| s.conflicts)
                 .unwrap_or_default(),
+            skipped: self.skipped.counts(),
         });
         self.joined = true;
         tracing::info!(host = %me.host, lease, revision, hosts = self.registry.snapshot().fleet.len(), "Joined the fleet");
@@ -584,7 +597,7 @@ impl Membership {
     /// when `None`) are read again from their records, the others are as they were; the registry
     /// gets the whole view.
     fn apply(
-        &self,
+        &mut self,
         keys: &Keys,
         me: &Identity,
         range: &BTreeMap<String, Stored>,
@@ -594,7 +607,7 @@ impl Membership {
         let skipped = match touched {
             None => {
                 let (all, skipped) =
-                    records::fleet_from(keys, &me.host, range.iter().map(as_stored));
+                    records::fleet_from(keys, &me.host, &self.rules, range.iter().map(as_stored));
                 *fleet = all;
                 skipped
             }
@@ -609,8 +622,10 @@ impl Membership {
                                 .range(prefix.clone()..)
                                 .take_while(move |(k, _)| k.starts_with(&prefix))
                         })
+                        // `hosts/b` is a prefix of `hosts/bc` too.
+                        .filter(|(k, _)| records::host_of(keys, k) == Some(host))
                         .map(as_stored);
-                    let (mut one, mut bad) = records::fleet_from(keys, &me.host, own);
+                    let (mut one, mut bad) = records::fleet_from(keys, &me.host, &self.rules, own);
                     skipped.append(&mut bad);
                     match one.remove(host) {
                         // A host read again as it was keeps its shared copy.
@@ -626,8 +641,31 @@ impl Membership {
                 skipped
             }
         };
-        for (key, error) in skipped {
+        // Each bad record is logged once, when it appears or changes: the hosts touched are read
+        // again whole at every change of theirs.
+        let now = skipped
+            .into_iter()
+            .map(|(key, error)| {
+                let revision = range.get(&key).map_or(0, |stored| stored.revision);
+                (key, revision, error)
+            })
+            .collect();
+        let fresh = match touched {
+            None => self.skipped.update(|_| true, now),
+            Some(hosts) => self.skipped.update(
+                |key| records::host_of(keys, key).is_some_and(|host| hosts.contains(host)),
+                now,
+            ),
+        };
+        for (key, error) in fresh {
             tracing::warn!(key, %error, "Skipping a fleet record");
+        }
+        let counts = self.skipped.counts();
+        if let Some(mut status) = self.registry.fleet_status()
+            && status.skipped != counts
+        {
+            status.skipped = counts;
+            self.registry.set_fleet_status(status);
         }
         let fleet = &*fleet;
         // Envoy opens every worker's ORCA stream to the worker's IP on the cluster's one ORCA port:

@@ -13,9 +13,12 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_client::{Client, ConnectOptions};
 
-use super::records::{HostRecord, KeyKind, Keys};
+use super::{
+    listing::{self, Listed},
+    records::{HostRecord, KeyKind, Keys, Stored},
+};
 use crate::config::ClusterConfig;
 
 /// How long the check waits for etcd before it gives up (and the supervisor starts unchecked).
@@ -74,15 +77,34 @@ pub async fn check(
         options = options.with_tls(crate::tls::etcd::options(tls)?);
     }
     let listed = tokio::time::timeout(CHECK_TIMEOUT, async {
-        let mut client = Client::connect(&cluster.etcd, Some(options)).await?;
-        let hosts = format!("{}hosts/", keys.root());
-        client
-            .get(hosts, Some(GetOptions::new().with_prefix()))
-            .await
+        let client = Client::connect(&cluster.etcd, Some(options)).await?;
+        let prefix = format!("{}hosts/", keys.root());
+        let mut hosts = Vec::new();
+        // In pages, as the session lists: the check cannot be held up by what the range holds.
+        listing::list_prefix(&client, &prefix, |listed| {
+            let Listed::Record(kv) = listed else { return };
+            // A host record under no lease is no host (the session skips it too): whoever wrote
+            // it by hand cannot stop the start.
+            if kv.lease() == 0 {
+                return;
+            }
+            let Some(KeyKind::Host(host)) = kv.key_str().ok().and_then(|k| keys.kind(k)) else {
+                return;
+            };
+            let stored = Stored::new(kv.value(), kv.lease(), kv.mod_revision());
+            let Ok(value) = stored.text() else { return };
+            if let Ok(record) = serde_json::from_str::<HostRecord>(value)
+                && host != cluster.host
+            {
+                hosts.push((host.to_owned(), record.grpc_port));
+            }
+        })
+        .await?;
+        Ok::<_, etcd_client::Error>(hosts)
     })
     .await;
-    let response = match listed {
-        Ok(Ok(response)) => response,
+    let hosts = match listed {
+        Ok(Ok(hosts)) => hosts,
         Ok(Err(error)) => return Ok(Checked::Unchecked(error.to_string())),
         Err(_) => {
             return Ok(Checked::Unchecked(format!(
@@ -90,17 +112,6 @@ pub async fn check(
             )));
         }
     };
-    let hosts = response
-        .kvs()
-        .iter()
-        .filter_map(|kv| {
-            let Some(KeyKind::Host(host)) = keys.kind(kv.key_str().ok()?) else {
-                return None;
-            };
-            let record = serde_json::from_str::<HostRecord>(kv.value_str().ok()?).ok()?;
-            (host != cluster.host).then(|| (host.to_owned(), record.grpc_port))
-        })
-        .collect::<Vec<_>>();
     conflicts(cluster, grpc_port, orca, &hosts)?;
     Ok(Checked::Fine { hosts: hosts.len() })
 }
@@ -141,6 +152,7 @@ mod tests {
             prefix: "/peregrine".into(),
             routing: Routing::LocalFirst,
             tls: None,
+            allowed_networks: Vec::new(),
         }
     }
 

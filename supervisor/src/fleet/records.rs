@@ -19,13 +19,21 @@
 //! Invariant: only IP endpoints are published (another host cannot reach a Unix socket), and a record
 //! that does not parse is skipped with a reason, never half-applied.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+};
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::{
     balancer::Balancer,
-    config::Locality,
+    config::{
+        Locality, MAX_FLEET_SERVICE_NAME, MAX_WEIGHT, balancer_problem, fleet_name,
+        fleet_service_name,
+    },
     registry::{Address, Fleet, Health, Protocol, RemoteHost, RemoteWorker, Snapshot},
     xds::resources::slot_hash_key,
 };
@@ -146,6 +154,16 @@ impl Keys {
             }
             _ => None,
         }
+    }
+}
+
+/// The host whose record (host, service or worker) `key` is, if it is one.
+pub fn host_of<'a>(keys: &Keys, key: &'a str) -> Option<&'a str> {
+    match keys.kind(key)? {
+        KeyKind::Host(host) | KeyKind::Service { host, .. } | KeyKind::Worker { host, .. } => {
+            Some(host)
+        }
+        KeyKind::Acks(_) => None,
     }
 }
 
@@ -378,17 +396,136 @@ pub enum RecordError {
     Value {
         /// The field.
         field: &'static str,
-        /// Its value.
+        /// Its value (its start, when long).
         value: String,
     },
+    /// A host or service name the config's rules refuse.
+    #[error(
+        "{what} name {name:?} is not valid: ASCII letters, digits, '-', '_' and '.' only, at most \
+         {max}"
+    )]
+    Name {
+        /// `host` or `service`.
+        what: &'static str,
+        /// The name (its start, when long).
+        name: String,
+        /// The longest allowed.
+        max: usize,
+    },
+    /// A host record under no lease: it would never expire.
+    #[error("a host record under no lease: a host counts only while its supervisor keeps one")]
+    NoLease,
+    /// A service or worker record of a host that has no (valid) host record.
+    #[error("its host has no valid record under a lease")]
+    NoHost,
+    /// A service or worker record that is not under its host's lease: it would outlive the host.
+    #[error("under lease {lease:x}, not its host's ({host_lease:x})")]
+    OtherLease {
+        /// The record's lease (0: none).
+        lease: i64,
+        /// The host record's.
+        host_lease: i64,
+    },
+    /// An address no worker can be at, or one outside `cluster.allowed_networks`.
+    #[error("address {address} is refused: {why}")]
+    Address {
+        /// The address.
+        address: SocketAddr,
+        /// Why.
+        why: &'static str,
+    },
+    /// A service's spec that the config's own checks refuse.
+    #[error("a spec this config could not make: {0}")]
+    Spec(String),
 }
 
-/// A remote worker from its record.
+impl RecordError {
+    /// A short name of the kind of problem, as a metric's label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RecordError::TooLarge { .. } => "too_large",
+            RecordError::NotUtf8 | RecordError::Shape { .. } => "shape",
+            RecordError::Value { .. } => "value",
+            RecordError::Name { .. } => "name",
+            RecordError::NoLease => "no_lease",
+            RecordError::NoHost => "no_host",
+            RecordError::OtherLease { .. } => "other_lease",
+            RecordError::Address { .. } => "address",
+            RecordError::Spec(_) => "spec",
+        }
+    }
+}
+
+/// What another host's records are held to beyond their shape, from this host's config.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rules {
+    /// `cluster.allowed_networks`: when not empty, every address of another host's worker must be
+    /// in one of them.
+    pub allowed_networks: Vec<IpNet>,
+}
+
+/// The start of `text`, for a message: at most 64 characters.
+fn shown(text: &str) -> String {
+    const SHOWN: usize = 64;
+    match text.char_indices().nth(SHOWN) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+/// Why `address` cannot be another host's worker, if it cannot: it must be unicast, not
+/// unspecified, with a port; in one of `allowed` when that is not empty, else not link-local.
+/// Loopback is allowed unless `allowed` leaves it out: a fleet on one machine is on it.
+pub fn address_problem(address: SocketAddr, allowed: &[IpNet]) -> Option<&'static str> {
+    // An IPv4 address written as IPv6 (::ffff:a.b.c.d) is held to IPv4's rules.
+    let ip = address.ip().to_canonical();
+    if address.port() == 0 {
+        return Some("port 0");
+    }
+    let unspecified = match ip {
+        // 0.0.0.0/8 is "this network": no host is at it.
+        IpAddr::V4(v4) => v4.octets()[0] == 0,
+        IpAddr::V6(v6) => v6.is_unspecified(),
+    };
+    if unspecified {
+        return Some("unspecified");
+    }
+    if ip.is_multicast() {
+        return Some("multicast");
+    }
+    if let IpAddr::V4(v4) = ip
+        && v4.is_broadcast()
+    {
+        return Some("broadcast");
+    }
+    if !allowed.is_empty() {
+        return (!allowed.iter().any(|net| net.contains(&ip)))
+            .then_some("outside cluster.allowed_networks");
+    }
+    let link_local = match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
+    };
+    link_local.then_some("link-local (list its network in cluster.allowed_networks to allow it)")
+}
+
+/// Whether `text` (an EDS hostname or a hash key) is one a supervisor makes: a host, a service, an
+/// index and a pid joined by `-`, so the characters of names and at most as long as they make it.
+fn derived_name(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= 63 + MAX_FLEET_SERVICE_NAME + 24
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// A remote worker from its record, held to `rules`.
 pub fn remote_worker(
     service: &str,
     index: u32,
     pid: u32,
     value: &str,
+    rules: &Rules,
 ) -> Result<RemoteWorker, RecordError> {
     let record: WorkerRecord = serde_json::from_str(value).map_err(|e| RecordError::Shape {
         what: "worker",
@@ -396,7 +533,7 @@ pub fn remote_worker(
     })?;
     let bad = |field, value: &str| RecordError::Value {
         field,
-        value: value.to_owned(),
+        value: shown(value),
     };
     let protocols = record
         .protocols
@@ -410,10 +547,25 @@ pub fn remote_worker(
     let addresses = record
         .addresses
         .iter()
-        .map(|a| a.parse().map(Address::Tcp).map_err(|_| bad("address", a)))
+        .map(|a| {
+            let address: SocketAddr = a.parse().map_err(|_| bad("address", a))?;
+            match address_problem(address, &rules.allowed_networks) {
+                Some(why) => Err(RecordError::Address { address, why }),
+                None => Ok(Address::Tcp(address)),
+            }
+        })
         .collect::<Result<Vec<_>, _>>()?;
     if addresses.is_empty() {
         return Err(bad("addresses", "[]"));
+    }
+    if !derived_name(&record.hostname) {
+        return Err(bad("hostname", &record.hostname));
+    }
+    if !derived_name(&record.hash_key) {
+        return Err(bad("hash_key", &record.hash_key));
+    }
+    if record.weight > MAX_WEIGHT {
+        return Err(bad("weight", &record.weight.to_string()));
     }
     Ok(RemoteWorker {
         service: service.to_owned(),
@@ -454,91 +606,139 @@ pub fn acks_from<'a>(
         .collect()
 }
 
-/// The other hosts of the fleet from every key of its range (`kvs`), leaving out `me`. Returns the
-/// fleet and the records skipped, with their keys and why.
+/// The other hosts of the fleet from every key of its range (`kvs`), leaving out `me`, held to
+/// `rules`. Returns the fleet and the records skipped, with their keys and why.
+///
+/// A host counts only with a host record under a lease (etcd deletes it when the lease expires),
+/// and its services and workers only while they are under that same lease: whoever writes a record
+/// by hand cannot make one that outlives its host, nor a host that never leaves. Names are held to
+/// the config's rules, addresses to [`address_problem`], services' specs to the config's checks.
 pub fn fleet_from<'a>(
     keys: &Keys,
     me: &str,
+    rules: &Rules,
     kvs: impl IntoIterator<Item = (&'a str, &'a Stored)>,
 ) -> (Fleet, Vec<(String, RecordError)>) {
-    let mut fleet: BTreeMap<String, RemoteHost> = BTreeMap::new();
     let mut skipped = Vec::new();
+    // Hosts first: every other record is judged by its host's.
+    let mut hosts: BTreeMap<&str, (i64, RemoteHost)> = BTreeMap::new();
+    let mut others = Vec::new();
     for (key, stored) in kvs {
-        let Some(kind) = keys.kind(key) else { continue };
-        let host = match kind {
-            KeyKind::Host(host) | KeyKind::Service { host, .. } | KeyKind::Worker { host, .. } => {
-                host
-            }
-            KeyKind::Acks(_) => continue,
+        let (host, other) = match keys.kind(key) {
+            Some(KeyKind::Host(host)) => (host, None),
+            Some(KeyKind::Service { host, service }) => (host, Some((service, None))),
+            Some(KeyKind::Worker {
+                host,
+                service,
+                index,
+                pid,
+            }) => (host, Some((service, Some((index, pid))))),
+            Some(KeyKind::Acks(_)) | None => continue,
         };
         if host == me {
             continue;
         }
-        let read = match stored.text() {
-            Ok(value) => match read_record(&kind, value) {
-                Some(read) => read,
-                None => continue,
-            },
-            Err(error) => Err(error),
-        };
-        match read {
-            Ok(record) => {
-                let remote = fleet.entry(host.to_owned()).or_default();
-                match record {
-                    Record::Host(record) => {
-                        remote.locality = Locality {
-                            region: record.region,
-                            zone: record.zone,
-                        };
-                        remote.grpc_port = record.grpc_port;
-                    }
-                    Record::Service(service, record) => {
-                        remote.services.insert(service, record.balancer);
-                    }
-                    Record::Worker(worker) => {
-                        let id = (worker.service.clone(), worker.index, worker.pid);
-                        remote.workers.insert(id, worker);
-                    }
+        match other {
+            Some((service, worker)) => others.push((key, host, service, worker, stored)),
+            None => match read_host(host, stored) {
+                Ok(remote) => {
+                    hosts.insert(host, (stored.lease, remote));
                 }
-            }
-            Err(error) => skipped.push((key.to_owned(), error)),
+                Err(error) => skipped.push((key.to_owned(), error)),
+            },
         }
     }
-    let fleet = fleet.into_iter().map(|(h, r)| (h, Arc::new(r))).collect();
+    for (key, host, service, worker, stored) in others {
+        let read = match hosts.get_mut(host) {
+            None => Err(RecordError::NoHost),
+            Some((lease, _)) if stored.lease != *lease => Err(RecordError::OtherLease {
+                lease: stored.lease,
+                host_lease: *lease,
+            }),
+            Some((_, remote)) => read_other(remote, service, worker, stored, rules),
+        };
+        if let Err(error) = read {
+            skipped.push((key.to_owned(), error));
+        }
+    }
+    let fleet = hosts
+        .into_iter()
+        .map(|(host, (_, remote))| (host.to_owned(), Arc::new(remote)))
+        .collect();
     (fleet, skipped)
 }
 
-/// A record of another host, read.
-enum Record {
-    Host(HostRecord),
-    Service(String, ServiceRecord),
-    Worker(RemoteWorker),
+/// Reads the record of `service` (of its worker `(index, pid)`, if given) into its host, `remote`.
+fn read_other(
+    remote: &mut RemoteHost,
+    service: &str,
+    worker: Option<(u32, u32)>,
+    stored: &Stored,
+    rules: &Rules,
+) -> Result<(), RecordError> {
+    if !fleet_service_name(service) {
+        return Err(RecordError::Name {
+            what: "service",
+            name: shown(service),
+            max: MAX_FLEET_SERVICE_NAME,
+        });
+    }
+    let value = stored.text()?;
+    match worker {
+        Some((index, pid)) => {
+            let worker = remote_worker(service, index, pid, value, rules)?;
+            remote
+                .workers
+                .insert((service.to_owned(), index, pid), worker);
+        }
+        None => {
+            let record: ServiceRecord =
+                serde_json::from_str(value).map_err(|e| RecordError::Shape {
+                    what: "service",
+                    reason: e.to_string(),
+                })?;
+            if let Some(problem) = balancer_problem(&record.balancer) {
+                return Err(RecordError::Spec(problem));
+            }
+            remote.services.insert(service.to_owned(), record.balancer);
+        }
+    }
+    Ok(())
 }
 
-/// The record `value` at a key of `kind`; `None` for an acks key, which is no host's record.
-fn read_record(kind: &KeyKind<'_>, value: &str) -> Option<Result<Record, RecordError>> {
-    let shape = |what| {
-        move |e: serde_json::Error| RecordError::Shape {
-            what,
+/// Another host from its host record.
+fn read_host(host: &str, stored: &Stored) -> Result<RemoteHost, RecordError> {
+    if !fleet_name(host) || host.is_empty() {
+        return Err(RecordError::Name {
+            what: "host",
+            name: shown(host),
+            max: 63,
+        });
+    }
+    if stored.lease == 0 {
+        return Err(RecordError::NoLease);
+    }
+    let record: HostRecord =
+        serde_json::from_str(stored.text()?).map_err(|e| RecordError::Shape {
+            what: "host",
             reason: e.to_string(),
+        })?;
+    for (field, name) in [("region", &record.region), ("zone", &record.zone)] {
+        if !fleet_name(name) {
+            return Err(RecordError::Value {
+                field,
+                value: shown(name),
+            });
         }
-    };
-    let read = match *kind {
-        KeyKind::Host(_) => serde_json::from_str(value)
-            .map(Record::Host)
-            .map_err(shape("host")),
-        KeyKind::Service { service, .. } => serde_json::from_str(value)
-            .map(|record| Record::Service(service.to_owned(), record))
-            .map_err(shape("service")),
-        KeyKind::Worker {
-            service,
-            index,
-            pid,
-            ..
-        } => remote_worker(service, index, pid, value).map(Record::Worker),
-        KeyKind::Acks(_) => return None,
-    };
-    Some(read)
+    }
+    Ok(RemoteHost {
+        locality: Locality {
+            region: record.region,
+            zone: record.zone,
+        },
+        grpc_port: record.grpc_port,
+        ..RemoteHost::default()
+    })
 }
 
 #[cfg(test)]
@@ -576,7 +776,12 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_owned(), Stored::new(v.as_bytes(), LEASE, 1)))
             .collect();
-        fleet_from(keys, me, range.iter().map(|(k, s)| (k.as_str(), s)))
+        fleet_from(
+            keys,
+            me,
+            &Rules::default(),
+            range.iter().map(|(k, s)| (k.as_str(), s)),
+        )
     }
 
     #[test]
@@ -784,8 +989,206 @@ mod tests {
             ),
             ("/p/v1/services/b/web".to_string(), stored),
         ]);
-        let (fleet, skipped) = fleet_from(&keys, "me", range.iter().map(|(k, s)| (k.as_str(), s)));
+        let (fleet, skipped) = fleet_from(
+            &keys,
+            "me",
+            &Rules::default(),
+            range.iter().map(|(k, s)| (k.as_str(), s)),
+        );
         assert_eq!(skipped.len(), 1, "{skipped:?}");
         assert!(fleet["b"].services.is_empty());
+    }
+
+    /// A worker record at `address`.
+    fn worker_at(address: &str) -> String {
+        format!(
+            r#"{{"hostname":"b-web-0-1","protocols":["http1"],"addresses":["{address}"],"health":"serving","weight":1,"hash_key":"b-web-0"}}"#
+        )
+    }
+
+    /// What [`fleet_from`] makes of `records` (key, value, lease) with `rules`: the workers and
+    /// services it keeps, and the reason of each record it skips, by key.
+    fn judged(
+        rules: &Rules,
+        records: &[(&str, &str, i64)],
+    ) -> (Fleet, BTreeMap<String, &'static str>) {
+        let keys = Keys::new("/p");
+        let range: BTreeMap<String, Stored> = records
+            .iter()
+            .map(|&(k, v, lease)| (k.to_owned(), Stored::new(v.as_bytes(), lease, 1)))
+            .collect();
+        let (fleet, skipped) = fleet_from(
+            &keys,
+            "me",
+            rules,
+            range.iter().map(|(k, s)| (k.as_str(), s)),
+        );
+        let reasons = skipped
+            .iter()
+            .map(|(key, error)| (key.clone(), error.reason()))
+            .collect();
+        (fleet, reasons)
+    }
+
+    #[test]
+    fn records_count_only_under_their_hosts_lease() {
+        let worker = worker_at("10.0.0.1:80");
+        let (fleet, skipped) = judged(
+            &Rules::default(),
+            &[
+                ("/p/v1/hosts/b", HOST, 7),
+                ("/p/v1/workers/b/web/0/1", &worker, 7),
+                // Written by hand into a real host's range, under no lease or another one.
+                ("/p/v1/workers/b/web/1/2", &worker, 0),
+                ("/p/v1/workers/b/web/2/3", &worker, 8),
+                (
+                    "/p/v1/services/b/web",
+                    r#"{"balancer":{"kind":"random"}}"#,
+                    0,
+                ),
+                // A host under no lease, and its workers: none of it counts.
+                ("/p/v1/hosts/c", HOST, 0),
+                ("/p/v1/workers/c/web/0/1", &worker, 0),
+                // Workers of no host.
+                ("/p/v1/workers/d/web/0/1", &worker, 9),
+            ],
+        );
+        assert_eq!(fleet.keys().collect::<Vec<_>>(), ["b"]);
+        assert_eq!(fleet["b"].workers.len(), 1);
+        assert!(fleet["b"].services.is_empty());
+        assert_eq!(
+            skipped,
+            BTreeMap::from([
+                ("/p/v1/hosts/c".to_string(), "no_lease"),
+                ("/p/v1/services/b/web".to_string(), "other_lease"),
+                ("/p/v1/workers/b/web/1/2".to_string(), "other_lease"),
+                ("/p/v1/workers/b/web/2/3".to_string(), "other_lease"),
+                ("/p/v1/workers/c/web/0/1".to_string(), "no_host"),
+                ("/p/v1/workers/d/web/0/1".to_string(), "no_host"),
+            ])
+        );
+    }
+
+    #[test]
+    fn names_follow_the_configs_rules() {
+        let worker = worker_at("10.0.0.1:80");
+        let long = "w".repeat(5000);
+        let quoted = "/p/v1/workers/b/we\"b/0/1".to_string();
+        let newline = "/p/v1/services/b/we\nb".to_string();
+        let too_long = format!("/p/v1/workers/b/{long}/0/1");
+        let bad_host = "/p/v1/hosts/b c".to_string();
+        let spec = r#"{"balancer":{"kind":"random"}}"#;
+        let (fleet, skipped) = judged(
+            &Rules::default(),
+            &[
+                ("/p/v1/hosts/b", HOST, 7),
+                (&quoted, &worker, 7),
+                (&newline, spec, 7),
+                (&too_long, &worker, 7),
+                (&bad_host, HOST, 7),
+                (
+                    "/p/v1/workers/b/web/0/1",
+                    &worker.replace("b-web-0-1", "b-web 0-1"),
+                    7,
+                ),
+            ],
+        );
+        assert!(fleet["b"].workers.is_empty() && fleet["b"].services.is_empty());
+        assert_eq!(skipped[&quoted], "name");
+        assert_eq!(skipped[&newline], "name");
+        assert_eq!(skipped[&too_long], "name");
+        assert_eq!(skipped[&bad_host], "name");
+        assert_eq!(skipped["/p/v1/workers/b/web/0/1"], "value");
+    }
+
+    #[test]
+    fn addresses_are_unicast_and_where_the_config_allows() {
+        let default = Rules::default();
+        let refused = [
+            "0.0.0.0:0",
+            "0.0.0.0:80",
+            "0.1.2.3:80",
+            "[::]:80",
+            "10.0.0.1:0",
+            "224.0.0.1:80",
+            "[ff02::1]:80",
+            "255.255.255.255:80",
+            "169.254.169.254:80",
+            "[fe80::1]:80",
+            "[::ffff:169.254.169.254]:80",
+        ];
+        for address in refused {
+            let address: SocketAddr = address.parse().unwrap();
+            assert!(address_problem(address, &[]).is_some(), "{address}");
+        }
+        for address in ["127.0.0.1:22", "10.0.0.1:80", "8.8.8.8:53", "[fd00::1]:80"] {
+            let address: SocketAddr = address.parse().unwrap();
+            assert_eq!(address_problem(address, &[]), None, "{address}");
+        }
+        let rules = Rules {
+            allowed_networks: vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "169.254.0.0/16".parse().unwrap(),
+            ],
+        };
+        let judge =
+            |address: &str| address_problem(address.parse().unwrap(), &rules.allowed_networks);
+        assert_eq!(judge("10.1.2.3:80"), None);
+        assert_eq!(judge("[::ffff:10.1.2.3]:80"), None, "IPv4 written as IPv6");
+        assert_eq!(
+            judge("169.254.1.1:80"),
+            None,
+            "a listed network allows link-local"
+        );
+        assert_eq!(
+            judge("127.0.0.1:22"),
+            Some("outside cluster.allowed_networks")
+        );
+        assert_eq!(
+            judge("8.8.8.8:53"),
+            Some("outside cluster.allowed_networks")
+        );
+        assert_eq!(
+            judge("0.0.0.0:80"),
+            Some("unspecified"),
+            "a network cannot allow it"
+        );
+        // In a record: the worker is skipped, with its address.
+        let metadata = worker_at("169.254.169.254:80");
+        let (fleet, skipped) = judged(
+            &default,
+            &[
+                ("/p/v1/hosts/b", HOST, 7),
+                ("/p/v1/workers/b/web/0/1", &metadata, 7),
+            ],
+        );
+        assert!(fleet["b"].workers.is_empty());
+        assert_eq!(skipped["/p/v1/workers/b/web/0/1"], "address");
+    }
+
+    #[test]
+    fn a_spec_the_config_would_refuse_is_never_counted() {
+        let (fleet, skipped) = judged(
+            &Rules::default(),
+            &[
+                ("/p/v1/hosts/b", HOST, 7),
+                (
+                    "/p/v1/services/b/web",
+                    r#"{"balancer":{"kind":"maglev","table_size":65536,"hash_balance_factor":null}}"#,
+                    7,
+                ),
+                (
+                    "/p/v1/services/b/api",
+                    r#"{"balancer":{"kind":"maglev","table_size":65537,"hash_balance_factor":null}}"#,
+                    7,
+                ),
+            ],
+        );
+        assert_eq!(skipped["/p/v1/services/b/web"], "spec");
+        assert_eq!(
+            fleet["b"].services.keys().collect::<Vec<_>>(),
+            ["api"],
+            "b votes for api's spec only"
+        );
     }
 }

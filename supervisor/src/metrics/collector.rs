@@ -53,6 +53,11 @@ impl Collector for StatusCollector {
             streams: self.acks.kinds(),
             pushes: self.xds.pushes(),
             nacks: self.xds.nacks(),
+            fleet_skipped: self
+                .registry
+                .fleet_status()
+                .map(|status| status.skipped)
+                .unwrap_or_default(),
         };
         encode(&view, &totals, encoder)
     }
@@ -68,6 +73,8 @@ pub struct Totals {
     /// xDS responses sent and NACKs received, per type label.
     pub pushes: [(&'static str, u64); 2],
     pub nacks: [(&'static str, u64); 2],
+    /// In a fleet, the other hosts' records skipped now, by reason (empty on a single host).
+    pub fleet_skipped: BTreeMap<&'static str, usize>,
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -210,6 +217,17 @@ pub fn encode(
         "xDS responses Envoy rejected (NACK), by resource type",
         by_type(&totals.nacks),
     )?;
+    if !totals.fleet_skipped.is_empty() {
+        gauges(
+            &mut encoder,
+            "peregrine_fleet_records_skipped",
+            "Other hosts' records in etcd that are not served, by why (each is logged once)",
+            totals
+                .fleet_skipped
+                .iter()
+                .map(|(reason, n)| (vec![("reason", reason.to_string())], *n as i64)),
+        )?;
+    }
     Ok(())
 }
 
@@ -297,6 +315,7 @@ mod tests {
                 streams: vec![StreamKind::Ads, StreamKind::Ads, StreamKind::DeltaEds],
                 pushes: [("cds", 4), ("eds", 9)],
                 nacks: [("cds", 0), ("eds", 1)],
+                fleet_skipped: BTreeMap::from([("no_lease", 2), ("shape", 0)]),
             };
             encode(&self.0, &totals, encoder)
         }
@@ -379,6 +398,8 @@ mod tests {
             "peregrine_xds_streams{type=\"cds\",variant=\"sotw\"} 0",
             "peregrine_xds_pushes_total{type=\"eds\"} 9",
             "peregrine_xds_nacks_total{type=\"eds\"} 1",
+            "peregrine_fleet_records_skipped{reason=\"no_lease\"} 2",
+            "peregrine_fleet_records_skipped{reason=\"shape\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

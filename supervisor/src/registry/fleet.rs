@@ -153,6 +153,8 @@ pub struct FleetStatus {
     /// The services whose spec hosts disagree on, each with the hosts that disagree and whose spec
     /// is served, as one line each.
     pub conflicts: Vec<String>,
+    /// The other hosts' records skipped now, by reason (`too_large`, `no_lease`, ...).
+    pub skipped: BTreeMap<&'static str, usize>,
 }
 
 /// Where the etcd session is.

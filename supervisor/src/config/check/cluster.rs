@@ -5,6 +5,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
+use ipnet::IpNet;
 use toml::Spanned;
 
 use super::Checker;
@@ -20,12 +21,30 @@ pub(crate) const DEFAULT_PREFIX: &str = "/peregrine";
 /// The environment variable that replaces `cluster.etcd` (comma-separated endpoints).
 pub const ENV_ETCD: &str = "PEREGRINE_ETCD";
 
-/// Whether `name` is a fleet name: letters, digits, `.`, `_` and `-`, at most 63 of them.
-fn fleet_name(name: &str) -> bool {
+/// Whether `name` is a fleet name: letters, digits, `.`, `_` and `-`, at most 63 of them. Other
+/// hosts' names (and regions and zones) in etcd are held to it too.
+pub fn fleet_name(name: &str) -> bool {
     name.len() <= 63
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// The longest service name another host of a fleet may publish: far longer than any config's,
+/// short enough that a name in etcd cannot make an Envoy cluster name of kilobytes.
+pub const MAX_FLEET_SERVICE_NAME: usize = 255;
+
+/// Whether `name`, a service another host of a fleet published, is one a config could name: the
+/// config's own rule for service names, at most [`MAX_FLEET_SERVICE_NAME`] long.
+pub fn fleet_service_name(name: &str) -> bool {
+    name.len() <= MAX_FLEET_SERVICE_NAME && super::valid_name(name)
+}
+
+/// `cluster.allowed_networks`: each entry an `ADDRESS/PREFIX_LENGTH` network, or why not.
+fn network(entry: &str) -> Result<IpNet, String> {
+    entry.parse::<IpNet>().map_err(|_| {
+        format!("{entry:?} is not a network: expected ADDRESS/PREFIX_LENGTH (e.g. \"10.0.0.0/8\")")
+    })
 }
 
 /// Why an etcd endpoint is not one, if it is not: `https://HOST:PORT` with `[cluster.tls]`,
@@ -181,6 +200,23 @@ impl Checker<'_> {
             "cluster.routing",
             &Routing::ALL.map(|routing| (routing.as_str(), routing)),
         );
+        let mut allowed_networks = Vec::new();
+        if let Some(list) = raw.allowed_networks {
+            let span = list.span();
+            for entry in list.into_inner() {
+                match network(&entry) {
+                    // Written as 10.1.2.3/8, it means 10.0.0.0/8.
+                    Ok(net) => allowed_networks.push(net.trunc()),
+                    Err(problem) => {
+                        self.report(
+                            Some(span.clone()),
+                            "cluster.allowed_networks".into(),
+                            problem,
+                        );
+                    }
+                }
+            }
+        }
         Some(ClusterConfig {
             etcd,
             host,
@@ -189,6 +225,7 @@ impl Checker<'_> {
             prefix,
             routing,
             tls,
+            allowed_networks,
         })
     }
 }
@@ -262,6 +299,36 @@ mod tests {
         assert!(
             got[0].starts_with("line 1: cluster.etcd: missing"),
             "{got:?}"
+        );
+    }
+
+    #[test]
+    fn allowed_networks_are_networks() {
+        let config = parse(
+            "[cluster]\nallow_insecure = true\netcd = [\"http://10.0.0.1:2379\"]\n\
+             allowed_networks = [\"10.1.2.3/8\", \"fd00::/8\"]\n[service.a]\n",
+        )
+        .unwrap();
+        let networks: Vec<String> = config
+            .cluster
+            .unwrap()
+            .allowed_networks
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(networks, ["10.0.0.0/8", "fd00::/8"], "written as a network");
+        let got = problems(
+            "[cluster]\nallow_insecure = true\netcd = [\"http://10.0.0.1:2379\"]\n\
+             allowed_networks = [\"10.0.0.0\", \"10.0.0.0/33\"]\n[service.a]\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "line 4: cluster.allowed_networks: \"10.0.0.0\" is not a network: expected \
+                 ADDRESS/PREFIX_LENGTH (e.g. \"10.0.0.0/8\")",
+                "line 4: cluster.allowed_networks: \"10.0.0.0/33\" is not a network: expected \
+                 ADDRESS/PREFIX_LENGTH (e.g. \"10.0.0.0/8\")",
+            ]
         );
     }
 
