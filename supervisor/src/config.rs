@@ -563,14 +563,15 @@ impl Config {
         let limit = rustix::process::getrlimit(rustix::process::Resource::Nproc).current;
         match limit {
             // The supervisor itself is one more process of the user.
-            Some(limit) if workers + 1 > limit => Err(invalid(vec![Problem {
-                line: None,
-                key: "service".into(),
-                message: format!(
-                    "{workers} workers in all, but this user may run only {limit} processes \
-                     (RLIMIT_NPROC, `ulimit -u`): lower the counts or raise the limit"
+            Some(limit) if workers + 1 > limit => Err(invalid(vec![check::total_problem(
+                &source,
+                &config.services,
+                format!(
+                    "{workers} workers in all, this service's the most, but this user may run \
+                     only {limit} processes (RLIMIT_NPROC, `ulimit -u`): lower the counts or raise \
+                     the limit"
                 ),
-            }])),
+            )])),
             _ => Ok(config),
         }
     }

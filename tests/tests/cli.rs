@@ -55,6 +55,36 @@ fn a_bad_value_is_one_line_naming_the_key() {
 }
 
 #[test]
+fn a_service_envoy_could_not_reach_is_refused_at_its_line() {
+    // The xDS cluster's name, a route another service takes, and a name that is no bare key: each
+    // at its line, and no terminal escape on stderr.
+    let (code, _, stderr) = peregrine(
+        &["check"],
+        "[service.web]\nprefix = \"/\"\n\n[service.xds_cluster]\nprefix = \"/x\"\n\n\
+         [service.www]\nprefix = \"/\"\n\n[service.\"\\u001b[2Jweb\"]\nprefix = \"/y\"\n",
+    );
+    assert_eq!(code, 64, "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(
+        lines[0].contains(": line 10: service.\"\\u001B[2Jweb\": names may use only"),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].contains(
+            ": line 4: service.xds_cluster: is, by default (supervisor.xds_cluster), \
+                           the cluster in Envoy's bootstrap that reaches the supervisor's gRPC port"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        lines[2].contains(": line 8: service.www.prefix: \"/\" is the prefix of service web too"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains('\x1b'), "{stderr:?}");
+}
+
+#[test]
 fn a_type_error_and_an_unknown_key_are_named() {
     let (code, _, stderr) = peregrine(&["check"], "[supervisor]\nbind = 18000\n");
     assert_eq!(code, 64);

@@ -662,8 +662,9 @@ mod tests {
             got,
             [
                 "line 2: orca.min_report_interval_ms: must be at least 10 (milliseconds), got 5",
-                "orca.weight_expiration_period_ms: must be longer than orca.blackout_period_ms \
-                 (40000 ms): a weight would expire before Envoy starts using it",
+                "line 3: orca.blackout_period_ms: must be shorter than \
+                 orca.weight_expiration_period_ms (30000 ms by default): a weight would expire \
+                 before Envoy starts using it",
             ]
         );
         // A floor over an hour is refused: one far enough (up to 2^64 - 1 ms) made every stream's

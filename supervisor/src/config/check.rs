@@ -34,8 +34,14 @@ use super::{
 
 pub(crate) mod cluster;
 mod envoy;
+mod routes;
 mod service;
 pub(crate) mod tls;
+
+use self::{
+    routes::{DEFAULT_XDS_CLUSTER, XdsClusterName},
+    service::{ServiceSpans, busiest},
+};
 
 /// Collects problems with their lines.
 pub(super) struct Checker<'a> {
@@ -189,12 +195,14 @@ pub(super) fn config(
         identity,
         problems: Vec::new(),
     };
+    let written = ServiceSpans::of_all(&raw);
     let server_tls = raw.supervisor.tls.take();
     let envoy_tls = raw.envoy.tls.take();
     // The control socket's path is known even when another `[supervisor]` key is wrong: the
     // services' worker sockets are named after it.
     let control = check.control(raw.supervisor.control.take(), env);
-    let mut supervisor = check.supervisor(raw.supervisor, control.clone(), env);
+    let xds_cluster = check.xds_cluster(raw.supervisor.xds_cluster.take());
+    let mut supervisor = check.supervisor(raw.supervisor, control.clone(), &xds_cluster, env);
     let mut envoy = check.envoy(raw.envoy);
     let server_span = server_tls.as_ref().map(Spanned::span);
     let envoy_span = envoy_tls.as_ref().map(Spanned::span);
@@ -211,6 +219,7 @@ pub(super) fn config(
         envoy.tls = envoy_tls;
     }
     if raw.service.is_empty() {
+        // The one problem without a line: there is no line to name.
         check.report(
             None,
             "service".into(),
@@ -221,21 +230,25 @@ pub(super) fn config(
         .service
         .into_iter()
         .map(|(name, service)| {
-            let checked = check.service(name.clone(), service, &control);
+            let name_span = written.get(&name).and_then(|spans| spans.name.clone());
+            let checked = check.service(name.clone(), name_span, service, &control);
             (name, checked)
         })
         .collect();
     let workers = workers_in_all(&services);
-    if workers > MAX_TOTAL_WORKERS {
+    if workers > MAX_TOTAL_WORKERS
+        && let Some((key, span)) = busiest(&services, &written)
+    {
         check.report(
-            None,
-            "service".into(),
+            span,
+            key,
             format!(
-                "{workers} workers in all; a supervisor runs at most {MAX_TOTAL_WORKERS} \
-                 (run more supervisors, each with its own control socket)"
+                "{workers} workers in all, this service's the most; a supervisor runs at most \
+                 {MAX_TOTAL_WORKERS} (run more supervisors, each with its own control socket)"
             ),
         );
     }
+    check.routes(&services, &written, &xds_cluster);
     let sample_interval = supervisor
         .as_ref()
         .map_or(DEFAULT_SAMPLE_INTERVAL, |s| s.sample_interval);
@@ -268,6 +281,7 @@ impl Checker<'_> {
             10,
             &mut orca.min_report_interval,
         );
+        let blackout_span = raw.blackout_period_ms.as_ref().map(|v| v.span());
         millis(
             raw.blackout_period_ms,
             "blackout_period_ms",
@@ -301,15 +315,27 @@ impl Checker<'_> {
             );
         }
         if orca.weight_expiration_period <= orca.blackout_period {
-            self.report(
-                expiration_span,
-                "orca.weight_expiration_period_ms".into(),
-                format!(
-                    "must be longer than orca.blackout_period_ms ({} ms): a weight would expire \
-                     before Envoy starts using it",
-                    orca.blackout_period.as_millis()
+            match expiration_span {
+                Some(span) => self.report(
+                    Some(span),
+                    "orca.weight_expiration_period_ms".into(),
+                    format!(
+                        "must be longer than orca.blackout_period_ms ({} ms): a weight would \
+                         expire before Envoy starts using it",
+                        orca.blackout_period.as_millis()
+                    ),
                 ),
-            );
+                // Only the blackout was written: it is the key to name.
+                None => self.report(
+                    blackout_span,
+                    "orca.blackout_period_ms".into(),
+                    format!(
+                        "must be shorter than orca.weight_expiration_period_ms ({} ms by \
+                         default): a weight would expire before Envoy starts using it",
+                        orca.weight_expiration_period.as_millis()
+                    ),
+                ),
+            }
         }
         orca
     }
@@ -324,11 +350,26 @@ impl Checker<'_> {
         absolute_in(self.base, Path::new(&control))
     }
 
-    /// `[supervisor]` but its `control` (already made absolute by [`Checker::control`]).
+    /// `supervisor.xds_cluster`: the name, and where the file writes it.
+    fn xds_cluster(&mut self, raw: Option<Spanned<String>>) -> XdsClusterName {
+        let span = raw.as_ref().map(Spanned::span);
+        let name = self.valid(
+            raw,
+            "supervisor.xds_cluster".into(),
+            |name| valid_name(name),
+            NAME_RULE,
+            || DEFAULT_XDS_CLUSTER.into(),
+        );
+        XdsClusterName { name, span }
+    }
+
+    /// `[supervisor]` but its `control` (already made absolute by [`Checker::control`]) and its
+    /// `xds_cluster` (checked by [`Checker::xds_cluster`]).
     fn supervisor(
         &mut self,
         raw: RawSupervisor,
         control: PathBuf,
+        xds_cluster: &XdsClusterName,
         env: &HashMap<String, String>,
     ) -> Option<SupervisorConfig> {
         let bind = match env.get("PEREGRINE_BIND") {
@@ -368,13 +409,6 @@ impl Checker<'_> {
                     .map(Some),
             },
         };
-        let xds_cluster = self.valid(
-            raw.xds_cluster,
-            "supervisor.xds_cluster".into(),
-            |name| valid_name(name),
-            NAME_RULE,
-            || "xds_cluster".into(),
-        );
         let mut restart = RestartPolicy::default();
         if let Some(ms) = raw.restart_delay_ms {
             if *ms.get_ref() == 0 {
@@ -488,7 +522,7 @@ impl Checker<'_> {
             bind: bind?,
             metrics: metrics?,
             control,
-            xds_cluster,
+            xds_cluster: xds_cluster.name.clone(),
             restart,
             sampler,
             sample_interval,
@@ -519,6 +553,20 @@ impl Checker<'_> {
         }
         parsed
     }
+}
+
+/// A problem with the total of workers of `services` (checked from `source`), at the service with
+/// the most ([`busiest`]).
+pub(super) fn total_problem(
+    source: &str,
+    services: &BTreeMap<String, ServiceConfig>,
+    message: String,
+) -> Problem {
+    let written = RawConfig::from_toml(source)
+        .map(|raw| ServiceSpans::of_all(&raw))
+        .unwrap_or_default();
+    let (key, span) = busiest(services, &written).unwrap_or_else(|| ("service".into(), None));
+    Problem::at(source, span, key, message)
 }
 
 /// `expected "a", "b" or "c", got "d"`: the message for a value that is none of `choices`.
@@ -620,9 +668,81 @@ count = 0
         );
         assert!(
             got.iter()
-                .any(|p| p.contains("service.bad name.count: must be between 1")),
+                .any(|p| p.contains("service.\"bad name\".count: must be between 1")),
             "{got:?}"
         );
+    }
+
+    #[test]
+    fn a_bad_service_name_is_named_at_its_line_as_the_file_writes_it() {
+        for (source, key) in [
+            (
+                "[service.web]\n\n[service.\"we\\\"b\"]\n",
+                "service.\"we\\\"b\"",
+            ),
+            (
+                "[service.web]\n\n[service.'we\"b']\n",
+                "service.\"we\\\"b\"",
+            ),
+            // The same text earlier in the file is not taken for the name.
+            (
+                "[supervisor]\nmetrics = \"\"\n[service.\"\"]\n",
+                "service.\"\"",
+            ),
+            (
+                "[envoy]\nnode = \"a b\"\n[service.\"a b\"]\n",
+                "service.\"a b\"",
+            ),
+            (
+                "[service]\nweb = {}\n\"a/b\" = { count = 2 }\n",
+                "service.\"a/b\"",
+            ),
+            // A terminal escape in a name reaches no terminal.
+            (
+                "[service.a]\n[service.b]\n[service.\"\\u001b[2J\"]\n",
+                "service.\"\\u001B[2J\"",
+            ),
+        ] {
+            let got = problems(source);
+            assert_eq!(got, [format!("line 3: {key}: {NAME_RULE}")], "{source:?}");
+        }
+    }
+
+    #[test]
+    fn every_problem_but_a_missing_table_has_a_line() {
+        for source in [
+            "[service.a]\nuser = \"nobody\"\ngroup = \"no-such-group-here\"\n",
+            "[service.a]\ngroup = \"nogroup\"\n",
+            "[service.a]\nenv = { \"\" = \"x\" }\n",
+            "[service.a]\ncommand = []\n",
+            "[service.a]\ncount = 2\nweights = [1]\n",
+            "[service.a]\nlb_policy = \"maglev\"\n",
+            "[service.a]\nurl = \"unix:///tmp/a.sock\"\norca = true\n",
+            "[orca]\nblackout_period_ms = 40000\n[service.a]\n",
+            "[supervisor.tls]\ncert = \"a\"\n[service.a]\n",
+            "[envoy.tls]\nca = \"a\"\n[service.a]\n",
+            "[envoy]\nxds_servers = []\n[service.a]\n",
+            "[cluster]\n[service.a]\n",
+            "[cluster.tls]\n[service.a]\n",
+            "[supervisor]\nxds_cluster = \"a b\"\n[service.a]\n",
+            "[service]\nweb = 1\n",
+            "[[service]]\n",
+            "x\n",
+            &(0..5)
+                .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
+                .collect::<String>(),
+            &(0..3)
+                .map(|i| format!("[service.s{i}]\n"))
+                .chain(["[service.t]\ncount = 4096\n[service.u]\ncount = 4096\n".into()])
+                .chain(["[service.v]\ncount = 4096\n[service.w]\ncount = 4096\n".into()])
+                .collect::<String>(),
+        ] {
+            let got = parse(source).expect_err(source);
+            assert!(
+                got.iter().all(|problem| problem.line.is_some()),
+                "{source:?}: {got:?}"
+            );
+        }
     }
 
     #[test]
@@ -638,7 +758,11 @@ count = 0
             .collect();
         let got = problems(&many);
         assert_eq!(got.len(), 1, "{got:?}");
-        assert!(got[0].contains("20480 workers in all"), "{got:?}");
+        // At a count to lower: the largest (the last by name of equals).
+        assert!(
+            got[0].starts_with("line 10: service.s4.count: 20480 workers in all"),
+            "{got:?}"
+        );
         let enough: String = (0..4)
             .map(|i| format!("[service.s{i}]\ncount = 4096\n"))
             .collect();

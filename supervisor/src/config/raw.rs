@@ -5,10 +5,13 @@
 //! later check may reject is kept [`Spanned`], so that [`check`](super::check) can name its line. A
 //! file that does not fit this mirror yields exactly one [`Problem`]: serde stops at the first.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, ops::Range};
 
 use serde::Deserialize;
-use toml::Spanned;
+use toml::{
+    Spanned,
+    de::{DeTable, DeValue},
+};
 
 use super::error::Problem;
 
@@ -29,6 +32,10 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) orca: RawOrca,
     pub(super) cluster: Option<Spanned<RawCluster>>,
+    /// Where each `[service.NAME]` names its service: the span of the name as written (quoted or
+    /// not), for a problem with the name itself. Serde gives map keys no span.
+    #[serde(skip)]
+    pub(super) service_names: BTreeMap<String, Range<usize>>,
 }
 
 /// `[cluster]`.
@@ -157,15 +164,68 @@ impl RawConfig {
     /// Reads `source` into the mirror: a TOML syntax error, a wrong type or an unknown key is the one
     /// problem returned.
     pub(super) fn from_toml(source: &str) -> Result<RawConfig, Problem> {
-        let deserializer = toml::de::Deserializer::parse(source).map_err(|err| {
+        let document = DeTable::parse(source).map_err(|err| {
             Problem::at(source, err.span(), "(syntax)".into(), err.message().trim())
         })?;
-        serde_path_to_error::deserialize(deserializer).map_err(|err| {
+        let service_names = service_names(document.get_ref());
+        let deserializer = toml::de::Deserializer::from(document);
+        let mut raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|err| {
             let key = dotted_key(err.path());
             let inner = err.into_inner();
             Problem::at(source, inner.span(), key, inner.message().trim())
-        })
+        })?;
+        raw.service_names = service_names;
+        Ok(raw)
     }
+}
+
+/// The span of each name under `service` in `document`, where it is a table.
+fn service_names(document: &DeTable<'_>) -> BTreeMap<String, Range<usize>> {
+    let services = document
+        .iter()
+        .find(|(key, _)| key.get_ref() == "service")
+        .map(|(_, value)| value.get_ref());
+    match services {
+        Some(DeValue::Table(services)) => services
+            .keys()
+            .map(|name| (name.get_ref().to_string(), name.span()))
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// `part` as one part of a dotted TOML key: bare when TOML allows it (ASCII letters, digits, `_`
+/// and `-`), else a quoted basic string in which `"`, `\`, control characters and bidirectional
+/// formatting characters are escaped: a problem's key reads as the file writes it, and never carries
+/// a terminal escape to the terminal that shows it.
+pub(super) fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
+    let bare = !part.is_empty()
+        && part
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+    if bare {
+        return part.into();
+    }
+    let mut quoted = String::with_capacity(part.len() + 2);
+    quoted.push('"');
+    for c in part.chars() {
+        match c {
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            c if c.is_control() || is_bidi_control(c) => {
+                quoted.push_str(&format!("\\u{:04X}", u32::from(c)));
+            }
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('"');
+    quoted.into()
+}
+
+/// Whether `c` is one of Unicode's bidirectional formatting characters, which reorder the text
+/// that follows them on a terminal.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{200E}' | '\u{200F}' | '\u{061C}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
 }
 
 impl RawService {
@@ -246,7 +306,7 @@ fn dotted_key(path: &serde_path_to_error::Path) -> String {
     for segment in path.iter() {
         let part = match segment {
             Segment::Map { key } if key.starts_with("$__") => continue,
-            Segment::Map { key } | Segment::Enum { variant: key } => key.clone(),
+            Segment::Map { key } | Segment::Enum { variant: key } => key_part(key).into_owned(),
             Segment::Seq { index } => index.to_string(),
             Segment::Unknown => continue,
         };

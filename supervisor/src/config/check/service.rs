@@ -20,19 +20,66 @@ use crate::config::{
     balancing::OrcaReach,
     files::resolve_program,
     limits::{MAX_SOCKET_PATH, MAX_WORKERS},
-    raw::{AccountId, RawService},
+    raw::{AccountId, RawConfig, RawService, key_part},
 };
+
+/// Where the file writes a service's name, and the keys that checks across services name.
+#[derive(Clone, Debug, Default)]
+pub(super) struct ServiceSpans {
+    /// The name in `[service.NAME]`.
+    pub(super) name: Option<Span>,
+    /// `count`.
+    pub(super) count: Option<Span>,
+    /// `prefix`.
+    pub(super) prefix: Option<Span>,
+    /// `domains`.
+    pub(super) domains: Option<Span>,
+}
+
+impl ServiceSpans {
+    /// Every service's, by name.
+    pub(super) fn of_all(raw: &RawConfig) -> BTreeMap<String, ServiceSpans> {
+        raw.service
+            .iter()
+            .map(|(name, service)| {
+                let spans = ServiceSpans {
+                    name: raw.service_names.get(name).cloned(),
+                    count: service.count.as_ref().map(Spanned::span),
+                    prefix: service.prefix.as_ref().map(Spanned::span),
+                    domains: service.domains.as_ref().map(Spanned::span),
+                };
+                (name.clone(), spans)
+            })
+            .collect()
+    }
+}
+
+/// The service with the most workers, for a problem with the total of workers: its `count` key,
+/// and the span of its count (of its name, when count is left out).
+pub(super) fn busiest(
+    services: &BTreeMap<String, ServiceConfig>,
+    written: &BTreeMap<String, ServiceSpans>,
+) -> Option<(String, Option<Span>)> {
+    let (name, _) = services.iter().max_by_key(|(_, service)| service.count)?;
+    let span = written
+        .get(name)
+        .and_then(|spans| spans.count.clone().or_else(|| spans.name.clone()));
+    Some((format!("service.{}.count", key_part(name)), span))
+}
 
 impl Checker<'_> {
     /// `[service.NAME]`; `control` is the control socket's path, which a service with a `user` names
-    /// its worker socket after.
+    /// its worker socket after, and `name_span` where the file writes the name.
     pub(super) fn service(
         &mut self,
         name: String,
+        name_span: Option<Span>,
         mut raw: RawService,
         control: &Path,
     ) -> ServiceConfig {
-        let key = |field: &str| format!("service.{name}.{field}");
+        // The service's keys as the file writes them: `service."a b".count`.
+        let table = format!("service.{}", key_part(&name));
+        let key = |field: &str| format!("{table}.{field}");
         let balancing = raw.take_balancing();
         let passing = Passing {
             pass_socket: raw.pass_socket.take(),
@@ -40,8 +87,7 @@ impl Checker<'_> {
             stop_signal: raw.stop_signal.take(),
         };
         if !valid_name(&name) {
-            let at = self.source.find(&format!("\"{name}\"")).map(|at| at..at);
-            self.report(at, format!("service.{name}"), NAME_RULE);
+            self.report(name_span, table.clone(), NAME_RULE);
         }
         let count = self
             .number(&key, "count", &raw.count, 1..u64::from(MAX_WORKERS) + 1)
@@ -106,7 +152,7 @@ impl Checker<'_> {
                     } else if value.contains('\0') {
                         self.report(
                             Some(span.clone()),
-                            key(&format!("env.{variable}")),
+                            key(&format!("env.{}", key_part(variable))),
                             "a value cannot hold a NUL byte: the environment is NUL-terminated text",
                         );
                     }
@@ -178,7 +224,7 @@ impl Checker<'_> {
         } else {
             OrcaReach::Yes
         };
-        let (balancing, weights) = self.balancing(&name, balancing, count, reach);
+        let (balancing, weights) = self.balancing(&key_part(&name), balancing, count, reach);
         let restart_batch = raw
             .restart_batch
             .and_then(|batch| {
