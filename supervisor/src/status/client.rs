@@ -1,5 +1,7 @@
 //! The client side of `peregrine status` and the control commands: one request over the supervisor's
-//! local socket, one answer, each step bounded by [`QUERY_TIMEOUT`].
+//! local socket, one answer, each step bounded by [`QUERY_TIMEOUT`]: the connection (a supervisor
+//! that accepts nothing fills its backlog, and a connection then waits), the request and each read
+//! of the answer. A supervisor that does not answer in time is named so ([`StatusError::Timeout`]).
 
 use std::{
     io::{self, Read, Write},
@@ -15,6 +17,9 @@ use peregrine_proto::{
         self, StatusRequest, SupervisorMessage, WorkerMessage, supervisor_message, worker_message,
     },
 };
+use socket2::{Domain, SockAddr, Socket, Type};
+
+use super::view::printable;
 
 /// How long [`query`] waits for the supervisor at each step.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,8 +45,16 @@ pub enum StatusError {
         #[source]
         source: io::Error,
     },
+    /// The supervisor did not take the connection, read the request or answer within `after`.
+    #[error("the supervisor on {path} did not answer within {}", seconds(*.after))]
+    Timeout {
+        /// The socket path.
+        path: PathBuf,
+        /// The time allowed.
+        after: Duration,
+    },
     /// The supervisor refused to answer.
-    #[error("the supervisor on {path} refused: {reason}")]
+    #[error("the supervisor on {path} refused: {}", printable(.reason))]
     Refused {
         /// The socket path.
         path: PathBuf,
@@ -61,10 +74,15 @@ pub enum StatusError {
 
 /// Asks the supervisor listening on `socket` for its status (blocking, [`QUERY_TIMEOUT`] per step).
 pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
+    query_within(socket, QUERY_TIMEOUT)
+}
+
+/// [`query`], each step bounded by `timeout`.
+fn query_within(socket: &Path, timeout: Duration) -> Result<v1::Status, StatusError> {
     let request = WorkerMessage {
         message: Some(worker_message::Message::Status(StatusRequest {})),
     };
-    match ask(socket, &request, Some(QUERY_TIMEOUT))? {
+    match exchange(socket, &request, timeout, Some(timeout))? {
         supervisor_message::Message::Status(status) => Ok(status),
         _ => Err(StatusError::Malformed {
             path: socket.to_owned(),
@@ -80,23 +98,44 @@ pub fn ask(
     request: &WorkerMessage,
     read_timeout: Option<Duration>,
 ) -> Result<supervisor_message::Message, StatusError> {
+    exchange(socket, request, QUERY_TIMEOUT, read_timeout)
+}
+
+/// [`ask`], the connection and the request bounded by `timeout`.
+fn exchange(
+    socket: &Path,
+    request: &WorkerMessage,
+    timeout: Duration,
+    read_timeout: Option<Duration>,
+) -> Result<supervisor_message::Message, StatusError> {
     let path = socket.to_owned();
-    let io_error = |source| StatusError::Io {
-        path: path.clone(),
-        source,
+    // A timeout (a blocking socket's `EAGAIN` once its send or receive timeout passes) is named so.
+    let io_error = |after: Duration| {
+        let path = path.clone();
+        move |source: io::Error| match source.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                StatusError::Timeout { path, after }
+            }
+            _ => StatusError::Io { path, source },
+        }
     };
-    let mut stream = UnixStream::connect(socket).map_err(|source| match source.kind() {
+    let mut stream = connect(socket, timeout).map_err(|source| match source.kind() {
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => StatusError::NotRunning {
             path: path.clone(),
             source,
         },
-        _ => io_error(source),
+        _ => io_error(timeout)(source),
     })?;
-    stream.set_read_timeout(read_timeout).map_err(io_error)?;
     stream
-        .set_write_timeout(Some(QUERY_TIMEOUT))
-        .map_err(io_error)?;
-    stream.write_all(&encode(request)).map_err(io_error)?;
+        .set_read_timeout(read_timeout)
+        .map_err(io_error(timeout))?;
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(io_error(timeout))?;
+    stream
+        .write_all(&encode(request))
+        .map_err(io_error(timeout))?;
+    let read_error = io_error(read_timeout.unwrap_or(timeout));
     let mut buf = BytesMut::new();
     let mut chunk = vec![0u8; 64 * 1024];
     let answer = loop {
@@ -108,7 +147,7 @@ pub fn ask(
         if let Some(answer) = decoded {
             break answer;
         }
-        let n = stream.read(&mut chunk).map_err(io_error)?;
+        let n = stream.read(&mut chunk).map_err(read_error.clone())?;
         if n == 0 {
             return Err(StatusError::Malformed { path, source: None });
         }
@@ -121,6 +160,25 @@ pub fn ask(
         }),
         Some(message) => Ok(message),
         None => Err(StatusError::Malformed { path, source: None }),
+    }
+}
+
+/// A connection to the Unix socket at `path` that waits at most `timeout` for room in a full
+/// backlog (a Unix socket's connect waits up to its send timeout, then fails with `EAGAIN`).
+fn connect(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    // Close-on-exec, as std's own sockets.
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    socket.set_write_timeout(Some(timeout))?;
+    socket.connect(&SockAddr::unix(path)?)?;
+    Ok(socket.into())
+}
+
+/// `10 s`, `0.2 s`: a timeout for a person.
+fn seconds(duration: Duration) -> String {
+    if duration.subsec_millis() == 0 {
+        format!("{} s", duration.as_secs())
+    } else {
+        format!("{:.1} s", duration.as_secs_f64())
     }
 }
 
@@ -159,5 +217,76 @@ mod tests {
         // A stale socket file, nobody listening.
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
         assert!(matches!(query(&path), Err(StatusError::NotRunning { .. })));
+    }
+
+    #[test]
+    fn a_supervisor_that_never_answers_is_named_a_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hung.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // Accepts, reads the request and never answers; holds the connection until the client
+        // closes it.
+        let held = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0u8; 64];
+            while stream.read(&mut request).is_ok_and(|n| n > 0) {}
+        });
+        let started = std::time::Instant::now();
+        let error = query_within(&path, Duration::from_millis(200)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(matches!(error, StatusError::Timeout { .. }), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "the supervisor on {} did not answer within 0.2 s",
+                path.display()
+            )
+        );
+        held.join().unwrap();
+        let after = StatusError::Timeout {
+            path: path.clone(),
+            after: QUERY_TIMEOUT,
+        };
+        assert!(
+            after.to_string().ends_with("did not answer within 10 s"),
+            "{after}"
+        );
+    }
+
+    #[test]
+    fn a_supervisor_that_accepts_nothing_is_named_a_timeout_once_its_backlog_is_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stopped.sock");
+        let socket = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        socket.bind(&SockAddr::unix(&path).unwrap()).unwrap();
+        socket.listen(0).unwrap();
+        // Connections the listener never accepts, until one is refused for want of room.
+        let mut queued = Vec::new();
+        let full = loop {
+            assert!(queued.len() < 1024, "the backlog never filled");
+            let client = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+            client.set_nonblocking(true).unwrap();
+            match client.connect(&SockAddr::unix(&path).unwrap()) {
+                Ok(()) => queued.push(client),
+                Err(error) => break error,
+            }
+        };
+        assert_eq!(full.kind(), io::ErrorKind::WouldBlock, "{full}");
+        let started = std::time::Instant::now();
+        let error = query_within(&path, Duration::from_millis(200)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(matches!(error, StatusError::Timeout { .. }), "{error:?}");
+    }
+
+    #[test]
+    fn a_refusal_reaches_the_terminal_escaped() {
+        let refused = StatusError::Refused {
+            path: "/run/p.sock".into(),
+            reason: "no\x1b[2J".into(),
+        };
+        assert_eq!(
+            refused.to_string(),
+            "the supervisor on /run/p.sock refused: no\\x1b[2J"
+        );
     }
 }

@@ -1,5 +1,12 @@
 //! The status answer for people and scripts: the table `peregrine status` prints, and the JSON object
 //! `--json` prints (serde).
+//!
+//! Invariant: every text of the answer reaches the table through [`printable`]. Host and service
+//! names, addresses, node ids and reasons come from other hosts (through etcd), from Envoy and from
+//! workers; a terminal escape in one must not reach the terminal that shows the table. The JSON
+//! escapes them already (serde writes control characters as `\u001b`).
+
+use std::{borrow::Cow, fmt::Write as _};
 
 use peregrine_proto::v1;
 use serde::Serialize;
@@ -136,14 +143,13 @@ impl StatusView {
                 let synced = s
                     .synced_revision
                     .map_or_else(|| "not synced yet".to_owned(), |r| format!("synced {r}"));
+                let (node, kind) = (printable(&s.node), printable(&s.kind));
                 match s.silent_ms {
                     Some(ms) => format!(
-                        "{} ({}) {synced}, silent for {:.0} s (drains do not wait for it)",
-                        s.node,
-                        s.kind,
+                        "{node} ({kind}) {synced}, silent for {:.0} s (drains do not wait for it)",
                         ms as f64 / 1000.0
                     ),
-                    None => format!("{} ({}) {synced}", s.node, s.kind),
+                    None => format!("{node} ({kind}) {synced}"),
                 }
             })
             .collect();
@@ -234,14 +240,16 @@ impl StatusView {
     /// values (no worker, no sample yet) show as `-`.
     pub fn table(&self) -> String {
         let mut out = match (&self.sampler, self.sample_interval_ms) {
-            (Some(sampler), Some(ms)) => format!("sampler: {sampler}, every {ms} ms\n"),
+            (Some(sampler), Some(ms)) => {
+                format!("sampler: {}, every {ms} ms\n", printable(sampler))
+            }
             _ => "sampler: not running\n".to_owned(),
         };
         out.push_str(&self.xds_line());
         if let Some(fleet) = &self.fleet {
             out.push_str(&fleet_line(fleet));
             for conflict in &fleet.conflicts {
-                out.push_str(&format!("fleet: {conflict}\n"));
+                out.push_str(&format!("fleet: {}\n", printable(conflict)));
             }
         }
         let mut header = vec![
@@ -266,14 +274,14 @@ impl StatusView {
             .iter()
             .map(|w| {
                 vec![
-                    w.service.clone(),
+                    printable(&w.service).into_owned(),
                     w.index.to_string(),
                     w.pid.map_or_else(dash, |p| p.to_string()),
                     w.state.to_owned(),
                     if w.addresses.is_empty() {
                         dash()
                     } else {
-                        w.addresses.join(",")
+                        printable(&w.addresses.join(",")).into_owned()
                     },
                     fixed(w.cpu_cores, 2),
                     fixed(w.runq_wait_cores, 2),
@@ -298,7 +306,8 @@ impl StatusView {
             header.insert(0, "HOST");
             left.insert(0, true);
             for (row, worker) in rows.iter_mut().zip(&self.workers) {
-                row.insert(0, worker.host.clone().unwrap_or_else(dash));
+                let host = worker.host.as_deref().map(printable);
+                row.insert(0, host.map_or_else(dash, Cow::into_owned));
             }
         }
         let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
@@ -333,20 +342,58 @@ impl StatusView {
 
 /// `fleet: host a; etcd connected, lease 7587...; 2 other hosts (b, c)`.
 fn fleet_line(fleet: &FleetView) -> String {
+    let state = printable(&fleet.etcd);
     let etcd = match (&fleet.error, fleet.lease) {
         (Some(error), _) => format!(
-            "etcd unavailable for {} ({error}): serving the last view",
-            ago(fleet.since_unix_ms)
+            "etcd unavailable for {} ({}): serving the last view",
+            ago(fleet.since_unix_ms),
+            printable(error)
         ),
-        (None, Some(lease)) => format!("etcd {}, lease {lease:x}", fleet.etcd),
-        (None, None) => format!("etcd {}", fleet.etcd),
+        (None, Some(lease)) => format!("etcd {state}, lease {lease:x}"),
+        (None, None) => format!("etcd {state}"),
     };
-    let others = match fleet.hosts.len() {
+    let hosts: Vec<Cow<'_, str>> = fleet.hosts.iter().map(|h| printable(h)).collect();
+    let others = match hosts.len() {
         0 => "no other host".to_owned(),
-        1 => format!("1 other host ({})", fleet.hosts[0]),
-        n => format!("{n} other hosts ({})", fleet.hosts.join(", ")),
+        1 => format!("1 other host ({})", hosts[0]),
+        n => format!("{n} other hosts ({})", hosts.join(", ")),
     };
-    format!("fleet: host {}; {etcd}; {others}\n", fleet.host)
+    format!("fleet: host {}; {etcd}; {others}\n", printable(&fleet.host))
+}
+
+/// `text` as a terminal may show it: every control character (a terminal escape, a newline, a
+/// carriage return, C1 codes) and every bidirectional formatting character (which reorders what
+/// follows it) written out as an escape, `\x1b` for ASCII ones as the log writes them and
+/// `\u{202e}` for the others, and a backslash as `\\`, so that no text passes for an escape.
+/// Borrowed when there is nothing to escape.
+pub fn printable(text: &str) -> Cow<'_, str> {
+    let escaped = |c: char| c == '\\' || c.is_control() || is_bidi_control(c);
+    if !text.chars().any(escaped) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            c if c.is_ascii_control() => {
+                let _ = write!(out, "\\x{:02x}", u32::from(c));
+            }
+            c if escaped(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Whether `c` is one of Unicode's bidirectional formatting characters (marks, embeddings,
+/// overrides, isolates).
+fn is_bidi_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+    )
 }
 
 /// How long ago `ms` (milliseconds since the Unix epoch) was, for a person: `12.3 s`.
@@ -473,6 +520,107 @@ web           1    -  crash-loop  -                             -          -    
              SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
+    }
+
+    #[test]
+    fn printable_escapes_controls_bidi_and_backslashes_only() {
+        assert!(matches!(printable("web-0 [::1]:80 é"), Cow::Borrowed(_)));
+        assert_eq!(printable("a\x1b[2Jb"), "a\\x1b[2Jb");
+        assert_eq!(printable("\r\n\t\x07\x7f"), "\\x0d\\x0a\\x09\\x07\\x7f");
+        assert_eq!(printable("\u{9b}31m"), "\\u{9b}31m");
+        assert_eq!(printable("\u{202e}gnp.exe"), "\\u{202e}gnp.exe");
+        assert_eq!(
+            printable("a\\x1b"),
+            "a\\\\x1b",
+            "no text passes for an escape"
+        );
+    }
+
+    #[test]
+    fn text_from_outside_reaches_the_table_escaped() {
+        const ESC: &str = "\x1b]0;owned\x07\x1b[2J";
+        let row = |host: &str| v1::WorkerStatus {
+            service: format!("web{ESC}"),
+            index: 0,
+            pid: Some(7),
+            hostname: format!("web-0-7{ESC}"),
+            addresses: vec![format!("10.0.0.1:80\r\n{ESC}")],
+            state: "ready".into(),
+            host: host.into(),
+            ..Default::default()
+        };
+        let view = StatusView::from(v1::Status {
+            sampler: format!("ebpf{ESC}"),
+            sample_interval_ms: 200,
+            workers: vec![row("a"), row(&format!("b\u{202e}{ESC}"))],
+            xds_streams: vec![v1::XdsStream {
+                id: 1,
+                node: format!("envoy{ESC}"),
+                kind: format!("eds{ESC}"),
+                synced_revision: Some(1),
+                silent_ms: Some(9000),
+            }],
+            fleet: Some(v1::Fleet {
+                host: format!("a{ESC}"),
+                etcd: format!("connected{ESC}"),
+                lease: 1,
+                hosts: vec![format!("b\u{202e}{ESC}"), format!("c{ESC}")],
+                conflicts: vec![format!("service web{ESC}: c configured otherwise")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let unavailable = StatusView::from(v1::Status {
+            fleet: Some(v1::Fleet {
+                host: "a".into(),
+                etcd: "unavailable".into(),
+                error: format!("etcd: {ESC}"),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        for table in [view.table(), unavailable.table()] {
+            let raw: Vec<char> = table
+                .chars()
+                .filter(|&c| (c.is_control() && c != '\n') || is_bidi_control(c))
+                .collect();
+            assert!(raw.is_empty(), "{raw:?} in\n{table}");
+            assert_eq!(
+                table.lines().count(),
+                table.matches('\n').count(),
+                "one line per line: {table:?}"
+            );
+        }
+        let table = view.table();
+        let escaped = "\\x1b]0;owned\\x07\\x1b[2J";
+        for shown in [
+            format!("sampler: ebpf{escaped}, every 200 ms"),
+            format!("envoy{escaped} (eds{escaped}) synced 1, silent for 9 s"),
+            format!("fleet: host a{escaped}; etcd connected{escaped}, lease 1"),
+            format!("2 other hosts (b\\u{{202e}}{escaped}, c{escaped})"),
+            format!("fleet: service web{escaped}: c configured otherwise"),
+            format!("web{escaped}"),
+            format!("10.0.0.1:80\\x0d\\x0a{escaped}"),
+        ] {
+            assert!(table.contains(&shown), "{shown:?} not in\n{table}");
+        }
+        assert!(
+            unavailable
+                .table()
+                .contains(&format!("(etcd: {escaped}): serving the last view")),
+            "{}",
+            unavailable.table()
+        );
+        // The JSON keeps the text as it is, escaped by serde.
+        let json = serde_json::to_string(&view).unwrap();
+        assert!(
+            !json.contains('\x1b') && json.contains("\\u001b]0;owned"),
+            "{json}"
+        );
+        assert_eq!(
+            serde_json::to_value(&view).unwrap()["workers"][0]["service"],
+            format!("web{ESC}")
+        );
     }
 
     #[test]
