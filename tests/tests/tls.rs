@@ -4,7 +4,8 @@
 //!   dedicated streams and ADS), and its ORCA streams to the workers' addresses take the cluster's
 //!   TLS entry, so weights still arrive;
 //! - a client with no certificate, one from another CA, an expired one, or one speaking cleartext
-//!   HTTP/2 is refused, and the supervisor's log says which, and from where;
+//!   HTTP/2 is refused, and the supervisor's log says which, and from where (the cleartext preface
+//!   is closed at once);
 //! - a new certificate put in place under load is served to new connections without a restart:
 //!   no request fails, Envoy's xDS stream is never dropped, and a new Envoy trusts the new
 //!   certificate; `peregrine reload` takes new paths, and refuses a bad key or TLS switched off;
@@ -12,7 +13,8 @@
 //!   loopback without TLS is warned about.
 
 use std::{
-    net::SocketAddr,
+    io::{ErrorKind, Read, Write},
+    net::{SocketAddr, TcpStream},
     path::Path,
     process::Command,
     time::{Duration, Instant},
@@ -223,6 +225,22 @@ fn clients_without_a_good_certificate_are_refused_and_the_log_says_why_and_from_
             .then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
+
+    // The cleartext preface alone is closed at once: it holds no connection slot.
+    let mut cleartext = TcpStream::connect(("127.0.0.1", grpc)).unwrap();
+    cleartext
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    cleartext
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .unwrap();
+    let sent = Instant::now();
+    let read = cleartext.read(&mut [0u8; 1]);
+    assert!(
+        matches!(&read, Ok(0)) || matches!(&read, Err(e) if e.kind() == ErrorKind::ConnectionReset),
+        "not closed within 1 s of the preface: {read:?} after {:?}",
+        sent.elapsed()
+    );
 }
 
 #[test]
