@@ -16,7 +16,7 @@
 //! table is locked across the spawn) until its process has been reaped.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, HashSet},
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     sync::{Arc, Mutex, atomic::Ordering},
 };
@@ -109,6 +109,25 @@ impl Children {
     /// The live worker with process id `pid`, if it is one of ours.
     pub fn child(&self, pid: u32) -> Option<Child> {
         self.lock().get(&pid).cloned()
+    }
+
+    /// Whether `pid` is a live worker of ours (or one that exited and is not yet reaped).
+    pub fn is_worker(&self, pid: u32) -> bool {
+        self.lock().contains_key(&pid)
+    }
+
+    /// The pids of every live worker.
+    pub fn pids(&self) -> HashSet<u32> {
+        self.lock().keys().copied().collect()
+    }
+
+    /// Runs `f` unless `pid` is a worker, with the table locked throughout: no worker with that pid
+    /// can be added meanwhile (a spawn holds the lock), so `f` may reap a child that is no worker.
+    pub fn unless_worker<T>(&self, pid: u32, f: impl FnOnce() -> T) -> Option<T> {
+        let map = self.lock();
+        let result = (!map.contains_key(&pid)).then(f);
+        drop(map);
+        result
     }
 
     /// Adds a live worker: one this supervisor adopted.

@@ -16,6 +16,7 @@ mod backoff;
 mod context;
 mod error;
 mod launch;
+mod leftovers;
 mod passed;
 mod privileges;
 mod process;
@@ -46,6 +47,7 @@ pub use self::{
     context::{Context, Replaced},
     error::{Fallback, ReplaceError, StartError},
     launch::EXEC_PASSED,
+    leftovers::{become_subreaper, reap_orphans},
     process::{Ending, Exit},
     slot_task::Adopted,
 };
@@ -462,8 +464,21 @@ impl Manager {
         Ok(report)
     }
 
-    /// Waits for every slot task to end (they drain and stop their workers once `shutdown` is true).
+    /// Waits for every slot task to end (they drain and stop their workers once `shutdown` is true),
+    /// then stops whatever any worker left running (a task stops what its worker leaves, but a
+    /// process may have been orphaned since, or by a worker of an earlier supervisor).
     pub async fn stopped(mut self) {
         while self.tasks.join_next().await.is_some() {}
+        let lineage = self.context.lineage.clone();
+        let children = self.context.children.clone();
+        let sweep = move || leftovers::sweep(&lineage, &children);
+        let left = tokio::task::spawn_blocking(sweep.clone())
+            .await
+            .unwrap_or_default();
+        if !left.is_empty() {
+            let pids: Vec<u32> = left.iter().map(|l| l.pid()).collect();
+            tracing::warn!(?pids, "Workers left processes running; stopping them");
+            leftovers::stop(left, self.supervisor.lifecycle.stop_timeout, sweep).await;
+        }
     }
 }

@@ -241,6 +241,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         None => registry,
     });
     let children = Arc::new(Children::default());
+    // What a worker leaves running when it exits (a server that daemonizes) is handed to this
+    // supervisor, which stops it and reaps it.
+    if let Err(error) = manager::become_subreaper() {
+        tracing::warn!(%error, "Cannot become the subreaper of the workers: what a worker leaves running when it exits goes to init");
+    }
+    let _reaper = AbortOnDrop(tokio::spawn(manager::reap_orphans(children.clone())));
     let registrations = registration::bind(&control, &lock)?;
     let _socket_file = RemoveOnDrop(control.clone());
     let bind = config.supervisor.bind;

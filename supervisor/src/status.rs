@@ -66,6 +66,7 @@ pub fn report(
             .restart_delay
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         row.crash_looping = status.crash_looping;
+        row.last_probe = status.last_probe.clone().unwrap_or_default();
     }
     for (service, view) in &snapshot.services {
         for (key, worker) in &view.workers {

@@ -8,7 +8,9 @@
 //! server, keeping the pid). The supervisor keeps no copy: the worker owns its listener.
 //!
 //! A worker is published once `GET ready_path` on its listener answers with a status below 500; the
-//! probe also asks, with the HTTP/2 preface, whether it speaks h2c.
+//! probe also asks, with the HTTP/2 preface, whether it speaks h2c. Until then, what the last probe
+//! found is in the slot's status (`peregrine status`) and logged every [`PROBE_REPORT`]; the slot
+//! task stops a worker that is not ready within `register_timeout_ms`.
 //!
 //! Invariant: a passed-socket worker is registered only after its own listener answered, and only by
 //! the task of its slot (through [`register_when_ready`]).
@@ -41,6 +43,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first pause between probes, doubled up to [`PROBE_PAUSE_MAX`].
 const PROBE_PAUSE: Duration = Duration::from_millis(20);
 const PROBE_PAUSE_MAX: Duration = Duration::from_millis(500);
+/// How often a worker that is not ready yet is logged, with what its last probe found.
+const PROBE_REPORT: Duration = Duration::from_secs(3);
 /// The most of an answer's head the probe reads for its status line.
 const MAX_STATUS_LINE: usize = 1024;
 /// The HTTP/2 connection preface, then an empty SETTINGS frame.
@@ -145,6 +149,9 @@ pub(super) type LastProbe = Arc<Mutex<Option<String>>>;
 /// Probes `address` until `GET ready_path` answers below 500, then registers worker `pid` of
 /// `service`'s slot `index` with the protocols it speaks. Runs until it has registered (the slot
 /// task bounds it with the registration timeout, and aborts it when the worker exits).
+///
+/// Meanwhile what the last probe found is in `last` and in the slot's status (`last_probe`), and
+/// logged every [`PROBE_REPORT`].
 pub(super) async fn register_when_ready(
     registry: Arc<Registry>,
     (service, index, pid): (String, u32, u32),
@@ -152,7 +159,18 @@ pub(super) async fn register_when_ready(
     ready_path: String,
     last: LastProbe,
 ) {
+    let begun = tokio::time::Instant::now();
+    let mut reported = begun;
     let mut pause = PROBE_PAUSE;
+    let mut shown: Option<String> = None;
+    let mut set_status = |probe: Option<&str>| {
+        if shown.as_deref() != probe {
+            shown = probe.map(str::to_owned);
+            registry.update_slot(&service, index, |status| {
+                status.last_probe = probe.map(str::to_owned);
+            });
+        }
+    };
     loop {
         match probe_ready(&address, &ready_path).await {
             Ok(status) => {
@@ -161,6 +179,7 @@ pub(super) async fn register_when_ready(
                     protocols.push(Protocol::Http2);
                 }
                 tracing::info!(pid, %address, status, ?protocols, ready_path, "Worker ready");
+                set_status(None);
                 let worker = Worker::ready(&service, index, pid, protocols, vec![address]);
                 if let Err(error) = registry.register(worker) {
                     tracing::error!(pid, %error, "Cannot register the ready worker");
@@ -169,6 +188,11 @@ pub(super) async fn register_when_ready(
             }
             Err(why) => {
                 tracing::debug!(pid, %address, why, "Worker not ready yet");
+                if reported.elapsed() >= PROBE_REPORT {
+                    reported = tokio::time::Instant::now();
+                    tracing::info!(pid, %address, ready_path, waited = ?begun.elapsed(), last_probe = why, "Worker not ready yet");
+                }
+                set_status(Some(&why));
                 *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
             }
         }

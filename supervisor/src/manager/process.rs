@@ -40,14 +40,43 @@ impl std::fmt::Display for Exit {
 pub enum Ending {
     /// It exited, and this is how.
     Exit(Exit),
+    /// It exited this way, and left `left` processes of its tree running, which the supervisor
+    /// stopped.
+    LeftRunning {
+        /// How the process the supervisor started ended.
+        exit: Exit,
+        /// How many processes it left.
+        left: usize,
+    },
     /// Its pidfd failed: the supervisor lost track of it.
     Lost(String),
 }
+
+/// Why a worker that exits on its own and leaves its children running fails.
+pub(super) const DAEMONIZES: &str =
+    "the command exited and left children running: it daemonizes; run it in the foreground";
 
 impl std::fmt::Display for Ending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Ending::Exit(exit) => exit.fmt(f),
+            Ending::LeftRunning { exit, left } => {
+                let processes = if *left == 1 { "process" } else { "processes" };
+                match exit {
+                    // It exited by itself: the parent of a server that forked and let it go.
+                    Exit::Code(_) => write!(
+                        f,
+                        "{exit}, {left} {processes} left running and stopped: {DAEMONIZES}"
+                    ),
+                    // Killed, or adopted: its children were orphaned, not let go.
+                    Exit::Signal(_) | Exit::Unknown => {
+                        write!(
+                            f,
+                            "{exit}, {left} {processes} of its tree left running and stopped"
+                        )
+                    }
+                }
+            }
             Ending::Lost(error) => write!(f, "lost track of it: {error}"),
         }
     }

@@ -35,8 +35,9 @@ use super::{
     context::{Context, Replaced, SlotCommand},
     error::{Fallback, ReplaceError, StartError},
     launch::{Launch, fixed_address},
+    leftovers::{self, Scope},
     passed::{LastProbe, register_when_ready},
-    process::{Ending, Exit, exited, pid_of, signal},
+    process::{DAEMONIZES, Ending, Exit, exited, pid_of, signal},
 };
 use crate::{
     children::{Child, CounterRef, Lane, Slot},
@@ -93,6 +94,7 @@ impl Adopted {
             pidfd,
             lane,
             started: Instant::now(),
+            adopted: true,
             prober: self
                 .passed
                 .filter(|_| launch.pass_socket)
@@ -110,6 +112,9 @@ pub(super) struct Instance {
     #[allow(dead_code, reason = "held for its Drop")]
     lane: Lane,
     started: Instant,
+    /// Whether it was adopted from an earlier supervisor: not this one's child, so what it leaves
+    /// when it exits goes to init, not to this supervisor ([`leftovers`]).
+    adopted: bool,
     /// For a passed-socket worker, the probe that registers it once it answers.
     prober: Option<Prober>,
 }
@@ -123,14 +128,20 @@ struct Prober {
 }
 
 impl Instance {
+    /// What the last probe of a passed-socket worker that is not ready found.
+    fn last_probe(&self) -> Option<String> {
+        let prober = self.prober.as_ref()?;
+        prober
+            .last
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Logs why a passed-socket worker was never ready, as its last probe found.
     fn report_not_ready(&self, ready_path: &str, timeout: Duration) {
-        if let Some(prober) = &self.prober {
-            let last = prober
-                .last
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
+        if self.prober.is_some() {
+            let last = self.last_probe();
             tracing::warn!(
                 pid = self.pid,
                 ready_path,
@@ -186,6 +197,8 @@ enum Event {
     Healthy,
     /// An adopted worker had its time to register again.
     AdoptionDue,
+    /// A passed-socket worker had its time to answer its ready path.
+    ReadyDue,
     Command(Option<SlotCommand>),
     Shutdown,
 }
@@ -204,6 +217,15 @@ impl SlotTask {
         *self.shutdown.borrow() || self.shutdown.has_changed().is_err()
     }
 
+    /// Whether worker `pid` of this slot is registered.
+    fn is_registered(&self, pid: u32) -> bool {
+        self.context
+            .registry
+            .snapshot()
+            .instance(&self.slot.service, self.slot.index, pid)
+            .is_some()
+    }
+
     pub(super) async fn run(mut self, mut current: Option<Instance>) {
         self.context
             .registry
@@ -215,6 +237,9 @@ impl SlotTask {
         let mut adoption_due = current
             .as_ref()
             .map(|i| i.started + self.lifecycle.register_timeout);
+        // A passed-socket worker must answer its ready path within the same time, or it is stopped
+        // and started again with backoff (a replacement is bounded by `await_registration`).
+        let mut ready_due = None;
         loop {
             if self.stopping() {
                 if let Some(instance) = current.take() {
@@ -226,6 +251,10 @@ impl SlotTask {
                 match self.start().await {
                     Ok(instance) => {
                         healthy_at = Some(instance.started + healthy_after);
+                        ready_due = self
+                            .launch
+                            .pass_socket
+                            .then(|| instance.started + self.lifecycle.register_timeout);
                         current = Some(instance);
                     }
                     Err(error) => {
@@ -248,6 +277,7 @@ impl SlotTask {
                 exit = exited(&instance.pidfd) => Event::Exited(exit),
                 () = sleep_until_some(healthy_at) => Event::Healthy,
                 () = sleep_until_some(adoption_due) => Event::AdoptionDue,
+                () = sleep_until_some(ready_due) => Event::ReadyDue,
                 command = recv(&mut self.commands) => Event::Command(command),
                 () = stopped(&mut self.shutdown) => Event::Shutdown,
             };
@@ -256,13 +286,7 @@ impl SlotTask {
                 Event::AdoptionDue => {
                     adoption_due = None;
                     let pid = instance.pid;
-                    let registered = self
-                        .context
-                        .registry
-                        .snapshot()
-                        .instance(&self.slot.service, self.slot.index, pid)
-                        .is_some();
-                    if !registered {
+                    if !self.is_registered(pid) {
                         tracing::warn!(pid, timeout = ?self.lifecycle.register_timeout, "The adopted worker did not register again in time; replacing it");
                         match self.replace_with(None, &mut current).await {
                             Ok(replaced) => {
@@ -275,6 +299,40 @@ impl SlotTask {
                         }
                     }
                 }
+                Event::ReadyDue => {
+                    ready_due = None;
+                    if self.is_registered(instance.pid) {
+                        continue;
+                    }
+                    let timeout = self.lifecycle.register_timeout;
+                    instance.report_not_ready(&self.launch.ready_path, timeout);
+                    let last = instance.last_probe();
+                    let instance = current.take().expect("an instance is running");
+                    let ending = self
+                        .retire(instance, "it did not answer its ready path in time")
+                        .await;
+                    healthy_at = None;
+                    if self.stopping() {
+                        return;
+                    }
+                    let why = format!(
+                        "not ready within {timeout:?}: the last GET {} got {}; stopped ({ending})",
+                        self.launch.ready_path,
+                        last.as_deref().unwrap_or("no answer yet"),
+                    );
+                    // A worker that never became ready failed to start, however long it ran.
+                    let command = self.pause_after_exit(Duration::ZERO, why).await;
+                    if self.handle_idle(command, &mut current).await {
+                        return;
+                    }
+                    if let Some(instance) = &current {
+                        healthy_at = Some(instance.started + healthy_after);
+                    }
+                }
+                // A passed-socket worker that is not ready yet is not healthy however long it runs.
+                Event::Healthy if self.launch.pass_socket && !self.is_registered(instance.pid) => {
+                    healthy_at = None
+                }
                 Event::Healthy => {
                     healthy_at = None;
                     self.context
@@ -286,8 +344,9 @@ impl SlotTask {
                 Event::Exited(exit) => {
                     let instance = current.take().expect("an instance is running");
                     let uptime = instance.started.elapsed();
-                    let exit = self.reap(instance, exit);
+                    let exit = self.reap(instance, exit).await;
                     healthy_at = None;
+                    ready_due = None;
                     if self.stopping() {
                         return;
                     }
@@ -304,6 +363,7 @@ impl SlotTask {
                     let result = self.replace_with(launch, &mut current).await;
                     if result.is_ok() {
                         healthy_at = Some(Instant::now() + healthy_after);
+                        ready_due = None;
                     }
                     let _ = done.send(result);
                 }
@@ -447,6 +507,7 @@ impl SlotTask {
             pidfd: unsafe { AsyncFd::register(pidfd) }.map_err(io::Error::from)?,
             lane,
             started: Instant::now(),
+            adopted: false,
             prober,
         })
     }
@@ -475,7 +536,7 @@ impl SlotTask {
         match self.await_registration(&new, current).await {
             Registration::Registered => {}
             Registration::Exited(exit) => {
-                let ending = self.reap(new, exit);
+                let ending = self.reap(new, exit).await;
                 return Err(ReplaceError::ExitedBeforeRegistering { ending, fallback });
             }
             Registration::TimedOut => {
@@ -529,7 +590,7 @@ impl SlotTask {
                 exit = old_exit => {
                     let old = current.take().expect("the old worker was running");
                     let uptime = old.started.elapsed();
-                    self.reap(old, exit);
+                    self.reap(old, exit).await;
                     tracing::warn!(?uptime, "The worker being replaced exited before its successor registered");
                 }
                 () = tokio::time::sleep_until(deadline) => return Registration::TimedOut,
@@ -559,7 +620,7 @@ impl SlotTask {
                         tracing::warn!(pid, lagging = ?outcome.lagging, ?silent, timeout = ?self.lifecycle.drain_timeout, "Not every Envoy ACKed the drain in time; stopping the worker anyway");
                     }
                 }
-                exit = exited(&instance.pidfd) => return self.reap(instance, exit),
+                exit = exited(&instance.pidfd) => return self.reap(instance, exit).await,
             }
             if let Some(fleet) = &self.context.fleet {
                 let left = self.lifecycle.drain_timeout.saturating_sub(begun.elapsed());
@@ -575,7 +636,7 @@ impl SlotTask {
                             tracing::warn!(pid, "etcd is away: the other hosts cannot learn of the drain; stopping the worker (their Envoys retry elsewhere)");
                         }
                     },
-                    exit = exited(&instance.pidfd) => return self.reap(instance, exit),
+                    exit = exited(&instance.pidfd) => return self.reap(instance, exit).await,
                 }
             }
             self.context
@@ -595,29 +656,70 @@ impl SlotTask {
                 exited(&instance.pidfd).await
             }
         };
-        self.reap(instance, exit)
+        self.reap(instance, exit).await
     }
 
     /// Forgets an exited worker: it leaves the process table and the registry; its lane is freed.
-    /// Returns how it ended, for the slot's status.
-    fn reap(&self, instance: Instance, exit: io::Result<Exit>) -> Ending {
+    /// Then stops what it left running ([`leftovers`]). Returns how it ended, for the slot's status.
+    async fn reap(&self, instance: Instance, exit: io::Result<Exit>) -> Ending {
         let pid = instance.pid;
+        let scope = if instance.adopted {
+            Scope::Host
+        } else {
+            Scope::Children
+        };
         self.context.children.remove(pid);
         let removed = self
             .context
             .registry
             .deregister(&self.slot.service, self.slot.index, pid);
         let uptime = instance.started.elapsed();
-        match exit {
+        let probed = instance.prober.is_some();
+        // Its probe ends here: what it found last goes from the slot's status.
+        drop(instance);
+        if probed {
+            self.context
+                .registry
+                .update_slot(&self.slot.service, self.slot.index, |s| s.last_probe = None);
+        }
+        let exit = match exit {
             Ok(exit) => {
                 tracing::info!(pid, %exit, ?uptime, deregistered = removed, "Worker exited");
-                Ending::Exit(exit)
+                exit
             }
             Err(error) => {
                 tracing::error!(pid, %error, "Lost track of worker");
-                Ending::Lost(error.to_string())
+                return Ending::Lost(error.to_string());
             }
+        };
+        match self.stop_leftovers(pid, exit, scope).await {
+            0 => Ending::Exit(exit),
+            left => Ending::LeftRunning { exit, left },
         }
+    }
+
+    /// Stops what worker `pid`, which ended with `exit`, left running; returns how many processes
+    /// that was.
+    async fn stop_leftovers(&self, pid: u32, exit: Exit, scope: Scope) -> usize {
+        let slot = self.slot.clone();
+        let lineage = self.context.lineage.clone();
+        let children = self.context.children.clone();
+        let find = move || leftovers::find(&slot, &lineage, &children, scope);
+        let first = tokio::task::spawn_blocking(find.clone())
+            .await
+            .unwrap_or_default();
+        if first.is_empty() {
+            return 0;
+        }
+        let pids: Vec<u32> = first.iter().map(|l| l.pid()).collect();
+        if let Exit::Code(_) = exit {
+            tracing::warn!(pid, %exit, left = ?pids, "The worker exited and left processes running; stopping them: {DAEMONIZES}");
+        } else {
+            tracing::warn!(pid, %exit, left = ?pids, "The worker left processes of its tree running; stopping them");
+        }
+        let stopped = leftovers::stop(first, self.lifecycle.stop_timeout, find).await;
+        tracing::info!(pid, stopped, "Stopped what the worker left running");
+        stopped
     }
 }
 
@@ -770,6 +872,7 @@ mod tests {
             pidfd: watched(child.id()),
             lane: task.context.lanes.take().unwrap(),
             started: Instant::now(),
+            adopted: false,
             prober: None,
         };
         let exit = tokio::time::timeout(Duration::from_secs(10), task.retire(instance, "a test"))

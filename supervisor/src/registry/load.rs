@@ -138,6 +138,9 @@ pub struct SlotStatus {
     /// The slot's workers keep exiting before they have run `healthy_after`: its restart delay grows.
     /// Cleared once a worker stays up that long.
     pub crash_looping: bool,
+    /// For a server on a passed listener that is not ready yet, what the last probe of its ready
+    /// path found.
+    pub last_probe: Option<String>,
 }
 
 /// Every worker slot the manager runs, by service and index.

@@ -87,6 +87,9 @@ pub struct WorkerRow {
     pub state: &'static str,
     /// How the slot's last worker ended, `null` before the first exit.
     pub last_exit: Option<String>,
+    /// For a server on a passed listener that is not ready yet, what the last probe of its ready
+    /// path found; `null` otherwise.
+    pub last_probe: Option<String>,
     /// Why a `stalled` worker is stalled (Envoy sends it nothing new until it moves again), `null`
     /// otherwise.
     pub stall: Option<String>,
@@ -212,6 +215,7 @@ impl From<v1::WorkerStatus> for WorkerRow {
                 "starting"
             },
             last_exit: Some(row.last_exit).filter(|e| !e.is_empty()),
+            last_probe: Some(row.last_probe).filter(|p| !p.is_empty()),
             stall: Some(row.stall).filter(|s| !s.is_empty()),
             restart_delay_ms: row.restart_delay_ms,
             cpu_cores: load.and_then(|l| l.cpu_cores),

@@ -1,0 +1,187 @@
+//! Servers on a passed listener (`pass_socket`) that do not behave: one that daemonizes (its parent
+//! exits at once and leaves the server running), and ones that never become ready. Each is stopped,
+//! whole, restarted with backoff, and `peregrine status` says why; nothing is left running.
+
+use std::{collections::BTreeSet, time::Duration};
+
+use peregrine_e2e::{
+    Supervisor, app_servers_or_skip, base_config, current_test, free_port, test_app, wait_until,
+    workers_in,
+};
+
+/// How long a test waits for the supervisor to do what it must.
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// A supervisor with restart delays of 100 to 400 ms, stop timeouts of 2 s, `register_timeout_ms`
+/// of `register_ms`, and `services` (TOML tables).
+fn start(register_ms: u64, services: &str) -> Supervisor {
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    Supervisor::start(&format!(
+        "{base}\n{services}",
+        base = base_config(grpc, listen, admin).replacen(
+            "[envoy]",
+            &format!(
+                "restart_delay_ms = 100\nrestart_delay_max_ms = 400\nstop_timeout_ms = 2000\n\
+                 register_timeout_ms = {register_ms}\n\n[envoy]"
+            ),
+            1
+        ),
+    ))
+}
+
+/// The status row of `service`'s slot 0, once `ready` says it is the one wanted.
+fn row_of(
+    supervisor: &Supervisor,
+    service: &str,
+    what: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    wait_until(DEADLINE, what, || {
+        let status = supervisor.status_json().ok()?;
+        let row = status["workers"]
+            .as_array()?
+            .iter()
+            .find(|row| row["service"] == service)?
+            .clone();
+        ready(&row).then_some(row)
+    })
+}
+
+/// The children of `parent` that have exited and are not reaped yet.
+fn zombies_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = peregrine_contract::procfs::stat(pid).ok()?;
+            (stat.ppid == parent && stat.state == 'Z').then_some(pid)
+        })
+        .collect()
+}
+
+/// A server that forks, starts a session and forks again, serving from the grandchild while both
+/// parents exit, is not taken for an exit alone: what it leaves is stopped before the slot starts
+/// again (no try leaves a server holding its listener), the status says why it fails, and nothing
+/// of it outlives `peregrine run`.
+#[test]
+fn a_daemonizing_server_is_stopped_whole_and_told_to_run_in_the_foreground() {
+    let Some(servers) = app_servers_or_skip(&current_test()) else {
+        return;
+    };
+    let python = servers.gunicorn.with_file_name("python");
+    let mut supervisor = start(
+        30_000,
+        &format!(
+            "[service.daemon]\npass_socket = true\ncommand = [{python:?}, {app:?}]\n",
+            python = python.display().to_string(),
+            app = test_app("daemon_app.py").display().to_string(),
+        ),
+    );
+    let dir = supervisor.dir().to_path_buf();
+
+    // Every process of the service after a few tries: each try's server must be gone two tries
+    // later (it is stopped before the next one starts).
+    let restarts = |row: &serde_json::Value| row["restarts"].as_u64().unwrap_or(0);
+    let first = row_of(&supervisor, "daemon", "two restarts", |row| {
+        restarts(row) >= 2
+    });
+    let earlier: BTreeSet<u32> = workers_in(&dir).into_iter().collect();
+    let row = row_of(&supervisor, "daemon", "three more restarts", |row| {
+        restarts(row) >= restarts(&first) + 3 && row["state"] == "crash-loop"
+    });
+    let still: BTreeSet<u32> = workers_in(&dir).into_iter().collect();
+    let leaked: Vec<&u32> = earlier.intersection(&still).collect();
+    assert!(
+        leaked.is_empty(),
+        "processes of earlier tries still run: {leaked:?} (then {earlier:?}, now {still:?})\n{}",
+        supervisor.logs()
+    );
+
+    // Why, in the status and in the log.
+    let why =
+        "the command exited and left children running: it daemonizes; run it in the foreground";
+    let last_exit = row["last_exit"].as_str().unwrap_or_default();
+    assert!(
+        last_exit.starts_with("exit code 0") && last_exit.contains(why),
+        "{row}"
+    );
+    assert!(supervisor.logs().contains(why), "{}", supervisor.logs());
+
+    // The supervisor, their parent now, reaps what it stopped.
+    wait_until(DEADLINE, "no zombie left under the supervisor", || {
+        zombies_of(supervisor.pid()).is_empty().then_some(())
+    });
+
+    let status = supervisor.stop().expect("the supervisor stops");
+    assert!(status.success(), "{status}\n{}", supervisor.logs());
+    let left = workers_in(&dir);
+    assert!(
+        left.is_empty(),
+        "still running after the supervisor stopped: {left:?}\n{}",
+        supervisor.logs()
+    );
+}
+
+/// Passed-socket servers that never answer their ready path on their first start: one closed its
+/// listener (refused), one holds it and never accepts (no answer). Each shows what its last probe
+/// found in `status --json` while it starts, is logged, and after `register_timeout_ms` is stopped
+/// and started again with backoff, with the reason in its last exit.
+#[test]
+fn a_passed_socket_server_that_never_becomes_ready_is_reported_stopped_and_restarted() {
+    let services = r#"
+[service.closed]
+pass_socket = true
+command = ["/bin/sh", "-c", "exec 3>&-; exec sleep 600"]
+
+[service.silent]
+pass_socket = true
+command = ["/bin/sh", "-c", "exec sleep 600"]
+prefix = "/silent"
+"#;
+    let supervisor = start(4_000, services);
+    for (service, probe) in [
+        ("closed", "Connection refused"),
+        ("silent", "no answer within 2s"),
+    ] {
+        let row = row_of(
+            &supervisor,
+            service,
+            "the last probe in the status",
+            |row| {
+                row["last_probe"]
+                    .as_str()
+                    .is_some_and(|p| p.contains(probe))
+            },
+        );
+        assert_eq!(row["state"], "starting", "{row}");
+        assert!(row["pid"].is_null(), "{row}");
+    }
+    for (service, probe) in [
+        ("closed", "Connection refused"),
+        ("silent", "no answer within 2s"),
+    ] {
+        let row = row_of(&supervisor, service, "a restart after the timeout", |row| {
+            row["restarts"].as_u64() >= Some(1)
+        });
+        let last_exit = row["last_exit"].as_str().unwrap_or_default();
+        assert!(
+            last_exit.starts_with("not ready within 4s") && last_exit.contains(probe),
+            "{row}"
+        );
+    }
+    let logs = supervisor.logs();
+    assert!(
+        logs.contains("Worker not ready yet") && logs.contains("last_probe="),
+        "the wait is logged while it lasts: {logs}"
+    );
+    assert!(
+        logs.contains("The worker never answered its ready path"),
+        "{logs}"
+    );
+    // Each try was stopped: one process per service runs at most (the try under way).
+    let running = workers_in(supervisor.dir());
+    assert!(running.len() <= 2, "{running:?}\n{logs}");
+}
