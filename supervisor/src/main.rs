@@ -100,8 +100,8 @@ enum Command {
     /// Run the built-in hello worker (started by `peregrine run`, which sets its environment).
     Worker,
     /// Start a server on the listener the supervisor passed as descriptor 3: sets `LISTEN_PID` to
-    /// this process's pid and execs PROGRAM, which keeps it (started by `peregrine run` for
-    /// `pass_socket` services; the name is `manager::EXEC_PASSED`).
+    /// this process's pid (when `LISTEN_FDS` is set) and execs PROGRAM, which keeps it (started by
+    /// `peregrine run` for `pass_socket` services; the name is `manager::EXEC_PASSED`).
     #[command(name = "exec-passed", hide = true)]
     ExecPassed {
         /// The server.
@@ -175,10 +175,13 @@ fn main() -> ExitCode {
     match cli.command {
         Command::ExecPassed { program, args } => {
             use std::os::unix::process::CommandExt;
-            let error = std::process::Command::new(&program)
-                .args(&args)
-                .env("LISTEN_PID", std::process::id().to_string())
-                .exec();
+            let mut command = std::process::Command::new(&program);
+            command.args(&args);
+            // Without LISTEN_FDS (a command that names the descriptor itself), no LISTEN_PID.
+            if std::env::var_os("LISTEN_FDS").is_some() {
+                command.env("LISTEN_PID", std::process::id().to_string());
+            }
+            let error = command.exec();
             eprintln!("peregrine: cannot run {}: {error}", program.display());
             ExitCode::from(127)
         }

@@ -20,7 +20,10 @@ const SERVICE: &str = "app";
 /// The servers under test.
 #[derive(Clone, Copy, Debug)]
 enum Server {
+    /// gunicorn as apps.md documents it: it takes the listener from `LISTEN_FDS`.
     Gunicorn,
+    /// gunicorn told of the listener by its command, `--bind fd://{fd}`, as it is usually run.
+    GunicornBindFd,
     Uvicorn,
     Node,
 }
@@ -30,6 +33,11 @@ impl Server {
     fn command(self, servers: &AppServers) -> String {
         let words: Vec<String> = match self {
             Server::Gunicorn => gunicorn_command(&servers.gunicorn),
+            Server::GunicornBindFd => {
+                let mut words = gunicorn_command(&servers.gunicorn);
+                words.extend(["--bind".into(), "fd://{fd}".into()]);
+                words
+            }
             Server::Uvicorn => vec![
                 servers.uvicorn.display().to_string(),
                 "--fd".into(),
@@ -177,6 +185,35 @@ fn serves_and_recovers(server: Server) {
     assert!(!logs.contains("Worker stalled"), "{logs}");
     let status = apps.supervisor.stop().expect("the supervisor stops");
     assert!(status.success(), "{status}\n{}", apps.supervisor.all_logs());
+}
+
+/// gunicorn is given its listener both ways: through `LISTEN_FDS` (no `--bind`), and by its command
+/// (`--bind fd://{fd}`), when the supervisor leaves systemd's variables out (gunicorn would act on
+/// both and open the descriptor twice).
+#[test]
+fn gunicorn_serves_on_the_passed_listener_with_or_without_bind_fd() {
+    let Some(servers) = servers() else {
+        return;
+    };
+    for (server, listen_fds) in [(Server::Gunicorn, true), (Server::GunicornBindFd, false)] {
+        let apps = Apps::start(server, &servers, 1, "");
+        let workers = apps.deployed().wait_for_workers(1, &BTreeSet::new());
+        let (status, body) = http_get(apps.listen, "/").unwrap();
+        assert_eq!(status, 200, "{server:?}: {body}");
+        let pid = *workers.iter().next().unwrap();
+        assert_eq!(worker_pid(&body), Some(pid), "{server:?}: {body}");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let has = |name: &str| {
+            environ
+                .split(|b| *b == 0)
+                .any(|var| var.starts_with(format!("{name}=").as_bytes()))
+        };
+        for name in ["LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"] {
+            assert_eq!(has(name), listen_fds, "{server:?}: {name}");
+        }
+        let logs = apps.supervisor.all_logs();
+        assert!(logs.contains("Worker ready"), "{server:?}: {logs}");
+    }
 }
 
 #[test]

@@ -25,12 +25,16 @@ pub(super) use super::passed::PassedListener;
 use super::privileges::{Identity, Privileges};
 use crate::{
     children::{CounterRef, Counters},
-    config::{INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal, SupervisorConfig},
+    config::{
+        FD_PLACEHOLDER, INDEX_PLACEHOLDER, PASSED_FD, Program, ServiceConfig, StopSignal,
+        SupervisorConfig,
+    },
     instance::Lineage,
 };
 
 /// The hidden subcommand that starts a passed-socket server: `peregrine exec-passed -- PROGRAM
-/// ARGS...` sets `LISTEN_PID` to its own pid and execs `PROGRAM`, which keeps it.
+/// ARGS...` sets `LISTEN_PID` to its own pid (when `LISTEN_FDS` is set) and execs `PROGRAM`, which
+/// keeps it.
 pub const EXEC_PASSED: &str = "exec-passed";
 
 /// What a slot task needs to start its worker.
@@ -46,6 +50,9 @@ pub(super) struct Launch {
     counters: Arc<Counters>,
     /// Whether the supervisor binds the worker's listener and passes it (`pass_socket`).
     pub(super) pass_socket: bool,
+    /// Whether the command names the passed descriptor itself (`{fd}` in an argument): then the
+    /// server is not told of it through systemd's variables as well (gunicorn would open it twice).
+    names_fd: bool,
     /// What a passed-socket worker must answer before it is registered.
     pub(super) ready_path: String,
     /// What asks the worker to finish its requests and exit.
@@ -96,7 +103,8 @@ impl Launch {
             .args
             .iter()
             .map(|arg| arg.replace(INDEX_PLACEHOLDER, &index.to_string()))
-            .collect();
+            .collect::<Vec<String>>();
+        let names_fd = args.iter().any(|arg| arg.contains(FD_PLACEHOLDER));
         // A service of its own user registers on a socket its group may open; the others on the
         // owner-only control socket.
         let control = match &service.account {
@@ -124,6 +132,7 @@ impl Launch {
             settings,
             counters: counters.clone(),
             pass_socket: service.pass_socket,
+            names_fd,
             ready_path: service.ready_path.clone(),
             stop_signal: service.stop_signal,
             privileges: Privileges {
@@ -185,6 +194,10 @@ impl Launch {
     /// exec-passed` (which sets `LISTEN_PID` to the server's own pid and execs it). The server counts
     /// no requests for the supervisor, so it inherits no counter region; the eBPF sampler may count
     /// its responses in its lane.
+    ///
+    /// A command that names the descriptor (`{fd}`) is given it there alone: without `LISTEN_FDS`,
+    /// `LISTEN_PID` and `LISTEN_FDNAMES`, which a server such as gunicorn would also act on, opening
+    /// the descriptor a second time.
     fn spawn_passed(&self, listener: PassedListener) -> io::Result<u32> {
         let settings = Settings {
             url: listener.url(),
@@ -199,11 +212,18 @@ impl Launch {
             .args(self.args.iter().map(|arg| listener.substitute(arg)))
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(settings.to_env())
-            .env("LISTEN_FDS", "1")
-            .env("LISTEN_FDNAMES", &self.settings.service)
             .env_remove("LISTEN_PID")
             .stdin(Stdio::null())
             .process_group(0);
+        if self.names_fd {
+            command
+                .env_remove("LISTEN_FDS")
+                .env_remove("LISTEN_FDNAMES");
+        } else {
+            command
+                .env("LISTEN_FDS", "1")
+                .env("LISTEN_FDNAMES", &self.settings.service);
+        }
         let fd = listener.fd.as_raw_fd();
         let privileges = self.privileges.clone();
         // SAFETY: the closure runs in the child between fork and exec and calls only dup2(2),
