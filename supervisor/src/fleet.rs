@@ -5,7 +5,7 @@
 //! load never goes into etcd: it stays on ORCA, from each host's supervisor straight to each Envoy.
 //! [`records`] is the key layout and the records (pure); [`membership`] is the etcd session, which
 //! reads the range in pages ([`listing`]), logs each skipped record once ([`skipped`]) and pauses
-//! between failed sessions ([`backoff`]);
+//! between failed sessions ([`backoff`]), and gives memory back when the view shrinks ([`trim`]);
 //! [`drains`] is what a drain here waits on before it stops a worker the other hosts' Envoys know;
 //! [`preflight`] is the check against etcd before any worker starts.
 //!
@@ -20,6 +20,7 @@ pub mod membership;
 pub mod preflight;
 pub mod records;
 pub mod skipped;
+pub mod trim;
 
 pub use drains::{FleetDrains, FleetOutcome};
 pub use membership::Membership;

@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
+    sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -19,6 +20,16 @@ const PREFIX: &str = "/peregrine/v1";
 const SERVICE: &str = "web";
 /// The lease of the hosts the tests write: longer than any test, so it needs no keep-alive.
 const HOST_LEASE: Duration = Duration::from_secs(600);
+/// Held by each test for its whole run: they run one at a time, since the memory one measures a
+/// supervisor's resident size, which the others' load (two of them with 25,000 records) would
+/// change.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Takes [`ONE_AT_A_TIME`] (also after a test that held it failed).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// etcd's largest request, raised so that a test can write a 3 MB value.
 const MAX_REQUEST_BYTES: &str = "8388608";
 
@@ -40,7 +51,8 @@ etcd = ["{etcd}"]
 host = "{name}"
 # One machine's loopback: nothing leaves it.
 allow_insecure = true
-lease_ttl_ms = 2000
+# Long enough that a machine busy with 25,000 records (and the tests beside) keeps it.
+lease_ttl_ms = 10000
 {cluster}
 
 [service.{SERVICE}]
@@ -93,7 +105,9 @@ impl Host {
 
     /// The other hosts in the view, and their workers' keys (`service/index/pid`), by host.
     fn view(&self, me: &str) -> BTreeMap<String, BTreeSet<String>> {
-        let status = self.supervisor.status_json().expect("status");
+        let Ok(status) = self.supervisor.status_json() else {
+            return BTreeMap::new();
+        };
         let mut view: BTreeMap<String, BTreeSet<String>> = status["fleet"]["hosts"]
             .as_array()
             .into_iter()
@@ -176,20 +190,23 @@ fn write_hosts(
         .collect()
 }
 
-/// The other hosts' workers in `supervisor`'s view, by host.
-fn remote_workers(supervisor: &Supervisor, me: &str) -> BTreeMap<String, usize> {
-    let status = supervisor.status_json().expect("status");
+/// The other hosts' workers in `supervisor`'s view, by host; `None` while it does not answer.
+fn remote_workers(supervisor: &Supervisor, me: &str) -> Option<BTreeMap<String, usize>> {
+    let status = supervisor.status_json().ok()?;
+    status["fleet"]["etcd"]
+        .as_str()
+        .filter(|etcd| *etcd == "connected")?;
     let mut by_host = BTreeMap::new();
     for row in status["workers"].as_array().into_iter().flatten() {
         if let Some(host) = row["host"].as_str().filter(|host| *host != me) {
             *by_host.entry(host.to_owned()).or_default() += 1;
         }
     }
-    by_host
+    Some(by_host)
 }
 
 /// Waits until `supervisor`'s view holds `expected` workers by host. Each look lists every row of
-/// `peregrine status` (25,000 of them): it looks at most twice a second.
+/// `peregrine status` (25,000 of them): it looks at most once a second.
 #[track_caller]
 fn wait_for_view(
     supervisor: &Supervisor,
@@ -200,11 +217,11 @@ fn wait_for_view(
     let mut last = Instant::now() - Duration::from_secs(1);
     let mut seen = BTreeMap::new();
     let done = try_wait_until(within, "the fleet view", || {
-        if last.elapsed() < Duration::from_millis(500) {
+        if last.elapsed() < Duration::from_secs(1) {
             return None;
         }
         last = Instant::now();
-        seen = remote_workers(supervisor, me);
+        seen = remote_workers(supervisor, me)?;
         (seen == *expected).then_some(())
     });
     if let Err(error) = done {
@@ -244,6 +261,7 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
     if !etcd_or_skip(test) {
         return;
     }
+    let _alone = one_at_a_time();
     let etcd = Etcd::start_with_args(&["--max-request-bytes", MAX_REQUEST_BYTES]).expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
@@ -328,6 +346,7 @@ fn records_written_by_hand_are_not_served() {
     if !etcd_or_skip(test) {
         return;
     }
+    let _alone = one_at_a_time();
     let etcd = Etcd::start().expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
@@ -441,6 +460,7 @@ fn each_bad_record_is_logged_once() {
     if !etcd_or_skip(test) {
         return;
     }
+    let _alone = one_at_a_time();
     let etcd = Etcd::start().expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
@@ -480,5 +500,67 @@ fn each_bad_record_is_logged_once() {
         Duration::from_secs(5),
         "the bad record logged again",
         || (a.skip_lines() == 301).then_some(()),
+    );
+}
+
+/// A supervisor's memory after a fleet of 25,000 workers comes and goes: what the view, the range
+/// and the xDS snapshots took is given back to the system. Before, glibc kept it in its arenas (a
+/// supervisor went from 30 to 217 MB and stayed at about 200).
+#[test]
+fn memory_goes_back_after_25000_records_leave() {
+    let test = "memory_goes_back_after_25000_records_leave";
+    if !etcd_or_skip(test) {
+        return;
+    }
+    let _alone = one_at_a_time();
+    let etcd = Etcd::start().expect("etcd");
+    let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
+    let grpc = free_port();
+    let a = host("a", &etcd, grpc, "");
+    wait_for_view(
+        &a.supervisor,
+        "a",
+        &BTreeMap::new(),
+        Duration::from_secs(10),
+    );
+    let pid = a.supervisor.pid();
+    let before = rss_kib(pid);
+    let leases = write_hosts(&client, &["h1", "h2"], 25_000, grpc);
+    let expected = BTreeMap::from([("h1".to_owned(), 12_500), ("h2".to_owned(), 12_500)]);
+    wait_for_view(&a.supervisor, "a", &expected, Duration::from_secs(30));
+    let at = rss_kib(pid);
+    for lease in leases.values() {
+        client.revoke(*lease).expect("a revoke");
+    }
+    wait_for_view(
+        &a.supervisor,
+        "a",
+        &BTreeMap::new(),
+        Duration::from_secs(30),
+    );
+    // The memory is given back once the view has shrunk; wait for it rather than for a fixed time.
+    // Given back: at least three quarters of what the records took. Before, nine tenths stayed
+    // (28 MB, 119 MB with the records, 108 MB after). Within 1.5 times the start is what a quiet
+    // machine shows (30 to 42 MB); under load some arena pages stay pinned by what was allocated
+    // meanwhile, and the figure is printed, not held to.
+    let given_back = |rss: u64| (at.saturating_sub(rss)) * 4 >= at.saturating_sub(before) * 3;
+    let after = try_wait_until(
+        Duration::from_secs(15),
+        "the memory to be given back",
+        || {
+            let rss = rss_kib(pid);
+            (rss * 2 <= before * 3).then_some(rss)
+        },
+    )
+    .unwrap_or_else(|_| rss_kib(pid));
+    eprintln!(
+        "a's RSS: {before} KiB before, {at} KiB with 25,000 other workers, {after} KiB after \
+         ({:.2} times the start)",
+        after as f64 / before as f64
+    );
+    assert!(
+        given_back(after),
+        "{after} KiB after, {at} KiB with the records, {before} KiB before: less than three \
+         quarters given back"
     );
 }

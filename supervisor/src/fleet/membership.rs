@@ -26,6 +26,7 @@ use etcd_client::{
     Client, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
     WatchOptions,
 };
+use futures::FutureExt;
 use tokio::{sync::watch, time::Instant};
 
 use super::{
@@ -34,6 +35,7 @@ use super::{
     listing::{self, Listed},
     records::{self, AcksRecord, Identity, KeyKind, Keys, Rules, Stored},
     skipped::SkippedRecords,
+    trim::Trimmer,
 };
 use peregrine_contract::ErrorChain;
 
@@ -47,6 +49,9 @@ use crate::{
 /// The longest pause between two sessions while this host holds no lease (while it holds one, the
 /// next session must come within a third of its TTL: see [`Membership::run`]).
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// The most watch messages applied as one: a bound on how long the view waits for a burst.
+const MAX_BATCHED_MESSAGES: usize = 1000;
 
 /// The largest watch message read: one revision's events come in one message, and a host whose
 /// lease expires deletes every key of it at one revision (16,384 workers: about 1.5 MB of keys).
@@ -128,6 +133,8 @@ pub struct Membership {
     rules: Rules,
     /// The records skipped, each logged once.
     skipped: SkippedRecords,
+    /// Gives memory back after the view shrinks.
+    trimmer: Trimmer,
 }
 
 impl Membership {
@@ -159,6 +166,7 @@ impl Membership {
             joined: false,
             rules,
             skipped: SkippedRecords::default(),
+            trimmer: Trimmer::default(),
         }
     }
 
@@ -378,18 +386,22 @@ impl Membership {
                     return Ok(());
                 }
                 message = watch.message() => {
-                    let Some(message) = message? else {
-                        return Err(SessionError::WatchClosed);
-                    };
-                    if message.canceled() {
-                        return Err(SessionError::WatchCanceled(message.cancel_reason().to_owned()));
-                    }
+                    let mut message = message?;
                     let mut ours_gone = false;
                     // The hosts whose records (not only acks) the batch touched, and the newest
                     // revision of another host's drain in it.
                     let mut touched = BTreeSet::new();
                     let mut drain_at = None;
-                    for event in message.events() {
+                    // Every message already received joins the first: a burst of writes (a host
+                    // putting thousands of workers) is applied once, not once per revision.
+                    for batched in 1.. {
+                    let Some(response) = message else {
+                        return Err(SessionError::WatchClosed);
+                    };
+                    if response.canceled() {
+                        return Err(SessionError::WatchCanceled(response.cancel_reason().to_owned()));
+                    }
+                    for event in response.events() {
                         let Some(kv) = event.kv() else { continue };
                         let Ok(key) = kv.key_str() else { continue };
                         let kind = keys.kind(key);
@@ -421,6 +433,11 @@ impl Membership {
                                 ours_gone |= published.records.contains_key(key);
                             }
                         }
+                    }
+                    match watch.message().now_or_never() {
+                        Some(next) if batched < MAX_BATCHED_MESSAGES => message = next?,
+                        _ => break,
+                    }
                     }
                     if ours_gone {
                         // Only the lease's expiry deletes our keys (we delete our own only after
@@ -699,6 +716,7 @@ impl Membership {
         if self.registry.set_fleet(fleet.clone()) {
             tracing::debug!(hosts, workers, "Fleet view changed");
         }
+        self.trimmer.observe(workers);
     }
 }
 
