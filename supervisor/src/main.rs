@@ -110,6 +110,20 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Wait for the supervisor SUPERVISOR to exit, then ORPHAN_TIMEOUT_MS; unless a supervisor
+    /// answers on CONTROL by then, stop the workers of the lineage in `PEREGRINE_LINEAGE` (started
+    /// by `peregrine run` for `pass_socket` services; the name is `manager::ORPHAN_WATCH`).
+    #[command(name = "orphan-watch", hide = true)]
+    OrphanWatch {
+        /// The supervisor's pid (this process's parent).
+        supervisor: u32,
+        /// Its control socket.
+        control: PathBuf,
+        /// `orphan_timeout_ms`.
+        orphan_timeout_ms: u64,
+        /// `stop_timeout_ms`.
+        stop_timeout_ms: u64,
+    },
     /// Write the manual pages (`peregrine.1`, and `peregrine-COMMAND.1` for each command) into DIR,
     /// from these very definitions (used to build the package).
     #[command(hide = true)]
@@ -184,6 +198,23 @@ fn main() -> ExitCode {
             let error = command.exec();
             eprintln!("peregrine: cannot run {}: {error}", program.display());
             ExitCode::from(127)
+        }
+        Command::OrphanWatch {
+            supervisor,
+            control,
+            orphan_timeout_ms,
+            stop_timeout_ms,
+        } => {
+            let orders = peregrine_supervisor::manager::WatchOrders {
+                supervisor,
+                control,
+                orphan_timeout: std::time::Duration::from_millis(orphan_timeout_ms),
+                stop_timeout: std::time::Duration::from_millis(stop_timeout_ms),
+            };
+            match peregrine_supervisor::manager::watch_orphans(&orders) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => fail(&anyhow::Error::new(error)),
+            }
         }
         Command::Man { dir } => match write_man_pages(&dir) {
             Ok(written) => {
@@ -563,6 +594,36 @@ mod tests {
         };
         assert_eq!(program.to_str(), Some("/usr/bin/gunicorn"));
         assert_eq!(args, ["--bind", "fd://3", "-w", "1"]);
+    }
+
+    #[test]
+    fn the_orphan_watcher_reads_back_the_orders_it_is_started_with() {
+        use peregrine_supervisor::manager::{ORPHAN_WATCH, WatchOrders};
+        let orders = WatchOrders {
+            supervisor: 4242,
+            control: PathBuf::from("/run/peregrine/peregrine.sock"),
+            orphan_timeout: std::time::Duration::from_millis(60_000),
+            stop_timeout: std::time::Duration::from_millis(2_500),
+        };
+        let cli = Cli::try_parse_from(
+            ["peregrine".to_owned(), ORPHAN_WATCH.to_owned()]
+                .into_iter()
+                .chain(orders.to_args()),
+        )
+        .unwrap();
+        let Command::OrphanWatch {
+            supervisor,
+            control,
+            orphan_timeout_ms,
+            stop_timeout_ms,
+        } = cli.command
+        else {
+            panic!("not orphan-watch: {:?}", cli.command);
+        };
+        assert_eq!(
+            (supervisor, control, orphan_timeout_ms, stop_timeout_ms),
+            (4242, orders.control, 60_000, 2_500)
+        );
     }
 
     #[test]

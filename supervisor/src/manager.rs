@@ -17,6 +17,7 @@ mod context;
 mod error;
 mod launch;
 mod leftovers;
+mod orphan_watch;
 mod passed;
 mod privileges;
 mod process;
@@ -48,6 +49,7 @@ pub use self::{
     error::{Fallback, ReplaceError, StartError},
     launch::EXEC_PASSED,
     leftovers::{become_subreaper, reap_orphans},
+    orphan_watch::{ORPHAN_WATCH, WatchOrders, watch_orphans},
     process::{Ending, Exit},
     slot_task::Adopted,
 };
@@ -157,6 +159,9 @@ pub struct Manager {
     slots: std::collections::BTreeMap<Slot, SlotHandle>,
     tasks: JoinSet<()>,
     shutdown: watch::Receiver<bool>,
+    /// Stops the servers on passed listeners if this supervisor dies and none takes them over
+    /// within `orphan_timeout_ms` ([`orphan_watch`]); only while a service has `pass_socket`.
+    watcher: Option<orphan_watch::Watcher>,
 }
 
 impl Manager {
@@ -176,6 +181,7 @@ impl Manager {
             slots: Default::default(),
             tasks: JoinSet::new(),
             shutdown,
+            watcher: None,
         };
         for service in config.services.values() {
             for index in 0..service.count {
@@ -191,7 +197,33 @@ impl Manager {
             tracing::warn!(%slot, pid = left.pid, "A worker of an earlier supervisor has no slot in this config: stopping it");
             signal(&left.pidfd, Signal::TERM);
         }
+        manager.watch_orphans();
         Ok(manager)
+    }
+
+    /// Starts the orphan watcher if a service has `pass_socket` and `orphan_timeout_ms` is not 0
+    /// (for ever), again if those timeouts changed; stops it when none is needed.
+    fn watch_orphans(&mut self) {
+        let needed = !self.supervisor.lifecycle.orphan_timeout.is_zero()
+            && self.services.values().any(|s| s.pass_socket);
+        if !needed {
+            self.watcher = None;
+            return;
+        }
+        if self
+            .watcher
+            .as_ref()
+            .is_some_and(|w| w.watches_for(&self.supervisor))
+        {
+            return;
+        }
+        self.watcher = None;
+        match orphan_watch::Watcher::spawn(&self.supervisor, &self.context.lineage) {
+            Ok(watcher) => self.watcher = Some(watcher),
+            Err(error) => {
+                tracing::warn!(%error, "Cannot start the orphan watcher: servers on passed listeners outlive a supervisor that dies, until one adopts them")
+            }
+        }
     }
 
     /// What the worker in slot `index` of `service` is started with.
@@ -461,6 +493,7 @@ impl Manager {
         self.context
             .registry
             .set_services(self.services.keys().cloned());
+        self.watch_orphans();
         Ok(report)
     }
 
@@ -468,6 +501,8 @@ impl Manager {
     /// then stops whatever any worker left running (a task stops what its worker leaves, but a
     /// process may have been orphaned since, or by a worker of an earlier supervisor).
     pub async fn stopped(mut self) {
+        // This supervisor stops its workers itself.
+        self.watcher = None;
         while self.tasks.join_next().await.is_some() {}
         let lineage = self.context.lineage.clone();
         let children = self.context.children.clone();

@@ -2,19 +2,22 @@
 //! exits at once and leaves the server running), and ones that never become ready. Each is stopped,
 //! whole, restarted with backoff, and `peregrine status` says why; nothing is left running.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
 
 use peregrine_e2e::{
-    Supervisor, app_servers_or_skip, base_config, current_test, free_port, test_app, wait_until,
-    workers_in,
+    Supervisor, app_servers_or_skip, base_config, current_test, free_port, gone, gunicorn_command,
+    test_app, wait_until, workers_in,
 };
 
 /// How long a test waits for the supervisor to do what it must.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// A supervisor with restart delays of 100 to 400 ms, stop timeouts of 2 s, `register_timeout_ms`
-/// of `register_ms`, and `services` (TOML tables).
-fn start(register_ms: u64, services: &str) -> Supervisor {
+/// A supervisor with restart delays of 100 to 400 ms, stop timeouts of 2 s, the `[supervisor]` keys
+/// in `supervisor`, and `services` (TOML tables).
+fn start(supervisor: &str, services: &str) -> Supervisor {
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     Supervisor::start(&format!(
         "{base}\n{services}",
@@ -22,7 +25,7 @@ fn start(register_ms: u64, services: &str) -> Supervisor {
             "[envoy]",
             &format!(
                 "restart_delay_ms = 100\nrestart_delay_max_ms = 400\nstop_timeout_ms = 2000\n\
-                 register_timeout_ms = {register_ms}\n\n[envoy]"
+                 {supervisor}\n\n[envoy]"
             ),
             1
         ),
@@ -73,7 +76,7 @@ fn a_daemonizing_server_is_stopped_whole_and_told_to_run_in_the_foreground() {
     };
     let python = servers.gunicorn.with_file_name("python");
     let mut supervisor = start(
-        30_000,
+        "",
         &format!(
             "[service.daemon]\npass_socket = true\ncommand = [{python:?}, {app:?}]\n",
             python = python.display().to_string(),
@@ -141,7 +144,7 @@ pass_socket = true
 command = ["/bin/sh", "-c", "exec sleep 600"]
 prefix = "/silent"
 "#;
-    let supervisor = start(4_000, services);
+    let supervisor = start("register_timeout_ms = 4000", services);
     for (service, probe) in [
         ("closed", "Connection refused"),
         ("silent", "no answer within 2s"),
@@ -184,4 +187,94 @@ prefix = "/silent"
     // Each try was stopped: one process per service runs at most (the try under way).
     let running = workers_in(supervisor.dir());
     assert!(running.len() <= 2, "{running:?}\n{logs}");
+}
+
+/// The orphan watchers (`peregrine orphan-watch`) of the supervisor whose control socket is in
+/// `dir`.
+fn watchers_in(dir: &std::path::Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let socket = dir.display().to_string();
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            (args.iter().any(|a| a == "orphan-watch")
+                && args.iter().any(|a| a.starts_with(&socket)))
+            .then_some(pid)
+        })
+        .collect()
+}
+
+/// A server on a passed listener never dials the supervisor, yet it outlives a SIGKILLed one for
+/// `orphan_timeout_ms` only, as a built-in worker does. A supervisor back within it adopts the
+/// server, and the watcher of the dead one leaves it alone; with none back in time, the server and
+/// the worker it forked are stopped.
+#[test]
+fn a_passed_socket_server_without_its_supervisor_stops_after_orphan_timeout() {
+    let Some(servers) = app_servers_or_skip(&current_test()) else {
+        return;
+    };
+    let command: Vec<String> = gunicorn_command(&servers.gunicorn)
+        .iter()
+        .map(|word| format!("{word:?}"))
+        .collect();
+    let orphan_timeout = Duration::from_millis(1500);
+    let mut supervisor = start(
+        &format!("orphan_timeout_ms = {}", orphan_timeout.as_millis()),
+        &format!(
+            "[service.app]\npass_socket = true\nready_path = \"/healthz\"\ncommand = [{}]\n",
+            command.join(", ")
+        ),
+    );
+    let dir = supervisor.dir().to_path_buf();
+    let ready = |supervisor: &Supervisor| {
+        row_of(supervisor, "app", "the server ready", |row| {
+            row["pid"].is_u64()
+        })["pid"]
+            .as_u64()
+            .unwrap() as u32
+    };
+    let server = ready(&supervisor);
+    let watchers = watchers_in(&dir);
+    assert_eq!(watchers.len(), 1, "one watcher: {watchers:?}");
+
+    // Back in time: adopted, and the dead supervisor's watcher goes without touching it.
+    supervisor.kill_and_start_again().unwrap();
+    assert_eq!(ready(&supervisor), server, "adopted");
+    wait_until(DEADLINE, "the first watcher to end", || {
+        watchers.iter().all(|pid| gone(*pid)).then_some(())
+    });
+    assert!(!gone(server), "the adopted server still runs");
+    assert_eq!(ready(&supervisor), server, "and is still the slot's");
+
+    // Not back: the server and its worker stop after orphan_timeout_ms.
+    let tree = workers_in(&dir);
+    assert!(tree.len() >= 2, "gunicorn and its worker: {tree:?}");
+    let killed = Instant::now();
+    supervisor
+        .process()
+        .signal(rustix::process::Signal::KILL)
+        .unwrap();
+    wait_until(
+        DEADLINE,
+        "the orphaned server and its worker to stop",
+        || tree.iter().all(|pid| gone(*pid)).then_some(()),
+    );
+    assert!(
+        killed.elapsed() >= orphan_timeout,
+        "stopped after {:?}, before orphan_timeout_ms",
+        killed.elapsed()
+    );
+    let logs = supervisor.all_logs();
+    assert!(
+        logs.contains("No supervisor has come back within orphan_timeout_ms"),
+        "{logs}"
+    );
 }

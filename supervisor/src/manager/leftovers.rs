@@ -95,7 +95,9 @@ pub(super) fn find(
     // The cheap look first: no child of ours but workers, and nothing to look for elsewhere.
     if scope == Scope::Children
         && let Some(kids) = own_children()
-        && kids.iter().all(|pid| children.is_worker(*pid))
+        && kids
+            .iter()
+            .all(|pid| children.is_worker(*pid) || claim_of(*pid, lineage) == Claim::Helper)
     {
         return Vec::new();
     }
