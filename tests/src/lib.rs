@@ -55,7 +55,7 @@ mod wait;
 
 pub use admin_watch::AdminWatch;
 pub use envoy::{Envoy, Host, hostname_pid, hosts};
-pub use etcd::{Etcd, EtcdClient, EtcdCluster, EtcdTls, etcd_or_skip, etcd_path};
+pub use etcd::{Etcd, EtcdCluster, EtcdTls, etcd_or_skip, etcd_path};
 pub use fleet::FleetHostConfig;
 pub use hello_server::HelloServer;
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};

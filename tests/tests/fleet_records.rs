@@ -10,8 +10,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod etcd_writer;
+
+use etcd_writer::EtcdClient;
 use peregrine_e2e::{
-    Etcd, EtcdClient, Supervisor, etcd_or_skip, free_port, http_get, try_wait_until, wait_until,
+    Etcd, Supervisor, etcd_or_skip, free_port, http_get, try_wait_until, wait_until,
 };
 
 /// The fleet's key prefix (the default).
