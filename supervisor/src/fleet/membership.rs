@@ -46,8 +46,8 @@ use crate::{
     xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
 
-/// The longest pause between two sessions while this host holds no lease (while it holds one, the
-/// next session must come within a third of its TTL: see [`Membership::run`]).
+/// The longest pause between two sessions while this host holds no lease (while it holds one etcd
+/// has not said is gone, the next session comes within a third of its TTL: see [`Membership::run`]).
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 /// The most watch messages applied as one: a bound on how long the view waits for a burst.
@@ -82,8 +82,12 @@ pub enum SessionError {
 }
 
 /// The lease this host's keys are under, as this supervisor last heard of it: a new session (after
-/// an error) takes it up again while it lives, so the keys never leave the fleet for a session that
-/// broke and came back within the TTL.
+/// an error) takes it up again while etcd says it lives, so the keys never leave the fleet for a
+/// session that broke and came back within the TTL.
+///
+/// It is asked about even after `expires` has passed: when etcd loses its quorum, the leader elected
+/// once it is back extends every lease by its TTL, so a lease outlives this supervisor's reckoning by
+/// however long the quorum was lost. Only etcd's answer (or a lease this supervisor revoked) ends it.
 #[derive(Clone, Copy, Debug)]
 struct HeldLease {
     /// The lease.
@@ -229,17 +233,18 @@ impl Membership {
                     }
                 }
             }
-            // While the lease lives, never longer than a third of its TTL: a session that broke must
-            // come back while its lease does, or this host's workers leave every other host's view
-            // (each session renews the lease before it lists anything). Without a lease there is
-            // nothing to keep, and the pauses grow to MAX_BACKOFF: sessions that keep failing (etcd
-            // overloaded, a member refusing) are not repeated every second. A listing no longer
-            // fails for what the range holds: it is paged, and an oversized record is skipped.
+            // While this host holds a lease etcd has not said is gone, never longer than a third of
+            // its TTL: a session that broke must come back while its lease lives, or this host's
+            // workers leave every other host's view (each session renews the lease before it lists
+            // anything). That holds past the lease's expiry as reckoned here: after a lost quorum
+            // etcd extends every lease by its TTL from the moment a leader is back (see
+            // `HeldLease`). Without a lease there is nothing to keep, and the pauses grow to
+            // MAX_BACKOFF: sessions that keep failing (etcd overloaded, a member refusing) are not
+            // repeated every second. A listing no longer fails for what the range holds: it is
+            // paged, and an oversized record is skipped.
             let cap = match self.lease {
-                Some(held) if held.expires > Instant::now() => {
-                    (self.cluster.lease_ttl / 3).min(MAX_BACKOFF)
-                }
-                _ => MAX_BACKOFF,
+                Some(_) => (self.cluster.lease_ttl / 3).min(MAX_BACKOFF),
+                None => MAX_BACKOFF,
             };
             tokio::select! {
                 () = tokio::time::sleep(backoff.next(cap)) => {}
@@ -464,19 +469,29 @@ impl Membership {
         client: &mut Client,
         ttl: Duration,
     ) -> Result<(i64, LeaseKeeper, LeaseKeepAliveStream), SessionError> {
-        if let Some(held) = self.lease.filter(|held| held.expires > Instant::now()) {
+        if let Some(held) = self.lease {
             let (mut keeper, mut alive) = client.lease_keep_alive(held.id).await?;
             keeper.keep_alive().await?;
-            let left = held.expires.saturating_duration_since(Instant::now());
-            if let Ok(Ok(Some(answer))) = tokio::time::timeout(left, alive.message()).await
-                && answer.ttl() > 0
-            {
-                tracing::info!(
-                    lease = held.id,
-                    "Kept the fleet lease across a new session with etcd"
-                );
-                self.held(held.id, answer.ttl());
-                return Ok((held.id, keeper, alive));
+            // Past its expiry as reckoned here, etcd may still hold it (a quorum came back): ask,
+            // and wait as long as a keep-alive may take.
+            let left = held
+                .expires
+                .saturating_duration_since(Instant::now())
+                .max(ttl / 3);
+            match tokio::time::timeout(left, alive.message()).await {
+                Ok(Ok(Some(answer))) if answer.ttl() > 0 => {
+                    tracing::info!(
+                        lease = held.id,
+                        "Kept the fleet lease across a new session with etcd"
+                    );
+                    self.held(held.id, answer.ttl());
+                    return Ok((held.id, keeper, alive));
+                }
+                // etcd says it is gone, and with it this host's keys.
+                Ok(Ok(_)) => self.lease = None,
+                // No answer: it may live yet, and the next session asks again if no new one is
+                // granted now.
+                Ok(Err(_)) | Err(_) => {}
             }
         }
         let id = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
