@@ -21,6 +21,9 @@
 //!   through a real etcd: a worker change until every Envoy of the fleet holds it, a dead host until
 //!   every other Envoy drops it, and 50 supervisors of 20 workers: RSS and CPU per supervisor,
 //!   etcd's writes and watch events per change, one more supervisor's sync ([`fleet`]).
+//! - `orca-cost [--workers W] [--streams P,P,...] [--window SECS] [--rounds N] [--quick]`: what ORCA
+//!   out-of-band streams cost one supervisor (CPU, RSS and reports per stream), `P` streams of
+//!   simulated Envoys to `W` workers ([`orca_cost`]).
 
 mod attacks;
 mod balance;
@@ -32,6 +35,7 @@ mod idle;
 mod kernel_ops;
 mod lifecycle;
 mod machine;
+mod orca_cost;
 mod parse;
 mod plot;
 mod sampler;
@@ -55,9 +59,10 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("lifecycle") => lifecycle::run(&args[1..]),
         Some("attacks") => attacks::run(&args[1..]),
         Some("fleet") => fleet::run(&args[1..]),
+        Some("orca-cost") => orca_cost::run(&args[1..]),
         Some(other) => {
             bail!(
-                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance`, `lifecycle`, `attacks` or `fleet`"
+                "unknown benchmark {other:?}: expected `restart`, `http`, `sampler`, `hashing`, `balance`, `lifecycle`, `attacks`, `fleet` or `orca-cost`"
             )
         }
         None => bail!(
