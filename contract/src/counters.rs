@@ -10,7 +10,8 @@
 //! sampler loads, its `counters` map (a BPF array created with `BPF_F_MMAPABLE`, [`Counter`]-sized
 //! values), where the kernel counts the responses of servers on passed listeners; no worker inherits
 //! it. The supervisor zeroes a shared lane before it starts a worker in it, so a lane holds exactly the
-//! requests of its current worker; while that worker runs, the counter only grows.
+//! requests of its current worker; while that worker runs, the counter only grows. A worker's own
+//! region also holds its load report slot, after the counter line ([`crate::report_slot`]).
 //!
 //! Invariant: a region is mapped only once the object behind it is known to hold every lane asked for
 //! ([`SharedMemory::map`]), so a descriptor named by another process's environment ends in an error,
@@ -50,15 +51,26 @@ impl CounterRegion {
     /// the descriptor to hand to workers (close-on-exec: the spawner clears that flag for the child
     /// only) and the mapping.
     pub fn create(lanes: usize) -> Result<(OwnedFd, CounterRegion), ShmError> {
+        // Exactly the lanes asked for: a region made for one worker's line offers no second line to
+        // map.
+        Self::create_sized(lanes, lanes.max(1) * LINE)
+    }
+
+    /// Creates a worker's own region, as [`CounterRegion::create`] for one lane, followed by the
+    /// worker's load report slot ([`crate::report_slot`]); returns the descriptor and the mapping of
+    /// its counter line.
+    pub fn create_for_worker() -> Result<(OwnedFd, CounterRegion), ShmError> {
+        Self::create_sized(1, crate::report_slot::WORKER_REGION_BYTES)
+    }
+
+    /// A sealed memfd of `bytes`, its first `lanes` counters mapped.
+    fn create_sized(lanes: usize, bytes: usize) -> Result<(OwnedFd, CounterRegion), ShmError> {
         use rustix::fs::{MemfdFlags, SealFlags};
         let fd = rustix::fs::memfd_create(
             "peregrine-counters",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )
         .map_err(std::io::Error::from)?;
-        // Exactly the lanes asked for: a region made for one worker's line offers no second line to
-        // map.
-        let bytes = lanes.max(1) * LINE;
         rustix::fs::ftruncate(&fd, bytes as u64).map_err(std::io::Error::from)?;
         // The size is fixed: a worker can never shrink it under the others.
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)

@@ -3,6 +3,7 @@
 //! - [`settings`]: the environment a supervisor starts a worker with (the names are the contract),
 //! - [`url`]: the bind url of a worker's own listener,
 //! - [`counters`]: the request counters' layout and region, over [`shm`], the one checked `mmap`,
+//! - [`report_slot`]: a worker's latest load report (in-band ORCA), in its own counter region,
 //! - [`procfs`]: the kernel's accounting of a process as procfs shows it, read one way by every part,
 //! - [`ErrorChain`]: an error and its causes on one line, printed one way by every part.
 //!
@@ -14,6 +15,7 @@
 pub mod counters;
 mod error_chain;
 pub mod procfs;
+pub mod report_slot;
 pub mod settings;
 #[allow(unsafe_code, reason = "maps shared memory; each use has a SAFETY line")]
 pub mod shm;

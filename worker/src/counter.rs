@@ -56,10 +56,17 @@ pub enum AttachError {
 
 /// Maps lane `lane` of the counter region behind `fd` and counts every later request there too.
 /// Attaching twice is an error.
+///
+/// A worker's own region (lane 0) may also hold its load report slot: it is mapped too, and its
+/// report goes out with every response ([`crate::load_report`]).
 pub fn attach(fd: BorrowedFd<'_>, lane: usize) -> Result<(), AttachError> {
     let region =
         CounterRegion::map(fd, lane + 1).map_err(|source| AttachError::Map { lane, source })?;
     SHARED
         .set((region, lane))
-        .map_err(|_| AttachError::Attached)
+        .map_err(|_| AttachError::Attached)?;
+    if lane == 0 {
+        crate::load_report::attach(fd).map_err(|source| AttachError::Map { lane, source })?;
+    }
+    Ok(())
 }

@@ -25,6 +25,7 @@ pub mod hello;
 pub mod http1;
 pub mod http2;
 pub mod listen;
+mod load_report;
 mod log_limit;
 pub mod register;
 pub mod runtime;

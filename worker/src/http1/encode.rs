@@ -12,11 +12,15 @@ use std::{
 };
 
 use bytes::Buf;
-use http::{Response, StatusCode, Version, header};
+use http::{HeaderValue, Response, StatusCode, Version, header};
 use http_body::Body;
 use http_body_util::BodyExt;
 
-use crate::{BoxError, stream::Io};
+use crate::{
+    BoxError,
+    load_report::{self, LOAD_METRICS_HEADER},
+    stream::Io,
+};
 
 /// How a response body follows its head on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +46,15 @@ pub fn head_of_known_size(
     head_only: bool,
     keep_alive: bool,
 ) -> bool {
-    let (framing, _) = encode_head(out, res, Some(len), request_version, head_only, keep_alive);
+    let (framing, _) = encode_head(
+        out,
+        res,
+        Some(len),
+        request_version,
+        head_only,
+        keep_alive,
+        None,
+    );
     framing != Framing::Empty
 }
 
@@ -51,7 +63,9 @@ pub fn head_of_known_size(
 ///
 /// `size` is the body's exact size when known. `head_only` drops the body (a response to `HEAD`) but
 /// keeps its `content-length`; `keep_alive` is whether the connection may stay open, and a `connection`
-/// header is written when that differs from the version's default.
+/// header is written when that differs from the version's default. `load_report` is the worker's
+/// latest ORCA load report ([`crate::load_report`]), sent unless the application set that header
+/// itself.
 fn encode_head(
     out: &mut Vec<u8>,
     res: &http::response::Parts,
@@ -59,6 +73,7 @@ fn encode_head(
     request_version: Version,
     head_only: bool,
     keep_alive: bool,
+    load_report: Option<&HeaderValue>,
 ) -> (Framing, bool) {
     let status = res.status;
     if status == StatusCode::OK {
@@ -70,6 +85,7 @@ fn encode_head(
         out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    let mut load_report = load_report;
     for (name, value) in &res.headers {
         if name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
@@ -77,9 +93,18 @@ fn encode_head(
         {
             continue;
         }
+        if load_report.is_some() && name == LOAD_METRICS_HEADER {
+            load_report = None;
+        }
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(report) = load_report {
+        out.extend_from_slice(LOAD_METRICS_HEADER.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(report.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
     let bodiless = status.is_informational()
@@ -312,8 +337,17 @@ where
 {
     let (parts, body) = res.into_parts();
     let size = body.size_hint().exact();
-    let (framing, keep_alive) =
-        encode_head(out, &parts, size, request_version, head_only, keep_alive);
+    let (framing, keep_alive) = load_report::with_header(|report| {
+        encode_head(
+            out,
+            &parts,
+            size,
+            request_version,
+            head_only,
+            keep_alive,
+            report,
+        )
+    });
     let mut body = pin!(body);
     let mut sent = 0;
     match append_ready(out, body.as_mut(), framing, &mut sent) {
@@ -350,7 +384,7 @@ mod tests {
     fn frames_bodies_by_length_chunks_or_close() {
         let ok = head(StatusCode::OK);
         let mut out = Vec::new();
-        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_11, false, true);
+        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_11, false, true, None);
         assert_eq!(got, (Framing::Length(2), true));
         assert_eq!(
             out,
@@ -358,7 +392,7 @@ mod tests {
         );
 
         out.clear();
-        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_10, true, true);
+        let got = encode_head(&mut out, &ok, Some(2), Version::HTTP_10, true, true, None);
         assert_eq!(got, (Framing::Empty, true));
         assert_eq!(
             out,
@@ -366,12 +400,12 @@ mod tests {
         );
 
         out.clear();
-        let got = encode_head(&mut out, &ok, None, Version::HTTP_11, false, true);
+        let got = encode_head(&mut out, &ok, None, Version::HTTP_11, false, true, None);
         assert_eq!(got, (Framing::Chunked, true));
         assert!(out.ends_with(b"transfer-encoding: chunked\r\n\r\n"));
 
         out.clear();
-        let got = encode_head(&mut out, &ok, None, Version::HTTP_10, false, true);
+        let got = encode_head(&mut out, &ok, None, Version::HTTP_10, false, true, None);
         assert_eq!(
             got,
             (Framing::UntilClose, false),
@@ -387,8 +421,53 @@ mod tests {
             Version::HTTP_11,
             false,
             true,
+            None,
         );
         assert_eq!(got, (Framing::Empty, true));
         assert!(!out.windows(14).any(|w| w == b"content-length"));
+    }
+
+    #[test]
+    fn the_load_report_goes_out_unless_the_application_sent_one() {
+        let report = HeaderValue::from_static("CQAAAAAAAOA/");
+        let mut out = Vec::new();
+        let ok = head(StatusCode::OK);
+        encode_head(
+            &mut out,
+            &ok,
+            Some(2),
+            Version::HTTP_11,
+            false,
+            true,
+            Some(&report),
+        );
+        assert_eq!(
+            out,
+            b"HTTP/1.1 200 OK\r\nx-a: b\r\nendpoint-load-metrics-bin: CQAAAAAAAOA/\r\n\
+              content-length: 2\r\n\r\n"
+        );
+        let mut own = head(StatusCode::OK);
+        own.headers
+            .insert(LOAD_METRICS_HEADER, HeaderValue::from_static("MQ=="));
+        out.clear();
+        encode_head(
+            &mut out,
+            &own,
+            Some(2),
+            Version::HTTP_11,
+            false,
+            true,
+            Some(&report),
+        );
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            text.matches("endpoint-load-metrics-bin").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.contains("endpoint-load-metrics-bin: MQ==\r\n"),
+            "{text}"
+        );
     }
 }

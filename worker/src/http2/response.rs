@@ -18,7 +18,11 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 
 use super::resets::Resets;
-use crate::{BoxError, budget::Charge};
+use crate::{
+    BoxError,
+    budget::Charge,
+    load_report::{self, LOAD_METRICS_HEADER},
+};
 
 /// Sends a short plain-text error response and ends the stream.
 pub(super) fn send_error(respond: &mut SendResponse<Bytes>, status: StatusCode) {
@@ -152,6 +156,12 @@ where
         parts
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    // The worker's ORCA load report, unless the application sent one itself.
+    if let Some(report) = load_report::header()
+        && let header::Entry::Vacant(entry) = parts.headers.entry(LOAD_METRICS_HEADER)
+    {
+        entry.insert(report);
     }
     let end = head_only || body.is_end_stream();
     let mut send = respond.send_response(Response::from_parts(parts, ()), end)?;
