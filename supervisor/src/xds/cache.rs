@@ -15,6 +15,9 @@
 //! channel and the transport reads them. CDS and EDS are built from the same snapshot, so every EDS
 //! name is a CDS cluster.
 
+mod services;
+mod window;
+
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     future::Future,
@@ -27,12 +30,13 @@ use envoy_types::pb::{envoy::config::endpoint::v3::ClusterLoadAssignment, google
 use prost::Message;
 use tokio::sync::watch;
 
+use self::{
+    services::{Built, Flavours, ServiceMemo},
+    window::Window,
+};
 use super::{
     priorities::{Requester, prioritised_for},
-    resources::{
-        Balancer, CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, make_cluster,
-        make_load_assignment, pack, remote_of,
-    },
+    resources::{Balancer, CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, pack},
 };
 use crate::{
     config::Routing,
@@ -87,10 +91,17 @@ pub struct Resources {
 #[derive(Debug)]
 struct Variants {
     /// Cluster load assignments by name, as built (every locality at priority 0).
-    assignments: BTreeMap<String, ClusterLoadAssignment>,
+    assignments: BTreeMap<String, Arc<ClusterLoadAssignment>>,
     /// Each requester's variant, built when first asked for.
     built: Mutex<HashMap<Requester, Arc<TypeResources>>>,
+    /// Each requester's variant of each assignment across builds: an assignment a change left as it
+    /// was keeps its variants.
+    memo: Arc<Mutex<VariantMemo>>,
 }
+
+/// Requester -> service -> (the assignment a variant was made from, the variant).
+type VariantMemo =
+    HashMap<Requester, HashMap<String, (Arc<ClusterLoadAssignment>, VersionedResource)>>;
 
 /// Where the clusters served on a stream tell Envoy to fetch their endpoints: picks the cluster
 /// flavour of [`Resources::get`].
@@ -140,10 +151,22 @@ impl Resources {
         built
             .entry(requester.clone())
             .or_insert_with(|| {
+                let mut memo = variants.memo.lock().unwrap_or_else(PoisonError::into_inner);
+                let made = memo.entry(requester.clone()).or_default();
                 let resources = variants
                     .assignments
                     .iter()
-                    .map(|(name, a)| (name.clone(), versioned(name, pack(&prioritised_for(a, requester)))))
+                    .map(|(name, a)| {
+                        let variant = match made.get(name) {
+                            Some((from, variant)) if Arc::ptr_eq(from, a) => variant.clone(),
+                            _ => {
+                                let variant = versioned(name, pack(&prioritised_for(a, requester)));
+                                made.insert(name.clone(), (Arc::clone(a), variant.clone()));
+                                variant
+                            }
+                        };
+                        (name.clone(), variant)
+                    })
                     .collect();
                 tracing::debug!(?requester, version = %self.endpoints.version, "Endpoints built for a requester locality");
                 Arc::new(TypeResources {
@@ -174,6 +197,10 @@ pub struct Cache {
     delta_clusters: TypeVersion,
     ads_clusters: TypeVersion,
     endpoints: TypeVersion,
+    /// Each service's last build: a change rebuilds only the services it touched.
+    services: ServiceMemo,
+    /// Each requester's variants under local-first routing, across builds.
+    variants: Arc<Mutex<VariantMemo>>,
 }
 
 /// The content last seen for one type and its counter.
@@ -205,6 +232,8 @@ impl Cache {
             delta_clusters: TypeVersion::default(),
             ads_clusters: TypeVersion::default(),
             endpoints: TypeVersion::default(),
+            services: ServiceMemo::default(),
+            variants: Arc::default(),
         }
     }
 
@@ -256,8 +285,14 @@ impl Cache {
             ..options.clone()
         };
         // Every service of the fleet: this host's (with its workers), and those only other hosts run
-        // (none here).
+        // (none here). Each is built again only if its inputs changed.
         let none = ServiceView::default();
+        let flavours = Flavours {
+            grpc: &options,
+            delta: &delta_options,
+            ads: &ads_options,
+        };
+        self.services.begin(&options);
         let served = snapshot
             .services
             .keys()
@@ -266,30 +301,26 @@ impl Cache {
             .into_iter()
             .map(|name| {
                 let view = snapshot.services.get(name).unwrap_or(&none);
-                (name, view, remote_of(snapshot, name))
-            })
-            .collect::<Vec<_>>();
-        let built = |options: &ClusterOptions| {
-            served
-                .iter()
-                .map(|(name, view, remote)| {
-                    versioned(name, pack(&make_cluster(name, view, remote, options)))
-                })
-                .collect::<Vec<_>>()
-        };
-        let clusters = built(&options);
-        let delta_clusters = built(&delta_options);
-        let ads_clusters = built(&ads_options);
-        let assignments = served
-            .iter()
-            .map(|(name, view, remote)| {
-                let assignment = make_load_assignment(name, view, remote, &options);
-                ((*name).clone(), assignment)
+                let built = self.services.service(snapshot, name, view, &flavours);
+                (name, built)
             })
             .collect::<BTreeMap<_, _>>();
-        let endpoints = assignments
-            .iter()
-            .map(|(name, assignment)| versioned(name, pack(assignment)));
+        self.services.retain(&served);
+        tracing::trace!(
+            services = served.len(),
+            rebuilt = self.services.rebuilt,
+            "Services built"
+        );
+        let of = |pick: fn(&Built) -> &VersionedResource| {
+            served
+                .values()
+                .map(move |built| pick(built).clone())
+                .collect::<Vec<_>>()
+        };
+        let clusters = of(|b| &b.cluster);
+        let delta_clusters = of(|b| &b.delta_cluster);
+        let ads_clusters = of(|b| &b.ads_cluster);
+        let endpoints = of(|b| &b.endpoints);
         let endpoints = self
             .endpoints
             .advance(&self.epoch, ENDPOINT_TYPE_URL, endpoints);
@@ -298,6 +329,12 @@ impl Cache {
             .fleet
             .as_ref()
             .is_some_and(|f| f.routing == Routing::LocalFirst);
+        if local_first {
+            let mut memo = self.variants.lock().unwrap_or_else(PoisonError::into_inner);
+            for made in memo.values_mut() {
+                made.retain(|name, _| served.contains_key(name));
+            }
+        }
         Resources {
             revision: snapshot.revision,
             changed_at: snapshot.changed_at,
@@ -318,8 +355,12 @@ impl Cache {
             endpoints: Arc::new(endpoints),
             local_first: local_first.then(|| {
                 Arc::new(Variants {
-                    assignments,
+                    assignments: served
+                        .iter()
+                        .map(|(name, built)| ((*name).clone(), Arc::clone(&built.assignment)))
+                        .collect(),
                     built: Mutex::default(),
+                    memo: Arc::clone(&self.variants),
                 })
             }),
         }
@@ -356,10 +397,18 @@ impl Cache {
         let (tx, rx) = watch::channel(Arc::new(first));
         tokio::spawn(async move {
             tokio::pin!(stop);
+            let mut window = Window::default();
             loop {
                 let options_changed = async {
                     match &mut options {
                         Some(rx) => rx.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                };
+                let deadline = window.deadline();
+                let held = async {
+                    match deadline {
+                        Some(deadline) => tokio::time::sleep_until(deadline).await,
                         None => std::future::pending().await,
                     }
                 };
@@ -395,34 +444,51 @@ impl Cache {
                             stop.await;
                             break;
                         }
-                        let snapshot = snapshots.borrow_and_update().clone();
-                        let resources = self.build(&snapshot);
-                        tx.send_if_modified(|current| {
-                            let changed = current.clusters.version != resources.clusters.version
-                                || current.delta_clusters.version
-                                    != resources.delta_clusters.version
-                                || current.ads_clusters.version != resources.ads_clusters.version
-                                || current.endpoints.version != resources.endpoints.version;
-                            if changed {
-                                tracing::debug!(
-                                    revision = snapshot.revision,
-                                    cds = %resources.clusters.version,
-                                    eds = %resources.endpoints.version,
-                                    "Resources updated"
-                                );
-                            }
-                            let modified = changed || current.revision != resources.revision;
-                            if modified {
-                                *current = Arc::new(resources);
-                            }
-                            modified
-                        });
+                        if window.changed(tokio::time::Instant::now()) {
+                            self.publish(&mut snapshots, &tx);
+                        }
+                    }
+                    () = held => {
+                        if window.elapsed(tokio::time::Instant::now()) {
+                            self.publish(&mut snapshots, &tx);
+                        }
                     }
                 }
             }
             tracing::debug!("Cache stopped");
         });
         rx
+    }
+
+    /// Builds the resources of the latest snapshot and publishes them (also when only the revision
+    /// moved: streams then learn their client is synced at it).
+    fn publish(
+        &mut self,
+        snapshots: &mut watch::Receiver<Arc<Snapshot>>,
+        tx: &watch::Sender<Arc<Resources>>,
+    ) {
+        let snapshot = snapshots.borrow_and_update().clone();
+        let resources = self.build(&snapshot);
+        tx.send_if_modified(|current| {
+            let changed = current.clusters.version != resources.clusters.version
+                || current.delta_clusters.version != resources.delta_clusters.version
+                || current.ads_clusters.version != resources.ads_clusters.version
+                || current.endpoints.version != resources.endpoints.version;
+            if changed {
+                tracing::debug!(
+                    revision = snapshot.revision,
+                    cds = %resources.clusters.version,
+                    eds = %resources.endpoints.version,
+                    rebuilt = self.services.rebuilt,
+                    "Resources updated"
+                );
+            }
+            let modified = changed || current.revision != resources.revision;
+            if modified {
+                *current = Arc::new(resources);
+            }
+            modified
+        });
     }
 }
 
@@ -699,6 +765,86 @@ mod tests {
             assignment.endpoints[0].locality.as_ref().unwrap().sub_zone,
             "b"
         );
+    }
+
+    /// What a cache built equals what a fresh cache builds from the same snapshot, resource by
+    /// resource (type versions aside: they count changes).
+    fn assert_as_fresh(cache: &Cache, resources: &Resources, snapshot: &Snapshot) {
+        let fresh = Cache::new("e1".into(), cache.options.clone()).build(snapshot);
+        assert_eq!(resources.clusters.resources, fresh.clusters.resources);
+        assert_eq!(
+            resources.delta_clusters.resources,
+            fresh.delta_clusters.resources
+        );
+        assert_eq!(
+            resources.ads_clusters.resources,
+            fresh.ads_clusters.resources
+        );
+        assert_eq!(resources.endpoints.resources, fresh.endpoints.resources);
+        for who in [requester("a", "z1"), requester("b", "z2")] {
+            assert_eq!(
+                resources.endpoints_for(&who).resources,
+                fresh.endpoints_for(&who).resources
+            );
+        }
+    }
+
+    #[test]
+    fn a_change_rebuilds_only_the_services_it_touched() {
+        let registry = Registry::new(["a".to_string(), "b".to_string()]);
+        registry.register(worker("a", 0, 10)).unwrap();
+        registry.register(worker("b", 0, 11)).unwrap();
+        let mut cache = cache();
+        cache.build(&registry.snapshot());
+        assert_eq!(cache.services.rebuilt, 2);
+        registry.register(worker("a", 1, 12)).unwrap();
+        let after = cache.build(&registry.snapshot());
+        assert_eq!(cache.services.rebuilt, 1, "only a");
+        assert_as_fresh(&cache, &after, &registry.snapshot());
+        cache.build(&registry.snapshot());
+        assert_eq!(cache.services.rebuilt, 0, "nothing changed");
+    }
+
+    #[test]
+    fn a_remote_change_rebuilds_only_its_service_and_new_options_rebuild_all() {
+        let (registry, mut cache) = fleet_of_two(Routing::LocalFirst);
+        // b also runs api.
+        let mut fleet = registry.snapshot().fleet.clone();
+        let b = Arc::make_mut(fleet.get_mut("b").unwrap());
+        b.services.insert("api".into(), Balancer::RoundRobin);
+        let mut api = b.workers.values().next().unwrap().clone();
+        api.service = "api".into();
+        b.workers.insert(("api".into(), 0, 21), api);
+        registry.set_fleet(fleet);
+        let before = cache.build(&registry.snapshot());
+        let variant = before.endpoints_for(&requester("a", "z1"));
+        assert_eq!(cache.services.rebuilt, 2);
+        // b's web worker drains: b is a new host value, api's workers on it are as they were.
+        let mut fleet = registry.snapshot().fleet.clone();
+        let b = Arc::make_mut(fleet.get_mut("b").unwrap());
+        b.workers.get_mut(&("web".into(), 0, 20)).unwrap().health =
+            crate::registry::Health::Draining;
+        registry.set_fleet(fleet);
+        let after = cache.build(&registry.snapshot());
+        assert_eq!(cache.services.rebuilt, 1, "only web");
+        assert_ne!(
+            before.endpoints.resources["web"],
+            after.endpoints.resources["web"]
+        );
+        assert_eq!(
+            before.endpoints.resources["api"],
+            after.endpoints.resources["api"]
+        );
+        // api's variant is the one made before; web's is new.
+        let again = after.endpoints_for(&requester("a", "z1"));
+        assert_eq!(again.resources["api"], variant.resources["api"]);
+        assert_ne!(again.resources["web"], variant.resources["web"]);
+        assert_as_fresh(&cache, &after, &registry.snapshot());
+        // Other options (a reload): every service again.
+        cache.options.connect_timeout = std::time::Duration::from_secs(3);
+        let reloaded = cache.build(&registry.snapshot());
+        assert_eq!(cache.services.rebuilt, 2);
+        assert_as_fresh(&cache, &reloaded, &registry.snapshot());
     }
 
     #[test]
