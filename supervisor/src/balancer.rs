@@ -41,7 +41,8 @@ pub enum Balancer {
     Orca(OrcaPolicy),
 }
 
-/// Client-side weighted round robin fed by out-of-band ORCA reports from this supervisor.
+/// Client-side weighted round robin fed by ORCA reports: out of band from this supervisor, or in band
+/// from the workers' responses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OrcaPolicy {
     /// The supervisor's gRPC port: Envoy opens each worker's ORCA stream to the worker's IP and this
@@ -59,6 +60,12 @@ pub struct OrcaPolicy {
     /// streams with TLS. Records written before TLS existed lack it: cleartext.
     #[serde(default)]
     pub tls: bool,
+    /// Whether the workers carry their reports in band, in each response's
+    /// `endpoint-load-metrics-bin` header (`orca = "in-band"`): Envoy then opens no stream
+    /// (`enable_oob_load_report` off). Records written before in-band reports existed lack it: out
+    /// of band.
+    #[serde(default)]
+    pub in_band: bool,
 }
 
 #[cfg(test)]
@@ -74,6 +81,7 @@ mod tests {
             weight_expiration_period: Duration::from_secs(180),
             weight_update_period: Duration::from_secs(1),
             tls: true,
+            in_band: false,
         };
         for balancer in [
             Balancer::RoundRobin,
@@ -89,6 +97,10 @@ mod tests {
                 hash_balance_factor: None,
             },
             Balancer::Orca(orca),
+            Balancer::Orca(OrcaPolicy {
+                in_band: true,
+                ..orca
+            }),
         ] {
             let json = serde_json::to_string(&balancer).unwrap();
             assert_eq!(

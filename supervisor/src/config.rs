@@ -42,7 +42,7 @@ use self::raw::RawConfig;
 pub use self::{
     account::{Account, Identity, can_switch_users, worker_socket},
     balancing::{
-        Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, RING_POINTS_PER_WORKER,
+        Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, OrcaReports, RING_POINTS_PER_WORKER,
         balancer_problem,
     },
     check::{
@@ -527,7 +527,12 @@ impl Default for WorkerCommand {
 impl ServiceConfig {
     /// Whether Envoy balances the service on its workers' ORCA load reports.
     pub fn orca(&self) -> bool {
-        self.balancing == Balancing::Orca
+        matches!(self.balancing, Balancing::Orca(_))
+    }
+
+    /// Whether those reports travel in band, in the workers' responses (`orca = "in-band"`).
+    pub fn orca_in_band(&self) -> bool {
+        self.balancing == Balancing::Orca(OrcaReports::InBand)
     }
 
     /// The bind url of the worker in slot `index`.

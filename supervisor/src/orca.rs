@@ -12,6 +12,9 @@
 //! names no worker gets NOT_FOUND, which Envoy retries with backoff (UNIMPLEMENTED would disable ORCA
 //! for that host until the next CDS change).
 //!
+//! In band (`orca = "in-band"`), the same reports go into each worker's shared memory instead, and
+//! the worker sends them in its responses: see [`in_band`].
+//!
 //! Invariant: reads the registry (snapshot and loads) and records its streams there; never writes
 //! endpoints.
 
@@ -38,6 +41,8 @@ use tonic::{
     codegen::{Service, http},
     server::NamedService,
 };
+
+pub mod in_band;
 
 use crate::{
     config::MAX_REPORT_INTERVAL,
@@ -303,7 +308,13 @@ async fn send(
 /// peer it reports 1 request/s. Utilizations are at least [`MIN_UTILIZATION`]. Every field is finite:
 /// a sample whose rates are not (NaN, an infinity) makes no report, and counts as no busy peer.
 pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
-    let load = loads.by_pid(worker.pid)?;
+    report_for_pid(loads, worker.pid)
+}
+
+/// [`report_for`] the worker instance of process `pid`: the one report both ways of sending it
+/// (out of band here, in band through [`in_band`]) send.
+pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
+    let load = loads.by_pid(pid)?;
     let (cpu, wait, rps) = rates(load)?;
     let application = cpu + wait;
     let (rps, application) = if rps >= IDLE_RPS {

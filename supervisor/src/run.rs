@@ -38,7 +38,7 @@ use crate::{
     instance::{InstanceLock, LockError},
     manager::{self, Manager},
     metrics,
-    orca::OrcaService,
+    orca::{self, OrcaService},
     registration,
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
@@ -340,6 +340,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     });
     let (xds_options_tx, xds_options_rx) =
         watch::channel(xds_options(&config, &orca, bound.port()));
+    // In-band ORCA: each worker's report into its shared memory, at every sample.
+    let _in_band = AbortOnDrop(tokio::spawn(orca::in_band::run(
+        registry.clone(),
+        children.clone(),
+        xds_options_tx.subscribe(),
+    )));
     // In a fleet, the host's workers go to etcd and the other hosts' come back into the registry. The
     // session outlives the workers' drains (the other hosts' Envoys must see them drain), then
     // revokes its lease.

@@ -11,7 +11,7 @@ use toml::Spanned;
 use super::{
     MIN_SAMPLE_INTERVAL,
     check::{Checker, alternatives, expected},
-    raw::RawBalancing,
+    raw::{RawBalancing, RawOrcaMode},
 };
 use crate::balancer::{Balancer, OrcaPolicy};
 
@@ -24,8 +24,8 @@ pub(super) const MIN_WEIGHT_UPDATE: Duration = Duration::from_millis(100);
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Balancing {
     /// Client-side weighted round robin on the workers' ORCA load reports (`orca = true`, the default
-    /// for IP urls).
-    Orca,
+    /// for IP urls), which travel as the field says.
+    Orca(OrcaReports),
     /// `lb_policy = "round_robin"`.
     RoundRobin,
     /// `lb_policy = "least_request"`: the worker with fewer active requests of `choice_count` random
@@ -65,7 +65,7 @@ impl Balancing {
     /// The `lb_policy` value that selects it (`"orca"` for ORCA-weighted round robin).
     pub fn name(&self) -> &'static str {
         match self {
-            Balancing::Orca => "orca",
+            Balancing::Orca(_) => "orca",
             Balancing::RoundRobin => "round_robin",
             Balancing::LeastRequest { .. } => "least_request",
             Balancing::Random => "random",
@@ -84,6 +84,21 @@ impl Balancing {
         }
     }
 }
+
+/// How a service's ORCA load reports reach Envoy (`service.NAME.orca`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrcaReports {
+    /// `orca = true` or `"out-of-band"`: each Envoy opens a gRPC stream per worker to the
+    /// supervisor, which reports on it.
+    OutOfBand,
+    /// `orca = "in-band"`: each response of a worker carries its latest report (the
+    /// `endpoint-load-metrics-bin` header), which the supervisor leaves in the worker's shared memory;
+    /// no stream. Reaches `unix://` workers too; not `pass_socket` servers, which add no header.
+    InBand,
+}
+
+/// The values `orca` takes, as a refusal lists them.
+const ORCA_VALUES: &str = "true, false, \"out-of-band\" or \"in-band\"";
 
 /// `service.NAME.hash_on`: what a request is hashed by, in the generated Envoy route.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -137,13 +152,15 @@ pub(super) enum OrcaReach {
 }
 
 impl Checker<'_> {
-    /// The service's balancing and its workers' weights (one per slot).
+    /// The service's balancing and its workers' weights (one per slot); `pass_socket`: whether its
+    /// workers are servers on passed sockets, which cannot report in band.
     pub(super) fn balancing(
         &mut self,
         service: &str,
         raw: RawBalancing,
         count: u32,
         reach: OrcaReach,
+        pass_socket: bool,
     ) -> (Balancing, Vec<u32>) {
         let key = |field: &str| format!("service.{service}.{field}");
         let weights = self.weights(&key, &raw, count);
@@ -152,54 +169,86 @@ impl Checker<'_> {
             .as_ref()
             .map(|p| (p.get_ref().as_str(), p.span()));
 
-        // orca = true/false against lb_policy: each must agree with the other when both are written.
-        let orca_wanted = match (&raw.orca, policy.clone()) {
-            (Some(orca), Some((name, _))) if *orca.get_ref() && name != "orca" => {
+        // orca = true, "out-of-band", "in-band" (on, with where reports travel) or false (off); a
+        // value that is none of these is refused and counts as not written.
+        let orca = raw.orca.as_ref().and_then(|orca| {
+            let reports = match orca.get_ref() {
+                RawOrcaMode::Flag(true) => Some(OrcaReports::OutOfBand),
+                RawOrcaMode::Flag(false) => None,
+                RawOrcaMode::Text(text) if text == "out-of-band" => Some(OrcaReports::OutOfBand),
+                RawOrcaMode::Text(text) if text == "in-band" => Some(OrcaReports::InBand),
+                RawOrcaMode::Text(text) => {
+                    self.report(
+                        Some(orca.span()),
+                        key("orca"),
+                        format!("expected {ORCA_VALUES}, got {text:?}"),
+                    );
+                    return None;
+                }
+            };
+            let written = match orca.get_ref() {
+                RawOrcaMode::Flag(flag) => flag.to_string(),
+                RawOrcaMode::Text(text) => format!("{text:?}"),
+            };
+            Some((reports, written, orca.span()))
+        });
+        let reports = orca
+            .as_ref()
+            .and_then(|(reports, _, _)| *reports)
+            .unwrap_or(OrcaReports::OutOfBand);
+
+        // orca against lb_policy: each must agree with the other when both are written.
+        let orca_wanted = match (&orca, policy.clone()) {
+            (Some((Some(_), written, span)), Some((name, _))) if name != "orca" => {
                 self.report(
-                    Some(orca.span()),
+                    Some(span.clone()),
                     key("orca"),
                     format!(
-                        "orca = true balances on ORCA reports (client-side weighted round robin), \
-                         which replaces lb_policy = \"{name}\": remove one of them"
+                        "orca = {written} balances on ORCA reports (client-side weighted round \
+                         robin), which replaces lb_policy = \"{name}\": remove one of them"
                     ),
                 );
                 false
             }
-            (Some(orca), Some(("orca", _))) if !*orca.get_ref() => {
+            (Some((None, _, span)), Some(("orca", _))) => {
                 self.report(
-                    Some(orca.span()),
+                    Some(span.clone()),
                     key("orca"),
                     "lb_policy = \"orca\" needs ORCA reports; orca = false turns them off: \
                      remove one of them",
                 );
                 false
             }
-            (Some(orca), _) => *orca.get_ref(),
+            (Some((reports, _, _)), _) => reports.is_some(),
             (None, Some((name, _))) => name == "orca",
             (None, None) => reach == OrcaReach::Yes,
+        };
+        let orca_key = if raw.orca.is_some() {
+            "orca"
+        } else {
+            "lb_policy"
         };
         let orca_span = raw
             .orca
             .as_ref()
             .map(Spanned::span)
             .or(policy.clone().map(|(_, s)| s));
-        let why_not = match reach {
-            OrcaReach::Yes => None,
-            OrcaReach::Unix => Some(
-                "ORCA cannot reach unix:// workers: Envoy opens each worker's ORCA stream to its IP \
-                 address; choose another lb_policy (ORCA is off by default for unix:// urls)",
+        let why_not = match (reach, reports) {
+            (_, OrcaReports::InBand) if pass_socket => Some(
+                "orca = \"in-band\" needs each response to carry the worker's load report (a \
+                 header the worker library adds), which a pass_socket server does not send: use \
+                 orca = true (out of band) for it",
+            ),
+            (OrcaReach::Yes, _) | (OrcaReach::Unix, OrcaReports::InBand) => None,
+            (OrcaReach::Unix, OrcaReports::OutOfBand) => Some(
+                "ORCA cannot reach unix:// workers out of band: Envoy opens each worker's ORCA \
+                 stream to its IP address; orca = \"in-band\" carries the reports in the workers' \
+                 responses instead, or choose another lb_policy (ORCA is off by default for \
+                 unix:// urls)",
             ),
         };
         if let Some(why_not) = why_not.filter(|_| orca_wanted) {
-            self.report(
-                orca_span,
-                key(if raw.orca.is_some() {
-                    "orca"
-                } else {
-                    "lb_policy"
-                }),
-                why_not,
-            );
+            self.report(orca_span, key(orca_key), why_not);
         }
 
         let name = match (policy.clone(), orca_wanted) {
@@ -251,7 +300,7 @@ impl Checker<'_> {
             HASH_BALANCE_FACTORS,
         );
         let balancing = match name {
-            "orca" => Balancing::Orca,
+            "orca" => Balancing::Orca(reports),
             "round_robin" => Balancing::RoundRobin,
             "random" => Balancing::Random,
             "least_request" => Balancing::LeastRequest {
@@ -567,8 +616,71 @@ mod tests {
              [service.b]\norca = false\nlb_policy = \"round_robin\"\n",
         )
         .unwrap();
-        assert_eq!(config.services["a"].balancing, Balancing::Orca);
+        assert_eq!(
+            config.services["a"].balancing,
+            Balancing::Orca(OrcaReports::OutOfBand)
+        );
         assert_eq!(config.services["b"].balancing, Balancing::RoundRobin);
+    }
+
+    #[test]
+    fn orca_in_band_reaches_unix_workers_and_refuses_passed_sockets() {
+        let config = parse(
+            "[service.a]\norca = \"in-band\"\n\
+             [service.b]\nurl = \"unix:///run/b.sock\"\norca = \"in-band\"\nlb_policy = \"orca\"\n\
+             [service.c]\norca = \"out-of-band\"\n[service.d]\norca = true\n",
+        )
+        .unwrap();
+        let reports = |name: &str| config.services[name].balancing.clone();
+        assert_eq!(reports("a"), Balancing::Orca(OrcaReports::InBand));
+        assert_eq!(reports("b"), Balancing::Orca(OrcaReports::InBand));
+        assert_eq!(reports("c"), Balancing::Orca(OrcaReports::OutOfBand));
+        assert_eq!(reports("d"), Balancing::Orca(OrcaReports::OutOfBand));
+        assert!(config.services["a"].orca_in_band() && !config.services["d"].orca_in_band());
+
+        let got = problems(
+            "[service.p]\npass_socket = true\ncommand = [\"/bin/true\"]\norca = \"in-band\"\n",
+        );
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with(
+                "line 4: service.p.orca: orca = \"in-band\" needs each response to carry the \
+                 worker's load report"
+            ),
+            "{got:?}"
+        );
+        let got = problems("[service.u]\nurl = \"unix:///run/u.sock\"\norca = \"out-of-band\"\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].starts_with(
+                "line 3: service.u.orca: ORCA cannot reach unix:// workers out of band"
+            ) && got[0].contains("orca = \"in-band\""),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn orca_values_that_are_not_known_are_refused_with_their_line() {
+        let got = problems("[service.a]\n\norca = \"inband\"\n");
+        assert_eq!(
+            got,
+            [
+                "line 3: service.a.orca: expected true, false, \"out-of-band\" or \"in-band\", \
+                 got \"inband\""
+            ]
+        );
+        let got = problems("[service.a]\norca = 1\n");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            got[0].contains("service.a.orca") || got[0].contains("orca"),
+            "{got:?}"
+        );
+        let got = problems("[service.a]\norca = \"in-band\"\nlb_policy = \"random\"\n");
+        assert!(
+            got[0]
+                .starts_with("line 2: service.a.orca: orca = \"in-band\" balances on ORCA reports"),
+            "{got:?}"
+        );
     }
 
     #[test]
@@ -689,6 +801,7 @@ mod tests {
             weight_expiration_period: Duration::from_secs(30),
             weight_update_period: Duration::from_millis(100),
             tls: false,
+            in_band: false,
         };
         for fine in [
             Balancer::RoundRobin,

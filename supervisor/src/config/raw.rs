@@ -148,7 +148,7 @@ pub(super) struct RawService {
     pub(super) env: Option<Spanned<BTreeMap<String, String>>>,
     pub(super) prefix: Option<Spanned<String>>,
     pub(super) domains: Option<Spanned<Vec<String>>>,
-    pub(super) orca: Option<Spanned<bool>>,
+    pub(super) orca: Option<Spanned<RawOrcaMode>>,
     pub(super) lb_policy: Option<Spanned<String>>,
     pub(super) choice_count: Option<Spanned<i64>>,
     pub(super) ring_size_min: Option<Spanned<i64>>,
@@ -246,6 +246,39 @@ impl RawService {
     }
 }
 
+/// `service.NAME.orca`: a flag (`true`, `false`) or a text (`"out-of-band"`, `"in-band"`, checked by
+/// [`balancing`](super::balancing)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum RawOrcaMode {
+    /// `true` or `false`.
+    Flag(bool),
+    /// A text, not checked yet.
+    Text(String),
+}
+
+impl<'de> Deserialize<'de> for RawOrcaMode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RawOrcaMode;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("true, false, \"out-of-band\" or \"in-band\"")
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, flag: bool) -> Result<RawOrcaMode, E> {
+                Ok(RawOrcaMode::Flag(flag))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RawOrcaMode, E> {
+                Ok(RawOrcaMode::Text(text.to_owned()))
+            }
+        }
+        // As for `AccountId`: a TOML value says what it is, whatever is asked.
+        deserializer.deserialize_str(Visitor)
+    }
+}
+
 /// `user` and `group`: a name, or a numeric id written as an integer (`65534`) or as a text of digits
 /// (`"65534"`); either way the text of digits.
 #[derive(Debug)]
@@ -287,7 +320,7 @@ impl<'de> Deserialize<'de> for AccountId {
 /// does not support `flatten` with `deny_unknown_fields`, and a flattened value loses its span.
 #[derive(Debug, Default)]
 pub(super) struct RawBalancing {
-    pub(super) orca: Option<Spanned<bool>>,
+    pub(super) orca: Option<Spanned<RawOrcaMode>>,
     pub(super) lb_policy: Option<Spanned<String>>,
     pub(super) choice_count: Option<Spanned<i64>>,
     pub(super) ring_size_min: Option<Spanned<i64>>,

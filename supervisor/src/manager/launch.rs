@@ -16,6 +16,7 @@ use std::{
 };
 
 use peregrine_contract::{
+    counters::CounterRegion,
     settings::{CounterLane, ENV_LINEAGE, Settings},
     url::BindUrl,
 };
@@ -164,8 +165,9 @@ impl Launch {
                 .store(0, Ordering::Relaxed);
             return Ok(CounterRef::new(self.counters.clone(), lane));
         }
-        let own = Counters::memfd(1).map_err(io::Error::other)?;
-        Ok(CounterRef::new(Arc::new(own), 0))
+        // Its counter line and its load report slot (in-band ORCA).
+        let (fd, region) = CounterRegion::create_for_worker().map_err(io::Error::other)?;
+        Ok(CounterRef::new(Arc::new(Counters::new(fd, region)), 0))
     }
 
     /// Starts a worker: one that counts its requests in `counter` ([`counter`](Self::counter)), or

@@ -48,6 +48,10 @@ impl OrcaReach {
             .values()
             .filter(|s| s.orca())
             .filter(|s| {
+                // In band, the reports travel in the workers' responses: no stream to reach.
+                if s.orca_in_band() {
+                    return true;
+                }
                 if s.pass_socket && !self.kernel_counts {
                     tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs eBPF): least request instead of ORCA");
                     return false;
@@ -73,15 +77,19 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
         weight_expiration_period: config.orca.weight_expiration_period,
         weight_update_period: config.orca.weight_update_period,
         tls: config.supervisor.tls.is_some(),
+        in_band: false,
     };
     let balancer = |service: &config::ServiceConfig| match service.balancing {
         // Without a sampler there is nothing to report: round robin (see `orca_services`). Servers
         // on passed sockets without the kernel's count of their responses: least request.
-        Balancing::Orca if orca.contains(&service.name) => Balancer::Orca(policy),
-        Balancing::Orca if service.pass_socket => Balancer::LeastRequest {
+        Balancing::Orca(reports) if orca.contains(&service.name) => Balancer::Orca(OrcaPolicy {
+            in_band: reports == config::OrcaReports::InBand,
+            ..policy
+        }),
+        Balancing::Orca(_) if service.pass_socket => Balancer::LeastRequest {
             choice_count: config::DEFAULT_CHOICE_COUNT,
         },
-        Balancing::Orca | Balancing::RoundRobin => Balancer::RoundRobin,
+        Balancing::Orca(_) | Balancing::RoundRobin => Balancer::RoundRobin,
         Balancing::LeastRequest { choice_count } => Balancer::LeastRequest { choice_count },
         Balancing::Random => Balancer::Random,
         Balancing::RingHash {
@@ -178,7 +186,12 @@ pub fn orca_listen_addresses(
     bound: SocketAddr,
 ) -> Vec<SocketAddr> {
     let mut ips = BTreeSet::new();
-    for service in config.services.values().filter(|s| orca.contains(&s.name)) {
+    // In-band services need no listener: Envoy opens no stream to their workers.
+    for service in config
+        .services
+        .values()
+        .filter(|s| orca.contains(&s.name) && !s.orca_in_band())
+    {
         if let BindUrl::Tcp { host, .. } = service.url_for(0) {
             // A worker on a wildcard address is dialled at it, which Linux connects to the local
             // host: the loopback address of the family covers it without listening everywhere.

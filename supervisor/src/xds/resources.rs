@@ -212,7 +212,10 @@ fn typed_policy(balancer: &Balancer, orca_over_tls: bool) -> Option<LoadBalancin
 /// cluster's TLS entry ([`upstream_tls`](super::upstream_tls)).
 fn cswrr(orca: &OrcaPolicy, over_tls: bool) -> ClientSideWeightedRoundRobin {
     ClientSideWeightedRoundRobin {
-        enable_oob_load_report: Some(BoolValue { value: true }),
+        // In band, Envoy reads each response's `endpoint-load-metrics-bin` header instead.
+        enable_oob_load_report: Some(BoolValue {
+            value: !orca.in_band,
+        }),
         oob_reporting_period: Some(duration(orca.reporting_period)),
         blackout_period: Some(duration(orca.blackout_period)),
         weight_expiration_period: Some(duration(orca.weight_expiration_period)),
@@ -695,6 +698,7 @@ mod tests {
             weight_expiration_period: Duration::from_secs(30),
             weight_update_period: Duration::from_millis(500),
             tls: false,
+            in_band: false,
         }
     }
 
@@ -742,6 +746,29 @@ mod tests {
         assert!(
             cluster.transport_socket_matches.is_empty(),
             "cleartext ORCA"
+        );
+    }
+
+    #[test]
+    fn in_band_orca_turns_the_oob_stream_off() {
+        let policy = OrcaPolicy {
+            in_band: true,
+            ..orca_policy()
+        };
+        let options = ClusterOptions {
+            balancers: BTreeMap::from([("web".to_string(), Balancer::Orca(policy))]),
+            ..ClusterOptions::default()
+        };
+        let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
+        let policies = cluster.load_balancing_policy.expect("a policy").policies;
+        let any = policies[0].typed_extension_config.as_ref().unwrap();
+        let config = ClientSideWeightedRoundRobin::decode(
+            any.typed_config.as_ref().unwrap().value.as_slice(),
+        )
+        .unwrap();
+        assert_eq!(
+            config.enable_oob_load_report,
+            Some(BoolValue { value: false })
         );
     }
 

@@ -224,7 +224,8 @@ impl Checker<'_> {
         } else {
             OrcaReach::Yes
         };
-        let (balancing, weights) = self.balancing(&key_part(&name), balancing, count, reach);
+        let (balancing, weights) =
+            self.balancing(&key_part(&name), balancing, count, reach, pass_socket);
         let restart_batch = raw
             .restart_batch
             .and_then(|batch| {
