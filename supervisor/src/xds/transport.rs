@@ -8,8 +8,9 @@
 //!
 //! Both variants send a response exactly when one is owed, so an ACK gets no reply and a NACK is not
 //! answered with the same content again (go-control-plane's resend loop, its issue #962). CDS is
-//! always the full set (wildcard); EDS answers only the names subscribed and answers a name that does
-//! not exist yet as soon as it appears. On ADS, clusters are always sent before the endpoints that
+//! always the full set (wildcard) on state-of-the-world streams; EDS answers only the names
+//! subscribed, sends only the assignments that changed, and answers a name that does not exist yet
+//! as soon as it appears. On ADS, clusters are always sent before the endpoints that
 //! name them: endpoints are held until their cluster was sent on the same stream, and a changed
 //! cluster's endpoints are sent again right after it (Envoy finishes warming a changed cluster only
 //! with a new EDS response).
@@ -71,8 +72,11 @@ pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
 /// The response stream of every delta method.
 pub type DeltaResponseStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
 
-/// How many responses may wait for a slow client before a stream stops reading the cache.
-const RESPONSE_BUFFER: usize = 8;
+/// How many responses may wait in a stream's channel: one pass over the resources makes at most
+/// two (clusters, then endpoints, on ADS). A stream reads the cache only once its channel is empty,
+/// so a client that does not read holds the latest state (the cache's watch), never a queue of old
+/// ones.
+const RESPONSE_BUFFER: usize = 2;
 
 /// Serves CDS, EDS and ADS from the cache's watch channel. Cheap to clone.
 ///
@@ -260,9 +264,14 @@ async fn run_stream<W: Send + 'static>(
         let mut replies = 0;
         // The registry changes sent and not yet ACKed, for the convergence times.
         let mut convergence = Convergence::default();
+        // Whether the cache published resources the stream has not answered yet.
+        let mut owed = false;
         loop {
             // The registry change this step answers, if it is one.
             let mut change = None;
+            // Room in the channel for the responses to new resources (taken when the channel is
+            // empty).
+            let mut room = None;
             let responses = if let Some(request) = next.take() {
                 // Not marked seen: if the request is ignored (a stale nonce), `changed()` below still
                 // fires for resources newer than the stream has answered.
@@ -290,14 +299,23 @@ async fn run_stream<W: Send + 'static>(
                             return;
                         }
                     },
-                    changed = resources.changed() => {
+                    changed = resources.changed(), if !owed => {
                         if changed.is_err() {
                             tracing::debug!("Control plane stopping, ending stream");
                             let _ = tx.send(Err(Status::unavailable("control plane shutting down"))).await;
                             return;
                         }
+                        owed = true;
+                        continue;
+                    }
+                    permits = tx.reserve_many(RESPONSE_BUFFER), if owed => {
+                        let Ok(permits) = permits else { return };
+                        owed = false;
+                        // The latest resources, however many were published while the client was
+                        // not reading.
                         let current = resources.borrow_and_update().clone();
                         change = Some((current.revision, current.changed_at));
+                        room = Some(permits);
                         state.on_resources(&current)
                     }
                     () = tx.closed() => return,
@@ -322,8 +340,13 @@ async fn run_stream<W: Send + 'static>(
             }
             for response in responses {
                 let type_url = Stream::<W>::type_url(&response).to_owned();
-                if tx.send(Ok(response)).await.is_err() {
-                    return;
+                match room.as_mut().and_then(Iterator::next) {
+                    Some(permit) => permit.send(Ok(response)),
+                    None => {
+                        if tx.send(Ok(response)).await.is_err() {
+                            return;
+                        }
+                    }
                 }
                 counters.pushed(&type_url);
             }

@@ -4,7 +4,7 @@
 //!
 //! A scenario drives a stream's pure state ([`Stream`]) step by step through [`Variant`], which
 //! knows how each variant spells a subscription, an ACK or a NACK and how to read a response. Where
-//! the variants differ on purpose (state of the world resends the whole set, delta only what
+//! the variants differ on purpose (state of the world resends every cluster, delta only what
 //! changed), the scenario says so with [`sent`].
 //!
 //! Invariant: a scenario asserts only what is true of every variant it is listed for; rules of one
@@ -87,7 +87,7 @@ pub(super) trait Variant: Sized {
     type Request;
     type Response;
 
-    /// Whether every response carries the whole subscribed set of its type.
+    /// Whether every CDS response carries every cluster (EDS responses carry what changed on both).
     const STATE_OF_THE_WORLD: bool;
     /// The dedicated CDS, dedicated EDS and ADS kinds of the variant.
     const KINDS: [StreamKind; 3];
@@ -118,7 +118,8 @@ pub(super) trait Variant: Sized {
     fn carries(response: &Self::Response, set: &TypeResources, name: &str) -> bool;
 }
 
-/// What a response carries on variant `W` when `all` is subscribed and `changed` changed.
+/// What a CDS response carries on variant `W` when `all` exist and `changed` changed (state of the
+/// world sends every cluster).
 fn sent<W: Variant>(all: &'static [&'static str], changed: &'static [&'static str]) -> Vec<String> {
     let names = if W::STATE_OF_THE_WORLD { all } else { changed };
     names.iter().map(|n| n.to_string()).collect()
@@ -454,7 +455,8 @@ fn a_change_pushes_the_changed_resource<W: Variant>() {
     let r2 = fixture.register("b", 0, 20);
     let out = W::on_resources(&mut state, &r2);
     assert_eq!(out.len(), 1);
-    assert_eq!(W::names(&out[0]), sent::<W>(&["a", "b"], &["b"]));
+    // Both variants send only the changed assignment: state-of-the-world EDS is not full state.
+    assert_eq!(W::names(&out[0]), ["b"]);
     assert!(W::carries(&out[0], &r2.endpoints, "b"));
     assert!(W::removed(&out[0]).is_empty());
     assert_eq!(W::version(&out[0]), r2.endpoints.version);

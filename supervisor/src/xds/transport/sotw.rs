@@ -6,7 +6,13 @@
 //! it was last sent, so an ACK gets no reply, a NACK is not answered with the same content again and
 //! a request naming new resources gets them even at the same version. A request echoing a stale nonce
 //! is ignored (subscriptions included: unlike delta, each request carries the whole subscription, so
-//! the next current one brings it). Every response carries the whole subscribed set of its type.
+//! the next current one brings it).
+//!
+//! A CDS response carries every cluster (Envoy removes a cluster a response leaves out). An EDS
+//! response carries only the subscribed assignments the client does not have as they are: Envoy
+//! updates the clusters a state-of-the-world EDS response names and leaves the others as they were
+//! (its gRPC mux delivers a response only to the watches of the resources in it), so a change of one
+//! service costs every stream that service's assignment, not the whole fleet's.
 //!
 //! Invariant: what was sent is recorded only when a response carrying it is built ([`respond`]).
 
@@ -142,15 +148,18 @@ impl StreamState {
             let set = resources
                 .get(CLUSTER_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("clusters are served");
-            let before = watch.sent.clone().unwrap_or_default();
-            let payload = set
-                .resources
-                .values()
-                .map(|r| (r.name.clone(), r.version.clone()))
-                .collect::<BTreeMap<_, _>>();
-            let owed = fresh == Some(CLUSTER_TYPE_URL) || watch.sent.as_ref() != Some(&payload);
+            let owed = fresh == Some(CLUSTER_TYPE_URL)
+                || !watch
+                    .sent
+                    .as_ref()
+                    .is_some_and(|sent| same_versions(sent, &set));
             if owed {
-                out.push(respond(watch, &set, payload.clone()));
+                let payload = set
+                    .resources
+                    .values()
+                    .map(|r| (r.name.clone(), r.version.clone()))
+                    .collect::<BTreeMap<_, _>>();
+                let before = watch.sent.take().unwrap_or_default();
                 if ads && let Some(endpoints) = &mut self.endpoints {
                     // A new or changed cluster only finishes warming with a new EDS response: resend
                     // the endpoints of every cluster that changed.
@@ -158,6 +167,7 @@ impl StreamState {
                         sent.retain(|name, _| before.get(name) == payload.get(name));
                     }
                 }
+                out.push(respond(watch, &set, payload));
             }
         }
         if let Some(watch) = &mut self.endpoints {
@@ -178,24 +188,51 @@ impl StreamState {
                 .names
                 .iter()
                 .filter_map(|name| set.resources.get(name));
-            let (payload, held): (Vec<_>, Vec<_>) =
+            let (sendable, held): (Vec<_>, Vec<_>) =
                 existing.partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
             owed.held = !held.is_empty();
-            let payload = payload
-                .into_iter()
+            let sent = watch.sent.get_or_insert_with(BTreeMap::new);
+            // An assignment that is gone (its cluster too) is forgotten: if it comes back, it is
+            // sent again.
+            sent.retain(|name, _| set.resources.contains_key(name));
+            let changed = sendable
+                .iter()
+                .filter(|r| sent.get(&r.name) != Some(&r.version))
                 .map(|r| (r.name.clone(), r.version.clone()))
                 .collect::<BTreeMap<_, _>>();
-            let changed = watch.sent.as_ref() != Some(&payload);
-            if changed && !payload.is_empty() {
-                let response = respond(watch, &set, payload);
+            if !changed.is_empty() {
+                let response = respond_changed(watch, &set, changed);
                 owed.sent = Some(response.nonce.clone());
                 out.push(response);
-            } else if payload.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
+            } else if sendable.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
                 tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
             }
         }
         owed
     }
+}
+
+/// Whether `sent` holds exactly the resources of `set`, at their versions (compared in place: a
+/// stream owed nothing allocates nothing).
+fn same_versions(sent: &BTreeMap<String, String>, set: &TypeResources) -> bool {
+    sent.len() == set.resources.len()
+        && sent
+            .iter()
+            .zip(set.resources.values())
+            .all(|((name, version), r)| *name == r.name && *version == r.version)
+}
+
+/// Builds the response carrying `changed` from `set` and adds it to what was sent.
+fn respond_changed(
+    watch: &mut TypeWatch,
+    set: &TypeResources,
+    changed: BTreeMap<String, String>,
+) -> DiscoveryResponse {
+    let mut sent = watch.sent.take().unwrap_or_default();
+    let response = respond(watch, set, changed);
+    sent.extend(watch.sent.take().unwrap_or_default());
+    watch.sent = Some(sent);
+    response
 }
 
 /// Builds the response carrying `payload` from `set` and records it as sent.
