@@ -179,3 +179,76 @@ fn envoy_over_ads_follows_a_restart() {
         Some(0)
     );
 }
+
+/// Two services behind one Envoy, on dedicated state-of-the-world CDS/EDS streams (`envoy_extra`
+/// empty) or ADS: `extra`'s workers are killed and replaced three times. `cluster`'s workers never
+/// leave Envoy, and its assignment is never sent again: an EDS response carries only what changed
+/// (Envoy counts each update a cluster takes in `cluster.<name>.update_attempt`).
+fn a_change_to_one_service_leaves_the_other_as_it_was(test: &str, envoy_extra: &str) {
+    if envoy_or_skip(test).is_none() {
+        return;
+    }
+    let (grpc, listen, admin) = (
+        peregrine_e2e::free_port(),
+        peregrine_e2e::free_port(),
+        peregrine_e2e::free_port(),
+    );
+    let config = peregrine_e2e::sample_config("{dir}".as_ref(), grpc, listen, admin, 2).replacen(
+        "[envoy]\n",
+        &format!("[envoy]\n{envoy_extra}"),
+        1,
+    ) + "\n[service.extra]\ncount = 2\nurl = \"http://localhost:0\"\n";
+    let supervisor = peregrine_e2e::Supervisor::start(&config);
+    let envoy = peregrine_e2e::Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+    let healthy = |cluster: &str| {
+        let hosts = peregrine_e2e::hosts(&envoy.clusters(), cluster);
+        (hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(hostnames(&hosts))
+    };
+    let step = Duration::from_secs(30);
+    let others = wait_until(step, "cluster's 2 workers in Envoy", || healthy("cluster"));
+    let mut extra = wait_until(step, "extra's 2 workers in Envoy", || healthy("extra"));
+    let updates = |cluster: &str| {
+        envoy
+            .stat(&format!("cluster.{cluster}.update_attempt"))
+            .unwrap_or_else(|| panic!("cluster.{cluster}.update_attempt: {}", envoy.stats()))
+    };
+    let (others_before, extra_before) = (updates("cluster"), updates("extra"));
+    for round in 0..3 {
+        let victim = pid_in_hostname(extra.iter().next().unwrap());
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(victim as i32).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .expect("kill the worker");
+        extra = wait_until(step, &format!("extra's replacement, round {round}"), || {
+            healthy("extra").filter(|now| !now.iter().any(|h| pid_in_hostname(h) == victim))
+        });
+        assert_eq!(
+            healthy("cluster").as_ref(),
+            Some(&others),
+            "cluster's workers left Envoy in round {round}"
+        );
+    }
+    assert!(updates("extra") > extra_before, "extra took its changes");
+    assert_eq!(
+        updates("cluster"),
+        others_before,
+        "cluster's assignment was sent again though it did not change"
+    );
+}
+
+#[test]
+fn a_change_to_one_service_leaves_the_other_as_it_was_over_dedicated_streams() {
+    a_change_to_one_service_leaves_the_other_as_it_was(
+        "a_change_to_one_service_leaves_the_other_as_it_was_over_dedicated_streams",
+        "",
+    );
+}
+
+#[test]
+fn a_change_to_one_service_leaves_the_other_as_it_was_over_ads() {
+    a_change_to_one_service_leaves_the_other_as_it_was(
+        "a_change_to_one_service_leaves_the_other_as_it_was_over_ads",
+        "ads = true\n",
+    );
+}
