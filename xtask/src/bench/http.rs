@@ -43,7 +43,7 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N] [--behind-envoy]";
+const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N] [--behind-envoy] [--orca-in-band]";
 
 /// The servers `--with` adds beside the worker and hyper: the data-path candidates of
 /// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
@@ -56,6 +56,9 @@ const CANDIDATES: [(&str, &str); 2] = [
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Server {
     Worker,
+    /// The worker again, its service `orca = "in-band"`: every response carries its load report
+    /// (`--orca-in-band`).
+    WorkerInBand,
     Hyper,
     /// One of [`CANDIDATES`], by binary name.
     Candidate(&'static str),
@@ -65,6 +68,7 @@ impl Server {
     fn name(self) -> &'static str {
         match self {
             Server::Worker => "worker",
+            Server::WorkerInBand => "worker+orca",
             Server::Hyper => "hyper",
             Server::Candidate(name) => name,
         }
@@ -162,6 +166,8 @@ struct Options {
     idle: Option<usize>,
     /// Instead of the loads: each server behind an Envoy of its own, over HTTP/2.
     behind_envoy: bool,
+    /// Also measure the worker with its in-band ORCA load report on every response.
+    orca_in_band: bool,
 }
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
@@ -172,6 +178,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         ops: false,
         idle: None,
         behind_envoy: false,
+        orca_in_band: false,
     };
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
@@ -190,6 +197,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             }
             "--ops" => options.ops = true,
             "--behind-envoy" => options.behind_envoy = true,
+            "--orca-in-band" => options.orca_in_band = true,
             "--idle" => {
                 let n: usize = args
                     .value(flag)?
@@ -236,12 +244,15 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let peregrine = super::release_peregrine_and(&builds)?;
 
     let dir = TempDir::new().context("a temporary directory")?;
-    let servers: Vec<Server> = [Server::Worker, Server::Hyper]
+    let servers: Vec<Server> = [Server::Worker]
         .into_iter()
+        .chain(options.orca_in_band.then_some(Server::WorkerInBand))
+        .chain([Server::Hyper])
         .chain(options.with.iter().copied())
         .collect();
     let start = |server: Server| match server {
         Server::Worker => Running::worker(&peregrine, dir.path()),
+        Server::WorkerInBand => Running::worker_in_band(&peregrine, &dir.path().join("in-band")),
         Server::Hyper => Running::binary(
             "hyper-baseline",
             &peregrine.with_file_name("hyper-baseline"),
@@ -818,11 +829,12 @@ mod tests {
                 ops: false,
                 idle: None,
                 behind_envoy: false,
+                orca_in_band: false,
             }
         );
         assert_eq!(
             parse_args(&args(
-                "--rounds 1 --duration 2 --with spike-uring --with spike-uring --ops"
+                "--rounds 1 --duration 2 --with spike-uring --with spike-uring --ops --orca-in-band"
             ))
             .unwrap(),
             Options {
@@ -832,6 +844,7 @@ mod tests {
                 ops: true,
                 idle: None,
                 behind_envoy: false,
+                orca_in_band: true,
             }
         );
         assert!(parse_args(&args("--with nginx")).is_err());

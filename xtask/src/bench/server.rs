@@ -56,6 +56,35 @@ impl Running {
         dir: &Path,
         supervisor: &str,
     ) -> anyhow::Result<Self> {
+        Running::worker_with_service(peregrine, dir, supervisor, "")
+    }
+
+    /// [`Running::worker`] in `dir` (created), its service `orca = "in-band"`: once the sampler
+    /// has two readings, every response carries the worker's load report, which this waits for.
+    pub(super) fn worker_in_band(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let running = Running::worker_with_service(peregrine, dir, "", "orca = \"in-band\"\n")?;
+        let mut last = String::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            last = raw_head(running.port).unwrap_or_else(|e| e.to_string());
+            if last.contains("\nendpoint-load-metrics-bin: ") {
+                return Ok(running);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        anyhow::bail!(
+            "no endpoint-load-metrics-bin header within 10 s; the last response: {last:?}"
+        )
+    }
+
+    /// [`Running::worker_with`], with `service` (TOML lines) added to the service's table.
+    fn worker_with_service(
+        peregrine: &Path,
+        dir: &Path,
+        supervisor: &str,
+        service: &str,
+    ) -> anyhow::Result<Self> {
         let port = free_port();
         let config = dir.join("peregrine.toml");
         // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
@@ -70,7 +99,7 @@ control = "{control}"
 count = 1
 url = "http://127.0.0.1:{port}"
 command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
-"#,
+{service}"#,
             grpc = free_port(),
             control = dir.join("peregrine.sock").display(),
             taskset = program_path("taskset")?.display(),
@@ -116,6 +145,18 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
             port,
         })
     }
+}
+
+/// The head of a `GET /` to `127.0.0.1:port`, on a connection of its own.
+fn raw_head(port: u16) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.write_all(b"GET / HTTP/1.1\r\nhost: bench\r\nconnection: close\r\n\r\n")?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    Ok(text.split("\r\n\r\n").next().unwrap_or_default().to_owned())
 }
 
 /// Checks for two CPUs, `taskset` and `timeout`, and installs `wrk` and `h2load` with apt-get when they
