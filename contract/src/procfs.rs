@@ -1,6 +1,6 @@
 //! The kernel's accounting of a process as procfs shows it: `/proc/PID/stat`, the threads'
-//! `schedstat`, and the per-CPU lines of `/proc/stat`; and from them ([`Busy`]), how much of the
-//! machine processes outside one tree took.
+//! `schedstat`, the memory lines of `/proc/PID/status`, and the per-CPU lines of `/proc/stat`; and
+//! from them ([`Busy`]), how much of the machine processes outside one tree took.
 //!
 //! Every part reads these numbers the same way: the supervisor's procfs sampler and adoption, the
 //! stall check, the test harness and the benchmarks (which check the eBPF sampler against them). One
@@ -10,6 +10,7 @@
 //! on every pass, and needs only a handful of fields; a parse here allocates nothing but the text.
 
 mod busy;
+mod status;
 
 use std::{
     io,
@@ -17,6 +18,7 @@ use std::{
 };
 
 pub use self::busy::{Busy, descendants, machine_busy, own_ticks};
+pub use self::status::{Status, status};
 
 /// The fields of `/proc/PID/stat` that Peregrine reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -24,6 +24,11 @@
 //! - `orca-cost [--workers W] [--streams P,P,...] [--window SECS] [--rounds N] [--quick]`: what ORCA
 //!   out-of-band streams cost one supervisor (CPU, RSS and reports per stream), `P` streams of
 //!   simulated Envoys to `W` workers ([`orca_cost`]).
+//! - `xds-scale [--streams N,N...] [--endpoints M,M...] [--kind sotw|delta|ads|delta-ads] [--quick]
+//!   [--supervisor [LABEL=]PATH]`: N Envoy-like xDS clients of ours against one supervisor serving M
+//!   endpoints of remote hosts (records in a real etcd): a change until every client ACKed it, a
+//!   burst, RSS per stream and per endpoint, CPU and bytes per change, a reconnect storm
+//!   ([`xds_scale`]).
 
 mod attacks;
 mod balance;
@@ -41,6 +46,7 @@ mod plot;
 mod sampler;
 mod server;
 mod table;
+mod xds_scale;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -59,6 +65,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("lifecycle") => lifecycle::run(&args[1..]),
         Some("attacks") => attacks::run(&args[1..]),
         Some("fleet") => fleet::run(&args[1..]),
+        Some("xds-scale") => xds_scale::run(&args[1..]),
         Some("orca-cost") => orca_cost::run(&args[1..]),
         Some(other) => {
             bail!(
