@@ -80,7 +80,14 @@ fn latest<R>(
         // A value that is no header (the slot holds base64 text, so never) counts as none.
         cached.value = Some(report.as_bytes())
             .filter(|bytes| !bytes.is_empty())
-            .and_then(|bytes| HeaderValue::from_bytes(bytes).ok());
+            .and_then(|bytes| HeaderValue::from_bytes(bytes).ok())
+            .map(|mut value| {
+                // Never indexed by HPACK: every report is a new value under the same name, and h2
+                // walks all of a name's values left in its dynamic table (some 40 stale reports)
+                // on every response before it finds the current one.
+                value.set_sensitive(true);
+                value
+            });
         cached.sequence = report.sequence;
     }
     // While a report is being written the last whole one is sent again: it is at most one sample
