@@ -12,6 +12,12 @@
 //! (`grpc_max_connections_per_peer`, 1,024) is left as it is, and its global cap (8,192) is raised
 //! in the config only for a point that would not fit under it.
 //!
+//! `W` is 32 by default, not the issue's 64: each built-in worker's io_uring ring is charged to the
+//! user's locked memory, and 64 of them are past the 8 MiB `RLIMIT_MEMLOCK` of a shell (the packaged
+//! unit sets `LimitMEMLOCK=infinity`; where raising the limit is not permitted, `--workers 64` fails
+//! with "cannot start the io_uring runtime"). What a stream costs does not depend on which worker it
+//! reports: 6,400 streams are 200 Envoys x 32 workers here, 100 x 64 in the issue.
+//!
 //! Each point runs on a fresh supervisor: once its workers are ready, a window with no stream
 //! (the baseline: the sampler, the registry), then the `P` streams are opened, and once every one
 //! has had its first report and a few seconds passed, a window with them. The supervisor's CPU is
@@ -61,7 +67,9 @@ const SLICE: Duration = Duration::from_secs(2);
 /// After the streams are served, before their window: the connections' setup is over.
 const SETTLE: Duration = Duration::from_secs(3);
 /// How long opening every stream of a point may take.
-const OPEN_DEADLINE: Duration = Duration::from_secs(120);
+/// Past it, the point is measured with the streams served so far (the report says how many): the
+/// client, one thread, falls behind before the supervisor does.
+const OPEN_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Options of `cargo xtask bench orca-cost`.
 #[derive(Debug, PartialEq, Eq)]
@@ -76,7 +84,7 @@ struct Options {
 
 fn parse_args(args: &[String]) -> anyhow::Result<Options> {
     let mut options = Options {
-        workers: 64,
+        workers: 32,
         streams: vec![0, 64, 640, 1600, 3200, 6400],
         window: Duration::from_secs(10),
         rounds: 1,
@@ -126,6 +134,10 @@ struct Window {
     cpu: Vec<f64>,
     /// Reports the client received per second, for each slice.
     reports_per_sec: Vec<f64>,
+    /// Reports the supervisor sent per second over the window (its own count).
+    sent_per_sec: f64,
+    /// The ORCA streams the supervisor held at the window's end.
+    open_streams: u64,
     /// The supervisor's `VmRSS` at the window's end, in bytes.
     rss: u64,
     /// The client's CPU (this process), in cores over the window.
@@ -157,6 +169,8 @@ struct Point {
     opened_in: Duration,
     idle: Window,
     loaded: Window,
+    /// The supervisor's sampler and its interval.
+    sampler: String,
 }
 
 impl Point {
@@ -185,11 +199,12 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             let point = measure_point(&peregrine, &options, streams)
                 .with_context(|| format!("{streams} streams"))?;
             eprintln!(
-                "round {}/{}: {streams} streams: supervisor {:.1}% -> {:.1}% of a core, {:.0} reports/s, RSS {:.1} -> {:.1} MiB, others {:.2} cores",
+                "round {}/{}: {streams} streams: supervisor {:.1}% -> {:.1}% of a core, {:.0} reports/s sent, {:.0} received, RSS {:.1} -> {:.1} MiB, others {:.2} cores",
                 round + 1,
                 options.rounds,
                 point.idle.cpu_median() * 100.0,
                 point.loaded.cpu_median() * 100.0,
+                point.loaded.sent_per_sec,
                 point.loaded.reports_median(),
                 mib(point.idle.rss as f64),
                 mib(point.loaded.rss as f64),
@@ -232,6 +247,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 fn measure_point(peregrine: &Path, options: &Options, streams: usize) -> anyhow::Result<Point> {
     let host = Host::start(peregrine, options.workers, SUPERVISOR_CPU, streams)?;
     host::check_open_files(host.pid, streams)?;
+    let sampler = host.sampler()?;
     // Half the loaded window: the baseline is steady, and only its median is used.
     let idle = measure_window(&host, None, (options.window / 2).max(SLICE))?;
 
@@ -250,10 +266,12 @@ fn measure_point(peregrine: &Path, options: &Options, streams: usize) -> anyhow:
         if served == streams {
             break;
         }
-        ensure!(
-            opening.elapsed() < OPEN_DEADLINE,
-            "only {served} of {streams} streams had a report after {OPEN_DEADLINE:?}"
-        );
+        if opening.elapsed() >= OPEN_DEADLINE {
+            eprintln!(
+                "only {served} of {streams} streams had a report after {OPEN_DEADLINE:?}: measuring them"
+            );
+            break;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
     let opened_in = opening.elapsed();
@@ -261,6 +279,12 @@ fn measure_point(peregrine: &Path, options: &Options, streams: usize) -> anyhow:
     let loaded = measure_window(&host, Some(&client), options.window)?;
     let failed = client.counters.failed.load(Ordering::Relaxed);
     ensure!(failed == 0, "{failed} streams ended during the window");
+    if loaded.open_streams != streams as u64 {
+        eprintln!(
+            "the supervisor holds {} ORCA streams of {streams}",
+            loaded.open_streams
+        );
+    }
     client.stop()?;
     drop(host);
     Ok(Point {
@@ -269,6 +293,7 @@ fn measure_point(peregrine: &Path, options: &Options, streams: usize) -> anyhow:
         opened_in,
         idle,
         loaded,
+        sampler,
     })
 }
 
@@ -283,6 +308,7 @@ fn measure_window(
     let me = std::process::id();
     let own = || procfs::stat(me).map(|s| s.cpu_ticks());
     let busy_before = Busy::now(me)?;
+    let (_, sent_before) = host.orca_totals()?;
     let (own_before, window_start) = (own()?, Instant::now());
     let mut window = Window::default();
     let slices = (length.as_secs_f64() / SLICE.as_secs_f64())
@@ -299,8 +325,12 @@ fn measure_window(
             .reports_per_sec
             .push((reports() - count) as f64 / secs);
     }
+    let window_secs = window_start.elapsed().as_secs_f64();
+    window.client_cpu = (own()? - own_before) as f64 / hz / window_secs;
     window.rss = host.rss()?;
-    window.client_cpu = (own()? - own_before) as f64 / hz / window_start.elapsed().as_secs_f64();
+    let (open, sent_after) = host.orca_totals()?;
+    (window.open_streams, window.sent_per_sec) =
+        (open, (sent_after - sent_before) as f64 / window_secs);
     (window.machine, window.others) = Busy::now(me)?.since(busy_before);
     window.load1 = load_average()?[0];
     Ok(window)
@@ -309,9 +339,10 @@ fn measure_window(
 /// The report's table: a row per point (medians over the rounds), then what one stream costs.
 fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
     let mut text = String::new();
+    let sampler = points.first().map_or("-", |p| p.sampler.as_str());
     writeln!(
         text,
-        "One `peregrine run` (release) with {} built-in workers of one `orca = true` service, it and its workers on CPU {SUPERVISOR_CPU}; the client on CPU {CLIENT_CPU}, each simulated Envoy from a loopback address of its own, one HTTP/2 connection per stream, {} ms report interval. Idle window {} s, window with the streams {} s, in {} s slices; {} round(s). CPU is the supervisor's `utime + stime` as a share of one core, median of the slices (range over slices and rounds); RSS at each window's end.\n",
+        "One `peregrine run` (release) with {} built-in workers (idle) of one `orca = true` service, sampler {sampler}, it and its workers on CPU {SUPERVISOR_CPU}; the client on CPU {CLIENT_CPU}, each simulated Envoy from a loopback address of its own, one HTTP/2 connection per stream, {} ms report interval. Idle window {} s, window with the streams {} s, in {} s slices; {} round(s). CPU is the supervisor's `utime + stime` as a share of one core, median of the slices (range over slices and rounds); RSS at each window's end; reports sent are the supervisor's own count (`status --json`), received the client's; CPU per report is the added CPU over the reports sent. The last column is the machine during the window: cores busy, of which other work than the benchmark's, and the 1-minute load average.\n",
         options.workers,
         INTERVAL.as_millis(),
         (options.window / 2).max(SLICE).as_secs(),
@@ -322,7 +353,7 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
     let mut rows = vec![
         [
             "streams (Envoys x workers)",
-            "reports/s (expected)",
+            "reports/s sent / received (expected)",
             "supervisor CPU idle -> with streams",
             "added CPU per 1,000 streams",
             "CPU per report",
@@ -350,7 +381,8 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
         };
         let (idle, idle_lo, idle_hi) = range(&|w| &w.cpu, false);
         let (loaded, lo, hi) = range(&|w| &w.cpu, true);
-        let (reports, ..) = range(&|w| &w.reports_per_sec, true);
+        let (received, ..) = range(&|w| &w.reports_per_sec, true);
+        let reports = med(&|p| p.loaded.sent_per_sec);
         let added_cpu = med(&|p| p.added_cpu());
         let added_rss = med(&|p| p.added_rss());
         let per_report = if reports > 0.0 {
@@ -358,11 +390,13 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
         } else {
             "-".to_owned()
         };
+        // Per stream the supervisor held (all of them, unless the client fell behind opening them).
+        let held = med(&|p| p.loaded.open_streams as f64);
         let per_stream = |value: f64, format: &dyn Fn(f64) -> String| {
-            if streams == 0 {
+            if held == 0.0 {
                 "-".to_owned()
             } else {
-                format(value / streams as f64)
+                format(value / held)
             }
         };
         rows.push([
@@ -372,7 +406,7 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
                 streams.min(options.workers)
             ),
             format!(
-                "{reports:.0} ({:.0})",
+                "{reports:.0} / {received:.0} ({:.0})",
                 streams as f64 / INTERVAL.as_secs_f64()
             ),
             format!(
@@ -394,7 +428,14 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
                 mib(med(&|p| p.loaded.rss as f64))
             ),
             per_stream(added_rss, &|v| format!("{:.1} KiB", v / 1024.0)),
-            format!("{:.1} s", med(&|p| p.opened_in.as_secs_f64())),
+            if held as usize == streams {
+                format!("{:.1} s", med(&|p| p.opened_in.as_secs_f64()))
+            } else {
+                format!(
+                    "{held:.0} held after {:.0} s",
+                    med(&|p| p.opened_in.as_secs_f64())
+                )
+            },
             format!("{:.0}%", med(&|p| p.loaded.client_cpu) * 100.0),
             format!(
                 "{:.2} ({:.2}), {:.1}",
@@ -412,7 +453,7 @@ fn table(options: &Options, points: &[Point]) -> anyhow::Result<String> {
 fn write_csv(out: &Path, points: &[Point]) -> anyhow::Result<PathBuf> {
     let path = out.join("orca-cost.csv");
     let mut text = String::from(
-        "streams,envoys,idle_cpu_cores,loaded_cpu_cores,loaded_cpu_min,loaded_cpu_max,reports_per_sec,idle_rss_bytes,loaded_rss_bytes,others_cores\n",
+        "streams,envoys,idle_cpu_cores,loaded_cpu_cores,loaded_cpu_min,loaded_cpu_max,sent_per_sec,received_per_sec,idle_rss_bytes,loaded_rss_bytes,others_cores\n",
     );
     for p in points {
         let (lo, hi) = p
@@ -422,11 +463,12 @@ fn write_csv(out: &Path, points: &[Point]) -> anyhow::Result<PathBuf> {
             .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
         writeln!(
             text,
-            "{},{},{:.4},{:.4},{lo:.4},{hi:.4},{:.1},{},{},{:.3}",
+            "{},{},{:.4},{:.4},{lo:.4},{hi:.4},{:.1},{:.1},{},{},{:.3}",
             p.streams,
             p.envoys,
             p.idle.cpu_median(),
             p.loaded.cpu_median(),
+            p.loaded.sent_per_sec,
             p.loaded.reports_median(),
             p.idle.rss,
             p.loaded.rss,

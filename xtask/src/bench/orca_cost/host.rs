@@ -34,8 +34,8 @@ impl Host {
         let grpc_port = free_port();
         let config = config(peregrine, grpc_port, workers, connections);
         let cpu = cpu.to_string();
-        let supervisor =
-            Supervisor::start_wrapped_at(&["taskset", "-c", &cpu], peregrine, dir.path(), &config)?;
+        let wrapper = ["taskset", "-c", &cpu];
+        let supervisor = Supervisor::start_wrapped_at(&wrapper, peregrine, dir.path(), &config)?;
         let pid = supervisor.pid();
         let hostnames = try_wait_until(START_DEADLINE, "every worker ready", || {
             let status = supervisor.status_json().ok()?;
@@ -66,6 +66,27 @@ impl Host {
     /// The supervisor's resident memory (`VmRSS`), in bytes.
     pub(super) fn rss(&self) -> anyhow::Result<u64> {
         vm_rss(self.pid)
+    }
+
+    /// The ORCA streams the supervisor holds and the reports it has sent on them, all workers
+    /// together (`peregrine status --json`).
+    pub(super) fn orca_totals(&self) -> anyhow::Result<(u64, u64)> {
+        let status = self.supervisor.status_json()?;
+        let workers = status["workers"]
+            .as_array()
+            .with_context(|| format!("no workers in {status}"))?;
+        let sum = |key: &str| workers.iter().filter_map(|w| w[key].as_u64()).sum::<u64>();
+        Ok((sum("orca_streams"), sum("orca_reports")))
+    }
+
+    /// The sampler the supervisor runs, and its interval (`peregrine status --json`).
+    pub(super) fn sampler(&self) -> anyhow::Result<String> {
+        let status = self.supervisor.status_json()?;
+        Ok(format!(
+            "{}, every {} ms",
+            status["sampler"].as_str().unwrap_or("none"),
+            status["sample_interval_ms"]
+        ))
     }
 
     /// The supervisor's logs, for an error.
