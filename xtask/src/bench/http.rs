@@ -290,8 +290,31 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
 
     if options.behind_envoy {
-        let report = behind_envoy_report(&targets, options.duration, options.rounds)?;
-        drop(running);
+        // The worker again on a Unix socket, after the worker on TCP.
+        let unix = behind_envoy::UnixWorker::start(&peregrine)?;
+        let mut behind: Vec<behind_envoy::Target> = targets
+            .iter()
+            .map(|&(server, pid, port)| behind_envoy::Target {
+                name: server.name().to_owned(),
+                pid,
+                upstream: behind_envoy::Upstream::Tcp(port),
+            })
+            .collect();
+        behind.insert(
+            1,
+            behind_envoy::Target {
+                name: "worker (unix)".to_owned(),
+                pid: unix.pid,
+                upstream: behind_envoy::Upstream::Unix(unix.path.clone()),
+            },
+        );
+        let report = behind_envoy::report(
+            &behind,
+            Server::Hyper.name(),
+            options.duration,
+            options.rounds,
+        )?;
+        drop((running, unix));
         println!("Command: `{}`\n{report}", super::command_line("http", args));
         return Ok(ExitCode::SUCCESS);
     }
@@ -695,73 +718,6 @@ fn idle_report(
         rows.push(cells);
     }
     report.push_str(&markdown(&rows, 1));
-    Ok(report)
-}
-
-/// Every server behind an Envoy of its own (`behind_envoy`), `rounds` runs each, servers alternating
-/// within a round: its CPU per request (median and range) and ratio to hyper's, and Envoy's.
-fn behind_envoy_report(
-    targets: &[(Server, u32, u16)],
-    duration: u64,
-    rounds: usize,
-) -> anyhow::Result<String> {
-    let envoy = crate::envoy::install()?;
-    let fronts = targets
-        .iter()
-        .map(|&(_, _, port)| behind_envoy::Front::start(&envoy, port))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut runs: Vec<Vec<behind_envoy::Behind>> = targets.iter().map(|_| Vec::new()).collect();
-    for round in 0..rounds {
-        for i in (0..targets.len()).map(|i| (i + round) % targets.len()) {
-            let (server, pid, _) = targets[i];
-            let behind = fronts[i].measure(pid, duration)?;
-            eprintln!(
-                "round {}/{rounds} behind Envoy {:>12}: {:.0} req/s, server {} CPU/req, Envoy {} CPU/req",
-                round + 1,
-                server.name(),
-                behind.requests_per_sec,
-                format_duration(behind.server),
-                format_duration(behind.envoy)
-            );
-            runs[i].push(behind);
-        }
-    }
-    let hyper = targets
-        .iter()
-        .position(|&(s, _, _)| s == Server::Hyper)
-        .expect("hyper is always measured");
-    let medians: Vec<f64> = runs
-        .iter()
-        .map(|r| median(r.iter().map(|b| b.server.as_secs_f64()).collect()))
-        .collect();
-    let mut report = String::new();
-    machine_lines(&mut report, &cpu_line()?)?;
-    writeln!(
-        report,
-        "`h2load -c10 -m10` into an Envoy (one worker thread, CPU {LOAD_CPU}) per server, HTTP/2 to the server (CPU {SERVER_CPU}); {rounds} rounds of {duration} s, median (range):\n"
-    )?;
-    let mut rows = vec![[
-        "server".to_owned(),
-        "requests/s".to_owned(),
-        "server CPU/request".to_owned(),
-        "server/hyper".to_owned(),
-        "Envoy CPU/request".to_owned(),
-    ]];
-    for (i, &(server, _, _)) in targets.iter().enumerate() {
-        let spread = |get: fn(&behind_envoy::Behind) -> f64, format: fn(f64) -> String| {
-            median_and_range(runs[i].iter().map(get).collect(), format)
-        };
-        let time = |v: f64| format_duration(Duration::from_secs_f64(v));
-        rows.push([
-            server.name().to_owned(),
-            spread(|b| b.requests_per_sec, |v| format!("{v:.0}")),
-            spread(|b| b.server.as_secs_f64(), time),
-            format!("{:.2}", medians[i] / medians[hyper]),
-            spread(|b| b.envoy.as_secs_f64(), time),
-        ]);
-    }
-    report.push_str(&markdown(&rows, 1));
-    drop(fronts);
     Ok(report)
 }
 
