@@ -470,16 +470,20 @@ impl Membership {
         ttl: Duration,
     ) -> Result<(i64, LeaseKeeper, LeaseKeepAliveStream), SessionError> {
         if let Some(held) = self.lease {
-            let (mut keeper, mut alive) = client.lease_keep_alive(held.id).await?;
-            keeper.keep_alive().await?;
             // Past its expiry as reckoned here, etcd may still hold it (a quorum came back): ask,
             // and wait as long as a keep-alive may take.
             let left = held
                 .expires
                 .saturating_duration_since(Instant::now())
                 .max(ttl / 3);
-            match tokio::time::timeout(left, alive.message()).await {
-                Ok(Ok(Some(answer))) if answer.ttl() > 0 => {
+            let asked = async {
+                let (mut keeper, mut alive) = client.lease_keep_alive(held.id).await?;
+                keeper.keep_alive().await?;
+                let answer = alive.message().await?;
+                Ok::<_, etcd_client::Error>((keeper, alive, answer))
+            };
+            match tokio::time::timeout(left, asked).await {
+                Ok(Ok((keeper, alive, Some(answer)))) if answer.ttl() > 0 => {
                     tracing::info!(
                         lease = held.id,
                         "Kept the fleet lease across a new session with etcd"
@@ -487,11 +491,13 @@ impl Membership {
                     self.held(held.id, answer.ttl());
                     return Ok((held.id, keeper, alive));
                 }
-                // etcd says it is gone, and with it this host's keys.
-                Ok(Ok(_)) => self.lease = None,
+                // etcd says it is gone, and with it this host's keys: an answer of no TTL, or
+                // the error etcd's client makes of it.
+                Ok(Ok((_, _, Some(_)))) => self.lease = None,
+                Ok(Err(error)) if lease_not_found(&error) => self.lease = None,
                 // No answer: it may live yet, and the next session asks again if no new one is
                 // granted now.
-                Ok(Err(_)) | Err(_) => {}
+                Ok(Ok((_, _, None))) | Ok(Err(_)) | Err(_) => {}
             }
         }
         let id = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
@@ -750,4 +756,13 @@ fn as_stored<'a>((key, stored): (&'a String, &'a Stored)) -> (&'a str, &'a Store
 /// Resolves once `stop` is true (or its sender is gone).
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Whether `error` is etcd saying a lease does not exist (any more).
+fn lease_not_found(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::LeaseKeepAliveError(message) => message.contains("lease not found"),
+        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::NotFound,
+        _ => false,
+    }
 }
