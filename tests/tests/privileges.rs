@@ -824,8 +824,9 @@ fn one_built_in_worker_cannot_change_another_workers_request_count() {
             "each worker counts in line 0 of its own: {counter:?}"
         );
         assert_eq!(
-            counter.file.2, 64,
-            "one line, no other worker's: {counter:?}"
+            counter.file.2,
+            peregrine_contract::report_slot::WORKER_REGION_BYTES as u64,
+            "its own counter line and load report slot, no other worker's: {counter:?}"
         );
     }
     assert_ne!(
@@ -857,15 +858,20 @@ fn one_built_in_worker_cannot_change_another_workers_request_count() {
     });
     let a_before = count(&before, 0).unwrap_or(0);
 
-    // What a's descriptor allows: its own line and nothing past it.
+    // What a's descriptor allows: its own region (its line and its load report slot) and nothing
+    // past it.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&a.path)
         .unwrap();
     assert!(
-        file.write_at(&[0xff; 8], 64).is_err(),
-        "a write past a's line succeeded"
+        file.write_at(
+            &[0xff; 8],
+            peregrine_contract::report_slot::WORKER_REGION_BYTES as u64
+        )
+        .is_err(),
+        "a write past a's region succeeded"
     );
     let mut line = [0u8; 8];
     file.read_exact_at(&mut line, 0).unwrap();
