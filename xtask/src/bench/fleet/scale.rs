@@ -23,6 +23,7 @@ use std::{
 };
 
 use anyhow::{Context, ensure};
+use peregrine_contract::procfs;
 use peregrine_e2e::EtcdCluster;
 use rustix::process::{Pid, Signal, kill_process};
 
@@ -230,13 +231,15 @@ pub(super) fn run(
     };
     let idle_cpu_ms_per_s = rate(&cpu0, &cpu1, idle_s);
     let etcd_idle_cpu_ms_per_s = rate(&etcd_cpu0, &etcd_cpu1, idle_s);
-    let kib = |pids: &[u32], field: &str| -> anyhow::Result<Vec<f64>> {
-        pids.iter().map(|&p| status_kib(p, field)).collect()
+    let kib = |pids: &[u32], field: fn(&procfs::Status) -> u64| -> anyhow::Result<Vec<f64>> {
+        pids.iter()
+            .map(|&p| Ok(field(&procfs::status(p)?) as f64))
+            .collect()
     };
-    let rss_kib = kib(&supervisors, "VmRSS")?;
-    let peak_rss_kib = kib(&supervisors, "VmHWM")?;
-    let worker_rss_kib = kib(&fleet[0].worker_pids(), "VmRSS")?;
-    let etcd_rss_kib = kib(&members, "VmRSS")?;
+    let rss_kib = kib(&supervisors, |s| s.rss_kib)?;
+    let peak_rss_kib = kib(&supervisors, |s| s.hwm_kib)?;
+    let worker_rss_kib = kib(&fleet[0].worker_pids(), |s| s.rss_kib)?;
+    let etcd_rss_kib = kib(&members, |s| s.rss_kib)?;
 
     // 3. Changes.
     let m = options.scale_changes;
@@ -456,21 +459,4 @@ fn sync(
         status_call_ms: median(calls),
         everywhere_ms: ms(started, everywhere),
     })
-}
-
-/// A `kB` field of `/proc/PID/status` (`VmRSS`, `VmHWM`), in KiB.
-fn status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
-    let path = format!("/proc/{pid}/status");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    text.lines()
-        .find_map(|line| {
-            line.strip_prefix(field)?
-                .strip_prefix(':')?
-                .trim()
-                .strip_suffix("kB")?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .with_context(|| format!("no {field} in {path}"))
 }
