@@ -4,8 +4,9 @@
 //! socket stops here), the open-file limit raised, the sampler's sources ([`choose_sampler`]: an
 //! unavailable sampler fails before anything starts), registry, registration socket, gRPC listener
 //! (so a bad address fails before any worker starts), adoption of an earlier supervisor's workers
-//! (those of the lock's lineage) and the slot tasks, the registration server, xDS behind the gRPC
-//! port's admission (once adopted workers have registered again), then the sampling loop. Restarts and
+//! (those of the lock's lineage) and the slot tasks, the registration server, then, once adopted
+//! workers have registered again, the fleet's membership and xDS behind the gRPC port's admission,
+//! then the sampling loop. Restarts and
 //! reloads (control socket, SIGHUP) run one at a time in an operation task. Order of stop: workers
 //! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
 //! registration socket file is removed.
@@ -366,31 +367,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         .cluster
         .as_ref()
         .map(|_| Arc::new(fleet::FleetDrains::default()));
-    let fleet_task = config
-        .cluster
-        .clone()
-        .zip(fleet_drains.clone())
-        .map(|(cluster, drains)| {
-            tokio::spawn(
-                fleet::Membership::new(
-                    cluster,
-                    bound.port(),
-                    registry.clone(),
-                    xds_options_tx.subscribe(),
-                    fleet::membership::Shared {
-                        acks: acks.clone(),
-                        drains,
-                    },
-                )
-                .run(fleet_stop_rx),
-            )
-        });
     let context = Arc::new(manager::Context {
         registry: registry.clone(),
         children: children.clone(),
         lanes: sources.lanes.clone(),
         acks: acks.clone(),
-        fleet: fleet_drains,
+        fleet: fleet_drains.clone(),
         counters: sources.counters.clone(),
         lineage: lock.lineage().clone(),
         timings: timings.clone(),
@@ -419,6 +401,28 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         let timeout = ADOPT_TIMEOUT.min(config.supervisor.lifecycle.register_timeout);
         adopt::await_registrations(&registry, &children, &adopted_pids, timeout).await;
     }
+    // The same goes for the fleet: a new session puts this host's record under a new lease, and the
+    // other hosts count a worker record only under its host record's lease, so the adopted workers
+    // would leave every other host's Envoys until their records were put again.
+    let fleet_task = config
+        .cluster
+        .clone()
+        .zip(fleet_drains.clone())
+        .map(|(cluster, drains)| {
+            tokio::spawn(
+                fleet::Membership::new(
+                    cluster,
+                    bound.port(),
+                    registry.clone(),
+                    xds_options_tx.subscribe(),
+                    fleet::membership::Shared {
+                        acks: acks.clone(),
+                        drains,
+                    },
+                )
+                .run(fleet_stop_rx),
+            )
+        });
     let lanes = sources.lanes.capacity();
     let cap = grpc_port::connection_cap(&config.supervisor.grpc, nofile, lanes);
     if cap < config.supervisor.grpc.max_connections {

@@ -8,12 +8,20 @@
 //! revision of the fleet that every endpoint stream of that host has ACKed). A drain published at
 //! etcd revision `R` is fleet-wide once every live host's acks reach `R`.
 //!
+//! A drain waits for the etcd revision that first held its registry revision, not for the newest:
+//! the other hosts ack only drains, so a later publication that drains nothing (a worker's record
+//! deleted after it exited) is never acked, and a drain that took it for its own waited for its
+//! timeout. So the publications are kept, the last [`PUBLICATIONS`] of them.
+//!
 //! Invariant: a drain never waits for what cannot come. A host that leaves the fleet (its lease ends)
 //! stops counting at once; while etcd is away there is no fleet to wait for (the other hosts cannot
 //! learn of the drain either), so the drain says so and goes on; every wait is bounded by its
 //! timeout.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, VecDeque},
+    time::Duration,
+};
 
 use tokio::{sync::watch, time::Instant};
 
@@ -29,9 +37,10 @@ pub struct FleetDrains {
 struct DrainState {
     /// Whether a session with etcd is up.
     connected: bool,
-    /// The registry revision this host's records were last published for, and the etcd revision
-    /// that holds them.
-    published: Option<(u64, i64)>,
+    /// The publications of this host's records, oldest first: each registry revision published
+    /// and the etcd revision that first held it (a publication that wrote nothing shares the etcd
+    /// revision of the one before, and takes its place).
+    publications: VecDeque<(u64, i64)>,
     /// Every other live host (one with a host record) and its acks revision, if it has written one.
     hosts: BTreeMap<String, Option<i64>>,
 }
@@ -58,6 +67,10 @@ pub enum FleetOutcome {
     Away,
 }
 
+/// How many publications are kept: a drain is looked up among them, and one waits for at most its
+/// timeout while the registry changes (a burst of 100 workers is about as many publications).
+const PUBLICATIONS: usize = 4096;
+
 impl Default for FleetDrains {
     fn default() -> Self {
         FleetDrains {
@@ -76,7 +89,7 @@ impl FleetDrains {
             let changed = state.connected != connected;
             state.connected = connected;
             if !connected {
-                state.published = None;
+                state.publications.clear();
                 state.hosts.clear();
             }
             changed
@@ -86,10 +99,19 @@ impl FleetDrains {
     /// This host's records as of registry revision `registry` are in etcd at revision `etcd`.
     pub fn set_published(&self, registry: u64, etcd: i64) {
         self.state.send_if_modified(|state| {
-            let next = Some((registry, etcd));
-            let changed = state.published != next;
-            state.published = next;
-            changed
+            let publications = &mut state.publications;
+            match publications.back_mut() {
+                Some(last) if *last == (registry, etcd) => return false,
+                // Nothing written since: the same etcd revision holds the newer registry revision.
+                Some(last) if last.1 == etcd => last.0 = last.0.max(registry),
+                _ => {
+                    if publications.len() == PUBLICATIONS {
+                        publications.pop_front();
+                    }
+                    publications.push_back((registry, etcd));
+                }
+            }
+            true
         });
     }
 
@@ -116,10 +138,12 @@ impl FleetDrains {
                     return FleetOutcome::Away;
                 }
                 if at.is_none() {
+                    // The first publication that holds the drain, not the newest one.
                     at = current
-                        .published
-                        .filter(|&(registry, _)| registry >= revision)
-                        .map(|(_, etcd)| etcd);
+                        .publications
+                        .iter()
+                        .find(|&&(registry, _)| registry >= revision)
+                        .map(|&(_, etcd)| etcd);
                 }
                 let lagging = current
                     .hosts
@@ -197,6 +221,36 @@ mod tests {
                 revision: 107
             }
         );
+    }
+
+    #[tokio::test]
+    async fn a_drain_waits_for_its_own_publication_not_a_later_one() {
+        let drains = FleetDrains::default();
+        drains.set_connected(true);
+        // Registry revision 6 (the drain) is published at etcd revision 10, with nothing new at 7
+        // (another worker's load); at 8 another worker's record is deleted, which no host acks.
+        drains.set_published(5, 9);
+        drains.set_published(6, 10);
+        drains.set_published(7, 10);
+        drains.set_published(8, 13);
+        drains.set_hosts(hosts(&[("b", Some(11))]));
+        let synced = |revision| FleetOutcome::Synced { hosts: 1, revision };
+        let wait = Duration::from_secs(5);
+        assert_eq!(drains.wait(6, wait).await, synced(10));
+        assert_eq!(drains.wait(7, wait).await, synced(10));
+        assert_eq!(drains.wait(5, wait).await, synced(9));
+    }
+
+    #[test]
+    fn publications_are_bounded() {
+        let drains = FleetDrains::default();
+        drains.set_connected(true);
+        for revision in 0..PUBLICATIONS as u64 + 10 {
+            drains.set_published(revision, revision as i64);
+        }
+        let state = drains.state.borrow();
+        assert_eq!(state.publications.len(), PUBLICATIONS);
+        assert_eq!(state.publications.front(), Some(&(10, 10)));
     }
 
     #[tokio::test]
