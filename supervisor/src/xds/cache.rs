@@ -16,6 +16,7 @@
 //! name is a CDS cluster.
 
 mod services;
+mod window;
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -29,7 +30,10 @@ use envoy_types::pb::{envoy::config::endpoint::v3::ClusterLoadAssignment, google
 use prost::Message;
 use tokio::sync::watch;
 
-use self::services::{Built, Flavours, ServiceMemo};
+use self::{
+    services::{Built, Flavours, ServiceMemo},
+    window::Window,
+};
 use super::{
     priorities::{Requester, prioritised_for},
     resources::{Balancer, CLUSTER_TYPE_URL, ClusterOptions, ENDPOINT_TYPE_URL, EdsSource, pack},
@@ -393,10 +397,18 @@ impl Cache {
         let (tx, rx) = watch::channel(Arc::new(first));
         tokio::spawn(async move {
             tokio::pin!(stop);
+            let mut window = Window::default();
             loop {
                 let options_changed = async {
                     match &mut options {
                         Some(rx) => rx.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                };
+                let deadline = window.deadline();
+                let held = async {
+                    match deadline {
+                        Some(deadline) => tokio::time::sleep_until(deadline).await,
                         None => std::future::pending().await,
                     }
                 };
@@ -432,7 +444,14 @@ impl Cache {
                             stop.await;
                             break;
                         }
-                        self.publish(&mut snapshots, &tx);
+                        if window.changed(tokio::time::Instant::now()) {
+                            self.publish(&mut snapshots, &tx);
+                        }
+                    }
+                    () = held => {
+                        if window.elapsed(tokio::time::Instant::now()) {
+                            self.publish(&mut snapshots, &tx);
+                        }
                     }
                 }
             }
