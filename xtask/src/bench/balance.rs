@@ -2,10 +2,12 @@
 //! real Envoy, side by side, when one worker has less capacity than Envoy can see from the outside.
 //!
 //! **Set-up.** One supervisor (release build, default sampling: every 200 ms; default `[orca]`: no
-//! blackout, weights recomputed every 100 ms) with three services of two hello workers each: `rr`
-//! (`lb_policy = "round_robin"`), `lr` (`"least_request"`) and `orca` (client-side weighted round robin
-//! on ORCA reports). In every service worker 0 is pinned to CPU 0 and worker 1 to CPU 1 (`taskset -c
-//! {index}`). One Envoy (`--concurrency 1`) routes `/rr`, `/lr` and `/orca`. This process pins itself to
+//! blackout, weights recomputed every 100 ms) with four services of two hello workers each: `rr`
+//! (`lb_policy = "round_robin"`), `lr` (`"least_request"`), `orca` (client-side weighted round robin
+//! on ORCA reports out of band, `orca = true`: one stream per worker) and `orca-ib` (the same policy
+//! on the reports the workers carry in their responses, `orca = "in-band"`). In every service worker
+//! 0 is pinned to CPU 0 and worker 1 to CPU 1 (`taskset -c {index}`). One Envoy (`--concurrency 1`)
+//! routes `/rr`, `/lr`, `/orca` and `/orca-ib`. This process pins itself to
 //! CPU 1 before it starts anything, so the supervisor, Envoy and the load generator share CPU 1 with
 //! worker 1 and CPU 0 holds only worker 0 and what the scenario puts there. Only one service is loaded
 //! at a time; the idle ones cost nothing.
@@ -76,7 +78,7 @@ use anyhow::{Context, ensure};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-1s|lr]...";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-ib|orca-1s|lr]...";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -103,14 +105,22 @@ const NOISY_RETRIES: usize = 2;
 enum Policy {
     RoundRobin,
     LeastRequest,
+    /// CSWRR on out-of-band reports (`orca = true`).
     Cswrr,
+    /// CSWRR on in-band reports (`orca = "in-band"`): the workers' response headers.
+    CswrrInBand,
     /// No balancer: processes on one `SO_REUSEPORT` port, the kernel's hash of each connection.
     ReusePort,
 }
 
 impl Policy {
     /// The policies Envoy applies: one service each.
-    const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastRequest, Policy::Cswrr];
+    const ALL: [Policy; 4] = [
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::Cswrr,
+        Policy::CswrrInBand,
+    ];
 
     /// What each scenario runs, in table order: every policy, and in A the baseline (B's side load
     /// targets one process, which a shared port cannot).
@@ -120,6 +130,7 @@ impl Policy {
                 Policy::RoundRobin,
                 Policy::LeastRequest,
                 Policy::Cswrr,
+                Policy::CswrrInBand,
                 Policy::ReusePort,
             ],
             Scenario::SideLoad => &Policy::ALL,
@@ -132,6 +143,7 @@ impl Policy {
             Policy::RoundRobin => "rr",
             Policy::LeastRequest => "lr",
             Policy::Cswrr => "orca",
+            Policy::CswrrInBand => "orca-ib",
             Policy::ReusePort => "reuseport",
         }
     }
@@ -141,6 +153,7 @@ impl Policy {
             Policy::RoundRobin => "ROUND_ROBIN",
             Policy::LeastRequest => "LEAST_REQUEST",
             Policy::Cswrr => "CSWRR + ORCA",
+            Policy::CswrrInBand => "CSWRR + in-band ORCA",
             Policy::ReusePort => "SO_REUSEPORT hyper",
         }
     }
@@ -151,7 +164,19 @@ impl Policy {
             Policy::RoundRobin => "lb_policy = \"round_robin\"",
             Policy::LeastRequest => "lb_policy = \"least_request\"",
             Policy::Cswrr | Policy::ReusePort => "orca = true",
+            Policy::CswrrInBand => "orca = \"in-band\"",
         }
+    }
+
+    /// Whether Envoy weighs the hosts on ORCA reports (and `/clusters` shows their weights).
+    fn weighted(self) -> bool {
+        matches!(self, Policy::Cswrr | Policy::CswrrInBand)
+    }
+
+    /// Whether the reports ride on the workers' responses: Envoy's weights move only when a worker
+    /// answers.
+    fn in_band(self) -> bool {
+        self == Policy::CswrrInBand
     }
 }
 
@@ -465,5 +490,19 @@ mod tests {
         assert!(parse_args(&args("--cpu-ms 0")).is_err());
         assert!(parse_args(&args("--rounds")).is_err());
         assert!(parse_args(&args("--fast")).is_err());
+    }
+
+    #[test]
+    fn in_band_runs_beside_out_of_band_in_both_scenarios() {
+        for scenario in Scenario::ALL {
+            let policies = Policy::of(scenario);
+            assert!(policies.contains(&Policy::Cswrr) && policies.contains(&Policy::CswrrInBand));
+        }
+        let services: std::collections::BTreeSet<&str> =
+            Policy::ALL.iter().map(|p| p.service()).collect();
+        assert_eq!(services.len(), Policy::ALL.len());
+        assert!(Policy::CswrrInBand.weighted() && Policy::CswrrInBand.in_band());
+        assert!(Policy::Cswrr.weighted() && !Policy::Cswrr.in_band());
+        assert_eq!(Policy::CswrrInBand.toml(), "orca = \"in-band\"");
     }
 }

@@ -208,7 +208,7 @@ fn summarize(
             .collect();
         (!values.is_empty()).then(|| median(values))
     };
-    let weight0 = (case.policy == Policy::Cswrr).then(|| {
+    let weight0 = case.policy.weighted().then(|| {
         median(
             in_window
                 .iter()

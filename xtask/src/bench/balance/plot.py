@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plots `cargo xtask bench balance`: per scenario (columns), over the first round's runs,
-worker 0's share of the requests under each policy with CSWRR's weight share, both workers'
-utilization under CSWRR, and Envoy's CSWRR weights.
+worker 0's share of the requests under each policy with CSWRR's weight share (out of band and in
+band), both workers' utilization under CSWRR (out of band), and Envoy's CSWRR weights (both).
 
 usage: plot.py REQUESTS_CSV SAMPLES_CSV OUT_PNG WARMUP_SECS DURATION_SECS
 """
@@ -23,6 +23,7 @@ POLICIES = [
     ("rr", "ROUND_ROBIN", "tab:red"),
     ("lr", "LEAST_REQUEST", "tab:orange"),
     ("orca", "CSWRR + ORCA", "tab:blue"),
+    ("orca-ib", "CSWRR + in-band ORCA", "tab:cyan"),
     ("reuseport", "SO_REUSEPORT hyper (no balancer)", "tab:gray"),
 ]
 ROUND = "1"
@@ -82,14 +83,16 @@ def main():
             share_ax.plot(t, share, color=color, linewidth=1.2, label=label)
 
         orca = [s for s in samples if s["scenario"] == scenario and s["policy"] == "orca"]
-        t, weight_share = [], []
-        for s in orca:
-            w0, w1 = number(s["weight0"]), number(s["weight1"])
-            if w0 is not None and w1 is not None and w0 + w1 > 0:
-                t.append(float(s["t_s"]))
-                weight_share.append(w0 / (w0 + w1))
-        share_ax.plot(t, weight_share, color="black", linestyle="--", linewidth=1,
-                      label="CSWRR: worker 0's share of Envoy's weights")
+        in_band = [s for s in samples if s["scenario"] == scenario and s["policy"] == "orca-ib"]
+        for rows, color, label in [(orca, "black", "CSWRR"), (in_band, "tab:cyan", "in band")]:
+            t, weight_share = [], []
+            for s in rows:
+                w0, w1 = number(s["weight0"]), number(s["weight1"])
+                if w0 is not None and w1 is not None and w0 + w1 > 0:
+                    t.append(float(s["t_s"]))
+                    weight_share.append(w0 / (w0 + w1))
+            share_ax.plot(t, weight_share, color=color, linestyle="--", linewidth=1,
+                          label=f"{label}: worker 0's share of Envoy's weights")
         share_ax.axhline(1 / 3, color="0.4", linestyle=":", linewidth=1,
                          label="worker 0's share of the capacity (1/3)")
         share_ax.set_ylim(0, 0.8)
@@ -111,6 +114,8 @@ def main():
         for worker, color in WORKERS:
             step(weight_ax, orca, "weight" + worker, color=color, linewidth=1.2,
                  label=f"worker {worker}")
+            step(weight_ax, in_band, "weight" + worker, color=color, linewidth=1.0,
+                 linestyle="--", label=f"worker {worker}, in band")
         weight_ax.set_yscale("log")
         weight_ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         weight_ax.yaxis.set_major_formatter(ScalarFormatter())

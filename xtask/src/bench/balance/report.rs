@@ -247,7 +247,53 @@ fn goals(scenario: Scenario, runs: &[&Run], rate: f64) -> String {
         share * 100.0,
         met(share <= 0.35)
     );
+    let in_band = of(Policy::CswrrInBand);
+    if !in_band.is_empty() {
+        text.push_str(&in_band_against_oob(scenario, &cswrr, &in_band));
+    }
     text.replace(" 's", "'s")
+}
+
+/// In-band reports against out-of-band ones, in the same rounds: worker 0's share within 2 points
+/// of out of band's, and the p99 at most 1.5x (medians over the rounds).
+fn in_band_against_oob(scenario: Scenario, oob: &[&&Run], in_band: &[&&Run]) -> String {
+    let share = |runs: &[&&Run]| median(runs.iter().map(|r| r.shares[0]).collect());
+    let (oob_share, in_band_share) = (share(oob), share(in_band));
+    let points = (in_band_share - oob_share) * 100.0;
+    let mut text = format!(
+        "- {} 's share, in band against out of band: {:.1}% against {:.1}% ({points:+.1} points; goal: within 2): {}\n",
+        scenario.worker0(),
+        in_band_share * 100.0,
+        oob_share * 100.0,
+        if points.abs() <= 2.0 {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    let (oob_p99, in_band_p99) = (
+        median_latency(oob.iter().map(|r| r.p99)),
+        median_latency(in_band.iter().map(|r| r.p99)),
+    );
+    let _ = match (in_band_p99, oob_p99) {
+        (Some(i), Some(o)) => {
+            let ratio = i.as_secs_f64() / o.as_secs_f64();
+            writeln!(
+                text,
+                "- p99, in band against out of band: {} / {} = {ratio:.2}x (goal <= 1.5x): {}",
+                format_duration(i),
+                format_duration(o),
+                if ratio <= 1.5 { "met" } else { "not met" }
+            )
+        }
+        (Some(i), None) => writeln!(
+            text,
+            "- p99 in band {} against an out-of-band p99 that failed: met",
+            format_duration(i)
+        ),
+        (None, _) => writeln!(text, "- p99 in band failed: not met"),
+    };
+    text
 }
 
 /// The steady goal against the baseline people run: CSWRR's p99 in every round at most 1.5x the

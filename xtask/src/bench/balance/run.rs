@@ -209,7 +209,7 @@ fn reuseport_baseline(binary: &Path, dir: &Path) -> anyhow::Result<(ReusePort, V
     Ok((ReusePort { addr, workers }, processes))
 }
 
-/// The supervisor's config: three services of two workers, worker `i` pinned to CPU `i`: the
+/// The supervisor's config: a service of two workers per policy of [`Policy::ALL`], worker `i` pinned to CPU `i`: the
 /// built-in worker, or `gunicorn` on the WSGI test app.
 fn config(
     peregrine: &Path,
@@ -295,7 +295,8 @@ impl Bench<'_> {
     }
 
     /// Waits until every worker is registered and pinned, Envoy routes to every service, and the
-    /// ORCA service has weights; returns every worker's pid.
+    /// ORCA services have weights (in band, the wait sends a request now and then: Envoy learns
+    /// those weights from answers); returns every worker's pid.
     fn ready(&self) -> anyhow::Result<Vec<u32>> {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut pids = Vec::new();
@@ -318,11 +319,18 @@ impl Bench<'_> {
                     .is_ok_and(|(status, _)| status == 200);
                 (ok && hosts.len() == 2 && hosts.iter().all(|h| h.healthy)).then_some(())
             })?;
-            if policy == Policy::Cswrr {
-                poll(deadline, "ORCA weights for both workers", || {
-                    let hosts = hosts(&http_get(self.admin, "/clusters").ok()?.1, service);
-                    (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(())
-                })?;
+            if policy.weighted() {
+                poll(
+                    deadline,
+                    &format!("ORCA weights for both workers of {service}"),
+                    || {
+                        if policy.in_band() {
+                            let _ = http_get(self.listen, &format!("/{service}"));
+                        }
+                        let hosts = hosts(&http_get(self.admin, "/clusters").ok()?.1, service);
+                        (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(())
+                    },
+                )?;
             }
             eprintln!(
                 "{service}: workers {} (CPU 0) and {} (CPU 1), {}",

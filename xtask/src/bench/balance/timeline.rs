@@ -143,20 +143,37 @@ struct Variant {
 }
 
 impl Variant {
+    /// Whether Envoy weighs the hosts on ORCA reports, out of band or in band.
     fn weighted(&self) -> bool {
-        self.balance == "orca = true"
+        self.balance.starts_with("orca = ")
+    }
+
+    /// Whether the reports ride on the workers' responses (Envoy's weights move only when a worker
+    /// answers).
+    fn in_band(&self) -> bool {
+        self.balance == IN_BAND
     }
 }
 
-/// The set-ups compared: today's defaults, the defaults before the cold-start work (1 s samples,
-/// 2 s blackout, weights recomputed every 1 s), and least request.
-const VARIANTS: [Variant; 3] = [
+/// The balancing line of in-band ORCA.
+const IN_BAND: &str = "orca = \"in-band\"";
+
+/// The set-ups compared: today's defaults, out of band and in band, the defaults before the
+/// cold-start work (1 s samples, 2 s blackout, weights recomputed every 1 s), and least request.
+const VARIANTS: [Variant; 4] = [
     Variant {
         key: "orca",
         label: "CSWRR + ORCA, defaults",
         supervisor: "",
         orca: "",
         balance: "orca = true",
+    },
+    Variant {
+        key: "orca-ib",
+        label: "CSWRR + in-band ORCA, defaults",
+        supervisor: "",
+        orca: "",
+        balance: IN_BAND,
     },
     Variant {
         key: "orca-1s",
@@ -295,10 +312,15 @@ fn one_run(
             );
         }
         if event != Event::ColdStart && variant.weighted() {
+            let web = std::net::SocketAddr::from(([127, 0, 0, 1], listen));
             wait(
                 Instant::now() + READY,
                 "ORCA weights for both workers",
                 || {
+                    // In band, Envoy learns the weights from answers.
+                    if variant.in_band() {
+                        let _ = http_get(web, "/web");
+                    }
                     let hosts = hosts(&http_get(admin, "/clusters").ok()?.1, "web");
                     (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(())
                 },

@@ -23,6 +23,7 @@ EVENTS = [
 ]
 SETUPS = [
     ("orca", "CSWRR + ORCA, defaults", "tab:blue"),
+    ("orca-ib", "CSWRR + in-band ORCA, defaults", "tab:purple"),
     ("orca-1s", "CSWRR + ORCA, 1 s samples, 2 s blackout", "tab:cyan"),
     ("lr", "LEAST_REQUEST", "tab:orange"),
 ]
