@@ -426,6 +426,71 @@ async fn eds_names_dropped_and_named_again_are_sent_again() {
     assert_eq!(assignments(&second).keys().collect::<Vec<_>>(), ["b"]);
 }
 
+/// A client that stops reading holds the latest state, not a queue: while HTTP/2 flow control keeps
+/// the server from writing, the stream takes no new resources until its two-slot channel is empty,
+/// and then the newest ones. 40 changes later, the client that reads again gets a few responses
+/// already on their way, then the latest version; never the 40.
+#[tokio::test]
+async fn a_client_that_does_not_read_holds_the_latest_state_not_a_queue() {
+    const WORKERS: u32 = 20;
+    const CHANGES: u32 = 40;
+    let (registry, server) = registry_server(&["a"]).await;
+    // Every response (20 endpoints and more) is larger than the stream's flow-control window, so
+    // the server cannot write the next one until the client reads.
+    for index in 0..WORKERS {
+        registry
+            .register(worker("a", index, 100 + index, &[Protocol::Http1]))
+            .unwrap();
+    }
+    let channel = Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .initial_stream_window_size(1024)
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    let mut eds = Client {
+        tx,
+        rx: EndpointDiscoveryServiceClient::new(channel)
+            .stream_endpoints(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner(),
+    };
+    eds.send(request(EDS, "", "", &["a"])).await;
+    let first = eds.recv().await;
+    let encoded = first.encoded_len();
+    assert!(
+        encoded > 1024,
+        "a response fills the window: {encoded} bytes"
+    );
+    eds.send(ack(&first, &["a"])).await;
+
+    // Changes further apart than the cache's coalescing window: each is published on its own.
+    for index in WORKERS..WORKERS + CHANGES {
+        registry
+            .register(worker("a", index, 100 + index, &[Protocol::Http1]))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let latest = WORKERS + CHANGES;
+    let mut received = 0;
+    loop {
+        let response = eds.recv().await;
+        received += 1;
+        let endpoints = hostnames(&assignments(&response)["a"]).len() as u32;
+        if endpoints == latest {
+            break;
+        }
+        assert!(endpoints < latest, "{endpoints} endpoints");
+    }
+    assert!(
+        received <= 6,
+        "{received} responses until the latest of {CHANGES} changes: a queue, not the latest state"
+    );
+    eds.expect_silence("the client has the latest state").await;
+}
+
 #[tokio::test]
 async fn convergence_is_timed_from_the_registry_change_to_the_ack() {
     let registry = Arc::new(Registry::new(["a".to_string(), "b".to_string()]));
