@@ -14,6 +14,12 @@
 //! (its gRPC mux delivers a response only to the watches of the resources in it), so a change of one
 //! service costs every stream that service's assignment, not the whole fleet's.
 //!
+//! An EDS response carries at most [`EDS_RESPONSE_BYTES`] of assignments (always at least one): the
+//! rest follow one response per ACK (or NACK), and the stream counts as synced only once the last
+//! is ACKed. So a first subscription to a large fleet (10,000 endpoints: about 1.3 MB) costs the
+//! supervisor one small response in flight per stream, not a copy of the whole fleet per stream at
+//! once.
+//!
 //! Invariant: what was sent is recorded only when a response carrying it is built ([`respond`]).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,6 +35,11 @@ use crate::xds::{
     cache::{Resources, TypeResources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
+
+/// The most assignment bytes one EDS response carries (one assignment larger than this goes alone):
+/// the HTTP/2 stream window a client opens by default (65,535 bytes), so one response is written
+/// without waiting on flow control.
+pub(super) const EDS_RESPONSE_BYTES: usize = 64 * 1024;
 
 /// What a stream knows about one resource type.
 #[derive(Debug, Default)]
@@ -49,7 +60,8 @@ pub(super) type StreamState = Stream<TypeWatch>;
 struct EndpointsOwed {
     /// The nonce of the EDS response the pass sent.
     sent: Option<String>,
-    /// Whether existing endpoints were held back because their cluster was not sent yet (ADS).
+    /// Whether existing endpoints were held back: their cluster was not sent yet (ADS), or more
+    /// changed than one response carries.
     held: bool,
 }
 
@@ -195,11 +207,21 @@ impl StreamState {
             // An assignment that is gone (its cluster too) is forgotten: if it comes back, it is
             // sent again.
             sent.retain(|name, _| set.resources.contains_key(name));
-            let changed = sendable
+            let mut changed = BTreeMap::new();
+            let mut bytes = 0;
+            for r in sendable
                 .iter()
                 .filter(|r| sent.get(&r.name) != Some(&r.version))
-                .map(|r| (r.name.clone(), r.version.clone()))
-                .collect::<BTreeMap<_, _>>();
+            {
+                let size = r.resource.value.len();
+                if !changed.is_empty() && bytes + size > EDS_RESPONSE_BYTES {
+                    // The rest follow once the client answers this response.
+                    owed.held = true;
+                    break;
+                }
+                bytes += size;
+                changed.insert(r.name.clone(), r.version.clone());
+            }
             if !changed.is_empty() {
                 let response = respond_changed(watch, &set, changed);
                 owed.sent = Some(response.nonce.clone());
@@ -262,4 +284,97 @@ fn respond(
     watch.nonce = Some(nonce);
     watch.sent = Some(payload);
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+    use prost::Message;
+
+    use super::*;
+    use crate::xds::transport::{Requester, StreamKind, scenarios::Fixture};
+
+    fn subscribe(names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: ENDPOINT_TYPE_URL.into(),
+            resource_names: names.iter().map(|n| n.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: response.version_info.clone(),
+            response_nonce: response.nonce.clone(),
+            ..subscribe(names)
+        }
+    }
+
+    fn bytes(response: &DiscoveryResponse) -> usize {
+        response.resources.iter().map(|r| r.value.len()).sum()
+    }
+
+    #[test]
+    fn large_assignments_go_one_response_per_ack_and_sync_with_the_last() {
+        let mut fixture = Fixture::new();
+        // Two services whose assignments together pass one response's bytes.
+        let mut resources = fixture.resources();
+        for index in 0..600 {
+            fixture.register("a", index, 10_000 + index);
+            resources = fixture.register("b", index, 20_000 + index);
+        }
+        let sizes = ["a", "b"].map(|name| resources.endpoints.resources[name].resource.value.len());
+        assert!(
+            sizes.iter().sum::<usize>() > EDS_RESPONSE_BYTES,
+            "the fixture passes one response: {sizes:?}"
+        );
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into(), Requester::default());
+        let first = state
+            .on_request(subscribe(&["a", "b"]), &resources)
+            .unwrap();
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].resources.len(), 1, "one assignment at a time");
+        assert!(bytes(&first[0]) <= EDS_RESPONSE_BYTES.max(sizes[0]));
+        // The ACK brings the rest, at the same version; the stream is synced only once it is ACKed.
+        let second = state
+            .on_request(ack(&first[0], &["a", "b"]), &resources)
+            .unwrap();
+        assert_eq!(state.synced_revision(), None, "the rest is owed");
+        assert_eq!(second.len(), 1);
+        assert_eq!(second[0].resources.len(), 1);
+        assert_eq!(second[0].version_info, first[0].version_info);
+        assert_ne!(second[0].nonce, first[0].nonce);
+        let mut names = [&first[0], &second[0]]
+            .map(|r| ClusterLoadAssignment::decode(r.resources[0].value.as_slice()).unwrap())
+            .map(|a| a.cluster_name);
+        names.sort();
+        assert_eq!(names, ["a", "b"]);
+        assert!(
+            state
+                .on_request(ack(&second[0], &["a", "b"]), &resources)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(resources.revision));
+    }
+
+    #[test]
+    fn small_assignments_share_one_response() {
+        let mut fixture = Fixture::new();
+        fixture.register("a", 0, 10);
+        let resources = fixture.register("b", 0, 20);
+        let mut state = StreamState::new(StreamKind::Eds, "envoy".into(), Requester::default());
+        let out = state
+            .on_request(subscribe(&["a", "b"]), &resources)
+            .unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].resources.len(), 2);
+        assert!(
+            state
+                .on_request(ack(&out[0], &["a", "b"]), &resources)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(state.synced_revision(), Some(resources.revision));
+    }
 }
