@@ -25,12 +25,16 @@ impl Bench<'_> {
     /// The benchmark's own processes and `hog`, with every process they forked (gunicorn's workers):
     /// their CPU is not other processes' noise.
     fn own_now(&self, hog: Option<u32>) -> Vec<u32> {
-        self.own
+        // Once each: this process's descendants include the supervisor, whose descendants include
+        // the workers, and a pid counted twice made the others' share negative, read as 0.
+        let pids: std::collections::BTreeSet<u32> = self
+            .own
             .iter()
             .copied()
             .chain(hog)
             .flat_map(procfs::descendants)
-            .collect()
+            .collect();
+        pids.into_iter().collect()
     }
 
     /// [`Bench::run`], again (up to [`NOISY_RETRIES`] times) while other processes used more than
