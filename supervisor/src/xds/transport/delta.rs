@@ -23,6 +23,8 @@
 //! On delta ADS clusters come before the endpoints that name them, as on ADS: endpoints are held until
 //! their cluster was sent on the stream, and a changed cluster's endpoints are sent again after it.
 //! The synced revision follows the same rules as on state-of-the-world streams ([`EndpointSync`]).
+//! An EDS response carries at most [`EDS_RESPONSE_BYTES`] of assignments; the rest follow one
+//! response per answer, as on state-of-the-world streams.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,7 +34,7 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{Reply, Stream, StreamRules, next_nonce};
+use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, next_nonce};
 use crate::xds::{
     cache::{Resources, TypeResources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
@@ -99,27 +101,31 @@ impl DeltaWatch {
     }
 
     /// The response that brings the client up to date with `set`, if one is owed (`fresh`: even an
-    /// empty one). Resources for which `sendable` is false are held back; the second value says
-    /// whether any was.
+    /// empty one), carrying at most `limit` bytes of resources (at least one). Resources for which
+    /// `sendable` is false, or past the limit, are held back; the second value says whether any was.
     fn respond(
         &mut self,
         set: &TypeResources,
         sendable: impl Fn(&str) -> bool,
         fresh: bool,
+        limit: usize,
     ) -> (Option<DeltaDiscoveryResponse>, bool) {
         let mut held = false;
         let mut updated = Vec::new();
+        let mut bytes = 0;
         for resource in set.resources.values() {
             if !self.subscribed(&resource.name)
                 || self.has.get(&resource.name) == Some(&resource.version)
             {
                 continue;
             }
-            if sendable(&resource.name) {
-                updated.push(resource);
-            } else {
+            let size = resource.resource.value.len();
+            if !sendable(&resource.name) || (!updated.is_empty() && bytes + size > limit) {
                 held = true;
+                continue;
             }
+            bytes += size;
+            updated.push(resource);
         }
         let removed = self
             .has
@@ -243,7 +249,7 @@ impl StreamRules for DeltaStreamState {
                 .get(CLUSTER_TYPE_URL, via, &self.requester)
                 .expect("clusters are served");
             if let (Some(response), _) =
-                watch.respond(&set, |_| true, fresh == Some(CLUSTER_TYPE_URL))
+                watch.respond(&set, |_| true, fresh == Some(CLUSTER_TYPE_URL), usize::MAX)
             {
                 if ads && let Some(endpoints) = &mut self.endpoints {
                     // A new or changed cluster only finishes warming with a new EDS response: resend
@@ -262,7 +268,12 @@ impl StreamRules for DeltaStreamState {
             // On ADS, never send endpoints of a cluster the client does not have from this stream.
             let clusters = self.clusters.as_ref().map(|c| &c.has);
             let sendable = |name: &str| !ads || clusters.is_some_and(|has| has.contains_key(name));
-            let (response, held) = watch.respond(&set, sendable, fresh == Some(ENDPOINT_TYPE_URL));
+            let (response, held) = watch.respond(
+                &set,
+                sendable,
+                fresh == Some(ENDPOINT_TYPE_URL),
+                EDS_RESPONSE_BYTES,
+            );
             let sent = response.as_ref().map(|r| r.nonce.clone());
             out.extend(response);
             self.sync.answered(resources.revision, sent, held);

@@ -519,6 +519,44 @@ macro_rules! variant_test {
     };
 }
 
+fn large_assignments_go_one_response_per_answer_and_sync_with_the_last<W: Variant>() {
+    let mut fixture = Fixture::new();
+    // Two services whose assignments together pass what one response carries.
+    let mut resources = fixture.resources();
+    for index in 0..600 {
+        fixture.register("a", index, 10_000 + index);
+        resources = fixture.register("b", index, 20_000 + index);
+    }
+    let sizes = ["a", "b"].map(|name| resources.endpoints.resources[name].resource.value.len());
+    assert!(
+        sizes.iter().sum::<usize>() > super::EDS_RESPONSE_BYTES,
+        "the fixture passes one response: {sizes:?}"
+    );
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
+    let both = ["a", "b"];
+    let first = W::on_request(
+        &mut state,
+        W::subscribe(ENDPOINT_TYPE_URL, &both),
+        &resources,
+    );
+    assert_eq!(first.len(), 1);
+    assert_eq!(W::names(&first[0]).len(), 1, "one assignment at a time");
+    // The ACK brings the rest, at the same version; the stream is synced once that is ACKed.
+    let second = W::on_request(&mut state, W::ack(&first[0], &both), &resources);
+    assert_eq!(state.synced_revision(), None, "the rest is owed");
+    assert_eq!(second.len(), 1);
+    assert_eq!(W::version(&second[0]), W::version(&first[0]));
+    let mut names = [W::names(&first[0]), W::names(&second[0])].concat();
+    names.sort();
+    assert_eq!(names, both);
+    assert!(W::on_request(&mut state, W::ack(&second[0], &both), &resources).is_empty());
+    assert_eq!(state.synced_revision(), Some(resources.revision));
+}
+
 /// The table: each scenario and the variants it is replayed on.
 macro_rules! scenarios {
     ($($scenario:ident: $($variant:ident),+;)*) => {
@@ -541,4 +579,5 @@ scenarios! {
     a_change_pushes_the_changed_resource: sotw, delta;
     ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile: sotw, delta;
     a_cds_only_stream_does_not_serve_endpoints: sotw, delta;
+    large_assignments_go_one_response_per_answer_and_sync_with_the_last: sotw, delta;
 }

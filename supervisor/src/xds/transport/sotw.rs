@@ -30,16 +30,11 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{Reply, Stream, StreamRules, next_nonce};
+use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, next_nonce};
 use crate::xds::{
     cache::{Resources, TypeResources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
-
-/// The most assignment bytes one EDS response carries (one assignment larger than this goes alone):
-/// the HTTP/2 stream window a client opens by default (65,535 bytes), so one response is written
-/// without waiting on flow control.
-pub(super) const EDS_RESPONSE_BYTES: usize = 64 * 1024;
 
 /// What a stream knows about one resource type.
 #[derive(Debug, Default)]
@@ -284,97 +279,4 @@ fn respond(
     watch.nonce = Some(nonce);
     watch.sent = Some(payload);
     response
-}
-
-#[cfg(test)]
-mod tests {
-    use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
-    use prost::Message;
-
-    use super::*;
-    use crate::xds::transport::{Requester, StreamKind, scenarios::Fixture};
-
-    fn subscribe(names: &[&str]) -> DiscoveryRequest {
-        DiscoveryRequest {
-            type_url: ENDPOINT_TYPE_URL.into(),
-            resource_names: names.iter().map(|n| n.to_string()).collect(),
-            ..Default::default()
-        }
-    }
-
-    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
-        DiscoveryRequest {
-            version_info: response.version_info.clone(),
-            response_nonce: response.nonce.clone(),
-            ..subscribe(names)
-        }
-    }
-
-    fn bytes(response: &DiscoveryResponse) -> usize {
-        response.resources.iter().map(|r| r.value.len()).sum()
-    }
-
-    #[test]
-    fn large_assignments_go_one_response_per_ack_and_sync_with_the_last() {
-        let mut fixture = Fixture::new();
-        // Two services whose assignments together pass one response's bytes.
-        let mut resources = fixture.resources();
-        for index in 0..600 {
-            fixture.register("a", index, 10_000 + index);
-            resources = fixture.register("b", index, 20_000 + index);
-        }
-        let sizes = ["a", "b"].map(|name| resources.endpoints.resources[name].resource.value.len());
-        assert!(
-            sizes.iter().sum::<usize>() > EDS_RESPONSE_BYTES,
-            "the fixture passes one response: {sizes:?}"
-        );
-        let mut state = StreamState::new(StreamKind::Eds, "envoy".into(), Requester::default());
-        let first = state
-            .on_request(subscribe(&["a", "b"]), &resources)
-            .unwrap();
-        assert_eq!(first.len(), 1);
-        assert_eq!(first[0].resources.len(), 1, "one assignment at a time");
-        assert!(bytes(&first[0]) <= EDS_RESPONSE_BYTES.max(sizes[0]));
-        // The ACK brings the rest, at the same version; the stream is synced only once it is ACKed.
-        let second = state
-            .on_request(ack(&first[0], &["a", "b"]), &resources)
-            .unwrap();
-        assert_eq!(state.synced_revision(), None, "the rest is owed");
-        assert_eq!(second.len(), 1);
-        assert_eq!(second[0].resources.len(), 1);
-        assert_eq!(second[0].version_info, first[0].version_info);
-        assert_ne!(second[0].nonce, first[0].nonce);
-        let mut names = [&first[0], &second[0]]
-            .map(|r| ClusterLoadAssignment::decode(r.resources[0].value.as_slice()).unwrap())
-            .map(|a| a.cluster_name);
-        names.sort();
-        assert_eq!(names, ["a", "b"]);
-        assert!(
-            state
-                .on_request(ack(&second[0], &["a", "b"]), &resources)
-                .unwrap()
-                .is_empty()
-        );
-        assert_eq!(state.synced_revision(), Some(resources.revision));
-    }
-
-    #[test]
-    fn small_assignments_share_one_response() {
-        let mut fixture = Fixture::new();
-        fixture.register("a", 0, 10);
-        let resources = fixture.register("b", 0, 20);
-        let mut state = StreamState::new(StreamKind::Eds, "envoy".into(), Requester::default());
-        let out = state
-            .on_request(subscribe(&["a", "b"]), &resources)
-            .unwrap();
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].resources.len(), 2);
-        assert!(
-            state
-                .on_request(ack(&out[0], &["a", "b"]), &resources)
-                .unwrap()
-                .is_empty()
-        );
-        assert_eq!(state.synced_revision(), Some(resources.revision));
-    }
 }
