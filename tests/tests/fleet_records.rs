@@ -14,7 +14,8 @@ mod etcd_writer;
 
 use etcd_writer::EtcdClient;
 use peregrine_e2e::{
-    Etcd, Supervisor, etcd_or_skip, free_port, http_get, try_wait_until, wait_until,
+    Envoy, Etcd, Supervisor, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
+    try_wait_until, wait_until,
 };
 
 /// The fleet's key prefix (the default).
@@ -39,6 +40,11 @@ const MAX_REQUEST_BYTES: &str = "8388608";
 /// A supervisor named `name` in the fleet on `etcd`, with one worker of [`SERVICE`], serving gRPC
 /// on `grpc`; `cluster` is appended to its `[cluster]` table.
 fn host(name: &str, etcd: &Etcd, grpc: u16, cluster: &str) -> Host {
+    host_with(name, etcd, grpc, cluster, "")
+}
+
+/// Like [`host`], with `envoy` appended to its `[envoy]` table.
+fn host_with(name: &str, etcd: &Etcd, grpc: u16, cluster: &str, envoy: &str) -> Host {
     let config = format!(
         r#"[supervisor]
 bind = "http://127.0.0.1:{grpc}"
@@ -48,6 +54,7 @@ sampler = "off"
 [envoy]
 listen = "127.0.0.1:{listen}"
 admin = "127.0.0.1:{admin}"
+{envoy}
 
 [cluster]
 etcd = ["{etcd}"]
@@ -307,6 +314,79 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
         "a joined a fleet of 25,000 workers and a 3 MB value {joined:.2?} after it was started; \
          RSS {at} KiB once joined"
     );
+}
+
+/// The far host of the test below: 12 services of 120 workers, about 150 KB of assignments, more
+/// than one EDS response carries (64 KiB), so they reach an Envoy on ADS in several. (On dedicated
+/// streams Envoy opens an EDS stream per cluster, each one assignment.)
+const FAR_SERVICES: u32 = 12;
+const FAR_WORKERS: u32 = 120;
+
+#[test]
+fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_ads() {
+    a_fleet_larger_than_one_eds_response_reaches_envoy_whole(
+        "a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_ads",
+        "ads = true",
+    );
+}
+
+#[test]
+fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_delta_ads() {
+    a_fleet_larger_than_one_eds_response_reaches_envoy_whole(
+        "a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_delta_ads",
+        "ads = true\nxds = \"delta\"",
+    );
+}
+
+/// A host `far` writes [`FAR_SERVICES`] x [`FAR_WORKERS`] workers; host `a`'s Envoy (its
+/// `[envoy]` table extended with `envoy`) gets every one of them, with `a`'s own worker.
+fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole(test: &str, envoy: &str) {
+    if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
+        return;
+    }
+    let _alone = one_at_a_time();
+    let etcd = Etcd::start().expect("etcd");
+    let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
+    let grpc = free_port();
+    let lease = client.grant(HOST_LEASE).expect("a lease");
+    let mut kvs = vec![(format!("{PREFIX}/hosts/far"), host_record(grpc))];
+    for s in 0..FAR_SERVICES {
+        let service = format!("svc-{s}");
+        kvs.push((
+            format!("{PREFIX}/services/far/{service}"),
+            r#"{"balancer":{"kind":"round_robin"}}"#.to_owned(),
+        ));
+        for index in 0..FAR_WORKERS {
+            let pid = 100_000 + index;
+            kvs.push((
+                format!("{PREFIX}/workers/far/{service}/{index}/{pid}"),
+                format!(
+                    r#"{{"hostname":"far-{service}-{index}-{pid}","protocols":["http1"],"addresses":["127.0.0.2:{port}"],"health":"serving","weight":1,"hash_key":"far-{service}-{index}"}}"#,
+                    port = 20_000 + index,
+                ),
+            ));
+        }
+    }
+    client.put_all(&kvs, lease).expect("far's records");
+
+    let a = host_with("a", &etcd, grpc, "", envoy);
+    let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
+    let mut counts = BTreeMap::new();
+    let whole = try_wait_until(Duration::from_secs(30), "every far worker in Envoy", || {
+        let text = envoy.clusters();
+        counts = (0..FAR_SERVICES)
+            .map(|s| {
+                let service = format!("svc-{s}");
+                let n = hosts(&text, &service).len();
+                (service, n)
+            })
+            .collect::<BTreeMap<_, _>>();
+        let own = hosts(&text, SERVICE).len();
+        (own == 1 && counts.values().all(|&n| n == FAR_WORKERS as usize)).then_some(())
+    });
+    if let Err(error) = whole {
+        panic!("{error}: {counts:?}\n{}", tail(&a.supervisor.logs(), 6000));
+    }
 }
 
 /// Waits until `host`'s view of the other hosts is `expected` (each host with its workers'
