@@ -32,7 +32,7 @@ use tonic::Status;
 
 use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, next_nonce};
 use crate::xds::{
-    cache::{Resources, TypeResources},
+    cache::{Resources, TypeResources, VersionedResource},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
 
@@ -45,6 +45,12 @@ pub(super) struct TypeWatch {
     nonce: Option<String>,
     /// What was last sent (name -> resource version); `None` until a response is owed.
     sent: Option<BTreeMap<String, String>>,
+    /// The names of the last request, in its order: a request naming the same (an ACK, as Envoy
+    /// sends them) is recognised without building a set.
+    requested: Vec<String>,
+    /// The version of the endpoints for which a pass found nothing more owed: until the version,
+    /// the names or what was sent change, a pass (an ACK's) has nothing to look at.
+    settled: Option<String>,
 }
 
 /// The state of a state-of-the-world stream.
@@ -106,12 +112,19 @@ impl StreamRules for StreamState {
                 tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
                 // A new subscription is owed a response, whatever was sent before.
                 watch.sent = None;
+                watch.settled = None;
             }
             Reply::Ack(_) | Reply::Nack => {}
         }
-        if type_url == ENDPOINT_TYPE_URL {
-            let names = request.resource_names.into_iter().collect::<BTreeSet<_>>();
+        if type_url == ENDPOINT_TYPE_URL && request.resource_names != watch.requested {
+            let names = request
+                .resource_names
+                .iter()
+                .cloned()
+                .collect::<BTreeSet<_>>();
+            watch.requested = request.resource_names;
             if names != watch.names {
+                watch.settled = None;
                 // Forget what was sent for names no longer subscribed, so they are sent again if the
                 // client subscribes to them later.
                 if let Some(sent) = &mut watch.sent {
@@ -173,6 +186,7 @@ impl StreamState {
                     if let Some(sent) = &mut endpoints.sent {
                         sent.retain(|name, _| before.get(name) == payload.get(name));
                     }
+                    endpoints.settled = None;
                 }
                 out.push(respond(watch, &set, payload));
             }
@@ -181,6 +195,10 @@ impl StreamState {
             let set = resources
                 .get(ENDPOINT_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("endpoints are served");
+            if fresh != Some(ENDPOINT_TYPE_URL) && watch.settled.as_ref() == Some(&set.version) {
+                // Nothing changed since a pass found nothing owed (the ACK of the last response).
+                return owed;
+            }
             // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
             // an ADS client gets endpoints only for clusters it also receives over the same stream
             // (Envoy subscribes to CDS first whenever its clusters come over ADS).
@@ -191,23 +209,28 @@ impl StreamState {
                     .and_then(|c| c.sent.as_ref())
                     .unwrap_or(&empty)
             });
-            let existing = watch
-                .names
-                .iter()
-                .filter_map(|name| set.resources.get(name));
-            let (sendable, held): (Vec<_>, Vec<_>) =
-                existing.partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
+            // Every map here is in name order: each step below walks two of them side by side
+            // instead of looking each name up (with 100 clusters, a pass per response and one per
+            // ACK on every stream, the lookups were most of the supervisor's CPU).
+            let (sendable, held): (Vec<_>, Vec<_>) = in_both(&watch.names, &set.resources)
+                .partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
             owed.held = !held.is_empty();
             let sent = watch.sent.get_or_insert_with(BTreeMap::new);
             // An assignment that is gone (its cluster too) is forgotten: if it comes back, it is
-            // sent again.
-            sent.retain(|name, _| set.resources.contains_key(name));
+            // sent again. (`retain` visits in name order.)
+            let mut existing = set.resources.keys().peekable();
+            sent.retain(|name, _| {
+                while existing.next_if(|k| k.as_str() < name.as_str()).is_some() {}
+                existing.peek().is_some_and(|k| *k == name)
+            });
+            let mut had = sent.iter().peekable();
             let mut changed = BTreeMap::new();
             let mut bytes = 0;
-            for r in sendable
-                .iter()
-                .filter(|r| sent.get(&r.name) != Some(&r.version))
-            {
+            for r in sendable.iter().filter(|r| {
+                while had.next_if(|(n, _)| n.as_str() < r.name.as_str()).is_some() {}
+                !had.peek()
+                    .is_some_and(|(n, v)| **n == r.name && **v == r.version)
+            }) {
                 let size = r.resource.value.len();
                 if !changed.is_empty() && bytes + size > EDS_RESPONSE_BYTES {
                     // The rest follow once the client answers this response.
@@ -221,12 +244,33 @@ impl StreamState {
                 let response = respond_changed(watch, &set, changed);
                 owed.sent = Some(response.nonce.clone());
                 out.push(response);
-            } else if sendable.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
-                tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
+            } else {
+                if sendable.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
+                    tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
+                }
+                if !owed.held {
+                    watch.settled = Some(set.version.clone());
+                }
             }
         }
         owed
     }
+}
+
+/// The resources of `resources` whose names are in `names`, in name order (both are sorted: one walk
+/// over each).
+fn in_both<'a>(
+    names: &'a BTreeSet<String>,
+    resources: &'a BTreeMap<String, VersionedResource>,
+) -> impl Iterator<Item = &'a VersionedResource> {
+    let mut resources = resources.iter().peekable();
+    names.iter().filter_map(move |name| {
+        while resources
+            .next_if(|(key, _)| key.as_str() < name.as_str())
+            .is_some()
+        {}
+        resources.next_if(|(key, _)| *key == name).map(|(_, r)| r)
+    })
 }
 
 /// Whether `sent` holds exactly the resources of `set`, at their versions (compared in place: a
