@@ -73,9 +73,9 @@ pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
 pub type DeltaResponseStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
 
 /// The most assignment bytes one EDS response carries, state of the world or delta (one assignment
-/// larger than this goes alone): the HTTP/2 stream window a client opens by default (65,535 bytes),
-/// so one response is written without waiting on flow control. The rest follow one response per
-/// answer (ACK or NACK), and the stream is synced only once the last is ACKed.
+/// larger than this goes alone): about the HTTP/2 stream window a client opens by default (65,535
+/// bytes), so a response in flight costs about what one window holds. The rest follow one response
+/// per answer (ACK or NACK), and the stream is synced only once the last is ACKed.
 const EDS_RESPONSE_BYTES: usize = 64 * 1024;
 
 /// How many responses may wait in a stream's channel: one pass over the resources makes at most
