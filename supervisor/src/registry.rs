@@ -33,7 +33,8 @@ use std::{
 use tokio::sync::watch;
 
 pub use self::fleet::{
-    EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker, SpecChoice, choose_specs,
+    EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker, SpecChoice, SpecChoices,
+    choose_specs,
 };
 pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
 pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};

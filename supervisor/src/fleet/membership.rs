@@ -41,7 +41,7 @@ use peregrine_contract::ErrorChain;
 
 use crate::{
     config::ClusterConfig,
-    registry::{EtcdState, Fleet, FleetStatus, Registry, choose_specs},
+    registry::{EtcdState, Fleet, FleetStatus, Registry, SpecChoices},
     throttle::Throttle,
     xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
@@ -139,6 +139,8 @@ pub struct Membership {
     skipped: SkippedRecords,
     /// Gives memory back after the view shrinks.
     trimmer: Trimmer,
+    /// The fleet's choice of each service's spec, across changes of the view.
+    specs: SpecChoices,
 }
 
 impl Membership {
@@ -171,6 +173,7 @@ impl Membership {
             rules,
             skipped: SkippedRecords::default(),
             trimmer: Trimmer::default(),
+            specs: SpecChoices::default(),
         }
     }
 
@@ -572,7 +575,7 @@ impl Membership {
 
     /// Says which services hosts disagree on the spec of, and whose spec is served (every host picks
     /// the same: see [`choose_specs`]): in the log when that changes, and in `status`.
-    fn report_conflicts(&self, me: &Identity, fleet: &Fleet) {
+    fn report_conflicts(&mut self, me: &Identity, fleet: &Fleet) {
         let own = {
             let options = self.options.borrow();
             self.registry
@@ -585,8 +588,10 @@ impl Membership {
                 })
                 .collect()
         };
-        let conflicts: Vec<String> = choose_specs(&me.host, &own, fleet)
-            .into_iter()
+        let conflicts: Vec<String> = self
+            .specs
+            .choose(&me.host, &own, fleet)
+            .iter()
             .filter(|(_, choice)| !choice.disagreeing.is_empty())
             .map(|(service, choice)| {
                 format!(

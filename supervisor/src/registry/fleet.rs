@@ -139,6 +139,67 @@ pub fn choose_specs(
         .collect()
 }
 
+/// [`choose_specs`] across calls: chosen again only when this host's services or another host's
+/// services changed, not its workers. A worker change on one host of a fleet of 100 hosts and 100
+/// services then costs a pointer comparison per host, not 10,000 map insertions.
+#[derive(Debug, Default)]
+pub struct SpecChoices {
+    /// What the choice was made from.
+    from: Option<ChoiceInputs>,
+    chosen: BTreeMap<String, SpecChoice>,
+}
+
+/// What a choice of specs is made from: this host's name and services, and the other hosts.
+type ChoiceInputs = (
+    String,
+    BTreeMap<String, Balancer>,
+    Vec<(String, Arc<RemoteHost>)>,
+);
+
+impl SpecChoices {
+    /// What [`choose_specs`] returns for these arguments.
+    pub fn choose(
+        &mut self,
+        own_host: &str,
+        own: &BTreeMap<String, Balancer>,
+        fleet: &Fleet,
+    ) -> &BTreeMap<String, SpecChoice> {
+        let same = self.from.as_mut().is_some_and(|(host, services, hosts)| {
+            let same = host == own_host
+                && services == own
+                && hosts.len() == fleet.len()
+                && hosts
+                    .iter()
+                    .zip(fleet)
+                    .all(|((held_name, held), (name, now))| {
+                        held_name == name
+                            && (Arc::ptr_eq(held, now) || held.services == now.services)
+                    });
+            if same {
+                // Hold the hosts as they are now, so the next call compares pointers again.
+                for ((_, held), (_, now)) in hosts.iter_mut().zip(fleet) {
+                    if !Arc::ptr_eq(held, now) {
+                        *held = Arc::clone(now);
+                    }
+                }
+            }
+            same
+        });
+        if !same {
+            self.chosen = choose_specs(own_host, own, fleet);
+            self.from = Some((
+                own_host.to_owned(),
+                own.clone(),
+                fleet
+                    .iter()
+                    .map(|(name, host)| (name.clone(), Arc::clone(host)))
+                    .collect(),
+            ));
+        }
+        &self.chosen
+    }
+}
+
 /// The etcd session of this host, for `status`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FleetStatus {
@@ -241,5 +302,44 @@ mod tests {
         let chosen = choose_specs("a", &own, &fleet);
         assert_eq!(chosen["web"].from, "a");
         assert!(chosen["web"].disagreeing.is_empty());
+    }
+
+    #[test]
+    fn kept_choices_follow_services_not_workers() {
+        let least = Balancer::LeastRequest { choice_count: 2 };
+        let own = BTreeMap::from([("web".to_string(), Balancer::RoundRobin)]);
+        let mut fleet = Fleet::from([
+            ("b".to_string(), host_running(&[("web", least)])),
+            ("c".to_string(), host_running(&[("web", least)])),
+        ]);
+        let mut specs = SpecChoices::default();
+        assert_eq!(
+            *specs.choose("a", &own, &fleet),
+            choose_specs("a", &own, &fleet)
+        );
+        // A worker change on b: a new host value, the same services.
+        let mut b = (*fleet["b"]).clone();
+        b.grpc_port = 1;
+        fleet.insert("b".into(), Arc::new(b));
+        assert_eq!(specs.choose("a", &own, &fleet)["web"].balancer, least);
+        // b and c change their spec: the choice follows.
+        for host in ["b", "c"] {
+            fleet.insert(host.into(), host_running(&[("web", Balancer::Random)]));
+        }
+        assert_eq!(
+            *specs.choose("a", &own, &fleet),
+            choose_specs("a", &own, &fleet)
+        );
+        assert_eq!(
+            specs.choose("a", &own, &fleet)["web"].balancer,
+            Balancer::Random
+        );
+        // So does a change of this host's own services, and a host leaving.
+        let own = BTreeMap::from([("web".to_string(), Balancer::Random)]);
+        fleet.remove("c");
+        assert_eq!(
+            *specs.choose("a", &own, &fleet),
+            choose_specs("a", &own, &fleet)
+        );
     }
 }

@@ -40,7 +40,7 @@ use super::{
 };
 use crate::{
     config::Routing,
-    registry::{ServiceView, Snapshot, choose_specs},
+    registry::{ServiceView, Snapshot, SpecChoices},
 };
 
 /// One resource with its own version.
@@ -52,6 +52,9 @@ pub struct VersionedResource {
     pub version: String,
     /// The encoded resource.
     pub resource: Any,
+    /// The [`TypeResources::serial`] at which the resource took this version (or appeared): a stream
+    /// that looked at a set of serial `s` need only look again at resources of a higher serial.
+    pub serial: u64,
 }
 
 /// Every resource of one type, at one version.
@@ -61,6 +64,10 @@ pub struct TypeResources {
     pub type_url: &'static str,
     /// `<epoch>-<counter>`; changes exactly when a resource is added, removed or changed.
     pub version: String,
+    /// The counter of `version`: streams compare serials, not version strings.
+    pub serial: u64,
+    /// The serial at which a resource was last removed (0: never).
+    pub last_removal: u64,
     /// The resources by name.
     pub resources: BTreeMap<String, VersionedResource>,
 }
@@ -157,7 +164,7 @@ impl Resources {
                     .assignments
                     .iter()
                     .map(|(name, a)| {
-                        let variant = match made.get(name) {
+                        let mut variant = match made.get(name) {
                             Some((from, variant)) if Arc::ptr_eq(from, a) => variant.clone(),
                             _ => {
                                 let variant = versioned(name, pack(&prioritised_for(a, requester)));
@@ -165,6 +172,12 @@ impl Resources {
                                 variant
                             }
                         };
+                        // A variant changes only with the assignment it is made from.
+                        variant.serial = self
+                            .endpoints
+                            .resources
+                            .get(name)
+                            .map_or(self.endpoints.serial, |r| r.serial);
                         (name.clone(), variant)
                     })
                     .collect();
@@ -172,6 +185,8 @@ impl Resources {
                 Arc::new(TypeResources {
                     type_url: ENDPOINT_TYPE_URL,
                     version: self.endpoints.version.clone(),
+                    serial: self.endpoints.serial,
+                    last_removal: self.endpoints.last_removal,
                     resources,
                 })
             })
@@ -201,13 +216,18 @@ pub struct Cache {
     services: ServiceMemo,
     /// Each requester's variants under local-first routing, across builds.
     variants: Arc<Mutex<VariantMemo>>,
+    /// The fleet's choice of each service's balancer, across builds.
+    specs: SpecChoices,
 }
 
 /// The content last seen for one type and its counter.
 #[derive(Debug, Default)]
 struct TypeVersion {
     counter: u64,
-    content: Option<BTreeMap<String, String>>,
+    /// Name -> (version, the counter at which the resource took it); `None` before the first build.
+    content: Option<BTreeMap<String, (String, u64)>>,
+    /// The counter at which a resource was last removed.
+    last_removal: u64,
 }
 
 /// A fresh epoch: the current time in nanoseconds since the Unix epoch, in hex.
@@ -234,12 +254,13 @@ impl Cache {
             endpoints: TypeVersion::default(),
             services: ServiceMemo::default(),
             variants: Arc::default(),
+            specs: SpecChoices::default(),
         }
     }
 
     /// The options `snapshot` is served with: in a fleet, every service of the fleet gets the
     /// balancer the fleet agrees on ([`choose_specs`]), also those this host does not run.
-    fn served_options(&self, snapshot: &Snapshot) -> ClusterOptions {
+    fn served_options(&mut self, snapshot: &Snapshot) -> ClusterOptions {
         let Some(fleet) = &self.options.fleet else {
             return self.options.clone();
         };
@@ -251,9 +272,11 @@ impl Cache {
                 (service.clone(), balancer.unwrap_or(Balancer::RoundRobin))
             })
             .collect();
-        let balancers = choose_specs(&fleet.host, &own, &snapshot.fleet)
-            .into_iter()
-            .map(|(service, choice)| (service, choice.balancer))
+        let balancers = self
+            .specs
+            .choose(&fleet.host, &own, &snapshot.fleet)
+            .iter()
+            .map(|(service, choice)| (service.clone(), choice.balancer))
             .collect();
         ClusterOptions {
             balancers,
@@ -495,27 +518,54 @@ impl Cache {
 // === impl TypeVersion ===
 
 impl TypeVersion {
+    /// The set of `resources`, with the counter advanced if its content changed since the last call,
+    /// and each resource's serial: the counter at which it took its version.
     fn advance(
         &mut self,
         epoch: &str,
         type_url: &'static str,
         resources: impl IntoIterator<Item = VersionedResource>,
     ) -> TypeResources {
-        let resources = resources
+        let mut resources = resources
             .into_iter()
             .map(|r| (r.name.clone(), r))
             .collect::<BTreeMap<_, _>>();
-        let content = resources
-            .iter()
-            .map(|(name, r)| (name.clone(), r.version.clone()))
-            .collect::<BTreeMap<_, _>>();
-        if self.content.as_ref() != Some(&content) {
+        let same = self.content.as_ref().is_some_and(|content| {
+            content.len() == resources.len()
+                && content
+                    .iter()
+                    .zip(resources.values())
+                    .all(|((name, (version, _)), r)| *name == r.name && *version == r.version)
+        });
+        if !same {
             self.counter += 1;
-            self.content = Some(content);
+            let before = self.content.take().unwrap_or_default();
+            if before.keys().any(|name| !resources.contains_key(name)) {
+                self.last_removal = self.counter;
+            }
+            let counter = self.counter;
+            self.content = Some(
+                resources
+                    .values()
+                    .map(|r| {
+                        let serial = match before.get(&r.name) {
+                            Some((version, serial)) if *version == r.version => *serial,
+                            _ => counter,
+                        };
+                        (r.name.clone(), (r.version.clone(), serial))
+                    })
+                    .collect(),
+            );
+        }
+        let content = self.content.as_ref().expect("set above");
+        for (r, (_, serial)) in resources.values_mut().zip(content.values()) {
+            r.serial = *serial;
         }
         TypeResources {
             type_url,
             version: format!("{epoch}-{}", self.counter),
+            serial: self.counter,
+            last_removal: self.last_removal,
             resources,
         }
     }
@@ -528,6 +578,7 @@ fn versioned(name: &str, resource: Any) -> VersionedResource {
         name: name.to_string(),
         version: format!("{:016x}", hasher.finish()),
         resource,
+        serial: 0,
     }
 }
 
@@ -768,23 +819,29 @@ mod tests {
     }
 
     /// What a cache built equals what a fresh cache builds from the same snapshot, resource by
-    /// resource (type versions aside: they count changes).
+    /// resource (type versions and serials aside: they count changes).
     fn assert_as_fresh(cache: &Cache, resources: &Resources, snapshot: &Snapshot) {
         let fresh = Cache::new("e1".into(), cache.options.clone()).build(snapshot);
-        assert_eq!(resources.clusters.resources, fresh.clusters.resources);
+        let content = |set: &TypeResources| {
+            set.resources
+                .values()
+                .map(|r| (r.name.clone(), r.version.clone(), r.resource.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(content(&resources.clusters), content(&fresh.clusters));
         assert_eq!(
-            resources.delta_clusters.resources,
-            fresh.delta_clusters.resources
+            content(&resources.delta_clusters),
+            content(&fresh.delta_clusters)
         );
         assert_eq!(
-            resources.ads_clusters.resources,
-            fresh.ads_clusters.resources
+            content(&resources.ads_clusters),
+            content(&fresh.ads_clusters)
         );
-        assert_eq!(resources.endpoints.resources, fresh.endpoints.resources);
+        assert_eq!(content(&resources.endpoints), content(&fresh.endpoints));
         for who in [requester("a", "z1"), requester("b", "z2")] {
             assert_eq!(
-                resources.endpoints_for(&who).resources,
-                fresh.endpoints_for(&who).resources
+                content(&resources.endpoints_for(&who)),
+                content(&fresh.endpoints_for(&who))
             );
         }
     }

@@ -25,6 +25,7 @@
 mod delta;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod looked;
 #[cfg(test)]
 mod scenarios;
 mod sotw;

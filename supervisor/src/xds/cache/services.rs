@@ -150,12 +150,16 @@ fn hosts_with<'a>(snapshot: &'a Snapshot, service: &str) -> Vec<(&'a String, &'a
 }
 
 /// `host`'s workers of `service`: its worker map is keyed by service first, so they are one range.
-fn workers_of<'a>(host: &'a RemoteHost, service: &str) -> impl Iterator<Item = &'a RemoteWorker> {
-    let from = (service.to_owned(), 0, 0);
-    let service = from.0.clone();
+fn workers_of<'a>(
+    host: &'a RemoteHost,
+    service: &'a str,
+) -> impl Iterator<Item = &'a RemoteWorker> {
     host.workers
-        .range((Bound::Included(from), Bound::Unbounded))
-        .take_while(move |((s, _, _), _)| *s == service)
+        .range((
+            Bound::Included((service.to_owned(), 0, 0)),
+            Bound::Unbounded,
+        ))
+        .take_while(move |((s, _, _), _)| s == service)
         .map(|(_, worker)| worker)
 }
 

@@ -34,7 +34,7 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, next_nonce};
+use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, looked::Looked, next_nonce};
 use crate::xds::{
     cache::{Resources, TypeResources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
@@ -55,6 +55,8 @@ pub(super) struct DeltaWatch {
     /// What the client has, name -> version: what it said on its first request, then what it was
     /// sent (a NACKed resource included: see the module docs). Only subscribed names.
     has: BTreeMap<String, String>,
+    /// Which resources a pass has yet to look at: a pass costs what changed since the last.
+    looked: Looked,
 }
 
 /// The state of a delta stream.
@@ -69,6 +71,7 @@ impl DeltaWatch {
 
     /// Applies a request's subscription changes; `first` says it is the type's first request.
     fn subscribe(&mut self, request: &mut DeltaDiscoveryRequest, first: bool) {
+        let was_wildcard = self.wildcard;
         if first && request.resource_names_subscribe.is_empty() {
             // An empty first subscription is a wildcard (the legacy form of `*`).
             self.wildcard = true;
@@ -79,6 +82,7 @@ impl DeltaWatch {
             } else {
                 // Owed even if the client had it.
                 self.has.remove(&name);
+                self.looked.again(&name);
                 self.names.insert(name);
             }
         }
@@ -89,8 +93,13 @@ impl DeltaWatch {
                 self.names.remove(name);
             }
         }
-        let (wildcard, names) = (self.wildcard, &self.names);
-        self.has.retain(|name, _| wildcard || names.contains(name));
+        if self.wildcard && !was_wildcard {
+            self.looked.forget();
+        }
+        if !request.resource_names_unsubscribe.is_empty() {
+            let (wildcard, names) = (self.wildcard, &self.names);
+            self.has.retain(|name, _| wildcard || names.contains(name));
+        }
         if first {
             for (name, version) in request.initial_resource_versions.drain() {
                 if self.subscribed(&name) {
@@ -110,29 +119,50 @@ impl DeltaWatch {
         fresh: bool,
         limit: usize,
     ) -> (Option<DeltaDiscoveryResponse>, bool) {
-        let mut held = false;
+        if !fresh && self.looked.done(set) {
+            // Nothing changed since the last pass (an ACK's, as a rule), and nothing was held.
+            return (None, false);
+        }
+        // Only a removal (or a first look) can leave the client a name that no longer exists.
+        let removed = if self.looked.removals(set) {
+            self.has
+                .keys()
+                .filter(|name| !set.resources.contains_key(*name))
+                .cloned()
+                .collect::<Vec<_>>()
+        } else {
+            Vec::new()
+        };
+        let mut unsendable = Vec::new();
+        let mut stopped = None;
         let mut updated = Vec::new();
         let mut bytes = 0;
-        for resource in set.resources.values() {
+        for resource in self.looked.look(set) {
             if !self.subscribed(&resource.name)
                 || self.has.get(&resource.name) == Some(&resource.version)
             {
                 continue;
             }
-            let size = resource.resource.value.len();
-            if !sendable(&resource.name) || (!updated.is_empty() && bytes + size > limit) {
-                held = true;
+            if !sendable(&resource.name) {
+                unsendable.push(resource.name.as_str());
                 continue;
+            }
+            let size = resource.resource.value.len();
+            if !updated.is_empty() && bytes + size > limit {
+                stopped = Some(resource.name.as_str());
+                break;
             }
             bytes += size;
             updated.push(resource);
         }
-        let removed = self
-            .has
-            .keys()
-            .filter(|name| !set.resources.contains_key(*name))
-            .cloned()
-            .collect::<Vec<_>>();
+        match stopped {
+            Some(name) => self.looked.stop(set, name),
+            None => self.looked.finish(set),
+        }
+        for name in &unsendable {
+            self.looked.again(name);
+        }
+        let held = stopped.is_some() || !unsendable.is_empty();
         if updated.is_empty() && removed.is_empty() && !fresh {
             return (None, held);
         }
@@ -256,6 +286,7 @@ impl StreamRules for DeltaStreamState {
                     // the endpoints of every cluster sent.
                     for cluster in &response.resources {
                         endpoints.has.remove(&cluster.name);
+                        endpoints.looked.again(&cluster.name);
                     }
                 }
                 out.push(response);
@@ -386,9 +417,11 @@ mod tests {
             assert!(state.on_resources(&r2).is_empty());
             // A cluster the client has that is gone is removed.
             let mut gone = r2.clone();
-            std::sync::Arc::make_mut(&mut gone.delta_clusters)
-                .resources
-                .remove("b");
+            let clusters = std::sync::Arc::make_mut(&mut gone.delta_clusters);
+            clusters.resources.remove("b");
+            // As the cache counts a removal.
+            clusters.serial += 1;
+            clusters.last_removal = clusters.serial;
             let out = state.on_resources(&gone);
             assert!(out[0].resources.is_empty());
             assert_eq!(out[0].removed_resources, ["b"]);

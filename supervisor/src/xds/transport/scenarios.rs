@@ -557,6 +557,42 @@ fn large_assignments_go_one_response_per_answer_and_sync_with_the_last<W: Varian
     assert_eq!(state.synced_revision(), Some(resources.revision));
 }
 
+/// A change while the pieces of a large push are still owed: the changed assignment is sent again
+/// (it was sent before the change) and every other one once, and the stream syncs with the last.
+fn a_change_while_pieces_are_owed_is_sent_too<W: Variant>() {
+    let mut fixture = Fixture::new();
+    let mut resources = fixture.resources();
+    for index in 0..600 {
+        fixture.register("a", index, 10_000 + index);
+        resources = fixture.register("b", index, 20_000 + index);
+    }
+    let all = ["a", "b"];
+    let mut state = Stream::<W>::new(
+        kind::<W>(Some(ENDPOINT_TYPE_URL)),
+        "envoy".into(),
+        Requester::default(),
+    );
+    let first = W::on_request(
+        &mut state,
+        W::subscribe(ENDPOINT_TYPE_URL, &all),
+        &resources,
+    );
+    assert_eq!(W::names(&first[0]), ["a"], "one assignment at a time");
+    // "a" changes before the client answers.
+    let changed = fixture.register("a", 600, 19_999);
+    let mut sent = W::names(&first[0]);
+    let mut last = W::on_resources(&mut state, &changed);
+    assert!(!last.is_empty(), "the changed assignment is owed at once");
+    while let Some(response) = last.pop() {
+        assert!(last.is_empty());
+        sent.extend(W::names(&response));
+        last = W::on_request(&mut state, W::ack(&response, &all), &changed);
+    }
+    sent.sort();
+    assert_eq!(sent, ["a", "a", "b"]);
+    assert_eq!(state.synced_revision(), Some(changed.revision));
+}
+
 /// The table: each scenario and the variants it is replayed on.
 macro_rules! scenarios {
     ($($scenario:ident: $($variant:ident),+;)*) => {
@@ -580,4 +616,5 @@ scenarios! {
     ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile: sotw, delta;
     a_cds_only_stream_does_not_serve_endpoints: sotw, delta;
     large_assignments_go_one_response_per_answer_and_sync_with_the_last: sotw, delta;
+    a_change_while_pieces_are_owed_is_sent_too: sotw, delta;
 }

@@ -30,9 +30,9 @@ use envoy_types::pb::envoy::{
 };
 use tonic::Status;
 
-use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, next_nonce};
+use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, looked::Looked, next_nonce};
 use crate::xds::{
-    cache::{Resources, TypeResources, VersionedResource},
+    cache::{Resources, TypeResources},
     resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
 };
 
@@ -48,9 +48,8 @@ pub(super) struct TypeWatch {
     /// The names of the last request, in its order: a request naming the same (an ACK, as Envoy
     /// sends them) is recognised without building a set.
     requested: Vec<String>,
-    /// The version of the endpoints for which a pass found nothing more owed: until the version,
-    /// the names or what was sent change, a pass (an ACK's) has nothing to look at.
-    settled: Option<String>,
+    /// Which resources a pass has yet to look at: a pass costs what changed since the last.
+    looked: Looked,
 }
 
 /// The state of a state-of-the-world stream.
@@ -112,7 +111,7 @@ impl StreamRules for StreamState {
                 tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
                 // A new subscription is owed a response, whatever was sent before.
                 watch.sent = None;
-                watch.settled = None;
+                watch.looked.forget();
             }
             Reply::Ack(_) | Reply::Nack => {}
         }
@@ -124,11 +123,13 @@ impl StreamRules for StreamState {
                 .collect::<BTreeSet<_>>();
             watch.requested = request.resource_names;
             if names != watch.names {
-                watch.settled = None;
                 // Forget what was sent for names no longer subscribed, so they are sent again if the
-                // client subscribes to them later.
+                // client subscribes to them later; look at the names subscribed now.
                 if let Some(sent) = &mut watch.sent {
                     sent.retain(|name, _| names.contains(name));
+                }
+                for name in names.difference(&watch.names) {
+                    watch.looked.again(name);
                 }
                 watch.names = names;
             }
@@ -169,10 +170,12 @@ impl StreamState {
                 .get(CLUSTER_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("clusters are served");
             let owed = fresh == Some(CLUSTER_TYPE_URL)
-                || !watch
-                    .sent
-                    .as_ref()
-                    .is_some_and(|sent| same_versions(sent, &set));
+                || (!watch.looked.done(&set)
+                    && !watch
+                        .sent
+                        .as_ref()
+                        .is_some_and(|sent| same_versions(sent, &set)));
+            watch.looked.finish(&set);
             if owed {
                 let payload = set
                     .resources
@@ -186,7 +189,11 @@ impl StreamState {
                     if let Some(sent) = &mut endpoints.sent {
                         sent.retain(|name, _| before.get(name) == payload.get(name));
                     }
-                    endpoints.settled = None;
+                    for (name, version) in &payload {
+                        if before.get(name) != Some(version) {
+                            endpoints.looked.again(name);
+                        }
+                    }
                 }
                 out.push(respond(watch, &set, payload));
             }
@@ -195,82 +202,65 @@ impl StreamState {
             let set = resources
                 .get(ENDPOINT_TYPE_URL, self.kind.eds_via(), &self.requester)
                 .expect("endpoints are served");
-            if fresh != Some(ENDPOINT_TYPE_URL) && watch.settled.as_ref() == Some(&set.version) {
-                // Nothing changed since a pass found nothing owed (the ACK of the last response).
+            if fresh != Some(ENDPOINT_TYPE_URL) && watch.looked.done(&set) {
+                // Nothing changed since the last pass (an ACK's, as a rule), and nothing was held.
                 return owed;
+            }
+            let sent = watch.sent.get_or_insert_with(BTreeMap::new);
+            if watch.looked.removals(&set) {
+                // An assignment that is gone (its cluster too) is forgotten: if it comes back, it is
+                // sent again.
+                sent.retain(|name, _| set.resources.contains_key(name));
             }
             // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
             // an ADS client gets endpoints only for clusters it also receives over the same stream
             // (Envoy subscribes to CDS first whenever its clusters come over ADS).
-            let empty = BTreeMap::new();
-            let known = ads.then(|| {
-                self.clusters
-                    .as_ref()
-                    .and_then(|c| c.sent.as_ref())
-                    .unwrap_or(&empty)
-            });
-            // Every map here is in name order: each step below walks two of them side by side
-            // instead of looking each name up (with 100 clusters, a pass per response and one per
-            // ACK on every stream, the lookups were most of the supervisor's CPU).
-            let (sendable, held): (Vec<_>, Vec<_>) = in_both(&watch.names, &set.resources)
-                .partition(|r| known.is_none_or(|k| k.contains_key(&r.name)));
-            owed.held = !held.is_empty();
-            let sent = watch.sent.get_or_insert_with(BTreeMap::new);
-            // An assignment that is gone (its cluster too) is forgotten: if it comes back, it is
-            // sent again. (`retain` visits in name order.)
-            let mut existing = set.resources.keys().peekable();
-            sent.retain(|name, _| {
-                while existing.next_if(|k| k.as_str() < name.as_str()).is_some() {}
-                existing.peek().is_some_and(|k| *k == name)
-            });
-            let mut had = sent.iter().peekable();
+            let known = ads.then(|| self.clusters.as_ref().and_then(|c| c.sent.as_ref()));
             let mut changed = BTreeMap::new();
             let mut bytes = 0;
-            for r in sendable.iter().filter(|r| {
-                while had.next_if(|(n, _)| n.as_str() < r.name.as_str()).is_some() {}
-                !had.peek()
-                    .is_some_and(|(n, v)| **n == r.name && **v == r.version)
-            }) {
+            let mut found = false;
+            let mut unknown = Vec::new();
+            let mut stopped = None;
+            for r in watch.looked.look(&set) {
+                if !watch.names.contains(&r.name) {
+                    continue;
+                }
+                found = true;
+                if sent.get(&r.name) == Some(&r.version) {
+                    continue;
+                }
+                if known.is_some_and(|k| !k.is_some_and(|k| k.contains_key(&r.name))) {
+                    // Held until its cluster is sent.
+                    unknown.push(r.name.as_str());
+                    continue;
+                }
                 let size = r.resource.value.len();
                 if !changed.is_empty() && bytes + size > EDS_RESPONSE_BYTES {
                     // The rest follow once the client answers this response.
-                    owed.held = true;
+                    stopped = Some(r.name.as_str());
                     break;
                 }
                 bytes += size;
                 changed.insert(r.name.clone(), r.version.clone());
             }
+            match stopped {
+                Some(name) => watch.looked.stop(&set, name),
+                None => watch.looked.finish(&set),
+            }
+            for name in &unknown {
+                watch.looked.again(name);
+            }
+            owed.held = stopped.is_some() || !unknown.is_empty();
             if !changed.is_empty() {
                 let response = respond_changed(watch, &set, changed);
                 owed.sent = Some(response.nonce.clone());
                 out.push(response);
-            } else {
-                if sendable.is_empty() && fresh == Some(ENDPOINT_TYPE_URL) {
-                    tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
-                }
-                if !owed.held {
-                    watch.settled = Some(set.version.clone());
-                }
+            } else if !found && fresh == Some(ENDPOINT_TYPE_URL) {
+                tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
             }
         }
         owed
     }
-}
-
-/// The resources of `resources` whose names are in `names`, in name order (both are sorted: one walk
-/// over each).
-fn in_both<'a>(
-    names: &'a BTreeSet<String>,
-    resources: &'a BTreeMap<String, VersionedResource>,
-) -> impl Iterator<Item = &'a VersionedResource> {
-    let mut resources = resources.iter().peekable();
-    names.iter().filter_map(move |name| {
-        while resources
-            .next_if(|(key, _)| key.as_str() < name.as_str())
-            .is_some()
-        {}
-        resources.next_if(|(key, _)| *key == name).map(|(_, r)| r)
-    })
 }
 
 /// Whether `sent` holds exactly the resources of `set`, at their versions (compared in place: a
