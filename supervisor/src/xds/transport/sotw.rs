@@ -2,7 +2,7 @@
 //! `StreamAggregatedResources` streams.
 //!
 //! Per type a stream keeps the last nonce sent, the names subscribed and what it last sent (name ->
-//! resource version). It sends a response exactly when what the client should have differs from what
+//! the resource's serial, which moves with its version). It sends a response exactly when what the client should have differs from what
 //! it was last sent, so an ACK gets no reply, a NACK is not answered with the same content again and
 //! a request naming new resources gets them even at the same version. A request echoing a stale nonce
 //! is ignored (subscriptions included: unlike delta, each request carries the whole subscription, so
@@ -22,7 +22,10 @@
 //!
 //! Invariant: what was sent is recorded only when a response carrying it is built ([`respond`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    hash::{DefaultHasher, Hash, Hasher},
+};
 
 use envoy_types::pb::envoy::{
     config::core::v3::Node,
@@ -43,11 +46,13 @@ pub(super) struct TypeWatch {
     names: BTreeSet<String>,
     /// The nonce of the last response sent.
     nonce: Option<String>,
-    /// What was last sent (name -> resource version); `None` until a response is owed.
-    sent: Option<BTreeMap<String, String>>,
-    /// The names of the last request, in its order: a request naming the same (an ACK, as Envoy
-    /// sends them) is recognised without building a set.
-    requested: Vec<String>,
+    /// What was last sent: name -> the resource's serial, which moves exactly when its version
+    /// does (a number, not the version string: 1,000 streams hold this for every cluster);
+    /// `None` until a response is owed.
+    sent: Option<BTreeMap<String, u64>>,
+    /// A digest of the names of the last request, in its order: a request naming the same (an
+    /// ACK, as Envoy sends them) is recognised without building a set or keeping the names twice.
+    requested: Option<u64>,
     /// Which resources a pass has yet to look at: a pass costs what changed since the last.
     looked: Looked,
 }
@@ -115,13 +120,14 @@ impl StreamRules for StreamState {
             }
             Reply::Ack(_) | Reply::Nack => {}
         }
-        if type_url == ENDPOINT_TYPE_URL && request.resource_names != watch.requested {
+        let requested = (type_url == ENDPOINT_TYPE_URL).then(|| digest(&request.resource_names));
+        if requested.is_some() && requested != watch.requested {
             let names = request
                 .resource_names
                 .iter()
                 .cloned()
                 .collect::<BTreeSet<_>>();
-            watch.requested = request.resource_names;
+            watch.requested = requested;
             if names != watch.names {
                 // Forget what was sent for names no longer subscribed, so they are sent again if the
                 // client subscribes to them later; look at the names subscribed now.
@@ -180,7 +186,7 @@ impl StreamState {
                 let payload = set
                     .resources
                     .values()
-                    .map(|r| (r.name.clone(), r.version.clone()))
+                    .map(|r| (r.name.clone(), r.serial))
                     .collect::<BTreeMap<_, _>>();
                 let before = watch.sent.take().unwrap_or_default();
                 if ads && let Some(endpoints) = &mut self.endpoints {
@@ -226,7 +232,7 @@ impl StreamState {
                     continue;
                 }
                 found = true;
-                if sent.get(&r.name) == Some(&r.version) {
+                if sent.get(&r.name) == Some(&r.serial) {
                     continue;
                 }
                 if known.is_some_and(|k| !k.is_some_and(|k| k.contains_key(&r.name))) {
@@ -241,7 +247,7 @@ impl StreamState {
                     break;
                 }
                 bytes += size;
-                changed.insert(r.name.clone(), r.version.clone());
+                changed.insert(r.name.clone(), r.serial);
             }
             match stopped {
                 Some(name) => watch.looked.stop(&set, name),
@@ -265,19 +271,26 @@ impl StreamState {
 
 /// Whether `sent` holds exactly the resources of `set`, at their versions (compared in place: a
 /// stream owed nothing allocates nothing).
-fn same_versions(sent: &BTreeMap<String, String>, set: &TypeResources) -> bool {
+fn same_versions(sent: &BTreeMap<String, u64>, set: &TypeResources) -> bool {
     sent.len() == set.resources.len()
         && sent
             .iter()
             .zip(set.resources.values())
-            .all(|((name, version), r)| *name == r.name && *version == r.version)
+            .all(|((name, serial), r)| *name == r.name && *serial == r.serial)
+}
+
+/// A digest of a request's names, in their order.
+fn digest(names: &[String]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    names.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// Builds the response carrying `changed` from `set` and adds it to what was sent.
 fn respond_changed(
     watch: &mut TypeWatch,
     set: &TypeResources,
-    changed: BTreeMap<String, String>,
+    changed: BTreeMap<String, u64>,
 ) -> DiscoveryResponse {
     let mut sent = watch.sent.take().unwrap_or_default();
     let response = respond(watch, set, changed);
@@ -290,7 +303,7 @@ fn respond_changed(
 fn respond(
     watch: &mut TypeWatch,
     set: &TypeResources,
-    payload: BTreeMap<String, String>,
+    payload: BTreeMap<String, u64>,
 ) -> DiscoveryResponse {
     let nonce = next_nonce();
     let response = DiscoveryResponse {
