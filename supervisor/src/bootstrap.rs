@@ -405,11 +405,15 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
         XDS_RETRY_BASE.as_secs_f64(),
         XDS_RETRY_MAX.as_secs_f64()
     );
+    // Envoy names its node (hundreds of extensions among it) on every request unless told to on a
+    // stream's first only: the supervisor reads it from the first (the EDS config source in every
+    // cluster says the same).
     if input.ads {
         format!(
             "  ads_config:
     api_type: {api_type}
     transport_api_version: V3
+    set_node_on_first_message_only: true
     grpc_services:
       - envoy_grpc:
           cluster_name: {cluster}
@@ -426,6 +430,7 @@ fn dynamic_resources(input: &BootstrapInput) -> String {
     api_config_source:
       api_type: {api_type}
       transport_api_version: V3
+      set_node_on_first_message_only: true
       grpc_services:
         - envoy_grpc:
             cluster_name: {cluster}
@@ -609,6 +614,18 @@ mod tests {
                 sotw.replace("api_type: GRPC\n", "api_type: DELTA_GRPC\n")
             );
             assert!(delta.contains("retry_policy:"), "{delta}");
+        }
+    }
+
+    #[test]
+    fn envoy_names_its_node_on_a_streams_first_request_only() {
+        for ads in [false, true] {
+            let yaml = envoy_bootstrap(&BootstrapInput { ads, ..input() });
+            assert_eq!(
+                yaml.matches("set_node_on_first_message_only: true").count(),
+                1,
+                "{yaml}"
+            );
         }
     }
 

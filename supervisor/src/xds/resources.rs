@@ -514,6 +514,9 @@ fn config_source(source: &EdsSource) -> ConfigSource {
                     ApiType::Grpc
                 } as i32,
                 transport_api_version: ApiVersion::V3 as i32,
+                // The node on a stream's first request only: Envoy's is large (every extension
+                // it has), and the supervisor reads it from the first.
+                set_node_on_first_message_only: true,
                 grpc_services: vec![GrpcService {
                     target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
                         cluster_name: xds_cluster.clone(),
@@ -626,6 +629,7 @@ mod tests {
                         ApiConfigSource {
                             api_type: ApiType::Grpc as i32,
                             transport_api_version: ApiVersion::V3 as i32,
+                            set_node_on_first_message_only: true,
                             grpc_services: vec![GrpcService {
                                 target_specifier: Some(TargetSpecifier::EnvoyGrpc(EnvoyGrpc {
                                     cluster_name: "xds_cluster".into(),
