@@ -41,6 +41,25 @@ pub use self::{
 };
 use crate::config::GrpcLimits;
 
+/// The gRPC port's listen backlog: every Envoy of a fleet connects again at once when its
+/// supervisor restarts, and 1,000 at once overflowed the 1,024 a listener gets by default (the
+/// kernel then answered with SYN cookies). The kernel caps it at `net.core.somaxconn`.
+const BACKLOG: u32 = 4096;
+
+/// Binds a listener of the gRPC port (xDS and ORCA, or ORCA alone) at `addr`, with [`BACKLOG`];
+/// within a Tokio runtime.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted supervisor binds again while old connections wait.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
+}
+
 /// The HTTP/2 client connection preface (RFC 9113, section 3.4).
 pub const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 

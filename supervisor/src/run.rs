@@ -251,9 +251,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let registrations = registration::bind(&control, &lock)?;
     let _socket_file = RemoveOnDrop(control.clone());
     let bind = config.supervisor.bind;
-    let grpc = TcpListener::bind(bind)
-        .await
-        .map_err(|source| RunError::Grpc { addr: bind, source })?;
+    let grpc = grpc_port::bind(bind).map_err(|source| RunError::Grpc { addr: bind, source })?;
     let bound = grpc.local_addr().unwrap_or(bind);
     let metrics_listener = match config.supervisor.metrics {
         Some(addr) => Some(
@@ -280,13 +278,11 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         if !addr.ip().is_loopback() {
             tracing::warn!(%addr, "ORCA listens on a non-loopback address, where workers listen: it serves only load reports there, no xDS");
         }
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| RunError::OrcaBind {
-                addr,
-                services: orca.iter().cloned().collect::<Vec<_>>().join(", "),
-                source,
-            })?;
+        let listener = grpc_port::bind(addr).map_err(|source| RunError::OrcaBind {
+            addr,
+            services: orca.iter().cloned().collect::<Vec<_>>().join(", "),
+            source,
+        })?;
         tracing::info!(%addr, "Listening for ORCA streams to workers on this address family too");
         orca_listeners.push(listener);
     }
