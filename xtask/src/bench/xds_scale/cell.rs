@@ -78,6 +78,8 @@ pub(super) struct Change {
     pub(super) bytes: u64,
     /// Endpoints responses each client received.
     pub(super) pushes: Vec<u64>,
+    /// Endpoints states each client received (responses at a new version).
+    pub(super) states: Vec<u64>,
     /// This process's (the clients') CPU, in ms.
     pub(super) client_cpu_ms: f64,
 }
@@ -321,6 +323,14 @@ impl Clients {
             .collect()
     }
 
+    fn eds_states(&self) -> Vec<u64> {
+        self.shared
+            .clients
+            .iter()
+            .map(|c| c.eds_states.load(Ordering::Relaxed))
+            .collect()
+    }
+
     fn bytes(&self) -> u64 {
         self.shared.sum(|c| &c.bytes)
     }
@@ -468,6 +478,7 @@ fn one_change(
     // The clients' own count of targets, not the markers' (which count over the cell's clients).
     let target = clients.shared.set_target(Fleet::markers(&expected));
     let pushes_before = clients.eds_responses();
+    let states_before = clients.eds_states();
     let bytes_before = clients.bytes();
     let (cpu_before, ticks_before) = (on_cpu_ns(pid)?, ticks_ms(pid)?);
     let me = std::process::id();
@@ -511,6 +522,12 @@ fn one_change(
             .eds_responses()
             .iter()
             .zip(&pushes_before)
+            .map(|(after, before)| after - before)
+            .collect(),
+        states: clients
+            .eds_states()
+            .iter()
+            .zip(&states_before)
             .map(|(after, before)| after - before)
             .collect(),
         client_cpu_ms: client_after - client_before,

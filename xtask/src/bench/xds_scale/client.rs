@@ -114,6 +114,9 @@ pub(super) struct ClientStats {
     pub(super) bytes: AtomicU64,
     /// Endpoints responses received.
     pub(super) eds_responses: AtomicU64,
+    /// Endpoints responses received at a version other than the one before: the states pushed
+    /// (the pieces of one state share its version).
+    pub(super) eds_states: AtomicU64,
     /// Clusters responses received.
     pub(super) cds_responses: AtomicU64,
     /// The target generation this client completed last, and when it ACKed the response that did.
@@ -217,6 +220,7 @@ async fn run_client(
             served: BTreeSet::new(),
             satisfied: HashMap::new(),
             generation: 0,
+            eds_version: String::new(),
         };
         let ended = tokio::select! {
             ended = session.run(kind, &url) => ended,
@@ -285,6 +289,8 @@ struct Session<'a> {
     /// markers.
     satisfied: HashMap<String, bool>,
     generation: u64,
+    /// The version of the last endpoints response.
+    eds_version: String,
 }
 
 impl Session<'_> {
@@ -305,16 +311,20 @@ impl Session<'_> {
         }
     }
 
-    /// Counts a response's bytes.
-    fn received(&self, bytes: usize, type_url: &str) {
+    /// Counts a response's bytes, and its state if it is an endpoints response at another
+    /// `version` than the last.
+    fn received(&mut self, bytes: usize, type_url: &str, version: &str) {
         let stats = &self.shared.clients[self.index];
         stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        let counter = if type_url == EDS {
-            &stats.eds_responses
-        } else {
-            &stats.cds_responses
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        if type_url != EDS {
+            stats.cds_responses.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        stats.eds_responses.fetch_add(1, Ordering::Relaxed);
+        if self.eds_version != version {
+            stats.eds_states.fetch_add(1, Ordering::Relaxed);
+            version.clone_into(&mut self.eds_version);
+        }
     }
 
     /// Reads an endpoints response's assignments (name and bytes) and the names it removes.
@@ -416,7 +426,11 @@ impl Session<'_> {
             let Some(response) = response else {
                 anyhow::bail!("the server ended a stream");
             };
-            self.received(response.encoded_len(), &response.type_url);
+            self.received(
+                response.encoded_len(),
+                &response.type_url,
+                &response.version_info,
+            );
             if response.type_url == CDS {
                 let names: BTreeSet<String> = response
                     .resources
@@ -504,7 +518,11 @@ impl Session<'_> {
             let Some(response) = response else {
                 anyhow::bail!("the server ended a stream");
             };
-            self.received(response.encoded_len(), &response.type_url);
+            self.received(
+                response.encoded_len(),
+                &response.type_url,
+                &response.system_version_info,
+            );
             if response.type_url == CDS {
                 for resource in &response.resources {
                     clusters_had.insert(resource.name.clone(), resource.version.clone());

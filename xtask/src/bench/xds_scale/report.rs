@@ -170,7 +170,8 @@ pub(super) fn markdown_tables(cells: &[Cell]) -> String {
             "S",
             "burst: last ACK after last put ms",
             "after first put ms",
-            "pushes/stream median (max)",
+            "responses/stream median (max)",
+            "states/stream median (max)",
             "burst CPU ms",
             "burst bytes",
             "initial sync s",
@@ -185,16 +186,17 @@ pub(super) fn markdown_tables(cells: &[Cell]) -> String {
         let mut row = head(cell);
         match &cell.burst {
             Some(burst) if burst.done == cell.clients => {
-                let pushes: Vec<f64> = burst.pushes.iter().map(|p| *p as f64).collect();
+                let spread = |counts: &[u64]| {
+                    let counts: Vec<f64> = counts.iter().map(|p| *p as f64).collect();
+                    let max = counts.iter().copied().fold(0.0, f64::max);
+                    format!("{} ({max})", median(counts))
+                };
                 let last = burst.per_client_ms.iter().copied().fold(0.0, f64::max);
                 row.extend([
                     ms(last),
                     ms(burst.from_first_ms),
-                    format!(
-                        "{} ({})",
-                        median(pushes.clone()),
-                        pushes.iter().copied().fold(0.0, f64::max)
-                    ),
+                    spread(&burst.pushes),
+                    spread(&burst.states),
                     ms(burst.cpu_ms),
                     bytes(burst.bytes as f64),
                 ]);
@@ -203,10 +205,11 @@ pub(super) fn markdown_tables(cells: &[Cell]) -> String {
                 format!("timed out ({}/{})", burst.done, cell.clients),
                 "-".into(),
                 "-".into(),
+                "-".into(),
                 ms(burst.cpu_ms),
                 bytes(burst.bytes as f64),
             ]),
-            None => row.extend(["-".into(), "-".into(), "-".into(), "-".into(), "-".into()]),
+            None => row.extend(std::iter::repeat_n("-".to_owned(), 6)),
         }
         row.extend([
             format!("{:.2}", cell.initial_sync_s),
