@@ -133,36 +133,14 @@ impl DeltaWatch {
         } else {
             Vec::new()
         };
-        let mut unsendable = Vec::new();
-        let mut stopped = None;
-        let mut updated = Vec::new();
-        let mut bytes = 0;
-        for resource in self.looked.look(set) {
-            if !self.subscribed(&resource.name)
-                || self.has.get(&resource.name) == Some(&resource.version)
-            {
-                continue;
-            }
-            if !sendable(&resource.name) {
-                unsendable.push(resource.name.as_str());
-                continue;
-            }
-            let size = resource.resource.value.len();
-            if !updated.is_empty() && bytes + size > limit {
-                stopped = Some(resource.name.as_str());
-                break;
-            }
-            bytes += size;
-            updated.push(resource);
-        }
-        match stopped {
-            Some(name) => self.looked.stop(set, name),
-            None => self.looked.finish(set),
-        }
-        for name in &unsendable {
-            self.looked.again(name);
-        }
-        let held = stopped.is_some() || !unsendable.is_empty();
+        let (wildcard, names, has) = (self.wildcard, &self.names, &self.has);
+        let filled = self.looked.fill(
+            set,
+            |r| (wildcard || names.contains(&r.name)) && has.get(&r.name) != Some(&r.version),
+            sendable,
+            limit,
+        );
+        let (updated, held) = (filled.resources, filled.held);
         if updated.is_empty() && removed.is_empty() && !fresh {
             return (None, held);
         }

@@ -20,6 +20,15 @@ use std::{collections::BTreeSet, ops::Bound};
 
 use crate::xds::cache::{TypeResources, VersionedResource};
 
+/// One response's resources, as [`Looked::fill`] chose them.
+#[derive(Debug, Default)]
+pub(super) struct Filled<'a> {
+    /// What goes in the response, in name order.
+    pub(super) resources: Vec<&'a VersionedResource>,
+    /// Whether anything owed was held back (for the next response, or for its cluster).
+    pub(super) held: bool,
+}
+
 /// What a stream looked at in one type's resources.
 #[derive(Debug, Default)]
 pub(super) struct Looked {
@@ -100,6 +109,49 @@ impl Looked {
             }
         }
         out
+    }
+
+    /// Fills one response from `set`, the rule both variants follow: of the resources to look at,
+    /// in name order, those `owed` (subscribed, and the client does not have them as they are) and
+    /// `sendable` go in until one would take the response past `limit` bytes (the first always
+    /// goes), where the look stops; those owed and not sendable (their cluster not sent yet) are put
+    /// back.
+    pub(super) fn fill<'a>(
+        &mut self,
+        set: &'a TypeResources,
+        owed: impl Fn(&VersionedResource) -> bool,
+        sendable: impl Fn(&str) -> bool,
+        limit: usize,
+    ) -> Filled<'a> {
+        let mut filled = Filled::default();
+        let mut bytes = 0;
+        let mut unsendable = Vec::new();
+        let mut stopped = None;
+        for r in self.look(set) {
+            if !owed(r) {
+                continue;
+            }
+            if !sendable(&r.name) {
+                unsendable.push(r.name.as_str());
+                continue;
+            }
+            let size = r.resource.value.len();
+            if !filled.resources.is_empty() && bytes + size > limit {
+                stopped = Some(r.name.as_str());
+                break;
+            }
+            bytes += size;
+            filled.resources.push(r);
+        }
+        match stopped {
+            Some(name) => self.stop(set, name),
+            None => self.finish(set),
+        }
+        for name in &unsendable {
+            self.again(name);
+        }
+        filled.held = stopped.is_some() || !unsendable.is_empty();
+        filled
     }
 
     /// The look at `set` went through every resource it was given.

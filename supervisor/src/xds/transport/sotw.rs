@@ -222,46 +222,26 @@ impl StreamState {
             // an ADS client gets endpoints only for clusters it also receives over the same stream
             // (Envoy subscribes to CDS first whenever its clusters come over ADS).
             let known = ads.then(|| self.clusters.as_ref().and_then(|c| c.sent.as_ref()));
-            let mut changed = BTreeMap::new();
-            let mut bytes = 0;
-            let mut found = false;
-            let mut unknown = Vec::new();
-            let mut stopped = None;
-            for r in watch.looked.look(&set) {
-                if !watch.names.contains(&r.name) {
-                    continue;
-                }
-                found = true;
-                if sent.get(&r.name) == Some(&r.serial) {
-                    continue;
-                }
-                if known.is_some_and(|k| !k.is_some_and(|k| k.contains_key(&r.name))) {
-                    // Held until its cluster is sent.
-                    unknown.push(r.name.as_str());
-                    continue;
-                }
-                let size = r.resource.value.len();
-                if !changed.is_empty() && bytes + size > EDS_RESPONSE_BYTES {
-                    // The rest follow once the client answers this response.
-                    stopped = Some(r.name.as_str());
-                    break;
-                }
-                bytes += size;
-                changed.insert(r.name.clone(), r.serial);
-            }
-            match stopped {
-                Some(name) => watch.looked.stop(&set, name),
-                None => watch.looked.finish(&set),
-            }
-            for name in &unknown {
-                watch.looked.again(name);
-            }
-            owed.held = stopped.is_some() || !unknown.is_empty();
-            if !changed.is_empty() {
+            let names = &watch.names;
+            let filled = watch.looked.fill(
+                &set,
+                |r| names.contains(&r.name) && sent.get(&r.name) != Some(&r.serial),
+                |name| known.is_none_or(|k| k.is_some_and(|k| k.contains_key(name))),
+                EDS_RESPONSE_BYTES,
+            );
+            owed.held = filled.held;
+            if !filled.resources.is_empty() {
+                let changed = filled
+                    .resources
+                    .iter()
+                    .map(|r| (r.name.clone(), r.serial))
+                    .collect();
                 let response = respond_changed(watch, &set, changed);
                 owed.sent = Some(response.nonce.clone());
                 out.push(response);
-            } else if !found && fresh == Some(ENDPOINT_TYPE_URL) {
+            } else if fresh == Some(ENDPOINT_TYPE_URL)
+                && !watch.names.iter().any(|n| set.resources.contains_key(n))
+            {
                 tracing::debug!(names = ?watch.names, "No requested endpoints exist yet, waiting");
             }
         }
