@@ -65,7 +65,8 @@ impl Looked {
         removed
     }
 
-    /// Whether a look at `set` would find nothing: every name was looked at it, none put back.
+    /// Whether a look at `set` would find nothing: every name was looked at at its serial, and none
+    /// was put back.
     pub(super) fn done(&self, set: &TypeResources) -> bool {
         self.at == Some(set.serial) && self.stop.is_none() && self.again.is_empty()
     }
