@@ -93,6 +93,9 @@ const RESPONSE_BUFFER: usize = 2;
 #[derive(Clone, Debug)]
 pub struct XdsService {
     resources: watch::Receiver<Arc<Resources>>,
+    /// The same, published only when a type of clusters changed: what CDS streams wait on, so a
+    /// change of endpoints wakes none of them.
+    clusters: watch::Receiver<Arc<Resources>>,
     acks: Arc<Acks>,
     counters: Arc<XdsCounters>,
 }
@@ -140,8 +143,27 @@ impl XdsService {
         acks: Arc<Acks>,
         counters: Arc<XdsCounters>,
     ) -> Self {
+        let (tx, clusters) = watch::channel(resources.borrow().clone());
+        let mut from = resources.clone();
+        tokio::spawn(async move {
+            while from.changed().await.is_ok() {
+                let now = from.borrow_and_update().clone();
+                tx.send_if_modified(|held| {
+                    let changed = held.clusters.version != now.clusters.version
+                        || held.delta_clusters.version != now.delta_clusters.version
+                        || held.ads_clusters.version != now.ads_clusters.version;
+                    if changed {
+                        *held = now;
+                    }
+                    changed
+                });
+            }
+            // Dropping `tx` tells CDS streams the control plane is going away, as the cache's
+            // sender does the others.
+        });
         XdsService {
             resources,
+            clusters,
             acks,
             counters,
         }
@@ -156,10 +178,14 @@ impl XdsService {
         Stream<W>: StreamRules,
     {
         let (tx, rx) = mpsc::channel(RESPONSE_BUFFER);
+        let resources = match kind {
+            StreamKind::Cds | StreamKind::DeltaCds => &self.clusters,
+            _ => &self.resources,
+        };
         tokio::spawn(run_stream::<W>(
             kind,
             requests,
-            self.resources.clone(),
+            resources.clone(),
             (self.acks.clone(), self.counters.clone()),
             tx,
         ));
