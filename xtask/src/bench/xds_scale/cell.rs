@@ -31,7 +31,7 @@ use peregrine_e2e::{Supervisor, TempDir, free_port};
 use tokio::{runtime::Runtime, sync::watch};
 
 use super::{
-    client::{self, Control, Kind, Shared},
+    client::{self, ClientStats, Control, Kind, Shared},
     records::Fleet,
 };
 use crate::bench::machine::Busy;
@@ -231,6 +231,14 @@ pub(super) fn run(rt: &Runtime, etcd: SocketAddr, spec: &Spec<'_>) -> anyhow::Re
     Ok(cell)
 }
 
+/// Each client's count now, less its count `before`.
+fn since(before: &[u64], now: Vec<u64>) -> Vec<u64> {
+    now.iter()
+        .zip(before)
+        .map(|(now, before)| now - before)
+        .collect()
+}
+
 /// The last `n` lines of `text`.
 fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
@@ -315,19 +323,12 @@ impl Clients {
         }
     }
 
-    fn eds_responses(&self) -> Vec<u64> {
+    /// Each client's `counter`.
+    fn per_client(&self, counter: impl Fn(&ClientStats) -> &AtomicU64) -> Vec<u64> {
         self.shared
             .clients
             .iter()
-            .map(|c| c.eds_responses.load(Ordering::Relaxed))
-            .collect()
-    }
-
-    fn eds_states(&self) -> Vec<u64> {
-        self.shared
-            .clients
-            .iter()
-            .map(|c| c.eds_states.load(Ordering::Relaxed))
+            .map(|c| counter(c).load(Ordering::Relaxed))
             .collect()
     }
 
@@ -477,8 +478,8 @@ fn one_change(
         .collect();
     // The clients' own count of targets, not the markers' (which count over the cell's clients).
     let target = clients.shared.set_target(Fleet::markers(&expected));
-    let pushes_before = clients.eds_responses();
-    let states_before = clients.eds_states();
+    let pushes_before = clients.per_client(|c| &c.eds_responses);
+    let states_before = clients.per_client(|c| &c.eds_states);
     let bytes_before = clients.bytes();
     let (cpu_before, ticks_before) = (on_cpu_ns(pid)?, ticks_ms(pid)?);
     let me = std::process::id();
@@ -518,18 +519,8 @@ fn one_change(
         cpu_ms: ((cpu_after - cpu_before) as f64 / 1e6 - idle_ms_per_s * elapsed).max(0.0),
         cpu_ticks_ms: ticks_after - ticks_before,
         bytes: clients.bytes() - bytes_before,
-        pushes: clients
-            .eds_responses()
-            .iter()
-            .zip(&pushes_before)
-            .map(|(after, before)| after - before)
-            .collect(),
-        states: clients
-            .eds_states()
-            .iter()
-            .zip(&states_before)
-            .map(|(after, before)| after - before)
-            .collect(),
+        pushes: since(&pushes_before, clients.per_client(|c| &c.eds_responses)),
+        states: since(&states_before, clients.per_client(|c| &c.eds_states)),
         client_cpu_ms: client_after - client_before,
     })
 }
