@@ -145,6 +145,13 @@ impl Resources {
         }
     }
 
+    /// Whether a type of clusters is at another version in `other`.
+    pub fn clusters_differ(&self, other: &Resources) -> bool {
+        self.clusters.version != other.clusters.version
+            || self.delta_clusters.version != other.delta_clusters.version
+            || self.ads_clusters.version != other.ads_clusters.version
+    }
+
     /// The cluster load assignments `requester` is sent: under local-first routing its variant
     /// (built on first ask), else [`Resources::endpoints`].
     pub fn endpoints_for(&self, requester: &Requester) -> Arc<TypeResources> {
@@ -493,9 +500,7 @@ impl Cache {
         let snapshot = snapshots.borrow_and_update().clone();
         let resources = self.build(&snapshot);
         tx.send_if_modified(|current| {
-            let changed = current.clusters.version != resources.clusters.version
-                || current.delta_clusters.version != resources.delta_clusters.version
-                || current.ads_clusters.version != resources.ads_clusters.version
+            let changed = current.clusters_differ(&resources)
                 || current.endpoints.version != resources.endpoints.version;
             if changed {
                 tracing::debug!(

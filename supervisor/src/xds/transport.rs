@@ -149,9 +149,7 @@ impl XdsService {
             while from.changed().await.is_ok() {
                 let now = from.borrow_and_update().clone();
                 tx.send_if_modified(|held| {
-                    let changed = held.clusters.version != now.clusters.version
-                        || held.delta_clusters.version != now.delta_clusters.version
-                        || held.ads_clusters.version != now.ads_clusters.version;
+                    let changed = held.clusters_differ(&now);
                     if changed {
                         *held = now;
                     }
