@@ -23,11 +23,6 @@ pub mod upstream_tls;
 
 use std::{collections::BTreeMap, future::Future, sync::Arc, time::Duration};
 
-use envoy_types::pb::envoy::service::{
-    cluster::v3::cluster_discovery_service_server::ClusterDiscoveryServiceServer,
-    discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer,
-    endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryServiceServer,
-};
 use tokio::{net::TcpListener, sync::watch};
 use tonic::transport::{Server, server::Router};
 use tower::layer::util::{Identity, Stack};
@@ -36,7 +31,7 @@ use self::{
     acks::Acks,
     cache::{Cache, Resources},
     resources::{Balancer, ClusterOptions, EdsSource},
-    transport::XdsService,
+    transport::{AggregatedServer, ClusterServer, EndpointServer, XdsService},
 };
 use crate::{
     grpc_port::{self, Admission, TrackStreamsLayer},
@@ -171,9 +166,9 @@ pub fn router(
 ) -> GrpcRouter {
     let service = XdsService::new(resources, acks, counters);
     server()
-        .add_service(ClusterDiscoveryServiceServer::new(service.clone()))
-        .add_service(EndpointDiscoveryServiceServer::new(service.clone()))
-        .add_service(AggregatedDiscoveryServiceServer::new(service))
+        .add_service(ClusterServer(service.clone()))
+        .add_service(EndpointServer(service.clone()))
+        .add_service(AggregatedServer(service))
 }
 
 /// Where [`serve`] listens.

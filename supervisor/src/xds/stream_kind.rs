@@ -51,6 +51,14 @@ impl StreamKind {
         }
     }
 
+    /// Whether the stream is delta (incremental) xDS.
+    pub(super) fn is_delta(self) -> bool {
+        matches!(
+            self,
+            StreamKind::DeltaCds | StreamKind::DeltaEds | StreamKind::DeltaAds
+        )
+    }
+
     /// Whether the stream is ADS (delta or not).
     pub(super) fn is_ads(self) -> bool {
         self.dedicated_type().is_none()

@@ -1,9 +1,9 @@
 //! The gRPC transport: CDS, EDS and ADS streams, state of the world ([`sotw`]) or delta ([`delta`]),
 //! over the [`Resources`] the cache publishes.
 //!
-//! This module holds what both variants share: the tonic services, the task that drives a stream
-//! ([`run_stream`]), and the per-stream state that does not depend on the variant ([`Stream`]: its
-//! kind, its node, and how far the client has ACKed its endpoints). Each variant brings what it
+//! This module holds what both variants share: the services on the wire ([`wire`]), the task that
+//! drives a stream ([`run_stream`]), and the per-stream state that does not depend on the variant
+//! ([`Stream`]: its kind, its node, and how far the client has ACKed its endpoints). Each variant brings what it
 //! knows about one resource type (a `W` in [`Stream<W>`]) and its rules ([`StreamRules`]).
 //!
 //! Both variants send a response exactly when one is owed, so an ACK gets no reply and a NACK is not
@@ -29,35 +29,23 @@ mod looked;
 #[cfg(test)]
 mod scenarios;
 mod sotw;
+mod wire;
 
 use std::sync::{
     Arc,
     atomic::{AtomicU64, Ordering},
 };
 
-use envoy_types::pb::{
-    envoy::{
-        config::core::v3::Node,
-        service::{
-            cluster::v3::cluster_discovery_service_server::ClusterDiscoveryService,
-            discovery::v3::{
-                DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-                aggregated_discovery_service_server::AggregatedDiscoveryService,
-            },
-            endpoint::v3::endpoint_discovery_service_server::EndpointDiscoveryService,
-        },
-    },
-    google::rpc::Status as RpcStatus,
-};
+use envoy_types::pb::{envoy::config::core::v3::Node, google::rpc::Status as RpcStatus};
 use tokio::{
     sync::{mpsc, watch},
     time::Instant,
 };
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 use tracing::Instrument;
 
-use self::{delta::DeltaWatch, sotw::TypeWatch};
+pub use self::wire::{AggregatedServer, ClusterServer, EndpointServer};
 use super::stream_kind::StreamKind;
 use super::{
     acks::Acks,
@@ -66,12 +54,6 @@ use super::{
     counters::{self, XdsCounters},
     priorities::Requester,
 };
-
-/// The response stream of every state-of-the-world method.
-pub type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
-
-/// The response stream of every delta method.
-pub type DeltaResponseStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
 
 /// The most assignment bytes one EDS response carries, state of the world or delta (one assignment
 /// larger than this goes alone): about the HTTP/2 stream window a client opens by default (65,535
@@ -190,73 +172,6 @@ impl XdsService {
         ReceiverStream::new(rx)
     }
 }
-
-/// Implements one of tonic's discovery services for [`XdsService`]: its state-of-the-world and delta
-/// methods open a stream of the kind named, and its REST-style fetch, if it has one, is refused. The
-/// three services differ only in the names tonic generates, so one piece of code serves all three.
-macro_rules! discovery_service {
-    (
-        $service:ident {
-            $sotw_stream:ident, $sotw:ident => $sotw_kind:ident,
-            $delta_stream:ident, $delta:ident => $delta_kind:ident
-            $(, fetch: $fetch:ident)? $(,)?
-        }
-    ) => {
-        #[tonic::async_trait]
-        impl $service for XdsService {
-            type $sotw_stream = ResponseStream;
-            type $delta_stream = DeltaResponseStream;
-
-            async fn $sotw(
-                &self,
-                request: Request<Streaming<DiscoveryRequest>>,
-            ) -> Result<Response<Self::$sotw_stream>, Status> {
-                Ok(Response::new(self.open::<TypeWatch>(
-                    StreamKind::$sotw_kind,
-                    request.into_inner(),
-                )))
-            }
-
-            async fn $delta(
-                &self,
-                request: Request<Streaming<DeltaDiscoveryRequest>>,
-            ) -> Result<Response<Self::$delta_stream>, Status> {
-                Ok(Response::new(self.open::<DeltaWatch>(
-                    StreamKind::$delta_kind,
-                    request.into_inner(),
-                )))
-            }
-
-            $(
-                async fn $fetch(
-                    &self,
-                    _: Request<DiscoveryRequest>,
-                ) -> Result<Response<DiscoveryResponse>, Status> {
-                    Err(Status::unimplemented(
-                        "fetch (REST-style) xDS is not supported, use a stream",
-                    ))
-                }
-            )?
-        }
-    };
-}
-
-discovery_service!(ClusterDiscoveryService {
-    StreamClustersStream, stream_clusters => Cds,
-    DeltaClustersStream, delta_clusters => DeltaCds,
-    fetch: fetch_clusters,
-});
-
-discovery_service!(EndpointDiscoveryService {
-    StreamEndpointsStream, stream_endpoints => Eds,
-    DeltaEndpointsStream, delta_endpoints => DeltaEds,
-    fetch: fetch_endpoints,
-});
-
-discovery_service!(AggregatedDiscoveryService {
-    StreamAggregatedResourcesStream, stream_aggregated_resources => Ads,
-    DeltaAggregatedResourcesStream, delta_aggregated_resources => DeltaAds,
-});
 
 /// Drives one stream until the client ends it, the response channel closes or the cache goes away;
 /// keeps it registered in `acks` from its first request until then.
