@@ -112,8 +112,13 @@ trait StreamRules {
     fn type_url(response: &Self::Response) -> &str;
 }
 
+/// What a stream's task hands its response body: a response, boxed because tokio's channel allots
+/// 32 slots per stream whatever its bound (a slot holds 16 bytes, not a 150-200 byte response), or
+/// the status that ends the stream.
+type Outgoing<R> = Result<Box<R>, Status>;
+
 /// The responses of the streams whose state is `Stream<W>`.
-type Responses<W> = ReceiverStream<Result<<Stream<W> as StreamRules>::Response, Status>>;
+type Responses<W> = ReceiverStream<Outgoing<<Stream<W> as StreamRules>::Response>>;
 
 // === impl XdsService ===
 
@@ -180,7 +185,7 @@ async fn run_stream<W: Send + 'static>(
     mut requests: Streaming<<Stream<W> as StreamRules>::Request>,
     mut resources: watch::Receiver<Arc<Resources>>,
     (acks, counters): (Arc<Acks>, Arc<XdsCounters>),
-    tx: mpsc::Sender<Result<<Stream<W> as StreamRules>::Response, Status>>,
+    tx: mpsc::Sender<Outgoing<<Stream<W> as StreamRules>::Response>>,
 ) where
     Stream<W>: StreamRules,
 {
@@ -287,9 +292,9 @@ async fn run_stream<W: Send + 'static>(
             for response in responses {
                 let type_url = Stream::<W>::type_url(&response).to_owned();
                 match room.as_mut().and_then(Iterator::next) {
-                    Some(permit) => permit.send(Ok(response)),
+                    Some(permit) => permit.send(Ok(Box::new(response))),
                     None => {
-                        if tx.send(Ok(response)).await.is_err() {
+                        if tx.send(Ok(Box::new(response))).await.is_err() {
                             return;
                         }
                     }

@@ -3,9 +3,10 @@
 //!
 //! Per stream and per type the server keeps what the client subscribed to (CDS is a wildcard: Envoy
 //! subscribes to `*`, or sends an empty first subscription, which means the same; EDS names clusters)
-//! and what the client has, name -> resource version. The first request's `initial_resource_versions`
-//! seeds what the client has (a reconnecting Envoy sends them), so an unchanged resource is not sent
-//! again; resource versions are hashes of the content, so they stay valid across supervisor restarts.
+//! and what the client has, name -> resource version (kept as the serial of the resource at that
+//! version). The first request's `initial_resource_versions` seeds what the client has (a
+//! reconnecting Envoy sends them), so an unchanged resource is not sent again; resource versions are
+//! hashes of the content, so they stay valid across supervisor restarts.
 //! (Measured with Envoy 1.40: its first CDS request subscribes to nothing, its EDS requests name the
 //! cluster; on reconnecting it sends the same subscriptions with `initial_resource_versions`.)
 //! A response carries every subscribed resource whose version differs from what the client has, and
@@ -43,6 +44,10 @@ use crate::xds::{
 /// The name that subscribes to every resource of a type.
 const WILDCARD: &str = "*";
 
+/// The serial of what a client has when it said it had a version that is not the one served (or
+/// one of a resource that does not exist): no resource has it, so the resource is owed.
+const OTHER: u64 = u64::MAX;
+
 /// What a delta stream knows about one resource type.
 #[derive(Debug, Default)]
 pub(super) struct DeltaWatch {
@@ -52,9 +57,11 @@ pub(super) struct DeltaWatch {
     names: BTreeSet<String>,
     /// The nonce of the last response sent.
     nonce: Option<String>,
-    /// What the client has, name -> version: what it said on its first request, then what it was
-    /// sent (a NACKed resource included: see the module docs). Only subscribed names.
-    has: BTreeMap<String, String>,
+    /// What the client has, name -> the serial of that resource (which moves exactly when its
+    /// version does; a number, not the version string: 1,000 streams hold this for every cluster):
+    /// what it was sent (a NACKed resource included: see the module docs), or what it said it had
+    /// on its first request ([`OTHER`] when that is not the version served). Only subscribed names.
+    has: BTreeMap<String, u64>,
     /// Which resources a pass has yet to look at: a pass costs what changed since the last.
     looked: Looked,
 }
@@ -69,8 +76,9 @@ impl DeltaWatch {
         self.wildcard || self.names.contains(name)
     }
 
-    /// Applies a request's subscription changes; `first` says it is the type's first request.
-    fn subscribe(&mut self, request: &mut DeltaDiscoveryRequest, first: bool) {
+    /// Applies a request's subscription changes; `first` says it is the type's first request, whose
+    /// `initial_resource_versions` are compared with `set`.
+    fn subscribe(&mut self, request: &mut DeltaDiscoveryRequest, first: bool, set: &TypeResources) {
         let was_wildcard = self.wildcard;
         if first && request.resource_names_subscribe.is_empty() {
             // An empty first subscription is a wildcard (the legacy form of `*`).
@@ -103,7 +111,12 @@ impl DeltaWatch {
         if first {
             for (name, version) in request.initial_resource_versions.drain() {
                 if self.subscribed(&name) {
-                    self.has.insert(name, version);
+                    let serial = set
+                        .resources
+                        .get(&name)
+                        .filter(|r| r.version == version)
+                        .map_or(OTHER, |r| r.serial);
+                    self.has.insert(name, serial);
                 }
             }
         }
@@ -136,7 +149,7 @@ impl DeltaWatch {
         let (wildcard, names, has) = (self.wildcard, &self.names, &self.has);
         let filled = self.looked.fill(
             set,
-            |r| (wildcard || names.contains(&r.name)) && has.get(&r.name) != Some(&r.version),
+            |r| (wildcard || names.contains(&r.name)) && has.get(&r.name) != Some(&r.serial),
             sendable,
             limit,
         );
@@ -145,8 +158,7 @@ impl DeltaWatch {
             return (None, held);
         }
         for resource in &updated {
-            self.has
-                .insert(resource.name.clone(), resource.version.clone());
+            self.has.insert(resource.name.clone(), resource.serial);
         }
         for name in &removed {
             self.has.remove(name);
@@ -203,6 +215,9 @@ impl StreamRules for DeltaStreamState {
         let Some(type_url) = self.kind.requested_type(&request.type_url)? else {
             return Ok(Vec::new());
         };
+        let set = resources
+            .get(type_url, self.kind.eds_via(), &self.requester)
+            .expect("every requested type is served");
         let slot = match type_url {
             CLUSTER_TYPE_URL => &mut self.clusters,
             _ => &mut self.endpoints,
@@ -239,7 +254,7 @@ impl StreamRules for DeltaStreamState {
         // A first wildcard subscription is owed a response even if it is empty (it tells Envoy there
         // are no clusters), unless the client already has resources.
         let fresh = first && request.initial_resource_versions.is_empty();
-        watch.subscribe(&mut request, first);
+        watch.subscribe(&mut request, first, &set);
         let fresh = (fresh && watch.wildcard).then_some(type_url);
         Ok(self.respond_all(resources, fresh))
     }
@@ -460,5 +475,10 @@ mod tests {
         };
         assert!(state.on_request(reconnect, &r1).unwrap().is_empty());
         assert_eq!(state.synced_revision(), Some(1));
+        // What the client said it had is held as that version: a change after it is sent.
+        let r2 = fixture.register("a", 1, 11);
+        let out = state.on_resources(&r2);
+        assert_eq!(out.len(), 1);
+        assert_eq!(names(&out[0]), ["a"]);
     }
 }
