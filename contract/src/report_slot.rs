@@ -1,6 +1,6 @@
 //! A worker's latest load report, where the worker reads it without a syscall: for in-band ORCA, the
-//! supervisor writes each worker's report here, and the worker copies it into every response as the
-//! `endpoint-load-metrics-bin` header.
+//! supervisor writes each worker's report here, and the worker copies it into its responses (each
+//! report once per connection) as the `endpoint-load-metrics-bin` header.
 //!
 //! Layout (the one definition): the slot lives in the worker's *own* counter region (the one-line
 //! `memfd` a worker that counts its own requests inherits, [`crate::counters`]), right after the

@@ -60,7 +60,7 @@ pub struct OrcaPolicy {
     /// streams with TLS. Records written before TLS existed lack it: cleartext.
     #[serde(default)]
     pub tls: bool,
-    /// Whether the workers carry their reports in band, in each response's
+    /// Whether the workers carry their reports in band, in their responses'
     /// `endpoint-load-metrics-bin` header (`orca = "in-band"`): Envoy then opens no stream
     /// (`enable_oob_load_report` off). Records written before in-band reports existed lack it: out
     /// of band.

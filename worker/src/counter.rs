@@ -58,7 +58,7 @@ pub enum AttachError {
 /// Attaching twice is an error.
 ///
 /// A worker's own region (lane 0) may also hold its load report slot: it is mapped too, and its
-/// report goes out with every response ([`crate::load_report`]).
+/// report goes out once per connection ([`crate::load_report`]).
 pub fn attach(fd: BorrowedFd<'_>, lane: usize) -> Result<(), AttachError> {
     let region =
         CounterRegion::map(fd, lane + 1).map_err(|source| AttachError::Map { lane, source })?;

@@ -89,6 +89,7 @@ use self::{
 };
 use crate::{
     budget::Budget,
+    load_report::Carried,
     service::{HttpService, RequestBody},
     stream::{Io, Stream},
     uring_io::UringIo,
@@ -283,6 +284,8 @@ where
     tracing::debug!("HTTP/2 connection established");
 
     let resets = Resets::new(limits.premature_reset_window, Instant::now());
+    // Which load report the connection last carried (each goes out once per connection).
+    let carried = Carried::default();
     let mut receiving = FuturesUnordered::new();
     let mut queued: VecDeque<Received> = VecDeque::new();
     let mut responding = FuturesUnordered::new();
@@ -388,8 +391,8 @@ where
                     };
                     // Most calls are ready at once: the response is sent from here, in a box kept
                     // for the next one, and only one that must wait joins `responding`.
-                    let response =
-                        respond_to(call, respond, head_only, charge, &resets).instrument(span);
+                    let response = respond_to(call, respond, head_only, charge, &resets, &carried)
+                        .instrument(span);
                     let mut slot = match spare.take() {
                         Some(mut slot) => {
                             Pin::set(&mut slot, response.fuse());

@@ -91,7 +91,7 @@ pub enum OrcaReports {
     /// `orca = true` or `"out-of-band"`: each Envoy opens a gRPC stream per worker to the
     /// supervisor, which reports on it.
     OutOfBand,
-    /// `orca = "in-band"`: each response of a worker carries its latest report (the
+    /// `orca = "in-band"`: a worker's responses carry its latest report, each once per connection (the
     /// `endpoint-load-metrics-bin` header), which the supervisor leaves in the worker's shared memory;
     /// no stream. Reaches `unix://` workers too; not `pass_socket` servers, which add no header.
     InBand,
@@ -235,7 +235,7 @@ impl Checker<'_> {
             .or(policy.clone().map(|(_, s)| s));
         let why_not = match (reach, reports) {
             (_, OrcaReports::InBand) if pass_socket => Some(
-                "orca = \"in-band\" needs each response to carry the worker's load report (a \
+                "orca = \"in-band\" needs the worker's responses to carry its load report (a \
                  header the worker library adds), which a pass_socket server does not send: use \
                  orca = true (out of band) for it",
             ),
@@ -644,8 +644,8 @@ mod tests {
         assert_eq!(got.len(), 1, "{got:?}");
         assert!(
             got[0].starts_with(
-                "line 4: service.p.orca: orca = \"in-band\" needs each response to carry the \
-                 worker's load report"
+                "line 4: service.p.orca: orca = \"in-band\" needs the worker's responses to \
+                 carry its load report"
             ),
             "{got:?}"
         );

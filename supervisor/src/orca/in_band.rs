@@ -1,6 +1,6 @@
 //! In-band ORCA (`orca = "in-band"`): each worker's latest load report, written where the worker
 //! reads it without a syscall (the report slot of its own counter region,
-//! [`peregrine_contract::report_slot`]), which it sends in every response as the
+//! [`peregrine_contract::report_slot`]), which it sends as the
 //! `endpoint-load-metrics-bin` header. Envoy opens no stream per (Envoy, worker): its client-side
 //! weighted round robin, with `enable_oob_load_report` off, reads the header instead.
 //!

@@ -32,6 +32,7 @@ use crate::{
     BoxError,
     budget::{Budget, Charge},
     http2::GOAWAY_PROTOCOL_ERROR,
+    load_report::Carried,
     service::{HttpService, RequestBody},
     stream::Io,
 };
@@ -91,6 +92,7 @@ where
         },
         continued: false,
         first_request: true,
+        carried: Carried::default(),
     };
     connection.run().await
 }
@@ -119,6 +121,8 @@ struct Connection<'a, 't, I, S> {
     /// Whether `100 Continue` went out for the request at the front of `input`.
     continued: bool,
     first_request: bool,
+    /// Which load report the connection last carried (each goes out once per connection).
+    carried: Carried,
 }
 
 /// What the front of `input` still lacks after a turn's parsing.
@@ -310,6 +314,7 @@ impl<I: Io, S: HttpService> Connection<'_, '_, I, S> {
             version,
             head_only,
             keep_alive,
+            &self.carried,
         )
         .await;
         match written {

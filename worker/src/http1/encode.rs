@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 
 use crate::{
     BoxError,
-    load_report::{self, LOAD_METRICS_HEADER},
+    load_report::{self, Carried, LOAD_METRICS_HEADER},
     stream::Io,
 };
 
@@ -321,7 +321,8 @@ where
 
 /// Appends `res` to `out` (writing as it goes when its body is large or slow); returns whether the
 /// connection stays open afterwards. `request_version`, `head_only` and `keep_alive` are as for
-/// [`encode_head`].
+/// [`encode_head`]; the latest load report goes with it unless the connection (`carried`) has
+/// carried it already.
 pub(super) async fn write_response<I, B>(
     io: &I,
     out: &mut Vec<u8>,
@@ -329,6 +330,7 @@ pub(super) async fn write_response<I, B>(
     request_version: Version,
     head_only: bool,
     keep_alive: bool,
+    carried: &Carried,
 ) -> Result<bool, BodyError>
 where
     I: Io,
@@ -337,7 +339,7 @@ where
 {
     let (parts, body) = res.into_parts();
     let size = body.size_hint().exact();
-    let (framing, keep_alive) = load_report::with_header(|report| {
+    let (framing, keep_alive) = load_report::with_new_header(carried, |report| {
         encode_head(
             out,
             &parts,

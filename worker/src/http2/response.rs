@@ -21,7 +21,7 @@ use super::resets::Resets;
 use crate::{
     BoxError,
     budget::Charge,
-    load_report::{self, LOAD_METRICS_HEADER},
+    load_report::{self, Carried, LOAD_METRICS_HEADER},
 };
 
 /// Sends a short plain-text error response and ends the stream.
@@ -72,6 +72,7 @@ pub(super) async fn respond_to<F, B, E>(
     head_only: bool,
     charge: Option<Charge>,
     resets: &Resets,
+    carried: &Carried,
 ) where
     F: Future<Output = Result<Response<B>, E>>,
     E: Into<BoxError>,
@@ -103,7 +104,7 @@ pub(super) async fn respond_to<F, B, E>(
             return;
         }
     };
-    let sent = send_response(respond, response, head_only).await;
+    let sent = send_response(respond, response, head_only, carried).await;
     // The request body's bytes are the application's no more.
     drop(charge);
     match sent {
@@ -132,6 +133,7 @@ async fn send_response<B>(
     mut respond: SendResponse<Bytes>,
     response: Response<B>,
     head_only: bool,
+    carried: &Carried,
 ) -> Result<(), SendError>
 where
     B: Body,
@@ -157,8 +159,8 @@ where
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     }
-    // The worker's ORCA load report, unless the application sent one itself.
-    if let Some(report) = load_report::header()
+    // The worker's ORCA load report, once per connection, unless the application sent one itself.
+    if let Some(report) = load_report::new_header(carried)
         && let header::Entry::Vacant(entry) = parts.headers.entry(LOAD_METRICS_HEADER)
     {
         entry.insert(report);

@@ -56,7 +56,7 @@ const CANDIDATES: [(&str, &str); 2] = [
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Server {
     Worker,
-    /// The worker again, its service `orca = "in-band"`: every response carries its load report
+    /// The worker again, its service `orca = "in-band"`: each connection carries each of its load reports once
     /// (`--orca-in-band`).
     WorkerInBand,
     Hyper,
@@ -166,7 +166,7 @@ struct Options {
     idle: Option<usize>,
     /// Instead of the loads: each server behind an Envoy of its own, over HTTP/2.
     behind_envoy: bool,
-    /// Also measure the worker with its in-band ORCA load report on every response.
+    /// Also measure the worker with its in-band ORCA load reports (each once per connection).
     orca_in_band: bool,
 }
 

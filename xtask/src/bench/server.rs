@@ -60,7 +60,8 @@ impl Running {
     }
 
     /// [`Running::worker`] in `dir` (created), its service `orca = "in-band"`: once the sampler
-    /// has two readings, every response carries the worker's load report, which this waits for.
+    /// has two readings, a new connection's first response carries the worker's load report, which
+    /// this waits for.
     pub(super) fn worker_in_band(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let running = Running::worker_with_service(peregrine, dir, "", "orca = \"in-band\"\n")?;
