@@ -3,8 +3,9 @@
 //!
 //! This module holds what both variants share: the services on the wire ([`wire`]), the task that
 //! drives a stream ([`run_stream`]), and the per-stream state that does not depend on the variant
-//! ([`Stream`]: its kind, its node, and how far the client has ACKed its endpoints). Each variant brings what it
-//! knows about one resource type (a `W` in [`Stream<W>`]) and its rules ([`StreamRules`]).
+//! ([`Stream`]: its kind, its node, and how far the client has ACKed its endpoints). Each variant
+//! brings what it knows about one resource type (a `W` in [`Stream<W>`]) and its rules
+//! ([`StreamRules`]).
 //!
 //! Both variants send a response exactly when one is owed, so an ACK gets no reply and a NACK is not
 //! answered with the same content again (go-control-plane's resend loop, its issue #962). CDS is

@@ -77,8 +77,13 @@ impl DeltaWatch {
     }
 
     /// Applies a request's subscription changes; `first` says it is the type's first request, whose
-    /// `initial_resource_versions` are compared with `set`.
-    fn subscribe(&mut self, request: &mut DeltaDiscoveryRequest, first: bool, set: &TypeResources) {
+    /// `initial_resource_versions` are compared with `served` (given when there are any).
+    fn subscribe(
+        &mut self,
+        request: &mut DeltaDiscoveryRequest,
+        first: bool,
+        served: Option<&TypeResources>,
+    ) {
         let was_wildcard = self.wildcard;
         if first && request.resource_names_subscribe.is_empty() {
             // An empty first subscription is a wildcard (the legacy form of `*`).
@@ -108,10 +113,10 @@ impl DeltaWatch {
             let (wildcard, names) = (self.wildcard, &self.names);
             self.has.retain(|name, _| wildcard || names.contains(name));
         }
-        if first {
+        if first && let Some(served) = served {
             for (name, version) in request.initial_resource_versions.drain() {
                 if self.subscribed(&name) {
-                    let serial = set
+                    let serial = served
                         .resources
                         .get(&name)
                         .filter(|r| r.version == version)
@@ -215,9 +220,6 @@ impl StreamRules for DeltaStreamState {
         let Some(type_url) = self.kind.requested_type(&request.type_url)? else {
             return Ok(Vec::new());
         };
-        let set = resources
-            .get(type_url, self.kind.eds_via(), &self.requester)
-            .expect("every requested type is served");
         let slot = match type_url {
             CLUSTER_TYPE_URL => &mut self.clusters,
             _ => &mut self.endpoints,
@@ -254,7 +256,13 @@ impl StreamRules for DeltaStreamState {
         // A first wildcard subscription is owed a response even if it is empty (it tells Envoy there
         // are no clusters), unless the client already has resources.
         let fresh = first && request.initial_resource_versions.is_empty();
-        watch.subscribe(&mut request, first, &set);
+        // What the client says it has is compared with what is served, once.
+        let served = (first && !fresh).then(|| {
+            resources
+                .get(type_url, self.kind.eds_via(), &self.requester)
+                .expect("every requested type is served")
+        });
+        watch.subscribe(&mut request, first, served.as_deref());
         let fresh = (fresh && watch.wildcard).then_some(type_url);
         Ok(self.respond_all(resources, fresh))
     }
