@@ -49,11 +49,17 @@ struct Cached {
     value: Option<HeaderValue>,
 }
 
-thread_local! {
-    static CACHED: RefCell<Cached> = const {
-        // An odd sequence: never the sequence of a whole report, so the first call reads the slot.
-        RefCell::new(Cached { sequence: u64::MAX, value: None })
+impl Cached {
+    /// Nothing read yet: an odd sequence, never that of a whole report, so the first look reads
+    /// the slot.
+    const NONE: Cached = Cached {
+        sequence: u64::MAX,
+        value: None,
     };
+}
+
+thread_local! {
+    static CACHED: RefCell<Cached> = const { RefCell::new(Cached::NONE) };
 }
 
 /// Maps the report slot of the worker region behind `fd`, if it has one; `Ok(false)` when it has
@@ -87,7 +93,7 @@ pub(crate) fn with_new_header<R>(
         None => f(None),
         Some(slot) => CACHED.with(|cached| {
             let cached = &mut cached.borrow_mut();
-            latest(slot, cached, |_| ());
+            refresh(slot, cached);
             f(new_for(carried, cached))
         }),
     }
@@ -105,13 +111,9 @@ fn new_for<'a>(carried: &Carried, cached: &'a Cached) -> Option<&'a HeaderValue>
     (carried.0.replace(cached.sequence) != cached.sequence).then_some(value)
 }
 
-/// Calls `f` with the header value of `slot`'s report, read again into `cached` only when the slot's
-/// sequence moved.
-fn latest<R>(
-    slot: &ReportSlot,
-    cached: &mut Cached,
-    f: impl FnOnce(Option<&HeaderValue>) -> R,
-) -> R {
+/// Reads `slot`'s report into `cached` when the slot's sequence moved. While a report is being
+/// written the last whole one stays: it is at most one sample old.
+fn refresh(slot: &ReportSlot, cached: &mut Cached) {
     let sequence = slot.sequence();
     if cached.sequence != sequence
         && let Some(report) = slot.read()
@@ -129,9 +131,6 @@ fn latest<R>(
             });
         cached.sequence = report.sequence;
     }
-    // While a report is being written the last whole one is sent again: it is at most one sample
-    // old.
-    f(cached.value.as_ref())
 }
 
 #[cfg(test)]
@@ -142,16 +141,22 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn the_header_follows_the_slot() {
-        let (fd, _counters) = CounterRegion::create_for_worker().unwrap();
+    /// A worker's region, its slot as the supervisor writes it and as the worker reads it.
+    fn slot() -> (CounterRegion, ReportSlot, ReportSlot) {
+        let (fd, counters) = CounterRegion::create_for_worker().unwrap();
         let writer = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
         let reader = ReportSlot::map(fd.as_fd(), Access::ReadOnly).unwrap();
-        let mut cached = Cached {
-            sequence: u64::MAX,
-            value: None,
+        (counters, writer, reader)
+    }
+
+    #[test]
+    fn the_header_follows_the_slot() {
+        let (_counters, writer, reader) = slot();
+        let mut cached = Cached::NONE;
+        let mut header = || {
+            refresh(&reader, &mut cached);
+            cached.value.clone()
         };
-        let mut header = || latest(&reader, &mut cached, |value| value.cloned());
         assert_eq!(header(), None);
         writer.write(b"CQAAAAAAAOA/").unwrap();
         assert_eq!(header().unwrap(), "CQAAAAAAAOA/");
@@ -164,16 +169,11 @@ mod tests {
 
     #[test]
     fn a_connection_carries_each_report_once() {
-        let (fd, _counters) = CounterRegion::create_for_worker().unwrap();
-        let writer = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
-        let reader = ReportSlot::map(fd.as_fd(), Access::ReadOnly).unwrap();
-        let mut cached = Cached {
-            sequence: u64::MAX,
-            value: None,
-        };
+        let (_counters, writer, reader) = slot();
+        let mut cached = Cached::NONE;
         let (one, two) = (Carried::default(), Carried::default());
         let mut carries = |carried: &Carried| {
-            latest(&reader, &mut cached, |_| ());
+            refresh(&reader, &mut cached);
             new_for(carried, &cached).cloned()
         };
         assert_eq!(carries(&one), None, "no report yet");
