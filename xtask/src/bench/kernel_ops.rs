@@ -33,20 +33,39 @@ pub(super) struct Counting {
     perf: Child,
 }
 
+/// How long perf may take to open its counters and acknowledge that they count.
+const ATTACH_DEADLINE: Duration = Duration::from_secs(10);
+
 impl Counting {
-    /// Starts counting for `pid`, with perf pinned to the load generator's core.
+    /// Starts counting for `pid`, with perf pinned to the load generator's core, and returns once
+    /// perf has said its counters count.
+    ///
+    /// perf starts with its counters off (`--delay=-1`) and takes commands on its stdin, answering
+    /// `ack` on its stdout (`--control fd:0,1`; its counts go to stderr): the `enable` it
+    /// acknowledges is the condition waited on. A fixed wait instead lost every count on a busy
+    /// machine, where the SIGINT of [`Counting::stop`] reached perf before its handler was set.
     pub(super) fn start(pid: u32) -> anyhow::Result<Counting> {
-        let perf = Command::new("taskset")
-            .args(["-c", LOAD_CPU, "perf", "stat", "-x", ",", "-e"])
+        let mut perf = Command::new("taskset")
+            .args(["-c", LOAD_CPU, "perf", "stat", "-x", ",", "--delay=-1"])
+            .args(["--control", "fd:0,1", "-e"])
             .arg(EVENTS.join(","))
             .args(["-p", &pid.to_string()])
-            .stdout(Stdio::null())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .context("running perf stat (Debian: apt install linux-perf)")?;
-        // perf opens its counters before it counts; a moment lets it attach before the load starts.
-        std::thread::sleep(Duration::from_millis(200));
-        Ok(Counting { perf })
+        match enable(&mut perf) {
+            Ok(()) => Ok(Counting { perf }),
+            Err(error) => {
+                let _ = perf.kill();
+                let output = perf.wait_with_output().context("waiting for perf stat")?;
+                Err(error.context(format!(
+                    "perf stat did not start counting:\n{}",
+                    String::from_utf8_lossy(&output.stderr)
+                )))
+            }
+        }
     }
 
     /// Stops counting (SIGINT, which makes perf print its totals) and reads the counts.
@@ -61,6 +80,39 @@ impl Counting {
         let text = String::from_utf8_lossy(&output.stderr);
         parse(&text).with_context(|| format!("perf stat printed no counts for {EVENTS:?}:\n{text}"))
     }
+}
+
+/// Sends perf `enable` and waits, up to [`ATTACH_DEADLINE`], for its `ack`.
+fn enable(perf: &mut Child) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let control = perf.stdin.as_mut().context("perf's stdin")?;
+    control
+        .write_all(b"enable\n")
+        .context("writing enable to perf")?;
+    let acks = perf.stdout.as_mut().context("perf's stdout")?;
+    let deadline = std::time::Instant::now() + ATTACH_DEADLINE;
+    let mut answer = Vec::new();
+    // perf writes `ack\n` and its string's terminating NUL.
+    while !answer.windows(4).any(|window| window == b"ack\n") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        ensure!(
+            !left.is_zero(),
+            "no ack from perf within {ATTACH_DEADLINE:?}"
+        );
+        let timeout = rustix::event::Timespec::try_from(left).context("poll timeout")?;
+        let mut fds = [rustix::event::PollFd::new(
+            acks,
+            rustix::event::PollFlags::IN,
+        )];
+        if rustix::event::poll(&mut fds, Some(&timeout)).context("waiting for perf's ack")? == 0 {
+            continue;
+        }
+        let mut chunk = [0u8; 64];
+        let read = acks.read(&mut chunk).context("reading perf's ack")?;
+        ensure!(read > 0, "perf closed its stdout before it acknowledged");
+        answer.extend_from_slice(&chunk[..read]);
+    }
+    Ok(())
 }
 
 /// The counts in `perf stat -x ,` output: one `value,unit,event,...` line per event.
