@@ -101,7 +101,7 @@ pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
 }
 
 /// The `peregrine` binary: `PEREGRINE` when set, else `<target>/debug/peregrine` after running
-/// `$CARGO build -p peregrine-supervisor --bin peregrine` once per process.
+/// `$CARGO build -p peregrine --bin peregrine` once per process.
 ///
 /// The build runs even when the binary exists, because a stale binary would test old code; it takes well
 /// under a second when nothing changed (`cargo xtask test` sets `PEREGRINE` and skips it).
@@ -115,7 +115,7 @@ pub fn peregrine_path() -> PathBuf {
         if let Some(path) = env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {
             return PathBuf::from(path);
         }
-        cargo_build(&["-p", "peregrine-supervisor", "--bin", "peregrine"]);
+        cargo_build(&["-p", "peregrine", "--bin", "peregrine"]);
         let path = target_dir().join("debug/peregrine");
         assert!(
             path.is_file(),

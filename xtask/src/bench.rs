@@ -102,7 +102,7 @@ fn release_peregrine_and(extra: &[&str]) -> anyhow::Result<PathBuf> {
                 "build",
                 "--release",
                 "-p",
-                "peregrine-supervisor",
+                "peregrine",
                 "--bin",
                 "peregrine",
             ])

@@ -147,7 +147,7 @@ fn peregrine_binary() -> anyhow::Result<PathBuf> {
     }
     crate::packages::ensure(crate::packages::DEMO)?;
     crate::ebpf::tools::check_clang_var()?;
-    run_checked(cargo().args(["build", "-p", "peregrine-supervisor", "--bin", "peregrine"]))?;
+    run_checked(cargo().args(["build", "-p", "peregrine", "--bin", "peregrine"]))?;
     Ok(target_dir().join("debug/peregrine"))
 }
 

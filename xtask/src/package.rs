@@ -73,14 +73,7 @@ fn build() -> anyhow::Result<Package> {
     eprintln!("building the release binary with the eBPF sampler (PEREGRINE_REQUIRE_EBPF=1)");
     run_checked(
         cargo()
-            .args([
-                "build",
-                "--release",
-                "-p",
-                "peregrine-supervisor",
-                "--bin",
-                NAME,
-            ])
+            .args(["build", "--release", "-p", "peregrine", "--bin", NAME])
             .env("PEREGRINE_REQUIRE_EBPF", "1"),
     )?;
     let binary = target_dir().join("release").join(NAME);

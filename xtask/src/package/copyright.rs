@@ -194,7 +194,7 @@ nolicense v0.1.0\t
 
     #[test]
     fn cargo_tree_finds_the_binarys_crates() {
-        let crates = crates("peregrine-supervisor").unwrap();
+        let crates = crates("peregrine").unwrap();
         let names: Vec<&str> = crates.iter().map(|c| c.name.as_str()).collect();
         // Linked in: tokio, the eBPF loader, clap. Not: a proc macro or a build script's crate.
         for linked in ["tokio", "aya", "clap", "rustls"] {

@@ -130,7 +130,7 @@ pub(super) fn lay_out(s: &Sources<'_>) -> anyhow::Result<()> {
     )?;
     let bootstrap = output(Command::new(s.binary).arg("envoy-bootstrap").arg(&config))?;
     write(&at(ENVOY_BOOTSTRAP), &envoy_bootstrap_file(&bootstrap))?;
-    let crates = copyright::crates("peregrine-supervisor")?;
+    let crates = copyright::crates("peregrine")?;
     write(
         &doc.join("copyright"),
         &copyright::render(

@@ -2,9 +2,8 @@
 //!
 //! The commit is `git rev-parse --short HEAD` of the tree being built; outside a git tree (a source
 //! tarball) it is `PEREGRINE_COMMIT` when set, else `unknown`. Cargo runs this script again when HEAD
-//! moves (a commit, a checkout), so the binary never names a commit it was not built from. Every
-//! target of this package is rebuilt then, the library too: cargo cannot give a build script's output
-//! to the binary alone.
+//! moves (a commit, a checkout), so the binary never names a commit it was not built from. Only this
+//! thin crate is rebuilt then: the supervisor library and the worker do not see the commit.
 
 use std::{
     path::{Path, PathBuf},
