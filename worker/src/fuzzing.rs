@@ -1,4 +1,4 @@
-//! Entry points for the fuzz targets in `worker/fuzz` (not a stable API).
+//! Entry points for the fuzz targets in `worker/fuzz` (feature `fuzzing`; not a stable API).
 //!
 //! [`http1_connection`] runs the whole HTTP/1 request path (parsing, framing, 100-continue, pipelining,
 //! response encoding) over an in-memory stream that delivers the input in the pieces given, and checks

@@ -62,6 +62,8 @@
 mod request;
 mod resets;
 mod response;
+#[cfg(test)]
+mod socket_tests;
 
 use std::{
     collections::VecDeque,
@@ -91,7 +93,7 @@ use crate::{
     budget::Budget,
     load_report::Carried,
     service::{HttpService, RequestBody},
-    stream::{Io, Stream},
+    stream::Io,
     uring_io::UringIo,
 };
 
@@ -485,31 +487,6 @@ impl Closing<'_> {
         self.giving_up = true;
         self.give_up.as_mut().reset(Instant::now() + timeout);
     }
-}
-
-/// Serves HTTP/2 on an accepted TCP stream, like [`serve_connection`]; for tests that drive the server
-/// over real sockets.
-#[doc(hidden)]
-pub async fn serve_tcp<S: HttpService>(
-    stream: std::net::TcpStream,
-    already_read: Vec<u8>,
-    service: S,
-    limits: &Limits,
-    stopped: watch::Receiver<bool>,
-) -> Result<(), ConnectionError> {
-    let stream = Rc::new(Stream::new(stream.into()));
-    let bodies = Budget::new(usize::MAX, None);
-    let result = serve_connection(
-        stream.clone(),
-        already_read,
-        service,
-        limits,
-        &bodies,
-        stopped,
-    )
-    .await;
-    stream.shutdown();
-    result
 }
 
 /// Completes once `stopped` is true or its sender is gone.

@@ -19,7 +19,7 @@
 mod budget;
 pub mod counter;
 mod driver;
-#[doc(hidden)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod hello;
 pub mod http1;
@@ -34,8 +34,9 @@ pub mod service;
 mod stream;
 mod uring_io;
 
-/// The driver's provided buffer ring, for the `spike/uring` measurement server (not a stable API).
-#[doc(hidden)]
+/// The driver's provided buffer ring, for the `spike/uring` measurement server (feature `lab`; not a
+/// stable API).
+#[cfg(feature = "lab")]
 pub use driver::buf_ring;
 
 /// The supervisor–worker contract, re-exported: a worker is started with these settings.

@@ -37,7 +37,9 @@ enum Framing {
 
 /// Appends the head of a response whose body is `len` bytes (status line, fields, `content-length`
 /// unless the status has no body, `connection` when it differs from the version's default); returns
-/// whether the body follows (not for `head_only`, nor for a status without a body).
+/// whether the body follows (not for `head_only`, nor for a status without a body). The worker's own
+/// head, for the measurement server of `spike/uring` (feature `lab`).
+#[cfg(feature = "lab")]
 pub fn head_of_known_size(
     out: &mut Vec<u8>,
     res: &http::response::Parts,

@@ -45,12 +45,10 @@ const NOISY_RETRIES: usize = 2;
 
 const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N] [--behind-envoy] [--orca-in-band]";
 
-/// The servers `--with` adds beside the worker and hyper: the data-path candidates of
-/// `docs/runtime.md`, each a binary of its crate that takes `ADDR` as hyper's baseline does.
-const CANDIDATES: [(&str, &str); 2] = [
-    ("spike-uring", "peregrine-spike-uring"),
-    ("spike-compio", "peregrine-spike-compio"),
-];
+/// The servers `--with` adds beside the worker and hyper: the data-path floor of `docs/runtime.md`, a
+/// binary that takes `ADDR` as hyper's baseline does, by name and the manifest of its own workspace
+/// (outside the product's, so only this benchmark builds it).
+const CANDIDATES: [(&str, &str); 1] = [("spike-uring", "spike/uring/Cargo.toml")];
 
 /// A server under test, in table order: the worker, hyper, then the candidates asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,15 +231,27 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse_args(args)?;
     preflight()?;
-    let mut builds = vec!["-p", "peregrine-e2e", "--bin", "hyper-baseline"];
+    let peregrine =
+        super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
     for server in &options.with {
-        let (binary, package) = CANDIDATES
+        let (binary, manifest) = CANDIDATES
             .iter()
             .find(|(binary, _)| *binary == server.name())
             .expect("a candidate");
-        builds.extend(["-p", package, "--bin", binary]);
+        // Into the product's target directory, beside the binaries it is compared with.
+        crate::run_checked(
+            crate::cargo()
+                .args([
+                    "build",
+                    "--release",
+                    "--manifest-path",
+                    manifest,
+                    "--bin",
+                    binary,
+                ])
+                .env("CARGO_TARGET_DIR", peregrine_e2e::target_dir()),
+        )?;
     }
-    let peregrine = super::release_peregrine_and(&builds)?;
 
     let dir = TempDir::new().context("a temporary directory")?;
     let servers: Vec<Server> = [Server::Worker]

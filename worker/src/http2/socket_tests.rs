@@ -16,17 +16,17 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::{
+    BoxError,
+    http2::{self, ConnectionError, Limits},
+    service::RequestBody,
+};
 use bytes::Bytes;
 use futures::stream;
 use h2::{Reason, client::SendRequest};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
-use peregrine_worker::{
-    BoxError,
-    http2::{self, ConnectionError, Limits},
-    service::RequestBody,
-};
 use tokio::{net::TcpStream, sync::watch, task::JoinSet};
 use tower::Service;
 
@@ -151,6 +151,29 @@ impl Service<Request<RequestBody>> for App {
     }
 }
 
+/// Serves HTTP/2 on an accepted TCP stream, like `serve_connection`.
+async fn serve_tcp<S: crate::HttpService>(
+    stream: std::net::TcpStream,
+    already_read: Vec<u8>,
+    service: S,
+    limits: &Limits,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), ConnectionError> {
+    let stream = std::rc::Rc::new(crate::stream::Stream::new(stream.into()));
+    let bodies = crate::budget::Budget::new(usize::MAX, None);
+    let result = http2::serve_connection(
+        stream.clone(),
+        already_read,
+        service,
+        limits,
+        &bodies,
+        stopped,
+    )
+    .await;
+    stream.shutdown();
+    result
+}
+
 /// A server on its own io_uring thread: one `serve_tcp` per accepted connection.
 struct TestServer {
     addr: SocketAddr,
@@ -172,7 +195,7 @@ impl TestServer {
         };
         let thread = thread::spawn(move || {
             // A small receive ring, so the tests also run with the ring running dry.
-            peregrine_worker::runtime::Builder::new()
+            crate::runtime::Builder::new()
                 .buffers(16, 1024)
                 .block_on(async move {
                     listener.set_nonblocking(true).unwrap();
@@ -191,7 +214,7 @@ impl TestServer {
                             stopped.clone(),
                             results_tx.clone(),
                         );
-                        connections.push(peregrine_worker::runtime::spawn(async move {
+                        connections.push(crate::runtime::spawn(async move {
                             // Like protocol detection: some bytes (part of the preface) are read before
                             // the connection is handed to HTTP/2.
                             let mut already_read = vec![0; 11];
@@ -201,7 +224,7 @@ impl TestServer {
                             let stream = stream.into_std().unwrap();
                             stream.set_nonblocking(false).unwrap();
                             let result =
-                                http2::serve_tcp(stream, already_read, app, &limits, stopped).await;
+                                serve_tcp(stream, already_read, app, &limits, stopped).await;
                             let _ = results.send(result);
                         }));
                     }
@@ -390,7 +413,7 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
         max_connection_body_bytes: 256 * 1024 * 1024,
         ..Limits::default()
     });
-    let requests_before = peregrine_worker::requests();
+    let requests_before = crate::requests();
     run(async {
         let (client, connection) = connect(server.addr, |_| {}).await;
         // Until the server's SETTINGS arrive a client may open any number of streams (RFC 9113,
@@ -423,7 +446,7 @@ fn hundreds_of_concurrent_streams_echo_large_bodies_both_ways() {
         connection.await.unwrap().unwrap();
     });
     assert_eq!(server.calls.load(Ordering::SeqCst), STREAMS as usize);
-    assert!(peregrine_worker::requests() >= requests_before + STREAMS);
+    assert!(crate::requests() >= requests_before + STREAMS);
     server.next_result().unwrap();
 }
 
