@@ -23,6 +23,7 @@ use tokio::{
 
 mod envoy_facing;
 mod exposure;
+pub mod grpc;
 mod operations;
 
 pub use self::envoy_facing::orca_listen_addresses;
@@ -83,9 +84,9 @@ pub enum RunError {
         #[source]
         source: io::Error,
     },
-    /// The xDS server failed.
-    #[error("xDS server failed")]
-    Xds(#[from] xds::XdsError),
+    /// The gRPC server (xDS, ORCA) failed.
+    #[error(transparent)]
+    Serve(#[from] grpc::ServeError),
     /// Workers could not be prepared.
     #[error("cannot prepare workers")]
     Workers(#[source] io::Error),
@@ -432,13 +433,13 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     }
     let admission = Admission::with_tls(config.supervisor.grpc, cap, tls.clone());
     grpc_port::spawn_trimmer(&admission);
-    let mut xds_task = tokio::spawn(xds::serve(
-        xds::Ports {
+    let mut xds_task = tokio::spawn(grpc::serve(
+        grpc::Ports {
             listeners: vec![grpc],
             orca_listeners,
             admission,
         },
-        xds::Inputs {
+        grpc::Inputs {
             snapshots: registry.subscribe(),
             options: xds_options_rx,
             acks,

@@ -8,8 +8,10 @@
 //! The transport never builds resources and the cache never touches gRPC. [`stream_kind`] names the
 //! RPCs, for the transport and for [`acks`] alike.
 //!
-//! [`router`] builds the tonic router (other gRPC services, such as ORCA, can be added to it) and
-//! [`serve`] runs it on a listener until shutdown.
+//! The three discovery services are [`transport::ClusterServer`], [`transport::EndpointServer`] and
+//! [`transport::AggregatedServer`] over one [`transport::XdsService`]; the gRPC port that serves them
+//! (with ORCA beside them) is wired in `run::grpc`. This module knows no listener and no other
+//! service.
 
 pub mod acks;
 pub mod cache;
@@ -23,36 +25,13 @@ pub mod upstream_tls;
 
 use std::{collections::BTreeMap, future::Future, sync::Arc, time::Duration};
 
-use tokio::{net::TcpListener, sync::watch};
-use tonic::transport::{Server, server::Router};
-use tower::layer::util::{Identity, Stack};
+use tokio::sync::watch;
 
 use self::{
-    acks::Acks,
     cache::{Cache, Resources},
     resources::{Balancer, ClusterOptions, EdsSource},
-    transport::{AggregatedServer, ClusterServer, EndpointServer, XdsService},
 };
-use crate::{
-    grpc_port::{self, Admission, TrackStreamsLayer},
-    orca::OrcaService,
-    registry::Snapshot,
-};
-
-/// The gRPC server the port runs: every request counted as a stream of its connection.
-pub type GrpcRouter = Router<Stack<TrackStreamsLayer, Identity>>;
-
-/// How often the server pings a connection's peer, and how long it waits for the answer before it
-/// drops the connection: a peer that vanished without a FIN gives its descriptor back.
-const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(30), Duration::from_secs(10));
-
-/// The gRPC server's settings, for xDS and ORCA alike.
-fn server() -> Server<Stack<TrackStreamsLayer, Identity>> {
-    Server::builder()
-        .http2_keepalive_interval(Some(KEEPALIVE.0))
-        .http2_keepalive_timeout(Some(KEEPALIVE.1))
-        .layer(TrackStreamsLayer)
-}
+use crate::registry::Snapshot;
 
 /// Options of the control plane.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -117,14 +96,6 @@ impl XdsOptions {
     }
 }
 
-/// Why the control plane stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum XdsError {
-    /// The gRPC server failed.
-    #[error("xds server failed")]
-    Serve(#[source] tonic::transport::Error),
-}
-
 /// Starts a cache following `snapshots` until `stop` completes, returning its resources.
 ///
 /// Must be called within a Tokio runtime. When `stop` completes, every xDS stream reading the cache
@@ -155,132 +126,6 @@ pub fn spawn_cache_following(
         }
     });
     Cache::new(cache::new_epoch(), first).spawn_with_options(snapshots, Some(cluster_rx), stop)
-}
-
-/// A router serving CDS, EDS and ADS from `resources` (see [`spawn_cache`]), recording each stream's
-/// ACKs in `acks` and its pushes and NACKs in `counters`; add more services to it before serving.
-pub fn router(
-    resources: watch::Receiver<Arc<Resources>>,
-    acks: Arc<Acks>,
-    counters: Arc<counters::XdsCounters>,
-) -> GrpcRouter {
-    let service = XdsService::new(resources, acks, counters);
-    server()
-        .add_service(ClusterServer(service.clone()))
-        .add_service(EndpointServer(service.clone()))
-        .add_service(AggregatedServer(service))
-}
-
-/// Where [`serve`] listens.
-#[derive(Debug)]
-pub struct Ports {
-    /// The gRPC port's listeners: xDS, and ORCA when it is served.
-    pub listeners: Vec<TcpListener>,
-    /// ORCA alone: the addresses Envoy dials for workers' ORCA streams that the main address does not
-    /// cover. They serve no xDS.
-    pub orca_listeners: Vec<TcpListener>,
-    /// Every connection, on either set of listeners, goes through it (see [`grpc_port`]).
-    pub admission: Arc<Admission>,
-}
-
-impl Ports {
-    /// One listener, no ORCA-only ones, and admission with the default limits and `cap` connections:
-    /// the gRPC port as tests and tools that embed the server want it.
-    pub fn single(listener: TcpListener, cap: usize) -> Ports {
-        Ports {
-            listeners: vec![listener],
-            orca_listeners: Vec::new(),
-            admission: Admission::new(Default::default(), cap),
-        }
-    }
-}
-
-/// What [`serve`] serves from.
-#[derive(Debug)]
-pub struct Inputs {
-    /// The registry's endpoint snapshots.
-    pub snapshots: watch::Receiver<Arc<Snapshot>>,
-    /// The cluster options, changed by a reload.
-    pub options: watch::Receiver<XdsOptions>,
-    /// Where every xDS stream records how far its Envoy has ACKed while it is open.
-    pub acks: Arc<Acks>,
-    /// Where every xDS stream adds its pushes and NACKs.
-    pub counters: Arc<counters::XdsCounters>,
-    /// ORCA, when load reports are served.
-    pub orca: Option<OrcaService>,
-}
-
-/// Serves CDS, EDS and ADS, and ORCA when it is given, on `ports` (HTTP/2) until `shutdown`
-/// completes.
-///
-/// On shutdown the cache stops, which ends every open xDS stream, and the servers then finish
-/// gracefully. The returned future must be polled for the server to make progress.
-pub async fn serve(
-    ports: Ports,
-    inputs: Inputs,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), XdsError> {
-    let Ports {
-        listeners,
-        orca_listeners,
-        admission,
-    } = ports;
-    let Inputs {
-        snapshots,
-        options,
-        acks,
-        counters,
-        orca,
-    } = inputs;
-    let (cache_stop_tx, cache_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let resources = spawn_cache_following(snapshots, options, async {
-        let _ = cache_stop_rx.await;
-    });
-    let (stopping, _) = watch::channel(false);
-    let orca_server = match (&orca, orca_listeners.is_empty()) {
-        (Some(orca), false) => {
-            for listener in &orca_listeners {
-                if let Ok(addr) = listener.local_addr() {
-                    tracing::info!(%addr, "Serving ORCA only");
-                }
-            }
-            let incoming = grpc_port::incoming(orca_listeners, admission.clone());
-            let mut stop = stopping.subscribe();
-            Some(tokio::spawn(
-                server()
-                    .add_service(orca.clone().into_server())
-                    .serve_with_incoming_shutdown(incoming, async move {
-                        let _ = stop.wait_for(|stop| *stop).await;
-                    }),
-            ))
-        }
-        _ => None,
-    };
-    for listener in &listeners {
-        if let Ok(addr) = listener.local_addr() {
-            tracing::info!(%addr, orca = orca.is_some(), "Serving xDS");
-        }
-    }
-    let incoming = grpc_port::incoming(listeners, admission);
-    let mut router = router(resources, acks, counters);
-    if let Some(orca) = orca {
-        router = router.add_service(orca.into_server());
-    }
-    let served = router
-        .serve_with_incoming_shutdown(incoming, async move {
-            shutdown.await;
-            let _ = cache_stop_tx.send(());
-            stopping.send_replace(true);
-        })
-        .await
-        .map_err(XdsError::Serve);
-    if let Some(server) = orca_server {
-        match server.await {
-            Ok(result) => result.map_err(XdsError::Serve)?,
-            Err(join) => tracing::error!(error = %join, "ORCA server task failed"),
-        }
-    }
-    served
 }
 
 #[cfg(test)]

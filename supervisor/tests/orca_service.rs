@@ -14,7 +14,8 @@ use peregrine_proto::xds::service::orca::v3::{
 use peregrine_supervisor::{
     orca::OrcaService,
     registry::{Address, Loads, Protocol, Registry, Worker, WorkerLoad},
-    xds::{self, XdsOptions, acks::Acks},
+    run,
+    xds::{XdsOptions, acks::Acks},
 };
 use tokio::sync::oneshot;
 use tonic::{Code, transport::Endpoint};
@@ -30,9 +31,9 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(xds::serve(
-        xds::Ports::single(listener, 1024),
-        xds::Inputs {
+    tokio::spawn(run::grpc::serve(
+        run::grpc::Ports::single(listener, 1024),
+        run::grpc::Inputs {
             snapshots: registry.subscribe(),
             options: tokio::sync::watch::channel(XdsOptions::default()).1,
             acks: Arc::new(Acks::default()),

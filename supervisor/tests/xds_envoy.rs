@@ -1,5 +1,5 @@
 //! End to end: the real Envoy, started with a bootstrap from [`envoy_bootstrap`], learns a registry's
-//! workers over CDS/EDS from [`xds::serve`], and follows registrations on its open streams; its ACKs
+//! workers over CDS/EDS from [`run::grpc::serve`], and follows registrations on its open streams; its ACKs
 //! tell [`xds::acks::Acks`] when it has an update.
 //!
 //! Needs the Envoy binary (see `peregrine_e2e::envoy_path`); without one the test prints why it skipped
@@ -12,7 +12,8 @@ use peregrine_supervisor::{
     bootstrap::{BootstrapInput, BootstrapService, envoy_bootstrap},
     config::XdsVariant,
     registry::{Address, Protocol, Registry, Worker},
-    xds::{self, XdsOptions, acks::Acks, stream_kind::StreamKind},
+    run,
+    xds::{XdsOptions, acks::Acks, stream_kind::StreamKind},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -72,7 +73,7 @@ fn until(envoy: &Envoy, what: &str, path: &str, check: impl Fn(&str) -> bool) ->
 /// A control plane serving a registry on a runtime of the test's.
 struct Server {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), xds::XdsError>>,
+    task: tokio::task::JoinHandle<Result<(), run::grpc::ServeError>>,
 }
 
 impl Server {
@@ -84,9 +85,9 @@ impl Server {
         acks: Arc<Acks>,
     ) -> Server {
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = runtime.spawn(xds::serve(
-            xds::Ports::single(listener, 1024),
-            xds::Inputs {
+        let task = runtime.spawn(run::grpc::serve(
+            run::grpc::Ports::single(listener, 1024),
+            run::grpc::Inputs {
                 snapshots: registry.subscribe(),
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
                 acks,

@@ -29,7 +29,8 @@ use envoy_types::pb::{
 };
 use peregrine_supervisor::{
     registry::{Address, Protocol, Registry, ServiceView, Snapshot, Worker},
-    xds::{self, XdsOptions, acks::Acks, counters::XdsCounters},
+    run,
+    xds::{XdsOptions, acks::Acks, counters::XdsCounters},
 };
 use prometheus_client::metrics::histogram::Histogram;
 use prost::Message;
@@ -49,7 +50,7 @@ const SILENCE: Duration = Duration::from_millis(200);
 struct Server {
     addr: SocketAddr,
     shutdown: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), xds::XdsError>>,
+    task: JoinHandle<Result<(), run::grpc::ServeError>>,
 }
 
 impl Server {
@@ -70,9 +71,9 @@ impl Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(xds::serve(
-            xds::Ports::single(listener, 1024),
-            xds::Inputs {
+        let task = tokio::spawn(run::grpc::serve(
+            run::grpc::Ports::single(listener, 1024),
+            run::grpc::Inputs {
                 snapshots,
                 options: tokio::sync::watch::channel(XdsOptions::default()).1,
                 acks: Arc::new(Acks::default()),
