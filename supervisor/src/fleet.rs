@@ -19,8 +19,10 @@ pub mod listing;
 pub mod membership;
 pub mod preflight;
 pub mod records;
+pub mod session_status;
 pub mod skipped;
 pub mod trim;
 
 pub use drains::{FleetDrains, FleetOutcome};
 pub use membership::Membership;
+pub use session_status::{EtcdState, FleetStatus, SessionStatus};

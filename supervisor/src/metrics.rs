@@ -4,12 +4,13 @@
 //!
 //! Every figure is read at scrape time from where it already lives ([`collector`]): the workers and
 //! their loads from the registry's status report (the same one `peregrine status` prints, so the two
-//! never disagree), the open xDS streams from their ACK records, the xDS pushes and NACKs from the
-//! streams' counters, and the process's own figures from
+//! never disagree, with the records kept beside the registry: xDS streams, ORCA, the fleet session),
+//! the open xDS streams from their ACK records, the xDS pushes and NACKs from the streams' counters,
+//! and the process's own figures from
 //! `/proc/self` ([`process`]). Labels are services and slot indexes, never pids, so a restart adds no
 //! series. [`server`] answers the scrapes.
 //!
-//! Invariant: reads the registry, the ACK records and the xDS counters; writes nothing anywhere.
+//! Invariant: reads the registry, the status records and the xDS counters; writes nothing anywhere.
 
 pub mod collector;
 pub mod process;
@@ -19,17 +20,13 @@ use std::sync::Arc;
 
 use prometheus_client::registry::{Registry as Metrics, Unit};
 
-use crate::{
-    registry::Registry,
-    timings::Timings,
-    xds::{acks::Acks, counters::XdsCounters},
-};
+use crate::{registry::Registry, status, timings::Timings, xds::counters::XdsCounters};
 
 /// This supervisor's metrics registry: the status collector, the process collector and the
 /// histograms of `timings`.
 pub fn registry(
     registry: Arc<Registry>,
-    acks: Arc<Acks>,
+    records: status::Records,
     xds: Arc<XdsCounters>,
     timings: &Timings,
 ) -> Metrics {
@@ -53,7 +50,7 @@ pub fn registry(
         timings.xds_convergence.clone(),
     );
     metrics.register_collector(Box::new(collector::StatusCollector::new(
-        registry, acks, xds,
+        registry, records, xds,
     )));
     metrics.register_collector(Box::new(process::ProcessCollector));
     metrics

@@ -15,8 +15,8 @@
 //! In band (`orca = "in-band"`), the same reports go into each worker's shared memory instead, and
 //! the worker sends them in its responses: see [`in_band`].
 //!
-//! Invariant: reads the registry (snapshot and loads) and records its streams there; never writes
-//! endpoints.
+//! Invariant: reads the registry (snapshot and loads) and never writes it; what its streams tell
+//! about themselves goes to [`stats::OrcaStats`], their own home.
 
 use std::{
     convert::Infallible,
@@ -34,7 +34,10 @@ use peregrine_proto::xds::{
         open_rca_service_server::{OpenRcaService, OpenRcaServiceServer},
     },
 };
-use tokio::{sync::mpsc, time::Instant};
+use tokio::{
+    sync::{mpsc, watch},
+    time::Instant,
+};
 use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tonic::{
     Request, Response, Status,
@@ -43,10 +46,12 @@ use tonic::{
 };
 
 pub mod in_band;
+pub mod stats;
 
+use self::stats::{OrcaStats, ReportSummary};
 use crate::{
     config::MAX_REPORT_INTERVAL,
-    registry::{Loads, Registry, ReportSummary, Worker, WorkerLoad},
+    registry::{Loads, Registry, Snapshot, Worker, WorkerLoad},
 };
 
 /// The smallest utilization reported: Envoy treats 0 as an error and keeps the old weight.
@@ -58,14 +63,17 @@ pub const IDLE_RPS: f64 = 0.01;
 #[derive(Clone, Debug)]
 pub struct OrcaService {
     registry: Arc<Registry>,
+    stats: Arc<OrcaStats>,
     min_interval: Duration,
 }
 
 impl OrcaService {
-    /// Reports from `registry`'s loads, never more often than every `min_interval`.
-    pub fn new(registry: Arc<Registry>, min_interval: Duration) -> Self {
+    /// Reports from `registry`'s loads, never more often than every `min_interval`, recording its
+    /// streams in `stats`.
+    pub fn new(registry: Arc<Registry>, stats: Arc<OrcaStats>, min_interval: Duration) -> Self {
         OrcaService {
             registry,
+            stats,
             min_interval,
         }
     }
@@ -137,7 +145,13 @@ impl OpenRcaService for OrcaService {
         let (worker, interval) = self.accept(authority, request.get_ref())?;
         tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(report_loop(self.registry.clone(), worker, interval, tx));
+        tokio::spawn(report_loop(
+            self.registry.clone(),
+            self.stats.clone(),
+            worker,
+            interval,
+            tx,
+        ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -182,17 +196,26 @@ pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) ->
     asked.max(min_interval).min(MAX_REPORT_INTERVAL)
 }
 
-/// Marks a stream closed in the registry however the loop ends.
+/// Marks a stream closed in the stats however the loop ends.
 struct OpenStream<'a> {
     registry: &'a Registry,
-    hostname: &'a str,
+    stats: &'a OrcaStats,
+    worker: &'a Worker,
 }
 
 impl Drop for OpenStream<'_> {
     fn drop(&mut self) {
-        self.registry.orca_closed(self.hostname);
-        tracing::info!(hostname = %self.hostname, "ORCA stream closed");
+        let registered = is_registered(&self.registry.snapshot(), self.worker);
+        self.stats.closed(&self.worker.hostname, registered);
+        tracing::info!(hostname = %self.worker.hostname, "ORCA stream closed");
     }
+}
+
+/// Whether `worker` (this instance, by its key) is in `snapshot`.
+fn is_registered(snapshot: &Snapshot, worker: &Worker) -> bool {
+    snapshot
+        .instance(&worker.service, worker.index, worker.pid)
+        .is_some()
 }
 
 /// Sends `worker`'s reports on `tx`: the first once a real sample exists, then the first sample of
@@ -200,27 +223,31 @@ impl Drop for OpenStream<'_> {
 /// with OK) or Envoy goes away.
 async fn report_loop(
     registry: Arc<Registry>,
+    stats: Arc<OrcaStats>,
     worker: Worker,
     interval: Duration,
     tx: mpsc::Sender<Result<OrcaLoadReport, Status>>,
 ) {
-    registry.orca_opened(&worker.hostname);
+    stats.opened(&worker.hostname);
     let _open = OpenStream {
         registry: &registry,
-        hostname: &worker.hostname,
+        stats: &stats,
+        worker: &worker,
     };
     let mut loads = registry.subscribe_loads();
     let mut snapshots = registry.subscribe();
-    let registered = |registry: &Registry| registry.find_hostname(&worker.hostname).is_some();
+    let registered = |snapshots: &mut watch::Receiver<Arc<Snapshot>>| {
+        is_registered(&snapshots.borrow_and_update(), &worker)
+    };
 
     // The first report as soon as there is a real sample (rates need two readings).
     loop {
-        if !registered(&registry) {
+        if !registered(&mut snapshots) {
             return;
         }
         let current = loads.borrow_and_update().clone();
         if let Some(report) = report_for(&current, &worker) {
-            if !send(&registry, &worker, &tx, report).await {
+            if !send(&stats, &worker, &tx, report).await {
                 return;
             }
             break;
@@ -228,7 +255,7 @@ async fn report_loop(
         tokio::select! {
             changed = loads.changed() => if changed.is_err() { return },
             changed = snapshots.changed() => {
-                if changed.is_err() || !registered(&registry) { return }
+                if changed.is_err() || !registered(&mut snapshots) { return }
             }
             () = tx.closed() => return,
         }
@@ -254,16 +281,16 @@ async fn report_loop(
             }
             () = tokio::time::sleep_until(again) => loads.borrow_and_update().clone(),
             changed = snapshots.changed() => {
-                if changed.is_err() || !registered(&registry) { return }
+                if changed.is_err() || !registered(&mut snapshots) { return }
                 continue;
             }
             () = tx.closed() => return,
         };
-        if !registered(&registry) {
+        if !registered(&mut snapshots) {
             return;
         }
         if let Some(report) = report_for(&current, &worker) {
-            if !send(&registry, &worker, &tx, report).await {
+            if !send(&stats, &worker, &tx, report).await {
                 return;
             }
             last = Instant::now();
@@ -272,7 +299,7 @@ async fn report_loop(
 }
 
 async fn send(
-    registry: &Registry,
+    stats: &OrcaStats,
     worker: &Worker,
     tx: &mpsc::Sender<Result<OrcaLoadReport, Status>>,
     report: OrcaLoadReport,
@@ -286,7 +313,7 @@ async fn send(
     if tx.send(Ok(report)).await.is_err() {
         return false;
     }
-    registry.orca_reported(&worker.hostname, summary);
+    stats.reported(&worker.hostname, summary);
     true
 }
 
@@ -548,7 +575,7 @@ mod tests {
         let registry = Arc::new(Registry::new(["web".to_string()]));
         let registered = worker(7);
         registry.register(registered.clone()).unwrap();
-        let orca = OrcaService::new(registry, Duration::from_secs(1));
+        let orca = OrcaService::new(registry, Arc::default(), Duration::from_secs(1));
         let request = OrcaLoadReportRequest {
             report_interval: Some(asked(3, 0)),
             ..Default::default()

@@ -45,9 +45,7 @@ mod worker_sockets;
 pub use self::admission::{ListenerError, PeerCred, Refusal, Socket, admit_peer};
 use self::admission::{admit, commander};
 pub use self::worker_sockets::WorkerSockets;
-use crate::{
-    children::Children, instance::InstanceLock, registry::Registry, status, xds::acks::Acks,
-};
+use crate::{children::Children, instance::InstanceLock, registry::Registry, status};
 
 /// How long a new connection may take to send its registration.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,8 +132,8 @@ pub struct Server {
     pub registry: Arc<Registry>,
     /// Who is a worker, in which slot, as which user.
     pub children: Arc<Children>,
-    /// What the status report says of the xDS streams.
-    pub acks: Arc<Acks>,
+    /// What the status report reads beside the registry.
+    pub records: status::Records,
     /// Where control commands go.
     pub commands: Commands,
 }
@@ -210,7 +208,7 @@ async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Res
     let Server {
         registry,
         children,
-        acks,
+        records,
         commands,
     } = server;
     let mut buf = BytesMut::with_capacity(1024);
@@ -228,7 +226,7 @@ async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Res
             return Err(refuse(&mut stream, Refusal::RegistrationsOnly.to_string()).await);
         }
         Some(worker_message::Message::Status(_)) => {
-            return answer_status(&mut stream, registry, children, acks).await;
+            return answer_status(&mut stream, registry, children, records).await;
         }
         Some(worker_message::Message::Control(request)) => {
             return answer_control(&mut stream, request, children, commands).await;
@@ -271,12 +269,12 @@ async fn answer_status(
     stream: &mut UnixStream,
     registry: &Registry,
     children: &Children,
-    acks: &Acks,
+    records: &status::Records,
 ) -> Result<(), Closed> {
     if let Err(refusal) = commander(stream, children) {
         return Err(refuse(stream, refusal.to_string()).await);
     }
-    let report = status::report_of(registry, &acks.streams());
+    let report = status::report_of(registry, records);
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Status(report)),
     };
@@ -402,7 +400,7 @@ mod tests {
                 Server {
                     registry: registry.clone(),
                     children: children.clone(),
-                    acks: Arc::default(),
+                    records: status::Records::default(),
                     commands,
                 },
             ));
@@ -669,7 +667,7 @@ mod tests {
                 let server_side = Server {
                     registry,
                     children,
-                    acks: Arc::default(),
+                    records: status::Records::default(),
                     commands,
                 };
                 handle(server, &server_side, &Socket::Control).await

@@ -19,7 +19,6 @@
 
 pub mod fleet;
 pub mod load;
-pub mod orca;
 
 use std::{
     collections::BTreeMap,
@@ -33,11 +32,9 @@ use std::{
 use tokio::sync::watch;
 
 pub use self::fleet::{
-    EtcdState, Fleet, FleetStatus, Health, RemoteHost, RemoteWorker, SpecChoice, SpecChoices,
-    choose_specs,
+    Fleet, Health, RemoteHost, RemoteWorker, SpecChoice, SpecChoices, choose_specs,
 };
 pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
-pub use self::orca::{OrcaByHostname, OrcaStreams, ReportSummary};
 
 /// An application protocol a worker's listener speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -278,6 +275,39 @@ impl Snapshot {
         self.services.get(service)?.instance(index, pid)
     }
 
+    /// The registered worker of this host whose hostname is `hostname`, found through the key its
+    /// hostname is made of ([`hostname_for`]: `service-index-pid`, in a fleet `host-service-index-pid`)
+    /// rather than by a scan of the workers: the slot and pid are read from the right, then the
+    /// service is the rest, less the host in a fleet (a service's name may itself hold `-`).
+    pub fn worker_by_hostname(&self, hostname: &str) -> Option<&Worker> {
+        let mut parts = hostname.rsplitn(3, '-');
+        let pid = parts.next()?.parse().ok()?;
+        let index = parts.next()?.parse().ok()?;
+        let named = parts.next()?;
+        let in_service = |service: &str| {
+            self.services
+                .get(service)?
+                .instance(index, pid)
+                .filter(|worker| worker.hostname == hostname)
+        };
+        in_service(named).or_else(|| {
+            // In a fleet: `host-service`, the service a suffix after a `-`.
+            self.services
+                .keys()
+                .filter(|service| {
+                    named.len() > service.len()
+                        && named.ends_with(service.as_str())
+                        && named.as_bytes()[named.len() - service.len() - 1] == b'-'
+                })
+                .find_map(|service| in_service(service))
+        })
+    }
+
+    /// Whether a worker of this host with `hostname` is registered.
+    pub fn has_hostname(&self, hostname: &str) -> bool {
+        self.worker_by_hostname(hostname).is_some()
+    }
+
     /// The workers of `service` on other hosts, with their host, by host.
     pub fn remote_workers<'a>(
         &'a self,
@@ -311,10 +341,6 @@ pub struct Registry {
     tx: watch::Sender<Arc<Snapshot>>,
     loads: watch::Sender<Arc<Loads>>,
     slots: watch::Sender<Arc<Slots>>,
-    orca: Mutex<OrcaByHostname>,
-    /// ORCA reports sent since the start, over every stream (a worker's own count leaves with it).
-    orca_reports: std::sync::atomic::AtomicU64,
-    fleet_status: Mutex<Option<FleetStatus>>,
     /// In a fleet, this host's name: it leads every worker's hostname.
     host: Option<String>,
 }
@@ -348,9 +374,6 @@ impl Registry {
             tx,
             loads: watch::Sender::new(Arc::default()),
             slots: watch::Sender::new(Arc::default()),
-            orca: Mutex::default(),
-            orca_reports: std::sync::atomic::AtomicU64::new(0),
-            fleet_status: Mutex::default(),
             host: None,
         }
     }
@@ -363,59 +386,9 @@ impl Registry {
         self
     }
 
-    /// Records that Envoy opened an ORCA stream for the worker `hostname`.
-    pub fn orca_opened(&self, hostname: &str) {
-        self.orca_lock()
-            .entry(hostname.to_owned())
-            .or_default()
-            .open += 1;
-    }
-
-    /// Records that an ORCA stream of `hostname` ended; the worker's entry goes once its last stream
-    /// ends and it is no longer registered.
-    pub fn orca_closed(&self, hostname: &str) {
-        let registered = self.find_hostname(hostname).is_some();
-        let mut orca = self.orca_lock();
-        if let Some(streams) = orca.get_mut(hostname) {
-            streams.open = streams.open.saturating_sub(1);
-            if streams.open == 0 && !registered {
-                orca.remove(hostname);
-            }
-        }
-    }
-
-    /// Records a report sent for `hostname`.
-    pub fn orca_reported(&self, hostname: &str, report: ReportSummary) {
-        let mut orca = self.orca_lock();
-        let streams = orca.entry(hostname.to_owned()).or_default();
-        streams.reports += 1;
-        streams.last_report = Some(report);
-        self.orca_reports
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// ORCA reports sent since the start, over every stream.
-    pub fn orca_reports_total(&self) -> u64 {
-        self.orca_reports.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The ORCA streams of every worker that has or had one.
-    pub fn orca_streams(&self) -> OrcaByHostname {
-        self.orca_lock().clone()
-    }
-
     /// The registered worker with this hostname.
     pub fn find_hostname(&self, hostname: &str) -> Option<Worker> {
-        self.snapshot()
-            .services
-            .values()
-            .flat_map(|view| view.workers.values())
-            .find(|worker| worker.hostname == hostname)
-            .cloned()
-    }
-
-    fn orca_lock(&self) -> std::sync::MutexGuard<'_, OrcaByHostname> {
-        self.orca.lock().unwrap_or_else(|e| e.into_inner())
+        self.snapshot().worker_by_hostname(hostname).cloned()
     }
 
     /// A receiver that sees every published snapshot (at least the latest).
@@ -478,16 +451,7 @@ impl Registry {
             let Some(view) = state.services.get_mut(service) else {
                 return Ok::<_, RegistryError>(false);
             };
-            let Some(gone) = view.workers.remove(&WorkerKey { index, pid }) else {
-                return Ok(false);
-            };
-            // Its ORCA state goes with it, unless a stream is still open (the stream's end removes
-            // it then).
-            let mut orca = self.orca.lock().unwrap_or_else(|e| e.into_inner());
-            if orca.get(&gone.hostname).is_some_and(|s| s.open == 0) {
-                orca.remove(&gone.hostname);
-            }
-            Ok(true)
+            Ok(view.workers.remove(&WorkerKey { index, pid }).is_some())
         })
         .unwrap_or(false)
     }
@@ -511,22 +475,26 @@ impl Registry {
     }
 
     /// Records whether the instance `pid` of `service`'s slot `index` is stalled; publishes a new
-    /// snapshot if that changed. Returns whether it did.
-    pub fn set_stalled(&self, service: &str, index: u32, pid: u32, stall: Option<Stall>) -> bool {
-        self.update(|state| {
-            let worker = state
-                .services
-                .get_mut(service)
-                .and_then(|view| view.workers.get_mut(&WorkerKey { index, pid }));
-            Ok::<_, RegistryError>(match worker {
-                Some(worker) if worker.stalled != stall => {
-                    worker.stalled = stall;
-                    true
-                }
-                _ => false,
-            })
-        })
-        .unwrap_or(false)
+    /// snapshot if that changed, and returns its revision.
+    pub fn set_stalled(
+        &self,
+        service: &str,
+        index: u32,
+        pid: u32,
+        stall: Option<Stall>,
+    ) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let worker = state
+            .services
+            .get_mut(service)?
+            .workers
+            .get_mut(&WorkerKey { index, pid })?;
+        if worker.stalled == stall {
+            return None;
+        }
+        worker.stalled = stall;
+        state.publish(&self.tx);
+        Some(state.revision)
     }
 
     /// Replaces the view of the fleet's other hosts; publishes a new snapshot if it changed, and
@@ -538,19 +506,6 @@ impl Registry {
             Ok::<_, RegistryError>(changed)
         })
         .unwrap_or(false)
-    }
-
-    /// Records where this host's etcd session is (for `status`; it moves no snapshot).
-    pub fn set_fleet_status(&self, status: FleetStatus) {
-        *self.fleet_status.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
-    }
-
-    /// Where this host's etcd session is; `None` on a single host.
-    pub fn fleet_status(&self) -> Option<FleetStatus> {
-        self.fleet_status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
     }
 
     /// Publishes the workers' loads of one sample (replacing the previous sample's).
@@ -632,6 +587,37 @@ mod tests {
             single.snapshot().instance("web", 0, 10).unwrap().hostname,
             "web-0-10"
         );
+    }
+
+    #[test]
+    fn a_worker_is_found_by_its_hostname_through_its_key() {
+        // Service names with `-`, and one that is another's suffix.
+        let services = [
+            "api".to_string(),
+            "web-api".to_string(),
+            "a-b-c".to_string(),
+        ];
+        for host in [None, Some("host-1"), Some("web")] {
+            let registry = match host {
+                Some(host) => Registry::new(services.clone()).in_fleet(host),
+                None => Registry::new(services.clone()),
+            };
+            for (service, index, pid) in [("api", 0, 10), ("web-api", 3, 11), ("a-b-c", 12, 12)] {
+                registry.register(worker(service, index, pid)).unwrap();
+            }
+            let snapshot = registry.snapshot();
+            for worker in snapshot.services.values().flat_map(|v| v.workers.values()) {
+                let found = snapshot.worker_by_hostname(&worker.hostname);
+                assert_eq!(found, Some(worker), "{host:?}: {}", worker.hostname);
+            }
+            let prefix = host.map(|h| format!("{h}-")).unwrap_or_default();
+            for absent in [
+                "api-0-11", "api-1-10", "web-0-10", "api-0", "", "api-x-10", "-0-10",
+            ] {
+                let hostname = format!("{prefix}{absent}");
+                assert!(!snapshot.has_hostname(&hostname), "{hostname}");
+            }
+        }
     }
 
     #[test]

@@ -44,10 +44,10 @@ use crate::{
     registration,
     registry::Registry,
     sampler::{self, ErrorChain, SchedSource, ebpf::EbpfSource, procfs::ProcfsSource},
-    service_manager,
+    service_manager, status,
     timings::Timings,
     tls::server::ServerTls,
-    xds::{self, acks::Acks},
+    xds,
 };
 
 /// The longest xDS waits at start for adopted workers to register again (they retry at least every
@@ -311,13 +311,18 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let xds_stop = async move {
         let _ = xds_stop_rx.await;
     };
+    // What the status report and the metrics read beside the registry. The ACKs are shared by the
+    // xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on them).
+    let records = status::Records::default();
+    let acks = records.acks.clone();
     // With a sampler, ORCA is served even if no service uses it yet: a reload may add one.
-    let orca_service = orca_reach
-        .sampling
-        .then(|| OrcaService::new(registry.clone(), config.orca.min_report_interval));
-    // Shared by the xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on
-    // it).
-    let acks = Arc::new(Acks::default());
+    let orca_service = orca_reach.sampling.then(|| {
+        OrcaService::new(
+            registry.clone(),
+            records.orca.clone(),
+            config.orca.min_report_interval,
+        )
+    });
     let timings = Timings::default();
     let xds_counters = Arc::new(xds::counters::XdsCounters::new(
         timings.xds_convergence.clone(),
@@ -330,7 +335,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
         }
         let metrics = Arc::new(metrics::registry(
             registry.clone(),
-            acks.clone(),
+            records.clone(),
             xds_counters.clone(),
             &timings,
         ));
@@ -377,7 +382,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let server = registration::Server {
         registry: registry.clone(),
         children: children.clone(),
-        acks: acks.clone(),
+        records: records.clone(),
         commands: commands_tx,
     };
     exposure::warn(&config);
@@ -415,6 +420,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
                     fleet::membership::Shared {
                         acks: acks.clone(),
                         drains,
+                        status: records.fleet.clone(),
                     },
                 )
                 .run(fleet_stop_rx),

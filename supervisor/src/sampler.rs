@@ -197,6 +197,7 @@ pub async fn run(
                 }
             }
         }
+        let ticked_on = snapshot.revision;
         let tick = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let loads = sampler.tick(&snapshot, started, SystemTime::now());
@@ -208,6 +209,7 @@ pub async fn run(
                     pass_time.observe(took.as_secs_f64());
                 }
                 registry.publish_loads(Loads::new(Some(info), sample.loads));
+                let mut own_writes = 0;
                 for change in sample.stalls {
                     let StallChange {
                         service,
@@ -215,9 +217,10 @@ pub async fn run(
                         pid,
                         stall,
                     } = change;
-                    if !registry.set_stalled(&service, index, pid, stall) {
+                    if registry.set_stalled(&service, index, pid, stall).is_none() {
                         continue;
                     }
+                    own_writes += 1;
                     match stall {
                         Some(stall) => {
                             tracing::warn!(%service, index, pid, %stall, "Worker stalled: Envoy sends it no new request until it moves again")
@@ -226,6 +229,11 @@ pub async fn run(
                             tracing::info!(%service, index, pid, "Stalled worker moves again: back in rotation")
                         }
                     }
+                }
+                // Its own stall writes are no news to the sampler: when every revision since the
+                // snapshot it sampled is one of them, it does not wake for them.
+                if own_writes > 0 && snapshots.borrow().revision == ticked_on + own_writes {
+                    snapshots.mark_unchanged();
                 }
                 state = Some(sampler);
             }

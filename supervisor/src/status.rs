@@ -9,14 +9,15 @@
 //! has a row, with its restarts and no pid. A load is shown only with the worker instance it was sampled
 //! from, never beside its successor.
 //!
-//! Invariant: the status is read from the registry alone, never from the process table or the
-//! manager: it shows what Envoy is told, and a slot's status as its task last wrote it.
+//! Invariant: the status is read from the registry and the [`Records`] kept beside it (the xDS
+//! streams' ACKs, ORCA's streams, the fleet session), never from the process table or the manager:
+//! it shows what Envoy is told, and a slot's status as its task last wrote it.
 
 pub mod client;
 pub mod view;
 pub mod watch;
 
-use std::{collections::BTreeMap, time::SystemTime};
+use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
 
 use peregrine_proto::v1;
 
@@ -25,22 +26,34 @@ pub use self::{
     view::{OrcaReportView, StatusView, WorkerRow, XdsStreamView},
 };
 use crate::{
-    registry::{
-        EtcdState, FleetStatus, Health, Loads, OrcaByHostname, OrcaStreams, Registry, Slots,
-        Snapshot, WorkerLoad,
-    },
-    xds::acks::StreamSync,
+    fleet::{EtcdState, FleetStatus, SessionStatus},
+    orca::stats::{OrcaByHostname, OrcaStats, OrcaStreams},
+    registry::{Health, Loads, Registry, Slots, Snapshot, WorkerLoad},
+    xds::acks::{Acks, StreamSync},
 };
 
-/// The status answer for everything `registry` holds now, with Envoy's endpoint `streams`.
-pub fn report_of(registry: &Registry, streams: &[StreamSync]) -> v1::Status {
+/// What a status report reads beside the registry, each in its own home: how far each Envoy's xDS
+/// streams have ACKed, ORCA's streams, and the fleet session.
+#[derive(Clone, Debug, Default)]
+pub struct Records {
+    /// The xDS streams' ACKs.
+    pub acks: Arc<Acks>,
+    /// ORCA's streams per worker.
+    pub orca: Arc<OrcaStats>,
+    /// Where this host's etcd session is (never set on a single host).
+    pub fleet: Arc<SessionStatus>,
+}
+
+/// The status answer for everything `registry` and `records` hold now.
+pub fn report_of(registry: &Registry, records: &Records) -> v1::Status {
+    let snapshot = registry.snapshot();
     report(
-        &registry.snapshot(),
+        &snapshot,
         &registry.slots(),
         &registry.loads(),
-        &registry.orca_streams(),
-        streams,
-        registry.fleet_status().as_ref(),
+        &records.orca.current(&snapshot),
+        &records.acks.streams(),
+        records.fleet.get().as_ref(),
     )
 }
 
@@ -233,8 +246,10 @@ pub(crate) mod tests {
         }
     }
 
-    pub(super) fn registry() -> Registry {
+    /// A registry of two services, with slot records, loads and ORCA streams kept beside it.
+    pub(super) fn registry() -> (Registry, Records) {
         let registry = Registry::new(["api".to_string(), "web".to_string()]);
+        let records = Records::default();
         let addresses = vec![
             Address::Tcp("[::1]:8000".parse().unwrap()),
             Address::Tcp("127.0.0.1:8000".parse().unwrap()),
@@ -268,23 +283,40 @@ pub(crate) mod tests {
             // The api load belongs to an earlier instance of the slot: it must not show.
             [load("web", 0, 100, true), load("api", 1, 299, true)],
         ));
-        registry.orca_opened("web-0-100");
-        registry.orca_reported(
+        records.orca.opened("web-0-100");
+        records.orca.reported(
             "web-0-100",
-            crate::registry::ReportSummary {
+            crate::orca::stats::ReportSummary {
                 cpu_utilization: 0.256,
                 application_utilization: 0.266,
                 rps_fractional: 12.3,
                 sent_at: SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1),
             },
         );
-        registry
+        (registry, records)
+    }
+
+    /// [`report_of`] with Envoy's endpoint `streams` given.
+    pub(super) fn report_with(
+        registry: &Registry,
+        records: &Records,
+        streams: &[StreamSync],
+    ) -> v1::Status {
+        let snapshot = registry.snapshot();
+        report(
+            &snapshot,
+            &registry.slots(),
+            &registry.loads(),
+            &records.orca.current(&snapshot),
+            streams,
+            records.fleet.get().as_ref(),
+        )
     }
 
     #[test]
     fn a_report_has_a_row_per_slot_and_loads_only_with_their_own_worker() {
-        let registry = registry();
-        let status = report_of(&registry, &[]);
+        let (registry, records) = registry();
+        let status = report_of(&registry, &records);
         assert_eq!(
             (status.sampler.as_str(), status.sample_interval_ms),
             ("procfs", 250)

@@ -12,7 +12,7 @@ use peregrine_proto::xds::service::orca::v3::{
     OrcaLoadReportRequest, open_rca_service_client::OpenRcaServiceClient,
 };
 use peregrine_supervisor::{
-    orca::OrcaService,
+    orca::{OrcaService, stats::OrcaStats},
     registry::{Address, Loads, Protocol, Registry, Worker, WorkerLoad},
     run,
     xds::{XdsOptions, acks::Acks},
@@ -24,6 +24,8 @@ const WITHIN: Duration = Duration::from_secs(5);
 
 struct Server {
     port: u16,
+    /// What the service records of its streams.
+    stats: Arc<OrcaStats>,
     _stop: oneshot::Sender<()>,
 }
 
@@ -31,6 +33,7 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = oneshot::channel::<()>();
+    let stats = Arc::new(OrcaStats::default());
     tokio::spawn(run::grpc::serve(
         run::grpc::Ports::single(listener, 1024),
         run::grpc::Inputs {
@@ -38,13 +41,17 @@ async fn start(registry: Arc<Registry>, min_interval: Duration) -> Server {
             options: tokio::sync::watch::channel(XdsOptions::default()).1,
             acks: Arc::new(Acks::default()),
             counters: Default::default(),
-            orca: Some(OrcaService::new(registry, min_interval)),
+            orca: Some(OrcaService::new(registry, stats.clone(), min_interval)),
         },
         async {
             let _ = stopped.await;
         },
     ));
-    Server { port, _stop: stop }
+    Server {
+        port,
+        stats,
+        _stop: stop,
+    }
 }
 
 /// A client whose requests carry `:authority` = `authority`, as Envoy's do.
@@ -131,7 +138,7 @@ async fn a_worker_stream_reports_real_samples_at_the_interval_and_ends_when_the_
             .is_err(),
         "a report before a real sample"
     );
-    let stream_open = registry.orca_streams();
+    let stream_open = server.stats.current(&registry.snapshot());
     assert_eq!(stream_open[&worker.hostname].open, 1);
 
     registry.publish_loads(sampled(4242, true));
@@ -159,7 +166,7 @@ async fn a_worker_stream_reports_real_samples_at_the_interval_and_ends_when_the_
         elapsed >= Duration::from_millis(200),
         "3 reports in {elapsed:?}: faster than the 100 ms floor"
     );
-    assert!(registry.orca_streams()[&worker.hostname].reports >= 4);
+    assert!(server.stats.current(&registry.snapshot())[&worker.hostname].reports >= 4);
 
     assert!(registry.deregister("web", 0, 4242));
     let end = tokio::time::timeout(WITHIN, async {
@@ -177,7 +184,11 @@ async fn a_worker_stream_reports_real_samples_at_the_interval_and_ends_when_the_
         "ended with OK, not an error: {end:?}"
     );
     tokio::time::timeout(WITHIN, async {
-        while registry.orca_streams().contains_key(&worker.hostname) {
+        while server
+            .stats
+            .current(&registry.snapshot())
+            .contains_key(&worker.hostname)
+        {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })

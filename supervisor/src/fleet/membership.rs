@@ -41,7 +41,8 @@ use peregrine_contract::ErrorChain;
 
 use crate::{
     config::ClusterConfig,
-    registry::{EtcdState, Fleet, FleetStatus, Registry, SpecChoices},
+    fleet::{EtcdState, FleetStatus, SessionStatus},
+    registry::{Fleet, Registry, SpecChoices},
     throttle::Throttle,
     xds::{XdsOptions, acks::Acks, resources::Balancer},
 };
@@ -112,6 +113,8 @@ pub struct Shared {
     pub acks: Arc<Acks>,
     /// What drains here wait on.
     pub drains: Arc<FleetDrains>,
+    /// Where the session is, for `status` and the metrics.
+    pub status: Arc<SessionStatus>,
 }
 
 /// The membership task of one supervisor.
@@ -125,6 +128,8 @@ pub struct Membership {
     acks: Arc<Acks>,
     /// What drains here wait on.
     drains: Arc<FleetDrains>,
+    /// Where the session is: this task's to write.
+    status: Arc<SessionStatus>,
     /// Rate-limits the error about hosts on another gRPC port.
     port_conflict: Throttle,
     /// The lease of this host's keys, across sessions.
@@ -165,6 +170,7 @@ impl Membership {
             options,
             acks: shared.acks,
             drains: shared.drains,
+            status: shared.status,
             port_conflict: Throttle::new(Duration::from_secs(60)),
             lease: None,
             // Hosts start on different members, so that a fleet spreads over its etcd cluster.
@@ -187,7 +193,7 @@ impl Membership {
         };
         let unavailable = Throttle::new(Duration::from_secs(10));
         let mut backoff = Backoff::new(spread(&me.host) as u64);
-        self.registry.set_fleet_status(FleetStatus {
+        self.status.set(FleetStatus {
             host: me.host.clone(),
             etcd: EtcdState::Connecting,
             since: SystemTime::now(),
@@ -214,14 +220,14 @@ impl Membership {
                     continue;
                 }
                 Err(error) => {
-                    let previous = self.registry.fleet_status();
+                    let previous = self.status.get();
                     let since = match &previous {
                         Some(status) if matches!(status.etcd, EtcdState::Unavailable { .. }) => {
                             status.since
                         }
                         _ => SystemTime::now(),
                     };
-                    self.registry.set_fleet_status(FleetStatus {
+                    self.status.set(FleetStatus {
                         host: me.host.clone(),
                         etcd: EtcdState::Unavailable {
                             error: ErrorChain(&error).to_string(),
@@ -327,16 +333,12 @@ impl Membership {
                 ),
             )
             .await?;
-        self.registry.set_fleet_status(FleetStatus {
+        self.status.set(FleetStatus {
             host: me.host.clone(),
             etcd: EtcdState::Connected,
             since: SystemTime::now(),
             lease: Some(lease),
-            conflicts: self
-                .registry
-                .fleet_status()
-                .map(|s| s.conflicts)
-                .unwrap_or_default(),
+            conflicts: self.status.get().map(|s| s.conflicts).unwrap_or_default(),
             skipped: self.skipped.counts(),
         });
         self.joined = true;
@@ -601,16 +603,14 @@ impl Membership {
                 )
             })
             .collect();
-        let Some(mut status) = self.registry.fleet_status() else {
-            return;
-        };
-        if status.conflicts != conflicts {
-            for conflict in &conflicts {
-                tracing::warn!(%conflict, "Hosts of the fleet disagree on a service's spec");
+        self.status.update(|status| {
+            if status.conflicts != conflicts {
+                for conflict in &conflicts {
+                    tracing::warn!(%conflict, "Hosts of the fleet disagree on a service's spec");
+                }
+                status.conflicts = conflicts;
             }
-            status.conflicts = conflicts;
-            self.registry.set_fleet_status(status);
-        }
+        });
     }
 
     /// Tells the drains which other hosts are live (have a host record) and how far each acked.
@@ -704,12 +704,7 @@ impl Membership {
             tracing::warn!(key, %error, "Skipping a fleet record");
         }
         let counts = self.skipped.counts();
-        if let Some(mut status) = self.registry.fleet_status()
-            && status.skipped != counts
-        {
-            status.skipped = counts;
-            self.registry.set_fleet_status(status);
-        }
+        self.status.update(|status| status.skipped = counts);
         let fleet = &*fleet;
         // Envoy opens every worker's ORCA stream to the worker's IP on the cluster's one ORCA port:
         // a host whose supervisor listens elsewhere gets no load reports from another host's Envoy.

@@ -19,7 +19,7 @@ use crate::{
         self,
         view::{StatusView, WorkerRow},
     },
-    xds::{acks::Acks, counters::XdsCounters, stream_kind::StreamKind},
+    xds::{counters::XdsCounters, stream_kind::StreamKind},
 };
 
 /// The states a slot's row can be in, each a `peregrine_workers` series of every service (0 when
@@ -30,16 +30,17 @@ pub const STATES: [&str; 5] = ["ready", "draining", "stalled", "starting", "cras
 #[derive(Debug)]
 pub struct StatusCollector {
     registry: Arc<Registry>,
-    acks: Arc<Acks>,
+    records: status::Records,
     xds: Arc<XdsCounters>,
 }
 
 impl StatusCollector {
-    /// A collector of `registry`'s workers, `acks`' streams and `xds`' pushes and NACKs.
-    pub fn new(registry: Arc<Registry>, acks: Arc<Acks>, xds: Arc<XdsCounters>) -> Self {
+    /// A collector of `registry`'s workers, the `records` kept beside it (xDS streams, ORCA, the
+    /// fleet session) and `xds`' pushes and NACKs.
+    pub fn new(registry: Arc<Registry>, records: status::Records, xds: Arc<XdsCounters>) -> Self {
         StatusCollector {
             registry,
-            acks,
+            records,
             xds,
         }
     }
@@ -47,15 +48,16 @@ impl StatusCollector {
 
 impl Collector for StatusCollector {
     fn encode(&self, encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-        let view = StatusView::from(status::report_of(&self.registry, &self.acks.streams()));
+        let view = StatusView::from(status::report_of(&self.registry, &self.records));
         let totals = Totals {
-            orca_reports: self.registry.orca_reports_total(),
-            streams: self.acks.kinds(),
+            orca_reports: self.records.orca.reports_total(),
+            streams: self.records.acks.kinds(),
             pushes: self.xds.pushes(),
             nacks: self.xds.nacks(),
             fleet_skipped: self
-                .registry
-                .fleet_status()
+                .records
+                .fleet
+                .get()
                 .map(|status| status.skipped)
                 .unwrap_or_default(),
         };

@@ -6,7 +6,7 @@
 //!
 //! [`Registry::set_fleet`]: super::Registry::set_fleet
 
-use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
+use std::{collections::BTreeMap, sync::Arc};
 
 use super::{Address, Protocol};
 use crate::{balancer::Balancer, config::Locality};
@@ -197,49 +197,6 @@ impl SpecChoices {
             ));
         }
         &self.chosen
-    }
-}
-
-/// The etcd session of this host, for `status`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FleetStatus {
-    /// This host's name.
-    pub host: String,
-    /// Where the session is.
-    pub etcd: EtcdState,
-    /// Since when.
-    pub since: SystemTime,
-    /// The lease of this host's keys, once granted.
-    pub lease: Option<i64>,
-    /// The services whose spec hosts disagree on, each with the hosts that disagree and whose spec
-    /// is served, as one line each.
-    pub conflicts: Vec<String>,
-    /// The other hosts' records skipped now, by reason (`too_large`, `no_lease`, ...).
-    pub skipped: BTreeMap<&'static str, usize>,
-}
-
-/// Where the etcd session is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum EtcdState {
-    /// Not joined yet.
-    Connecting,
-    /// Joined: this host's keys are in etcd and the view follows the watch.
-    Connected,
-    /// Away: the view is the last one seen.
-    Unavailable {
-        /// Why.
-        error: String,
-    },
-}
-
-impl EtcdState {
-    /// `connecting`, `connected` or `unavailable`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            EtcdState::Connecting => "connecting",
-            EtcdState::Connected => "connected",
-            EtcdState::Unavailable { .. } => "unavailable",
-        }
     }
 }
 

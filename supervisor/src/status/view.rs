@@ -413,13 +413,16 @@ mod tests {
     use super::*;
     use crate::{
         registry::{Address, Protocol, Worker},
-        status::{report_of, tests::registry},
+        status::{
+            report_of,
+            tests::{registry, report_with},
+        },
         xds::{acks::StreamSync, stream_kind::StreamKind},
     };
 
     #[test]
     fn a_slot_being_replaced_shows_both_instances() {
-        let registry = registry();
+        let (registry, records) = registry();
         let addr = Address::Tcp("127.0.0.1:8001".parse().unwrap());
         registry
             .register(Worker::ready(
@@ -430,7 +433,7 @@ mod tests {
                 vec![addr],
             ))
             .unwrap();
-        let view = StatusView::from(report_of(&registry, &[]));
+        let view = StatusView::from(report_of(&registry, &records));
         let web0: Vec<(Option<u32>, &str, bool)> = view
             .workers
             .iter()
@@ -446,7 +449,7 @@ mod tests {
 
     #[test]
     fn the_table_aligns_columns_and_dashes_the_unknown() {
-        let registry = registry();
+        let (registry, records) = registry();
         let streams = [
             StreamSync {
                 id: 3,
@@ -472,7 +475,7 @@ mod tests {
                 ),
             },
         ];
-        let view = StatusView::from(report_of(&registry, &streams));
+        let view = StatusView::from(report_with(&registry, &records, &streams));
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
@@ -487,8 +490,8 @@ web           1    -  crash-loop  -                             -          -    
 
     #[test]
     fn json_has_nulls_for_the_unknown() {
-        let registry = registry();
-        let view = StatusView::from(report_of(&registry, &[]));
+        let (registry, records) = registry();
+        let view = StatusView::from(report_of(&registry, &records));
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["sampler"], "procfs");
         assert_eq!(json["sample_interval_ms"], 250);
