@@ -223,7 +223,7 @@ async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Res
         Some(worker_message::Message::Status(_) | worker_message::Message::Control(_))
             if *socket != Socket::Control =>
         {
-            return Err(refuse(&mut stream, Refusal::RegistrationsOnly.to_string()).await);
+            return Err(refuse(&mut stream, &Refusal::RegistrationsOnly).await);
         }
         Some(worker_message::Message::Status(_)) => {
             return answer_status(&mut stream, registry, children, records).await;
@@ -235,12 +235,12 @@ async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Res
     };
     let worker = match admit(&stream, socket, message, children) {
         Ok(worker) => worker,
-        Err(refusal) => return Err(refuse(&mut stream, refusal.to_string()).await),
+        Err(refusal) => return Err(refuse(&mut stream, &refusal).await),
     };
     let (service, index, pid) = (worker.service.clone(), worker.index, worker.pid);
     let hostname = worker.hostname.clone();
-    if let Err(e) = registry.register(worker) {
-        return Err(refuse(&mut stream, e.to_string()).await);
+    if let Err(error) = registry.register(worker) {
+        return Err(refuse(&mut stream, &Refusal::from(error)).await);
     }
     tracing::info!(%service, index, pid, %hostname, "Worker registered");
     let answer = SupervisorMessage {
@@ -272,7 +272,7 @@ async fn answer_status(
     records: &status::Records,
 ) -> Result<(), Closed> {
     if let Err(refusal) = commander(stream, children) {
-        return Err(refuse(stream, refusal.to_string()).await);
+        return Err(refuse(stream, &refusal).await);
     }
     let report = status::report_of(registry, records);
     let answer = SupervisorMessage {
@@ -292,7 +292,7 @@ async fn answer_control(
     commands: &Commands,
 ) -> Result<(), Closed> {
     if let Err(refusal) = commander(stream, children) {
-        return Err(refuse(stream, refusal.to_string()).await);
+        return Err(refuse(stream, &refusal).await);
     }
     tracing::info!(?request, "Control command received");
     let (tx, rx) = oneshot::channel();
@@ -312,10 +312,13 @@ async fn answer_control(
     Ok(())
 }
 
-async fn refuse(stream: &mut UnixStream, reason: String) -> Closed {
+/// Sends `refusal` to the peer, as its code and its text.
+async fn refuse(stream: &mut UnixStream, refusal: &Refusal) -> Closed {
+    let reason = refusal.to_string();
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Refused(Refused {
             reason: reason.clone(),
+            code: refusal.code().into(),
         })),
     };
     // The peer may be gone already; the refusal is logged either way.
@@ -346,6 +349,7 @@ async fn read_message(
 mod tests {
     use super::*;
     use crate::registry::{Address, Protocol, Worker};
+    use peregrine_proto::v1::refused::Code;
 
     fn register_message(service: &str, index: u32, pid: u32, port: u32) -> WorkerMessage {
         WorkerMessage {
@@ -522,11 +526,8 @@ mod tests {
         else {
             panic!("expected Refused, got {answer:?}");
         };
-        assert!(
-            refused.reason.contains("is not a worker"),
-            "{}",
-            refused.reason
-        );
+        assert_eq!(refused.code(), Code::NotOurs, "{}", refused.reason);
+        assert!(!refused.reason.is_empty());
         assert_eq!(fx.registry.snapshot().revision, 0);
     }
 
@@ -550,24 +551,25 @@ mod tests {
         check(register_message("web", 0, own_pid(), 0), |r| {
             matches!(r, Refusal::Listener(ListenerError::Port(0)))
         });
-        // The same refusals reach the peer as their text.
+        // The same refusals reach the peer, as their code beside their text.
         for (message, expected) in [
             (
                 register_message("web", 0, own_pid() + 1, 8080),
-                "claims pid",
+                Code::PidMismatch,
             ),
             (
                 register_message("web", 1, own_pid(), 8080),
-                "was started as web[0]",
+                Code::SlotMismatch,
             ),
-            (register_message("web", 0, own_pid(), 0), "invalid port"),
+            (register_message("web", 0, own_pid(), 0), Code::BadListener),
         ] {
             let (_stream, answer) = fx.exchange(&message).await;
-            let reason = match answer.and_then(|a| a.message) {
-                Some(supervisor_message::Message::Refused(r)) => r.reason,
+            let refused = match answer.and_then(|a| a.message) {
+                Some(supervisor_message::Message::Refused(r)) => r,
                 other => panic!("expected Refused, got {other:?}"),
             };
-            assert!(reason.contains(expected), "{reason:?} lacks {expected:?}");
+            assert_eq!(refused.code(), expected, "{}", refused.reason);
+            assert!(!refused.reason.is_empty());
         }
         assert_eq!(fx.registry.snapshot().revision, 0);
     }
@@ -673,11 +675,15 @@ mod tests {
                 handle(server, &server_side, &Socket::Control).await
             });
             client.write_all(&encode(&request)).await.unwrap();
-            let reason = match read_answer(&mut client).await.and_then(|a| a.message) {
-                Some(supervisor_message::Message::Refused(refused)) => refused.reason,
+            let refused = match read_answer(&mut client).await.and_then(|a| a.message) {
+                Some(supervisor_message::Message::Refused(refused)) => refused,
                 other => panic!("expected a refusal, got {other:?}"),
             };
-            assert_eq!(reason, "peer uid 65534 is not the supervisor's uid 0");
+            assert_eq!(refused.code(), Code::OtherUser);
+            assert_eq!(
+                refused.reason,
+                "peer uid 65534 is not the supervisor's uid 0"
+            );
             assert!(matches!(served.await.unwrap(), Err(Closed::Refused(_))));
             assert!(
                 received.try_recv().is_err(),

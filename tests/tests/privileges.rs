@@ -494,6 +494,14 @@ fn claim(line: &str) -> (u32, u32, String) {
     parse().unwrap_or_else(|| panic!("not a line of register-as: {line:?}"))
 }
 
+/// The code of a `register-as` outcome `refused CODE: REASON`; panics on any other outcome.
+fn refused_code(outcome: &str) -> &str {
+    outcome
+        .strip_prefix("refused ")
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or_else(|| panic!("not a refusal: {outcome}"))
+}
+
 #[test]
 fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_refused() {
     let nobody = nobody();
@@ -529,10 +537,22 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
         .map(claim)
         .collect();
     let imp = claims[0].1;
-    for (uid, pid, outcome) in &claims {
+    for (uid, pid, _) in &claims {
         assert_eq!((*uid, *pid), (nobody.uid, imp), "one worker, as nobody");
-        assert!(outcome.starts_with("refused"), "{claims:?}");
     }
+    let codes: Vec<&str> = claims
+        .iter()
+        .map(|(_, _, outcome)| refused_code(outcome))
+        .collect();
+    assert_eq!(
+        codes,
+        [
+            "CODE_SLOT_MISMATCH",
+            "CODE_SLOT_MISMATCH",
+            "CODE_WRONG_SOCKET"
+        ],
+        "{claims:?}"
+    );
     let environment = environment(imp).expect("imp's worker still runs");
     assert_eq!(
         environment.get("PEREGRINE_SERVICE").map(String::as_str),
@@ -563,8 +583,8 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
     let claims: Vec<(u32, u32, String)> = lines.iter().map(|line| claim(line)).collect();
     let stranger_pid = claims[0].1;
     assert_eq!(claims[0].0, nobody.uid, "{claims:?}");
-    assert!(claims[0].2.starts_with("refused"), "{claims:?}");
-    assert!(claims[1].2.starts_with("refused"), "{claims:?}");
+    assert_eq!(refused_code(&claims[0].2), "CODE_NOT_OURS", "{claims:?}");
+    assert_eq!(refused_code(&claims[1].2), "CODE_NOT_OURS", "{claims:?}");
     assert!(
         claims[2].2.starts_with("cannot connect") && claims[2].2.contains("Permission denied"),
         "{claims:?}"

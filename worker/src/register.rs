@@ -21,7 +21,7 @@ use peregrine_proto::{
     FrameError, decode_frame, encode,
     v1::{
         Address, Listener, Protocol, Register, SocketAddress, SupervisorMessage, WorkerMessage,
-        address, supervisor_message, worker_message,
+        address, refused::Code, supervisor_message, worker_message,
     },
 };
 use tokio::{
@@ -55,7 +55,9 @@ pub enum RegisterError {
     /// The supervisor refused the registration.
     #[error("the supervisor refused the registration: {reason}")]
     Refused {
-        /// The supervisor's reason.
+        /// Why, for programs to match on.
+        code: Code,
+        /// Why, in words.
         reason: String,
     },
     /// The supervisor closed the connection without answering.
@@ -179,6 +181,7 @@ async fn exchange(control: &Path, message: Vec<u8>) -> Result<Registration, Regi
                 message,
             }),
             Some(supervisor_message::Message::Refused(refused)) => Err(RegisterError::Refused {
+                code: refused.code(),
                 reason: refused.reason,
             }),
             Some(

@@ -9,7 +9,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use peregrine_proto::v1::{Protocol, Refused, Registered, address, supervisor_message};
+use peregrine_proto::v1::{
+    Protocol, Refused, Registered, address, refused::Code, supervisor_message,
+};
 use peregrine_worker::{
     Settings, WorkerError, register::RegisterError, settings::DEFAULT_ORPHAN_TIMEOUT,
 };
@@ -121,13 +123,17 @@ fn a_refusal_fails_the_worker_with_the_reason() {
         &listener,
         supervisor_message::Message::Refused(Refused {
             reason: "index 3 is taken".into(),
+            code: Code::SlotMismatch.into(),
         }),
     );
     drop(conn);
     let err = result.recv_timeout(STEP).unwrap().unwrap_err();
     match &err {
-        WorkerError::Register(RegisterError::Refused { reason }) => {
-            assert_eq!(reason, "index 3 is taken")
+        WorkerError::Register(RegisterError::Refused { code, reason }) => {
+            assert_eq!(
+                (*code, reason.as_str()),
+                (Code::SlotMismatch, "index 3 is taken")
+            )
         }
         other => panic!("unexpected error: {other:?}"),
     }
@@ -245,13 +251,17 @@ fn a_refused_new_registration_stops_the_worker_with_an_error() {
         &listener,
         supervisor_message::Message::Refused(Refused {
             reason: "service web has no slot 3".into(),
+            code: Code::NotOurs.into(),
         }),
     );
     assert_eq!(again, first);
     let err = result.recv_timeout(STEP).unwrap().unwrap_err();
     match &err {
-        WorkerError::Unwanted(RegisterError::Refused { reason }) => {
-            assert_eq!(reason, "service web has no slot 3")
+        WorkerError::Unwanted(RegisterError::Refused { code, reason }) => {
+            assert_eq!(
+                (*code, reason.as_str()),
+                (Code::NotOurs, "service web has no slot 3")
+            )
         }
         other => panic!("unexpected error: {other:?}"),
     }

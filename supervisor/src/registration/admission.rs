@@ -14,12 +14,12 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use peregrine_proto::v1::{self, WorkerMessage, worker_message};
+use peregrine_proto::v1::{self, WorkerMessage, refused::Code, worker_message};
 use tokio::net::UnixStream;
 
 use crate::{
     children::{Children, Slot},
-    registry::{Address, Protocol, Worker},
+    registry::{Address, Protocol, RegistryError, Worker},
 };
 
 /// Why a peer on the control socket was refused: sent back as the `Refused` reason, and logged.
@@ -96,6 +96,30 @@ pub enum Refusal {
     /// The listener is missing or malformed.
     #[error("{0}")]
     Listener(#[from] ListenerError),
+    /// The registry did not take the worker.
+    #[error("{0}")]
+    Registry(#[from] RegistryError),
+}
+
+impl Refusal {
+    /// The code the peer gets beside the text, for programs to match on.
+    pub fn code(&self) -> Code {
+        match self {
+            Refusal::Credentials(_) => Code::Credentials,
+            Refusal::OtherUser { .. } => Code::OtherUser,
+            Refusal::NotItsUser { .. } => Code::NotItsUser,
+            Refusal::WrongSocket { .. } => Code::WrongSocket,
+            Refusal::FromWorker { .. } => Code::FromWorker,
+            Refusal::RegistrationsOnly => Code::RegistrationsOnly,
+            Refusal::PidUnknown => Code::PidUnknown,
+            Refusal::NotOurs(_) => Code::NotOurs,
+            Refusal::NotRegister => Code::NotRegister,
+            Refusal::PidMismatch { .. } => Code::PidMismatch,
+            Refusal::SlotMismatch { .. } => Code::SlotMismatch,
+            Refusal::Listener(_) | Refusal::Registry(RegistryError::NoAddress) => Code::BadListener,
+            Refusal::Registry(RegistryError::UnknownService(_)) => Code::UnknownService,
+        }
+    }
 }
 
 /// What is wrong with a registered listener.

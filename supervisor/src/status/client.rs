@@ -14,7 +14,8 @@ use bytes::BytesMut;
 use peregrine_proto::{
     FrameError, MAX_STATUS_FRAME_LEN, decode_frame_limited, encode,
     v1::{
-        self, StatusRequest, SupervisorMessage, WorkerMessage, supervisor_message, worker_message,
+        self, StatusRequest, SupervisorMessage, WorkerMessage, refused::Code, supervisor_message,
+        worker_message,
     },
 };
 use socket2::{Domain, SockAddr, Socket, Type};
@@ -58,7 +59,9 @@ pub enum StatusError {
     Refused {
         /// The socket path.
         path: PathBuf,
-        /// Its reason.
+        /// Why, for programs.
+        code: Code,
+        /// Why, in words.
         reason: String,
     },
     /// The answer was not the message asked for.
@@ -156,6 +159,7 @@ fn exchange(
     match answer.message {
         Some(supervisor_message::Message::Refused(refused)) => Err(StatusError::Refused {
             path,
+            code: refused.code(),
             reason: refused.reason,
         }),
         Some(message) => Ok(message),
@@ -282,6 +286,7 @@ mod tests {
     fn a_refusal_reaches_the_terminal_escaped() {
         let refused = StatusError::Refused {
             path: "/run/p.sock".into(),
+            code: Code::OtherUser,
             reason: "no\x1b[2J".into(),
         };
         assert_eq!(

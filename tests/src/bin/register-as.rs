@@ -8,7 +8,8 @@
 //! register-as: uid U pid P: SERVICE/INDEX as pid C on SOCKET: OUTCOME
 //! ```
 //!
-//! where OUTCOME is `registered as HOSTNAME`, `refused: REASON`, `closed without an answer` or
+//! where OUTCOME is `registered as HOSTNAME`, `refused CODE: REASON` (CODE as the protocol names it,
+//! e.g. `CODE_NOT_OURS`), `closed without an answer` or
 //! `cannot connect: ERROR`. An ATTEMPT is `SOCKET,SERVICE,INDEX` or `SOCKET,SERVICE,INDEX,PID`:
 //! register on the Unix socket SOCKET (`-`: the one in `PEREGRINE_CONTROL_SOCKET`, as a worker
 //! would) as worker INDEX of SERVICE, process PID (this process when left out), listening on
@@ -140,7 +141,8 @@ fn register(attempt: &Attempt) -> anyhow::Result<(String, Option<UnixStream>)> {
             Some(stream),
         ),
         Some(supervisor_message::Message::Refused(refused)) => {
-            (format!("refused: {}", refused.reason), None)
+            let code = refused.code().as_str_name();
+            (format!("refused {code}: {}", refused.reason), None)
         }
         Some(other) => (format!("answered {other:?}"), None),
         None => ("closed without an answer".to_owned(), None),
