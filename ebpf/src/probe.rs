@@ -4,7 +4,7 @@ use std::{
     io,
     mem::{offset_of, size_of},
     os::fd::{AsFd, BorrowedFd},
-    sync::atomic::Ordering,
+    sync::{Arc, atomic::Ordering},
 };
 
 use aya::{
@@ -90,8 +90,8 @@ pub enum Error {
     PidNamespace,
     /// The kernel would not load or attach the program that counts sends (its tracepoint,
     /// `sock_send_length`, is in Linux 6.3 and later); the scheduler programs work without it.
-    #[error("cannot count sends in the kernel: {0}")]
-    SendsUnavailable(String),
+    #[error("cannot count sends in the kernel")]
+    SendsUnavailable(#[source] Arc<SendsError>),
     /// A lane outside `0..lanes`.
     #[error("lane {lane} is out of range 0..{lanes}")]
     LaneOutOfRange {
@@ -133,7 +133,7 @@ pub struct Probe {
     /// `struct peregrine_descendants`, written: user space gives back the places it frees.
     descendants: SharedMemory,
     /// Whether the sends program is attached, or why not.
-    sends: Result<(), String>,
+    sends: Result<(), Arc<SendsError>>,
     /// The descendants' budget (entries of `tracked` that are not roots).
     max_descendants: u32,
     cells: SharedMemory,
@@ -190,7 +190,7 @@ impl Probe {
             prog.load(tracepoint, &btf).map_err(err)?;
             prog.attach().map_err(err)?;
         }
-        let sends = attach_sends(&mut ebpf, &btf);
+        let sends = attach_sends(&mut ebpf, &btf).map_err(Arc::new);
         let tracked =
             HashMap::try_from(take_map(&mut ebpf, "tracked")?).map_err(|source| Error::Map {
                 name: "tracked",
@@ -366,7 +366,7 @@ impl Probe {
         if port != 0
             && let Err(why) = &self.sends
         {
-            return Err(Error::SendsUnavailable(why.clone()));
+            return Err(Error::SendsUnavailable(Arc::clone(why)));
         }
         self.ports
             .0
@@ -524,22 +524,49 @@ fn not_found(error: &MapError) -> bool {
     }
 }
 
+/// Why the program that counts sends is not attached.
+#[derive(Debug, thiserror::Error)]
+pub enum SendsError {
+    /// The object has no such program.
+    #[error("{0} is not in the object")]
+    Missing(&'static str),
+    /// The program is not a BTF tracepoint program.
+    #[error("{program} is not a BTF tracepoint program")]
+    NotTracePoint {
+        /// The program.
+        program: &'static str,
+        /// The cause.
+        #[source]
+        source: ProgramError,
+    },
+    /// The kernel would not load or attach it (its tracepoint is in Linux 6.3 and later).
+    #[error("cannot load or attach {program} to {tracepoint}")]
+    Attach {
+        /// The program.
+        program: &'static str,
+        /// Its tracepoint.
+        tracepoint: &'static str,
+        /// The cause.
+        #[source]
+        source: ProgramError,
+    },
+}
+
 /// Loads and attaches the program that counts sends; why not, if it cannot (the sampler works
 /// without it).
-fn attach_sends(ebpf: &mut Ebpf, btf: &Btf) -> Result<(), String> {
+fn attach_sends(ebpf: &mut Ebpf, btf: &Btf) -> Result<(), SendsError> {
     let (program, tracepoint) = SENDS;
     let prog: &mut BtfTracePoint = ebpf
         .program_mut(program)
-        .ok_or_else(|| format!("{program} is not in the object"))?
+        .ok_or(SendsError::Missing(program))?
         .try_into()
-        .map_err(|e| format!("{program}: {e}"))?;
+        .map_err(|source| SendsError::NotTracePoint { program, source })?;
     prog.load(tracepoint, btf)
         .and_then(|()| prog.attach().map(drop))
-        .map_err(|e| {
-            format!(
-                "cannot load or attach {program} to {tracepoint}: {}",
-                peregrine_contract::ErrorChain(&e)
-            )
+        .map_err(|source| SendsError::Attach {
+            program,
+            tracepoint,
+            source,
         })
 }
 

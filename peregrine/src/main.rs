@@ -525,22 +525,25 @@ enum LogFormat {
     Json,
 }
 
+/// A `PEREGRINE_LOG_FORMAT` that names no format.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got {0:?}")]
+struct UnknownLogFormat(String);
+
 impl LogFormat {
     /// The format `PEREGRINE_LOG_FORMAT` names (`None`: unset).
-    fn parse(value: Option<&str>) -> Result<LogFormat, String> {
+    fn parse(value: Option<&str>) -> Result<LogFormat, UnknownLogFormat> {
         match value {
             None | Some("" | "text") => Ok(LogFormat::Text),
             Some("json") => Ok(LogFormat::Json),
-            Some(other) => Err(format!(
-                "PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got {other:?}"
-            )),
+            Some(other) => Err(UnknownLogFormat(other.to_owned())),
         }
     }
 }
 
 /// Logs to stderr, as text or JSON lines (`PEREGRINE_LOG_FORMAT`), filtered by `PEREGRINE_LOG` (or
 /// `RUST_LOG`). A format it does not know is a usage error: nothing runs.
-fn init_tracing() -> Result<(), String> {
+fn init_tracing() -> Result<(), UnknownLogFormat> {
     use tracing_subscriber::EnvFilter;
     let format = LogFormat::parse(std::env::var("PEREGRINE_LOG_FORMAT").ok().as_deref())?;
     let _ = LOG_FORMAT.set(format);
@@ -574,7 +577,9 @@ mod tests {
 
     use std::path::PathBuf;
 
-    use super::{Cli, Command, DEFAULT_CONFIG, LogFormat, restart_target, version_line};
+    use super::{
+        Cli, Command, DEFAULT_CONFIG, LogFormat, UnknownLogFormat, restart_target, version_line,
+    };
 
     #[test]
     fn the_launcher_of_passed_socket_servers_takes_the_servers_own_flags() {
@@ -696,9 +701,11 @@ mod tests {
         assert_eq!(LogFormat::parse(None), Ok(LogFormat::Text));
         assert_eq!(LogFormat::parse(Some("text")), Ok(LogFormat::Text));
         assert_eq!(LogFormat::parse(Some("json")), Ok(LogFormat::Json));
+        let unknown = LogFormat::parse(Some("JSON")).unwrap_err();
+        assert_eq!(unknown, UnknownLogFormat("JSON".into()));
         assert_eq!(
-            LogFormat::parse(Some("JSON")),
-            Err("PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got \"JSON\"".into())
+            unknown.to_string(),
+            "PEREGRINE_LOG_FORMAT must be \"text\" or \"json\", got \"JSON\""
         );
     }
 }

@@ -56,13 +56,24 @@ pub(super) fn absolute_in(base: &Path, path: &Path) -> PathBuf {
     }
 }
 
+/// Why a worker's program was not found.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(super) enum ProgramError {
+    /// A path that is not an executable file.
+    #[error("{} is not an executable file", .0.display())]
+    NotExecutable(PathBuf),
+    /// A name no directory of `PATH` holds as an executable file.
+    #[error("program {0:?} not found in PATH")]
+    NotInPath(String),
+}
+
 /// Finds a worker's program: `peregrine` is this binary; a name with a `/` is a path (relative to the
 /// config file's directory); any other name is looked up in `PATH`. It must be an executable file.
 pub(super) fn resolve_program(
     program: &str,
     base: &Path,
     search_path: Option<&str>,
-) -> Result<Program, String> {
+) -> Result<Program, ProgramError> {
     use std::os::unix::fs::PermissionsExt;
     let executable = |path: &Path| {
         std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
@@ -75,7 +86,7 @@ pub(super) fn resolve_program(
         return if executable(&path) {
             Ok(Program::Path(path))
         } else {
-            Err(format!("{} is not an executable file", path.display()))
+            Err(ProgramError::NotExecutable(path))
         };
     }
     search_path
@@ -85,7 +96,7 @@ pub(super) fn resolve_program(
         .map(|dir| Path::new(dir).join(program))
         .find(|path| executable(path))
         .map(Program::Path)
-        .ok_or_else(|| format!("program {program:?} not found in PATH"))
+        .ok_or_else(|| ProgramError::NotInPath(program.to_owned()))
 }
 
 #[cfg(test)]

@@ -187,6 +187,7 @@ pub(super) async fn register_when_ready(
                 return;
             }
             Err(why) => {
+                let why = why.to_string();
                 tracing::debug!(pid, %address, why, "Worker not ready yet");
                 if reported.elapsed() >= PROBE_REPORT {
                     reported = tokio::time::Instant::now();
@@ -201,8 +202,33 @@ pub(super) async fn register_when_ready(
     }
 }
 
+/// Why a readiness probe did not find the server ready; its text is the slot's `last_probe`.
+#[derive(Debug, thiserror::Error)]
+enum NotReady {
+    /// Connecting, sending or reading failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// The server did not answer within [`PROBE_TIMEOUT`].
+    #[error("no answer within {PROBE_TIMEOUT:?}")]
+    Timeout,
+    /// The server closed the connection without an answer.
+    #[error("closed without an answer")]
+    Closed,
+    /// The answer's first line is not an HTTP/1 status line.
+    #[error("not an HTTP/1 answer: {0:?}")]
+    NotHttp1(String),
+    /// The server answered with a status of 500 or above.
+    #[error("GET {path} answered {status}")]
+    Failing {
+        /// The ready path.
+        path: String,
+        /// The status it answered.
+        status: u16,
+    },
+}
+
 /// Sends `GET path` and returns the answer's status when below 500; else why not.
-async fn probe_ready(address: &Address, path: &str) -> Result<u16, String> {
+async fn probe_ready(address: &Address, path: &str) -> Result<u16, NotReady> {
     let host = match address {
         Address::Tcp(addr) => addr.to_string(),
         Address::Unix(_) => "localhost".to_owned(),
@@ -213,20 +239,23 @@ async fn probe_ready(address: &Address, path: &str) -> Result<u16, String> {
     let answer = exchange(address, request.as_bytes(), MAX_STATUS_LINE).await?;
     let status = status_of(&answer)?;
     if status >= 500 {
-        return Err(format!("GET {path} answered {status}"));
+        return Err(NotReady::Failing {
+            path: path.to_owned(),
+            status,
+        });
     }
     Ok(status)
 }
 
 /// The status code of an HTTP/1 answer's first line.
-fn status_of(answer: &[u8]) -> Result<u16, String> {
+fn status_of(answer: &[u8]) -> Result<u16, NotReady> {
     let line = answer.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
     let mut words = line.split_ascii_whitespace();
     match (words.next(), words.next().map(str::parse::<u16>)) {
         (Some(version), Some(Ok(status))) if version.starts_with("HTTP/1.") => Ok(status),
-        _ if answer.is_empty() => Err("closed without an answer".to_owned()),
-        _ => Err(format!("not an HTTP/1 answer: {:?}", line.trim_end())),
+        _ if answer.is_empty() => Err(NotReady::Closed),
+        _ => Err(NotReady::NotHttp1(line.trim_end().to_owned())),
     }
 }
 
@@ -238,7 +267,7 @@ async fn speaks_h2c(address: &Address) -> bool {
 }
 
 /// Connects, sends `request`, and reads until `want` bytes or the end, within [`PROBE_TIMEOUT`].
-async fn exchange(address: &Address, request: &[u8], want: usize) -> Result<Vec<u8>, String> {
+async fn exchange(address: &Address, request: &[u8], want: usize) -> Result<Vec<u8>, NotReady> {
     let run = async {
         match address {
             Address::Tcp(addr) => {
@@ -253,8 +282,8 @@ async fn exchange(address: &Address, request: &[u8], want: usize) -> Result<Vec<
     };
     match tokio::time::timeout(PROBE_TIMEOUT, run).await {
         Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(error)) => Err(error.to_string()),
-        Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+        Ok(Err(error)) => Err(NotReady::Io(error)),
+        Err(_) => Err(NotReady::Timeout),
     }
 }
 
@@ -286,14 +315,12 @@ mod tests {
 
     #[test]
     fn reads_the_status_of_an_answer() {
-        assert_eq!(status_of(b"HTTP/1.1 204 No Content\r\n"), Ok(204));
-        assert_eq!(status_of(b"HTTP/1.0 404 Not Found\r\n\r\n"), Ok(404));
-        assert!(status_of(b"").unwrap_err().contains("closed"));
-        assert!(
-            status_of(b"SSH-2.0-OpenSSH\r\n")
-                .unwrap_err()
-                .contains("not an HTTP/1")
-        );
+        assert_eq!(status_of(b"HTTP/1.1 204 No Content\r\n").unwrap(), 204);
+        assert_eq!(status_of(b"HTTP/1.0 404 Not Found\r\n\r\n").unwrap(), 404);
+        assert!(matches!(status_of(b""), Err(NotReady::Closed)));
+        let ssh = status_of(b"SSH-2.0-OpenSSH\r\n").unwrap_err();
+        assert!(matches!(&ssh, NotReady::NotHttp1(line) if line == "SSH-2.0-OpenSSH"));
+        assert_eq!(ssh.to_string(), "not an HTTP/1 answer: \"SSH-2.0-OpenSSH\"");
     }
 
     #[test]
@@ -348,11 +375,10 @@ mod tests {
             let n = stream.read(&mut buf).await.unwrap();
             assert!(buf[..n].starts_with(b"PRI * HTTP/2.0"));
         });
-        assert_eq!(
-            probe_ready(&address, "/healthz").await,
-            Err("GET /healthz answered 503".into())
-        );
-        assert_eq!(probe_ready(&address, "/healthz").await, Ok(200));
+        let failing = probe_ready(&address, "/healthz").await.unwrap_err();
+        assert!(matches!(failing, NotReady::Failing { status: 503, .. }));
+        assert_eq!(failing.to_string(), "GET /healthz answered 503");
+        assert_eq!(probe_ready(&address, "/healthz").await.unwrap(), 200);
         assert!(!speaks_h2c(&address).await);
         server.await.unwrap();
     }

@@ -64,7 +64,7 @@ impl SchedSource for EbpfSource {
         match self.probe.count_sends(lane, port) {
             Ok(()) => true,
             Err(error) => {
-                tracing::warn!(lane, port, error = %error, "Cannot count the server's responses in the kernel: it has no request rate");
+                tracing::warn!(lane, port, error = %peregrine_contract::ErrorChain(&error), "Cannot count the server's responses in the kernel: it has no request rate");
                 false
             }
         }

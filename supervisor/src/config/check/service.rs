@@ -186,7 +186,7 @@ impl Checker<'_> {
                     Some(program) => {
                         let program = resolve_program(&program, self.base, self.search_path)
                             .unwrap_or_else(|why| {
-                                self.report(Some(span), key("command"), why);
+                                self.report(Some(span), key("command"), why.to_string());
                                 Program::Peregrine
                             });
                         WorkerCommand {
