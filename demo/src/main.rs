@@ -16,6 +16,10 @@
 //!
 //! `cargo xtask demo fleet [--keep-running]` is the fleet's demo ([`fleet`]): three hosts as network
 //! namespaces sharing membership through etcd, a host killed and one cut off under traffic.
+//!
+//! This binary (`peregrine-demo`) is what `cargo xtask demo` runs, with the arguments after `demo`;
+//! it shares the package list, Envoy's install, Ctrl-C and `cargo()` with the xtask through the
+//! `xtask` library, and the end-to-end harness with the tests.
 
 #![forbid(unsafe_code)]
 
