@@ -46,7 +46,6 @@ mod paths;
 pub mod pki;
 pub mod proc_status;
 mod process;
-mod skips;
 mod slots;
 mod stack;
 pub mod stage;
@@ -63,15 +62,16 @@ pub use load::{Load, LoadOptions, LoadReport};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     AppServers, app_servers_or_skip, ebpf_or_skip, envoy_or_skip, envoy_path, example_path,
-    free_port, gunicorn_command, peregrine_path, python_clients_or_skip, target_dir, test_app,
-    tool_or_skip, venv_envoy_binary, workspace_root,
+    free_port, gunicorn_command, peregrine_path, python_clients_or_skip, test_app, tool_or_skip,
 };
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.
 pub use peregrine_contract::procfs::gone;
+pub use peregrine_testenv::{
+    SKIPS_VAR, current_test, skip, target_dir, venv_envoy_binary, workspace_root,
+};
 pub use proc_status::{Account, Privileges, assert_unprivileged};
 pub use process::ChildGuard;
-pub use skips::{SKIPS_VAR, current_test, skip};
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use stack::{CLUSTER, Stack};
 pub use stage::Stage;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, anyhow};
 
-use peregrine_e2e::target_dir;
+use peregrine_testenv::target_dir;
 
 use crate::workspace_root;
 
@@ -16,7 +16,7 @@ use crate::workspace_root;
     reason = "the eBPF build script's own module: this command calls only part of it"
 )]
 mod compile;
-pub(crate) mod tools;
+pub mod tools;
 
 /// BPF map type numbers (`enum bpf_map_type` in linux/bpf.h) that the object uses.
 fn map_type_name(map_type: u32) -> String {
@@ -29,7 +29,7 @@ fn map_type_name(map_type: u32) -> String {
     }
 }
 
-pub(crate) fn run(_args: &[String]) -> anyhow::Result<ExitCode> {
+pub fn run(_args: &[String]) -> anyhow::Result<ExitCode> {
     let out_dir = target_dir().join("ebpf");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("create {}", out_dir.display()))?;
     let object = out_dir.join("sampler.bpf.o");

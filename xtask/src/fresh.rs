@@ -38,13 +38,13 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use xtask::{USAGE, interrupt, packages, run_checked, workspace_root};
 
 #[allow(
     unused_imports,
     reason = "the root's API, for the package test as much as for this command"
 )]
 pub(crate) use self::root::{Builder, Root, Transcript};
-use crate::{USAGE, interrupt, packages, run_checked, workspace_root};
 
 /// All that is added to the minimal root: what the README assumes a machine has.
 const PACKAGES: &[&str] = &["build-essential", "git", "python3", "ca-certificates"];
@@ -55,8 +55,7 @@ const USER: &str = "builder";
 /// That user's home, where its clone, `CARGO_HOME` and target folder are.
 const USER_HOME: &str = "/home/builder";
 /// CI's variables but `PEREGRINE_REQUIRE_EBPF`: the tests that would skip for a missing tool fail
-/// instead. (With `PEREGRINE_REQUIRE_EBPF=1` the xtask itself would not build on a machine without
-/// clang, before it can install clang; a skip for the eBPF sampler fails the check instead.)
+/// instead. (A skip for the eBPF sampler fails the check instead, see [`judge_test`].)
 const REQUIRE: &str = "PEREGRINE_REQUIRE_VAGRANT=1 PEREGRINE_REQUIRE_SYSTEMD=1 \
                        PEREGRINE_REQUIRE_PROMETHEUS=1 PEREGRINE_REQUIRE_TMUX=1";
 

@@ -5,7 +5,7 @@
 //! at once.
 //!
 //! Every wait of such a command goes through [`wait_until`] or [`sleep`], which check the flag at
-//! least every [`CHECK`].
+//! least every `CHECK`.
 
 use std::{
     sync::{
@@ -24,7 +24,7 @@ const CHECK: Duration = Duration::from_millis(20);
 static INTERRUPTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 
 /// Installs the handlers (once per process).
-pub(crate) fn install() -> anyhow::Result<()> {
+pub fn install() -> anyhow::Result<()> {
     if INTERRUPTED.get().is_some() {
         return Ok(());
     }
@@ -41,7 +41,7 @@ pub(crate) fn install() -> anyhow::Result<()> {
 }
 
 /// An error once a signal came.
-pub(crate) fn check() -> anyhow::Result<()> {
+pub fn check() -> anyhow::Result<()> {
     if INTERRUPTED
         .get()
         .is_some_and(|flag| flag.load(Ordering::Relaxed))
@@ -52,7 +52,7 @@ pub(crate) fn check() -> anyhow::Result<()> {
 }
 
 /// Sleeps for `duration`, or fails as soon as a signal comes.
-pub(crate) fn sleep(duration: Duration) -> anyhow::Result<()> {
+pub fn sleep(duration: Duration) -> anyhow::Result<()> {
     let until = Instant::now() + duration;
     loop {
         check()?;
@@ -66,7 +66,7 @@ pub(crate) fn sleep(duration: Duration) -> anyhow::Result<()> {
 
 /// Calls `f` every `every` until it returns `Some`; an error when `deadline` passes first (naming
 /// `what`), when `f` fails, or when a signal comes.
-pub(crate) fn wait_until<T>(
+pub fn wait_until<T>(
     deadline: Duration,
     every: Duration,
     what: &str,

@@ -19,40 +19,40 @@ use std::{
 use anyhow::Context;
 
 /// The `RUST_LOG` that adds the membership's `Fleet view changed` lines to the usual ones.
-pub(crate) const FLEET_DEBUG: &str = "info,peregrine_supervisor::fleet=debug";
+pub const FLEET_DEBUG: &str = "info,peregrine_supervisor::fleet=debug";
 /// A worker registered (its key is put right after).
-pub(crate) const REGISTERED: &str = "Worker registered";
+pub const REGISTERED: &str = "Worker registered";
 /// A worker's exit was noticed (its key is deleted right after).
-pub(crate) const EXITED: &str = "Worker exited";
+pub const EXITED: &str = "Worker exited";
 /// The membership applied a watch event that changed the view of the other hosts.
-pub(crate) const VIEW_CHANGED: &str = "Fleet view changed";
+pub const VIEW_CHANGED: &str = "Fleet view changed";
 /// A session listed the fleet and watches it.
-pub(crate) const JOINED: &str = "Joined the fleet";
+pub const JOINED: &str = "Joined the fleet";
 
 /// One log line with a timestamp.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Line<'a> {
-    pub(crate) at: SystemTime,
+pub struct Line<'a> {
+    pub at: SystemTime,
     /// What follows the message: the event's fields.
     fields: &'a str,
 }
 
 impl<'a> Line<'a> {
     /// The value of the event's field `name` (`name=value`, up to the next space; quotes kept).
-    pub(crate) fn field(&self, name: &str) -> Option<&'a str> {
+    pub fn field(&self, name: &str) -> Option<&'a str> {
         self.fields
             .split_ascii_whitespace()
             .find_map(|word| word.strip_prefix(name)?.strip_prefix('='))
     }
 
     /// Field `name` as a number.
-    pub(crate) fn number(&self, name: &str) -> Option<u64> {
+    pub fn number(&self, name: &str) -> Option<u64> {
         self.field(name)?.parse().ok()
     }
 }
 
 /// The lines of `logs` that hold `message`, with their times, oldest first.
-pub(crate) fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item = Line<'a>> + 'a {
+pub fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item = Line<'a>> + 'a {
     logs.lines().filter_map(move |text| {
         let (_, fields) = text.split_once(message)?;
         Some(Line {
@@ -63,7 +63,7 @@ pub(crate) fn lines<'a>(logs: &'a str, message: &'a str) -> impl Iterator<Item =
 }
 
 /// The first line of `logs` holding `message` at or after `after` whose fields satisfy `with`.
-pub(crate) fn first_after<'a>(
+pub fn first_after<'a>(
     logs: &'a str,
     message: &'a str,
     after: SystemTime,
@@ -74,7 +74,7 @@ pub(crate) fn first_after<'a>(
 
 /// A log file read as it grows: each call returns the whole lines written since the last one.
 #[derive(Debug)]
-pub(crate) struct Tail {
+pub struct Tail {
     path: PathBuf,
     offset: u64,
     partial: String,
@@ -82,7 +82,7 @@ pub(crate) struct Tail {
 
 impl Tail {
     /// The file at `path`, from its start.
-    pub(crate) fn new(path: PathBuf) -> Tail {
+    pub fn new(path: PathBuf) -> Tail {
         Tail {
             path,
             offset: 0,
@@ -91,7 +91,7 @@ impl Tail {
     }
 
     /// The whole lines written since the last call (none if the file is not there yet).
-    pub(crate) fn read(&mut self) -> anyhow::Result<String> {
+    pub fn read(&mut self) -> anyhow::Result<String> {
         let mut file = match File::open(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
@@ -110,7 +110,7 @@ impl Tail {
 }
 
 /// tracing's `YYYY-MM-DDTHH:MM:SS.ffffffZ` as a time.
-pub(crate) fn timestamp(stamp: &str) -> Option<SystemTime> {
+pub fn timestamp(stamp: &str) -> Option<SystemTime> {
     let stamp = stamp.strip_suffix('Z')?;
     let (date, time) = stamp.split_once('T')?;
     let mut ymd = date.split('-').map(str::parse::<i64>);
@@ -159,7 +159,7 @@ mod tests {
 
     #[test]
     fn tails_whole_lines() {
-        let dir = peregrine_e2e::TempDir::new().unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
         let path = dir.path().join("log");
         let mut tail = Tail::new(path.clone());
         assert_eq!(tail.read().unwrap(), "");

@@ -27,9 +27,8 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::target_dir;
-
-use crate::{cargo, packages, run_checked, workspace_root};
+use peregrine_testenv::target_dir;
+use xtask::{cargo, packages, run_checked, workspace_root};
 
 /// The package's name, and its binary's.
 const NAME: &str = "peregrine";

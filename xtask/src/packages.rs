@@ -6,12 +6,12 @@
 //! Python module. As root, [`ensure`] installs what is missing with one `apt-get install`; otherwise
 //! it prints the one `apt-get install` line that would, and stops, unless all that is missing is
 //! the eBPF sampler's build tools, without which the build goes on with the procfs fallback (an
-//! error with `PEREGRINE_REQUIRE_EBPF=1`). What to do is [`plan`], a pure function of what is
+//! error with `PEREGRINE_REQUIRE_EBPF=1`). What to do is `plan`, a pure function of what is
 //! missing and what this machine allows.
 //!
-//! `.ci/run` installs, by the same probes, only what building the xtask itself needs (a C
-//! toolchain, and clang and libbpf's headers because CI builds with `PEREGRINE_REQUIRE_EBPF=1`); a
-//! unit test holds it to this list.
+//! `.ci/run` installs, by the same probes, only build tools: a C toolchain (the xtask's own build
+//! needs no more), and clang and libbpf's headers because CI builds the eBPF crate with
+//! `PEREGRINE_REQUIRE_EBPF=1`; a unit test holds it to this list.
 
 use std::{
     env,
@@ -26,7 +26,7 @@ use crate::{ebpf, run_checked};
 
 /// What a package is needed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Use {
+pub enum Use {
     /// Building the workspace.
     Build,
     /// Building the eBPF sampler; without it the build goes on with the procfs fallback.
@@ -47,7 +47,7 @@ pub(crate) enum Use {
 
 /// How a package is found to be there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Probe {
+pub enum Probe {
     /// A program on `PATH` (or in `/usr/sbin` or `/sbin`, which a user's `PATH` may lack).
     Program(&'static str),
     /// A file.
@@ -63,15 +63,15 @@ pub(crate) enum Probe {
 
 /// A Debian package, what it is for and how it is found.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Package {
-    pub(crate) name: &'static str,
-    pub(crate) probe: Probe,
-    pub(crate) uses: &'static [Use],
-    pub(crate) why: &'static str,
+pub struct Package {
+    pub name: &'static str,
+    pub probe: Probe,
+    pub uses: &'static [Use],
+    pub why: &'static str,
 }
 
 /// Every system package the project needs.
-pub(crate) const PACKAGES: &[Package] = &[
+pub const PACKAGES: &[Package] = &[
     Package {
         name: "build-essential",
         probe: Probe::Program("cc"),
@@ -209,20 +209,20 @@ pub(crate) const PACKAGES: &[Package] = &[
 ];
 
 /// `cargo xtask demo`: build the supervisor with the eBPF sampler, install Envoy.
-pub(crate) const DEMO: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv];
+pub const DEMO: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv];
 /// `cargo xtask demo fleet` and `bench fleet`: the demo's, and etcd and network namespaces.
-pub(crate) const FLEET: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv, Use::Fleet];
+pub const FLEET: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv, Use::Fleet];
 /// `cargo xtask test`: everything any test uses.
-pub(crate) const TEST: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv, Use::Fleet, Use::Test];
+pub const TEST: &[Use] = &[Use::Build, Use::Ebpf, Use::Venv, Use::Fleet, Use::Test];
 /// `cargo xtask envoy`: the virtualenv.
-pub(crate) const VENV: &[Use] = &[Use::Venv];
+pub const VENV: &[Use] = &[Use::Venv];
 /// `cargo xtask bench http`: the load generators.
-pub(crate) const BENCH: &[Use] = &[Use::Bench];
+pub const BENCH: &[Use] = &[Use::Bench];
 /// `cargo xtask fresh`, on the host.
-pub(crate) const FRESH: &[Use] = &[Use::Fresh];
+pub const FRESH: &[Use] = &[Use::Fresh];
 /// `cargo xtask package [--test]`: the release build with the eBPF sampler, dpkg's tools, and for
 /// the test a network namespace and an HTTP client (the fresh root asks for its own).
-pub(crate) const PACKAGE: &[Use] = &[Use::Build, Use::Ebpf, Use::Package];
+pub const PACKAGE: &[Use] = &[Use::Build, Use::Ebpf, Use::Package];
 
 /// Package lists older than this are refreshed (`apt-get update`) before an install.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -255,7 +255,7 @@ enum Plan {
 
 /// Installs, as root, what `uses` need that is missing; else prints the one `apt-get install` line
 /// that would, and stops unless only the eBPF sampler's tools are missing.
-pub(crate) fn ensure(uses: &[Use]) -> anyhow::Result<()> {
+pub fn ensure(uses: &[Use]) -> anyhow::Result<()> {
     let host = Host::this();
     let missing = missing(uses);
     match plan(&missing, host) {
@@ -299,7 +299,7 @@ fn missing(uses: &[Use]) -> Vec<&'static Package> {
 }
 
 /// The names of the packages with a use in `uses`, in the list's order.
-pub(crate) fn names(uses: &[Use]) -> Vec<&'static str> {
+pub fn names(uses: &[Use]) -> Vec<&'static str> {
     needed(uses).map(|package| package.name).collect()
 }
 
@@ -413,7 +413,7 @@ fn lists_need_update(newest: Option<SystemTime>, now: SystemTime) -> bool {
 }
 
 /// `program` found in `PATH`.
-pub(crate) fn program_path(program: &str) -> anyhow::Result<PathBuf> {
+pub fn program_path(program: &str) -> anyhow::Result<PathBuf> {
     env::var_os("PATH")
         .iter()
         .flat_map(env::split_paths)
@@ -426,7 +426,7 @@ pub(crate) fn program_path(program: &str) -> anyhow::Result<PathBuf> {
 
 impl Probe {
     /// Whether what the probe looks for is there now.
-    pub(crate) fn found(self) -> bool {
+    pub fn found(self) -> bool {
         match self {
             Probe::Program(program) => {
                 program_path(program).is_ok()
@@ -445,7 +445,7 @@ impl Probe {
     }
 
     /// What the probe looks for, in words (after "no").
-    pub(crate) fn describe(self) -> String {
+    pub fn describe(self) -> String {
         match self {
             Probe::Program(program) => format!("{program} in PATH"),
             Probe::File(path) => path.to_owned(),
@@ -666,9 +666,10 @@ mod tests {
         );
     }
 
-    /// `.ci/run` installs, by the list's own probes, only what building the xtask needs.
+    /// `.ci/run` installs, by the list's own probes, only build tools (the C toolchain, the eBPF
+    /// build's clang and libbpf headers).
     #[test]
-    fn ci_installs_only_the_xtasks_own_build_needs_by_the_same_probes() {
+    fn ci_installs_only_build_tools_by_the_same_probes() {
         let script = std::fs::read_to_string(crate::workspace_root().join(".ci/run")).unwrap();
         let installed: Vec<&str> = script
             .split("need_apt+=(")

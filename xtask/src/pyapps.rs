@@ -15,7 +15,7 @@ use std::{
 };
 
 use anyhow::Context;
-use peregrine_e2e::target_dir;
+use peregrine_testenv::target_dir;
 
 use crate::pip_install_with;
 
@@ -29,9 +29,9 @@ const SERVERS: [&str; 2] = ["gunicorn", "uvicorn"];
 const SYSTEM_PYTHON: &str = "/usr/bin/python3";
 
 /// Returns the virtualenv's bin directory with `gunicorn` and `uvicorn` in it, installing them first
-/// if they do not both run; a virtualenv made from another python than [`base_python`] is made
+/// if they do not both run; a virtualenv made from another python than `base_python` is made
 /// again first.
-pub(crate) fn install() -> anyhow::Result<PathBuf> {
+pub fn install() -> anyhow::Result<PathBuf> {
     let venv = target_dir().join("pyapps/venv");
     let bin = venv.join("bin");
     let base = base_python();
@@ -183,7 +183,7 @@ mod tests {
 
     #[test]
     fn a_venv_of_another_python_is_not_the_system_ones() {
-        let dir = peregrine_e2e::TempDir::new().unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
         let real = dir.path().join("python3.11");
         std::fs::write(&real, "").unwrap();
         let link = dir.path().join("python3");

@@ -4,7 +4,7 @@
 
 use std::{path::PathBuf, process::Command};
 
-use peregrine_e2e::target_dir;
+use peregrine_testenv::target_dir;
 
 use crate::pip_install;
 
@@ -12,7 +12,7 @@ use crate::pip_install;
 const PACKAGES: [&str; 2] = ["h11==0.16.0", "h2==4.4.1"];
 
 /// Returns the virtualenv's python with the clients importable, installing them first if needed.
-pub(crate) fn install() -> anyhow::Result<PathBuf> {
+pub fn install() -> anyhow::Result<PathBuf> {
     let venv = target_dir().join("pyclients/venv");
     let python = venv.join("bin/python");
     let importable = |python: &PathBuf| {

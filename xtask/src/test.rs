@@ -9,9 +9,8 @@
 
 use std::process::ExitCode;
 
-use peregrine_e2e::{SKIPS_VAR, target_dir};
-
-use crate::{cargo, ebpf, envoy, packages, pyapps, pyclients, run_checked};
+use peregrine_testenv::{SKIPS_VAR, target_dir};
+use xtask::{cargo, ebpf, envoy, packages, pyapps, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     packages::ensure(packages::TEST)?;

@@ -1,6 +1,6 @@
 //! A client of an etcd for the tests that write a fleet's keys themselves. It lives with the tests,
-//! not in the harness: the harness is also linked by the xtask, which must build on a fresh machine
-//! before protoc is installed, and etcd-client's build needs protoc.
+//! not in the harness: the harness is also linked by the demo, which `cargo xtask demo` builds on a
+//! fresh machine before it installs protoc, and etcd-client's build needs protoc.
 
 use std::time::Duration;
 

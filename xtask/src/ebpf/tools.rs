@@ -10,30 +10,30 @@ use anyhow::bail;
 
 use super::compile::{self, BuildError, INCLUDE_DIRS, LIBBPF_HEADER, MIN_CLANG};
 
-/// Whether the build finds a clang >= [`MIN_CLANG`], or runs the one `CLANG` names (whether that one
+/// Whether the build finds a clang >= `MIN_CLANG`, or runs the one `CLANG` names (whether that one
 /// works is [`check_clang_var`]'s to say: no package replaces it).
-pub(crate) fn clang_found() -> bool {
+pub fn clang_found() -> bool {
     env::var_os("CLANG").is_some() || compile::find_clang().is_ok()
 }
 
 /// Whether the build finds libbpf's headers.
-pub(crate) fn libbpf_found() -> bool {
+pub fn libbpf_found() -> bool {
     compile::find_libbpf().is_ok()
 }
 
 /// What the clang probe looks for, in words.
-pub(crate) fn clang_wanted() -> String {
+pub fn clang_wanted() -> String {
     format!("clang >= {MIN_CLANG} in PATH, as clang-NN or clang")
 }
 
 /// What the libbpf probe looks for, in words.
-pub(crate) fn libbpf_wanted() -> String {
+pub fn libbpf_wanted() -> String {
     format!("{LIBBPF_HEADER} in {}", INCLUDE_DIRS.join(" or "))
 }
 
 /// With `CLANG` set, checks that it runs and is recent enough: else a warning (the build goes on
 /// with the procfs fallback) or, with `PEREGRINE_REQUIRE_EBPF=1`, an error.
-pub(crate) fn check_clang_var() -> anyhow::Result<()> {
+pub fn check_clang_var() -> anyhow::Result<()> {
     if env::var_os("CLANG").is_none() {
         return Ok(());
     }

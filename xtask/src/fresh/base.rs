@@ -8,9 +8,9 @@ use std::{
 };
 
 use anyhow::Context;
+use xtask::run_checked;
 
 use super::{mirror::SUITE, mounts};
-use crate::run_checked;
 
 /// The variable naming the tarball, instead of [`DEFAULT_TARBALL`].
 pub(crate) const CACHE_VAR: &str = "PEREGRINE_FRESH_CACHE";

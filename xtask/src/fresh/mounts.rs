@@ -282,7 +282,8 @@ mod tests {
 
     #[test]
     fn removes_a_folder_without_mounts_and_refuses_near_the_root() {
-        let dir = peregrine_e2e::target_dir().join(format!("fresh-test-{}", std::process::id()));
+        let dir =
+            peregrine_testenv::target_dir().join(format!("fresh-test-{}", std::process::id()));
         fs::create_dir_all(dir.join("root/etc")).unwrap();
         fs::write(dir.join("root/etc/hostname"), "fresh\n").unwrap();
         remove(&dir).unwrap();
@@ -296,11 +297,11 @@ mod tests {
     #[test]
     fn removing_a_root_leaves_what_was_bound_into_it() {
         if !rustix::process::geteuid().is_root() {
-            peregrine_e2e::skip(&peregrine_e2e::current_test(), "mounting needs root");
+            peregrine_testenv::skip(&peregrine_testenv::current_test(), "mounting needs root");
             return;
         }
         let dir =
-            peregrine_e2e::target_dir().join(format!("fresh-bind-test-{}", std::process::id()));
+            peregrine_testenv::target_dir().join(format!("fresh-bind-test-{}", std::process::id()));
         let (precious, root) = (dir.join("precious"), dir.join("box/root"));
         fs::create_dir_all(precious.join("sub")).unwrap();
         fs::write(precious.join("sub/file"), "keep me\n").unwrap();

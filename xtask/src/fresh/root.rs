@@ -38,11 +38,11 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::target_dir;
+use peregrine_testenv::target_dir;
 use rustix::process::{Pid, Signal, kill_process_group};
+use xtask::{interrupt, packages};
 
 use super::{base, mirror::Mirror, mounts};
-use crate::{interrupt, packages};
 
 /// The chroot program (coreutils).
 const CHROOT: &str = "/usr/sbin/chroot";
@@ -191,7 +191,7 @@ impl Root {
     /// keeping modes; returns its host path.
     pub(crate) fn copy_in(&self, from: &Path, inside: &str) -> anyhow::Result<PathBuf> {
         let target = self.writable(inside)?;
-        crate::run_checked(Command::new("cp").arg("-aT").arg(from).arg(&target))?;
+        xtask::run_checked(Command::new("cp").arg("-aT").arg(from).arg(&target))?;
         Ok(target)
     }
 

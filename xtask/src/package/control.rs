@@ -125,7 +125,7 @@ pub(super) fn installed_size(tree: &Path) -> anyhow::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workspace_root;
+    use xtask::workspace_root;
 
     /// The variables `cargo xtask package` fills in, with a build's values.
     fn vars() -> Vec<(&'static str, &'static str)> {
@@ -218,7 +218,7 @@ mod tests {
 
     #[test]
     fn the_installed_size_counts_kib_per_file_and_one_per_folder() {
-        let dir = peregrine_e2e::TempDir::new().unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
         let tree = dir.path();
         std::fs::create_dir_all(tree.join("usr/bin")).unwrap();
         std::fs::create_dir_all(tree.join("DEBIAN")).unwrap();

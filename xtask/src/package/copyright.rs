@@ -5,8 +5,7 @@
 use std::collections::BTreeSet;
 
 use anyhow::{Context, ensure};
-
-use crate::cargo;
+use xtask::cargo;
 
 /// Where the template puts the list of crates.
 const CRATES: &str = "${crates}";
@@ -118,7 +117,7 @@ pub(super) fn years(first: &str, last: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workspace_root;
+    use xtask::workspace_root;
 
     const TREE: &str = "\
 peregrine-supervisor v0.1.0 (/work/main/supervisor)\tApache-2.0

@@ -41,13 +41,14 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
+use xtask::{envoy, interrupt};
 
 use super::{
     Package,
     layout::{BINARY, CONFIG, ENVOY_BOOTSTRAP, UNIT},
     output,
 };
-use crate::{envoy, fresh, interrupt};
+use crate::fresh;
 
 /// The fresh root's name (`target/fresh/package/`).
 const ROOT: &str = "package";
@@ -525,9 +526,9 @@ struct Netns {
 impl Netns {
     fn add() -> anyhow::Result<Netns> {
         let name = format!("peregrine-package-{}", std::process::id());
-        crate::run_checked(Command::new("ip").args(["netns", "add", &name]))?;
+        xtask::run_checked(Command::new("ip").args(["netns", "add", &name]))?;
         let netns = Netns { name };
-        crate::run_checked(Command::new("ip").args([
+        xtask::run_checked(Command::new("ip").args([
             "-n",
             &netns.name,
             "link",

@@ -14,9 +14,9 @@ use std::{
 };
 
 use anyhow::{Context, ensure};
+use xtask::run_checked;
 
 use super::{NAME, copyright, output, read};
-use crate::run_checked;
 
 /// The binary's path on the host.
 pub(super) const BINARY: &str = "/usr/bin/peregrine";
@@ -334,7 +334,7 @@ fn make_parent(path: &Path) -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workspace_root;
+    use xtask::workspace_root;
 
     #[test]
     fn every_installed_file_is_in_the_tree_and_the_conffile_under_etc() {

@@ -85,7 +85,7 @@ mod tests {
 
     #[test]
     fn the_listing_names_kinds_and_leaves_out_the_volatile_folders() {
-        let dir = peregrine_e2e::TempDir::new().unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
         let root = dir.path();
         for folder in ["etc/peregrine", "var/lib/dpkg/info", "proc/1", "usr/bin"] {
             fs::create_dir_all(root.join(folder)).unwrap();

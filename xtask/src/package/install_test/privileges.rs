@@ -296,7 +296,7 @@ Seccomp:\t0
     fn a_files_line_has_its_kind_mode_and_owner() {
         assert_eq!(file_line("socket", 0o140660, 0, 102), "socket 0660 0:102");
         assert_eq!(file_line("folder", 0o40755, 0, 0), "folder 0755 0:0");
-        let dir = peregrine_e2e::TempDir::new().unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
         let file = dir.path().join("lock");
         fs::write(&file, "").unwrap();
         fs::set_permissions(

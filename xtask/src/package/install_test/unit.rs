@@ -193,7 +193,7 @@ fn seconds(value: &str) -> anyhow::Result<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workspace_root;
+    use xtask::workspace_root;
 
     #[test]
     fn the_units_commands_run_with_its_limits_and_capabilities() {
