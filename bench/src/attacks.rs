@@ -107,15 +107,7 @@ fn wait_for_worker(supervisor: &Supervisor, not: Option<u32>) -> anyhow::Result<
 }
 
 fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .unwrap_or(0.0)
-        / 1024.0
+    peregrine_contract::procfs::status(pid).map_or(0.0, |status| status.rss_kib as f64 / 1024.0)
 }
 
 fn open_fds(pid: u32) -> usize {

@@ -13,13 +13,11 @@ pub(crate) fn online_cpus() -> usize {
 
 /// The CPUs process `pid` may run on (`Cpus_allowed_list` in `/proc/PID/status`).
 pub(crate) fn cpus_allowed(pid: u32) -> anyhow::Result<String> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    let status = peregrine_contract::procfs::StatusText::read(pid)?;
     status
-        .lines()
-        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
-        .map(|list| list.trim().to_owned())
-        .with_context(|| format!("no Cpus_allowed_list in {path}"))
+        .field("Cpus_allowed_list")
+        .map(str::to_owned)
+        .with_context(|| format!("no Cpus_allowed_list in /proc/{pid}/status"))
 }
 
 /// The CPU's model name and how many CPUs this process may use, as a report's `CPU:` line shows them.

@@ -18,7 +18,7 @@ use std::{
 };
 
 pub use self::busy::{Busy, descendants, machine_busy, own_ticks};
-pub use self::status::{Status, status};
+pub use self::status::{Status, StatusText, status};
 
 /// The fields of `/proc/PID/stat` that Peregrine reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -273,9 +273,33 @@ pub fn cpu_stat() -> Result<CpuStat, ProcError> {
     parsed(Path::new("/proc/stat"), CpuStat::parse)
 }
 
+/// The boot time in `/proc/stat`'s text (`btime`, seconds since the Unix epoch).
+pub fn parse_boot_time(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// When this machine booted, in seconds since the Unix epoch (`btime` of `/proc/stat`).
+pub fn boot_time() -> Result<u64, ProcError> {
+    parsed(Path::new("/proc/stat"), parse_boot_time)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_boot_time() {
+        assert_eq!(
+            parse_boot_time("cpu  1 2 3 4 5\nctxt 99\nbtime 1764720000\nprocesses 7\n"),
+            Some(1_764_720_000)
+        );
+        assert_eq!(parse_boot_time("cpu  1 2 3 4 5\n"), None);
+        assert!(boot_time().unwrap() > 1_000_000_000);
+    }
 
     #[test]
     fn stat_fields_are_counted_after_the_last_parenthesis() {

@@ -11,6 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use peregrine_contract::procfs::StatusText;
 
 /// A user of this machine: its name, uid, primary gid and every group `initgroups(3)` would give it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,17 +113,8 @@ impl Privileges {
 
     /// Parses the text of a `/proc/PID/status` file.
     pub fn parse(text: &str) -> anyhow::Result<Privileges> {
-        let fields: BTreeMap<&str, &str> = text
-            .lines()
-            .filter_map(|line| line.split_once(':'))
-            .map(|(key, value)| (key.trim(), value.trim()))
-            .collect();
-        let field = |key: &str| {
-            fields
-                .get(key)
-                .copied()
-                .with_context(|| format!("no {key}: line"))
-        };
+        let status = StatusText::new(text);
+        let field = |key: &str| status.field(key).with_context(|| format!("no {key}: line"));
         let ids = |key: &str| -> anyhow::Result<[u32; 4]> {
             let ids: Vec<u32> = field(key)?
                 .split_whitespace()
@@ -134,8 +126,9 @@ impl Privileges {
         };
         let mut capabilities = BTreeMap::new();
         for set in CAPABILITY_SETS {
-            let mask = u64::from_str_radix(field(set)?, 16)
-                .with_context(|| format!("{set}: not hexadecimal"))?;
+            let mask = status
+                .hex(set)
+                .with_context(|| format!("{set}: no line, or not hexadecimal"))?;
             capabilities.insert(set, mask);
         }
         Ok(Privileges {

@@ -97,14 +97,8 @@ impl Host {
 
 /// `VmRSS` of process `pid`, in bytes.
 pub(super) fn vm_rss(pid: u32) -> anyhow::Result<u64> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("no VmRSS in {path}"))?;
-    Ok(kib * 1024)
+    let status = peregrine_contract::procfs::status(pid)?;
+    Ok(status.rss_kib * 1024)
 }
 
 /// The supervisor's config: `workers` built-in workers on fresh loopback ports, ORCA on (the

@@ -407,11 +407,9 @@ mod tests {
 
     #[test]
     fn switching_users_takes_cap_setuid_and_cap_setgid_as_proc_shows_them() {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let effective = status
-            .lines()
-            .find_map(|line| line.strip_prefix("CapEff:"))
-            .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
+        let effective = peregrine_contract::procfs::StatusText::read_self()
+            .unwrap()
+            .hex("CapEff")
             .expect("a CapEff line");
         // CAP_SETGID is 6, CAP_SETUID 7.
         let both = 1 << 6 | 1 << 7;

@@ -37,20 +37,21 @@ impl Collector for ProcessCollector {
                 )?;
             }
         }
-        if let Some(rss) = status_field("VmRSS:") {
+        let status = procfs::StatusText::read_self().ok();
+        if let Some(rss) = status.as_ref().and_then(|s| s.kib("VmRSS")) {
             gauge(
                 &mut encoder,
                 "process_resident_memory_bytes",
                 "Resident memory of the supervisor, in bytes",
-                rss * 1024.0,
+                (rss * 1024) as f64,
             )?;
         }
-        if let Some(threads) = status_field("Threads:") {
+        if let Some(threads) = status.as_ref().and_then(|s| s.number("Threads")) {
             gauge(
                 &mut encoder,
                 "process_threads",
                 "Threads of the supervisor",
-                threads,
+                threads as f64,
             )?;
         }
         if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
@@ -83,22 +84,9 @@ fn gauge(
     ConstGauge::new(value).encode(family)
 }
 
-/// A `kB` or count field of `/proc/self/status`.
-fn status_field(name: &str) -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = text.lines().find(|l| l.starts_with(name))?;
-    line[name.len()..].split_whitespace().next()?.parse().ok()
-}
-
 /// The process's start (`starttime`, in ticks since boot) in seconds since the Unix epoch, from the
 /// boot time in `/proc/stat` (`btime`).
 fn start_time_seconds(start_ticks: u64, hz: f64) -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let boot: f64 = stat
-        .lines()
-        .find_map(|l| l.strip_prefix("btime "))?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(boot + start_ticks as f64 / hz)
+    let boot = procfs::boot_time().ok()?;
+    Some(boot as f64 + start_ticks as f64 / hz)
 }

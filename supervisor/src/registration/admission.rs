@@ -195,8 +195,9 @@ pub(super) fn commander(stream: &UnixStream, children: &Children) -> Result<(), 
         .and_then(|p| u32::try_from(p).ok())
         .ok_or(Refusal::PidUnknown)?;
     match worker_ancestor(pid, children, |pid| {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        Some(peregrine_contract::procfs::Stat::parse(&stat)?.ppid)
+        peregrine_contract::procfs::stat(pid)
+            .ok()
+            .map(|stat| stat.ppid)
     }) {
         Some(worker) => Err(Refusal::FromWorker { pid, worker }),
         None => Ok(()),

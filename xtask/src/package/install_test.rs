@@ -396,11 +396,8 @@ fn check_privileges(
 /// The unit's limits, or, on a machine where this process may not raise a hard limit (no
 /// CAP_SYS_RESOURCE, as in some containers), as much of them as its own hard limits allow: said so.
 fn limits_here(limits: &[unit::Limit]) -> anyhow::Result<Vec<unit::Limit>> {
-    let status = fs::read_to_string("/proc/self/status")?;
-    let effective = status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+    let effective = peregrine_contract::procfs::StatusText::read_self()?
+        .hex("CapEff")
         .context("no CapEff in /proc/self/status")?;
     // CAP_SYS_RESOURCE is capability 24.
     if effective & (1 << 24) != 0 {
