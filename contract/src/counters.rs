@@ -11,7 +11,8 @@
 //! values), where the kernel counts the responses of servers on passed listeners; no worker inherits
 //! it. The supervisor zeroes a shared lane before it starts a worker in it, so a lane holds exactly the
 //! requests of its current worker; while that worker runs, the counter only grows. A worker's own
-//! region also holds its load report slot, after the counter line ([`crate::report_slot`]).
+//! region also holds its load report slot, after the counter line ([`crate::report_slot`], which
+//! creates such regions).
 //!
 //! Invariant: a region is mapped only once the object behind it is known to hold every lane asked for
 //! ([`SharedMemory::map`]), so a descriptor named by another process's environment ends in an error,
@@ -56,15 +57,12 @@ impl CounterRegion {
         Self::create_sized(lanes, lanes.max(1) * LINE)
     }
 
-    /// Creates a worker's own region, as [`CounterRegion::create`] for one lane, followed by the
-    /// worker's load report slot ([`crate::report_slot`]); returns the descriptor and the mapping of
-    /// its counter line.
-    pub fn create_for_worker() -> Result<(OwnedFd, CounterRegion), ShmError> {
-        Self::create_sized(1, crate::report_slot::WORKER_REGION_BYTES)
-    }
-
-    /// A sealed memfd of `bytes`, its first `lanes` counters mapped.
-    fn create_sized(lanes: usize, bytes: usize) -> Result<(OwnedFd, CounterRegion), ShmError> {
+    /// A sealed memfd of `bytes`, its first `lanes` counters mapped (a worker's own region is longer
+    /// than its line: [`crate::report_slot::create_worker_region`]).
+    pub(crate) fn create_sized(
+        lanes: usize,
+        bytes: usize,
+    ) -> Result<(OwnedFd, CounterRegion), ShmError> {
         use rustix::fs::{MemfdFlags, SealFlags};
         let fd = rustix::fs::memfd_create(
             "peregrine-counters",

@@ -7,7 +7,7 @@
 //! counter line, at byte [`SLOT_OFFSET`]: a sequence word, a length word, then up to [`CAPACITY`]
 //! bytes of the report, ready to send (the base64 text of an `xds.data.orca.v3.OrcaLoadReport`),
 //! packed eight to a native-endian `u64`. A region made for a worker is [`WORKER_REGION_BYTES`]
-//! long ([`crate::counters::CounterRegion::create_for_worker`]); the shared region of lanes, where
+//! long ([`create_worker_region`]); the shared region of lanes, where
 //! the kernel counts passed-socket servers, has no slot and keeps its layout.
 //!
 //! It is a seqlock with one writer (the supervisor): the sequence is odd while a report is being
@@ -24,12 +24,12 @@
 //! returns a torn report.
 
 use std::{
-    os::fd::BorrowedFd,
+    os::fd::{BorrowedFd, OwnedFd},
     sync::atomic::{Ordering, fence},
 };
 
 use crate::{
-    counters::LINE,
+    counters::{CounterRegion, LINE},
     shm::{Access, SharedMemory, ShmError},
 };
 
@@ -39,6 +39,13 @@ pub const SLOT_OFFSET: usize = LINE;
 pub const SLOT_BYTES: usize = 2 * LINE;
 /// A worker's own region: its counter line and the slot.
 pub const WORKER_REGION_BYTES: usize = SLOT_OFFSET + SLOT_BYTES;
+
+/// Creates a worker's own region: one counter line ([`CounterRegion::create`] for one lane),
+/// followed by the worker's load report slot; returns the descriptor and the mapping of its counter
+/// line.
+pub fn create_worker_region() -> Result<(OwnedFd, CounterRegion), ShmError> {
+    CounterRegion::create_sized(1, WORKER_REGION_BYTES)
+}
 /// The most report bytes the slot holds (the slot less its sequence and length words).
 pub const CAPACITY: usize = SLOT_BYTES - 16;
 
@@ -160,7 +167,7 @@ mod tests {
 
     #[test]
     fn a_report_written_is_read_whole_with_a_later_sequence() {
-        let (fd, _counters) = CounterRegion::create_for_worker().unwrap();
+        let (fd, _counters) = create_worker_region().unwrap();
         let writer = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
         let reader = ReportSlot::map(fd.as_fd(), Access::ReadOnly).unwrap();
         let empty = reader.read().unwrap();
@@ -182,7 +189,7 @@ mod tests {
 
     #[test]
     fn the_slot_leaves_the_counter_line_alone() {
-        let (fd, counters) = CounterRegion::create_for_worker().unwrap();
+        let (fd, counters) = create_worker_region().unwrap();
         counters
             .lane(0)
             .fetch_add(41, std::sync::atomic::Ordering::Relaxed);
@@ -203,7 +210,7 @@ mod tests {
 
     #[test]
     fn a_write_left_half_done_is_not_read_and_the_next_writer_finishes_it() {
-        let (fd, _counters) = CounterRegion::create_for_worker().unwrap();
+        let (fd, _counters) = create_worker_region().unwrap();
         let slot = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
         slot.write(b"old").unwrap();
         // A writer that died after marking the slot as being written.
@@ -218,7 +225,7 @@ mod tests {
 
     #[test]
     fn readers_racing_a_writer_never_see_a_torn_report() {
-        let (fd, _counters) = CounterRegion::create_for_worker().unwrap();
+        let (fd, _counters) = create_worker_region().unwrap();
         let writer = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
         let reader = ReportSlot::map(fd.as_fd(), Access::ReadOnly).unwrap();
         let reports: Vec<Vec<u8>> = (0..8u8)

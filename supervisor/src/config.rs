@@ -29,7 +29,6 @@ use ipnet::IpNet;
 use peregrine_contract::url::BindUrl;
 
 pub mod account;
-mod balancing;
 mod check;
 mod error;
 mod files;
@@ -41,11 +40,11 @@ mod reference;
 use self::raw::RawConfig;
 pub use self::{
     account::{Account, Identity, can_switch_users, worker_socket},
-    balancing::{
-        Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, OrcaReports, RING_POINTS_PER_WORKER,
-        balancer_problem,
-    },
     check::{
+        balancing::{
+            Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, OrcaReports,
+            RING_POINTS_PER_WORKER, balancer_problem,
+        },
         cluster::{ENV_ETCD, MAX_FLEET_SERVICE_NAME, fleet_name, fleet_service_name},
         tls::DEFAULT_SERVER_NAME,
     },

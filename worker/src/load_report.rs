@@ -143,7 +143,7 @@ mod tests {
 
     /// A worker's region, its slot as the supervisor writes it and as the worker reads it.
     fn slot() -> (CounterRegion, ReportSlot, ReportSlot) {
-        let (fd, counters) = CounterRegion::create_for_worker().unwrap();
+        let (fd, counters) = peregrine_contract::report_slot::create_worker_region().unwrap();
         let writer = ReportSlot::map(fd.as_fd(), Access::ReadWrite).unwrap();
         let reader = ReportSlot::map(fd.as_fd(), Access::ReadOnly).unwrap();
         (counters, writer, reader)

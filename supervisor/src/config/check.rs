@@ -20,7 +20,6 @@ use std::{
 
 use toml::Spanned;
 
-use super::balancing::{MIN_WEIGHT_EXPIRATION, MIN_WEIGHT_UPDATE};
 use super::{
     Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_METRICS, DEFAULT_SAMPLE_INTERVAL, GrpcLimits,
     Identity, Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig,
@@ -32,6 +31,7 @@ use super::{
     workers_in_all,
 };
 
+pub(super) mod balancing;
 pub(crate) mod cluster;
 mod envoy;
 mod routes;
@@ -39,6 +39,7 @@ mod service;
 pub(crate) mod tls;
 
 use self::{
+    balancing::{MIN_WEIGHT_EXPIRATION, MIN_WEIGHT_UPDATE},
     routes::{DEFAULT_XDS_CLUSTER, XdsClusterName},
     service::{ServiceSpans, busiest},
 };

@@ -16,7 +16,7 @@ use std::{
 };
 
 use peregrine_contract::{
-    counters::CounterRegion,
+    report_slot::create_worker_region,
     settings::{CounterLane, ENV_LINEAGE, Settings},
     url::BindUrl,
 };
@@ -166,7 +166,7 @@ impl Launch {
             return Ok(CounterRef::new(self.counters.clone(), lane));
         }
         // Its counter line and its load report slot (in-band ORCA).
-        let (fd, region) = CounterRegion::create_for_worker().map_err(io::Error::other)?;
+        let (fd, region) = create_worker_region().map_err(io::Error::other)?;
         Ok(CounterRef::new(Arc::new(Counters::new(fd, region)), 0))
     }
 

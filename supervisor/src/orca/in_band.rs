@@ -205,7 +205,7 @@ mod tests {
     /// an older one did), and a reader of its slot if it has one.
     fn child(children: &Children, service: &str, pid: u32, with_slot: bool) -> Option<ReportSlot> {
         let (fd, region) = if with_slot {
-            CounterRegion::create_for_worker().unwrap()
+            peregrine_contract::report_slot::create_worker_region().unwrap()
         } else {
             CounterRegion::create(1).unwrap()
         };

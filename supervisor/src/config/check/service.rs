@@ -1,6 +1,6 @@
 //! The checks of a `[service.NAME]` table: its name, count, url, command, environment, routes,
 //! restart batch and account (`user`, `group`); its balancing keys go on to
-//! [`balancing`](crate::config::balancing).
+//! [`balancing`](super::balancing).
 //!
 //! Invariant: a service's workers can all bind at once: a fixed port or a shared socket path is only
 //! accepted for a single worker.
@@ -12,12 +12,11 @@ type Span = Range<usize>;
 use peregrine_contract::url::BindUrl;
 use toml::Spanned;
 
-use super::{Checker, NAME_RULE, valid_name};
+use super::{Checker, NAME_RULE, balancing::OrcaReach, valid_name};
 use crate::config::{
     ADDRESS_PLACEHOLDER, DEFAULT_PASSED_URL, DEFAULT_READY_PATH, DEFAULT_URL, FD_PLACEHOLDER,
     INDEX_PLACEHOLDER, PORT_PLACEHOLDER, Program, ServiceConfig, StopSignal, WorkerCommand,
     account::{self, Account, AccountKey, worker_socket},
-    balancing::OrcaReach,
     files::resolve_program,
     limits::{MAX_SOCKET_PATH, MAX_WORKERS},
     raw::{AccountId, RawConfig, RawService, key_part},

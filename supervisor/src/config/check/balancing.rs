@@ -8,12 +8,14 @@ use std::{ops::Range, time::Duration};
 
 use toml::Spanned;
 
-use super::{
-    MIN_SAMPLE_INTERVAL,
-    check::{Checker, alternatives, expected},
-    raw::{RawBalancing, RawOrcaMode},
+use super::{Checker, alternatives, expected};
+use crate::{
+    balancer::{Balancer, OrcaPolicy},
+    config::{
+        MIN_SAMPLE_INTERVAL,
+        raw::{RawBalancing, RawOrcaMode},
+    },
 };
-use crate::balancer::{Balancer, OrcaPolicy};
 
 /// The shortest `orca.weight_expiration_period_ms`.
 pub(super) const MIN_WEIGHT_EXPIRATION: Duration = Duration::from_millis(1000);
