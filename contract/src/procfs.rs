@@ -2,9 +2,10 @@
 //! `schedstat`, the memory lines of `/proc/PID/status`, and the per-CPU lines of `/proc/stat`; and
 //! from them ([`Busy`]), how much of the machine processes outside one tree took.
 //!
-//! Every part reads these numbers the same way: the supervisor's procfs sampler and adoption, the
-//! stall check, the test harness and the benchmarks (which check the eBPF sampler against them). One
-//! parser each, here, so that the fields are counted the same way everywhere (`proc_pid_stat(5)`).
+//! Every part reads these numbers the same way: the supervisor's procfs sampler, adoption, admission
+//! and metrics, the stall check, the eBPF loader, the test harness and tests, the package test and the
+//! benchmarks (which check the eBPF sampler against them). One parser each, here, so that the fields
+//! are counted the same way everywhere (`proc_pid_stat(5)`, `proc_pid_status(5)`).
 //!
 //! Written by hand rather than with the `procfs` crate: the sampler reads these files for every worker
 //! on every pass, and needs only a handful of fields; a parse here allocates nothing but the text.

@@ -4,10 +4,10 @@
 //! [`Probe::load`] loads and attaches the program for a fixed number of worker lanes. The supervisor
 //! then [`track`](Probe::track)s each worker's pid in its lane and [`read`](Probe::read)s the lane's
 //! totals: on-CPU and run-queue wait nanoseconds of the worker and every process it forks, summed over
-//! CPUs from a memory-mapped map, so a read costs no syscall. The request counters live in an mmapable
-//! map too; its descriptor ([`Probe::counters`]) is handed to the workers, which count in it directly,
-//! or, for a server that cannot, the kernel counts its sends on the listener it was passed
-//! ([`Probe::count_sends`]).
+//! CPUs from a memory-mapped map, so a read costs no syscall. The shared request counter lanes live in
+//! an mmapable map too ([`Probe::counters`]): there the kernel counts the sends of a server that
+//! cannot count its own requests, on the listener it was passed ([`Probe::count_sends`]). A worker
+//! that counts its own gets a memfd of its own instead (`peregrine_contract::report_slot`).
 
 mod layout;
 mod probe;

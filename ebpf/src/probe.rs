@@ -502,14 +502,9 @@ impl Probe {
 /// Whether `/proc/self/status` lists more than one pid in `NSpid` (a pid namespace below the initial
 /// one). An unreadable status counts as not nested.
 fn nested_pid_namespace() -> bool {
-    std::fs::read_to_string("/proc/self/status")
+    peregrine_contract::procfs::StatusText::read_self()
         .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("NSpid:"))
-                .map(|pids| pids.split_whitespace().count() > 1)
-        })
+        .and_then(|status| Some(status.field("NSpid")?.split_whitespace().count() > 1))
         .unwrap_or(false)
 }
 

@@ -7,10 +7,11 @@
 //! [`Manager`] sends slot tasks their commands: rolling restarts in batches, and reloads. The live
 //! processes themselves are in the process table ([`crate::children`]).
 //!
-//! Invariant: the manager never adds an endpoint (registration alone does). Of the registry it
-//! writes the services' and slots' status (`set_services`, `set_restarts`, `update_slot`,
-//! `remove_slot`) and a worker's end of life (`drain` before it stops, `deregister` once it has
-//! exited).
+//! Invariant: of endpoints the manager adds only a passed-socket server's, once its ready path
+//! answers ([`passed`]: such a server cannot register); a built-in worker enters by registration
+//! alone. Of the registry it also writes the services' and slots' status (`set_services`,
+//! `set_restarts`, `update_slot`, `remove_slot`) and a worker's end of life (`drain` before it
+//! stops, `deregister` once it has exited).
 
 mod backoff;
 mod context;

@@ -20,10 +20,7 @@ const ORDINARY: usize = 10;
 
 /// The CPU time a process has used, in clock ticks (`/proc/PID/stat`, utime + stime).
 fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // The command may hold spaces: the fields after it start past the last ')'.
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    peregrine_contract::procfs::stat(pid).unwrap().cpu_ticks()
 }
 
 /// Sends a request through Envoy and goes away before the answer: Envoy resets the upstream stream.

@@ -244,12 +244,9 @@ fn wait_for_view(
 
 /// The resident memory of process `pid`, in KiB (`VmRSS`).
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS")
+    peregrine_contract::procfs::status(pid)
+        .expect("its VmRSS")
+        .rss_kib
 }
 
 /// The last `n` bytes of `text` (at a character boundary).

@@ -7,11 +7,9 @@ use peregrine_e2e::{http_get, one_worker, wait_until, worker_pid};
 
 /// utime + stime of a process, in clock ticks (10 ms).
 fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut fields = stat.rsplit(')').next()?.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+    peregrine_contract::procfs::stat(pid)
+        .ok()
+        .map(|stat| stat.cpu_ticks())
 }
 
 fn sigterm(pid: u32) {

@@ -27,12 +27,7 @@ fn open_fds(pid: u32) -> usize {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+    peregrine_contract::procfs::status(pid).map_or(0, |status| status.rss_kib)
 }
 
 fn worker_pid(supervisor: &Supervisor) -> Option<u32> {

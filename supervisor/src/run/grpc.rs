@@ -3,8 +3,8 @@
 //! connection through the port's [`Admission`] and every request counted as a stream of its
 //! connection ([`TrackStreamsLayer`]).
 //!
-//! This is wiring: the discovery services know no listener and no other service, ORCA knows no xDS;
-//! both are put on one tonic server here.
+//! This is wiring: the discovery services know no listener and no other gRPC service, and the ORCA
+//! service none of xDS's; both are put on one tonic server here.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
