@@ -98,9 +98,9 @@ fn certificates_in(path: &Path, bytes: &[u8]) -> Result<Vec<CertificateDer<'stat
         return Err(PemError::NoCertificate(path.to_owned()));
     }
     for cert in &certs {
-        Summary::of(cert).map_err(|reason| PemError::BadCertificate {
+        Summary::of(cert).map_err(|error| PemError::BadCertificate {
             path: path.to_owned(),
-            reason,
+            reason: error.to_string(),
         })?;
     }
     Ok(certs)
@@ -160,9 +160,9 @@ pub struct Pair {
 pub fn certified_key(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<Pair, PemError> {
     let cert_pem = read(cert)?;
     let chain = certificates_in(cert, &cert_pem)?;
-    let leaf = Summary::of(&chain[0]).map_err(|reason| PemError::BadCertificate {
+    let leaf = Summary::of(&chain[0]).map_err(|error| PemError::BadCertificate {
         path: cert.to_owned(),
-        reason,
+        reason: error.to_string(),
     })?;
     leaf.valid_at(SystemTime::now())
         .map_err(|(now, summary)| PemError::OutOfDate {
@@ -210,11 +210,13 @@ pub struct Summary {
     not_after_unix: i64,
 }
 
+/// Why a certificate's DER does not parse, as the X.509 parser says.
+pub type CertificateParseError = x509_parser::nom::Err<x509_parser::error::X509Error>;
+
 impl Summary {
     /// The summary of `der`, or why it does not parse.
-    pub fn of(der: &CertificateDer<'_>) -> Result<Summary, String> {
-        let (_, cert) =
-            x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| e.to_string())?;
+    pub fn of(der: &CertificateDer<'_>) -> Result<Summary, CertificateParseError> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref())?;
         let validity = cert.validity();
         let time = |t: &x509_parser::time::ASN1Time| {
             t.to_rfc2822().unwrap_or_else(|_| t.timestamp().to_string())

@@ -134,9 +134,9 @@ fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
                 source: error.into(),
             })?;
     let leaf_der = certified.cert[0].clone();
-    let leaf = Summary::of(&leaf_der).map_err(|reason| LoadError {
+    let leaf = Summary::of(&leaf_der).map_err(|error| LoadError {
         key: "supervisor.tls.cert",
-        source: LoadCause::Rustls(reason),
+        source: LoadCause::Rustls(error.to_string()),
     })?;
     let rustls_error = |key| {
         move |error: TlsError| LoadError {
