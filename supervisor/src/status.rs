@@ -46,13 +46,22 @@ pub struct Records {
 
 /// The status answer for everything `registry` and `records` hold now.
 pub fn report_of(registry: &Registry, records: &Records) -> v1::Status {
+    report_with_streams(registry, records, &records.acks.streams())
+}
+
+/// [`report_of`] with Envoy's endpoint `streams` given (tests give their own).
+fn report_with_streams(
+    registry: &Registry,
+    records: &Records,
+    streams: &[StreamSync],
+) -> v1::Status {
     let snapshot = registry.snapshot();
     report(
         &snapshot,
         &registry.slots(),
         &registry.loads(),
         &records.orca.current(&snapshot),
-        &records.acks.streams(),
+        streams,
         records.fleet.get().as_ref(),
     )
 }
@@ -294,23 +303,6 @@ pub(crate) mod tests {
             },
         );
         (registry, records)
-    }
-
-    /// [`report_of`] with Envoy's endpoint `streams` given.
-    pub(super) fn report_with(
-        registry: &Registry,
-        records: &Records,
-        streams: &[StreamSync],
-    ) -> v1::Status {
-        let snapshot = registry.snapshot();
-        report(
-            &snapshot,
-            &registry.slots(),
-            &registry.loads(),
-            &records.orca.current(&snapshot),
-            streams,
-            records.fleet.get().as_ref(),
-        )
     }
 
     #[test]

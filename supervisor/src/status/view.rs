@@ -413,10 +413,7 @@ mod tests {
     use super::*;
     use crate::{
         registry::{Address, Protocol, Worker},
-        status::{
-            report_of,
-            tests::{registry, report_with},
-        },
+        status::{report_of, report_with_streams, tests::registry},
         xds::{acks::StreamSync, stream_kind::StreamKind},
     };
 
@@ -475,7 +472,7 @@ mod tests {
                 ),
             },
         ];
-        let view = StatusView::from(report_with(&registry, &records, &streams));
+        let view = StatusView::from(report_with_streams(&registry, &records, &streams));
         let table = view.table();
         let expected = "\
 sampler: procfs, every 250 ms
