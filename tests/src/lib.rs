@@ -33,6 +33,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin_watch;
+pub mod config;
 pub mod cpus;
 pub mod deploy;
 mod envoy;
@@ -53,6 +54,7 @@ mod supervisor;
 mod wait;
 
 pub use admin_watch::AdminWatch;
+pub use config::{PeregrineToml, ServiceTable};
 pub use envoy::{Envoy, Host, hostname_pid, hosts};
 pub use etcd::{Etcd, EtcdCluster, EtcdTls, etcd_or_skip, etcd_path};
 pub use fleet::FleetHostConfig;
