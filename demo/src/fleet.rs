@@ -506,7 +506,7 @@ fn start(peregrine: &Path, envoy_binary: &Path, dir: &Path) -> anyhow::Result<Fl
             envoy_admin: ENVOY_ADMIN,
             per_try_timeout: PER_TRY_TIMEOUT,
             // A sampler, so that the service is balanced on ORCA reports, with outlier detection.
-            sampler: "auto",
+            sampler: peregrine_e2e::config::Sampler::Auto,
             tls: Some(&certificates),
         }
         .toml();

@@ -220,6 +220,17 @@ impl PeregrineToml {
         }
     }
 
+    /// [`PeregrineToml::local`] with `[envoy]` on the given loopback ports and one service named
+    /// `cluster` of `workers` hello workers on `http://localhost:0`: the set-up of most tests.
+    pub fn one_service(grpc_port: u16, listen_port: u16, admin_port: u16, workers: u32) -> Self {
+        let mut config = Self::local(grpc_port).with_envoy(listen_port, admin_port);
+        config.service(
+            crate::CLUSTER,
+            ServiceTable::at("http://localhost:0").count(workers),
+        );
+        config
+    }
+
     /// With `[envoy]`: Envoy's listener and admin on the given loopback ports.
     #[must_use]
     pub fn with_envoy(mut self, listen_port: u16, admin_port: u16) -> Self {
@@ -235,6 +246,28 @@ impl PeregrineToml {
     pub fn service(&mut self, name: &str, service: ServiceTable) -> &mut Self {
         self.services.insert(name.to_owned(), service);
         self
+    }
+
+    /// `[service.<name>]`.
+    ///
+    /// # Panics
+    ///
+    /// When there is no such service.
+    #[track_caller]
+    pub fn service_mut(&mut self, name: &str) -> &mut ServiceTable {
+        self.services
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("no [service.{name}] in the config"))
+    }
+
+    /// `[orca]`, made empty first if there is none.
+    pub fn orca_mut(&mut self) -> &mut OrcaTable {
+        self.orca.get_or_insert_with(OrcaTable::default)
+    }
+
+    /// `[cluster]`, made empty first if there is none.
+    pub fn cluster_mut(&mut self) -> &mut ClusterTable {
+        self.cluster.get_or_insert_with(ClusterTable::default)
     }
 
     /// `[envoy]`, made empty first if there is none.

@@ -47,13 +47,12 @@ impl EtcdTls {
     }
 
     /// `[cluster.tls]` for a supervisor.
-    pub fn config_table(&self) -> String {
-        format!(
-            "[cluster.tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
-            self.file("etcd-ca.pem").display(),
-            self.file("etcd-client.pem").display(),
-            self.file("etcd-client.key").display(),
-        )
+    pub fn cluster_tls(&self) -> crate::config::ClusterTls {
+        crate::config::ClusterTls {
+            ca: Some(self.file("etcd-ca.pem")),
+            cert: Some(self.file("etcd-client.pem")),
+            key: Some(self.file("etcd-client.key")),
+        }
     }
 }
 

@@ -8,6 +8,11 @@ use std::{
     time::Duration,
 };
 
+use crate::{
+    PeregrineToml, ServiceTable,
+    config::{ClusterTable, EnvoyTable, Sampler},
+};
+
 /// What one host's `peregrine.toml` says; [`FleetHostConfig::toml`] writes it.
 #[derive(Clone, Debug)]
 pub struct FleetHostConfig<'a> {
@@ -40,7 +45,7 @@ pub struct FleetHostConfig<'a> {
     /// and is retried on another worker after this long.
     pub per_try_timeout: Duration,
     /// `supervisor.sampler`.
-    pub sampler: &'a str,
+    pub sampler: Sampler,
     /// TLS everywhere the control plane leaves the host, from a directory `peregrine tls init`
     /// wrote: the gRPC port (mutual), Envoy's side of it, and etcd (client certificates; the
     /// endpoints are `https://`). `None`: cleartext, with `allow_insecure = true`.
@@ -48,69 +53,53 @@ pub struct FleetHostConfig<'a> {
 }
 
 impl FleetHostConfig<'_> {
-    /// The config file. Its control socket is `{dir}/peregrine.sock`: the supervisor's directory,
+    /// The config. Its control socket is `{dir}/peregrine.sock`: the supervisor's directory,
     /// which [`Supervisor::start_wrapped_in`](crate::Supervisor::start_wrapped_in) and
     /// [`Supervisor::start_wrapped_at`](crate::Supervisor::start_wrapped_at) fill in.
-    pub fn toml(&self) -> String {
-        let quoted = |items: &[String]| {
-            items
-                .iter()
-                .map(|item| format!("\"{item}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let mut locality = String::new();
-        for (key, value) in [("region", self.region), ("zone", self.zone)] {
-            if !value.is_empty() {
-                locality.push_str(&format!("{key} = \"{value}\"\n"));
-            }
+    pub fn config(&self) -> PeregrineToml {
+        let mut config = PeregrineToml::local(self.grpc_port);
+        config.supervisor.bind = Some(format!("http://{}:{}", self.address, self.grpc_port));
+        config.supervisor.sampler = Some(self.sampler);
+        config.envoy = Some(EnvoyTable {
+            node: Some(format!("envoy-{}", self.name)),
+            listen: Some(self.envoy_listen.to_string()),
+            admin: Some(self.envoy_admin.to_string()),
+            xds_servers: Some(self.xds_servers.clone()),
+            per_try_timeout_ms: Some(millis(self.per_try_timeout)),
+            ..EnvoyTable::default()
+        });
+        let given = |value: &str| (!value.is_empty()).then(|| value.to_owned());
+        config.cluster = Some(ClusterTable {
+            etcd: Some(self.etcd.clone()),
+            host: Some(self.name.to_owned()),
+            region: given(self.region),
+            zone: given(self.zone),
+            lease_ttl_ms: Some(millis(self.lease_ttl)),
+            routing: Some(self.routing.to_owned()),
+            allow_insecure: self.tls.is_none().then_some(true),
+            tls: self
+                .tls
+                .map(|dir| crate::EtcdTls::in_dir(dir).cluster_tls()),
+            ..ClusterTable::default()
+        });
+        if let Some(dir) = self.tls {
+            crate::pki::secure_control_plane(&mut config, dir);
         }
-        format!(
-            r#"[supervisor]
-bind = "http://{addr}:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "{sampler}"
-
-[envoy]
-node = "envoy-{name}"
-listen = "{listen}"
-admin = "{admin}"
-xds_servers = [{servers}]
-per_try_timeout_ms = {per_try}
-
-[cluster]
-etcd = [{endpoints}]
-host = "{name}"
-{locality}lease_ttl_ms = {ttl}
-routing = "{routing}"
-{tls}
-[service.{service}]
-count = {workers}
-url = "http://{addr}:0"
-"#,
-            addr = self.address,
-            grpc = self.grpc_port,
-            sampler = self.sampler,
-            name = self.name,
-            listen = self.envoy_listen,
-            admin = self.envoy_admin,
-            servers = quoted(&self.xds_servers),
-            per_try = self.per_try_timeout.as_millis(),
-            endpoints = quoted(&self.etcd),
-            ttl = self.lease_ttl.as_millis(),
-            routing = self.routing,
-            service = self.service,
-            workers = self.workers,
-            tls = match self.tls {
-                None => "allow_insecure = true\n".to_owned(),
-                Some(dir) => format!(
-                    "\n{}\n{}",
-                    crate::EtcdTls::in_dir(dir).config_table(),
-                    crate::pki::control_plane_tables(dir)
-                ),
-            },
-        )
+        config.service(
+            self.service,
+            ServiceTable::at(format!("http://{}:0", self.address)).count(self.workers),
+        );
+        config
     }
+
+    /// [`FleetHostConfig::config`]'s text.
+    pub fn toml(&self) -> String {
+        self.config().toml()
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).expect("a duration of tests fits in u64 milliseconds")
 }
 
 #[cfg(test)]
@@ -137,7 +126,7 @@ mod tests {
             envoy_listen: "127.0.0.1:10000".parse().unwrap(),
             envoy_admin: "127.0.0.1:9901".parse().unwrap(),
             per_try_timeout: Duration::from_secs(1),
-            sampler: "off",
+            sampler: Sampler::Off,
             tls: None,
         };
         let text = config.toml();

@@ -7,6 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use crate::config::{EnvoyTls, PeregrineToml, ServerTls};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, KeyUsagePurpose, SanType,
@@ -139,26 +140,27 @@ impl ControlPlane {
         }
     }
 
-    /// `[supervisor.tls]` and `[envoy.tls]` for these files, mutual TLS.
-    pub fn config_tables(&self) -> String {
-        control_plane_tables(&self.dir)
+    /// Sets `[supervisor.tls]` and `[envoy.tls]` of `config` to these files: mutual TLS.
+    pub fn secure(&self, config: &mut PeregrineToml) {
+        secure_control_plane(config, &self.dir);
     }
 }
 
-/// `[supervisor.tls]` and `[envoy.tls]`, mutual TLS, for the control plane's files in `dir` as
-/// [`ControlPlane::write`] and `peregrine tls init` lay them out.
-pub fn control_plane_tables(dir: &Path) -> String {
-    let path = |name: &str| dir.join(name).display().to_string();
-    format!(
-        "[supervisor.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
-         [envoy.tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n\n",
-        path("server.pem"),
-        path("server.key"),
-        path("ca.pem"),
-        path("envoy.pem"),
-        path("envoy.key"),
-        path("ca.pem"),
-    )
+/// Sets `[supervisor.tls]` and `[envoy.tls]` of `config` for mutual TLS, with the control plane's
+/// files in `dir` as [`ControlPlane::write`] and `peregrine tls init` lay them out.
+pub fn secure_control_plane(config: &mut PeregrineToml, dir: &Path) {
+    let path = |name: &str| Some(dir.join(name));
+    config.supervisor.tls = Some(ServerTls {
+        cert: path("server.pem"),
+        key: path("server.key"),
+        client_ca: path("ca.pem"),
+    });
+    config.envoy_mut().tls = Some(EnvoyTls {
+        cert: path("envoy.pem"),
+        key: path("envoy.key"),
+        ca: path("ca.pem"),
+        server_name: None,
+    });
 }
 
 /// Runs `peregrine tls init DIR --san NAME...` with the binary `peregrine`, the command users run,

@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use crate::{
-    Envoy, Host, Supervisor, deploy::Deployed, free_port, hosts, http_get, sample_config,
+    Envoy, Host, PeregrineToml, Supervisor, deploy::Deployed, free_port, hosts, http_get,
     wait_until, worker_pid,
 };
 
@@ -37,27 +37,18 @@ impl Stack {
     /// `workers` hello workers on `http://localhost:0`, dedicated CDS/EDS streams.
     #[track_caller]
     pub fn start(workers: u32) -> Stack {
-        Stack::start_with(workers, "")
+        Stack::start_configured(workers, |_| {})
     }
 
-    /// Like [`Stack::start`], with `envoy_extra` added to the `[envoy]` table (e.g. `ads = true\n`).
+    /// Like [`Stack::start`], with the config ([`PeregrineToml::one_service`]) changed by
+    /// `configure` first (e.g. `ads` in `[envoy]`, or the workers' `url`; `{dir}` is the
+    /// supervisor's directory).
     #[track_caller]
-    pub fn start_with(workers: u32, envoy_extra: &str) -> Stack {
-        Stack::start_at(workers, envoy_extra, "http://localhost:0")
-    }
-
-    /// Like [`Stack::start_with`], with the workers bound to `url` (`{dir}` is the supervisor's
-    /// directory).
-    #[track_caller]
-    pub fn start_at(workers: u32, envoy_extra: &str, url: &str) -> Stack {
+    pub fn start_configured(workers: u32, configure: impl FnOnce(&mut PeregrineToml)) -> Stack {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = sample_config("{dir}".as_ref(), grpc, listen, admin, workers)
-            .replacen("[envoy]\n", &format!("[envoy]\n{envoy_extra}"), 1)
-            .replacen(
-                "url = \"http://localhost:0\"",
-                &format!("url = \"{url}\""),
-                1,
-            );
+        let mut config = PeregrineToml::one_service(grpc, listen, admin, workers);
+        configure(&mut config);
+        let config = config.toml();
         let supervisor = Supervisor::start(&config);
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);

@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context, bail};
 use tempfile::TempDir;
 
-use crate::{ChildGuard, Stage, paths::peregrine_path};
+use crate::{ChildGuard, PeregrineToml, ServiceTable, Stage, paths::peregrine_path};
 
 /// How long [`Supervisor::stop`] waits after SIGTERM before killing.
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -448,16 +448,9 @@ fn run_peregrine(
 #[track_caller]
 pub fn one_worker() -> (Supervisor, std::net::SocketAddr) {
     let port = crate::free_port();
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[service.web]
-url = "http://127.0.0.1:{port}"
-"#,
-        grpc = crate::free_port()
-    ));
+    let mut config = PeregrineToml::local(crate::free_port());
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
+    let supervisor = Supervisor::start(&config.toml());
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     crate::wait_until(Duration::from_secs(30), "the worker answering", || {
         crate::http_get(addr, "/").ok()
@@ -481,9 +474,7 @@ admin = "127.0.0.1:{admin_port}"
     )
 }
 
-/// A config for one service named `cluster` with `workers` hello workers, the xDS server on
-/// `127.0.0.1:<grpc_port>`, the control socket in `dir`, and Envoy's listener and admin on the given
-/// ports (used by `peregrine envoy-bootstrap`).
+/// The text of [`PeregrineToml::one_service`] with the control socket in `dir`. Being replaced by it.
 pub fn sample_config(
     dir: &Path,
     grpc_port: u16,
@@ -491,34 +482,7 @@ pub fn sample_config(
     admin_port: u16,
     workers: u32,
 ) -> String {
-    format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc_port}"
-control = "{control}"
-
-[envoy]
-listen = "127.0.0.1:{listen_port}"
-admin = "127.0.0.1:{admin_port}"
-
-[service.cluster]
-count = {workers}
-url = "http://localhost:0"
-"#,
-        control = dir.join("peregrine.sock").display(),
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sample_config_names_every_part() {
-        let config = sample_config(Path::new("/tmp/x"), 1, 2, 3, 4);
-        assert!(config.contains("bind = \"http://127.0.0.1:1\""));
-        assert!(config.contains("control = \"/tmp/x/peregrine.sock\""));
-        assert!(config.contains("listen = \"127.0.0.1:2\""));
-        assert!(config.contains("admin = \"127.0.0.1:3\""));
-        assert!(config.contains("[service.cluster]\ncount = 4\n"));
-    }
+    let mut config = PeregrineToml::one_service(grpc_port, listen_port, admin_port, workers);
+    config.supervisor.control = Some(dir.join("peregrine.sock").display().to_string());
+    config.toml()
 }

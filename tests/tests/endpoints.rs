@@ -141,7 +141,7 @@ fn envoy_over_ads_follows_a_restart() {
     if envoy_or_skip("envoy_over_ads_follows_a_restart").is_none() {
         return;
     }
-    let stack = Stack::start_with(2, "ads = true\n");
+    let stack = Stack::start_configured(2, |config| config.envoy_mut().ads = Some(true));
     assert!(
         stack
             .supervisor

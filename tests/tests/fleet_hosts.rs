@@ -173,7 +173,7 @@ impl Fleet {
                     envoy_listen: ENVOY_LISTEN,
                     envoy_admin: ENVOY_ADMIN,
                     per_try_timeout: PER_TRY_TIMEOUT,
-                    sampler: "off",
+                    sampler: peregrine_e2e::config::Sampler::Off,
                     tls: Some(certificates.path()),
                 }
                 .toml();

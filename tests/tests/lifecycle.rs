@@ -5,12 +5,14 @@
 use std::{collections::BTreeSet, process::Command, time::Instant};
 
 use peregrine_e2e::{
-    CLUSTER, Load, LoadReport, Stack, deploy::STEP, envoy_or_skip, gone, peregrine_path, wait_until,
+    CLUSTER, Load, LoadReport, PeregrineToml, Stack, deploy::STEP, envoy_or_skip, gone,
+    peregrine_path, wait_until,
 };
 
-/// Starts a [`Stack`] of `workers` (see [`Stack::start_at`]) and waits until Envoy routes to them all.
-fn started(workers: u32, envoy_extra: &str, url: &str) -> Stack {
-    let stack = Stack::start_at(workers, envoy_extra, url);
+/// Starts a [`Stack`] of `workers` (see [`Stack::start_configured`]) and waits until Envoy routes to
+/// them all.
+fn started(workers: u32, configure: impl FnOnce(&mut PeregrineToml)) -> Stack {
+    let stack = Stack::start_configured(workers, configure);
     stack.wait_for_workers(workers as usize, &BTreeSet::new());
     stack
 }
@@ -60,7 +62,7 @@ fn a_rolling_restart_under_load_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_under_load_loses_no_request").is_none() {
         return;
     }
-    rolling_restarts(started(3, "", "http://localhost:0"));
+    rolling_restarts(started(3, |_| {}));
 }
 
 #[test]
@@ -68,7 +70,7 @@ fn a_rolling_restart_over_ads_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_over_ads_loses_no_request").is_none() {
         return;
     }
-    rolling_restarts(started(3, "ads = true\n", "http://localhost:0"));
+    rolling_restarts(started(3, |config| config.envoy_mut().ads = Some(true)));
 }
 
 #[test]
@@ -76,7 +78,9 @@ fn a_rolling_restart_over_delta_xds_loses_no_request() {
     if envoy_or_skip("a_rolling_restart_over_delta_xds_loses_no_request").is_none() {
         return;
     }
-    rolling_restarts(started(3, "xds = \"delta\"\n", "http://localhost:0"));
+    rolling_restarts(started(3, |config| {
+        config.envoy_mut().xds = Some("delta".into())
+    }));
 }
 
 #[test]
@@ -86,7 +90,9 @@ fn a_rolling_restart_of_workers_on_unix_sockets_loses_no_request() {
     }
     // A Unix socket path is the worker's fixed address: each worker is drained and stopped before its
     // successor binds the same path, while the other workers serve.
-    rolling_restarts(started(3, "", "unix://{dir}/w-{index}.sock"));
+    rolling_restarts(started(3, |config| {
+        config.service_mut(CLUSTER).url = Some("unix://{dir}/w-{index}.sock".into());
+    }));
 }
 
 /// `peregrine restart`, then SIGHUP, under load: each replaces all 3 workers, and no request fails.
@@ -162,7 +168,7 @@ fn scaling_by_reload_under_load_loses_no_request() {
     if envoy_or_skip("scaling_by_reload_under_load_loses_no_request").is_none() {
         return;
     }
-    let stack = started(2, "", "http://localhost:0");
+    let stack = started(2, |_| {});
     let two = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
 
@@ -212,7 +218,7 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
     if envoy_or_skip("a_killed_supervisor_comes_back_and_adopts_its_workers_under_load").is_none() {
         return;
     }
-    let mut stack = started(2, "", "http://localhost:0");
+    let mut stack = started(2, |_| {});
     let workers = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
 
@@ -269,7 +275,7 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     if envoy_or_skip("a_replacement_that_cannot_start_leaves_the_old_worker_serving").is_none() {
         return;
     }
-    let stack = started(1, "", "http://localhost:0");
+    let stack = started(1, |_| {});
     let old = stack.wait_for_workers(1, &BTreeSet::new());
     let load = stack.load();
 
@@ -383,7 +389,7 @@ fn a_request_in_flight_when_its_worker_is_replaced_completes() {
     if envoy_or_skip("a_request_in_flight_when_its_worker_is_replaced_completes").is_none() {
         return;
     }
-    let stack = started(2, "", "http://localhost:0");
+    let stack = started(2, |_| {});
     let old = stack.wait_for_workers(2, &BTreeSet::new());
     // A request that keeps its worker busy for 800 ms of CPU.
     let listen = stack.listen;
@@ -411,7 +417,7 @@ fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
     if envoy_or_skip("services_added_and_removed_by_reload_come_and_go_in_envoy").is_none() {
         return;
     }
-    let stack = started(2, "", "http://localhost:0");
+    let stack = started(2, |_| {});
     let workers = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
     let path = stack.supervisor.config_path();

@@ -32,7 +32,10 @@ use envoy_types::pb::envoy::{
         endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient,
     },
 };
-use peregrine_e2e::{Envoy, Supervisor, envoy_path, free_port, hosts, try_wait_until};
+use peregrine_e2e::{
+    CLUSTER, Envoy, PeregrineToml, Supervisor, config::AccountId, envoy_path, free_port, hosts,
+    try_wait_until,
+};
 
 const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -52,26 +55,15 @@ fn main() -> anyhow::Result<()> {
     let user = std::env::args()
         .skip_while(|a| a != "--user")
         .nth(1)
-        .map(|name| format!("user = \"{name}\"\n"))
-        .unwrap_or_default();
+        .map(AccountId::Name);
     if envoy_path().is_none() {
         bail!("no Envoy binary: set ENVOY or run `cargo xtask envoy`");
     }
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-healthy_after_ms = 150
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-
-[service.cluster]
-count = 2
-{user}"#
-    ));
+    let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
+    config.supervisor.healthy_after_ms = Some(150);
+    config.service_mut(CLUSTER).user = user;
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap()?);
     // The supervisor starts listening once its sampler is loaded and its workers are on their way:
     // subscribe only then.
