@@ -21,6 +21,9 @@ pub struct Stack {
     pub supervisor: Supervisor,
     /// Envoy's HTTP listener.
     pub listen: SocketAddr,
+    /// The config the supervisor was started with (`{dir}` as written), to change and
+    /// [`Supervisor::rewrite_config`] with.
+    pub config: PeregrineToml,
 }
 
 impl Stack {
@@ -48,14 +51,14 @@ impl Stack {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
         let mut config = PeregrineToml::one_service(grpc, listen, admin, workers);
         configure(&mut config);
-        let config = config.toml();
-        let supervisor = Supervisor::start(&config);
+        let supervisor = Supervisor::start(&config.toml());
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);
         Stack {
             envoy,
             supervisor,
             listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+            config,
         }
     }
 

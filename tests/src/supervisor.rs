@@ -56,8 +56,8 @@ impl Supervisor {
         Self::start_in_temp(&[], config_toml, false)
     }
 
-    /// Writes `config_toml` to `dir/peregrine.toml` and starts `binary run` on it, logging into `dir`.
-    /// `RUST_LOG` is passed on, and set to `info` when unset.
+    /// Writes `config_toml` to `dir/peregrine.toml`, every `{dir}` replaced by `dir`, and starts
+    /// `binary run` on it, logging into `dir`. `RUST_LOG` is passed on, and set to `info` when unset.
     pub fn start_in(binary: &Path, dir: &Path, config_toml: &str) -> anyhow::Result<Self> {
         Self::start_wrapped(&[], binary, dir, config_toml, false)
     }
@@ -110,8 +110,7 @@ impl Supervisor {
         dir: &Path,
         config_toml: &str,
     ) -> anyhow::Result<Self> {
-        let config_toml = config_toml.replace("{dir}", &dir.display().to_string());
-        Self::start_wrapped(wrapper, binary, dir, &config_toml, false)
+        Self::start_wrapped(wrapper, binary, dir, config_toml, false)
     }
 
     /// Like [`Supervisor::start_wrapped_in`] (no wrapper when `wrapper` is empty), for workers of
@@ -150,9 +149,8 @@ impl Supervisor {
         config_toml: &str,
         relative: bool,
     ) -> Self {
-        let config_toml = config_toml.replace("{dir}", &temp.path().display().to_string());
         let mut supervisor =
-            Self::start_wrapped(wrapper, binary, temp.path(), &config_toml, relative)
+            Self::start_wrapped(wrapper, binary, temp.path(), config_toml, relative)
                 .unwrap_or_else(|error| panic!("starting the supervisor: {error:?}"));
         supervisor._temp = Some(temp);
         supervisor
@@ -185,6 +183,7 @@ impl Supervisor {
         } else {
             config.clone()
         };
+        let config_toml = config_toml.replace("{dir}", &dir.display().to_string());
         std::fs::write(&config, config_toml)
             .with_context(|| format!("writing {}", config.display()))?;
         let wrapper: Vec<String> = wrapper.iter().map(|s| (*s).to_owned()).collect();
@@ -274,15 +273,31 @@ impl Supervisor {
         Ok(stdout)
     }
 
-    /// Rewrites `count = N` in the config file (the first one) to `count`; apply it with
-    /// [`Supervisor::control`]`("reload", &[])`.
+    /// Replaces the config file with `config_toml`, every `{dir}` replaced by the supervisor's
+    /// directory as at the start; apply it with [`Supervisor::control`]`("reload", &[])`.
+    pub fn rewrite_config(&self, config_toml: &str) -> anyhow::Result<()> {
+        let text = config_toml.replace("{dir}", &self.dir.display().to_string());
+        std::fs::write(&self.config, text)
+            .with_context(|| format!("writing {}", self.config.display()))
+    }
+
+    /// Sets the `count` of the config's one service to `count`; apply it with
+    /// [`Supervisor::control`]`("reload", &[])`. An error when the config has not one service.
     pub fn set_count(&self, count: u32) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(&self.config)
             .with_context(|| format!("reading {}", self.config.display()))?;
-        let start = text.find("count = ").context("the config has no count")?;
-        let end = start + text[start..].find('\n').unwrap_or(text.len() - start);
-        let text = format!("{}count = {count}{}", &text[..start], &text[end..]);
-        std::fs::write(&self.config, text)
+        let mut config: toml::Table =
+            toml::from_str(&text).with_context(|| format!("parsing {}", self.config.display()))?;
+        let services = config
+            .get_mut("service")
+            .and_then(toml::Value::as_table_mut)
+            .context("the config has no service")?;
+        let mut tables = services.iter_mut().map(|(_, table)| table);
+        let (Some(toml::Value::Table(service)), None) = (tables.next(), tables.next()) else {
+            bail!("set_count changes a config of one service");
+        };
+        service.insert("count".into(), toml::Value::Integer(count.into()));
+        std::fs::write(&self.config, toml::to_string(&config)?)
             .with_context(|| format!("writing {}", self.config.display()))
     }
 

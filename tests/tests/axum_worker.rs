@@ -4,8 +4,8 @@
 use std::{net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, example_path, free_port, hosts, http_get,
-    wait_until,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, envoy_or_skip, example_path, free_port, hosts,
+    http_get, wait_until,
 };
 
 #[test]
@@ -15,15 +15,12 @@ fn an_axum_router_serves_through_envoy() {
     }
     let axum = example_path("axum");
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let supervisor = Supervisor::start(&format!(
-        r#"{base}
-[service.api]
-count = 2
-command = ["{}"]
-"#,
-        axum.display(),
-        base = base_config(grpc, listen, admin),
-    ));
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    let api = ServiceTable::default()
+        .count(2)
+        .command([axum.display().to_string()]);
+    config.service("api", api);
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
     wait_until(Duration::from_secs(30), "2 api hosts", || {
         (hosts(&envoy.clusters(), "api").len() == 2).then_some(())

@@ -4,8 +4,8 @@
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get, wait_until,
-    worker_pid,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, envoy_or_skip, free_port, hosts, http_get,
+    wait_until, worker_pid,
 };
 
 /// The restart delays the supervisor logged for the service `crashy`, in milliseconds.
@@ -29,17 +29,13 @@ fn a_crashing_worker_backs_off_and_the_others_serve() {
         return;
     }
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let supervisor = Supervisor::start(&format!(
-        r#"{base}
-[service.web]
-count = 2
-
-[service.crashy]
-command = ["sh", "-c", "exit 3"]
-prefix = "/crashy"
-"#,
-        base = base_config(grpc, listen, admin),
-    ));
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.service("web", ServiceTable::default().count(2));
+    let crashy = ServiceTable::default()
+        .command(["sh", "-c", "exit 3"])
+        .prefix("/crashy");
+    config.service("crashy", crashy);
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
     wait_until(Duration::from_secs(30), "2 web hosts", || {
         (hosts(&envoy.clusters(), "web").len() == 2).then_some(())

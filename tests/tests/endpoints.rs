@@ -11,7 +11,9 @@ use std::{
     time::Duration,
 };
 
-use peregrine_e2e::{Host, Stack, envoy_or_skip, http_get, wait_until, worker_pid};
+use peregrine_e2e::{
+    Host, PeregrineToml, ServiceTable, Stack, envoy_or_skip, http_get, wait_until, worker_pid,
+};
 
 fn hostnames(hosts: &[Host]) -> BTreeSet<String> {
     hosts.iter().map(|h| h.hostname.clone()).collect()
@@ -184,7 +186,7 @@ fn envoy_over_ads_follows_a_restart() {
 /// empty) or ADS: `extra`'s workers are killed and replaced three times. `cluster`'s workers never
 /// leave Envoy, and its assignment is never sent again: an EDS response carries only what changed
 /// (Envoy counts each update a cluster takes in `cluster.<name>.update_attempt`).
-fn a_change_to_one_service_leaves_the_other_as_it_was(test: &str, envoy_extra: &str) {
+fn a_change_to_one_service_leaves_the_other_as_it_was(test: &str, ads: bool) {
     if envoy_or_skip(test).is_none() {
         return;
     }
@@ -193,12 +195,10 @@ fn a_change_to_one_service_leaves_the_other_as_it_was(test: &str, envoy_extra: &
         peregrine_e2e::free_port(),
         peregrine_e2e::free_port(),
     );
-    let config = peregrine_e2e::sample_config("{dir}".as_ref(), grpc, listen, admin, 2).replacen(
-        "[envoy]\n",
-        &format!("[envoy]\n{envoy_extra}"),
-        1,
-    ) + "\n[service.extra]\ncount = 2\nurl = \"http://localhost:0\"\n";
-    let supervisor = peregrine_e2e::Supervisor::start(&config);
+    let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
+    config.envoy_mut().ads = ads.then_some(true);
+    config.service("extra", ServiceTable::at("http://localhost:0").count(2));
+    let supervisor = peregrine_e2e::Supervisor::start(&config.toml());
     let envoy = peregrine_e2e::Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let healthy = |cluster: &str| {
         let hosts = peregrine_e2e::hosts(&envoy.clusters(), cluster);
@@ -241,7 +241,7 @@ fn a_change_to_one_service_leaves_the_other_as_it_was(test: &str, envoy_extra: &
 fn a_change_to_one_service_leaves_the_other_as_it_was_over_dedicated_streams() {
     a_change_to_one_service_leaves_the_other_as_it_was(
         "a_change_to_one_service_leaves_the_other_as_it_was_over_dedicated_streams",
-        "",
+        false,
     );
 }
 
@@ -249,6 +249,6 @@ fn a_change_to_one_service_leaves_the_other_as_it_was_over_dedicated_streams() {
 fn a_change_to_one_service_leaves_the_other_as_it_was_over_ads() {
     a_change_to_one_service_leaves_the_other_as_it_was(
         "a_change_to_one_service_leaves_the_other_as_it_was_over_ads",
-        "ads = true\n",
+        true,
     );
 }

@@ -6,19 +6,26 @@
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get_with, moved,
-    route_keys, try_wait_until, wait_for_slots, worker_pid,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, envoy_or_skip, free_port, hosts, http_get_with,
+    moved, route_keys, try_wait_until, wait_for_slots, worker_pid,
 };
 
 const KEYS: usize = 1000;
 
 /// A ring-hash service `web` of `count` workers hashed on `x-entity-id`, with the given ports.
 fn config(grpc: u16, listen: u16, admin: u16, count: u32) -> String {
-    format!(
-        "{}\n[service.web]\ncount = {count}\nurl = \"http://127.0.0.1:0\"\n\
-         lb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n",
-        base_config(grpc, listen, admin)
-    )
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.service("web", ring_hashed("http://127.0.0.1:0", count));
+    config.toml()
+}
+
+/// A service of `count` workers at `url`, ring-hashed on the header `x-entity-id`.
+fn ring_hashed(url: &str, count: u32) -> ServiceTable {
+    ServiceTable {
+        lb_policy: Some("ring_hash".into()),
+        hash_on: Some("header:x-entity-id".into()),
+        ..ServiceTable::at(url).count(count)
+    }
 }
 
 /// Waits until Envoy routes to the supervisor's `count` workers with the ring sized for them (1024
@@ -151,18 +158,15 @@ fn bounded_loads_spill_a_hot_key_over_to_other_workers() {
         return;
     };
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let service = |name: &str, factor: &str| {
-        format!(
-            "[service.{name}]\ncount = 3\nurl = \"http://127.0.0.1:0\"\nprefix = \"/{name}\"\n\
-             lb_policy = \"ring_hash\"\nhash_on = \"header:x-entity-id\"\n{factor}\n"
-        )
-    };
-    let supervisor = Supervisor::start(&format!(
-        "{}\n{}\n{}",
-        base_config(grpc, listen, admin),
-        service("bounded", "hash_balance_factor = 125"),
-        service("unbounded", "")
-    ));
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    for (name, factor) in [("bounded", Some(125)), ("unbounded", None)] {
+        let service = ServiceTable {
+            hash_balance_factor: factor,
+            ..ring_hashed("http://127.0.0.1:0", 3).prefix(format!("/{name}"))
+        };
+        config.service(name, service);
+    }
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     for cluster in ["bounded", "unbounded"] {
@@ -205,11 +209,14 @@ fn per_worker_weights_reach_envoy_and_split_traffic() {
         return;
     };
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let supervisor = Supervisor::start(&format!(
-        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nlb_policy = \"round_robin\"\n\
-         weights = [1, 3]\n",
-        base_config(grpc, listen, admin)
-    ));
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    let service = ServiceTable {
+        lb_policy: Some("round_robin".into()),
+        weights: Some(vec![1, 3]),
+        ..ServiceTable::at("http://127.0.0.1:0").count(2)
+    };
+    config.service("web", service);
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let slots = wait_for_slots(&supervisor, &envoy, "web", 2, None).unwrap();
     let weights: BTreeMap<u64, u64> = hosts(&envoy.clusters(), "web")

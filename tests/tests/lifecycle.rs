@@ -5,8 +5,8 @@
 use std::{collections::BTreeSet, process::Command, time::Instant};
 
 use peregrine_e2e::{
-    CLUSTER, Load, LoadReport, PeregrineToml, Stack, deploy::STEP, envoy_or_skip, gone,
-    peregrine_path, wait_until,
+    CLUSTER, Load, LoadReport, PeregrineToml, ServiceTable, Stack, deploy::STEP, envoy_or_skip,
+    gone, peregrine_path, wait_until,
 };
 
 /// Starts a [`Stack`] of `workers` (see [`Stack::start_configured`]) and waits until Envoy routes to
@@ -280,14 +280,9 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     let load = stack.load();
 
     // A new command whose workers exit at once: the reload replaces nothing and says why.
-    let path = stack.supervisor.config_path();
-    let good = std::fs::read_to_string(path).unwrap();
-    let broken = good.replacen(
-        "[service.cluster]\n",
-        "[service.cluster]\ncommand = [\"sh\", \"-c\", \"exit 3\"]\n",
-        1,
-    );
-    std::fs::write(path, &broken).unwrap();
+    let mut broken = stack.config.clone();
+    broken.service_mut(CLUSTER).command = Some(["sh", "-c", "exit 3"].map(String::from).into());
+    stack.supervisor.rewrite_config(&broken.toml()).unwrap();
     let error = format!("{:#}", stack.supervisor.control("reload", &[]).unwrap_err());
     assert!(
         error.contains("ended before registering (exit code 3); the old one keeps serving"),
@@ -296,7 +291,10 @@ fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     assert_eq!(stack.envoy_pids().0, old, "the old worker still serves");
 
     // Back to the good config: nothing to replace, the old worker is still the one.
-    std::fs::write(path, &good).unwrap();
+    stack
+        .supervisor
+        .rewrite_config(&stack.config.toml())
+        .unwrap();
     let out = stack.control("reload", &[]);
     assert!(
         out.starts_with("0 replaced, 0 added, 0 removed, 0 failed"),
@@ -345,14 +343,12 @@ fn an_adopted_process_that_never_registers_is_replaced_and_a_stranger_is_left_al
         wanted.sort_unstable();
         (found == wanted).then_some(())
     });
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{}\"\ncontrol = \"{}\"\nregister_timeout_ms = 500\n\
-         [service.cluster]\n",
-        peregrine_e2e::free_port(),
-        control.display()
-    );
+    let mut config = PeregrineToml::local(peregrine_e2e::free_port());
+    config.supervisor.control = Some(control.display().to_string());
+    config.supervisor.register_timeout_ms = Some(500);
+    config.service(CLUSTER, ServiceTable::default());
     let supervisor =
-        peregrine_e2e::Supervisor::start_in(&peregrine_path(), dir.path(), &config).unwrap();
+        peregrine_e2e::Supervisor::start_in(&peregrine_path(), dir.path(), &config.toml()).unwrap();
     let replaced = wait_until(STEP, "a real worker in the impostor's slot", || {
         let status = supervisor.status_json().ok()?;
         let pid = status["workers"][0]["pid"].as_u64()? as u32;
@@ -420,8 +416,6 @@ fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
     let stack = started(2, |_| {});
     let workers = stack.wait_for_workers(2, &BTreeSet::new());
     let load = stack.load();
-    let path = stack.supervisor.config_path();
-    let base = std::fs::read_to_string(path).unwrap();
     let extra_hosts = |n: usize| {
         wait_until(
             STEP,
@@ -433,11 +427,9 @@ fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
         )
     };
 
-    std::fs::write(
-        path,
-        format!("{base}\n[service.extra]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n"),
-    )
-    .unwrap();
+    let mut with_extra = stack.config.clone();
+    with_extra.service("extra", ServiceTable::at("http://127.0.0.1:0").count(2));
+    stack.supervisor.rewrite_config(&with_extra.toml()).unwrap();
     let out = stack.control("reload", &[]);
     assert!(
         out.starts_with("0 replaced, 2 added, 0 removed, 0 failed"),
@@ -445,7 +437,10 @@ fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
     );
     extra_hosts(2);
 
-    std::fs::write(path, &base).unwrap();
+    stack
+        .supervisor
+        .rewrite_config(&stack.config.toml())
+        .unwrap();
     let out = stack.control("reload", &[]);
     assert!(
         out.starts_with("0 replaced, 0 added, 2 removed, 0 failed"),

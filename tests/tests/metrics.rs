@@ -7,8 +7,8 @@
 use std::{net::SocketAddr, process::Command, time::Duration};
 
 use peregrine_e2e::{
-    ChildGuard, Envoy, Supervisor, TempDir, free_port, http_get, peregrine_path, tool_or_skip,
-    try_wait_until, wait_until,
+    ChildGuard, Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, free_port, http_get,
+    peregrine_path, tool_or_skip, try_wait_until, wait_until,
 };
 use serde_json::Value;
 
@@ -42,16 +42,13 @@ fn prometheus_scrapes_the_workers_and_sees_a_restart() {
     }
     let dir = TempDir::new().unwrap();
     let metrics = free_port();
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\nrestart_delay_ms = 50\n\n\
-         [service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n",
-        grpc = free_port(),
-        control = dir.path().join("peregrine.sock").display(),
-    );
+    let mut config = PeregrineToml::local(free_port());
+    config.supervisor.restart_delay_ms = Some(50);
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
     let supervisor = Supervisor::start_in_with_env(
         &peregrine_path(),
         dir.path(),
-        &config,
+        &config.toml(),
         &[("PEREGRINE_METRICS", &format!("http://127.0.0.1:{metrics}"))],
     )
     .unwrap();
@@ -157,15 +154,12 @@ fn a_real_envoys_convergence_on_a_restart_is_timed() {
     let dir = TempDir::new().unwrap();
     let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = peregrine_e2e::sample_config(dir.path(), grpc, listen, admin, 2).replacen(
-        "[envoy]",
-        "restart_delay_ms = 50\n\n[envoy]",
-        1,
-    );
+    let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
+    config.supervisor.restart_delay_ms = Some(50);
     let supervisor = Supervisor::start_in_with_env(
         &peregrine_path(),
         dir.path(),
-        &config,
+        &config.toml(),
         &[("PEREGRINE_METRICS", &format!("http://{metrics}"))],
     )
     .unwrap();

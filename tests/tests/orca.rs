@@ -10,29 +10,35 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, cpus::Hog, envoy_or_skip, free_port, hosts, http_get,
-    load::answers_for, peregrine_path, try_wait_until, wait_until,
+    Envoy, PeregrineToml, ServiceTable, Supervisor,
+    config::{Orca, OrcaTable},
+    cpus::Hog,
+    envoy_or_skip, free_port, hosts, http_get,
+    load::answers_for,
+    peregrine_path, try_wait_until, wait_until,
 };
 use serde_json::Value;
 
 /// The tests measure how Envoy spreads load: one at a time, so that one's hog is not the other's.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// `[supervisor]` sampling and `[orca]` settings that make weights apply within a few seconds.
-const FAST_ORCA: &str = "sample_interval_ms = 200\n";
-const ORCA_TABLE: &str = "\n[orca]\nblackout_period_ms = 1000\nweight_update_period_ms = 200\n";
-
-fn config(services: &str) -> (String, SocketAddr) {
+/// A config with `services`, and the sampling and `[orca]` settings that make weights apply within
+/// a few seconds; with Envoy's listener.
+fn config(
+    services: impl IntoIterator<Item = (&'static str, ServiceTable)>,
+) -> (String, SocketAddr) {
     let listen = free_port();
-    let base = base_config(free_port(), listen, free_port()).replacen(
-        "[supervisor]\n",
-        &format!("[supervisor]\n{FAST_ORCA}"),
-        1,
-    );
-    (
-        format!("{base}{ORCA_TABLE}\n{services}"),
-        SocketAddr::from(([127, 0, 0, 1], listen)),
-    )
+    let mut config = PeregrineToml::local(free_port()).with_envoy(listen, free_port());
+    config.supervisor.sample_interval_ms = Some(200);
+    config.orca = Some(OrcaTable {
+        blackout_period_ms: Some(1000),
+        weight_update_period_ms: Some(200),
+        ..OrcaTable::default()
+    });
+    for (name, service) in services {
+        config.service(name, service);
+    }
+    (config.toml(), SocketAddr::from(([127, 0, 0, 1], listen)))
 }
 
 /// The `status --json` rows of `service`, by index.
@@ -54,7 +60,7 @@ fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname
         return;
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (config, _listen) = config("[service.web]\ncount = 2\nurl = \"http://localhost:0\"\n");
+    let (config, _listen) = config([("web", ServiceTable::at("http://localhost:0").count(2))]);
     let supervisor = Supervisor::start(&config);
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
 
@@ -142,18 +148,21 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
     // Two services with the same two workers, pinned: worker 0 to CPU 0 (where the hog will run),
     // worker 1 to CPU 1. `cswrr` is balanced on ORCA reports, `rr` by round robin.
     let peregrine = peregrine_path();
-    let service = |name: &str, orca: bool| {
-        format!(
-            "[service.{name}]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nprefix = \"/{name}\"\n\
-             orca = {orca}\ncommand = [\"taskset\", \"-c\", \"{{index}}\", \"{}\", \"worker\"]\n",
-            peregrine.display()
-        )
+    let service = |name: &str, orca: Orca| {
+        let pinned = ["taskset", "-c", "{index}"]
+            .map(String::from)
+            .into_iter()
+            .chain([peregrine.display().to_string(), "worker".into()]);
+        ServiceTable::at("http://127.0.0.1:0")
+            .count(2)
+            .prefix(format!("/{name}"))
+            .orca(orca)
+            .command(pinned)
     };
-    let (config, listen) = config(&format!(
-        "{}\n{}",
-        service("cswrr", true),
-        service("rr", false)
-    ));
+    let (config, listen) = config([
+        ("cswrr", service("cswrr", Orca::On)),
+        ("rr", service("rr", Orca::Off)),
+    ]);
     let supervisor = Supervisor::start(&config);
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     for path in ["/cswrr", "/rr"] {
@@ -226,8 +235,9 @@ fn weights_apply_within_a_second_of_the_hosts_with_the_defaults() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // The default sampling (200 ms) and [orca] (no blackout, weights recomputed every 100 ms).
     let listen = free_port();
-    let config = base_config(free_port(), listen, free_port())
-        + "\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n";
+    let mut config = PeregrineToml::local(free_port()).with_envoy(listen, free_port());
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
+    let config = config.toml();
     // Envoy first, then the workers: the cold start of a deploy.
     let supervisor = Supervisor::start(&config);
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));

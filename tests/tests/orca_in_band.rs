@@ -20,7 +20,10 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get, load::answers_for,
+    Envoy, PeregrineToml, ServiceTable, Supervisor,
+    config::{Orca, OrcaTable},
+    envoy_or_skip, free_port, hosts, http_get,
+    load::answers_for,
     try_wait_until, wait_until,
 };
 use serde_json::Value;
@@ -28,18 +31,24 @@ use serde_json::Value;
 /// Fast sampling, and `[orca]` settings that make weights apply within a second or two.
 fn config() -> (String, SocketAddr) {
     let listen = free_port();
-    let base = base_config(free_port(), listen, free_port()).replacen(
-        "[supervisor]\n",
-        "[supervisor]\nsample_interval_ms = 200\n",
-        1,
-    );
-    let config = format!(
-        "{base}\n[orca]\nblackout_period_ms = 0\nweight_update_period_ms = 100\n\n\
-         [service.tcp]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nprefix = \"/tcp\"\norca = \"in-band\"\n\n\
-         [service.uds]\ncount = 2\nurl = \"unix://{{dir}}/uds-{{index}}.sock\"\nprefix = \"/uds\"\n\
-         orca = \"in-band\"\n"
-    );
-    (config, SocketAddr::from(([127, 0, 0, 1], listen)))
+    let mut config = PeregrineToml::local(free_port()).with_envoy(listen, free_port());
+    config.supervisor.sample_interval_ms = Some(200);
+    config.orca = Some(OrcaTable {
+        blackout_period_ms: Some(0),
+        weight_update_period_ms: Some(100),
+        ..OrcaTable::default()
+    });
+    for (name, url) in [
+        ("tcp", "http://127.0.0.1:0"),
+        ("uds", "unix://{dir}/uds-{index}.sock"),
+    ] {
+        let service = ServiceTable::at(url)
+            .count(2)
+            .prefix(format!("/{name}"))
+            .orca(Orca::InBand);
+        config.service(name, service);
+    }
+    (config.toml(), SocketAddr::from(([127, 0, 0, 1], listen)))
 }
 
 /// The `status --json` rows of `service`, by index.

@@ -9,7 +9,7 @@ use std::{
 
 use bytes::BytesMut;
 use peregrine_e2e::{
-    Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, sample_config, wait_until,
+    Envoy, PeregrineToml, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until,
     worker_pid,
 };
 use peregrine_proto::{
@@ -67,7 +67,7 @@ fn strangers_and_garbage_cannot_disturb_the_workers() {
         return;
     }
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let supervisor = Supervisor::start(&sample_config("{dir}".as_ref(), grpc, listen, admin, 2));
+    let supervisor = Supervisor::start(&PeregrineToml::one_service(grpc, listen, admin, 2).toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().unwrap());
     let before = wait_until(Duration::from_secs(30), "2 healthy hosts", || {
         let hosts = hosts(&envoy.clusters(), "cluster");

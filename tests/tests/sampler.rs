@@ -5,20 +5,18 @@
 use std::{net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Supervisor, base_config, ebpf_or_skip, free_port, http_get, try_wait_until, worker_pid,
+    PeregrineToml, ServiceTable, Supervisor, config::Sampler, ebpf_or_skip, free_port, http_get,
+    try_wait_until, worker_pid,
 };
 use serde_json::Value;
 
-/// A config with one `web` worker on a fixed port and `sampler` lines in `[supervisor]`.
-fn config(sampler: &str, port: u16) -> String {
-    format!(
-        "{base}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
-        base = base_config(free_port(), free_port(), free_port()).replacen(
-            "[supervisor]\n",
-            &format!("[supervisor]\n{sampler}\nsample_interval_ms = 100\n"),
-            1
-        ),
-    )
+/// A config with one `web` worker on a fixed port, sampled by `sampler` every 100 ms.
+fn config(sampler: Sampler, port: u16) -> String {
+    let mut config = PeregrineToml::local(free_port()).with_envoy(free_port(), free_port());
+    config.supervisor.sampler = Some(sampler);
+    config.supervisor.sample_interval_ms = Some(100);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
+    config.toml()
 }
 
 /// `status --json` once `ready` accepts it.
@@ -41,7 +39,7 @@ fn auto_chooses_ebpf_where_it_loads() {
     if !ebpf_or_skip("auto_chooses_ebpf_where_it_loads") {
         return;
     }
-    let supervisor = Supervisor::start(&config("sampler = \"auto\"", free_port()));
+    let supervisor = Supervisor::start(&config(Sampler::Auto, free_port()));
     let status = wait_for_status(&supervisor, "a sampled worker", |s| {
         web(s)["cpu_cores"].is_f64()
     });
@@ -65,7 +63,7 @@ fn auto_falls_back_to_procfs_with_a_warning_where_ebpf_cannot_load() {
         return;
     }
     let port = free_port();
-    let supervisor = Supervisor::start_without_capabilities(&config("sampler = \"auto\"", port));
+    let supervisor = Supervisor::start_without_capabilities(&config(Sampler::Auto, port));
     let status = wait_for_status(&supervisor, "a sampled worker", |s| {
         web(s)["cpu_cores"].is_f64()
     });
@@ -90,7 +88,7 @@ fn a_workers_cpu_burn_shows_in_its_ebpf_sample() {
         return;
     }
     let port = free_port();
-    let supervisor = Supervisor::start(&config("sampler = \"ebpf\"", port));
+    let supervisor = Supervisor::start(&config(Sampler::Ebpf, port));
     let before = wait_for_status(&supervisor, "a sampled worker", |s| {
         web(s)["cpu_seconds_total"].is_f64()
     });

@@ -10,7 +10,7 @@ use std::{
 };
 
 use peregrine_e2e::{
-    CLUSTER, Envoy, Load, Supervisor, envoy_or_skip, free_port, sample_config, wait_until,
+    CLUSTER, Envoy, Load, PeregrineToml, Supervisor, envoy_or_skip, free_port, wait_until,
 };
 use rustix::process::{Pid, Signal, kill_process};
 
@@ -34,14 +34,10 @@ fn a_stopped_worker_is_taken_out_of_rotation_and_comes_back() {
         return;
     }
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = sample_config("{dir}".as_ref(), grpc, listen, admin, 2)
-        .replacen(
-            "[supervisor]\n",
-            "[supervisor]\nsample_interval_ms = 250\n",
-            1,
-        )
-        .replacen("[envoy]\n", "[envoy]\nper_try_timeout_ms = 500\n", 1);
-    let supervisor = Supervisor::start(&config);
+    let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
+    config.supervisor.sample_interval_ms = Some(250);
+    config.envoy_mut().per_try_timeout_ms = Some(500);
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let healthy = || -> BTreeSet<u32> {
         envoy

@@ -5,8 +5,8 @@
 use std::{net::SocketAddr, process::Command, time::Duration};
 
 use peregrine_e2e::{
-    Supervisor, base_config, ebpf_or_skip, free_port, http_get, peregrine_path,
-    python_clients_or_skip, try_wait_until, worker_pid, workspace_root,
+    PeregrineToml, ServiceTable, Supervisor, config::Sampler, ebpf_or_skip, free_port, http_get,
+    peregrine_path, python_clients_or_skip, try_wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -39,30 +39,25 @@ fn wait_for_row(supervisor: &Supervisor, what: &str, ready: impl Fn(&Value) -> b
 
 #[test]
 fn status_counts_every_request_and_follows_a_restart_with_procfs() {
-    counts_every_request_and_follows_a_restart("procfs");
+    counts_every_request_and_follows_a_restart(Sampler::Procfs);
 }
 
 #[test]
 fn status_counts_every_request_and_follows_a_restart_with_ebpf() {
     if ebpf_or_skip("status_counts_every_request_and_follows_a_restart_with_ebpf") {
-        counts_every_request_and_follows_a_restart("ebpf");
+        counts_every_request_and_follows_a_restart(Sampler::Ebpf);
     }
 }
 
 /// Requests over HTTP/1.1 and h2c counted exactly in `status`, CPU sampled, and a killed worker's
 /// replacement counted from zero, with `sampler` (its counters: a memfd for procfs, the BPF map for eBPF).
-fn counts_every_request_and_follows_a_restart(sampler_kind: &str) {
+fn counts_every_request_and_follows_a_restart(sampler: Sampler) {
     let port = free_port();
-    let sampler = format!("[supervisor]\nsampler = \"{sampler_kind}\"\nsample_interval_ms = 100\n");
-    let config = format!(
-        "{base}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
-        base = base_config(free_port(), free_port(), free_port()).replacen(
-            "[supervisor]\n",
-            &sampler,
-            1
-        ),
-    );
-    let supervisor = Supervisor::start(&config);
+    let mut config = PeregrineToml::local(free_port()).with_envoy(free_port(), free_port());
+    config.supervisor.sampler = Some(sampler);
+    config.supervisor.sample_interval_ms = Some(100);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
+    let supervisor = Supervisor::start(&config.toml());
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
 
     // Registered means listening: wait through status, not with requests that would be counted.
@@ -135,7 +130,7 @@ fn counts_every_request_and_follows_a_restart(sampler_kind: &str) {
     let mut lines = table.lines();
     assert_eq!(
         lines.next(),
-        Some(format!("sampler: {sampler_kind}, every 100 ms").as_str()),
+        Some(format!("sampler: {}, every 100 ms", sampler.as_str()).as_str()),
         "{table}"
     );
     assert!(
@@ -174,14 +169,10 @@ fn status_without_a_supervisor_says_so_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("peregrine.sock");
     let config = dir.path().join("peregrine.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[supervisor]\ncontrol = \"{}\"\n[service.web]\n",
-            socket.display()
-        ),
-    )
-    .unwrap();
+    let mut text = PeregrineToml::default();
+    text.supervisor.control = Some(socket.display().to_string());
+    text.service("web", ServiceTable::default());
+    std::fs::write(&config, text.toml()).unwrap();
     let by_config = ["status".as_ref(), config.as_os_str()];
     let by_socket = ["status".as_ref(), "--socket".as_ref(), socket.as_os_str()];
     // No socket file, then a stale one nobody listens on.
