@@ -588,4 +588,81 @@ mod tests {
             assert_eq!(status.code(), tonic::Code::NotFound, "{authority:?}");
         }
     }
+
+    /// The stream's next report's request rate, and how long it took to come (on the paused clock).
+    async fn next_report(reports: &mut ReportStream) -> (f64, Duration) {
+        use tokio_stream::StreamExt;
+        let asked_at = Instant::now();
+        let report = tokio::time::timeout(Duration::from_secs(60), reports.next())
+            .await
+            .expect("a report in time")
+            .expect("the stream goes on")
+            .expect("a report, not an error");
+        (report.rps_fractional, asked_at.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_sends_the_first_sample_of_each_interval_and_resends_only_if_the_sampler_falls_silent()
+     {
+        let interval = Duration::from_secs(1);
+        let registry = Arc::new(Registry::new(["web".to_string()]));
+        let registered = worker(7);
+        registry.register(registered.clone()).unwrap();
+        let stats = Arc::new(OrcaStats::default());
+        let orca = OrcaService::new(registry.clone(), stats.clone(), interval);
+        // Each sample tells itself apart by its request rate.
+        let sampler = Some(crate::registry::SamplerInfo {
+            kind: crate::registry::SamplerKind::Procfs,
+            interval,
+        });
+        let publish = |rps: f64| {
+            registry.publish_loads(Loads::new(sampler, [load(7, Some(0.5), 0.0, Some(rps))]));
+        };
+        publish(1.0);
+        let mut request = Request::new(OrcaLoadReportRequest {
+            report_interval: Some(asked(1, 0)),
+            ..Default::default()
+        });
+        request
+            .extensions_mut()
+            .insert(Authority(registered.hostname.clone()));
+        let mut reports = orca
+            .stream_core_metrics(request)
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(next_report(&mut reports).await, (1.0, Duration::ZERO));
+
+        // A sampler that publishes every interval: each sample is sent as it is published, and
+        // nothing else (a resend in between would come first, with the previous rate).
+        for rps in [2.0, 3.0, 4.0, 5.0] {
+            tokio::time::sleep(interval).await;
+            publish(rps);
+            assert_eq!(next_report(&mut reports).await, (rps, Duration::ZERO));
+        }
+        assert_eq!(stats.reports_total(), 5, "one report per sample");
+
+        // A sampler fallen silent: the latest sample again two intervals after the last report, not
+        // before, and every two intervals after that.
+        for resend in 1..=3 {
+            assert_eq!(
+                next_report(&mut reports).await,
+                (5.0, interval * 2),
+                "resend {resend}"
+            );
+        }
+        assert_eq!(stats.reports_total(), 8);
+
+        // Back again: its next sample is sent as published, and only the first of an interval (one
+        // a quarter of an interval after it is not sent on its own, or it would come first).
+        tokio::time::sleep(interval).await;
+        publish(6.0);
+        assert_eq!(next_report(&mut reports).await, (6.0, Duration::ZERO));
+        tokio::time::sleep(interval / 4).await;
+        publish(7.0);
+        tokio::time::sleep(interval * 3 / 4).await;
+        publish(8.0);
+        assert_eq!(next_report(&mut reports).await, (8.0, Duration::ZERO));
+        assert_eq!(stats.reports_total(), 10);
+    }
 }

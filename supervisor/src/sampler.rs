@@ -179,6 +179,8 @@ pub async fn run(
         };
         let snapshot = snapshots.borrow_and_update().clone();
         if !full {
+            #[cfg(test)]
+            PASSES_BETWEEN_TICKS.with(|passes| passes.set(passes.get() + 1));
             // The endpoints changed (a registration, most often): a new worker's baseline now, so
             // that its first rates come at the next tick rather than the one after.
             match tokio::task::spawn_blocking(move || {
@@ -244,6 +246,13 @@ pub async fn run(
         }
     }
     registry.publish_loads(Loads::default());
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The passes [`run`] made between ticks (woken by a change of the endpoints) on this thread:
+    /// a test runs the loop on its current-thread runtime and sees from this which writes wake it.
+    static PASSES_BETWEEN_TICKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// The loop's state between ticks: the source, and per lane the worker followed and its history.
@@ -516,15 +525,22 @@ impl Sampler {
 mod tests {
     use std::sync::{Mutex, atomic::Ordering};
 
+    use prometheus_client::metrics::histogram::Histogram;
+
     use super::*;
     use crate::children::Counters;
     use crate::registry::{Address, Protocol, Worker};
+
+    /// What a test has the fake do at its next read.
+    type OnRead = Box<dyn FnOnce() + Send>;
 
     /// A source whose totals the test sets, and which records what it was asked.
     #[derive(Clone, Default)]
     struct Fake {
         totals: Arc<Mutex<HashMap<u32, SchedTotals>>>,
         calls: Arc<Mutex<Vec<String>>>,
+        /// Run at the next read (in the middle of a tick), once.
+        on_read: Arc<Mutex<Option<OnRead>>>,
     }
 
     impl SchedSource for Fake {
@@ -545,6 +561,10 @@ mod tests {
                 .push(format!("untrack {lane} {pid}"));
         }
         fn read(&mut self, _lane: usize, pid: u32) -> Result<SchedTotals, SampleError> {
+            let on_read = self.on_read.lock().unwrap().take();
+            if let Some(on_read) = on_read {
+                on_read();
+            }
             self.totals
                 .lock()
                 .unwrap()
@@ -885,5 +905,97 @@ mod tests {
             registry.loads().sampler.is_none(),
             "a stopped sampler says so"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_loop_does_not_wake_for_its_own_stall_writes_but_does_for_anyone_elses() {
+        use std::io::Write;
+        let interval = Duration::from_secs(1);
+        let passes = || PASSES_BETWEEN_TICKS.with(|passes| passes.get());
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(3).unwrap());
+        let registry = Arc::new(Registry::new(["a".to_string()]));
+        let children = Arc::new(Children::default());
+        // The worker that stalls is this process: it serves nothing, spends no CPU (its totals do
+        // not move) and leaves bytes unread, so its second rates find it not reading.
+        let (mut sender, _unread) = std::os::unix::net::UnixStream::pair().unwrap();
+        sender.write_all(b"waiting").unwrap();
+        let pid = std::process::id();
+        children.insert_with_lane_for_test(pid, "a", 0, 0, &counters);
+        register(&registry, "a", 0, pid);
+        // Two workers that register later; no process has their pids (above any pid_max).
+        let (second, third) = (0x3fff_ff01, 0x3fff_ff02);
+        for (lane, worker) in [(1, second), (2, third)] {
+            children.insert_with_lane_for_test(worker, "a", lane as u32, lane, &counters);
+        }
+        fake.totals
+            .lock()
+            .unwrap()
+            .extend([pid, second, third].map(|worker| (worker, SchedTotals::default())));
+        // The loop times each sample it takes in this histogram: its count is the samples taken.
+        let samples = Histogram::new([1.0]);
+        let (_stop, stop_rx) = watch::channel(false);
+        tokio::spawn(run(
+            Box::new(fake.clone()),
+            children,
+            registry.clone(),
+            Options {
+                interval,
+                pass_time: Some(samples.clone()),
+            },
+            stop_rx,
+        ));
+        let mut snapshots = registry.subscribe();
+        let stalled =
+            |s: &Arc<Snapshot>| s.instance("a", 0, pid).is_some_and(|w| w.stalled.is_some());
+        let tracked = |lane: usize, worker: u32| {
+            let calls = fake.calls.lock().unwrap();
+            calls.contains(&format!("track {lane} {worker}"))
+        };
+
+        // Its own stall write: the loop samples at its ticks and makes no pass between them.
+        let woken = passes();
+        tokio::time::timeout(interval * 10, snapshots.wait_for(stalled))
+            .await
+            .expect("stalled at its second rates")
+            .unwrap();
+        let sampled = samples.count();
+        tokio::time::sleep(interval * 2 + interval / 2).await;
+        assert_eq!(samples.count() - sampled, 2, "a sample per tick");
+        assert_eq!(passes() - woken, 0, "not woken by its own write");
+
+        // A registration between ticks wakes it: a pass that takes the new worker's baseline, and
+        // no sample.
+        let (woken, sampled) = (passes(), samples.count());
+        register(&registry, "a", 1, second);
+        tokio::time::sleep(interval / 4).await;
+        assert_eq!(passes() - woken, 1, "woken by a registration");
+        assert!(tracked(1, second), "{:?}", fake.calls);
+        assert_eq!(samples.count(), sampled, "a pass, not a sample");
+
+        // A registration during a tick whose own write ends the stall (the worker serves a
+        // request): its own write does not hide the other one, which still wakes it.
+        let (woken, sampled) = (passes(), samples.count());
+        counters.region().lane(0).store(1, Ordering::Relaxed);
+        *fake.on_read.lock().unwrap() = Some(Box::new({
+            let registry = registry.clone();
+            move || register(&registry, "a", 2, third)
+        }));
+        tokio::time::timeout(interval * 10, snapshots.wait_for(|s| !stalled(s)))
+            .await
+            .expect("moving again at the next tick")
+            .unwrap();
+        tokio::time::sleep(interval / 4).await;
+        assert_eq!(samples.count() - sampled, 1);
+        assert!(
+            fake.on_read.lock().unwrap().is_none(),
+            "registered mid-tick"
+        );
+        assert_eq!(
+            passes() - woken,
+            1,
+            "woken by the registration beside its own write"
+        );
+        assert!(tracked(2, third), "{:?}", fake.calls);
     }
 }
