@@ -232,10 +232,13 @@ pub async fn run(
                         }
                     }
                 }
-                // Its own stall writes are no news to the sampler: when every revision since the
-                // snapshot it sampled is one of them, it does not wake for them.
-                if own_writes > 0 && snapshots.borrow().revision == ticked_on + own_writes {
-                    snapshots.mark_unchanged();
+                // Its own stall writes are no news to the sampler: it marks what it now sees as
+                // seen, in one step with reading it (so a later write still wakes it), and marks it
+                // changed again when a revision since its snapshot is someone else's.
+                if own_writes > 0
+                    && snapshots.borrow_and_update().revision != ticked_on + own_writes
+                {
+                    snapshots.mark_changed();
                 }
                 state = Some(sampler);
             }
