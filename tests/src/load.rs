@@ -212,21 +212,20 @@ async fn client(
     report: Arc<Mutex<LoadReport>>,
     deadline: Instant,
 ) {
-    let record = |outcome: Result<u32, String>| {
+    let answered = |pid: u32| {
         let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
-        match outcome {
-            Ok(pid) => {
-                *report.ok.entry(protocol).or_default() += 1;
-                *report.by_pid.entry(pid).or_default() += 1;
-            }
-            Err(what) => report.failures.push((protocol, what)),
-        }
+        *report.ok.entry(protocol).or_default() += 1;
+        *report.by_pid.entry(pid).or_default() += 1;
+    };
+    let failed = |what: String| {
+        let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
+        report.failures.push((protocol, what));
     };
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         let mut sender = match connect(addr, protocol).await {
             Ok(sender) => sender,
             Err(error) => {
-                record(Err(format!("connect: {error}")));
+                failed(format!("connect: {error}"));
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
@@ -234,18 +233,18 @@ async fn client(
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
             match tokio::time::timeout(REQUEST_TIMEOUT, sender.get(addr, &path)).await {
                 Ok(Ok(pid)) => {
-                    record(Ok(pid));
+                    answered(pid);
                     if !pause.is_zero() {
                         tokio::time::sleep(pause).await;
                     }
                 }
                 Ok(Err(Failure::Closed)) => break,
                 Ok(Err(Failure::Failed(what))) => {
-                    record(Err(what));
+                    failed(what);
                     break;
                 }
                 Err(_) => {
-                    record(Err(format!("no answer within {REQUEST_TIMEOUT:?}")));
+                    failed(format!("no answer within {REQUEST_TIMEOUT:?}"));
                     break;
                 }
             }

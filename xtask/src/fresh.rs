@@ -166,7 +166,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 
 /// `cargo xtask demo` run in `root` as [`USER`], made there with a clone of its own: its verdict
 /// ([`judge_as_user`]), its output kept in `<log dir>/demo-as-<user>.log`.
-fn demo_as_user(root: &Root) -> anyhow::Result<Result<String, String>> {
+fn demo_as_user(root: &Root) -> anyhow::Result<Result<String, Problems>> {
     let clone = format!("{USER_HOME}/peregrine");
     // `--no-hardlinks`: the user's objects are its own, not root's clone's files chowned.
     root.run(&format!(
@@ -217,6 +217,22 @@ fn lacking() -> Vec<&'static str> {
         .collect()
 }
 
+/// What a verdict found wrong, each a sentence for the operator; shown joined by `; `.
+#[derive(Debug, PartialEq, Eq)]
+struct Problems(Vec<String>);
+
+impl Problems {
+    fn one(problem: impl Into<String>) -> Problems {
+        Problems(vec![problem.into()])
+    }
+}
+
+impl std::fmt::Display for Problems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.join("; "))
+    }
+}
+
 /// The verdict of `cargo xtask demo` run by a user that is not root, with `expected` missing: the
 /// line it stopped with, or why it is not right. It passes when the demo exited non-zero, exactly
 /// one line contains `apt-get install`, that line has `sudo apt-get install` followed by exactly
@@ -226,7 +242,7 @@ fn judge_as_user(
     output: &str,
     expected: &[&str],
     installed: &[&str],
-) -> Result<String, String> {
+) -> Result<String, Problems> {
     let mut problems = Vec::new();
     if exited_ok {
         problems.push("the demo exited 0 without its packages".to_owned());
@@ -288,7 +304,7 @@ fn judge_as_user(
     }
     match (problems.is_empty(), line) {
         (true, Some(line)) => Ok(line.to_owned()),
-        _ => Err(problems.join("; ")),
+        _ => Err(Problems(problems)),
     }
 }
 
@@ -316,7 +332,7 @@ fn head() -> anyhow::Result<(String, bool)> {
 /// - at least one line counts failed requests as `<n> failed` (the load reports: `600 requests in
 ///   2.01s, 0 failed; by worker: ...`), and every such count is 0;
 /// - no line reports failures as `failed <n>: ...` (the traffic rounds' failure lines).
-fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
+fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, Problems> {
     let mut matched = Vec::new();
     let mut problems = Vec::new();
     if !exited_ok {
@@ -374,14 +390,14 @@ fn judge(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
     if problems.is_empty() {
         Ok(matched)
     } else {
-        Err(problems.join("; "))
+        Err(Problems(problems))
     }
 }
 
 /// The verdict of `cargo xtask test` in the root: the skip report's lines when it exited 0 (with
 /// [`REQUIRE`], a missing tool fails its test) and no test skipped for the eBPF sampler, else why
 /// not.
-fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
+fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, Problems> {
     let mut report = Vec::new();
     let mut in_report = false;
     for line in output.lines() {
@@ -396,11 +412,13 @@ fn judge_test(exited_ok: bool, output: &str) -> Result<Vec<String>, String> {
     }
     let ebpf: Vec<&String> = report.iter().filter(|line| line.contains("eBPF")).collect();
     match (exited_ok, report.is_empty()) {
-        (false, _) => Err("a test failed (or the run stopped before the tests)".to_owned()),
-        (true, true) => Err("the test run printed no skip report".to_owned()),
-        (true, false) if !ebpf.is_empty() => {
-            Err(format!("tests skipped for the eBPF sampler: {ebpf:?}"))
-        }
+        (false, _) => Err(Problems::one(
+            "a test failed (or the run stopped before the tests)",
+        )),
+        (true, true) => Err(Problems::one("the test run printed no skip report")),
+        (true, false) if !ebpf.is_empty() => Err(Problems::one(format!(
+            "tests skipped for the eBPF sampler: {ebpf:?}"
+        ))),
         (true, false) => Ok(report),
     }
 }
@@ -501,7 +519,7 @@ supervisor exited: exit status: 0
     #[test]
     fn the_procfs_sampler_a_failed_request_or_a_failed_exit_fails() {
         let procfs = PASSING.replace("sampler: ebpf", "sampler: procfs");
-        let error = judge(true, &procfs).unwrap_err();
+        let error = judge(true, &procfs).unwrap_err().to_string();
         assert!(
             error.contains("another sampler: \"sampler: procfs, every 1000 ms\""),
             "{error}"
@@ -512,7 +530,7 @@ supervisor exited: exit status: 0
             "732 requests in 2.71s, 0 failed",
             "732 requests in 2.71s, 3 failed",
         );
-        let error = judge(true, &failed).unwrap_err();
+        let error = judge(true, &failed).unwrap_err().to_string();
         assert_eq!(
             error,
             "3 requests failed: \"732 requests in 2.71s, 3 failed; by worker: {201: 366, 202: 366}\""
@@ -522,11 +540,12 @@ supervisor exited: exit status: 0
         assert!(
             judge(true, &traffic)
                 .unwrap_err()
+                .to_string()
                 .contains("requests failed: \"failed   2")
         );
 
         assert_eq!(
-            judge(false, PASSING).unwrap_err(),
+            judge(false, PASSING).unwrap_err().to_string(),
             "the demo did not exit 0"
         );
     }
@@ -537,7 +556,8 @@ supervisor exited: exit status: 0
             false,
             "error: protoc failed: google/protobuf/descriptor.proto: File not found.\n",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             error,
             "the demo did not exit 0; no `sampler: ebpf` line (the eBPF sampler did not run); no \
@@ -577,15 +597,20 @@ to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev pyt
     #[test]
     fn the_demo_as_a_user_fails_the_check_when_it_goes_on_or_installs_or_names_otherwise() {
         assert_eq!(
-            judge_as_user(true, STOPPED, LACKING, &[]).unwrap_err(),
+            judge_as_user(true, STOPPED, LACKING, &[])
+                .unwrap_err()
+                .to_string(),
             "the demo exited 0 without its packages"
         );
         assert_eq!(
-            judge_as_user(false, STOPPED, LACKING, &["protobuf-compiler"]).unwrap_err(),
+            judge_as_user(false, STOPPED, LACKING, &["protobuf-compiler"])
+                .unwrap_err()
+                .to_string(),
             "installed all the same: [\"protobuf-compiler\"]"
         );
-        let error =
-            judge_as_user(false, STOPPED, &["protobuf-compiler", "clang-19"], &[]).unwrap_err();
+        let error = judge_as_user(false, STOPPED, &["protobuf-compiler", "clang-19"], &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             error.starts_with("the line does not name [\"clang-19\"]: "),
             "{error}"
@@ -601,16 +626,20 @@ to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev pyt
         assert!(
             judge_as_user(false, &as_root, LACKING, &[])
                 .unwrap_err()
+                .to_string()
                 .starts_with("the line does not say `sudo apt-get install`")
         );
         assert_eq!(
-            judge_as_user(false, "error: could not compile `xtask`\n", LACKING, &[]).unwrap_err(),
+            judge_as_user(false, "error: could not compile `xtask`\n", LACKING, &[])
+                .unwrap_err()
+                .to_string(),
             "no line says `apt-get install`"
         );
         let twice = format!("{STOPPED}warning: run `sudo apt-get install clang-19`\n");
         assert!(
             judge_as_user(false, &twice, LACKING, &[])
                 .unwrap_err()
+                .to_string()
                 .starts_with("2 lines say `apt-get install`, not one")
         );
     }
@@ -637,7 +666,7 @@ supervisor log line
         assert!(judge_test(false, output).is_err());
         let ebpf = "Tests skipped (1):\n  sampler: the eBPF sampler cannot load here: no clang\n";
         assert_eq!(
-            judge_test(true, ebpf).unwrap_err(),
+            judge_test(true, ebpf).unwrap_err().to_string(),
             "tests skipped for the eBPF sampler: [\"sampler: the eBPF sampler cannot load here: no \
              clang\"]"
         );

@@ -93,13 +93,30 @@ fn base(key: &str) -> toml::Table {
     source.parse().expect("a base config is TOML")
 }
 
+/// Why a documented value cannot be written into a test config.
+#[derive(Debug, thiserror::Error)]
+enum Unwritable {
+    #[error("{literal:?} is not a TOML value: {source}")]
+    NotToml {
+        literal: String,
+        source: toml::de::Error,
+    },
+    #[error("{part} is not a table in the base config")]
+    NotATable { part: String },
+    #[error(transparent)]
+    Serialize(#[from] toml::ser::Error),
+}
+
 /// `key`'s base config with each of `settings` (a dotted key and a TOML value) set, as TOML text.
-fn with(key: &str, settings: &[(&str, &str)]) -> Result<String, String> {
+fn with(key: &str, settings: &[(&str, &str)]) -> Result<String, Unwritable> {
     let mut config = base(key);
     for (key, literal) in settings {
         let value = format!("v = {literal}")
             .parse::<toml::Table>()
-            .map_err(|error| format!("{literal:?} is not a TOML value: {error}"))?
+            .map_err(|source| Unwritable::NotToml {
+                literal: (*literal).to_owned(),
+                source,
+            })?
             .remove("v")
             .expect("the one key");
         let concrete = concrete(key);
@@ -111,11 +128,13 @@ fn with(key: &str, settings: &[(&str, &str)]) -> Result<String, String> {
                 .entry(part)
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()))
                 .as_table_mut()
-                .ok_or_else(|| format!("{part} is not a table in the base config"))?;
+                .ok_or_else(|| Unwritable::NotATable {
+                    part: part.to_owned(),
+                })?;
         }
         table.insert(last.to_owned(), value);
     }
-    toml::to_string(&config).map_err(|error| error.to_string())
+    Ok(toml::to_string(&config)?)
 }
 
 fn parse(source: &str, env: &HashMap<String, String>) -> Result<Config, Vec<Problem>> {
