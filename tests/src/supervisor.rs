@@ -253,6 +253,22 @@ impl Supervisor {
             .collect())
     }
 
+    /// The `peregrine status --json` rows of `service`, by index.
+    pub fn status_rows(
+        &self,
+        service: &str,
+    ) -> anyhow::Result<std::collections::BTreeMap<u64, serde_json::Value>> {
+        let status = self.status_json()?;
+        let workers = status["workers"]
+            .as_array()
+            .with_context(|| format!("no workers in {status}"))?;
+        Ok(workers
+            .iter()
+            .filter(|row| row["service"] == service)
+            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row.clone()))
+            .collect())
+    }
+
     /// `peregrine COMMAND CONFIG EXTRA...` (`restart`, `reload`) on this supervisor's config: what it
     /// prints; an error with its output if it fails.
     pub fn control(&self, command: &str, extra: &[&str]) -> anyhow::Result<String> {

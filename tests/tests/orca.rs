@@ -41,19 +41,6 @@ fn config(
     (config.toml(), SocketAddr::from(([127, 0, 0, 1], listen)))
 }
 
-/// The `status --json` rows of `service`, by index.
-fn rows(supervisor: &Supervisor, service: &str) -> Option<BTreeMap<u64, Value>> {
-    let status = supervisor.status_json().ok()?;
-    Some(
-        status["workers"]
-            .as_array()?
-            .iter()
-            .filter(|row| row["service"] == service)
-            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row.clone()))
-            .collect(),
-    )
-}
-
 #[test]
 fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname() {
     let Some(_envoy_binary) = envoy_or_skip("orca reports") else {
@@ -74,7 +61,7 @@ fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname
     let first = try_wait_until(
         Duration::from_secs(30),
         "ORCA reports for both workers",
-        || rows(&supervisor, "web").filter(reporting),
+        || supervisor.status_rows("web").ok().filter(reporting),
     )
     .unwrap_or_else(|e| panic!("{e}\n{}\n{}", supervisor.logs(), envoy.logs()));
     // The supervisor counts a report once it is queued for the stream: Envoy's count follows.
@@ -115,7 +102,7 @@ fn every_worker_reports_and_a_restarted_workers_stream_moves_to_its_new_hostname
         Duration::from_secs(30),
         "a stream for the new worker",
         || {
-            let rows = rows(&supervisor, "web")?;
+            let rows = supervisor.status_rows("web").ok()?;
             let row = rows.get(&0)?;
             (row["pid"].as_u64().is_some_and(|p| p != old_pid)
                 && row["orca_streams"].as_u64() >= Some(1)
@@ -171,7 +158,10 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
         });
     }
     let pid_on_cpu0 = |service: &str| {
-        rows(&supervisor, service).and_then(|rows| rows.get(&0)?["pid"].as_u64().map(|p| p as u32))
+        supervisor
+            .status_rows(service)
+            .ok()
+            .and_then(|rows| rows.get(&0)?["pid"].as_u64().map(|p| p as u32))
     };
     let (cswrr0, rr0) = (
         try_wait_until(Duration::from_secs(30), "cswrr worker 0", || {

@@ -26,7 +26,6 @@ use peregrine_e2e::{
     load::answers_for,
     try_wait_until, wait_until,
 };
-use serde_json::Value;
 
 /// Fast sampling, and `[orca]` settings that make weights apply within a second or two.
 fn config() -> (String, SocketAddr) {
@@ -49,19 +48,6 @@ fn config() -> (String, SocketAddr) {
         config.service(name, service);
     }
     (config.toml(), SocketAddr::from(([127, 0, 0, 1], listen)))
-}
-
-/// The `status --json` rows of `service`, by index.
-fn rows(supervisor: &Supervisor, service: &str) -> Option<BTreeMap<u64, Value>> {
-    let status = supervisor.status_json().ok()?;
-    Some(
-        status["workers"]
-            .as_array()?
-            .iter()
-            .filter(|row| row["service"] == service)
-            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row.clone()))
-            .collect(),
-    )
 }
 
 /// Where a worker listens, to reach it without Envoy.
@@ -106,7 +92,7 @@ fn worker_zero(supervisor: &Supervisor, service: &str, dir: &Path) -> Direct {
         return Direct::Unix(dir.join("uds-0.sock"));
     }
     let address = try_wait_until(Duration::from_secs(20), "worker 0's address", || {
-        let rows = rows(supervisor, service)?;
+        let rows = supervisor.status_rows(service).ok()?;
         let text = rows.get(&0)?["addresses"]
             .as_array()?
             .first()?
@@ -252,7 +238,7 @@ fn envoy_weighs_tcp_and_unix_workers_from_their_in_band_reports_with_no_stream()
                 envoy.stats()
             );
         }
-        let rows = rows(&supervisor, service).expect("status");
+        let rows = supervisor.status_rows(service).expect("status");
         assert!(
             rows.values()
                 .all(|row| row["orca_streams"].as_u64().unwrap_or(0) == 0),
