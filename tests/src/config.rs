@@ -18,7 +18,10 @@
 //! assert!(text.contains("[service.web]\ncount = 2\n"), "{text}");
 //! ```
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use serde::{Serialize, Serializer};
 
@@ -220,6 +223,17 @@ impl PeregrineToml {
         }
     }
 
+    /// [`PeregrineToml::local`] with `[envoy]` on the given loopback ports and one service named
+    /// `cluster` of `workers` hello workers on `http://localhost:0`: the set-up of most tests.
+    pub fn one_service(grpc_port: u16, listen_port: u16, admin_port: u16, workers: u32) -> Self {
+        let mut config = Self::local(grpc_port).with_envoy(listen_port, admin_port);
+        config.service(
+            crate::CLUSTER,
+            ServiceTable::at("http://localhost:0").count(workers),
+        );
+        config
+    }
+
     /// With `[envoy]`: Envoy's listener and admin on the given loopback ports.
     #[must_use]
     pub fn with_envoy(mut self, listen_port: u16, admin_port: u16) -> Self {
@@ -249,6 +263,15 @@ impl PeregrineToml {
     /// Never for these types (every value has a TOML form).
     pub fn toml(&self) -> String {
         toml::to_string(self).expect("every table of the config has a TOML form")
+    }
+
+    /// With the control socket at `dir/peregrine.sock` instead of `{dir}/peregrine.sock`: for
+    /// [`Supervisor::start_in`](crate::Supervisor::start_in) and the others that write the config
+    /// as it is, without filling in `{dir}`.
+    #[must_use]
+    pub fn control_in(mut self, dir: &Path) -> Self {
+        self.supervisor.control = Some(dir.join("peregrine.sock").display().to_string());
+        self
     }
 }
 
@@ -286,6 +309,19 @@ impl ServiceTable {
     pub fn orca(mut self, orca: Orca) -> Self {
         self.orca = Some(orca);
         self
+    }
+
+    /// A third-party server as the workers (e.g. [`gunicorn_command`](crate::gunicorn_command)):
+    /// `command` on a listener the supervisor binds and passes (`pass_socket = true`), ready once
+    /// `/healthz` answers, as every application of `tests/apps` does. No url: add one with
+    /// `ServiceTable { url, ..ServiceTable::app_server(command) }`.
+    pub fn app_server<S: Into<String>>(command: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            pass_socket: Some(true),
+            ready_path: Some("/healthz".into()),
+            ..Self::default()
+        }
+        .command(command)
     }
 }
 
@@ -481,5 +517,21 @@ mod tests {
         ] {
             assert!(!text.contains(absent), "{absent} in {text}");
         }
+    }
+
+    #[test]
+    fn the_helpers_set_their_keys() {
+        let mut config = PeregrineToml::local(18000).control_in(Path::new("/tmp/x"));
+        config.service("app", ServiceTable::app_server(["gunicorn", "app:app"]));
+        let parsed: toml::Table = toml::from_str(&config.toml()).expect("valid TOML");
+        assert_eq!(
+            parsed["supervisor"]["control"].as_str(),
+            Some("/tmp/x/peregrine.sock")
+        );
+        let app = &parsed["service"]["app"];
+        assert_eq!(app["pass_socket"].as_bool(), Some(true));
+        assert_eq!(app["ready_path"].as_str(), Some("/healthz"));
+        assert_eq!(app["command"].as_array().map(Vec::len), Some(2));
+        assert!(app.get("url").is_none(), "{app}");
     }
 }
