@@ -21,7 +21,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use peregrine_e2e::{Supervisor, TempDir, free_port};
+use peregrine_e2e::{PeregrineToml, ServiceTable, Supervisor, TempDir, config::Sampler, free_port};
 use rustix::process::{Pid, Resource, Signal, getrlimit, kill_process, setrlimit};
 
 use super::{machine::today, release_peregrine, table::markdown};
@@ -53,12 +53,10 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let binary = release_peregrine()?;
     let dir = TempDir::new()?;
     let (grpc, web) = (free_port(), free_port());
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{}\"\nsampler = \"off\"\n\n\
-         [service.web]\nurl = \"http://127.0.0.1:{web}\"\n",
-        dir.path().join("peregrine.sock").display()
-    );
-    let supervisor = Supervisor::start_in(&binary, dir.path(), &config)?;
+    let mut config = PeregrineToml::local(grpc).control_in(dir.path());
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{web}")));
+    let supervisor = Supervisor::start_in(&binary, dir.path(), &config.toml())?;
     let first = wait_for_worker(&supervisor, None)?;
 
     let mut report = format!(

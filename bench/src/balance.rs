@@ -76,6 +76,7 @@ mod timeline;
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, ensure};
+use peregrine_e2e::{ServiceTable, config::Orca};
 
 pub(crate) use self::run::run;
 use super::Flags;
@@ -160,13 +161,20 @@ impl Policy {
         }
     }
 
-    /// The service's balancing line in `peregrine.toml` (the baseline has no service).
-    fn toml(self) -> &'static str {
+    /// `service` with this policy's balancing key in `peregrine.toml` (the baseline has no
+    /// service).
+    fn balance(self, service: ServiceTable) -> ServiceTable {
         match self {
-            Policy::RoundRobin => "lb_policy = \"round_robin\"",
-            Policy::LeastRequest => "lb_policy = \"least_request\"",
-            Policy::Cswrr | Policy::ReusePort => "orca = true",
-            Policy::CswrrInBand => "orca = \"in-band\"",
+            Policy::RoundRobin => ServiceTable {
+                lb_policy: Some("round_robin".into()),
+                ..service
+            },
+            Policy::LeastRequest => ServiceTable {
+                lb_policy: Some("least_request".into()),
+                ..service
+            },
+            Policy::Cswrr | Policy::ReusePort => service.orca(Orca::On),
+            Policy::CswrrInBand => service.orca(Orca::InBand),
         }
     }
 
@@ -505,6 +513,12 @@ mod tests {
         assert_eq!(services.len(), Policy::ALL.len());
         assert!(Policy::CswrrInBand.weighted() && Policy::CswrrInBand.in_band());
         assert!(Policy::Cswrr.weighted() && !Policy::Cswrr.in_band());
-        assert_eq!(Policy::CswrrInBand.toml(), "orca = \"in-band\"");
+        let service = |policy: Policy| policy.balance(ServiceTable::default());
+        assert_eq!(service(Policy::CswrrInBand).orca, Some(Orca::InBand));
+        assert_eq!(service(Policy::Cswrr).orca, Some(Orca::On));
+        assert_eq!(
+            service(Policy::LeastRequest).lb_policy.as_deref(),
+            Some("least_request")
+        );
     }
 }

@@ -21,13 +21,14 @@ use std::{
 
 use anyhow::{Context, ensure};
 use peregrine_contract::procfs;
-use peregrine_e2e::{ChildGuard, Supervisor, TempDir, free_port, http_get, try_wait_until};
-use xtask::packages::program_path;
+use peregrine_e2e::{
+    ChildGuard, PeregrineToml, Supervisor, TempDir, free_port, http_get, try_wait_until,
+};
 
 use super::{
     machine::{Busy, cpu_line, load_average, machine_lines},
     parse,
-    server::{LOAD_CPU, SERVER_CPU},
+    server::{LOAD_CPU, SERVER_CPU, pinned_hello},
     table::{format_duration, markdown, median, median_and_range},
 };
 
@@ -67,26 +68,16 @@ impl UnixWorker {
     pub(super) fn start(peregrine: &Path) -> anyhow::Result<UnixWorker> {
         let dir = TempDir::new().context("a temporary directory")?;
         let path = dir.path().join("hello.sock");
-        let toml = format!(
-            r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[service.hello]
-count = 1
-url = "unix://{path}"
-command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
-"#,
-            grpc = free_port(),
-            path = path.display(),
-            taskset = program_path("taskset")?.display(),
-            peregrine = peregrine.display(),
+        let mut config = PeregrineToml::local(free_port());
+        config.service(
+            "hello",
+            pinned_hello(peregrine, format!("unix://{}", path.display()))?,
         );
         let supervisor = Supervisor::start_wrapped_at(
             &["taskset", "-c", LOAD_CPU],
             peregrine,
             dir.path(),
-            &toml,
+            &config.toml(),
         )?;
         let pid = try_wait_until(Duration::from_secs(20), "the unix worker ready", || {
             let status = supervisor.status_json().ok()?;

@@ -25,7 +25,8 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    Envoy, Supervisor, TempDir, base_config, free_port, moved, route_keys, wait_for_slots,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, free_port, moved, route_keys,
+    wait_for_slots,
 };
 use rustix::process::{Pid, Signal, kill_process};
 use xtask::envoy;
@@ -70,17 +71,20 @@ impl Variant {
         }
     }
 
+    /// The config of `count` workers of service `web` under this variant; its control socket is
+    /// `{dir}/peregrine.sock`.
     fn config(self, grpc: u16, listen: u16, admin: u16, count: u32) -> String {
-        let bound = self
-            .bound
-            .map(|f| format!("hash_balance_factor = {f}\n"))
-            .unwrap_or_default();
-        format!(
-            "{}\n[service.web]\ncount = {count}\nurl = \"http://127.0.0.1:0\"\nlb_policy = \"{}\"\n\
-             hash_on = \"header:x-entity-id\"\n{bound}",
-            base_config(grpc, listen, admin),
-            self.policy
-        )
+        let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+        config.service(
+            "web",
+            ServiceTable {
+                lb_policy: Some(self.policy.to_owned()),
+                hash_on: Some("header:x-entity-id".into()),
+                hash_balance_factor: self.bound,
+                ..ServiceTable::at("http://127.0.0.1:0").count(count)
+            },
+        );
+        config.toml()
     }
 
     /// A fragment of Envoy's active cluster config that shows the cluster is set up for `count`

@@ -36,7 +36,7 @@ use std::{
 
 use anyhow::{Context, bail, ensure};
 use peregrine_e2e::{
-    Envoy, Load, LoadReport, Supervisor, TempDir, free_port, gone, sample_config, try_wait_until,
+    Envoy, Load, LoadReport, PeregrineToml, Supervisor, TempDir, free_port, gone, try_wait_until,
 };
 use rustix::process::{Pid, Signal, kill_process};
 use xtask::envoy;
@@ -52,8 +52,8 @@ const USAGE: &str = "cargo xtask bench lifecycle [--rounds N] [--batches N,N...]
 
 /// Workers of the service.
 const WORKERS: u32 = 8;
-/// The service (and Envoy cluster) name of [`sample_config`].
-const SERVICE: &str = "cluster";
+/// The service (and Envoy cluster) name of [`PeregrineToml::one_service`].
+const SERVICE: &str = peregrine_e2e::CLUSTER;
 /// Load clients through Envoy, by protocol.
 const HTTP1_CLIENTS: usize = 2;
 const HTTP2_CLIENTS: usize = 2;
@@ -346,11 +346,11 @@ impl Stack {
     fn start(peregrine: &Path, envoy: &Path, batch: u32, rounds: usize) -> anyhow::Result<Stack> {
         let dir = TempDir::new().context("a temporary directory")?;
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let config = format!(
-            "{}restart_batch = {batch}\n",
-            sample_config(dir.path(), grpc, listen, admin, WORKERS)
-        );
-        let supervisor = Supervisor::start_in(peregrine, dir.path(), &config)?;
+        let mut config =
+            PeregrineToml::one_service(grpc, listen, admin, WORKERS).control_in(dir.path());
+        let service = config.services.get_mut(SERVICE).expect("the one service");
+        service.restart_batch = Some(batch);
+        let supervisor = Supervisor::start_in(peregrine, dir.path(), &config.toml())?;
         let envoy = Envoy::start_in(envoy, dir.path(), &supervisor.envoy_bootstrap()?)?;
         // The load starts once Envoy routes to every worker: before, its listener may not be up yet.
         wait_for_workers(&envoy, &BTreeSet::new())

@@ -37,6 +37,7 @@
 mod attacks;
 mod balance;
 mod behind_envoy;
+mod config;
 mod fleet;
 mod hashing;
 mod http;

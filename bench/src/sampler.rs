@@ -18,7 +18,10 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
-use peregrine_e2e::TempDir;
+use peregrine_e2e::{
+    TempDir,
+    config::{Sampler, SupervisorTable},
+};
 use xtask::{cargo, run_checked};
 
 use super::{
@@ -68,12 +71,15 @@ impl Mode {
         }
     }
 
-    fn toml(self) -> String {
-        match self {
-            Mode::Off => "sampler = \"off\"".into(),
-            Mode::Ebpf(ms) => format!("sampler = \"ebpf\"\nsample_interval_ms = {ms}"),
-            Mode::Procfs(ms) => format!("sampler = \"procfs\"\nsample_interval_ms = {ms}"),
-        }
+    /// Sets the mode's keys of `[supervisor]`.
+    fn configure(self, supervisor: &mut SupervisorTable) {
+        let (sampler, interval) = match self {
+            Mode::Off => (Sampler::Off, None),
+            Mode::Ebpf(ms) => (Sampler::Ebpf, Some(ms)),
+            Mode::Procfs(ms) => (Sampler::Procfs, Some(ms)),
+        };
+        supervisor.sampler = Some(sampler);
+        supervisor.sample_interval_ms = interval;
     }
 }
 
@@ -115,7 +121,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             let m = (k + round) % Mode::ALL.len();
             let mode = Mode::ALL[m];
             let dir = TempDir::new().context("a temporary directory")?;
-            let worker = Running::worker_with(&peregrine, dir.path(), &mode.toml())
+            let worker = Running::worker_with(&peregrine, dir.path(), |s| mode.configure(s))
                 .with_context(|| format!("starting the supervisor with sampler {}", mode.name()))?;
             // A first sample is a baseline: let the sampler take it before the load starts.
             std::thread::sleep(Duration::from_millis(300));

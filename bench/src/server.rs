@@ -5,7 +5,11 @@
 use std::{env, path::Path, process::Command, time::Duration};
 
 use anyhow::{Context, ensure};
-use peregrine_e2e::{ChildGuard, free_port, http_get, try_wait_until, worker_pid};
+use peregrine_e2e::{
+    ChildGuard, PeregrineToml, ServiceTable,
+    config::{Orca, SupervisorTable},
+    free_port, http_get, try_wait_until, worker_pid,
+};
 use xtask::packages::program_path;
 
 use super::machine::online_cpus;
@@ -47,16 +51,16 @@ fn wait_answering(process: &mut ChildGuard, port: u16, what: &str) -> anyhow::Re
 impl Running {
     /// `peregrine run` with one hello worker; the worker's pid is measured.
     pub(super) fn worker(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
-        Running::worker_with(peregrine, dir, "")
+        Running::worker_with(peregrine, dir, |_| {})
     }
 
-    /// [`Running::worker`] with `supervisor` (TOML lines) added to the `[supervisor]` table.
+    /// [`Running::worker`] with `supervisor` setting keys of the `[supervisor]` table.
     pub(super) fn worker_with(
         peregrine: &Path,
         dir: &Path,
-        supervisor: &str,
+        supervisor: impl FnOnce(&mut SupervisorTable),
     ) -> anyhow::Result<Self> {
-        Running::worker_with_service(peregrine, dir, supervisor, "")
+        Running::worker_with_service(peregrine, dir, supervisor, None)
     }
 
     /// [`Running::worker`] in `dir` (created), its service `orca = "in-band"`: once the sampler
@@ -64,7 +68,7 @@ impl Running {
     /// this waits for.
     pub(super) fn worker_in_band(peregrine: &Path, dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let running = Running::worker_with_service(peregrine, dir, "", "orca = \"in-band\"\n")?;
+        let running = Running::worker_with_service(peregrine, dir, |_| {}, Some(Orca::InBand))?;
         let mut last = String::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while std::time::Instant::now() < deadline {
@@ -79,34 +83,26 @@ impl Running {
         )
     }
 
-    /// [`Running::worker_with`], with `service` (TOML lines) added to the service's table.
+    /// [`Running::worker_with`], with `orca` as the service's `orca` key.
     fn worker_with_service(
         peregrine: &Path,
         dir: &Path,
-        supervisor: &str,
-        service: &str,
+        supervisor: impl FnOnce(&mut SupervisorTable),
+        orca: Option<Orca>,
     ) -> anyhow::Result<Self> {
         let port = free_port();
         let config = dir.join("peregrine.toml");
-        // `taskset` execs the worker, so the worker keeps the pid the supervisor started and its
-        // registration (checked against the peer's pid) still matches.
-        let toml = format!(
-            r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{control}"
-{supervisor}
-
-[service.hello]
-count = 1
-url = "http://127.0.0.1:{port}"
-command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
-{service}"#,
-            grpc = free_port(),
-            control = dir.join("peregrine.sock").display(),
-            taskset = program_path("taskset")?.display(),
-            peregrine = peregrine.display(),
+        let mut toml = PeregrineToml::local(free_port()).control_in(dir);
+        supervisor(&mut toml.supervisor);
+        toml.service(
+            "hello",
+            ServiceTable {
+                orca,
+                ..pinned_hello(peregrine, format!("http://127.0.0.1:{port}"))?
+            },
         );
-        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
+        std::fs::write(&config, toml.toml())
+            .with_context(|| format!("writing {}", config.display()))?;
         let mut command = Command::new("taskset");
         command
             .args(["-c", LOAD_CPU])
@@ -146,6 +142,21 @@ command = ["{taskset}", "-c", "{SERVER_CPU}", "{peregrine}", "worker"]
             port,
         })
     }
+}
+
+/// A service of one hello worker at `url`, pinned to [`SERVER_CPU`]. `taskset` execs the worker,
+/// so the worker keeps the pid the supervisor started and its registration (checked against the
+/// peer's pid) still matches.
+pub(super) fn pinned_hello(peregrine: &Path, url: String) -> anyhow::Result<ServiceTable> {
+    let taskset = program_path("taskset")?.display().to_string();
+    let peregrine = peregrine.display().to_string();
+    Ok(ServiceTable::at(url).count(1).command([
+        taskset,
+        "-c".into(),
+        SERVER_CPU.into(),
+        peregrine,
+        "worker".into(),
+    ]))
 }
 
 /// The head of a `GET /` to `127.0.0.1:port`, on a connection of its own.

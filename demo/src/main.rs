@@ -33,8 +33,8 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_e2e::{
-    Envoy, Load, Supervisor, free_port, hostname_pid, hosts, http_get, sample_config, target_dir,
-    try_wait_until, worker_pid,
+    Envoy, Load, PeregrineToml, ServiceTable, Supervisor, free_port, hostname_pid, hosts, http_get,
+    target_dir, try_wait_until, worker_pid,
 };
 use rustix::process::{Pid, Signal, kill_process};
 use xtask::{USAGE, cargo, envoy, run_checked};
@@ -43,7 +43,7 @@ mod fleet;
 mod steering;
 
 /// The service (and Envoy cluster) the demo config declares.
-const CLUSTER: &str = "cluster";
+const CLUSTER: &str = peregrine_e2e::CLUSTER;
 /// Workers in the demo config.
 const WORKERS: usize = 2;
 /// Requests per traffic round.
@@ -73,16 +73,17 @@ fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let envoy_binary = envoy::install()?;
     let dir = demo_dir("")?;
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let mut config = sample_config(&dir, grpc, listen, admin, WORKERS as u32);
+    let mut config =
+        PeregrineToml::one_service(grpc, listen, admin, WORKERS as u32).control_in(&dir);
     if app == App::Python {
-        config = python_service(&config)?;
+        python_service(&mut config)?;
     }
     println!("demo directory: {}", dir.display());
     println!(
         "xDS on 127.0.0.1:{grpc}, Envoy listener on 127.0.0.1:{listen}, admin on 127.0.0.1:{admin}"
     );
 
-    let mut supervisor = Supervisor::start_in(&peregrine, &dir, &config)?;
+    let mut supervisor = Supervisor::start_in(&peregrine, &dir, &config.toml())?;
     let result = with_envoy(
         &mut supervisor,
         &envoy_binary,
@@ -129,20 +130,14 @@ fn options(args: &[String]) -> anyhow::Result<(App, bool)> {
 
 /// The demo config with its service run by gunicorn (installed now, pinned, into
 /// `target/pyapps/`) on listeners the supervisor binds and passes, ready once `/healthz` answers.
-fn python_service(config: &str) -> anyhow::Result<String> {
+fn python_service(config: &mut PeregrineToml) -> anyhow::Result<()> {
     let bin = xtask::pyapps::install()?;
-    let command = peregrine_e2e::gunicorn_command(&bin.join("gunicorn"))
-        .iter()
-        .map(|word| format!("{word:?}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let service = format!("pass_socket = true\nready_path = \"/healthz\"\ncommand = [{command}]\n");
-    let replaced = config.replacen("url = \"http://localhost:0\"\n", &service, 1);
-    anyhow::ensure!(
-        replaced != config,
-        "the demo config has no worker url to replace"
+    let command = peregrine_e2e::gunicorn_command(&bin.join("gunicorn"));
+    config.service(
+        CLUSTER,
+        ServiceTable::app_server(command).count(WORKERS as u32),
     );
-    Ok(replaced)
+    Ok(())
 }
 
 /// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),

@@ -12,7 +12,9 @@ use envoy_types::pb::envoy::{
         endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient,
     },
 };
-use peregrine_e2e::{Supervisor, free_port, wait_until};
+use peregrine_e2e::{
+    PeregrineToml, ServiceTable, Supervisor, config::Sampler, free_port, wait_until,
+};
 use peregrine_supervisor::xds::acks::SILENCE_GRACE;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -21,16 +23,10 @@ const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssig
 #[test]
 fn a_stream_that_never_acks_does_not_stall_a_rolling_restart() {
     let grpc = free_port();
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "off"
-
-[service.web]
-count = 2
-"#
-    ));
+    let mut config = PeregrineToml::local(grpc);
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.service("web", ServiceTable::default().count(2));
+    let supervisor = Supervisor::start(&config.toml());
     wait_until(Duration::from_secs(30), "two workers registered", || {
         (supervisor.status_pids().ok()?.len() == 2).then_some(())
     });

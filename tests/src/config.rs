@@ -18,7 +18,10 @@
 //! assert!(text.contains("[service.web]\ncount = 2\n"), "{text}");
 //! ```
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use serde::{Serialize, Serializer};
 
@@ -283,6 +286,15 @@ impl PeregrineToml {
     pub fn toml(&self) -> String {
         toml::to_string(self).expect("every table of the config has a TOML form")
     }
+
+    /// With the control socket at `dir/peregrine.sock` instead of `{dir}/peregrine.sock`: for
+    /// [`Supervisor::start_in`](crate::Supervisor::start_in) and the others that write the config
+    /// as it is, without filling in `{dir}`.
+    #[must_use]
+    pub fn control_in(mut self, dir: &Path) -> Self {
+        self.supervisor.control = Some(dir.join("peregrine.sock").display().to_string());
+        self
+    }
 }
 
 // === impl ServiceTable ===
@@ -319,6 +331,19 @@ impl ServiceTable {
     pub fn orca(mut self, orca: Orca) -> Self {
         self.orca = Some(orca);
         self
+    }
+
+    /// A third-party server as the workers (e.g. [`gunicorn_command`](crate::gunicorn_command)):
+    /// `command` on a listener the supervisor binds and passes (`pass_socket = true`), ready once
+    /// `/healthz` answers, as every application of `tests/apps` does. No url: add one with
+    /// `ServiceTable { url, ..ServiceTable::app_server(command) }`.
+    pub fn app_server<S: Into<String>>(command: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            pass_socket: Some(true),
+            ready_path: Some("/healthz".into()),
+            ..Self::default()
+        }
+        .command(command)
     }
 }
 
@@ -514,5 +539,21 @@ mod tests {
         ] {
             assert!(!text.contains(absent), "{absent} in {text}");
         }
+    }
+
+    #[test]
+    fn the_helpers_set_their_keys() {
+        let mut config = PeregrineToml::local(18000).control_in(Path::new("/tmp/x"));
+        config.service("app", ServiceTable::app_server(["gunicorn", "app:app"]));
+        let parsed: toml::Table = toml::from_str(&config.toml()).expect("valid TOML");
+        assert_eq!(
+            parsed["supervisor"]["control"].as_str(),
+            Some("/tmp/x/peregrine.sock")
+        );
+        let app = &parsed["service"]["app"];
+        assert_eq!(app["pass_socket"].as_bool(), Some(true));
+        assert_eq!(app["ready_path"].as_str(), Some("/healthz"));
+        assert_eq!(app["command"].as_array().map(Vec::len), Some(2));
+        assert!(app.get("url").is_none(), "{app}");
     }
 }

@@ -15,7 +15,10 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use peregrine_e2e::{Supervisor, TempDir, free_port, hosts, http_get, target_dir};
+use peregrine_e2e::{
+    PeregrineToml, ServiceTable, Supervisor, TempDir, config::OrcaTable, free_port, hosts,
+    http_get, target_dir,
+};
 
 use crate::table::{format_duration, markdown, median};
 
@@ -93,13 +96,16 @@ fn one_start(
 ) -> anyhow::Result<Duration> {
     let dir = TempDir::new()?;
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\n\
-         sample_interval_ms = {sample}\n\n[envoy]\nlisten = \"127.0.0.1:{listen}\"\n\
-         admin = \"127.0.0.1:{admin}\"\n\n[orca]\nblackout_period_ms = {blackout}\n\n\
-         [service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n",
-        control = dir.path().join("peregrine.sock").display(),
-    );
+    let mut config = PeregrineToml::local(grpc)
+        .control_in(dir.path())
+        .with_envoy(listen, admin);
+    config.supervisor.sample_interval_ms = Some(sample);
+    config.orca = Some(OrcaTable {
+        blackout_period_ms: Some(blackout),
+        ..OrcaTable::default()
+    });
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
+    let config = config.toml();
     // The bootstrap comes from the config alone: Envoy runs before the supervisor does.
     let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
     let _supervisor = Supervisor::start_in(peregrine, dir.path(), &config)?;

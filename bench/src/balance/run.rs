@@ -2,7 +2,6 @@
 //! every policy in every scenario and round; then the report and the series.
 
 use std::{
-    fmt::Write as _,
     net::SocketAddr,
     path::Path,
     process::{Command, ExitCode},
@@ -11,7 +10,8 @@ use std::{
 
 use anyhow::{Context, ensure};
 use peregrine_e2e::{
-    ChildGuard, Envoy, Supervisor, TempDir, free_port, hosts, http_get, target_dir,
+    ChildGuard, Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, free_port, hosts,
+    http_get, target_dir,
 };
 use serde_json::Value;
 use xtask::envoy;
@@ -73,7 +73,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     } else {
         None
     };
-    let config = config(&peregrine, gunicorn.as_deref(), dir.path(), listen, admin)?;
+    let config = config(&peregrine, gunicorn.as_deref(), dir.path(), listen, admin);
     let supervisor = Supervisor::start_in(&peregrine, dir.path(), &config)?;
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     let result = (|| {
@@ -216,55 +216,47 @@ fn config(
     dir: &Path,
     listen: u16,
     admin: u16,
-) -> anyhow::Result<String> {
+) -> String {
     let worker = match gunicorn {
         // `taskset` execs gunicorn, which keeps the pid; the worker it forks inherits the CPU.
         Some(gunicorn) => {
-            let command: Vec<String> = ["taskset", "-c", "{index}"]
-                .map(String::from)
-                .into_iter()
-                .chain(peregrine_e2e::gunicorn_command(gunicorn))
-                .map(|word| format!("{word:?}"))
-                .collect();
-            format!(
-                "pass_socket = true\nready_path = \"/healthz\"\ncommand = [{}]",
-                command.join(", ")
-            )
+            ServiceTable::app_server(pinned(peregrine_e2e::gunicorn_command(gunicorn)))
         }
-        // `taskset` execs the worker, which keeps the pid the supervisor started.
-        None => format!(
-            "command = [\"taskset\", \"-c\", \"{{index}}\", \"{}\", \"worker\"]",
-            peregrine.display()
-        ),
+        None => pinned_worker(peregrine),
     };
-    let mut toml = format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{control}"
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-"#,
-        grpc = free_port(),
-        control = dir.join("peregrine.sock").display(),
-    );
+    let mut config = PeregrineToml::local(free_port())
+        .control_in(dir)
+        .with_envoy(listen, admin);
     for policy in Policy::ALL {
-        write!(
-            toml,
-            r#"
-[service.{name}]
-count = 2
-url = "http://127.0.0.1:0"
-prefix = "/{name}"
-{balance}
-{worker}
-"#,
-            name = policy.service(),
-            balance = policy.toml(),
-        )?;
+        config.service(policy.service(), service(policy.service(), policy, &worker));
     }
-    Ok(toml)
+    config.toml()
+}
+
+/// `[service.<name>]` of a run: two workers of `worker` (its command, and the keys of a server on a
+/// passed listener) under the route prefix `/<name>`, balanced by `policy`.
+pub(super) fn service(name: &str, policy: Policy, worker: &ServiceTable) -> ServiceTable {
+    policy.balance(ServiceTable {
+        count: Some(2),
+        url: Some("http://127.0.0.1:0".into()),
+        prefix: Some(format!("/{name}")),
+        ..worker.clone()
+    })
+}
+
+/// The built-in worker, worker `i` pinned to CPU `i`.
+pub(super) fn pinned_worker(peregrine: &Path) -> ServiceTable {
+    ServiceTable::default().command(pinned([peregrine.display().to_string(), "worker".into()]))
+}
+
+/// `command` run by `taskset -c {index}`, which execs it: worker `i` on CPU `i`, with the pid the
+/// supervisor started.
+fn pinned(command: impl IntoIterator<Item = String>) -> Vec<String> {
+    ["taskset", "-c", "{index}"]
+        .map(String::from)
+        .into_iter()
+        .chain(command)
+        .collect()
 }
 
 impl Bench<'_> {

@@ -35,12 +35,15 @@ use std::{
 };
 
 use anyhow::{Context, ensure};
-use peregrine_e2e::{Supervisor, TempDir, free_port, hosts, http_get};
+use peregrine_e2e::{
+    PeregrineToml, Supervisor, TempDir, config::OrcaTable, free_port, hosts, http_get,
+};
 
 use super::{
-    Options, TIMEOUT,
+    Options, Policy, TIMEOUT,
     openloop::{self, Burst, Plan, Record},
     poll::poll_every,
+    run::{pinned_worker, service},
 };
 use crate::machine::{Busy, cpus_allowed};
 
@@ -135,29 +138,27 @@ impl Event {
 struct Variant {
     key: &'static str,
     label: &'static str,
-    /// Lines of `[supervisor]`.
-    supervisor: &'static str,
-    /// Lines of `[orca]`.
-    orca: &'static str,
-    /// The service's balancing line.
-    balance: &'static str,
+    /// `supervisor.sample_interval_ms`.
+    sample_interval_ms: Option<u64>,
+    /// `orca.blackout_period_ms` and `orca.weight_update_period_ms`.
+    blackout_period_ms: Option<u64>,
+    weight_update_period_ms: Option<u64>,
+    /// The service's balancing key.
+    policy: Policy,
 }
 
 impl Variant {
     /// Whether Envoy weighs the hosts on ORCA reports, out of band or in band.
     fn weighted(&self) -> bool {
-        self.balance.starts_with("orca = ")
+        self.policy.weighted()
     }
 
     /// Whether the reports ride on the workers' responses (Envoy's weights move only when a worker
     /// answers).
     fn in_band(&self) -> bool {
-        self.balance == IN_BAND
+        self.policy.in_band()
     }
 }
-
-/// The balancing line of in-band ORCA.
-const IN_BAND: &str = "orca = \"in-band\"";
 
 /// The set-ups compared: today's defaults, out of band and in band, the defaults before the
 /// cold-start work (1 s samples, 2 s blackout, weights recomputed every 1 s), and least request.
@@ -165,30 +166,34 @@ const VARIANTS: [Variant; 4] = [
     Variant {
         key: "orca",
         label: "CSWRR + ORCA, defaults",
-        supervisor: "",
-        orca: "",
-        balance: "orca = true",
+        sample_interval_ms: None,
+        blackout_period_ms: None,
+        weight_update_period_ms: None,
+        policy: Policy::Cswrr,
     },
     Variant {
         key: "orca-ib",
         label: "CSWRR + in-band ORCA, defaults",
-        supervisor: "",
-        orca: "",
-        balance: IN_BAND,
+        sample_interval_ms: None,
+        blackout_period_ms: None,
+        weight_update_period_ms: None,
+        policy: Policy::CswrrInBand,
     },
     Variant {
         key: "orca-1s",
         label: "CSWRR + ORCA, 1 s samples, 2 s blackout",
-        supervisor: "sample_interval_ms = 1000\n",
-        orca: "blackout_period_ms = 2000\nweight_update_period_ms = 1000\n",
-        balance: "orca = true",
+        sample_interval_ms: Some(1000),
+        blackout_period_ms: Some(2000),
+        weight_update_period_ms: Some(1000),
+        policy: Policy::Cswrr,
     },
     Variant {
         key: "lr",
         label: "LEAST_REQUEST",
-        supervisor: "",
-        orca: "",
-        balance: "lb_policy = \"least_request\"",
+        sample_interval_ms: None,
+        blackout_period_ms: None,
+        weight_update_period_ms: None,
+        policy: Policy::LeastRequest,
     },
 ];
 
@@ -279,18 +284,20 @@ fn one_run(
 ) -> anyhow::Result<Timeline> {
     let dir = TempDir::new()?;
     let (listen, admin) = (free_port(), free_port());
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\n{supervisor}\n\
-         [envoy]\nlisten = \"127.0.0.1:{listen}\"\nadmin = \"127.0.0.1:{admin}\"\n\n[orca]\n{orca}\n\
-         [service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nprefix = \"/web\"\n{balance}\n\
-         command = [\"taskset\", \"-c\", \"{{index}}\", \"{peregrine}\", \"worker\"]\n",
-        grpc = free_port(),
-        control = dir.path().join("peregrine.sock").display(),
-        supervisor = variant.supervisor,
-        orca = variant.orca,
-        balance = variant.balance,
-        peregrine = peregrine.display(),
+    let mut config = PeregrineToml::local(free_port())
+        .control_in(dir.path())
+        .with_envoy(listen, admin);
+    config.supervisor.sample_interval_ms = variant.sample_interval_ms;
+    config.orca = Some(OrcaTable {
+        blackout_period_ms: variant.blackout_period_ms,
+        weight_update_period_ms: variant.weight_update_period_ms,
+        ..OrcaTable::default()
+    });
+    config.service(
+        "web",
+        service("web", variant.policy, &pinned_worker(peregrine)),
     );
+    let config = config.toml();
     let before = Busy::now(std::process::id())?;
     let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
     let mut hog = event

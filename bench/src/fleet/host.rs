@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::Context;
-use peregrine_e2e::{Envoy, Supervisor, TempDir, free_port};
+use peregrine_e2e::{Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, free_port};
 use xtask::logs::FLEET_DEBUG;
 
 /// The one service every host runs.
@@ -53,45 +53,19 @@ pub(super) struct Spec<'a> {
 
 /// The host's `peregrine.toml`.
 fn config(spec: &Spec<'_>, dir: &Path) -> String {
-    let etcd = spec
-        .etcd
-        .iter()
-        .map(|e| format!("{e:?}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    format!(
-        r#"[supervisor]
-bind = "http://{ip}:{grpc}"
-control = "{dir}/peregrine.sock"
-sampler = "off"
-# Every kill restarts after the first backoff (100 ms), never a grown one.
-healthy_after_ms = 150
-
-[envoy]
-node = "envoy-{name}"
-listen = "{ip}:{listen}"
-admin = "127.0.0.1:{admin}"
-
-[cluster]
-etcd = [{etcd}]
-host = "{name}"
-# One machine's loopback: nothing leaves it.
-allow_insecure = true
-zone = "z-{name}"
-routing = "fleet"
-
-[service.{SERVICE}]
-count = {workers}
-url = "http://{ip}:0"
-"#,
-        ip = spec.ip,
-        grpc = spec.grpc_port,
-        dir = dir.display(),
-        name = spec.name,
-        listen = free_port(),
-        admin = free_port(),
-        workers = spec.workers,
-    )
+    let mut config = PeregrineToml::local(spec.grpc_port).control_in(dir);
+    config.supervisor.bind = Some(format!("http://{}:{}", spec.ip, spec.grpc_port));
+    // Every kill restarts after the first backoff (100 ms), never a grown one.
+    config.supervisor.healthy_after_ms = Some(150);
+    crate::config::fleet_host(&mut config, &spec.name, spec.etcd.to_vec());
+    let envoy = config.envoy_mut();
+    envoy.listen = Some(format!("{}:{}", spec.ip, free_port()));
+    envoy.admin = Some(format!("127.0.0.1:{}", free_port()));
+    config.service(
+        SERVICE,
+        ServiceTable::at(format!("http://{}:0", spec.ip)).count(spec.workers),
+    );
+    config.toml()
 }
 
 /// A running host.

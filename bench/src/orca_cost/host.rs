@@ -5,7 +5,9 @@ use std::{path::Path, time::Duration};
 
 use anyhow::{Context, ensure};
 use peregrine_contract::procfs;
-use peregrine_e2e::{Supervisor, TempDir, free_port, try_wait_until};
+use peregrine_e2e::{
+    PeregrineToml, ServiceTable, Supervisor, TempDir, config::Orca, free_port, try_wait_until,
+};
 
 /// How long `W` workers may take to be registered and sampled.
 const START_DEADLINE: Duration = Duration::from_secs(60);
@@ -108,24 +110,16 @@ pub(super) fn vm_rss(pid: u32) -> anyhow::Result<u64> {
 fn config(peregrine: &Path, grpc_port: u16, workers: usize, connections: usize) -> String {
     // Room for the client's streams and a few more (status, an Envoy's xDS).
     let wanted = connections + 64;
-    let cap = if wanted > 8192 {
-        format!("grpc_max_connections = {wanted}\n")
-    } else {
-        String::new()
-    };
-    format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc_port}"
-control = "{{dir}}/peregrine.sock"
-{cap}
-[service.hello]
-count = {workers}
-url = "http://127.0.0.1:0"
-orca = true
-command = ["{peregrine}", "worker"]
-"#,
-        peregrine = peregrine.display(),
-    )
+    let mut config = PeregrineToml::local(grpc_port);
+    config.supervisor.grpc_max_connections = (wanted > 8192).then_some(wanted as u64);
+    config.service(
+        "hello",
+        ServiceTable::at("http://127.0.0.1:0")
+            .count(workers as u32)
+            .orca(Orca::On)
+            .command([peregrine.display().to_string(), "worker".into()]),
+    );
+    config.toml()
 }
 
 /// Checks that the supervisor's open-file limit leaves room for `connections`.

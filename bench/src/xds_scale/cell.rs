@@ -27,7 +27,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use peregrine_contract::procfs;
-use peregrine_e2e::{Supervisor, TempDir, free_port};
+use peregrine_e2e::{PeregrineToml, ServiceTable, Supervisor, TempDir, free_port};
 use tokio::{runtime::Runtime, sync::watch};
 
 use super::{
@@ -116,31 +116,13 @@ pub(super) struct Cell {
 
 /// The supervisor's config: no workers of its own beyond one, `[cluster]` on `etcd` at `prefix`.
 fn config(dir: &Path, grpc: u16, etcd: SocketAddr, prefix: &str) -> String {
-    format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{dir}/peregrine.sock"
-sampler = "off"
-# Every client is on 127.0.0.1, and a storm opens N connections while N close.
-grpc_max_connections_per_peer = 8192
-
-[envoy]
-node = "envoy-bench"
-
-[cluster]
-etcd = ["http://{etcd}"]
-host = "bench"
-allow_insecure = true
-zone = "z-bench"
-routing = "fleet"
-prefix = "{prefix}"
-
-[service.local]
-count = 1
-url = "http://127.0.0.1:0"
-"#,
-        dir = dir.display(),
-    )
+    let mut config = PeregrineToml::local(grpc).control_in(dir);
+    // Every client is on 127.0.0.1, and a storm opens N connections while N close.
+    config.supervisor.grpc_max_connections_per_peer = Some(8192);
+    crate::config::fleet_host(&mut config, "bench", vec![format!("http://{etcd}")]);
+    config.cluster.get_or_insert_default().prefix = Some(prefix.to_owned());
+    config.service("local", ServiceTable::at("http://127.0.0.1:0").count(1));
+    config.toml()
 }
 
 /// The supervisor's memory now.
