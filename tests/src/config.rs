@@ -18,7 +18,10 @@
 //! assert!(text.contains("[service.web]\ncount = 2\n"), "{text}");
 //! ```
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use serde::{Serialize, Serializer};
 
@@ -282,6 +285,31 @@ impl PeregrineToml {
     /// Never for these types (every value has a TOML form).
     pub fn toml(&self) -> String {
         toml::to_string(self).expect("every table of the config has a TOML form")
+    }
+
+    /// The file's text with every `{dir}` made `dir`, as
+    /// [`Supervisor::start`](crate::Supervisor::start) writes it: for a config written by the test
+    /// itself, or written again over a running supervisor's before a reload.
+    pub fn toml_in(&self, dir: &Path) -> String {
+        self.toml().replace("{dir}", &dir.display().to_string())
+    }
+}
+
+// === impl ClusterTable ===
+
+impl ClusterTable {
+    /// `[cluster]` of host `host` on the etcd at `etcd` (client endpoints) in cleartext, with
+    /// `allow_insecure = true`: a fleet on one machine's loopback, where nothing leaves it.
+    pub fn insecure<S: Into<String>>(
+        etcd: impl IntoIterator<Item = S>,
+        host: impl Into<String>,
+    ) -> Self {
+        Self {
+            etcd: Some(etcd.into_iter().map(Into::into).collect()),
+            host: Some(host.into()),
+            allow_insecure: Some(true),
+            ..Self::default()
+        }
     }
 }
 
