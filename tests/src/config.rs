@@ -287,13 +287,38 @@ impl PeregrineToml {
         toml::to_string(self).expect("every table of the config has a TOML form")
     }
 
-    /// With the control socket at `dir/peregrine.sock` instead of `{dir}/peregrine.sock`: for
-    /// [`Supervisor::start_in`](crate::Supervisor::start_in) and the others that write the config
-    /// as it is, without filling in `{dir}`.
+    /// With the control socket at `dir/peregrine.sock` instead of `{dir}/peregrine.sock`, named
+    /// in the config itself (the [`Supervisor`](crate::Supervisor) starts fill in `{dir}` with
+    /// their directory; a config a caller runs itself needs the path).
     #[must_use]
     pub fn control_in(mut self, dir: &Path) -> Self {
         self.supervisor.control = Some(dir.join("peregrine.sock").display().to_string());
         self
+    }
+
+    /// The file's text with every `{dir}` made `dir`, as
+    /// [`Supervisor::start`](crate::Supervisor::start) writes it: for a config written by the test
+    /// itself, or written again over a running supervisor's before a reload.
+    pub fn toml_in(&self, dir: &Path) -> String {
+        self.toml().replace("{dir}", &dir.display().to_string())
+    }
+}
+
+// === impl ClusterTable ===
+
+impl ClusterTable {
+    /// `[cluster]` of host `host` on the etcd at `etcd` (client endpoints) in cleartext, with
+    /// `allow_insecure = true`: a fleet on one machine's loopback, where nothing leaves it.
+    pub fn insecure<S: Into<String>>(
+        etcd: impl IntoIterator<Item = S>,
+        host: impl Into<String>,
+    ) -> Self {
+        Self {
+            etcd: Some(etcd.into_iter().map(Into::into).collect()),
+            host: Some(host.into()),
+            allow_insecure: Some(true),
+            ..Self::default()
+        }
     }
 }
 

@@ -3,13 +3,13 @@
 //! 3, registered on its behalf once `GET /healthz` answers, behind the real Envoy and under load.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
     time::{Duration, Instant},
 };
 
 use peregrine_e2e::{
-    AppServers, Envoy, Supervisor, app_servers_or_skip, base_config, current_test,
+    AppServers, Envoy, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip, current_test,
     deploy::{Deployed, STEP},
     envoy_or_skip, free_port, gone, gunicorn_command, http_get, test_app, wait_until, worker_pid,
 };
@@ -29,9 +29,9 @@ enum Server {
 }
 
 impl Server {
-    /// The service's `command`, as TOML.
-    fn command(self, servers: &AppServers) -> String {
-        let words: Vec<String> = match self {
+    /// The service's `command`.
+    fn command(self, servers: &AppServers) -> Vec<String> {
+        match self {
             Server::Gunicorn => gunicorn_command(&servers.gunicorn),
             Server::GunicornBindFd => {
                 let mut words = gunicorn_command(&servers.gunicorn);
@@ -50,9 +50,7 @@ impl Server {
                 servers.node.display().to_string(),
                 test_app("node_app.js").display().to_string(),
             ],
-        };
-        let quoted: Vec<String> = words.iter().map(|w| format!("{w:?}")).collect();
-        format!("[{}]", quoted.join(", "))
+        }
     }
 }
 
@@ -62,26 +60,32 @@ struct Apps {
     envoy: Envoy,
     supervisor: Supervisor,
     listen: SocketAddr,
+    /// The supervisor's config.
+    config: PeregrineToml,
 }
 
 impl Apps {
-    fn start(server: Server, servers: &AppServers, count: u32, extra: &str) -> Apps {
+    fn start(server: Server, servers: &AppServers, count: u32) -> Apps {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-        let supervisor = Supervisor::start(&format!(
-            "{base}\n[service.{SERVICE}]\ncount = {count}\n\
-             pass_socket = true\nready_path = \"/healthz\"\ncommand = {command}\n{extra}",
-            base = base_config(grpc, listen, admin).replacen(
-                "[envoy]",
-                "register_timeout_ms = 20000\n\n[envoy]",
-                1
-            ),
-            command = server.command(servers),
-        ));
+        let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+        config.supervisor.register_timeout_ms = Some(20000);
+        config.service(
+            SERVICE,
+            ServiceTable {
+                pass_socket: Some(true),
+                ready_path: Some("/healthz".into()),
+                ..ServiceTable::default()
+                    .count(count)
+                    .command(server.command(servers))
+            },
+        );
+        let supervisor = Supervisor::start(&config.toml());
         let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
         Apps {
             envoy,
             supervisor,
             listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+            config,
         }
     }
 
@@ -121,7 +125,7 @@ fn serves_and_recovers(server: Server) {
     let Some(servers) = servers() else {
         return;
     };
-    let mut apps = Apps::start(server, &servers, 2, "");
+    let mut apps = Apps::start(server, &servers, 2);
     let first = apps.deployed().wait_for_workers(2, &BTreeSet::new());
     let (status, body) = http_get(apps.listen, "/").unwrap();
     assert_eq!(status, 200, "{body}");
@@ -196,7 +200,7 @@ fn gunicorn_serves_on_the_passed_listener_with_or_without_bind_fd() {
         return;
     };
     for (server, listen_fds) in [(Server::Gunicorn, true), (Server::GunicornBindFd, false)] {
-        let apps = Apps::start(server, &servers, 1, "");
+        let apps = Apps::start(server, &servers, 1);
         let workers = apps.deployed().wait_for_workers(1, &BTreeSet::new());
         let (status, body) = http_get(apps.listen, "/").unwrap();
         assert_eq!(status, 200, "{server:?}: {body}");
@@ -252,19 +256,20 @@ fn never_ready(server: Server) {
     let Some(servers) = servers() else {
         return;
     };
-    let apps = Apps::start(server, &servers, 1, "");
+    let apps = Apps::start(server, &servers, 1);
     let old = apps.deployed().wait_for_workers(1, &BTreeSet::new());
     let load = apps.deployed().load();
 
     // The new command's servers answer their ready path 503: the reload replaces nothing.
-    let path = apps.supervisor.config_path();
-    let good = std::fs::read_to_string(path).unwrap();
-    let unready = format!("{good}env = {{ APP_UNREADY = \"1\" }}\n").replacen(
-        "register_timeout_ms = 20000",
-        "register_timeout_ms = 3000",
-        1,
-    );
-    std::fs::write(path, &unready).unwrap();
+    let mut unready = apps.config.clone();
+    unready.supervisor.register_timeout_ms = Some(3000);
+    unready.service_mut(SERVICE).env =
+        Some(BTreeMap::from([("APP_UNREADY".to_owned(), "1".to_owned())]));
+    std::fs::write(
+        apps.supervisor.config_path(),
+        unready.toml_in(apps.supervisor.dir()),
+    )
+    .unwrap();
     let begun = Instant::now();
     let error = format!("{:#}", apps.supervisor.control("reload", &[]).unwrap_err());
     assert!(
@@ -311,7 +316,7 @@ fn adopts(server: Server) {
     let Some(servers) = servers() else {
         return;
     };
-    let mut apps = Apps::start(server, &servers, 2, "");
+    let mut apps = Apps::start(server, &servers, 2);
     let workers = apps.deployed().wait_for_workers(2, &BTreeSet::new());
     let load = apps.deployed().load();
     apps.supervisor.kill_and_start_again().unwrap();
@@ -348,7 +353,7 @@ fn envoy_weighs_gunicorn_workers_on_orca_reports_of_the_kernels_count() {
     let Some(servers) = servers() else {
         return;
     };
-    let apps = Apps::start(Server::Gunicorn, &servers, 2, "");
+    let apps = Apps::start(Server::Gunicorn, &servers, 2);
     let workers = apps.deployed().wait_for_workers(2, &BTreeSet::new());
     if apps.supervisor.status_json().unwrap()["sampler"] != "ebpf" {
         let logs = apps.supervisor.all_logs();

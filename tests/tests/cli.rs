@@ -5,7 +5,9 @@
 
 use std::{path::Path, process::Command};
 
-use peregrine_e2e::{TempDir, peregrine_path, workspace_root};
+use peregrine_e2e::{
+    PeregrineToml, ServiceTable, TempDir, config::Sampler, peregrine_path, workspace_root,
+};
 
 /// Where the package installs the config, which commands read when given none.
 const INSTALLED_CONFIG: &str = "/etc/peregrine/peregrine.toml";
@@ -105,11 +107,13 @@ fn a_type_error_and_an_unknown_key_are_named() {
 
 #[test]
 fn a_good_config_checks_and_bootstraps() {
-    let config = "[service.cluster]\ncount = 2\n";
-    let (code, stdout, stderr) = peregrine(&["check"], config);
+    let mut config = PeregrineToml::default();
+    config.service("cluster", ServiceTable::default().count(2));
+    let config = config.toml();
+    let (code, stdout, stderr) = peregrine(&["check"], &config);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("ok (1 service, 2 workers)"), "{stdout}");
-    let (code, yaml, stderr) = peregrine(&["envoy-bootstrap"], config);
+    let (code, yaml, stderr) = peregrine(&["envoy-bootstrap"], &config);
     assert_eq!(code, 0, "{stderr}");
     assert!(
         yaml.contains("xds_cluster") && yaml.contains("cluster"),
@@ -122,11 +126,10 @@ fn run_refuses_an_ebpf_sampler_that_cannot_load_before_starting_anything() {
     // No capabilities, even as root: the kernel refuses to load the programs.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("peregrine.toml");
-    std::fs::write(
-        &path,
-        "[supervisor]\nsampler = \"ebpf\"\n[service.cluster]\n",
-    )
-    .unwrap();
+    let mut config = PeregrineToml::default();
+    config.supervisor.sampler = Some(Sampler::Ebpf);
+    config.service("cluster", ServiceTable::default());
+    std::fs::write(&path, config.toml()).unwrap();
     let Ok(output) = Command::new("setpriv")
         .args(["--bounding-set=-all", "--inh-caps=-all", "--"])
         .arg(peregrine_path())
@@ -157,16 +160,12 @@ fn run_refuses_an_ebpf_sampler_that_cannot_load_before_starting_anything() {
 fn json_logs_are_one_object_per_line_from_the_supervisor_and_its_workers() {
     let dir = peregrine_e2e::TempDir::new().unwrap();
     let port = peregrine_e2e::free_port();
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\n\n\
-         [service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
-        grpc = peregrine_e2e::free_port(),
-        control = dir.path().join("peregrine.sock").display(),
-    );
+    let mut config = PeregrineToml::local(peregrine_e2e::free_port());
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
     let mut supervisor = peregrine_e2e::Supervisor::start_in_with_env(
         &peregrine_path(),
         dir.path(),
-        &config,
+        &config.toml_in(dir.path()),
         &[("PEREGRINE_LOG_FORMAT", "json"), ("RUST_LOG", "info")],
     )
     .unwrap();

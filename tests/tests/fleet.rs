@@ -10,8 +10,10 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Etcd, Host, Supervisor, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
-    try_wait_until, wait_until, worker_pid,
+    Envoy, Etcd, Host, PeregrineToml, ServiceTable, Supervisor,
+    config::{ClusterTable, Sampler},
+    envoy_or_skip, etcd_or_skip, free_port, hosts, http_get, try_wait_until, wait_until,
+    worker_pid,
 };
 
 /// The service every host runs.
@@ -29,12 +31,20 @@ fn host(name: &str, etcd: &Etcd, workers: u32) -> FleetHost {
     let grpc = free_port();
     // A server that is not there first: Envoy must find the one that is (any supervisor can serve
     // it).
-    host_at(name, etcd, workers, "fleet", grpc, &[free_port(), grpc], "")
+    host_at(
+        name,
+        etcd,
+        workers,
+        "fleet",
+        grpc,
+        &[free_port(), grpc],
+        |_| {},
+    )
 }
 
 /// A host whose supervisor serves gRPC on `grpc`, whose Envoys dial the supervisors at `xds` in
-/// order and are sent the fleet as `routing` says; `extra` is appended to the `[service.web]`
-/// table (more keys, or more services).
+/// order and are sent the fleet as `routing` says; its config is then changed by `configure`
+/// (more keys of `[service.web]`, or more services).
 fn host_at(
     name: &str,
     etcd: &Etcd,
@@ -42,44 +52,30 @@ fn host_at(
     routing: &str,
     grpc: u16,
     xds: &[u16],
-    extra: &str,
+    configure: impl FnOnce(&mut PeregrineToml),
 ) -> FleetHost {
     let (listen, admin) = (free_port(), free_port());
-    let xds = xds
-        .iter()
-        .map(|port| format!("\"http://127.0.0.1:{port}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let config = format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "off"
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-xds_servers = [{xds}]
-
-[cluster]
-etcd = ["{etcd}"]
-host = "{name}"
-# One machine's loopback: nothing leaves it.
-allow_insecure = true
-zone = "z-{name}"
-lease_ttl_ms = {ttl}
-routing = "{routing}"
-
-[service.{SERVICE}]
-count = {workers}
-url = "http://127.0.0.1:0"
-{extra}
-"#,
-        etcd = etcd.endpoint(),
-        ttl = TTL.as_millis(),
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.envoy_mut().xds_servers = Some(
+        xds.iter()
+            .map(|port| format!("http://127.0.0.1:{port}"))
+            .collect(),
     );
+    // One machine's loopback: nothing leaves it.
+    config.cluster = Some(ClusterTable {
+        zone: Some(format!("z-{name}")),
+        lease_ttl_ms: Some(TTL.as_millis() as u64),
+        routing: Some(routing.to_owned()),
+        ..ClusterTable::insecure([etcd.endpoint()], name)
+    });
+    config.service(
+        SERVICE,
+        ServiceTable::at("http://127.0.0.1:0").count(workers),
+    );
+    configure(&mut config);
     FleetHost {
-        supervisor: Supervisor::start(&config),
+        supervisor: Supervisor::start(&config.toml()),
         listen: SocketAddr::from(([127, 0, 0, 1], listen)),
     }
 }
@@ -273,8 +269,24 @@ fn local_first_keeps_traffic_on_its_host_and_spills_over_when_it_drains() {
     let etcd = Etcd::start().expect("etcd starts");
     // Each host's Envoy dials its own supervisor first, and the other's when its own is away.
     let (a_grpc, b_grpc) = (free_port(), free_port());
-    let mut a = host_at("a", &etcd, 2, "local-first", a_grpc, &[a_grpc, b_grpc], "");
-    let b = host_at("b", &etcd, 2, "local-first", b_grpc, &[b_grpc, a_grpc], "");
+    let mut a = host_at(
+        "a",
+        &etcd,
+        2,
+        "local-first",
+        a_grpc,
+        &[a_grpc, b_grpc],
+        |_| {},
+    );
+    let b = host_at(
+        "b",
+        &etcd,
+        2,
+        "local-first",
+        b_grpc,
+        &[b_grpc, a_grpc],
+        |_| {},
+    );
     let a_envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let b_envoy = Envoy::start(&b.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let a_pids: BTreeSet<u32> = a.supervisor.worker_pids().into_iter().collect();
@@ -343,11 +355,19 @@ fn a_service_only_another_host_runs_is_served_with_the_spec_the_fleet_agrees_on(
     }
     let etcd = Etcd::start().expect("etcd starts");
     let (a_grpc, b_grpc, c_grpc) = (free_port(), free_port(), free_port());
-    let a = host_at("a", &etcd, 1, "fleet", a_grpc, &[a_grpc], "");
+    let a = host_at("a", &etcd, 1, "fleet", a_grpc, &[a_grpc], |_| {});
     // B runs a second service, and balances web otherwise than A and C.
-    let b_only = "lb_policy = \"least_request\"\n\n[service.api]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nlb_policy = \"random\"";
-    let b = host_at("b", &etcd, 1, "fleet", b_grpc, &[b_grpc], b_only);
-    let _c = host_at("c", &etcd, 1, "fleet", c_grpc, &[c_grpc], "");
+    let b = host_at("b", &etcd, 1, "fleet", b_grpc, &[b_grpc], |config| {
+        config.service_mut(SERVICE).lb_policy = Some("least_request".into());
+        config.service(
+            "api",
+            ServiceTable {
+                lb_policy: Some("random".into()),
+                ..ServiceTable::at("http://127.0.0.1:0").count(2)
+            },
+        );
+    });
+    let _c = host_at("c", &etcd, 1, "fleet", c_grpc, &[c_grpc], |_| {});
     let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
 
     // A's Envoy gets a cluster for api, with B's two workers, although A does not run it.
@@ -414,27 +434,15 @@ fn a_host_on_another_grpc_port_is_refused_at_start_when_orca_needs_one_port() {
     let etcd = Etcd::start().expect("etcd starts");
     // Sampling on: TCP services are balanced on ORCA by default.
     let config = |name: &str, grpc: u16| {
-        format!(
-            r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "procfs"
-
-[cluster]
-etcd = ["{etcd}"]
-host = "{name}"
-# One machine's loopback: nothing leaves it.
-allow_insecure = true
-
-[service.{SERVICE}]
-count = 1
-url = "http://127.0.0.1:0"
-"#,
-            etcd = etcd.endpoint()
-        )
+        let mut config = PeregrineToml::local(grpc);
+        config.supervisor.sampler = Some(Sampler::Procfs);
+        // One machine's loopback: nothing leaves it.
+        config.cluster = Some(ClusterTable::insecure([etcd.endpoint()], name));
+        config.service(SERVICE, ServiceTable::at("http://127.0.0.1:0").count(1));
+        config
     };
     let a_grpc = free_port();
-    let a = Supervisor::start(&config("a", a_grpc));
+    let a = Supervisor::start(&config("a", a_grpc).toml());
     wait_until(Duration::from_secs(10), "A in the fleet", || {
         let status = a.status_json().ok()?;
         (status["fleet"]["etcd"] == "connected").then_some(())
@@ -442,8 +450,7 @@ url = "http://127.0.0.1:0"
     let b_grpc = free_port();
     let dir = tempfile::tempdir().expect("a temp dir");
     let path = dir.path().join("peregrine.toml");
-    let text = config("b", b_grpc).replace("{dir}", &dir.path().display().to_string());
-    std::fs::write(&path, text).expect("config written");
+    std::fs::write(&path, config("b", b_grpc).toml_in(dir.path())).expect("config written");
     let output = std::process::Command::new(peregrine_e2e::peregrine_path())
         .arg("run")
         .arg(&path)

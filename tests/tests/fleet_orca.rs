@@ -8,47 +8,45 @@
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Etcd, Supervisor, cpus::Hog, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
-    load::answers_for, peregrine_path, try_wait_until, wait_until,
+    Envoy, Etcd, PeregrineToml, ServiceTable, Supervisor,
+    config::{ClusterTable, Sampler},
+    cpus::Hog,
+    envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
+    load::answers_for,
+    peregrine_path, try_wait_until, wait_until,
 };
 
 /// One host of the fleet at `ip`, serving gRPC on `grpc` (the same on every host), with one worker
 /// pinned to `cpu`.
 fn host(name: &str, ip: &str, grpc: u16, cpu: u32, etcd: &Etcd) -> (Supervisor, SocketAddr) {
     let (listen, admin) = (free_port(), free_port());
-    let config = format!(
-        r#"[supervisor]
-bind = "http://{ip}:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "procfs"
-sample_interval_ms = 200
-
-[orca]
-blackout_period_ms = 1000
-weight_update_period_ms = 200
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-
-[cluster]
-etcd = ["{etcd}"]
-host = "{name}"
-# One machine's loopback: nothing leaves it.
-allow_insecure = true
-lease_ttl_ms = 2000
-routing = "fleet"
-
-[service.web]
-count = 1
-url = "http://{ip}:0"
-command = ["taskset", "-c", "{cpu}", "{peregrine}", "worker"]
-"#,
-        etcd = etcd.endpoint(),
-        peregrine = peregrine_path().display(),
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.supervisor.bind = Some(format!("http://{ip}:{grpc}"));
+    config.supervisor.sampler = Some(Sampler::Procfs);
+    config.supervisor.sample_interval_ms = Some(200);
+    let orca = config.orca_mut();
+    orca.blackout_period_ms = Some(1000);
+    orca.weight_update_period_ms = Some(200);
+    // One machine's loopback: nothing leaves it.
+    config.cluster = Some(ClusterTable {
+        lease_ttl_ms: Some(2000),
+        routing: Some("fleet".into()),
+        ..ClusterTable::insecure([etcd.endpoint()], name)
+    });
+    config.service(
+        "web",
+        ServiceTable::at(format!("http://{ip}:0"))
+            .count(1)
+            .command([
+                "taskset".to_owned(),
+                "-c".into(),
+                cpu.to_string(),
+                peregrine_path().display().to_string(),
+                "worker".into(),
+            ]),
     );
     (
-        Supervisor::start(&config),
+        Supervisor::start(&config.toml()),
         SocketAddr::from(([127, 0, 0, 1], listen)),
     )
 }

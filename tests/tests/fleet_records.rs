@@ -14,8 +14,9 @@ mod etcd_writer;
 
 use etcd_writer::EtcdClient;
 use peregrine_e2e::{
-    Envoy, Etcd, Supervisor, envoy_or_skip, etcd_or_skip, free_port, hosts, http_get,
-    try_wait_until, wait_until,
+    Envoy, Etcd, PeregrineToml, ServiceTable, Supervisor,
+    config::{ClusterTable, EnvoyTable, Sampler},
+    envoy_or_skip, etcd_or_skip, free_port, hosts, http_get, try_wait_until, wait_until,
 };
 
 /// The fleet's key prefix (the default).
@@ -38,43 +39,30 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
 const MAX_REQUEST_BYTES: &str = "8388608";
 
 /// A supervisor named `name` in the fleet on `etcd`, with one worker of [`SERVICE`], serving gRPC
-/// on `grpc`; `cluster` is appended to its `[cluster]` table.
-fn host(name: &str, etcd: &Etcd, grpc: u16, cluster: &str) -> Host {
-    host_with(name, etcd, grpc, cluster, "")
+/// on `grpc`.
+fn host(name: &str, etcd: &Etcd, grpc: u16) -> Host {
+    host_with(name, etcd, grpc, |_| {})
 }
 
-/// Like [`host`], with `envoy` appended to its `[envoy]` table.
-fn host_with(name: &str, etcd: &Etcd, grpc: u16, cluster: &str, envoy: &str) -> Host {
-    let config = format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "off"
-
-[envoy]
-listen = "127.0.0.1:{listen}"
-admin = "127.0.0.1:{admin}"
-{envoy}
-
-[cluster]
-etcd = ["{etcd}"]
-host = "{name}"
-# One machine's loopback: nothing leaves it.
-allow_insecure = true
-# Long enough that a machine busy with 25,000 records (and the tests beside) keeps it.
-lease_ttl_ms = 10000
-{cluster}
-
-[service.{SERVICE}]
-count = 1
-url = "http://127.0.0.1:0"
-"#,
-        listen = free_port(),
-        admin = free_port(),
-        etcd = etcd.endpoint(),
-    );
+/// Like [`host`], with its config changed by `configure` (more keys of `[cluster]` or `[envoy]`).
+fn host_with(
+    name: &str,
+    etcd: &Etcd,
+    grpc: u16,
+    configure: impl FnOnce(&mut PeregrineToml),
+) -> Host {
+    let mut config = PeregrineToml::local(grpc).with_envoy(free_port(), free_port());
+    config.supervisor.sampler = Some(Sampler::Off);
+    // One machine's loopback: nothing leaves it.
+    config.cluster = Some(ClusterTable {
+        // Long enough that a machine busy with 25,000 records (and the tests beside) keeps it.
+        lease_ttl_ms: Some(10000),
+        ..ClusterTable::insecure([etcd.endpoint()], name)
+    });
+    config.service(SERVICE, ServiceTable::at("http://127.0.0.1:0").count(1));
+    configure(&mut config);
     Host {
-        supervisor: Supervisor::start(&config),
+        supervisor: Supervisor::start(&config.toml()),
     }
 }
 
@@ -285,7 +273,7 @@ fn a_host_joins_a_fleet_of_25000_workers_and_a_3_mb_value() {
     );
 
     let started = Instant::now();
-    let a = host("a", &etcd, grpc, "").supervisor;
+    let a = host("a", &etcd, grpc).supervisor;
     wait_until(Duration::from_secs(30), "a to join the fleet", || {
         a.logs().contains("Joined the fleet").then_some(())
     });
@@ -323,7 +311,7 @@ const FAR_WORKERS: u32 = 120;
 fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_ads() {
     a_fleet_larger_than_one_eds_response_reaches_envoy_whole(
         "a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_ads",
-        "ads = true",
+        |envoy| envoy.ads = Some(true),
     );
 }
 
@@ -331,13 +319,19 @@ fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_ads() {
 fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_delta_ads() {
     a_fleet_larger_than_one_eds_response_reaches_envoy_whole(
         "a_fleet_larger_than_one_eds_response_reaches_envoy_whole_over_delta_ads",
-        "ads = true\nxds = \"delta\"",
+        |envoy| {
+            envoy.ads = Some(true);
+            envoy.xds = Some("delta".into());
+        },
     );
 }
 
 /// A host `far` writes [`FAR_SERVICES`] x [`FAR_WORKERS`] workers; host `a`'s Envoy (its
-/// `[envoy]` table extended with `envoy`) gets every one of them, with `a`'s own worker.
-fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole(test: &str, envoy: &str) {
+/// `[envoy]` table changed by `envoy`) gets every one of them, with `a`'s own worker.
+fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole(
+    test: &str,
+    envoy: impl FnOnce(&mut EnvoyTable),
+) {
     if !etcd_or_skip(test) || envoy_or_skip(test).is_none() {
         return;
     }
@@ -366,7 +360,7 @@ fn a_fleet_larger_than_one_eds_response_reaches_envoy_whole(test: &str, envoy: &
     }
     client.put_all(&kvs, lease).expect("far's records");
 
-    let a = host_with("a", &etcd, grpc, "", envoy);
+    let a = host_with("a", &etcd, grpc, |config| envoy(config.envoy_mut()));
     let envoy = Envoy::start(&a.supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let mut counts = BTreeMap::new();
     let whole = try_wait_until(Duration::from_secs(30), "every far worker in Envoy", || {
@@ -430,7 +424,9 @@ fn records_written_by_hand_are_not_served() {
     let etcd = Etcd::start().expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
-    let a = host("a", &etcd, grpc, r#"allowed_networks = ["127.0.0.0/8"]"#);
+    let a = host_with("a", &etcd, grpc, |config| {
+        config.cluster_mut().allowed_networks = Some(vec!["127.0.0.0/8".into()]);
+    });
     let leases = write_hosts(&client, &["h1"], 1, grpc);
     let h1 = leases["h1"];
     let worker = |host: &str, service: &str, index: u32, address: &str| {
@@ -544,7 +540,7 @@ fn each_bad_record_is_logged_once() {
     let etcd = Etcd::start().expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
-    let a = host("a", &etcd, grpc, "");
+    let a = host("a", &etcd, grpc);
     let leases = write_hosts(&client, &["h1"], 1, grpc);
     let h1_worker = format!("{SERVICE}/0/100000");
     wait_for_hosts(&a, "a", &view_of(&[("h1", &[&h1_worker])]));
@@ -596,7 +592,7 @@ fn memory_goes_back_after_25000_records_leave() {
     let etcd = Etcd::start().expect("etcd");
     let client = EtcdClient::connect(&etcd.endpoint()).expect("an etcd client");
     let grpc = free_port();
-    let a = host("a", &etcd, grpc, "");
+    let a = host("a", &etcd, grpc);
     wait_for_view(
         &a.supervisor,
         "a",

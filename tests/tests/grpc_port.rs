@@ -15,7 +15,9 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Supervisor, base_config, current_test, envoy_or_skip, free_port, hosts, http_get,
+    Envoy, PeregrineToml, ServiceTable, Supervisor,
+    config::{Sampler, SupervisorTable},
+    current_test, envoy_or_skip, free_port, hosts, http_get,
     pki::{ControlPlane, SERVER_NAME},
     skip, wait_until,
 };
@@ -49,23 +51,17 @@ fn status_answers_within(supervisor: &Supervisor, limit: Duration) {
 #[test]
 fn a_flood_of_silent_connections_starves_nothing_and_is_closed() {
     let grpc = free_port();
-    // 1024 open files: after the reserve for 4 lanes (256 + 32), 736 gRPC connections at most.
-    let supervisor = Supervisor::start_wrapped_in(
-        &["prlimit", "--nofile=1024:1024", "--"],
-        &format!(
-            r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "{{dir}}/peregrine.sock"
-sampler = "off"
-grpc_handshake_timeout_ms = 2000
-grpc_idle_timeout_ms = 1000
-
-[service.web]
-url = "http://127.0.0.1:{web}"
-"#,
-            web = free_port()
-        ),
+    let mut config = PeregrineToml::local(grpc);
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.supervisor.grpc_handshake_timeout_ms = Some(2000);
+    config.supervisor.grpc_idle_timeout_ms = Some(1000);
+    config.service(
+        "web",
+        ServiceTable::at(format!("http://127.0.0.1:{}", free_port())),
     );
+    // 1024 open files: after the reserve for 4 lanes (256 + 32), 736 gRPC connections at most.
+    let supervisor =
+        Supervisor::start_wrapped_in(&["prlimit", "--nofile=1024:1024", "--"], &config.toml());
     let pid = supervisor.pid();
     let first = wait_until(STEP, "the worker registered", || worker_pid(&supervisor));
     let (fds_before, rss_before) = (open_fds(pid), rss_kib(pid));
@@ -352,20 +348,20 @@ fn served_under_hold(
     (served, restarted.elapsed())
 }
 
-/// A supervisor with mutual TLS from `plane` and two workers of `web`, `extra` added to
-/// `[supervisor]`; with the gRPC port, and an Envoy that routes through it.
-fn mutual_tls_stack(plane: &ControlPlane, extra: &str) -> (Supervisor, Envoy, u16) {
+/// A supervisor with mutual TLS from `plane`, no sampler, no metrics, and two workers of `web`,
+/// `[supervisor]` changed by `supervisor`; with the gRPC port, and an Envoy that routes through it.
+fn mutual_tls_stack(
+    plane: &ControlPlane,
+    supervisor: impl FnOnce(&mut SupervisorTable),
+) -> (Supervisor, Envoy, u16) {
     let (grpc, listen) = (free_port(), free_port());
-    let base = base_config(grpc, listen, free_port()).replacen(
-        "[supervisor]\n",
-        &format!("[supervisor]\nsampler = \"off\"\nmetrics = \"\"\n{extra}"),
-        1,
-    );
-    let config = format!(
-        "{base}\n{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n",
-        plane.config_tables()
-    );
-    let supervisor = Supervisor::start(&config);
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, free_port());
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.supervisor.metrics = Some(String::new());
+    supervisor(&mut config.supervisor);
+    plane.secure(&mut config);
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
+    let supervisor = Supervisor::start(&config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     peregrine_e2e::try_wait_until(STEP, "requests through Envoy", || {
@@ -394,7 +390,7 @@ fn a_holder_of_8400_connections_from_one_address_keeps_no_mtls_client_out() {
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
     // The port's default caps: 8192 connections, 1024 per address.
-    let (supervisor, envoy, grpc) = mutual_tls_stack(&plane, "");
+    let (supervisor, envoy, grpc) = mutual_tls_stack(&plane, |_| {});
     let addr = SocketAddr::from(([127, 0, 0, 1], grpc));
     let holder = Holder::start(addr, &[[127, 0, 0, 2]], HELD);
     wait_until(STEP, "the holder's connections opened", || {
@@ -431,10 +427,10 @@ fn silent_connections_from_many_addresses_that_fill_the_port_make_room_for_mtls_
     raise_nofile_limit();
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
-    let (supervisor, envoy, grpc) = mutual_tls_stack(
-        &plane,
-        "grpc_max_connections = 256\ngrpc_max_connections_per_peer = 32\n",
-    );
+    let (supervisor, envoy, grpc) = mutual_tls_stack(&plane, |supervisor| {
+        supervisor.grpc_max_connections = Some(256);
+        supervisor.grpc_max_connections_per_peer = Some(32);
+    });
     let addr = SocketAddr::from(([127, 0, 0, 1], grpc));
     // Ten addresses of 32: 320, more than the port's 256.
     let sources: Vec<[u8; 4]> = (10..20).map(|last| [127, 0, 0, last]).collect();

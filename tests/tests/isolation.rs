@@ -5,26 +5,21 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
-use peregrine_e2e::{Load, Supervisor, free_port, gone, wait_until};
+use peregrine_e2e::{
+    Load, PeregrineToml, ServiceTable, Supervisor, config::Sampler, free_port, gone, wait_until,
+};
 
 const STEP: Duration = Duration::from_secs(30);
 
 /// Two services of one worker each, on fixed ports; the control socket is the relative `p.sock`.
 fn config(grpc: u16, web: u16, api: u16) -> String {
-    format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc}"
-control = "p.sock"
-sampler = "off"
-register_timeout_ms = 2000
-
-[service.web]
-url = "http://127.0.0.1:{web}"
-
-[service.api]
-url = "http://127.0.0.1:{api}"
-"#
-    )
+    let mut config = PeregrineToml::local(grpc);
+    config.supervisor.control = Some("p.sock".into());
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.supervisor.register_timeout_ms = Some(2000);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{web}")));
+    config.service("api", ServiceTable::at(format!("http://127.0.0.1:{api}")));
+    config.toml()
 }
 
 /// The pid of each slot (service) with a registered worker, once every slot of `services` has one.

@@ -8,28 +8,31 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Supervisor, app_servers_or_skip, base_config, current_test, free_port, gone, gunicorn_command,
-    test_app, wait_until, workers_in,
+    PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip, current_test, free_port, gone,
+    gunicorn_command, test_app, wait_until, workers_in,
 };
 
 /// How long a test waits for the supervisor to do what it must.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// A supervisor with restart delays of 100 to 400 ms, stop timeouts of 2 s, the `[supervisor]` keys
-/// in `supervisor`, and `services` (TOML tables).
-fn start(supervisor: &str, services: &str) -> Supervisor {
+/// A supervisor with restart delays of 100 to 400 ms and stop timeouts of 2 s, its config then
+/// changed by `configure` (more `[supervisor]` keys, the services).
+fn start(configure: impl FnOnce(&mut PeregrineToml)) -> Supervisor {
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    Supervisor::start(&format!(
-        "{base}\n{services}",
-        base = base_config(grpc, listen, admin).replacen(
-            "[envoy]",
-            &format!(
-                "restart_delay_ms = 100\nrestart_delay_max_ms = 400\nstop_timeout_ms = 2000\n\
-                 {supervisor}\n\n[envoy]"
-            ),
-            1
-        ),
-    ))
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.supervisor.restart_delay_ms = Some(100);
+    config.supervisor.restart_delay_max_ms = Some(400);
+    config.supervisor.stop_timeout_ms = Some(2000);
+    configure(&mut config);
+    Supervisor::start(&config.toml())
+}
+
+/// A service whose workers run `command` on a listener the supervisor passes.
+fn passed_socket<S: Into<String>>(command: impl IntoIterator<Item = S>) -> ServiceTable {
+    ServiceTable {
+        pass_socket: Some(true),
+        ..ServiceTable::default().command(command)
+    }
 }
 
 /// The status row of `service`'s slot 0, once `ready` says it is the one wanted.
@@ -75,14 +78,15 @@ fn a_daemonizing_server_is_stopped_whole_and_told_to_run_in_the_foreground() {
         return;
     };
     let python = servers.gunicorn.with_file_name("python");
-    let mut supervisor = start(
-        "",
-        &format!(
-            "[service.daemon]\npass_socket = true\ncommand = [{python:?}, {app:?}]\n",
-            python = python.display().to_string(),
-            app = test_app("daemon_app.py").display().to_string(),
-        ),
-    );
+    let mut supervisor = start(|config| {
+        config.service(
+            "daemon",
+            passed_socket([
+                python.display().to_string(),
+                test_app("daemon_app.py").display().to_string(),
+            ]),
+        );
+    });
     let dir = supervisor.dir().to_path_buf();
 
     // Every process of the service after a few tries: each try's server must be gone two tries
@@ -134,17 +138,17 @@ fn a_daemonizing_server_is_stopped_whole_and_told_to_run_in_the_foreground() {
 /// and started again with backoff, with the reason in its last exit.
 #[test]
 fn a_passed_socket_server_that_never_becomes_ready_is_reported_stopped_and_restarted() {
-    let services = r#"
-[service.closed]
-pass_socket = true
-command = ["/bin/sh", "-c", "exec 3>&-; exec sleep 600"]
-
-[service.silent]
-pass_socket = true
-command = ["/bin/sh", "-c", "exec sleep 600"]
-prefix = "/silent"
-"#;
-    let supervisor = start("register_timeout_ms = 4000", services);
+    let supervisor = start(|config| {
+        config.supervisor.register_timeout_ms = Some(4000);
+        config.service(
+            "closed",
+            passed_socket(["/bin/sh", "-c", "exec 3>&-; exec sleep 600"]),
+        );
+        config.service(
+            "silent",
+            passed_socket(["/bin/sh", "-c", "exec sleep 600"]).prefix("/silent"),
+        );
+    });
     for (service, probe) in [
         ("closed", "Connection refused"),
         ("silent", "no answer within 2s"),
@@ -221,18 +225,17 @@ fn a_passed_socket_server_without_its_supervisor_stops_after_orphan_timeout() {
     let Some(servers) = app_servers_or_skip(&current_test()) else {
         return;
     };
-    let command: Vec<String> = gunicorn_command(&servers.gunicorn)
-        .iter()
-        .map(|word| format!("{word:?}"))
-        .collect();
     let orphan_timeout = Duration::from_millis(1500);
-    let mut supervisor = start(
-        &format!("orphan_timeout_ms = {}", orphan_timeout.as_millis()),
-        &format!(
-            "[service.app]\npass_socket = true\nready_path = \"/healthz\"\ncommand = [{}]\n",
-            command.join(", ")
-        ),
-    );
+    let mut supervisor = start(|config| {
+        config.supervisor.orphan_timeout_ms = Some(orphan_timeout.as_millis() as u64);
+        config.service(
+            "app",
+            ServiceTable {
+                ready_path: Some("/healthz".into()),
+                ..passed_socket(gunicorn_command(&servers.gunicorn))
+            },
+        );
+    });
     let dir = supervisor.dir().to_path_buf();
     let ready = |supervisor: &Supervisor| {
         row_of(supervisor, "app", "the server ready", |row| {

@@ -34,13 +34,15 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Account, AppServers, CLUSTER, ChildGuard, Envoy, Network, Stack, Stage, Supervisor,
-    app_servers_or_skip, assert_unprivileged, base_config, current_test,
+    Account, AppServers, CLUSTER, ChildGuard, Envoy, Network, PeregrineToml, ServiceTable, Stack,
+    Stage, Supervisor, app_servers_or_skip, assert_unprivileged,
+    config::{AccountId, Sampler},
+    current_test,
     deploy::{Deployed, STEP},
     envoy_or_skip, free_port, gone, http_get, netns_or_skip, peregrine_path,
-    pki::{control_plane_tables, peregrine_tls_init},
+    pki::{peregrine_tls_init, secure_control_plane},
     proc_status::environment,
-    sample_config, try_wait_until, wait_until, worker_pid,
+    try_wait_until, wait_until, worker_pid,
 };
 use rustix::process::{Pid, Signal, kill_process};
 use serde_json::Value;
@@ -57,40 +59,23 @@ fn nobody() -> Account {
     Account::lookup("nobody")
 }
 
-/// `words` as a TOML array of strings.
-fn toml_array<S: AsRef<str>>(words: &[S]) -> String {
-    let quoted: Vec<String> = words
-        .iter()
-        .map(|word| toml_string(word.as_ref()))
-        .collect();
-    format!("[{}]", quoted.join(", "))
-}
-
-/// `text` as a TOML basic string.
-fn toml_string(text: &str) -> String {
-    let mut quoted = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' => quoted.push_str("\\\""),
-            '\\' => quoted.push_str("\\\\"),
-            '\n' => quoted.push_str("\\n"),
-            c => quoted.push(c),
-        }
+/// `service` with `user = "nobody"`.
+fn as_nobody(service: ServiceTable) -> ServiceTable {
+    ServiceTable {
+        user: Some(AccountId::Name("nobody".into())),
+        ..service
     }
-    quoted.push('"');
-    quoted
 }
 
-/// The `[supervisor]` table of a test without Envoy: gRPC on a free port, the control socket in the
-/// supervisor's directory, `extra` lines added.
-fn supervisor_table(extra: &str) -> String {
-    format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{}\"\ncontrol = \"{{dir}}/peregrine.sock\"\n{extra}\n",
-        free_port()
-    )
+/// The config of a test without Envoy: gRPC on a free port, the control socket in the
+/// supervisor's directory, `sampler`; no service yet.
+fn without_envoy(sampler: Sampler) -> PeregrineToml {
+    let mut config = PeregrineToml::local(free_port());
+    config.supervisor.sampler = Some(sampler);
+    config
 }
 
-/// The control socket of a supervisor started from [`supervisor_table`] or [`base_config`].
+/// The control socket of a supervisor started from [`PeregrineToml::local`] (`{dir}/peregrine.sock`).
 fn control_socket(supervisor: &Supervisor) -> PathBuf {
     supervisor.dir().join("peregrine.sock")
 }
@@ -237,11 +222,9 @@ fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adopt
     let nobody = nobody();
     let stage = Stage::new(&nobody);
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = format!(
-        "{}user = \"nobody\"\n",
-        sample_config("{dir}".as_ref(), grpc, listen, admin, 2)
-    );
-    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
+    let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
+    config.service_mut(CLUSTER).user = Some(AccountId::Name("nobody".into()));
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let mut stack = Stack {
         envoy,
@@ -403,17 +386,19 @@ fn gunicorn_as_nobody_and_every_process_it_forks_hold_no_privilege_through_kills
     let stage = Stage::new(&nobody);
     assert_runs_as(&stage, &servers);
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
-    let config = format!(
-        "{base}\n[service.{SERVICE}]\ncount = 2\nuser = \"nobody\"\npass_socket = true\n\
-         ready_path = \"/healthz\"\ncommand = {command}\n",
-        base = base_config(grpc, listen, admin).replacen(
-            "[envoy]",
-            "register_timeout_ms = 20000\n\n[envoy]",
-            1
-        ),
-        command = toml_array(&stage.gunicorn_command(&servers.gunicorn)),
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
+    config.supervisor.register_timeout_ms = Some(20000);
+    config.service(
+        SERVICE,
+        as_nobody(ServiceTable {
+            pass_socket: Some(true),
+            ready_path: Some("/healthz".into()),
+            ..ServiceTable::default()
+                .count(2)
+                .command(stage.gunicorn_command(&servers.gunicorn))
+        }),
     );
-    let mut supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
+    let mut supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
     let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
     let listen = SocketAddr::from(([127, 0, 0, 1], listen));
     // gunicorn's arbiter, and the worker it forked to answer (ready means it answered).
@@ -507,11 +492,11 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
     let nobody = nobody();
     let stage = Stage::new(&nobody);
     let register_as = register_as(&stage);
-    let config = format!(
-        "{}\n[service.web]\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n\n\
-         [service.imp]\nuser = \"nobody\"\ncommand = {}\n",
-        supervisor_table("sampler = \"off\""),
-        toml_array(&[
+    let mut config = without_envoy(Sampler::Off);
+    config.service("web", as_nobody(ServiceTable::at("http://127.0.0.1:0")));
+    config.service(
+        "imp",
+        as_nobody(ServiceTable::default().command([
             register_as.as_str(),
             "--stay",
             "120",
@@ -520,9 +505,9 @@ fn a_nobody_process_that_is_no_worker_and_a_worker_claiming_another_service_are_
             "-,imp,1",
             // On the other service's socket, which its group may open, as that service.
             "{dir}/peregrine.sock.web.workers,web,0",
-        ]),
+        ])),
     );
-    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
     let web = ready_workers(&supervisor, "web", 1)[&0];
     assert_unprivileged(web, &nobody);
 
@@ -620,21 +605,24 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
                out=$(\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" 2>&1); \
                echo \"nobody asked for a restart: exit $?:\" $out; \
                exec sleep 120";
-    let config = format!(
-        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n\n\
-         [service.ctl]\ncommand = {}\n\n[service.probe]\nuser = \"nobody\"\ncommand = {}\n",
-        supervisor_table("sampler = \"off\""),
-        toml_array(&["/bin/sh", "-c", ask, "ctl", &peregrine, "{dir}"]),
-        toml_array(&[
+    let mut config = without_envoy(Sampler::Off);
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
+    config.service(
+        "ctl",
+        ServiceTable::default().command(["/bin/sh", "-c", ask, "ctl", &peregrine, "{dir}"]),
+    );
+    config.service(
+        "probe",
+        as_nobody(ServiceTable::default().command([
             "/bin/sh",
             "-c",
             try_as_nobody,
             "probe",
             &peregrine,
-            "{dir}/peregrine.sock"
-        ]),
+            "{dir}/peregrine.sock",
+        ])),
     );
-    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
     let web = ready_workers(&supervisor, "web", 2);
 
     let asked = logged_line(&supervisor, "ctl asked for a restart: ");
@@ -725,13 +713,10 @@ fn a_nobody_worker_cannot_read_the_tls_keys_tls_init_wrote() {
         "probe".into(),
     ];
     command.extend(files);
-    let config = format!(
-        "{}\n{}[service.probe]\nuser = \"nobody\"\ncommand = {}\n",
-        base_config(free_port(), free_port(), free_port()),
-        control_plane_tables(&pki),
-        toml_array(&command),
-    );
-    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config);
+    let mut config = PeregrineToml::local(free_port()).with_envoy(free_port(), free_port());
+    secure_control_plane(&mut config, &pki);
+    config.service("probe", as_nobody(ServiceTable::default().command(command)));
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
     for key in &keys {
         let line = logged_line(&supervisor, &format!("probe read {}:", key.display()));
         assert!(line.contains("Permission denied"), "{line}");
@@ -771,13 +756,18 @@ fn a_nobody_gunicorn_serves_port_80_on_the_listener_the_supervisor_passes() {
         .parse()
         .expect("ip_unprivileged_port_start");
     assert!(first_unprivileged > 80, "port 80 is not privileged here");
-    let config = format!(
-        "{}\n[service.app]\nurl = \"http://127.0.0.1:80\"\nuser = \"nobody\"\npass_socket = true\n\
-         ready_path = \"/healthz\"\ncommand = {}\n",
-        supervisor_table("sampler = \"procfs\"\nregister_timeout_ms = 20000"),
-        toml_array(&stage.gunicorn_command(&servers.gunicorn)),
+    let mut config = without_envoy(Sampler::Procfs);
+    config.supervisor.register_timeout_ms = Some(20000);
+    config.service(
+        "app",
+        as_nobody(ServiceTable {
+            pass_socket: Some(true),
+            ready_path: Some("/healthz".into()),
+            ..ServiceTable::at("http://127.0.0.1:80")
+                .command(stage.gunicorn_command(&servers.gunicorn))
+        }),
     );
-    let supervisor = Supervisor::start_open_to_workers(&stage, &host.wrapper(), &config);
+    let supervisor = Supervisor::start_open_to_workers(&stage, &host.wrapper(), &config.toml());
     let pid = ready_workers(&supervisor, "app", 1)[&0];
     let (status, body) = host
         .run(|| http_get(SocketAddr::from(([127, 0, 0, 1], 80)), "/"))
@@ -831,11 +821,13 @@ impl Counter {
 
 #[test]
 fn one_built_in_worker_cannot_change_another_workers_request_count() {
-    let config = format!(
-        "{}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\nuser = \"nobody\"\n",
-        supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
+    let mut config = without_envoy(Sampler::Procfs);
+    config.supervisor.sample_interval_ms = Some(100);
+    config.service(
+        "web",
+        as_nobody(ServiceTable::at("http://127.0.0.1:0").count(2)),
     );
-    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody()), &[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody()), &[], &config.toml());
     let pids = ready_workers(&supervisor, "web", 2);
     let (a, b) = (Counter::of(pids[&0]), Counter::of(pids[&1]));
     for counter in [&a, &b] {
@@ -915,12 +907,14 @@ fn one_built_in_worker_cannot_change_another_workers_request_count() {
 #[test]
 fn the_procfs_sampler_reads_a_nobody_workers_cpu_time() {
     let port = free_port();
-    let config = format!(
-        "{}\n[service.web]\nurl = \"http://127.0.0.1:{port}\"\nuser = \"nobody\"\n",
-        supervisor_table("sampler = \"procfs\"\nsample_interval_ms = 100"),
+    let mut config = without_envoy(Sampler::Procfs);
+    config.supervisor.sample_interval_ms = Some(100);
+    config.service(
+        "web",
+        as_nobody(ServiceTable::at(format!("http://127.0.0.1:{port}"))),
     );
     let nobody = nobody();
-    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody), &[], &config);
+    let supervisor = Supervisor::start_open_to_workers(&Stage::new(&nobody), &[], &config.toml());
     let pid = ready_workers(&supervisor, "web", 1)[&0];
     assert_unprivileged(pid, &nobody);
     let cpu = |status: &Value| rows(status, "web")[&0]["cpu_seconds_total"].as_f64();

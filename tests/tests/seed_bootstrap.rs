@@ -5,7 +5,8 @@
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
-    Envoy, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until, worker_pid,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, envoy_or_skip, free_port, hosts, http_get,
+    wait_until, worker_pid,
 };
 
 const GUIDE_BOOTSTRAP: &str = include_str!("../fixtures/falcon-guide-envoy.yaml");
@@ -16,17 +17,16 @@ fn the_guide_bootstrap_routes_to_the_service() {
         return;
     }
     let (grpc, listen) = (free_port(), free_port());
-    let supervisor = Supervisor::start(&format!(
-        r#"[supervisor]
-bind = "http://[::]:{grpc}"
-control = "{{dir}}/peregrine.sock"
-
-[service.cluster]
-count = 2
-url = "http://localhost:0"
-command = ["peregrine", "worker"]
-"#
-    ));
+    let mut config = PeregrineToml::local(grpc);
+    config.supervisor.bind = Some(format!("http://[::]:{grpc}"));
+    // The guide's bootstrap names the cluster `cluster`.
+    config.service(
+        "cluster",
+        ServiceTable::at("http://localhost:0")
+            .count(2)
+            .command(["peregrine", "worker"]),
+    );
+    let supervisor = Supervisor::start(&config.toml());
     let bootstrap = format!(
         "admin:\n  address:\n    socket_address: {{ address: 127.0.0.1, port_value: 0 }}\n{}",
         GUIDE_BOOTSTRAP

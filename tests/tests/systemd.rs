@@ -11,7 +11,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use peregrine_e2e::{Supervisor, TempDir, free_port, peregrine_path, tool_or_skip, workspace_root};
+use peregrine_e2e::{
+    PeregrineToml, ServiceTable, Supervisor, TempDir, free_port, peregrine_path, tool_or_skip,
+    workspace_root,
+};
 
 #[test]
 fn the_unit_passes_systemd_analyze_verify() {
@@ -177,15 +180,12 @@ fn the_supervisor_notifies_ready_watchdog_reloading_and_stopping() {
     let socket_path = dir.path().join("notify.sock");
     let mut notify = NotifySocket::bind(&socket_path);
     let (grpc, port) = (free_port(), free_port());
-    let config = format!(
-        "[supervisor]\nbind = \"http://127.0.0.1:{grpc}\"\ncontrol = \"{control}\"\n\n\
-         [service.web]\nurl = \"http://127.0.0.1:{port}\"\n",
-        control = dir.path().join("peregrine.sock").display(),
-    );
+    let mut config = PeregrineToml::local(grpc);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
     let mut supervisor = Supervisor::start_in_with_env(
         &peregrine_path(),
         dir.path(),
-        &config,
+        &config.toml_in(dir.path()),
         &[
             ("NOTIFY_SOCKET", &socket_path.display().to_string()),
             ("WATCHDOG_USEC", "400000"),

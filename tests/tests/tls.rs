@@ -21,30 +21,38 @@ use std::{
 };
 
 use peregrine_e2e::{
-    Envoy, Load, Supervisor, base_config, envoy_or_skip, free_port, hosts, http_get,
+    Envoy, Load, PeregrineToml, ServiceTable, Supervisor,
+    config::{EnvoyTable, ServerTls},
+    envoy_or_skip, free_port, hosts, http_get,
     pki::{Ca, ControlPlane, SERVER_NAME, Usage},
     try_wait_until, wait_until,
 };
 
-/// Fast samples and weights, so that ORCA weights apply within a few seconds.
-const FAST_ORCA: &str = "\n[orca]\nblackout_period_ms = 1000\nweight_update_period_ms = 200\n";
-
-/// A supervisor config with mutual TLS from `plane`, Envoy's `[envoy]` keys `envoy_keys` added,
-/// and two workers of `web`; with Envoy's listener address and the gRPC port.
-fn config(plane: &ControlPlane, envoy_keys: &str) -> (String, SocketAddr, u16) {
+/// A supervisor config with mutual TLS from `plane`, `[envoy]` changed by `envoy`, samples every
+/// 200 ms and fast ORCA weights (so that they apply within a few seconds), and two workers of
+/// `web`; with Envoy's listener address and the gRPC port.
+fn config(
+    plane: &ControlPlane,
+    envoy: impl FnOnce(&mut EnvoyTable),
+) -> (PeregrineToml, SocketAddr, u16) {
     let (grpc, listen) = (free_port(), free_port());
-    let base = base_config(grpc, listen, free_port())
-        .replacen(
-            "[supervisor]\n",
-            "[supervisor]\nsample_interval_ms = 200\n",
-            1,
-        )
-        .replacen("[envoy]\n", &format!("[envoy]\n{envoy_keys}"), 1);
-    let config = format!(
-        "{base}\n{}{FAST_ORCA}\n[service.web]\ncount = 2\nurl = \"http://127.0.0.1:0\"\n",
-        plane.config_tables()
-    );
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, free_port());
+    config.supervisor.sample_interval_ms = Some(200);
+    envoy(config.envoy_mut());
+    plane.secure(&mut config);
+    let orca = config.orca_mut();
+    orca.blackout_period_ms = Some(1000);
+    orca.weight_update_period_ms = Some(200);
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
     (config, SocketAddr::from(([127, 0, 0, 1], listen)), grpc)
+}
+
+/// Over mutual TLS as it is ([`config`]'s `[envoy]` unchanged).
+fn as_is(_: &mut EnvoyTable) {}
+
+/// `[supervisor.tls]` of `config`.
+fn server_tls(config: &mut PeregrineToml) -> &mut ServerTls {
+    config.supervisor.tls.as_mut().expect("[supervisor.tls]")
 }
 
 /// Whether a GET through Envoy's listener is answered 200 by a worker.
@@ -59,15 +67,18 @@ fn envoy_gets_every_xds_variant_and_orca_weights_over_mutual_tls() {
     };
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
-    for (variant, keys) in [
-        ("sotw", ""),
-        ("delta", "xds = \"delta\"\n"),
-        ("ads", "ads = true\n"),
-        ("delta-ads", "ads = true\nxds = \"delta\"\n"),
+    for (variant, ads, xds) in [
+        ("sotw", None, None),
+        ("delta", None, Some("delta")),
+        ("ads", Some(true), None),
+        ("delta-ads", Some(true), Some("delta")),
     ] {
         let started = Instant::now();
-        let (config, listen, _) = config(&plane, keys);
-        let supervisor = Supervisor::start(&config);
+        let (config, listen, _) = config(&plane, |envoy| {
+            envoy.ads = ads;
+            envoy.xds = xds.map(str::to_owned);
+        });
+        let supervisor = Supervisor::start(&config.toml());
         let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
         try_wait_until(
             Duration::from_secs(30),
@@ -145,8 +156,8 @@ fn curl(port: u16, ca: &Path, identity: Option<(&Path, &Path)>) -> (u32, String)
 fn clients_without_a_good_certificate_are_refused_and_the_log_says_why_and_from_where() {
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
-    let (config, _, grpc) = config(&plane, "");
-    let supervisor = Supervisor::start(&config);
+    let (config, _, grpc) = config(&plane, as_is);
+    let supervisor = Supervisor::start(&config.toml());
     let ca = plane.dir.join("ca.pem");
     let envoy = (plane.dir.join("envoy.pem"), plane.dir.join("envoy.key"));
     let intruder = Ca::new("Someone else's CA")
@@ -249,13 +260,9 @@ fn a_certificate_that_cannot_be_used_stops_the_start_and_says_which() {
     let plane = ControlPlane::write(dir.path());
     // The key of another certificate.
     std::fs::copy(plane.dir.join("envoy.key"), plane.dir.join("server.key")).unwrap();
-    let (config, _, _) = config(&plane, "");
+    let (config, _, _) = config(&plane, as_is);
     let path = dir.path().join("peregrine.toml");
-    std::fs::write(
-        &path,
-        config.replace("{dir}", &dir.path().display().to_string()),
-    )
-    .unwrap();
+    std::fs::write(&path, config.toml_in(dir.path())).unwrap();
     for command in ["check", "run"] {
         let output = Command::new(peregrine_e2e::peregrine_path())
             .arg(command)
@@ -304,8 +311,8 @@ fn a_certificate_rotated_under_load_is_served_to_new_connections_with_nothing_lo
     };
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
-    let (config, listen, grpc) = config(&plane, "");
-    let supervisor = Supervisor::start(&config);
+    let (config, listen, grpc) = config(&plane, as_is);
+    let supervisor = Supervisor::start(&config.toml());
     let bootstrap = supervisor.envoy_bootstrap().expect("bootstrap");
     let envoy = Envoy::start(&bootstrap);
     try_wait_until(Duration::from_secs(30), "requests through Envoy", || {
@@ -401,8 +408,8 @@ fn a_certificate_rotated_under_load_is_served_to_new_connections_with_nothing_lo
 fn reload_takes_new_certificate_paths_and_refuses_to_switch_tls_off_or_a_bad_key() {
     let dir = tempfile::tempdir().unwrap();
     let plane = ControlPlane::write(dir.path());
-    let (config, _, grpc) = config(&plane, "");
-    let supervisor = Supervisor::start(&config);
+    let (mut config, _, grpc) = config(&plane, as_is);
+    let supervisor = Supervisor::start(&config.toml());
     try_wait_until(
         Duration::from_secs(10),
         "the gRPC port to serve TLS",
@@ -410,27 +417,25 @@ fn reload_takes_new_certificate_paths_and_refuses_to_switch_tls_off_or_a_bad_key
     )
     .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));
     let path = supervisor.config_path().to_owned();
-    let original = std::fs::read_to_string(&path).unwrap();
+    let rewrite = |config: &PeregrineToml| {
+        std::fs::write(&path, config.toml_in(supervisor.dir())).unwrap();
+    };
 
     // Other files, named by the reloaded config: in effect at once for new connections.
     let (cert, key) = plane
         .ca
         .leaf("peregrine-next", Usage::Server)
         .write(dir.path(), "next");
-    let server = |name: &str| plane.dir.join(name).display().to_string();
-    let moved = original
-        .replace(&server("server.pem"), &cert.display().to_string())
-        .replace(&server("server.key"), &key.display().to_string());
-    std::fs::write(&path, &moved).unwrap();
+    server_tls(&mut config).cert = Some(cert);
+    server_tls(&mut config).key = Some(key);
+    rewrite(&config);
     supervisor.control("reload", &[]).expect("the reload");
     assert_eq!(served_subject(grpc, &plane), "CN = peregrine-next");
 
     // A key that is not the certificate's: the reload fails, saying why, and nothing changes.
-    std::fs::write(
-        &path,
-        moved.replace(&key.display().to_string(), &server("envoy.key")),
-    )
-    .unwrap();
+    let mut wrong_key = config.clone();
+    server_tls(&mut wrong_key).key = Some(plane.dir.join("envoy.key"));
+    rewrite(&wrong_key);
     let error = supervisor.control("reload", &[]).unwrap_err().to_string();
     assert!(
         error.contains("the new TLS files cannot be used; nothing changed")
@@ -440,14 +445,10 @@ fn reload_takes_new_certificate_paths_and_refuses_to_switch_tls_off_or_a_bad_key
     assert_eq!(served_subject(grpc, &plane), "CN = peregrine-next");
 
     // TLS off by reload: refused (it is switched only at start).
-    let start = moved.find("[supervisor.tls]").unwrap();
-    let end = start + moved[start..].find("\n\n").unwrap();
-    let envoy_start = moved.find("[envoy.tls]").unwrap();
-    let envoy_end = envoy_start + moved[envoy_start..].find("\n\n").unwrap();
-    let mut cleartext = moved.clone();
-    cleartext.replace_range(envoy_start..envoy_end, "");
-    cleartext.replace_range(start..end, "");
-    std::fs::write(&path, &cleartext).unwrap();
+    let mut cleartext = config.clone();
+    cleartext.supervisor.tls = None;
+    cleartext.envoy_mut().tls = None;
+    rewrite(&cleartext);
     let error = supervisor.control("reload", &[]).unwrap_err().to_string();
     assert!(
         error
@@ -461,10 +462,10 @@ fn reload_takes_new_certificate_paths_and_refuses_to_switch_tls_off_or_a_bad_key
 fn a_grpc_port_off_loopback_without_tls_is_warned_about() {
     let listen = free_port();
     let grpc = free_port();
-    let config = base_config(grpc, listen, free_port())
-        .replace("http://127.0.0.1:", "http://0.0.0.0:")
-        + "\n[service.web]\ncount = 1\nurl = \"http://127.0.0.1:0\"\n";
-    let supervisor = Supervisor::start(&config);
+    let mut config = PeregrineToml::local(grpc).with_envoy(listen, free_port());
+    config.supervisor.bind = Some(format!("http://0.0.0.0:{grpc}"));
+    config.service("web", ServiceTable::at("http://127.0.0.1:0").count(1));
+    let supervisor = Supervisor::start(&config.toml());
     try_wait_until(Duration::from_secs(10), "the warning", || {
         supervisor
             .logs()
