@@ -77,6 +77,6 @@ pub use process::ChildGuard;
 pub use slots::{moved, route_keys, slots_by_pid, wait_for_slots};
 pub use stack::{CLUSTER, Stack};
 pub use stage::Stage;
-pub use supervisor::{Supervisor, base_config, one_worker, sample_config, workers_in};
+pub use supervisor::{Supervisor, one_worker, workers_in};
 pub use tempfile::TempDir;
 pub use wait::{POLL_INTERVAL, try_wait_until, wait_until};

@@ -488,32 +488,3 @@ pub fn one_worker() -> (Supervisor, std::net::SocketAddr) {
     });
     (supervisor, addr)
 }
-
-/// The `[supervisor]` and `[envoy]` tables of a test config: xDS on `127.0.0.1:<grpc_port>`, the
-/// control socket in the supervisor's temporary directory (`{dir}`, see [`Supervisor::start`]), Envoy's
-/// listener and admin on the given loopback ports. Services follow.
-pub fn base_config(grpc_port: u16, listen_port: u16, admin_port: u16) -> String {
-    format!(
-        r#"[supervisor]
-bind = "http://127.0.0.1:{grpc_port}"
-control = "{{dir}}/peregrine.sock"
-
-[envoy]
-listen = "127.0.0.1:{listen_port}"
-admin = "127.0.0.1:{admin_port}"
-"#
-    )
-}
-
-/// The text of [`PeregrineToml::one_service`] with the control socket in `dir`. Being replaced by it.
-pub fn sample_config(
-    dir: &Path,
-    grpc_port: u16,
-    listen_port: u16,
-    admin_port: u16,
-    workers: u32,
-) -> String {
-    let mut config = PeregrineToml::one_service(grpc_port, listen_port, admin_port, workers);
-    config.supervisor.control = Some(dir.join("peregrine.sock").display().to_string());
-    config.toml()
-}

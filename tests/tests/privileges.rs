@@ -230,6 +230,7 @@ fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adopt
         envoy,
         supervisor,
         listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        config,
     };
     let first = stack.deployed().wait_for_workers(2, &BTreeSet::new());
     assert_workers_unprivileged(&stack.supervisor, CLUSTER, &first, &nobody);
