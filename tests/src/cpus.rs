@@ -92,7 +92,7 @@ pub fn passes_on_free_cores(
     what: &str,
     attempts: u32,
     settling: u32,
-    mut window: impl FnMut() -> Result<(), String>,
+    mut window: impl FnMut() -> anyhow::Result<()>,
 ) -> bool {
     let noisy = passes_in_windows(what, attempts, settling, || {
         let before = Busy::now_for_this_tree();
@@ -124,7 +124,7 @@ fn passes_in_windows(
     what: &str,
     attempts: u32,
     settling: u32,
-    mut window: impl FnMut() -> (Result<(), String>, f64),
+    mut window: impl FnMut() -> (anyhow::Result<()>, f64),
 ) -> Option<Vec<f64>> {
     let mut quiet_failures = 0;
     let mut noisy = Vec::new();
@@ -136,7 +136,7 @@ fn passes_in_windows(
         };
         if others > MAX_OTHERS {
             eprintln!(
-                "{what}: {failure}, while other processes kept {others:.2} cores busy: measuring again"
+                "{what}: {failure:#}, while other processes kept {others:.2} cores busy: measuring again"
             );
             noisy.push(others);
             continue;
@@ -144,9 +144,9 @@ fn passes_in_windows(
         quiet_failures += 1;
         assert!(
             quiet_failures <= settling,
-            "{what}: {failure} (other processes used {others:.2} cores meanwhile)"
+            "{what}: {failure:#} (other processes used {others:.2} cores meanwhile)"
         );
-        eprintln!("{what}: {failure}: measuring again (settling)");
+        eprintln!("{what}: {failure:#}: measuring again (settling)");
     }
     assert!(
         !noisy.is_empty(),
@@ -232,7 +232,14 @@ mod tests {
         let noisy = passes_in_windows("the share", windows.len() as u32, settling, || {
             let (pass, others) = windows[ran];
             ran += 1;
-            (if pass { Ok(()) } else { Err("too high".into()) }, others)
+            (
+                if pass {
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!("too high"))
+                },
+                others,
+            )
         });
         (noisy.is_none(), ran)
     }

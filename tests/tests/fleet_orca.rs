@@ -122,7 +122,7 @@ fn fleet_routing_steers_traffic_away_from_a_hogged_host_on_orca_weights() {
         if share < 0.42 {
             Ok(())
         } else {
-            Err(format!(
+            Err(anyhow::anyhow!(
                 "CSWRR gave the hogged host {:.1}% of the requests",
                 share * 100.0
             ))

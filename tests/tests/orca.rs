@@ -201,13 +201,13 @@ fn a_worker_sharing_its_core_with_a_hog_gets_a_smaller_share_than_under_round_ro
         );
         assert_eq!((cswrr_failed, rr_failed), (0, 0), "no request failed");
         if (rr_share - 0.5).abs() >= 0.05 {
-            return Err(format!(
+            return Err(anyhow::anyhow!(
                 "round robin gave the hogged worker {:.1}%",
                 rr_share * 100.0
             ));
         }
         if cswrr_share >= rr_share - 0.08 {
-            return Err(format!(
+            return Err(anyhow::anyhow!(
                 "CSWRR gave the hogged worker {:.1}%, round robin {:.1}%",
                 cswrr_share * 100.0,
                 rr_share * 100.0
