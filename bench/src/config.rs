@@ -13,11 +13,8 @@ pub(crate) fn fleet_host(config: &mut PeregrineToml, name: &str, etcd: Vec<Strin
     config.supervisor.sampler = Some(Sampler::Off);
     config.envoy_mut().node = Some(format!("envoy-{name}"));
     config.cluster = Some(ClusterTable {
-        etcd: Some(etcd),
-        host: Some(name.to_owned()),
-        allow_insecure: Some(true),
         zone: Some(format!("z-{name}")),
         routing: Some("fleet".into()),
-        ..ClusterTable::default()
+        ..ClusterTable::insecure(etcd, name)
     });
 }

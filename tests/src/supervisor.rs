@@ -241,13 +241,19 @@ impl Supervisor {
         serde_json::from_str(&stdout).with_context(|| format!("status --json printed {stdout:?}"))
     }
 
+    /// The rows (`workers`) of `peregrine status --json`.
+    fn status_workers(&self) -> anyhow::Result<Vec<serde_json::Value>> {
+        let status = self.status_json()?;
+        match status["workers"].as_array() {
+            Some(workers) => Ok(workers.clone()),
+            None => bail!("no workers in {status}"),
+        }
+    }
+
     /// The pids of the workers `peregrine status --json` lists.
     pub fn status_pids(&self) -> anyhow::Result<std::collections::BTreeSet<u32>> {
-        let status = self.status_json()?;
-        let workers = status["workers"]
-            .as_array()
-            .with_context(|| format!("no workers in {status}"))?;
-        Ok(workers
+        Ok(self
+            .status_workers()?
             .iter()
             .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
             .collect())
@@ -258,14 +264,11 @@ impl Supervisor {
         &self,
         service: &str,
     ) -> anyhow::Result<std::collections::BTreeMap<u64, serde_json::Value>> {
-        let status = self.status_json()?;
-        let workers = status["workers"]
-            .as_array()
-            .with_context(|| format!("no workers in {status}"))?;
-        Ok(workers
-            .iter()
+        Ok(self
+            .status_workers()?
+            .into_iter()
             .filter(|row| row["service"] == service)
-            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row.clone()))
+            .map(|row| (row["index"].as_u64().unwrap_or(u64::MAX), row))
             .collect())
     }
 
