@@ -162,7 +162,13 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<priv
     println!("{said}");
     let enabled = in_root(root, "systemctl is-enabled peregrine.service")?;
     ensure!(enabled == "enabled", "the unit is {enabled:?}, not enabled");
-    println!("peregrine.service: {enabled} (not started: the install starts nothing)");
+    // The maintainer scripts have run: nothing of them may still run in the root.
+    let running = processes_in(root.path())?;
+    ensure!(
+        running.is_empty(),
+        "the install left processes running in the root: {running:?}"
+    );
+    println!("peregrine.service: {enabled}, and no process runs: the install starts nothing");
     let user = in_root(root, &format!("getent passwd {USER}"))?;
     let fields: Vec<&str> = user.split(':').collect();
     ensure!(
