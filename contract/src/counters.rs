@@ -88,6 +88,13 @@ impl CounterRegion {
         Ok(CounterRegion { memory, lanes })
     }
 
+    /// [`CounterRegion::map`] for a descriptor taken from another process, which could resize the
+    /// object: refused unless it can never shrink ([`SharedMemory::map_fixed`]).
+    pub fn map_fixed(fd: BorrowedFd<'_>, lanes: usize) -> Result<CounterRegion, ShmError> {
+        crate::shm::ensure_fixed_size(fd)?;
+        CounterRegion::map(fd, lanes)
+    }
+
     /// How many counters the region holds.
     pub fn lanes(&self) -> usize {
         self.lanes

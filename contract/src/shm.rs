@@ -35,6 +35,12 @@ pub enum ShmError {
     /// An empty mapping was asked for.
     #[error("a shared mapping needs at least one byte")]
     Empty,
+    /// A file whose holders may still shrink it: not a memfd sealed with `F_SEAL_SHRINK`.
+    #[error(
+        "the shared object is not sealed against shrinking (F_SEAL_SHRINK): its holder could cut it \
+         short under the mapping"
+    )]
+    Resizable,
     /// A system call failed.
     #[error("cannot map the shared object")]
     Io(#[from] io::Error),
@@ -100,6 +106,18 @@ impl SharedMemory {
             mapped,
             access,
         })
+    }
+
+    /// [`SharedMemory::map`] for an object another process holds too, and so could resize: refused
+    /// unless it can never shrink ([`ensure_fixed_size`]). A check of its size alone would hold only
+    /// until that process truncates it.
+    pub fn map_fixed(
+        fd: BorrowedFd<'_>,
+        len: usize,
+        access: Access,
+    ) -> Result<SharedMemory, ShmError> {
+        ensure_fixed_size(fd)?;
+        SharedMemory::map(fd, len, access)
     }
 
     /// The bytes that may be accessed.
@@ -175,6 +193,24 @@ impl Drop for SharedMemory {
     }
 }
 
+/// Checks that the object behind `fd` can never become smaller: a memfd sealed with `F_SEAL_SHRINK`,
+/// or something that is not a file at all (a BPF array map is sized once, at its creation). A
+/// descriptor taken from another process ([`SharedMemory::map_fixed`]) must pass this: [`object_size`]
+/// says how big an object is now, and a holder that shrinks it later would turn the next access of
+/// the mapping into `SIGBUS`.
+pub fn ensure_fixed_size(fd: BorrowedFd<'_>) -> Result<(), ShmError> {
+    let stat = rustix::fs::fstat(fd).map_err(io::Error::from)?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+        return Ok(());
+    }
+    // EINVAL: a file that cannot carry seals (not a memfd) can always be truncated by its writers.
+    match rustix::fs::fcntl_get_seals(fd) {
+        Ok(seals) if seals.contains(rustix::fs::SealFlags::SHRINK) => Ok(()),
+        Ok(_) | Err(rustix::io::Errno::INVAL) => Err(ShmError::Resizable),
+        Err(error) => Err(ShmError::Io(error.into())),
+    }
+}
+
 /// The bytes of the object behind `fd`: a regular file's size (a `memfd`), or a BPF array map's
 /// `max_entries * value_size` from its `fdinfo`.
 pub fn object_size(fd: BorrowedFd<'_>) -> Result<u64, ShmError> {
@@ -244,6 +280,53 @@ mod tests {
             SharedMemory::map(fd.as_fd(), 0, Access::ReadOnly),
             Err(ShmError::Empty)
         ));
+    }
+
+    #[test]
+    fn an_object_its_holder_could_shrink_is_refused_by_map_fixed() {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        // Unsealed: its holder could truncate it under the mapping.
+        let unsealed = memfd(4096);
+        assert!(matches!(
+            SharedMemory::map_fixed(unsealed.as_fd(), 64, Access::ReadOnly),
+            Err(ShmError::Resizable)
+        ));
+        // Sealed against growing only: still shrinkable.
+        let sealable =
+            rustix::fs::memfd_create("shm-test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+                .unwrap();
+        rustix::fs::ftruncate(&sealable, 4096).unwrap();
+        rustix::fs::fcntl_add_seals(&sealable, SealFlags::GROW).unwrap();
+        assert!(matches!(
+            SharedMemory::map_fixed(sealable.as_fd(), 64, Access::ReadOnly),
+            Err(ShmError::Resizable)
+        ));
+        // A plain file is never sealed.
+        let file = tempfile_of(4096);
+        assert!(matches!(
+            SharedMemory::map_fixed(file.as_fd(), 64, Access::ReadOnly),
+            Err(ShmError::Resizable)
+        ));
+        // Sealed against shrinking: mapped, and it stays whole.
+        rustix::fs::fcntl_add_seals(&sealable, SealFlags::SHRINK).unwrap();
+        let map = SharedMemory::map_fixed(sealable.as_fd(), 64, Access::ReadOnly).unwrap();
+        assert!(rustix::fs::ftruncate(&sealable, 0).is_err());
+        assert_eq!(map.load_u64(56, Ordering::Relaxed), 0);
+    }
+
+    /// An unlinked regular file of `bytes` on the temporary file system.
+    fn tempfile_of(bytes: u64) -> std::fs::File {
+        let dir = std::env::temp_dir();
+        let path = dir.join(format!("shm-test-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file.set_len(bytes).unwrap();
+        file
     }
 
     #[test]

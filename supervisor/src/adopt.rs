@@ -320,12 +320,14 @@ fn alive(pidfd: &OwnedFd) -> bool {
 }
 
 /// Maps counter `index` of the region behind the worker's descriptor `fd`, once it is known to be a
-/// region that holds that line ([`CounterRegion::map`] checks): the descriptor is named by another
-/// process's environment, and mapping past a region's end would end in SIGBUS, not in an error.
+/// region that holds that line and that can never shrink ([`CounterRegion::map_fixed`] checks): the
+/// descriptor is named by another process's environment, and an access past a region's end ends in
+/// SIGBUS, not in an error. A region this supervisor's kind made is sealed; a worker that swapped in
+/// a memfd of its own could truncate it after the check, so an unsealed one is refused.
 fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> Result<CounterRef, ShmError> {
     let duplicate = rustix::process::pidfd_getfd(pidfd, fd, PidfdGetfdFlags::empty())
         .map_err(std::io::Error::from)?;
-    let region = CounterRegion::map(duplicate.as_fd(), index + 1)?;
+    let region = CounterRegion::map_fixed(duplicate.as_fd(), index + 1)?;
     Ok(CounterRef::new(
         Arc::new(Counters::new(duplicate, region)),
         index,
@@ -453,7 +455,7 @@ mod tests {
     }
 
     #[test]
-    fn a_descriptor_too_small_for_the_counter_line_is_refused_not_mapped() {
+    fn a_descriptor_too_small_for_the_counter_line_or_that_could_shrink_is_refused_not_mapped() {
         let (fd, _region) = CounterRegion::create(2).unwrap();
         let me = rustix::process::pidfd_open(
             rustix::process::getpid(),
@@ -466,10 +468,20 @@ mod tests {
             counter_of(&me, fd.as_raw_fd(), 2),
             Err(ShmError::TooSmall { .. })
         ));
+        // A file its holder can shrink after the check is refused whatever its size: a plain file,
+        // or a memfd the worker made without sealing it.
         let file = tempfile::tempfile().unwrap();
+        file.set_len(4096).unwrap();
         assert!(matches!(
             counter_of(&me, file.as_raw_fd(), 0),
-            Err(ShmError::TooSmall { size: 0, .. })
+            Err(ShmError::Resizable)
+        ));
+        let unsealed =
+            rustix::fs::memfd_create("counter", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&unsealed, 4096).unwrap();
+        assert!(matches!(
+            counter_of(&me, unsealed.as_raw_fd(), 0),
+            Err(ShmError::Resizable)
         ));
     }
 }

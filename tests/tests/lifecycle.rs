@@ -464,3 +464,92 @@ fn services_added_and_removed_by_reload_come_and_go_in_envoy() {
     assert_eq!(services, BTreeSet::from([CLUSTER]), "{status}");
     stack.finish(load, 50, &workers);
 }
+
+/// A worker that swaps its inherited request counter for a memfd of its own, unsealed, so that it
+/// can shrink the region under a supervisor that adopted it. The supervisor must refuse to map such
+/// a region: before, each supervisor that adopted the worker died of SIGBUS at its next read, and a
+/// restart turned into a crash loop.
+#[test]
+fn a_worker_that_could_shrink_its_counter_is_adopted_three_times_and_faults_no_supervisor() {
+    // The wrapper replaces the counter descriptor with a memfd of the same size that carries no
+    // seal, then execs the built-in worker on it (same pid, so the worker is still the supervisor's).
+    let swap = "import os, sys\n\
+                fd = int(os.environ['PEREGRINE_COUNTERS_FD'])\n\
+                own = os.memfd_create('counter', 0)\n\
+                os.ftruncate(own, os.fstat(fd).st_size)\n\
+                os.dup2(own, fd)\n\
+                os.close(own)\n\
+                os.execv(sys.argv[1], sys.argv[1:])\n";
+    let peregrine = peregrine_path();
+    let mut config = PeregrineToml::local(peregrine_e2e::free_port());
+    config.supervisor.register_timeout_ms = Some(5_000);
+    config.service(
+        CLUSTER,
+        ServiceTable::at("http://127.0.0.1:0").count(1).command([
+            "python3",
+            "-c",
+            swap,
+            &peregrine.display().to_string(),
+            "worker",
+        ]),
+    );
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    let mut supervisor =
+        peregrine_e2e::Supervisor::start_in(&peregrine, dir.path(), &config.toml()).unwrap();
+    let registered = |supervisor: &peregrine_e2e::Supervisor| {
+        let status = supervisor.status_json().ok()?;
+        let pid = status["workers"][0]["pid"].as_u64()? as u32;
+        (status["workers"][0]["state"] == "ready").then_some(pid)
+    };
+    let worker = wait_until(STEP, "the worker registered", || registered(&supervisor));
+    let fd: u32 = std::fs::read(format!("/proc/{worker}/environ"))
+        .unwrap()
+        .split(|b| *b == 0)
+        .find_map(|var| {
+            let var = std::str::from_utf8(var).ok()?;
+            var.strip_prefix("PEREGRINE_COUNTERS_FD=")?.parse().ok()
+        })
+        .expect("the worker's counter descriptor");
+    let region = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{worker}/fd/{fd}"))
+        .expect("the worker's own memfd");
+    let size = region.metadata().unwrap().len();
+    assert!(size > 0, "the swapped region has the worker's size");
+    for round in 1..=3 {
+        supervisor.kill_and_start_again().unwrap();
+        let adopted = wait_until(STEP, "the worker adopted and registered again", || {
+            registered(&supervisor)
+        });
+        assert_eq!(adopted, worker, "round {round}: the same worker is adopted");
+        // The worker cuts its region short under the supervisor...
+        region.set_len(0).unwrap();
+        let cut = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        // ...which samples it twice more, alive: a pass that read the region would have faulted.
+        let sampled_after = |after: u64| {
+            wait_until(STEP, "a sample after the region was cut", || {
+                let status = supervisor.status_json().ok()?;
+                let sampled = status["workers"][0]["sampled_at_unix_ms"].as_u64()?;
+                (sampled > after).then_some(sampled)
+            })
+        };
+        sampled_after(sampled_after(cut));
+        assert_eq!(
+            supervisor.process().try_wait(),
+            None,
+            "round {round}: the supervisor is alive\n{}",
+            supervisor.all_logs()
+        );
+        // Whole again, so that the worker's own next count does not fault the worker.
+        region.set_len(size).unwrap();
+    }
+    let logs = supervisor.all_logs();
+    assert!(
+        logs.contains("Cannot take the adopted worker's request counter")
+            && logs.contains("not sealed against shrinking"),
+        "the refusal is logged with its reason:\n{logs}"
+    );
+}
