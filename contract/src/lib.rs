@@ -4,6 +4,7 @@
 //! - [`url`]: the bind url of a worker's own listener,
 //! - [`counters`]: the request counters' layout and region, over [`shm`], the one checked `mmap`,
 //! - [`report_slot`]: a worker's latest load report (in-band ORCA), in its own counter region,
+//! - [`rings`]: the size of a worker's io_uring, and the locked memory it costs the worker's user,
 //! - [`procfs`]: the kernel's accounting of a process as procfs shows it, read one way by every part,
 //! - [`ErrorChain`]: an error and its causes on one line, printed one way by every part.
 //!
@@ -16,6 +17,7 @@ pub mod counters;
 mod error_chain;
 pub mod procfs;
 pub mod report_slot;
+pub mod rings;
 pub mod settings;
 #[allow(unsafe_code, reason = "maps shared memory; each use has a SAFETY line")]
 pub mod shm;

@@ -18,6 +18,7 @@ mod context;
 mod error;
 mod launch;
 mod leftovers;
+mod locked_memory;
 mod orphan_watch;
 mod passed;
 mod privileges;
@@ -163,6 +164,8 @@ pub struct Manager {
     /// Stops the servers on passed listeners if this supervisor dies and none takes them over
     /// within `orphan_timeout_ms` ([`orphan_watch`]); only while a service has `pass_socket`.
     watcher: Option<orphan_watch::Watcher>,
+    /// The locked memory each user's workers are given for their rings ([`locked_memory`]).
+    locked_memory: locked_memory::Plan,
 }
 
 impl Manager {
@@ -183,7 +186,9 @@ impl Manager {
             tasks: JoinSet::new(),
             shutdown,
             watcher: None,
+            locked_memory: locked_memory::Plan::default(),
         };
+        manager.plan_locked_memory(&config.services);
         for service in config.services.values() {
             for index in 0..service.count {
                 let slot = Slot {
@@ -227,14 +232,38 @@ impl Manager {
         }
     }
 
+    /// Plans the locked memory of `services`' workers, and warns about users whose workers' rings
+    /// cannot fit.
+    fn plan_locked_memory(&mut self, services: &std::collections::BTreeMap<String, ServiceConfig>) {
+        let own_uid = rustix::process::getuid().as_raw();
+        self.locked_memory = locked_memory::plan(
+            services.values(),
+            own_uid,
+            locked_memory::Limit::own(),
+            locked_memory::may_raise(),
+            rustix::param::page_size(),
+        );
+        locked_memory::warn_short(&self.locked_memory, services, own_uid);
+    }
+
     /// What the worker in slot `index` of `service` is started with.
     fn launch(&self, service: &ServiceConfig, index: u32) -> io::Result<Launch> {
+        let uid = service
+            .account
+            .as_ref()
+            .map_or_else(|| rustix::process::getuid().as_raw(), |a| a.uid);
+        let locked_memory = if service.pass_socket {
+            locked_memory::for_app(locked_memory::Limit::own())
+        } else {
+            self.locked_memory.limits.get(&uid).copied()
+        };
         Launch::new(
             service,
             index,
             &self.supervisor,
             &self.context.lineage,
             &self.context.counters,
+            locked_memory,
         )
     }
 
@@ -381,6 +410,7 @@ impl Manager {
     /// settings other than the restart and lifecycle ones apply at the next start (logged).
     pub async fn reload(&mut self, config: &Config) -> Result<Report, ReloadError> {
         self.check(config)?;
+        self.plan_locked_memory(&config.services);
         for (key, old, new) in [
             (
                 "bind",

@@ -975,3 +975,82 @@ fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     let (code, stderr) = check("[service.web]\nuser = \"nobody\"\n");
     assert_eq!(code, 0, "{stderr}");
 }
+
+/// 256 built-in workers of one user, under a supervisor whose `RLIMIT_MEMLOCK` is the common
+/// default of 8 MiB. Each worker's io_uring is charged to its user's locked memory, shared by every
+/// process of the uid: with the rings of before (216 KiB a worker) about 40 could start and the rest
+/// crash-looped on `Cannot allocate memory`. The supervisor now raises each worker's limit to fit
+/// its user's workers, and the rings are smaller. A uid of its own, with no entry in the user
+/// database, so that no other test's workers share its allowance.
+#[test]
+fn two_hundred_fifty_six_workers_of_one_user_serve_within_an_8_mib_locked_memory_limit() {
+    const COUNT: usize = 256;
+    const LIMIT: &str = "--memlock=8388608:8388608";
+    let account = Account {
+        name: "61256".into(),
+        uid: 61_256,
+        gid: 65_534,
+        groups: [65_534].into(),
+    };
+    let stage = Stage::new(&account);
+    let mut config = without_envoy(Sampler::Auto);
+    config.service(
+        "wide",
+        ServiceTable {
+            user: Some(AccountId::Id(account.uid)),
+            group: Some(AccountId::Id(account.gid)),
+            ..ServiceTable::at("http://127.0.0.1:0").count(COUNT as u32)
+        },
+    );
+    let supervisor =
+        Supervisor::start_open_to_workers(&stage, &["prlimit", LIMIT, "--"], &config.toml());
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", supervisor.pid())).unwrap();
+    assert!(
+        limits
+            .lines()
+            .any(|l| l.starts_with("Max locked memory") && l.contains("8388608")),
+        "the supervisor runs at 8 MiB:\n{limits}"
+    );
+    let mut last = Value::Null;
+    let status = try_wait_until(Duration::from_secs(90), "256 ready workers", || {
+        assert_running(&supervisor);
+        last = supervisor.status_json().ok()?;
+        let rows = rows(&last, "wide");
+        (rows.len() == COUNT && rows.values().all(|row| row["state"] == "ready"))
+            .then(|| last.clone())
+    })
+    .unwrap_or_else(|error| {
+        let states = rows(&last, "wide").values().fold(
+            BTreeMap::<String, usize>::new(),
+            |mut states, row| {
+                *states.entry(row["state"].to_string()).or_default() += 1;
+                states
+            },
+        );
+        panic!(
+            "{error}; workers by state: {states:?}\n{}",
+            tail(&supervisor.logs(), 40)
+        )
+    });
+    for (index, row) in rows(&status, "wide") {
+        let address: SocketAddr = row["addresses"][0]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("worker {index}'s address in {row}"));
+        let (code, body) = http_get(address, "/").unwrap();
+        assert_eq!(code, 200, "worker {index}: {body}");
+        assert_eq!(worker_pid(&body), row["pid"].as_u64().map(|p| p as u32));
+    }
+    let logs = supervisor.logs();
+    assert!(
+        !logs.contains("locked memory") && !logs.contains("Cannot allocate memory"),
+        "{}",
+        tail(&logs, 40)
+    );
+}
+
+/// The last `lines` lines of `text`.
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

@@ -65,14 +65,17 @@ use std::{
 };
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use peregrine_contract::rings;
 
 use self::buf_ring::BufRing;
 
 /// How a driver is sized.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
-    /// Submission queue entries; the completion queue has eight times as many.
+    /// Submission queue entries.
     pub(crate) entries: u32,
+    /// Completion queue entries.
+    pub(crate) completions: u32,
     /// Buffers in the provided buffer ring (a power of two).
     pub(crate) buffers: u16,
     /// Bytes per buffer.
@@ -83,10 +86,13 @@ pub(crate) struct Sizes {
 
 impl Default for Sizes {
     fn default() -> Self {
+        // What a worker's user is charged in locked memory follows from these
+        // (`peregrine_contract::rings`).
         Sizes {
-            entries: 1024,
-            buffers: 1024,
-            buffer_size: 4096,
+            entries: rings::SUBMISSION_ENTRIES,
+            completions: rings::COMPLETION_ENTRIES,
+            buffers: rings::RECEIVE_BUFFERS,
+            buffer_size: rings::RECEIVE_BUFFER_BYTES,
             linger: LINGER,
         }
     }
@@ -287,7 +293,7 @@ fn own(fd: RawFd) -> OwnedFd {
 impl Driver {
     fn new(sizes: Sizes) -> io::Result<Self> {
         let ring = IoUring::builder()
-            .setup_cqsize(sizes.entries * 8)
+            .setup_cqsize(sizes.completions)
             .setup_coop_taskrun()
             .setup_taskrun_flag()
             .setup_single_issuer()

@@ -75,6 +75,22 @@ pub enum WorkerError {
     /// The io_uring runtime could not start.
     #[error("cannot start the io_uring runtime")]
     Runtime(#[source] io::Error),
+    /// The io_uring ring could not be set up: its user's locked memory is used up.
+    #[error(
+        "cannot start the io_uring runtime: the locked memory of uid {uid} is used up (the ring \
+         needs about {needed_kib} KiB; RLIMIT_MEMLOCK is {limit}, and it counts every process of \
+         this user together). Raise the limit (LimitMEMLOCK= in the unit, `ulimit -l`), give fewer \
+         workers this user, or give the supervisor CAP_SYS_RESOURCE, which raises its workers' limit to \
+         fit"
+    )]
+    LockedMemory {
+        /// The user charged.
+        uid: u32,
+        /// What one worker's ring needs, in KiB.
+        needed_kib: usize,
+        /// The process's `RLIMIT_MEMLOCK`, as text (`unlimited`, or KiB).
+        limit: String,
+    },
     /// The signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signals(#[source] io::Error),
@@ -199,7 +215,24 @@ where
                 Some(Abandoned::Orphaned(_)) | None => Ok(()),
             }
         })
-        .map_err(WorkerError::Runtime)?
+        .map_err(runtime_error)?
+}
+
+/// Why the runtime could not start: `ENOMEM` from the ring's setup is its user's locked memory
+/// running out ([`peregrine_contract::rings`]), said with what to change.
+fn runtime_error(error: io::Error) -> WorkerError {
+    if error.raw_os_error() != Some(libc::ENOMEM) {
+        return WorkerError::Runtime(error);
+    }
+    let limit = match rustix::process::getrlimit(rustix::process::Resource::Memlock).current {
+        Some(bytes) => format!("{} KiB", bytes / 1024),
+        None => "unlimited".to_owned(),
+    };
+    WorkerError::LockedMemory {
+        uid: rustix::process::getuid().as_raw(),
+        needed_kib: peregrine_contract::rings::locked_bytes(rustix::param::page_size()) / 1024,
+        limit,
+    }
 }
 
 /// Completes on the first SIGTERM or SIGINT. Must be called on the runtime.

@@ -24,7 +24,8 @@ pub struct Builder {
 }
 
 impl Builder {
-    /// The default: a ring of 1024 submission entries and 1024 receive buffers of 4 KiB.
+    /// The default: a ring of 128 submission and 512 completion entries, and 512 receive buffers of
+    /// 4 KiB ([`peregrine_contract::rings`]).
     pub fn new() -> Self {
         Builder::default()
     }

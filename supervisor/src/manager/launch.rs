@@ -22,6 +22,7 @@ use peregrine_contract::{
 };
 use rustix::io::FdFlags;
 
+use super::locked_memory::Limit;
 pub(super) use super::passed::PassedListener;
 use super::privileges::{Identity, Privileges};
 use crate::{
@@ -61,6 +62,9 @@ pub(super) struct Launch {
     /// What the worker gives up before it runs: the supervisor's user, for the service's, and every
     /// capability.
     privileges: Privileges,
+    /// The `RLIMIT_MEMLOCK` a worker with an io_uring ring gets, if not the inherited one
+    /// ([`locked_memory`](super::locked_memory)).
+    locked_memory: Option<Limit>,
 }
 
 /// What, in a service's config, its workers are started with: a change replaces them.
@@ -92,6 +96,7 @@ impl Launch {
         supervisor: &SupervisorConfig,
         lineage: &Lineage,
         counters: &Arc<Counters>,
+        locked_memory: Option<Limit>,
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -143,6 +148,7 @@ impl Launch {
                     .filter(|account| switches(account))
                     .map(Identity::of),
             },
+            locked_memory,
         })
     }
 
@@ -228,9 +234,10 @@ impl Launch {
         }
         let fd = listener.fd.as_raw_fd();
         let privileges = self.privileges.clone();
+        let locked_memory = self.locked_memory.map(Limit::rlimit);
         // SAFETY: the closure runs in the child between fork and exec and calls only dup2(2),
-        // fcntl(2) and `Privileges::apply`, which are async-signal-safe; it touches no memory shared
-        // with the parent (`privileges` is its own copy). The listener is owned by `listener`, open
+        // fcntl(2), setrlimit(2) and `Privileges::apply`, which are async-signal-safe; it touches no
+        // memory shared with the parent (`privileges` and `locked_memory` are its own copies). The listener is owned by `listener`, open
         // until after the spawn, so `fd` is valid in the child. The listener is bound already: a
         // server of a user without CAP_NET_BIND_SERVICE still serves a port below 1024.
         unsafe {
@@ -240,6 +247,7 @@ impl Launch {
                 } else if libc::dup2(fd, PASSED_FD) < 0 {
                     return Err(io::Error::last_os_error());
                 }
+                super::locked_memory::set_in_child(locked_memory.as_ref());
                 privileges.apply()
             });
         }
@@ -272,14 +280,17 @@ impl Launch {
             // outlive a supervisor that dies, and re-register with the next one.
             .process_group(0);
         let privileges = self.privileges.clone();
-        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2) and
-        // `Privileges::apply`, which are async-signal-safe; it touches no memory shared with the
-        // parent (`privileges` is its own copy). The counter descriptor is owned by `counter`,
-        // borrowed across the spawn, so it is valid in the child.
+        let locked_memory = self.locked_memory.map(Limit::rlimit);
+        // SAFETY: the closure runs in the child between fork and exec and calls only fcntl(2),
+        // setrlimit(2) and `Privileges::apply`, which are async-signal-safe; it touches no memory
+        // shared with the parent (`privileges` and `locked_memory` are its own copies). The counter
+        // descriptor is owned by `counter`, borrowed across the spawn, so it is valid in the child.
         unsafe {
             command.pre_exec(move || {
                 // The counter region is the one descriptor the worker inherits.
                 rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(counters), FdFlags::empty())?;
+                // Room for the ring, while CAP_SYS_RESOURCE may still raise a hard limit.
+                super::locked_memory::set_in_child(locked_memory.as_ref());
                 privileges.apply()
             });
         }

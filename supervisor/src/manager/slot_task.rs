@@ -795,6 +795,7 @@ mod tests {
                 &config.supervisor,
                 &context.lineage,
                 &context.counters,
+                None,
             )
             .unwrap(),
             backoff: Backoff::new(RestartPolicy::default()),
