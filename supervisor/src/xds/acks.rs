@@ -11,6 +11,13 @@
 //! replaces a changed cluster's EDS stream (and reconnects after a blip) within that time, and its new
 //! stream must ACK too. An Envoy that does not come back stops counting when the grace ends.
 //!
+//! A supervisor that starts again has no stream yet, while Envoy still routes by what the one before
+//! it served. So the Envoys that were *proven* (an endpoint stream that ACKed at least once and is
+//! not silent) are [`remembered`] in a file beside the control socket, and a supervisor that starts
+//! waits for them as for departed Envoys, with a grace that ends `drain_timeout` after its start
+//! ([`Acks::remember`]): a drain in that window waits until each has reconnected and ACKed, and an
+//! Envoy that never comes back costs at most that once.
+//!
 //! A stream that has owed an answer (an ACK or a NACK) to an endpoints response for
 //! [`SILENCE_GRACE`] is *silent*: Envoy answers within milliseconds, so such a stream is not an Envoy
 //! that matters (a script that never ACKs, a wedged proxy), and it stops counting until it answers
@@ -20,8 +27,10 @@
 //! Invariant: this module knows nothing of the protocol; the rules that move a synced revision live in
 //! the transport's pure per-stream state.
 
+pub mod remembered;
+
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -34,8 +43,9 @@ use super::stream_kind::StreamKind;
 #[derive(Debug, Default)]
 pub struct Acks {
     streams: Mutex<BTreeMap<u64, Tracked>>,
-    /// Nodes whose last endpoint stream ended, with when and what kind it was.
-    departed: Mutex<BTreeMap<String, (Instant, StreamKind)>>,
+    /// Nodes whose last endpoint stream ended (or that a supervisor before this one served), and
+    /// until when they are waited for.
+    departed: Mutex<BTreeMap<String, Departed>>,
     /// Woken on every change of `streams`.
     changed: Notify,
 }
@@ -89,6 +99,20 @@ pub struct SyncOutcome {
     pub lagging: Vec<StreamSync>,
     /// The streams not waited for because they are silent (see the module docs).
     pub silent: Vec<StreamSync>,
+    /// The departed (or remembered) Envoys the wait waited for to come back, whether they did or
+    /// their grace ended.
+    pub awaited: Vec<String>,
+}
+
+/// An Envoy with no endpoint stream that is still waited for.
+#[derive(Clone, Copy, Debug)]
+struct Departed {
+    /// When its grace ends.
+    until: Instant,
+    /// What its last endpoint stream was.
+    kind: StreamKind,
+    /// Whether that stream had proven it an Envoy: it ACKed, and was not silent.
+    proven: bool,
 }
 
 /// A stream as the registry of streams knows it.
@@ -119,21 +143,78 @@ impl Acks {
     /// opens a new EDS stream after a cluster changes, so wait on endpoint changes, as draining does).
     pub async fn wait_synced(&self, revision: u64, timeout: Duration) -> SyncOutcome {
         let deadline = Instant::now() + timeout;
+        let mut awaited = BTreeSet::new();
         loop {
             // Registered before looking, so a change between the look and the wait is not missed.
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let (outcome, grace_ends) = self.outcome(revision);
-            if outcome.is_synced() {
-                return outcome;
-            }
+            let (mut outcome, grace_ends) = self.outcome(revision);
+            awaited.extend(outcome.awaited.drain(..));
             // A departed Envoy's grace ending is a change too.
             let wake = grace_ends.map_or(deadline, |at| at.min(deadline));
-            if tokio::time::timeout_at(wake, changed).await.is_err() && wake == deadline {
-                return self.outcome(revision).0;
+            if outcome.is_synced()
+                || (tokio::time::timeout_at(wake, changed).await.is_err() && wake == deadline)
+            {
+                if !outcome.is_synced() {
+                    outcome = self.outcome(revision).0;
+                    awaited.extend(outcome.awaited.drain(..));
+                }
+                outcome.awaited = awaited.into_iter().collect();
+                return outcome;
             }
         }
+    }
+
+    /// Waits for each of `nodes` (with the kind of its last endpoint stream) as for an Envoy whose
+    /// stream just ended, until `until`: the Envoys a supervisor before this one served (see the
+    /// module docs). A node already connected is unaffected; one waited for longer keeps its grace.
+    pub fn remember(&self, nodes: impl IntoIterator<Item = (String, StreamKind)>, until: Instant) {
+        let mut departed = self.departed();
+        for (node, kind) in nodes {
+            let entry = departed.entry(node).or_insert(Departed {
+                until,
+                kind,
+                proven: true,
+            });
+            entry.until = entry.until.max(until);
+            entry.proven = true;
+        }
+        drop(departed);
+        self.changed.notify_waiters();
+    }
+
+    /// The proven Envoys (see the module docs), at most `cap`, those connected longest first: the
+    /// nodes of open endpoint streams that ACKed at least once and are not silent, and of departed
+    /// ones still in their grace whose last stream was. Also when that may change without a stream
+    /// changing (a grace ending, a stream turning silent).
+    pub(crate) fn proven(&self, cap: usize) -> (Vec<(String, StreamKind)>, Option<Instant>) {
+        let now = Instant::now();
+        let streams = self.streams();
+        let mut departed = self.departed();
+        departed.retain(|_, d| d.until > now);
+        let mut next = departed.values().map(|d| d.until).min();
+        let mut nodes: Vec<(String, StreamKind)> = departed
+            .iter()
+            .filter(|(_, d)| d.proven)
+            .map(|(node, d)| (node.clone(), d.kind))
+            .collect();
+        drop(departed);
+        // `streams` is ordered by id: oldest first.
+        for stream in streams {
+            if stream.synced_revision.is_none() || stream.is_silent(now) {
+                continue;
+            }
+            if let Some(at) = stream.silent_from() {
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+            match nodes.iter_mut().find(|(node, _)| *node == stream.node) {
+                Some(known) => known.1 = stream.kind,
+                None => nodes.push((stream.node, stream.kind)),
+            }
+        }
+        nodes.truncate(cap);
+        (nodes, next)
     }
 
     /// The kind of every open stream, endpoint-serving or not.
@@ -155,19 +236,20 @@ impl Acks {
     fn outcome(&self, revision: u64) -> (SyncOutcome, Option<Instant>) {
         let streams = self.streams();
         let now = Instant::now();
-        let mut departed = self.departed.lock().unwrap_or_else(|e| e.into_inner());
-        departed.retain(|_, (at, _)| *at + RECONNECT_GRACE > now);
+        let mut departed = self.departed();
+        departed.retain(|_, d| d.until > now);
         let waiting: Vec<StreamSync> = departed
             .iter()
             .filter(|(node, _)| !streams.iter().any(|s| &s.node == *node))
-            .map(|(node, (_, kind))| StreamSync {
+            .map(|(node, d)| StreamSync {
                 id: 0,
                 node: node.clone(),
-                kind: *kind,
+                kind: d.kind,
                 synced_revision: None,
                 unanswered_since: None,
             })
             .collect();
+        let awaited = waiting.iter().map(|s| s.node.clone()).collect();
         let (synced, unsynced): (Vec<_>, Vec<_>) = streams
             .into_iter()
             .partition(|s| s.synced_revision.is_some_and(|r| r >= revision));
@@ -176,7 +258,7 @@ impl Acks {
         // A departed Envoy's grace ending, or a lagging stream turning silent, changes the outcome.
         let grace_ends = departed
             .values()
-            .map(|(at, _)| *at + RECONNECT_GRACE)
+            .map(|d| d.until)
             .chain(lagging.iter().filter_map(StreamSync::silent_from))
             .min();
         lagging.extend(waiting);
@@ -184,6 +266,7 @@ impl Acks {
             synced: synced.len(),
             lagging,
             silent,
+            awaited,
         };
         (outcome, grace_ends)
     }
@@ -214,6 +297,10 @@ impl Acks {
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Tracked>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn departed(&self) -> MutexGuard<'_, BTreeMap<String, Departed>> {
+        self.departed.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -260,11 +347,21 @@ impl Drop for Registered {
     fn drop(&mut self) {
         let removed = self.acks.lock().remove(&self.id);
         if let Some(tracked) = removed.filter(|t| t.endpoints) {
-            self.acks
-                .departed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(tracked.sync.node, (Instant::now(), tracked.sync.kind));
+            let now = Instant::now();
+            let sync = tracked.sync;
+            let proven = sync.synced_revision.is_some() && !sync.is_silent(now);
+            let until = now + RECONNECT_GRACE;
+            let mut departed = self.acks.departed();
+            let entry = departed.entry(sync.node).or_insert(Departed {
+                until,
+                kind: sync.kind,
+                proven,
+            });
+            // A remembered Envoy keeps the longer grace.
+            entry.until = entry.until.max(until);
+            entry.kind = sync.kind;
+            entry.proven |= proven;
+            drop(departed);
             self.acks.changed.notify_waiters();
         }
     }
@@ -286,6 +383,7 @@ mod tests {
             synced,
             lagging: vec![],
             silent: vec![],
+            awaited: vec![],
         }
     }
 
@@ -355,7 +453,13 @@ mod tests {
         let outcome = tokio::time::timeout(LONG, waiter).await.unwrap();
         // Released when the grace ends, on the paused clock: not before, not at the timeout.
         assert_eq!(started.elapsed(), RECONNECT_GRACE);
-        assert_eq!(outcome, all_synced(0));
+        assert_eq!(
+            outcome,
+            SyncOutcome {
+                awaited: vec!["envoy".into()],
+                ..all_synced(0)
+            }
+        );
         assert!(acks.streams().is_empty());
     }
 
@@ -399,6 +503,51 @@ mod tests {
                 .await
                 .is_synced()
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_remembered_envoy_is_waited_for_until_it_reconnects_and_acks_or_its_grace_ends() {
+        let acks = acks();
+        let grace = Duration::from_secs(10);
+        acks.remember(
+            [("envoy".to_owned(), StreamKind::Eds)],
+            Instant::now() + grace,
+        );
+        // A supervisor that just started, with no stream yet: the drain waits for the Envoy.
+        let waiter = acks.wait_synced(3, Duration::from_secs(60));
+        tokio::pin!(waiter);
+        assert!(futures::poll!(waiter.as_mut()).is_pending());
+        tokio::time::advance(Duration::from_millis(300)).await;
+        let stream = acks.register(1, "envoy".into(), StreamKind::Eds);
+        stream.publish(true, None, None);
+        assert!(
+            futures::poll!(waiter.as_mut()).is_pending(),
+            "connected is not enough: it must ACK"
+        );
+        stream.publish(true, Some(3), None);
+        let outcome = waiter.await;
+        assert_eq!(
+            outcome,
+            SyncOutcome {
+                awaited: vec!["envoy".into()],
+                ..all_synced(1)
+            }
+        );
+        // One that never comes back costs at most the grace, once.
+        acks.remember(
+            [("gone".to_owned(), StreamKind::Ads)],
+            Instant::now() + grace,
+        );
+        let started = Instant::now();
+        let outcome = acks.wait_synced(3, Duration::from_secs(60)).await;
+        assert_eq!(started.elapsed(), grace);
+        assert!(outcome.is_synced(), "{outcome:?}");
+        assert_eq!(outcome.awaited, ["gone"]);
+        let started = Instant::now();
+        assert!(acks.wait_synced(3, LONG).await.is_synced());
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        // What is proven: the connected Envoy that ACKed, not the one whose grace ended.
+        assert_eq!(acks.proven(64).0, [("envoy".to_owned(), StreamKind::Eds)]);
     }
 
     #[tokio::test(start_paused = true)]
