@@ -232,6 +232,7 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
 /// read it again.
 pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     let control = config.supervisor.control.clone();
+    let started = tokio::time::Instant::now();
     // First of all: a second supervisor on this socket stops here, before it touches anything. Held
     // until this function returns (after the socket file is removed).
     let lock = InstanceLock::acquire(&control)?;
@@ -315,6 +316,12 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     // xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on them).
     let records = status::Records::default();
     let acks = records.acks.clone();
+    let remembered = remember_envoys(
+        &acks,
+        &control,
+        started,
+        config.supervisor.lifecycle.drain_timeout,
+    );
     // With a sampler, ORCA is served even if no service uses it yet: a reload may add one.
     let orca_service = orca_reach.sampling.then(|| {
         OrcaService::new(
@@ -520,6 +527,9 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     } {
         tracing::error!(%error, "Fleet task failed");
     }
+    // The Envoys stay remembered as they are now: their streams end with xDS, and the next
+    // supervisor must wait for them.
+    drop(remembered);
     let _ = xds_stop_tx.send(());
     if let Some(Err(error)) = match sampler_task {
         Some(task) => Some(task.await),
@@ -537,6 +547,28 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     }
     tracing::info!("Supervisor stopped");
     Ok(())
+}
+
+/// Makes `acks` wait for the Envoys the supervisor before this one served (remembered beside the
+/// control socket), until `drain_timeout` after `started`, and keeps remembering the proven ones
+/// until the returned task is dropped.
+fn remember_envoys(
+    acks: &Arc<xds::acks::Acks>,
+    control: &std::path::Path,
+    started: tokio::time::Instant,
+    drain_timeout: Duration,
+) -> AbortOnDrop {
+    use xds::acks::remembered;
+    let path = remembered::path(control);
+    let nodes = remembered::load(&path).unwrap_or_else(|error| {
+        tracing::warn!(%error, path = %path.display(), "Cannot read the Envoys the supervisor before this one served: the first drains wait only for Envoys connected to this one");
+        remembered::Nodes::new()
+    });
+    if !nodes.is_empty() {
+        tracing::info!(envoys = ?nodes.keys().collect::<Vec<_>>(), grace = ?drain_timeout, "Drains wait for the Envoys the supervisor before this one served, until they reconnect and ACK or the grace ends");
+        acks.remember(nodes.clone(), started + drain_timeout);
+    }
+    AbortOnDrop(tokio::spawn(remembered::keep(acks.clone(), path, nodes)))
 }
 
 /// Stops a task when dropped.

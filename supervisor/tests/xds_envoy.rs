@@ -267,6 +267,11 @@ struct WithFirstWorker {
 
 impl WithFirstWorker {
     fn start(ads: bool, xds: XdsVariant, acks: Arc<Acks>) -> Self {
+        Self::start_with(acks, |xds_addr| start_envoy(xds_addr, ads, xds))
+    }
+
+    /// Like [`WithFirstWorker::start`], with the Envoy `envoy` starts for the xDS address.
+    fn start_with(acks: Arc<Acks>, envoy: impl FnOnce(SocketAddr) -> Envoy) -> Self {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         let registry = Arc::new(Registry::new(["web".to_string()]));
         let listener = runtime
@@ -280,7 +285,7 @@ impl WithFirstWorker {
         registry
             .register(worker(0, 4242, first_addr, &[Protocol::Http1]))
             .unwrap();
-        let envoy = start_envoy(xds_addr, ads, xds);
+        let envoy = envoy(xds_addr);
         let first_host = (first_addr.to_string(), "web-0-4242".to_string());
         wait_until(DEADLINE, "the first worker in Envoy", || {
             web_hosts(&envoy).contains(&first_host).then_some(())
@@ -329,6 +334,70 @@ impl WithFirstWorker {
             server.stop(&self.runtime);
         }
     }
+}
+
+#[test]
+fn a_static_eds_cluster_on_ads_gets_its_endpoints_and_its_acks_count() {
+    let test = "a_static_eds_cluster_on_ads_gets_its_endpoints_and_its_acks_count";
+    if !envoy_test(test) {
+        return;
+    }
+    for xds in [XdsVariant::StateOfTheWorld, XdsVariant::Delta] {
+        // An Envoy whose one cluster is static, of type EDS, its endpoints over ADS: its ADS stream
+        // asks for endpoints and never for clusters.
+        let acks = Arc::new(Acks::default());
+        let running =
+            WithFirstWorker::start_with(acks.clone(), |addr| start_static_eds_envoy(addr, xds));
+        let revision = running.register_second();
+        let begun = std::time::Instant::now();
+        let outcome = running
+            .runtime
+            .block_on(acks.wait_synced(revision, Duration::from_secs(10)));
+        assert!(
+            outcome.is_synced() && outcome.synced == 1,
+            "{xds:?}: the ADS stream ACKed revision {revision}: {outcome:?}\n{}",
+            running.envoy.logs()
+        );
+        assert!(
+            begun.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            begun.elapsed()
+        );
+        assert!(
+            running.has_both(),
+            "{xds:?}: {:?}",
+            web_hosts(&running.envoy)
+        );
+        running.stop();
+    }
+}
+
+/// Starts Envoy with `web` as a static cluster of type EDS whose endpoints come over ADS, and no
+/// CDS: the bootstrap of [`envoy_bootstrap`] without its `cds_config`, one static cluster added.
+fn start_static_eds_envoy(xds_addr: SocketAddr, xds: XdsVariant) -> Envoy {
+    let bootstrap = envoy_bootstrap(&BootstrapInput {
+        xds_address: xds_addr,
+        listener_address: "127.0.0.1:0".parse().unwrap(),
+        admin_address: "127.0.0.1:0".parse().unwrap(),
+        services: vec![BootstrapService::new("web")],
+        ads: true,
+        xds,
+        ..Default::default()
+    });
+    let cds = "  cds_config:\n    resource_api_version: V3\n    ads: {}\n";
+    assert!(bootstrap.contains(cds), "{bootstrap}");
+    let mut bootstrap = bootstrap.replace(cds, "");
+    bootstrap.push_str(
+        "    - name: web
+      connect_timeout: 1s
+      type: EDS
+      eds_cluster_config:
+        eds_config:
+          resource_api_version: V3
+          ads: {}
+",
+    );
+    Envoy::start(&bootstrap)
 }
 
 /// Registers a second worker while Envoy runs; once `wait_synced` says every endpoint stream ACKed

@@ -271,6 +271,71 @@ fn a_killed_supervisor_comes_back_and_adopts_its_workers_under_load() {
 }
 
 #[test]
+fn a_restart_right_after_the_supervisor_comes_back_waits_for_envoy_and_loses_no_request() {
+    if envoy_or_skip(
+        "a_restart_right_after_the_supervisor_comes_back_waits_for_envoy_and_loses_no_request",
+    )
+    .is_none()
+    {
+        return;
+    }
+    // The new supervisor has no Envoy stream yet when the restart comes: its drains must wait for
+    // the Envoy the one before it served, not count zero streams and stop workers Envoy routes to.
+    let mut stack = started(2, |_| {});
+    let workers = stack.wait_for_workers(2, &BTreeSet::new());
+    // The Envoy is proven (it ACKed its endpoints) before the kill.
+    wait_until(STEP, "Envoy's stream synced", || {
+        let status = stack.supervisor.status_json().ok()?;
+        let streams = status["xds_streams"].as_array()?;
+        (streams.len() == 1 && streams[0]["synced_revision"] == status["revision"]).then_some(())
+    });
+    let load = stack.load();
+
+    // Killed, and started again once Envoy has failed to reconnect twice: its next try is then up to
+    // 400 ms away (the bootstrap's xDS retry backoff, jittered, from 100 ms), so the new supervisor
+    // starts with no stream for a while.
+    let failures = || {
+        stack
+            .envoy
+            .stat("cluster.cluster.update_failure")
+            .unwrap_or(0)
+    };
+    let failed_before = failures();
+    stack
+        .supervisor
+        .process()
+        .signal(rustix::process::Signal::KILL)
+        .unwrap();
+    wait_until(STEP, "Envoy to fail to reconnect twice", || {
+        (failures() >= failed_before + 2).then_some(())
+    });
+    wait_until(STEP, "the killed supervisor to exit", || {
+        stack.supervisor.process().try_wait()
+    });
+    stack.supervisor.start_again().unwrap();
+    // As soon as the control socket answers.
+    let out = wait_until(STEP, "the new supervisor to take a restart", || {
+        stack.supervisor.control("restart", &[]).ok()
+    });
+    assert!(out.starts_with("2 replaced"), "{out}");
+    let fresh = stack.wait_for_workers(2, &workers);
+    let all: BTreeSet<u32> = workers.union(&fresh).copied().collect();
+    stack.finish(load, 50, &all);
+    // Both drains waited for the Envoy the killed supervisor served, and got its ACK.
+    let logs = stack.supervisor.logs();
+    let drains: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("Every Envoy has the worker as draining"))
+        .collect();
+    eprintln!("{}", drains.join("\n"));
+    assert_eq!(drains.len(), 2, "{logs}");
+    assert!(
+        drains.iter().all(|l| l.contains("streams=1")),
+        "every drain waited for the Envoy to come back and ACK:\n{logs}"
+    );
+}
+
+#[test]
 fn a_replacement_that_cannot_start_leaves_the_old_worker_serving() {
     if envoy_or_skip("a_replacement_that_cannot_start_leaves_the_old_worker_serving").is_none() {
         return;

@@ -614,10 +614,11 @@ impl SlotTask {
             tokio::select! {
                 outcome = synced => {
                     let silent: Vec<&str> = outcome.silent.iter().map(|s| s.node.as_str()).collect();
+                    let late: Vec<&str> = outcome.late.iter().map(|s| s.node.as_str()).collect();
                     if outcome.is_synced() {
-                        tracing::info!(pid, streams = outcome.synced, ?silent, waited = ?begun.elapsed(), "Every Envoy has the worker as draining");
+                        tracing::info!(pid, streams = outcome.synced, awaited = ?outcome.awaited, ?silent, ?late, waited = ?begun.elapsed(), "Every Envoy has the worker as draining");
                     } else {
-                        tracing::warn!(pid, lagging = ?outcome.lagging, ?silent, timeout = ?self.lifecycle.drain_timeout, "Not every Envoy ACKed the drain in time; stopping the worker anyway");
+                        tracing::warn!(pid, lagging = ?outcome.lagging, awaited = ?outcome.awaited, ?silent, ?late, timeout = ?self.lifecycle.drain_timeout, "Not every Envoy ACKed the drain in time; stopping the worker anyway");
                     }
                 }
                 exit = exited(&instance.pidfd) => return self.reap(instance, exit).await,

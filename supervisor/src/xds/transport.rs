@@ -11,10 +11,12 @@
 //! answered with the same content again (go-control-plane's resend loop, its issue #962). CDS is
 //! always the full set (wildcard) on state-of-the-world streams; EDS answers only the names
 //! subscribed, sends only the assignments that changed, and answers a name that does not exist yet
-//! as soon as it appears. On ADS, clusters are always sent before the endpoints that
-//! name them: endpoints are held until their cluster was sent on the same stream, and a changed
-//! cluster's endpoints are sent again right after it (Envoy finishes warming a changed cluster only
-//! with a new EDS response).
+//! as soon as it appears. On an ADS stream that subscribed to clusters, clusters are always sent
+//! before the endpoints that name them: endpoints are held until their cluster was sent on the same
+//! stream, and a changed cluster's endpoints are sent again right after it (Envoy finishes warming a
+//! changed cluster only with a new EDS response). An ADS stream that never subscribed to clusters
+//! (an Envoy whose EDS clusters are static) gets the endpoints it names, as a dedicated EDS stream
+//! does: held, they would never be answered, and every drain would wait its timeout for it.
 //!
 //! Each stream also follows how far Envoy has ACKed its endpoints: its *synced revision* is the highest
 //! registry revision at which every EDS response it owed was ACKed (a NACK or a stale nonce never

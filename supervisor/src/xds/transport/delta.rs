@@ -297,9 +297,11 @@ impl StreamRules for DeltaStreamState {
             let set = resources
                 .get(ENDPOINT_TYPE_URL, via, &self.requester)
                 .expect("endpoints are served");
-            // On ADS, never send endpoints of a cluster the client does not have from this stream.
+            // On ADS with clusters, never send endpoints of a cluster the client does not have from
+            // this stream; one that never subscribed to clusters (a static EDS cluster on ADS) gets
+            // what it names.
             let clusters = self.clusters.as_ref().map(|c| &c.has);
-            let sendable = |name: &str| !ads || clusters.is_some_and(|has| has.contains_key(name));
+            let sendable = |name: &str| !ads || clusters.is_none_or(|has| has.contains_key(name));
             let (response, held) = watch.respond(
                 &set,
                 sendable,

@@ -466,17 +466,18 @@ fn ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile<W: Variant
     let mut fixture = Fixture::new();
     let r1 = fixture.register("a", 0, 10);
     let mut state = Stream::<W>::new(kind::<W>(None), "envoy".into(), Requester::default());
-    // Endpoints before clusters: held back, so owed.
-    let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
-    assert!(out.is_empty());
-    assert!(state.serves_endpoints());
-    assert_eq!(state.synced_revision(), None);
+    // Clusters first, then endpoints: the cluster is sent, and its endpoints are owed until they
+    // are sent and ACKed.
     let out = W::on_request(&mut state, W::subscribe(CLUSTER_TYPE_URL, &[]), &r1);
-    assert_eq!(types::<W>(&out), [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
+    assert_eq!(types::<W>(&out), [CLUSTER_TYPE_URL]);
     assert!(W::carries(&out[0], &r1.ads_clusters, "a"));
     assert!(W::on_request(&mut state, W::ack(&out[0], &[]), &r1).is_empty());
-    assert_eq!(state.synced_revision(), None, "a CDS ACK does not count");
-    assert!(W::on_request(&mut state, W::ack(&out[1], &["a"]), &r1).is_empty());
+    assert!(!state.serves_endpoints(), "a CDS ACK does not count");
+    let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
+    assert_eq!(types::<W>(&out), [ENDPOINT_TYPE_URL]);
+    assert!(state.serves_endpoints());
+    assert_eq!(state.synced_revision(), None);
+    assert!(W::on_request(&mut state, W::ack(&out[0], &["a"]), &r1).is_empty());
     assert_eq!(state.synced_revision(), Some(1));
     // Only the cluster changes (HTTP/2 upstream, same endpoints): its endpoints follow it.
     let r2 = fixture.register_h2("a", 0, 10);
@@ -487,6 +488,34 @@ fn ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile<W: Variant
     let out = W::on_resources(&mut state, &r2);
     assert_eq!(types::<W>(&out), [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
     assert_eq!(W::names(&out[0]), sent::<W>(&["a", "b"], &["a"]));
+    assert_eq!(W::names(&out[1]), ["a"]);
+}
+
+fn an_ads_stream_without_clusters_gets_the_endpoints_it_names_then_again_after_their_cluster<
+    W: Variant,
+>() {
+    let mut fixture = Fixture::new();
+    let r1 = fixture.register("a", 0, 10);
+    let mut state = Stream::<W>::new(kind::<W>(None), "envoy".into(), Requester::default());
+    // An Envoy with a static EDS cluster on ADS asks for endpoints only: answered at once, as on a
+    // dedicated EDS stream, and synced once ACKed.
+    let out = W::on_request(&mut state, W::subscribe(ENDPOINT_TYPE_URL, &["a"]), &r1);
+    assert_eq!(types::<W>(&out), [ENDPOINT_TYPE_URL]);
+    assert_eq!(W::names(&out[0]), ["a"]);
+    assert!(
+        state.awaiting_reply(),
+        "owes an answer, so it can turn silent"
+    );
+    assert!(W::on_request(&mut state, W::ack(&out[0], &["a"]), &r1).is_empty());
+    assert_eq!(state.synced_revision(), Some(1));
+    let r2 = fixture.register("a", 1, 11);
+    let out = W::on_resources(&mut state, &r2);
+    assert_eq!(types::<W>(&out), [ENDPOINT_TYPE_URL]);
+    assert!(W::on_request(&mut state, W::ack(&out[0], &["a"]), &r2).is_empty());
+    assert_eq!(state.synced_revision(), Some(r2.revision));
+    // Should it subscribe to clusters later, a cluster sent is followed by its endpoints again.
+    let out = W::on_request(&mut state, W::subscribe(CLUSTER_TYPE_URL, &[]), &r2);
+    assert_eq!(types::<W>(&out), [CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL]);
     assert_eq!(W::names(&out[1]), ["a"]);
 }
 
@@ -614,6 +643,8 @@ scenarios! {
     a_subscription_to_nothing_that_exists_is_synced_at_once: sotw, delta;
     a_change_pushes_the_changed_resource: sotw, delta;
     ads_sends_clusters_before_their_endpoints_which_are_owed_meanwhile: sotw, delta;
+    an_ads_stream_without_clusters_gets_the_endpoints_it_names_then_again_after_their_cluster:
+        sotw, delta;
     a_cds_only_stream_does_not_serve_endpoints: sotw, delta;
     large_assignments_go_one_response_per_answer_and_sync_with_the_last: sotw, delta;
     a_change_while_pieces_are_owed_is_sent_too: sotw, delta;

@@ -218,10 +218,15 @@ impl StreamState {
                 // sent again.
                 sent.retain(|name, _| set.resources.contains_key(name));
             }
-            // On ADS, never name endpoints of a cluster the client was not sent on this stream yet:
-            // an ADS client gets endpoints only for clusters it also receives over the same stream
-            // (Envoy subscribes to CDS first whenever its clusters come over ADS).
-            let known = ads.then(|| self.clusters.as_ref().and_then(|c| c.sent.as_ref()));
+            // On ADS with clusters, never name endpoints of a cluster the client was not sent on
+            // this stream yet: it gets endpoints only for clusters it also receives over the same
+            // stream (Envoy subscribes to CDS first whenever its clusters come over ADS). A stream
+            // that never subscribed to clusters (a static EDS cluster on ADS) gets what it names.
+            let known = self
+                .clusters
+                .as_ref()
+                .filter(|_| ads)
+                .map(|c| c.sent.as_ref());
             let names = &watch.names;
             let filled = watch.looked.fill(
                 &set,
