@@ -227,6 +227,18 @@ impl Manager {
         }
     }
 
+    /// Before this process execs a new image of itself ([`crate::upgrade`]): stops the orphan
+    /// watcher, which would otherwise wait on for a supervisor whose pid never exits, beside the
+    /// one the new image starts. Its zombie is the new image's to reap.
+    pub fn release_for_exec(&mut self) {
+        self.watcher = None;
+    }
+
+    /// After an exec that failed: the orphan watcher again, if one is needed.
+    pub fn resume_after_failed_exec(&mut self) {
+        self.watch_orphans();
+    }
+
     /// What the worker in slot `index` of `service` is started with.
     fn launch(&self, service: &ServiceConfig, index: u32) -> io::Result<Launch> {
         Launch::new(
