@@ -103,8 +103,10 @@ enum Command {
     /// every worker registered, then prints the old and new versions and the worker pids kept; it
     /// fails with the reason otherwise. SIGUSR2 to the supervisor starts the same upgrade.
     ///
-    /// `systemctl restart` is not this: it stops the supervisor, which drains and stops every worker,
-    /// and starts a new one with new workers.
+    /// Exits 69 (EX_UNAVAILABLE) when no supervisor answers or it predates this command (restart it
+    /// then), 1 when the upgrade was refused or did not complete. `systemctl restart` is not this:
+    /// it stops the supervisor, which drains and stops every worker, and starts a new one with new
+    /// workers.
     Upgrade {
         /// The configuration file the supervisor runs with.
         #[arg(default_value = DEFAULT_CONFIG)]
@@ -175,6 +177,9 @@ enum TlsCommand {
 
 /// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
 const EXIT_USAGE: u8 = 64;
+/// The exit code of `peregrine upgrade` when the supervisor cannot upgrade in place
+/// (EX_UNAVAILABLE): the package's postinst restarts it instead.
+const EXIT_UNAVAILABLE: u8 = 69;
 
 /// `peregrine --version`: the version, the commit built from (see `build.rs`) and whether the eBPF
 /// sampler is in this binary, e.g. `0.1.0 (1f00ca1, eBPF sampler built in)`.
@@ -379,7 +384,15 @@ fn main() -> ExitCode {
                     println!("{outcome}");
                     ExitCode::SUCCESS
                 }
-                Err(error) => fail(&anyhow::Error::new(error)),
+                Err(error) => {
+                    let code = if error.cannot_upgrade_in_place() {
+                        EXIT_UNAVAILABLE
+                    } else {
+                        1
+                    };
+                    fail(&anyhow::Error::new(error));
+                    ExitCode::from(code)
+                }
             }
         }
         Command::Worker => match peregrine_worker::run_hello() {

@@ -166,11 +166,8 @@ fn an_upgrade_is_a_reload_to_systemd_and_keeps_the_main_pid() {
             supervisor.status_pids().ok()?.first().copied()
         });
 
-    let sigusr2 = Command::new("kill")
-        .args(["-USR2", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(sigusr2.success());
+    let target = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(target, rustix::process::Signal::USR2).unwrap();
     notify.wait_for(Duration::from_secs(30), "RELOADING=1", |m| {
         m.lines().any(|l| l == "RELOADING=1")
     });

@@ -60,6 +60,18 @@ pub enum UpgradeError {
     },
 }
 
+impl UpgradeError {
+    /// Whether no supervisor answers, or the one that does cannot upgrade in place: restarting it
+    /// is then the way to a new binary. Not so when it refused the new program, or began and did
+    /// not finish: a restart would not do better.
+    pub fn cannot_upgrade_in_place(&self) -> bool {
+        matches!(
+            self,
+            UpgradeError::Unsupported { .. } | UpgradeError::Ask(StatusError::NotRunning { .. })
+        )
+    }
+}
+
 /// What an upgrade did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
