@@ -234,6 +234,17 @@ impl Manager {
         self.watcher = None;
     }
 
+    /// The process table, for children the supervisor starts beside its workers.
+    pub fn children(&self) -> Arc<crate::children::Children> {
+        self.context.children.clone()
+    }
+
+    /// Whether the supervisor has begun to stop (its workers are draining): an upgrade must not
+    /// exec then.
+    pub fn is_stopping(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
     /// After an exec that failed: the orphan watcher again, if one is needed.
     pub fn resume_after_failed_exec(&mut self) {
         self.watch_orphans();

@@ -21,6 +21,13 @@
 //! again. Meanwhile Envoy keeps its endpoints and the workers keep serving. The client
 //! ([`client`]) waits until the supervisor answers with a new image and its workers registered.
 //!
+//! A stop (SIGTERM) wins over an upgrade: one that began during the checks or the reply cancels
+//! the exec. One sent in the moment of the exec itself, between that last look and the new image's
+//! signal handlers (installed first thing in [`crate::run::run`]), is lost, or ends the new image
+//! before it drains: its workers then stop by themselves after `orphan_timeout_ms`. Blocking the
+//! signals across the exec would not close that window in a process of many threads, where any
+//! thread that does not block a signal takes it.
+//!
 //! Invariant: nothing is stopped or changed before the new program passed its checks, and a failed
 //! exec leaves the old image running as it was (its orphan watcher started again).
 
@@ -38,7 +45,10 @@ pub use self::{
     check::CheckError,
     image::{Image, program_path},
 };
-use crate::{manager::Manager, registration::ControlAnswer, sampler::ErrorChain, service_manager};
+use crate::{
+    children::Children, manager::Manager, registration::ControlAnswer, sampler::ErrorChain,
+    service_manager,
+};
 
 /// How long the reply may take to reach the client before the exec goes ahead without it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -51,7 +61,16 @@ pub(crate) async fn carry_out(
     config: &Path,
     reply: Option<oneshot::Sender<ControlAnswer>>,
 ) {
-    let (prepared, new_version) = match prepare(image, config).await {
+    let prepared = match prepare(image, config, &manager.children()).await {
+        // A stop that came during the checks goes on: its workers are draining.
+        Ok(_) if manager.is_stopping() => Err(v1::ControlReply {
+            ok: false,
+            summary: "the supervisor is stopping; no upgrade".into(),
+            ..Default::default()
+        }),
+        other => other,
+    };
+    let (prepared, new_version) = match prepared {
         Ok(ready) => ready,
         Err(refusal) => {
             tracing::warn!(summary = %refusal.summary, failures = ?refusal.failures, "Upgrade refused");
@@ -85,6 +104,12 @@ pub(crate) async fn carry_out(
             let _ = tokio::time::timeout(REPLY_TIMEOUT, delivered).await;
         }
     }
+    if manager.is_stopping() {
+        tracing::warn!(
+            "The supervisor began to stop during the upgrade: the new program is not executed"
+        );
+        return;
+    }
     manager.release_for_exec();
     let error = exec::replace_image(&prepared);
     tracing::error!(%error, program = %prepared.program_display(), "The upgrade's exec failed: the old program keeps running");
@@ -96,6 +121,7 @@ pub(crate) async fn carry_out(
 async fn prepare(
     image: &Image,
     config: &Path,
+    children: &Children,
 ) -> Result<(exec::Prepared, String), v1::ControlReply> {
     let refusal = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -112,7 +138,7 @@ async fn prepare(
         ));
     };
     tracing::info!(program = %program.display(), config = %config.display(), "Upgrade: checking the new program");
-    let new_version = check::new_program(program, config).await.map_err(|error| {
+    let new_version = check::new_program(program, config, children).await.map_err(|error| {
         refusal(
             format!(
                 "the upgrade was refused: {} failed its checks; nothing changed, the supervisor \

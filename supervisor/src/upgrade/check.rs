@@ -7,6 +7,8 @@ use std::{
     time::Duration,
 };
 
+use crate::children::Children;
+
 /// How long each check may take.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How much of a check's output an error quotes.
@@ -54,11 +56,15 @@ fn quoted(output: &str) -> String {
     }
 }
 
-/// Runs `program --version` and `program check config`; returns the version it prints (without the
-/// command's name).
-pub(super) async fn new_program(program: &Path, config: &Path) -> Result<String, CheckError> {
-    let version = run(program, &["--version".as_ref()]).await?;
-    run(program, &["check".as_ref(), config.as_os_str()]).await?;
+/// Runs `program --version` and `program check config`, as children the orphan reaper of
+/// `children` leaves to their waiter; returns the version it prints (without the command's name).
+pub(super) async fn new_program(
+    program: &Path,
+    config: &Path,
+    children: &Children,
+) -> Result<String, CheckError> {
+    let version = run(program, &["--version".as_ref()], children).await?;
+    run(program, &["check".as_ref(), config.as_os_str()], children).await?;
     let line = version.lines().next().unwrap_or_default().trim();
     Ok(version_of(line).to_owned())
 }
@@ -69,7 +75,11 @@ fn version_of(line: &str) -> &str {
 }
 
 /// Runs `program args`; its standard output if it succeeds in time.
-async fn run(program: &Path, args: &[&std::ffi::OsStr]) -> Result<String, CheckError> {
+async fn run(
+    program: &Path,
+    args: &[&std::ffi::OsStr],
+    children: &Children,
+) -> Result<String, CheckError> {
     let shown = args
         .iter()
         .map(|a| a.to_string_lossy())
@@ -86,11 +96,18 @@ async fn run(program: &Path, args: &[&std::ffi::OsStr]) -> Result<String, CheckE
     for name in crate::service_manager::INHERITED {
         command.env_remove(name);
     }
-    let child = command.spawn().map_err(|source| CheckError::Spawn {
+    let spawned = children.spawn_waited(|| {
+        let child = command.spawn()?;
+        Ok((child.id().unwrap_or_default(), child))
+    });
+    let (pid, child) = spawned.map_err(|source| CheckError::Spawn {
         program: program.to_owned(),
         source,
     })?;
-    let output: Output = match tokio::time::timeout(CHECK_TIMEOUT, child.wait_with_output()).await {
+    let waited = tokio::time::timeout(CHECK_TIMEOUT, child.wait_with_output()).await;
+    // Reaped by now, or killed on drop (tokio reaps what it kills).
+    children.done_waiting(pid);
+    let output: Output = match waited {
         Ok(Ok(output)) => output,
         Ok(Err(source)) => {
             return Err(CheckError::Spawn {
@@ -147,12 +164,18 @@ mod tests {
         let config = dir.path().join("peregrine.toml");
         std::fs::write(&config, "").unwrap();
         assert_eq!(
-            new_program(&program, &config).await.unwrap(),
+            new_program(&program, &config, &Children::default())
+                .await
+                .unwrap(),
             "9.9.9 (abc1234, eBPF sampler built in)"
         );
-        let error = new_program(&program, &dir.path().join("missing.toml"))
-            .await
-            .unwrap_err();
+        let error = new_program(
+            &program,
+            &dir.path().join("missing.toml"),
+            &Children::default(),
+        )
+        .await
+        .unwrap_err();
         assert!(
             matches!(&error, CheckError::Failed { args, .. } if args.starts_with("check ")),
             "{error:?}"
@@ -163,7 +186,7 @@ mod tests {
     async fn a_program_that_fails_or_is_missing_is_named_with_what_it_printed() {
         let dir = tempfile::tempdir().unwrap();
         let program = script(dir.path(), "echo broken >&2; exit 1");
-        let error = new_program(&program, Path::new("/dev/null"))
+        let error = new_program(&program, Path::new("/dev/null"), &Children::default())
             .await
             .unwrap_err();
         assert_eq!(
@@ -174,7 +197,7 @@ mod tests {
             )
         );
         let missing = dir.path().join("nothing");
-        let error = new_program(&missing, Path::new("/dev/null"))
+        let error = new_program(&missing, Path::new("/dev/null"), &Children::default())
             .await
             .unwrap_err();
         assert!(matches!(error, CheckError::Spawn { .. }), "{error:?}");
