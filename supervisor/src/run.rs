@@ -1,16 +1,16 @@
 //! `peregrine run`: wires the parts together and runs them until SIGINT or SIGTERM.
 //!
-//! Order of start: the control socket's instance lock ([`InstanceLock`]: a second supervisor on the
-//! socket stops here), the open-file limit raised, the sampler's sources ([`choose_sampler`]: an
-//! unavailable sampler fails before anything starts), registry, registration socket, gRPC listener
-//! (so a bad address fails before any worker starts), adoption of an earlier supervisor's workers
-//! (those of the lock's lineage) and the slot tasks, the registration server, then, once adopted
-//! workers have registered again, the fleet's membership and xDS behind the gRPC port's admission,
-//! then the sampling loop. Restarts,
-//! reloads (control socket, SIGHUP) and upgrades (control socket, SIGUSR2) run one at a time in an
-//! operation task; an upgrade execs a new image of this process, which starts here again. Order of stop: workers
-//! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
-//! registration socket file is removed.
+//! Order of start: the signal handlers, the control socket's instance lock ([`InstanceLock`]: a
+//! second supervisor on the socket stops here), the open-file limit raised, the sampler's sources
+//! ([`choose_sampler`]: an unavailable sampler fails before anything starts), registry,
+//! registration socket, gRPC listener (so a bad address fails before any worker starts), adoption
+//! of an earlier supervisor's workers (those of the lock's lineage) and the slot tasks, the
+//! registration server, then, once adopted workers have registered again, the fleet's membership
+//! and xDS behind the gRPC port's admission, then the sampling loop. Restarts, reloads (control
+//! socket, SIGHUP) and upgrades (control socket, SIGUSR2) run one at a time in an operation task;
+//! an upgrade execs a new image of this process, which starts here again (its signal handlers first
+//! of all). Order of stop: workers (drained, then SIGTERM, then SIGKILL after a deadline), then the
+//! sampler, then xDS, then the registration socket file is removed.
 
 use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 

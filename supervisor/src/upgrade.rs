@@ -41,10 +41,7 @@ use std::{path::Path, time::Duration};
 use peregrine_proto::v1;
 use tokio::sync::oneshot;
 
-pub use self::{
-    check::CheckError,
-    image::{Image, program_path},
-};
+pub use self::{check::CheckError, image::Image};
 use crate::{
     children::Children, manager::Manager, registration::ControlAnswer, sampler::ErrorChain,
     service_manager,

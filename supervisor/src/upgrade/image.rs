@@ -86,7 +86,7 @@ impl Default for Image {
 /// `argv[0]` when that names a file (holds a `/`), made absolute against the working directory at
 /// start; otherwise (found through `PATH`) `current_exe` as read at start. Symbolic links are not
 /// resolved: a link that a package points elsewhere is followed to the new file.
-pub fn program_path(
+fn program_path(
     argv0: Option<&OsStr>,
     cwd: Option<&Path>,
     current_exe: Option<PathBuf>,
