@@ -139,8 +139,7 @@ pub fn judge(before: &v1::Supervisor, before_pids: &BTreeSet<u32>, now: &v1::Sta
     if supervisor.started_unix_ms == before.started_unix_ms {
         return Progress::Waiting("the old image still answers".into());
     }
-    let local = || now.workers.iter().filter(|w| w.host.is_empty());
-    let missing: Vec<String> = local()
+    let missing: Vec<String> = local_rows(now)
         .filter(|w| w.pid.is_none())
         .map(|w| format!("{}[{}]", w.service, w.index))
         .collect();
@@ -150,7 +149,7 @@ pub fn judge(before: &v1::Supervisor, before_pids: &BTreeSet<u32>, now: &v1::Sta
             missing.join(", ")
         ));
     }
-    let pids: BTreeSet<u32> = local().filter_map(|w| w.pid).collect();
+    let pids = local_pids(now);
     Progress::Done(Outcome {
         pid: supervisor.pid,
         old_version: before.version.clone(),
@@ -158,6 +157,20 @@ pub fn judge(before: &v1::Supervisor, before_pids: &BTreeSet<u32>, now: &v1::Sta
         kept: pids.intersection(before_pids).copied().collect(),
         new: pids.difference(before_pids).copied().collect(),
     })
+}
+
+/// The rows of this host's own workers: on a single host every row, in a fleet those of its host.
+fn local_rows(status: &v1::Status) -> impl Iterator<Item = &v1::WorkerStatus> {
+    let own = status
+        .fleet
+        .as_ref()
+        .map_or("", |fleet| fleet.host.as_str());
+    status.workers.iter().filter(move |w| w.host == own)
+}
+
+/// The pids of this host's registered workers.
+fn local_pids(status: &v1::Status) -> BTreeSet<u32> {
+    local_rows(status).filter_map(|w| w.pid).collect()
 }
 
 /// Asks the supervisor on `socket` to upgrade in place and waits at most `timeout` for it.
@@ -169,12 +182,7 @@ pub fn upgrade(socket: &Path, timeout: Duration) -> Result<Outcome, UpgradeError
             path: socket.to_owned(),
         });
     };
-    let before_pids: BTreeSet<u32> = before
-        .workers
-        .iter()
-        .filter(|w| w.host.is_empty())
-        .filter_map(|w| w.pid)
-        .collect();
+    let before_pids = local_pids(&before);
     let request = v1::ControlRequest {
         action: Some(v1::control_request::Action::Upgrade(v1::Upgrade {})),
     };
@@ -259,6 +267,37 @@ mod tests {
             outcome.to_string(),
             "upgraded in place: pid 100, 0.1.0 (aaa) -> 0.2.0 (bbb); 1 workers kept (11), 1 new (13)"
         );
+    }
+
+    #[test]
+    fn in_a_fleet_only_this_hosts_workers_count() {
+        let before = image(100, 1_000, "0.1.0");
+        let mine = |index, pid| v1::WorkerStatus {
+            host: "a".into(),
+            ..row(index, pid)
+        };
+        let theirs = v1::WorkerStatus {
+            host: "b".into(),
+            ..row(0, Some(77))
+        };
+        let mut now = status(
+            image(100, 2_000, "0.1.0"),
+            vec![mine(0, None), theirs.clone()],
+        );
+        now.fleet = Some(v1::Fleet {
+            host: "a".into(),
+            ..Default::default()
+        });
+        assert_eq!(
+            judge(&before, &BTreeSet::from([11]), &now),
+            Progress::Waiting("workers not registered again: web[0]".into())
+        );
+        now.workers = vec![mine(0, Some(11)), theirs];
+        let Progress::Done(outcome) = judge(&before, &BTreeSet::from([11]), &now) else {
+            panic!("not done");
+        };
+        assert_eq!(outcome.kept, BTreeSet::from([11]));
+        assert!(outcome.new.is_empty(), "{outcome:?}");
     }
 
     #[test]
