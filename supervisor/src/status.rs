@@ -23,7 +23,7 @@ use peregrine_proto::v1;
 
 pub use self::{
     client::{QUERY_TIMEOUT, StatusError, ask, control, query},
-    view::{OrcaReportView, StatusView, WorkerRow, XdsStreamView},
+    view::{OrcaReportView, StatusView, SupervisorView, WorkerRow, XdsStreamView},
 };
 use crate::{
     fleet::{EtcdState, FleetStatus, SessionStatus},

@@ -151,6 +151,9 @@ fn an_upgrade_in_place_keeps_the_pid_and_the_workers_and_loses_no_request() {
     let (dir, program, mut stack) = started_from_a_copy(2);
     let pid = stack.supervisor.pid();
     let workers = stack.supervisor.status_pids().unwrap();
+    let image = |stack: &Stack| stack.supervisor.status_json().unwrap()["supervisor"].clone();
+    let before = image(&stack);
+    assert_eq!(before["pid"], pid, "{before}");
     assert_eq!(workers.len(), 2, "{workers:?}");
     let load = stack.deployed().load();
 
@@ -182,6 +185,12 @@ fn an_upgrade_in_place_keeps_the_pid_and_the_workers_and_loses_no_request() {
         "the supervisor executes the new file"
     );
     assert_eq!(stack.supervisor.status_pids().unwrap(), workers);
+    let after = image(&stack);
+    assert_eq!(after["pid"], pid, "{after}");
+    assert!(
+        after["started_unix_ms"].as_u64() > before["started_unix_ms"].as_u64(),
+        "a new image: {before} then {after}"
+    );
     let logs = stack.supervisor.all_logs();
     assert!(logs.contains("Adopting a worker"), "{logs}");
     // The lock was taken again, through one descriptor: the old image's went with it.
