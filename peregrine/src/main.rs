@@ -92,6 +92,32 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
     },
+    /// Replace the running supervisor's program in place, keeping its workers serving.
+    ///
+    /// For a new `peregrine` binary installed over the one the supervisor was started from (the
+    /// package does this on upgrade). The supervisor first checks the file at the path it was started
+    /// from: `PROGRAM --version` must succeed and `PROGRAM check CONFIG` must pass, else it refuses
+    /// and nothing changes. Then it tells systemd RELOADING=1 and execs that program with its
+    /// original arguments, in the same process (systemd's main pid stays); the new image adopts the
+    /// running workers and sends READY=1. This command waits until the supervisor answers again with
+    /// every worker registered, then prints the old and new versions and the worker pids kept; it
+    /// fails with the reason otherwise. SIGUSR2 to the supervisor starts the same upgrade.
+    ///
+    /// Exits 69 (EX_UNAVAILABLE) when no supervisor answers or it predates this command (restart it
+    /// then), 1 when the upgrade was refused or did not complete. `systemctl restart` is not this:
+    /// it stops the supervisor, which drains and stops every worker, and starts a new one with new
+    /// workers.
+    Upgrade {
+        /// The configuration file the supervisor runs with.
+        #[arg(default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// The supervisor's control socket (instead of `supervisor.control` of CONFIG).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// How long to wait for the new image to serve with its workers registered, in seconds.
+        #[arg(long, value_name = "SECS", default_value_t = 60)]
+        timeout: u64,
+    },
     /// TLS material for the gRPC port and etcd.
     Tls {
         #[command(subcommand)]
@@ -151,6 +177,9 @@ enum TlsCommand {
 
 /// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
 const EXIT_USAGE: u8 = 64;
+/// The exit code of `peregrine upgrade` when the supervisor cannot upgrade in place
+/// (EX_UNAVAILABLE): the package's postinst restarts it instead.
+const EXIT_UNAVAILABLE: u8 = 69;
 
 /// `peregrine --version`: the version, the commit built from (see `build.rs`) and whether the eBPF
 /// sampler is in this binary, e.g. `0.1.0 (1f00ca1, eBPF sampler built in)`.
@@ -181,6 +210,8 @@ fn command() -> clap::Command {
 }
 
 fn main() -> ExitCode {
+    // First: the program file and arguments an upgrade execs again.
+    let image = peregrine_supervisor::upgrade::Image::capture(version());
     let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|error| error.exit());
     if let Err(error) = init_tracing() {
         eprintln!("peregrine: {error}");
@@ -279,7 +310,7 @@ fn main() -> ExitCode {
                     return fail(&anyhow::Error::new(error).context("cannot start the runtime"));
                 }
             };
-            match runtime.block_on(peregrine_supervisor::run::run(config, path)) {
+            match runtime.block_on(peregrine_supervisor::run::run(config, path, image)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => fail(&anyhow::Error::new(error)),
             }
@@ -334,6 +365,35 @@ fn main() -> ExitCode {
                 action: Some(v1::control_request::Action::Reload(v1::Reload {})),
             };
             control(&config, socket, request)
+        }
+        Command::Upgrade {
+            config,
+            socket,
+            timeout,
+        } => {
+            let socket = match socket {
+                Some(socket) => socket,
+                None => match Config::load(&config) {
+                    Ok(c) => c.supervisor.control,
+                    Err(error) => return config_error(&error),
+                },
+            };
+            let timeout = std::time::Duration::from_secs(timeout);
+            match peregrine_supervisor::upgrade::client::upgrade(&socket, timeout) {
+                Ok(outcome) => {
+                    println!("{outcome}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    let code = if error.cannot_upgrade_in_place() {
+                        EXIT_UNAVAILABLE
+                    } else {
+                        1
+                    };
+                    fail(&anyhow::Error::new(error));
+                    ExitCode::from(code)
+                }
+            }
         }
         Command::Worker => match peregrine_worker::run_hello() {
             Ok(()) => ExitCode::SUCCESS,
@@ -645,14 +705,22 @@ mod tests {
 
     #[test]
     fn every_command_that_reads_the_config_defaults_to_the_installed_one() {
-        for name in ["run", "check", "envoy-bootstrap", "status", "reload"] {
+        for name in [
+            "run",
+            "check",
+            "envoy-bootstrap",
+            "status",
+            "reload",
+            "upgrade",
+        ] {
             let cli = Cli::try_parse_from(["peregrine", name]).unwrap();
             let config = match cli.command {
                 Command::Run { config }
                 | Command::Check { config }
                 | Command::EnvoyBootstrap { config }
                 | Command::Status { config, .. }
-                | Command::Reload { config, .. } => config,
+                | Command::Reload { config, .. }
+                | Command::Upgrade { config, .. } => config,
                 other => panic!("{name} parsed as {other:?}"),
             };
             assert_eq!(config, PathBuf::from(DEFAULT_CONFIG), "{name}");

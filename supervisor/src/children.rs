@@ -98,6 +98,9 @@ pub struct Child {
 #[derive(Debug, Default)]
 pub struct Children {
     by_pid: Mutex<HashMap<u32, Child>>,
+    /// Children that are no workers and that whoever started them waits for (an upgrade's checks
+    /// of the new program): the orphan reaper leaves them alone. Locked after `by_pid`.
+    waited: Mutex<HashSet<u32>>,
 }
 
 impl Children {
@@ -125,9 +128,36 @@ impl Children {
     /// can be added meanwhile (a spawn holds the lock), so `f` may reap a child that is no worker.
     pub fn unless_worker<T>(&self, pid: u32, f: impl FnOnce() -> T) -> Option<T> {
         let map = self.lock();
-        let result = (!map.contains_key(&pid)).then(f);
+        let waited = self.waited.lock().unwrap_or_else(|e| e.into_inner());
+        let result = (!map.contains_key(&pid) && !waited.contains(&pid)).then(f);
+        drop(waited);
         drop(map);
         result
+    }
+
+    /// Starts a child that is no worker and that the caller waits for itself, with `spawn` (which
+    /// returns its pid and the rest): [`Children::unless_worker`] passes it over, so the orphan
+    /// reaper never takes its exit status from its waiter. The table is locked across the spawn.
+    /// Call [`Children::done_waiting`] once it has been waited for.
+    pub fn spawn_waited<T>(
+        &self,
+        spawn: impl FnOnce() -> std::io::Result<(u32, T)>,
+    ) -> std::io::Result<(u32, T)> {
+        let _map = self.lock();
+        let (pid, more) = spawn()?;
+        self.waited
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(pid);
+        Ok((pid, more))
+    }
+
+    /// Forgets a child of [`Children::spawn_waited`] that has been waited for.
+    pub fn done_waiting(&self, pid: u32) {
+        self.waited
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&pid);
     }
 
     /// Adds a live worker: one this supervisor adopted.
@@ -319,5 +349,20 @@ impl Counters {
     /// The supervisor's mapping.
     pub fn region(&self) -> &CounterRegion {
         &self.region
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_its_starter_waits_for_is_passed_over_by_the_orphan_reaper_until_waited_for() {
+        let children = Children::default();
+        let (pid, ()) = children.spawn_waited(|| Ok((4242, ()))).unwrap();
+        assert_eq!(children.unless_worker(pid, || "reaped"), None);
+        assert!(!children.is_worker(pid), "it is no worker");
+        children.done_waiting(pid);
+        assert_eq!(children.unless_worker(pid, || "reaped"), Some("reaped"));
     }
 }

@@ -23,6 +23,7 @@ use std::{
     io::{self, Read, Seek, Write},
     os::unix::fs::{MetadataExt, OpenOptionsExt},
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use rustix::fs::FlockOperation;
@@ -143,6 +144,23 @@ impl InstanceLock {
         })
     }
 
+    /// [`InstanceLock::acquire`], but when the holder the lock file names is this very process (an
+    /// earlier image of it, before an upgrade's exec), tries again for up to `grace`: a child forked
+    /// just before the exec holds the lock's descriptor until its own exec closes it.
+    pub fn acquire_after_exec(control: &Path, grace: Duration) -> Result<InstanceLock, LockError> {
+        let deadline = Instant::now() + grace;
+        loop {
+            match InstanceLock::acquire(control) {
+                Err(LockError::InUse { pid: Some(pid), .. })
+                    if pid == std::process::id() && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// The socket's lineage.
     pub fn lineage(&self) -> &Lineage {
         &self.lineage
@@ -237,6 +255,32 @@ mod tests {
         // Another socket in another directory has another lineage.
         let other = InstanceLock::acquire(&dir.path().join("p.sock")).unwrap();
         assert_ne!(other.lineage(), &lineage);
+    }
+
+    #[test]
+    fn a_lock_held_by_this_very_process_is_waited_for_after_an_exec() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("p.sock");
+        let first = InstanceLock::acquire(&socket).unwrap();
+        // What a child forked just before an exec does: holds the lock a moment longer.
+        let released = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(first);
+        });
+        let second = InstanceLock::acquire_after_exec(&socket, Duration::from_secs(5)).unwrap();
+        released.join().unwrap();
+        // Another holder is not waited for.
+        let begun = Instant::now();
+        std::fs::write(
+            lock_path(&socket),
+            format!("{}\n1\n", second.lineage().as_str()),
+        )
+        .unwrap();
+        assert!(matches!(
+            InstanceLock::acquire_after_exec(&socket, Duration::from_secs(5)),
+            Err(LockError::InUse { pid: Some(1), .. })
+        ));
+        assert!(begun.elapsed() < Duration::from_secs(1));
     }
 
     #[test]

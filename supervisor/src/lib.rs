@@ -27,6 +27,7 @@ pub mod status;
 pub mod throttle;
 pub mod timings;
 pub mod tls;
+pub mod upgrade;
 pub mod xds;
 
 /// The Envoy bootstrap for a configuration: what `peregrine envoy-bootstrap` prints.

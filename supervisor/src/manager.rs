@@ -246,6 +246,29 @@ impl Manager {
         locked_memory::warn_short(&self.locked_memory, services, own_uid);
     }
 
+    /// Before this process execs a new image of itself ([`crate::upgrade`]): stops the orphan
+    /// watcher, which would otherwise wait on for a supervisor whose pid never exits, beside the
+    /// one the new image starts. Its zombie is the new image's to reap.
+    pub fn release_for_exec(&mut self) {
+        self.watcher = None;
+    }
+
+    /// The process table, for children the supervisor starts beside its workers.
+    pub fn children(&self) -> Arc<crate::children::Children> {
+        self.context.children.clone()
+    }
+
+    /// Whether the supervisor has begun to stop (its workers are draining): an upgrade must not
+    /// exec then.
+    pub fn is_stopping(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
+    /// After an exec that failed: the orphan watcher again, if one is needed.
+    pub fn resume_after_failed_exec(&mut self) {
+        self.watch_orphans();
+    }
+
     /// What the worker in slot `index` of `service` is started with.
     fn launch(&self, service: &ServiceConfig, index: u32) -> io::Result<Launch> {
         let uid = service

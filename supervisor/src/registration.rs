@@ -123,7 +123,26 @@ fn bind_replacing(path: &Path, mode: u32) -> Result<UnixListener, BindError> {
 }
 
 /// Where control commands go: each with the channel its reply comes back on.
-pub type Commands = mpsc::Sender<(v1::ControlRequest, oneshot::Sender<v1::ControlReply>)>;
+pub type Commands = mpsc::Sender<(v1::ControlRequest, oneshot::Sender<ControlAnswer>)>;
+
+/// A control command's reply as the run loop hands it back to the connection.
+#[derive(Debug)]
+pub struct ControlAnswer {
+    /// What the client is sent.
+    pub reply: v1::ControlReply,
+    /// Told once the reply is written to the client, or could not be: an upgrade execs only then,
+    /// so that its client hears that it began.
+    pub written: Option<oneshot::Sender<()>>,
+}
+
+impl From<v1::ControlReply> for ControlAnswer {
+    fn from(reply: v1::ControlReply) -> Self {
+        ControlAnswer {
+            reply,
+            written: None,
+        }
+    }
+}
 
 /// What the registration server reads and writes, on every socket.
 #[derive(Clone)]
@@ -296,19 +315,25 @@ async fn answer_control(
     }
     tracing::info!(?request, "Control command received");
     let (tx, rx) = oneshot::channel();
-    let reply = match commands.send((request, tx)).await {
+    let ControlAnswer { reply, written } = match commands.send((request, tx)).await {
         Ok(()) => rx.await.ok(),
         Err(_) => None,
     }
-    .unwrap_or_else(|| v1::ControlReply {
-        ok: false,
-        summary: "the supervisor is stopping".into(),
-        ..Default::default()
+    .unwrap_or_else(|| {
+        ControlAnswer::from(v1::ControlReply {
+            ok: false,
+            summary: "the supervisor is stopping".into(),
+            ..Default::default()
+        })
     });
     let answer = SupervisorMessage {
         message: Some(supervisor_message::Message::Control(reply)),
     };
-    stream.write_all(&encode(&answer)).await?;
+    let result = stream.write_all(&encode(&answer)).await;
+    if let Some(written) = written {
+        let _ = written.send(());
+    }
+    result?;
     Ok(())
 }
 
@@ -388,14 +413,14 @@ mod tests {
             let children = Arc::new(Children::default());
             // A run loop that answers every command with what it was asked.
             let (commands, mut requests) =
-                mpsc::channel::<(v1::ControlRequest, oneshot::Sender<v1::ControlReply>)>(1);
+                mpsc::channel::<(v1::ControlRequest, oneshot::Sender<ControlAnswer>)>(1);
             tokio::spawn(async move {
                 while let Some((request, reply)) = requests.recv().await {
-                    let _ = reply.send(v1::ControlReply {
+                    let _ = reply.send(ControlAnswer::from(v1::ControlReply {
                         ok: true,
                         summary: format!("{:?}", request.action),
                         ..Default::default()
-                    });
+                    }));
                 }
             });
             let lock = InstanceLock::acquire(&path).unwrap();

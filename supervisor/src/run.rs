@@ -1,15 +1,16 @@
 //! `peregrine run`: wires the parts together and runs them until SIGINT or SIGTERM.
 //!
-//! Order of start: the control socket's instance lock ([`InstanceLock`]: a second supervisor on the
-//! socket stops here), the open-file limit raised, the sampler's sources ([`choose_sampler`]: an
-//! unavailable sampler fails before anything starts), registry, registration socket, gRPC listener
-//! (so a bad address fails before any worker starts), adoption of an earlier supervisor's workers
-//! (those of the lock's lineage) and the slot tasks, the registration server, then, once adopted
-//! workers have registered again, the fleet's membership and xDS behind the gRPC port's admission,
-//! then the sampling loop. Restarts and
-//! reloads (control socket, SIGHUP) run one at a time in an operation task. Order of stop: workers
-//! (drained, then SIGTERM, then SIGKILL after a deadline), then the sampler, then xDS, then the
-//! registration socket file is removed.
+//! Order of start: the signal handlers, the control socket's instance lock ([`InstanceLock`]: a
+//! second supervisor on the socket stops here), the open-file limit raised, the sampler's sources
+//! ([`choose_sampler`]: an unavailable sampler fails before anything starts), registry,
+//! registration socket, gRPC listener (so a bad address fails before any worker starts), adoption
+//! of an earlier supervisor's workers (those of the lock's lineage) and the slot tasks, the
+//! registration server, then, once adopted workers have registered again, the fleet's membership
+//! and xDS behind the gRPC port's admission, then the sampling loop. Restarts, reloads (control
+//! socket, SIGHUP) and upgrades (control socket, SIGUSR2) run one at a time in an operation task;
+//! an upgrade execs a new image of this process, which starts here again (its signal handlers first
+//! of all). Order of stop: workers (drained, then SIGTERM, then SIGKILL after a deadline), then the
+//! sampler, then xDS, then the registration socket file is removed.
 
 use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
@@ -47,8 +48,14 @@ use crate::{
     service_manager, status,
     timings::Timings,
     tls::server::ServerTls,
+    upgrade::Image,
     xds,
 };
+
+/// How long a supervisor whose lock file names its own pid (an earlier image of this process, before
+/// an upgrade's exec) waits for the lock: a child forked at that moment holds the lock's descriptor
+/// until its own exec.
+const LOCK_AFTER_EXEC: Duration = Duration::from_secs(5);
 
 /// The longest xDS waits at start for adopted workers to register again (they retry at least every
 /// 100 ms; `register_timeout_ms` if shorter). A slot whose adopted worker has not registered by
@@ -229,13 +236,20 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
 /// Runs the supervisor until SIGINT or SIGTERM; returns once every worker has stopped.
 ///
 /// `path` is the config file `config` came from: `peregrine restart`, `peregrine reload` and SIGHUP
-/// read it again.
-pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
+/// read it again. `image` is what this process was started as: `peregrine upgrade` execs it again.
+pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunError> {
     let control = config.supervisor.control.clone();
     let started = tokio::time::Instant::now();
-    // First of all: a second supervisor on this socket stops here, before it touches anything. Held
-    // until this function returns (after the socket file is removed).
-    let lock = InstanceLock::acquire(&control)?;
+    // The signals first: from here on SIGTERM drains and stops, even in an image that an upgrade
+    // has just started and that is still adopting.
+    let signal = |kind| tokio::signal::unix::signal(kind).map_err(RunError::Signals);
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let mut sigusr2 = signal(SignalKind::user_defined2())?;
+    // Then: a second supervisor on this socket stops here, before it touches anything. Held until
+    // this function returns (after the socket file is removed).
+    let lock = InstanceLock::acquire_after_exec(&control, LOCK_AFTER_EXEC)?;
     let nofile = grpc_port::raise_nofile_limit();
     let sources = choose_sampler(&config)?;
     let registry = Registry::new(config.services.keys().cloned());
@@ -300,11 +314,6 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             .filter_map(|l| l.local_addr().ok())
             .collect(),
     };
-    let signal = |kind| tokio::signal::unix::signal(kind).map_err(RunError::Signals);
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-
     let (stop_tx, stop_rx) = watch::channel(false);
     let (commands_tx, mut commands_rx) = mpsc::channel(16);
     // xDS stops only once every worker has: their drains are published to Envoy until the end.
@@ -314,7 +323,10 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
     };
     // What the status report and the metrics read beside the registry. The ACKs are shared by the
     // xDS streams (which record what Envoy ACKed) and the manager (whose drains wait on them).
-    let records = status::Records::default();
+    let records = status::Records {
+        supervisor: Some(image.status()),
+        ..Default::default()
+    };
     let acks = records.acks.clone();
     let remembered = remember_envoys(
         &acks,
@@ -489,6 +501,7 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
             orca: orca_reach,
             tls,
             worker_sockets,
+            image,
         },
     ));
     // The watchdog's pings come from this loop: if it stops turning, they stop.
@@ -505,6 +518,13 @@ pub async fn run(config: Config, path: PathBuf) -> Result<(), RunError> {
                     action: Some(v1::control_request::Action::Restart(v1::Restart::default())),
                 };
                 let _ = operations_tx.send((restart, None)).await;
+            }
+            _ = sigusr2.recv() => {
+                tracing::info!("SIGUSR2: upgrading in place to the program file this supervisor was started from");
+                let upgrade = v1::ControlRequest {
+                    action: Some(v1::control_request::Action::Upgrade(v1::Upgrade {})),
+                };
+                let _ = operations_tx.send((upgrade, None)).await;
             }
             Some((request, reply)) = commands_rx.recv() => {
                 let _ = operations_tx.send((request, Some(reply))).await;

@@ -23,7 +23,7 @@ use peregrine_proto::v1;
 
 pub use self::{
     client::{QUERY_TIMEOUT, StatusError, ask, control, query},
-    view::{OrcaReportView, StatusView, WorkerRow, XdsStreamView},
+    view::{OrcaReportView, StatusView, SupervisorView, WorkerRow, XdsStreamView},
 };
 use crate::{
     fleet::{EtcdState, FleetStatus, SessionStatus},
@@ -42,6 +42,8 @@ pub struct Records {
     pub orca: Arc<OrcaStats>,
     /// Where this host's etcd session is (never set on a single host).
     pub fleet: Arc<SessionStatus>,
+    /// The supervisor process and the image it runs.
+    pub supervisor: Option<v1::Supervisor>,
 }
 
 /// The status answer for everything `registry` and `records` hold now.
@@ -56,14 +58,16 @@ fn report_with_streams(
     streams: &[StreamSync],
 ) -> v1::Status {
     let snapshot = registry.snapshot();
-    report(
+    let mut status = report(
         &snapshot,
         &registry.slots(),
         &registry.loads(),
         &records.orca.current(&snapshot),
         streams,
         records.fleet.get().as_ref(),
-    )
+    );
+    status.supervisor = records.supervisor.clone();
+    status
 }
 
 /// The status answer for the registry's current state.
@@ -137,6 +141,7 @@ pub fn report(
     v1::Status {
         sampler,
         sample_interval_ms,
+        supervisor: None,
         revision: snapshot.revision,
         xds_streams: streams
             .iter()

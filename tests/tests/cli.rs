@@ -284,6 +284,7 @@ fn commands_read_the_installed_config_when_given_none_and_say_so() {
         "status",
         "restart",
         "reload",
+        "upgrade",
     ] {
         let (code, help, stderr) = peregrine_args(&[command, "--help"]);
         assert_eq!(code, 0, "{stderr}");
@@ -326,6 +327,7 @@ fn the_manual_pages_are_written_from_the_command_line() {
         "status",
         "restart",
         "reload",
+        "upgrade",
         "tls",
     ] {
         assert!(

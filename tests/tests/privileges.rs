@@ -215,7 +215,7 @@ fn spawn_as(account: &Account, name: &str, command: &mut Command, dir: &Path) ->
 }
 
 #[test]
-fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adoption() {
+fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_adoption_and_upgrades() {
     if envoy_or_skip(&current_test()).is_none() {
         return;
     }
@@ -313,6 +313,22 @@ fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_and_adopt
             == Some(1))
         .then_some(())
     });
+
+    // An upgrade in place adopts them again, as the same process: still nobody, without
+    // privileges, and the stranger still left alone.
+    let supervisor_pid = stack.supervisor.pid();
+    let out = stack
+        .supervisor
+        .control("upgrade", &[])
+        .unwrap_or_else(|error| panic!("{error:#}\n{}", stack.supervisor.all_logs()));
+    assert!(
+        out.starts_with(&format!("upgraded in place: pid {supervisor_pid}, ")),
+        "{out}"
+    );
+    assert_eq!(stack.supervisor.status_pids().unwrap(), third, "{out}");
+    assert_workers_unprivileged(&stack.supervisor, CLUSTER, &third, &nobody);
+    assert!(stranger.try_wait().is_none(), "the stranger still runs");
+
     let all: BTreeSet<u32> = second.union(&third).copied().collect();
     let report = stack.deployed().finish(load, 50, &all);
     assert!(

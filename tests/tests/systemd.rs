@@ -1,8 +1,9 @@
 //! Under systemd: the unit in `packaging/systemd/` passes `systemd-analyze verify` with the config
 //! the package installs beside it, which passes `peregrine check` and puts the control socket in the
 //! unit's runtime directory; and the supervisor speaks the readiness protocol to a real datagram socket set as `NOTIFY_SOCKET`:
-//! `READY=1` once xDS serves, watchdog pings, `RELOADING=1` then `READY=1` around a reload,
-//! `STOPPING=1`; its workers inherit none of it.
+//! `READY=1` once xDS serves, watchdog pings, `RELOADING=1` then `READY=1` around a reload and
+//! around an upgrade in place (SIGUSR2: the new image, same pid, says `READY=1`), `STOPPING=1`; its
+//! workers inherit none of it.
 
 use std::{
     os::unix::net::UnixDatagram,
@@ -136,6 +137,63 @@ fn the_installed_config_checks_and_puts_the_socket_in_the_units_runtime_director
     {
         assert!(line.contains("127.0.0.1"), "not on loopback: {line}");
     }
+}
+
+/// An upgrade in place (SIGUSR2 here) is a reload to systemd: `RELOADING=1` from the old image,
+/// `READY=1` from the new one, in the same process (systemd's main pid), never `STOPPING=1`; the
+/// worker stays.
+#[test]
+fn an_upgrade_is_a_reload_to_systemd_and_keeps_the_main_pid() {
+    let dir = TempDir::new().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let mut notify = NotifySocket::bind(&socket_path);
+    let (grpc, port) = (free_port(), free_port());
+    let mut config = PeregrineToml::local(grpc);
+    config.service("web", ServiceTable::at(format!("http://127.0.0.1:{port}")));
+    let mut supervisor = Supervisor::start_in_with_env(
+        &peregrine_path(),
+        dir.path(),
+        &config.toml_in(dir.path()),
+        &[("NOTIFY_SOCKET", &socket_path.display().to_string())],
+    )
+    .unwrap();
+    notify.wait_for(Duration::from_secs(30), "READY=1", |m| {
+        m.lines().any(|l| l == "READY=1")
+    });
+    let pid = supervisor.pid();
+    let worker =
+        peregrine_e2e::wait_until(Duration::from_secs(30), "the worker registered", || {
+            supervisor.status_pids().ok()?.first().copied()
+        });
+
+    let target = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(target, rustix::process::Signal::USR2).unwrap();
+    notify.wait_for(Duration::from_secs(30), "RELOADING=1", |m| {
+        m.lines().any(|l| l == "RELOADING=1")
+    });
+    let ready = notify.wait_for(Duration::from_secs(30), "READY=1 from the new image", |m| {
+        m.lines().any(|l| l == "READY=1")
+    });
+    assert!(ready.contains("STATUS=serving xDS"), "{ready}");
+    assert!(
+        !notify.seen.iter().any(|m| m.contains("STOPPING=1")),
+        "{:?}",
+        notify.seen
+    );
+    assert!(
+        supervisor.process().try_wait().is_none(),
+        "the supervisor exited"
+    );
+    assert_eq!(supervisor.pid(), pid);
+    let logs = supervisor.logs();
+    assert!(logs.contains("SIGUSR2: upgrading in place"), "{logs}");
+    assert!(logs.contains("Adopting a worker"), "{logs}");
+    let kept = peregrine_e2e::wait_until(
+        Duration::from_secs(30),
+        "the worker registered again",
+        || supervisor.status_pids().ok()?.first().copied(),
+    );
+    assert_eq!(kept, worker, "the worker is kept");
 }
 
 /// The notify socket's datagrams, as they arrive.

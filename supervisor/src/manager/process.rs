@@ -21,7 +21,8 @@ pub enum Exit {
     Code(i32),
     /// A signal killed it.
     Signal(i32),
-    /// It exited, but it was adopted from an earlier supervisor, so its status went to its parent.
+    /// It exited, but it was adopted from an earlier supervisor that died, so its status went to
+    /// its parent.
     Unknown,
 }
 
@@ -92,8 +93,9 @@ pub(super) fn signal(pidfd: &impl AsFd, signal: Signal) {
     }
 }
 
-/// Resolves when the process behind `pidfd` has exited, and reaps it (a process adopted from an
-/// earlier supervisor is not ours to reap: [`Exit::Unknown`]).
+/// Resolves when the process behind `pidfd` has exited, and reaps it if it is this process's child:
+/// one it started, or one adopted by this image after an upgrade in place (the image before it
+/// started it). A process adopted after a crash is not ours to reap: [`Exit::Unknown`].
 pub(super) async fn exited(pidfd: &AsyncFd<OwnedFd>) -> io::Result<Exit> {
     loop {
         let mut guard = pidfd.readable().await?;

@@ -112,8 +112,10 @@ pub(super) struct Instance {
     #[allow(dead_code, reason = "held for its Drop")]
     lane: Lane,
     started: Instant,
-    /// Whether it was adopted from an earlier supervisor: not this one's child, so what it leaves
-    /// when it exits goes to init, not to this supervisor ([`leftovers`]).
+    /// Whether it was adopted from an earlier supervisor: after a crash not this one's child, so
+    /// what it leaves when it exits goes to init, not to this supervisor, and is looked for on the
+    /// whole host ([`leftovers`]; after an upgrade in place it is a child, and the host holds it
+    /// too).
     adopted: bool,
     /// For a passed-socket worker, the probe that registers it once it answers.
     prober: Option<Prober>,

@@ -1,6 +1,8 @@
-//! Restarts and reloads, carried out one at a time: from the control socket (`peregrine restart`,
-//! `peregrine reload`) or SIGHUP. Each re-reads the config file, checks it, and applies it through the
-//! manager; a bad config changes nothing and its error is the reply.
+//! Restarts, reloads and upgrades, carried out one at a time: from the control socket (`peregrine
+//! restart`, `peregrine reload`, `peregrine upgrade`) or a signal (SIGHUP, SIGUSR2). A restart or
+//! reload re-reads the config file, checks it, and applies it through the manager; a bad config
+//! changes nothing and its error is the reply. An upgrade ([`crate::upgrade`]) execs a new image of
+//! the supervisor once its program passed its checks, and returns only if it did not.
 
 use std::{collections::BTreeSet, path::PathBuf, sync::Arc};
 
@@ -12,10 +14,11 @@ use crate::{
     children,
     config::Config,
     manager::Manager,
-    registration,
+    registration::{self, ControlAnswer},
     sampler::ErrorChain,
     service_manager,
     tls::server::{self, ServerTls},
+    upgrade::{self, Image},
     xds,
 };
 
@@ -29,13 +32,12 @@ pub(super) struct Outputs {
     pub(super) tls: Option<Arc<ServerTls>>,
     /// The worker sockets of the services with a `user`.
     pub(super) worker_sockets: registration::WorkerSockets,
+    /// The program image this supervisor runs, which an upgrade replaces.
+    pub(super) image: Image,
 }
 
 /// A control command and, unless it came from a signal, where its reply goes.
-pub(super) type Operation = (
-    v1::ControlRequest,
-    Option<oneshot::Sender<v1::ControlReply>>,
-);
+pub(super) type Operation = (v1::ControlRequest, Option<oneshot::Sender<ControlAnswer>>);
 
 /// Carries out restarts and reloads one at a time until the channel closes; returns the manager.
 pub(super) async fn operate(
@@ -45,6 +47,10 @@ pub(super) async fn operate(
     mut outputs: Outputs,
 ) -> Manager {
     while let Some((request, reply)) = operations.recv().await {
+        if let Some(v1::control_request::Action::Upgrade(_)) = request.action {
+            upgrade::carry_out(&mut manager, &outputs.image, &path, reply).await;
+            continue;
+        }
         let begun = std::time::Instant::now();
         service_manager::reloading();
         let answer = apply(&mut manager, &path, request, &mut outputs).await;
@@ -55,7 +61,7 @@ pub(super) async fn operate(
             tracing::warn!(summary = %answer.summary, failures = ?answer.failures, took = ?begun.elapsed(), "Control command failed");
         }
         if let Some(reply) = reply {
-            let _ = reply.send(answer);
+            let _ = reply.send(ControlAnswer::from(answer));
         }
     }
     manager
@@ -73,6 +79,7 @@ async fn apply(
         orca,
         tls,
         worker_sockets,
+        image: _,
     } = outputs;
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -83,6 +90,9 @@ async fn apply(
     let restart = match request.action {
         Some(v1::control_request::Action::Restart(restart)) => Some(restart.service),
         Some(v1::control_request::Action::Reload(_)) => None,
+        Some(v1::control_request::Action::Upgrade(_)) => {
+            return failed("an upgrade is not a reload".into(), Vec::new());
+        }
         None => return failed("an empty control command".into(), Vec::new()),
     };
     let config = match Config::load(path) {

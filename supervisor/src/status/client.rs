@@ -81,7 +81,7 @@ pub fn query(socket: &Path) -> Result<v1::Status, StatusError> {
 }
 
 /// [`query`], each step bounded by `timeout`.
-fn query_within(socket: &Path, timeout: Duration) -> Result<v1::Status, StatusError> {
+pub fn query_within(socket: &Path, timeout: Duration) -> Result<v1::Status, StatusError> {
     let request = WorkerMessage {
         message: Some(worker_message::Message::Status(StatusRequest {})),
     };
@@ -150,7 +150,12 @@ fn exchange(
         if let Some(answer) = decoded {
             break answer;
         }
-        let n = stream.read(&mut chunk).map_err(read_error.clone())?;
+        // A read with a timeout is not restarted after a signal handler ran (signal(7)), whatever
+        // SA_RESTART says: in a process that handles signals, try again.
+        let n = match stream.read(&mut chunk) {
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            other => other.map_err(read_error.clone())?,
+        };
         if n == 0 {
             return Err(StatusError::Malformed { path, source: None });
         }

@@ -26,6 +26,19 @@ pub struct StatusView {
     pub xds_streams: Vec<XdsStreamView>,
     /// This host's place in a fleet, `null` on a single host.
     pub fleet: Option<FleetView>,
+    /// The supervisor process and the program image it runs, `null` from an older supervisor.
+    pub supervisor: Option<SupervisorView>,
+}
+
+/// The supervisor process and its program image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SupervisorView {
+    /// Its process id (an upgrade in place keeps it).
+    pub pid: u32,
+    /// Its `--version` line, without the command's name.
+    pub version: String,
+    /// When this image started, in milliseconds since the Unix epoch (an upgrade changes it).
+    pub started_unix_ms: u64,
 }
 
 /// A fleet's membership as the supervisor sees it.
@@ -187,6 +200,11 @@ impl From<v1::Status> for StatusView {
                 lease: (f.lease != 0).then_some(f.lease),
                 hosts: f.hosts,
                 conflicts: f.conflicts,
+            }),
+            supervisor: status.supervisor.map(|s| SupervisorView {
+                pid: s.pid,
+                version: s.version,
+                started_unix_ms: s.started_unix_ms,
             }),
         }
     }
@@ -516,6 +534,24 @@ web           1    -  crash-loop  -                             -          -    
         assert!(json["workers"][1]["last_exit"].is_null());
         assert_eq!(json["revision"], 2);
         assert_eq!(json["xds_streams"], serde_json::json!([]));
+        assert!(json["supervisor"].is_null(), "an older supervisor's answer");
+        let answer = v1::Status {
+            supervisor: Some(v1::Supervisor {
+                pid: 42,
+                version: "0.1.0 (abc1234, eBPF sampler built in)".into(),
+                started_unix_ms: 1_000,
+            }),
+            ..Default::default()
+        };
+        let json = serde_json::to_value(StatusView::from(answer)).unwrap();
+        assert_eq!(
+            json["supervisor"],
+            serde_json::json!({
+                "pid": 42,
+                "version": "0.1.0 (abc1234, eBPF sampler built in)",
+                "started_unix_ms": 1000,
+            })
+        );
 
         let idle = StatusView::from(v1::Status::default());
         assert_eq!(
