@@ -404,7 +404,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         records: records.clone(),
         commands: commands_tx,
     };
-    exposure::warn(&config);
+    exposure::warn(&config, &path);
     // The sockets the workers of a service with a `user` register on, there before they start.
     let mut worker_sockets = registration::WorkerSockets::new(&control, server.clone());
     worker_sockets.open(&config)?;

@@ -622,11 +622,24 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
                out=$(\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" 2>&1); \
                echo \"nobody asked for a restart: exit $?:\" $out; \
                exec sleep 120";
+    // A worker of the supervisor's own user that double-forks: the grandchild, an orphan handed to
+    // the supervisor (the subreaper of everything it starts), waits until it is the supervisor's
+    // child, then asks for a restart. It is in no worker's tree any more, but it is in the
+    // supervisor's.
+    let orphan = "sup=$PPID; ( sh -c 'while [ \"$(cut -d\" \" -f4 /proc/$$/stat)\" != \"$0\" ]; \
+                  do sleep 0.05; done; \
+                  \"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" > \"$2/orphan.out\" 2>&1; \
+                  echo \"orphan asked for a restart: pid $$: exit $?:\" $(cat \"$2/orphan.out\")' \
+                  \"$sup\" \"$1\" \"$2\" & ); exec sleep 120";
     let mut config = without_envoy(Sampler::Off);
     config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
     config.service(
         "ctl",
         ServiceTable::default().command(["/bin/sh", "-c", ask, "ctl", &peregrine, "{dir}"]),
+    );
+    config.service(
+        "orphan",
+        ServiceTable::default().command(["/bin/sh", "-c", orphan, "orphan", &peregrine, "{dir}"]),
     );
     config.service(
         "probe",
@@ -654,6 +667,13 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
     wait_until(STEP, "the refusal logged with uid and pid", || {
         refusal_logged(&supervisor.logs(), 0, child).then_some(())
     });
+
+    let orphaned = logged_line(&supervisor, "orphan asked for a restart: ");
+    assert_ne!(exit_code(&orphaned), 0, "{orphaned}");
+    assert!(
+        orphaned.contains("descends from this supervisor"),
+        "{orphaned}"
+    );
 
     // `peregrine` itself ran and said so: not a shell that could not execute it.
     let status_line = logged_line(&supervisor, "nobody asked for the status: ");
@@ -1069,4 +1089,42 @@ fn two_hundred_fifty_six_workers_of_one_user_serve_within_an_8_mib_locked_memory
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Workers that run as root by `user = "root"` get the same warning as those with no `user`, and a
+/// file the supervisor trusts (here its config) that a service's user could replace is named, at
+/// start and at each reload.
+#[test]
+fn the_supervisor_warns_of_root_workers_and_of_a_config_a_worker_could_replace() {
+    let stage = Stage::new(&nobody());
+    let mut config = without_envoy(Sampler::Off);
+    config.service(
+        "rooted",
+        ServiceTable {
+            user: Some(AccountId::Name("root".into())),
+            ..ServiceTable::at("http://127.0.0.1:0")
+        },
+    );
+    config.service("web", as_nobody(ServiceTable::at("http://127.0.0.1:0")));
+    let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
+    ready_workers(&supervisor, "web", 1);
+    let rooted = logged_line(&supervisor, "These workers run as root");
+    assert!(rooted.contains("service=rooted"), "{rooted}");
+    assert!(
+        !supervisor.logs().contains("can replace the config"),
+        "{}",
+        supervisor.logs()
+    );
+    // Anyone may write the config now: a nobody worker could rewrite what the next reload applies.
+    std::fs::set_permissions(
+        supervisor.config_path(),
+        std::fs::Permissions::from_mode(0o666),
+    )
+    .unwrap();
+    supervisor.control("reload", &[]).expect("reload");
+    let replace = logged_line(&supervisor, "can replace the config");
+    assert!(
+        replace.contains("service=web") && replace.contains("user=nobody"),
+        "{replace}"
+    );
 }

@@ -63,6 +63,18 @@ pub enum Refusal {
         /// The worker it is, or descends from.
         worker: u32,
     },
+    /// A process of the supervisor's own process tree that is no worker (a worker's orphan, handed
+    /// to the supervisor as the subreaper of everything it starts) asked for a status or a command.
+    #[error(
+        "process {pid} descends from this supervisor through process {child}, which is no worker (a \
+         worker's orphan): the supervisor's own process tree may only register"
+    )]
+    FromDescendant {
+        /// The peer.
+        pid: u32,
+        /// The supervisor's child it is, or descends from.
+        child: u32,
+    },
     /// A status request or a command on a service's worker socket.
     #[error("a worker socket takes registrations only")]
     RegistrationsOnly,
@@ -109,7 +121,7 @@ impl Refusal {
             Refusal::OtherUser { .. } => Code::OtherUser,
             Refusal::NotItsUser { .. } => Code::NotItsUser,
             Refusal::WrongSocket { .. } => Code::WrongSocket,
-            Refusal::FromWorker { .. } => Code::FromWorker,
+            Refusal::FromWorker { .. } | Refusal::FromDescendant { .. } => Code::FromWorker,
             Refusal::RegistrationsOnly => Code::RegistrationsOnly,
             Refusal::PidUnknown => Code::PidUnknown,
             Refusal::NotOurs(_) => Code::NotOurs,
@@ -194,37 +206,54 @@ pub(super) fn commander(stream: &UnixStream, children: &Children) -> Result<(), 
         .pid
         .and_then(|p| u32::try_from(p).ok())
         .ok_or(Refusal::PidUnknown)?;
-    match worker_ancestor(pid, children, |pid| {
+    let parent = |pid| {
         peregrine_contract::procfs::stat(pid)
             .ok()
             .map(|stat| stat.ppid)
-    }) {
-        Some(worker) => Err(Refusal::FromWorker { pid, worker }),
+    };
+    match worker_ancestor(pid, children, std::process::id(), parent) {
+        Some(Ancestor::Worker(worker)) => Err(Refusal::FromWorker { pid, worker }),
+        Some(Ancestor::Child(child)) => Err(Refusal::FromDescendant { pid, child }),
         None => Ok(()),
     }
+}
+
+/// Why a peer is in a worker's process tree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ancestor {
+    /// It is this worker, or descends from it.
+    Worker(u32),
+    /// It is this child of the supervisor, or descends from it, and that child is no worker: a
+    /// worker's orphan (the supervisor is the subreaper of everything it starts), or a helper.
+    Child(u32),
 }
 
 /// How many parents up a peer is looked at for a worker: deeper than any server's process tree.
 const ANCESTRY: usize = 64;
 
 /// The worker `pid` is, or the nearest worker among its ancestors (`parent` gives a process's parent,
-/// `None` once it cannot be read); none once the chain reaches init, this supervisor or
-/// [`ANCESTRY`] steps.
+/// `None` once it cannot be read); else, if the chain reaches the supervisor (`own`), the child of
+/// the supervisor it goes through; none once it reaches init or [`ANCESTRY`] steps, or for the
+/// supervisor itself.
 fn worker_ancestor(
     pid: u32,
     children: &Children,
+    own: u32,
     parent: impl Fn(u32) -> Option<u32>,
-) -> Option<u32> {
-    let own = std::process::id();
+) -> Option<Ancestor> {
     let mut current = pid;
     for _ in 0..ANCESTRY {
         if current <= 1 || current == own {
             return None;
         }
         if children.slot_of(current).is_some() {
-            return Some(current);
+            return Some(Ancestor::Worker(current));
         }
-        current = parent(current)?;
+        let up = parent(current)?;
+        if up == own {
+            return Some(Ancestor::Child(current));
+        }
+        current = up;
     }
     None
 }
@@ -522,17 +551,35 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_and_whatever_it_starts_are_found_up_the_process_tree() {
+    fn a_worker_and_whatever_it_starts_and_its_orphans_are_found_up_the_process_tree() {
         let children = Children::default();
         children.insert_for_test(100, "web", 0);
-        // 300 -> 200 -> 100 (a worker) -> 1; 400 -> 1.
-        let parents = HashMap::from([(300, 200), (200, 100), (100, 1), (400, 1)]);
+        // 300 -> 200 -> 100 (a worker) -> 50 (the supervisor) -> 1; 400 -> 1; a worker's orphan
+        // 700, handed to the supervisor, and what it started: 800 -> 700 -> 50.
+        let own = 50;
+        let parents = HashMap::from([
+            (300, 200),
+            (200, 100),
+            (100, own),
+            (own, 1),
+            (400, 1),
+            (700, own),
+            (800, 700),
+        ]);
         let parent = |pid| parents.get(&pid).copied();
-        assert_eq!(worker_ancestor(100, &children, parent), Some(100));
-        assert_eq!(worker_ancestor(300, &children, parent), Some(100));
-        assert_eq!(worker_ancestor(400, &children, parent), None);
+        let ancestor = |pid| worker_ancestor(pid, &children, own, parent);
+        assert_eq!(ancestor(100), Some(Ancestor::Worker(100)));
+        assert_eq!(ancestor(300), Some(Ancestor::Worker(100)));
+        assert_eq!(ancestor(400), None);
+        assert_eq!(ancestor(own), None, "the supervisor itself");
+        // An orphan is no worker, but it is of the supervisor's process tree all the same.
+        assert_eq!(ancestor(700), Some(Ancestor::Child(700)));
+        assert_eq!(ancestor(800), Some(Ancestor::Child(700)));
         // A process that is gone, or a chain that never ends, is no worker's.
-        assert_eq!(worker_ancestor(500, &children, parent), None);
-        assert_eq!(worker_ancestor(600, &children, |pid| Some(pid + 1)), None);
+        assert_eq!(ancestor(500), None);
+        assert_eq!(
+            worker_ancestor(600, &children, own, |pid| Some(pid + 1)),
+            None
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! What the supervisor warns of at start about its workers' privileges: a service whose workers run
-//! as root, a private key that a service's user may read, and workers that would bind a privileged
-//! port without the capability to.
+//! as root (no `user`, or `user = "root"`), a private key that a service's user may read, a file the
+//! supervisor trusts (the config, a certificate, a CA, a key) that a service's user may replace, and
+//! workers that would bind a privileged port without the capability to.
 //!
 //! Each is the operator's to fix, and none stops a start (a demo runs as root, a key's mode is the
 //! file's owner's business, the unprivileged port range a sysctl that may change), so they are
@@ -13,9 +14,10 @@ use peregrine_contract::url::BindUrl;
 use crate::config::{Account, Config};
 
 /// Logs a warning for each service whose workers run as root, for each private key in `config` that
-/// the workers of a service with a `user` could read, and for each service whose workers would bind a
-/// privileged port themselves.
-pub(super) fn warn(config: &Config) {
+/// the workers of a service with a `user` could read, for each file the supervisor trusts (the config
+/// at `config_path`, and every TLS file) that they could replace, and for each service whose workers
+/// would bind a privileged port themselves.
+pub(super) fn warn(config: &Config, config_path: &Path) {
     let root = rustix::process::geteuid().is_root();
     let unprivileged_from = unprivileged_port_start();
     for service in config.services.values() {
@@ -31,10 +33,18 @@ pub(super) fn warn(config: &Config) {
                 tracing::warn!(service = %service.name, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys; set `user` in [service.{}]", service.name);
             }
             None => {}
+            Some(account) if account.uid == 0 => {
+                tracing::warn!(service = %service.name, user = %account.user, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys and config; set `user` in [service.{}] to an unprivileged user", service.name);
+            }
             Some(account) => {
                 for (what, key) in private_keys(config) {
                     if let Some(mode) = readable_by(key, account) {
                         tracing::warn!(service = %service.name, user = %account.user, key = %key.display(), mode = format!("{mode:04o}"), "The workers of this service can read the {what}: make it owner-only (chmod 600), owned by the supervisor's user");
+                    }
+                }
+                for (what, file) in trusted_files(config, config_path) {
+                    if let Some(through) = replaceable_by(file, account) {
+                        tracing::warn!(service = %service.name, user = %account.user, file = %file.display(), writable = %through.display(), "The workers of this service can replace the {what}: make it, and every folder on its way, writable by the supervisor's user alone");
                     }
                 }
             }
@@ -67,6 +77,58 @@ fn private_keys(config: &Config) -> Vec<(&'static str, &Path)> {
     keys
 }
 
+/// The files the supervisor trusts, each with what it is: the config, and every certificate, CA and
+/// key it names. A worker that could replace one could make the supervisor trust its own CA, or lock
+/// Envoy out.
+fn trusted_files<'a>(config: &'a Config, config_path: &'a Path) -> Vec<(&'static str, &'a Path)> {
+    let mut files = vec![("config", config_path)];
+    if let Some(tls) = &config.supervisor.tls {
+        files.push(("gRPC port's TLS certificate", tls.identity.cert.as_path()));
+        if let Some(ca) = &tls.client_ca {
+            files.push(("gRPC port's client CA", ca.as_path()));
+        }
+    }
+    if let Some(tls) = &config.envoy.tls {
+        files.push(("CA Envoy checks the supervisor with", tls.ca.as_path()));
+        if let Some(identity) = &tls.identity {
+            files.push(("Envoy's client certificate", identity.cert.as_path()));
+        }
+    }
+    if let Some(tls) = config.cluster.as_ref().and_then(|c| c.tls.as_ref()) {
+        files.push(("etcd CA", tls.ca.as_path()));
+        if let Some(identity) = &tls.identity {
+            files.push(("etcd client certificate", identity.cert.as_path()));
+        }
+    }
+    files.extend(private_keys(config));
+    files
+}
+
+/// What lets `account` replace `file`, if anything does: the file itself if it may write it, else a
+/// folder on the way that it may write and search (it could rename what is in it and put its own
+/// there), unless that folder is sticky and neither it nor what is in it is the account's.
+fn replaceable_by(file: &Path, account: &Account) -> Option<std::path::PathBuf> {
+    let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
+    let file = std::path::absolute(file).ok()?;
+    let meta = std::fs::metadata(&file).ok()?;
+    if account.may(0o2, ids(&meta)) {
+        return Some(file);
+    }
+    let mut entry = file.as_path();
+    for dir in file.ancestors().skip(1) {
+        let dir_meta = std::fs::metadata(dir).ok()?;
+        let entry_owner = std::fs::symlink_metadata(entry).ok()?.uid();
+        let sticky = dir_meta.mode() & 0o1000 != 0;
+        if account.may(0o3, ids(&dir_meta))
+            && (!sticky || dir_meta.uid() == account.uid || entry_owner == account.uid)
+        {
+            return Some(dir.to_path_buf());
+        }
+        entry = dir;
+    }
+    None
+}
+
 /// The mode of `file` if `account` may read it (and search every directory on the way to it).
 fn readable_by(file: &Path, account: &Account) -> Option<u32> {
     let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
@@ -96,6 +158,31 @@ mod tests {
             groups: vec![uid],
             login: None,
         }
+    }
+
+    #[test]
+    fn a_file_or_folder_others_may_write_is_found_and_a_sticky_folder_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |path: &Path, mode| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        mode(dir.path(), 0o755);
+        let tls = dir.path().join("tls");
+        std::fs::create_dir(&tls).unwrap();
+        mode(&tls, 0o755);
+        let ca = tls.join("client-ca.pem");
+        std::fs::write(&ca, "ca").unwrap();
+        mode(&ca, 0o644);
+        // The temporary folder's parents are root's and not writable by others (/tmp is sticky).
+        assert_eq!(replaceable_by(&ca, &stranger()), None);
+        mode(&ca, 0o666);
+        assert_eq!(replaceable_by(&ca, &stranger()), Some(ca.clone()));
+        mode(&ca, 0o644);
+        mode(&tls, 0o777);
+        assert_eq!(replaceable_by(&ca, &stranger()), Some(tls.clone()));
+        // Sticky, and neither the folder nor the file is the stranger's.
+        mode(&tls, 0o1777);
+        assert_eq!(replaceable_by(&ca, &stranger()), None);
     }
 
     #[test]

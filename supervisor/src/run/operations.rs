@@ -167,7 +167,7 @@ async fn apply(
     xds_options.send_replace(new_options);
     if reloaded.is_ok() {
         worker_sockets.retain(&config);
-        super::exposure::warn(&config);
+        super::exposure::warn(&config, path);
     }
     let mut report = match reloaded {
         Ok(report) => report,
