@@ -502,6 +502,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
             tls,
             worker_sockets,
             image,
+            cluster: config.cluster.clone(),
         },
     ));
     // The watchdog's pings come from this loop: if it stops turning, they stop.

@@ -470,3 +470,40 @@ fn a_host_on_another_grpc_port_is_refused_at_start_when_orca_needs_one_port() {
         "no worker started: {stderr}"
     );
 }
+
+/// `[cluster]` is held by the fleet session from its start: a reload that changes one of its keys
+/// (here `allowed_networks`, the filter on other hosts' records) is refused, naming the key, and
+/// changes nothing. It used to report success and apply nothing until the next start.
+#[test]
+fn a_reload_that_changes_what_the_fleet_session_holds_is_refused_naming_the_key() {
+    if !etcd_or_skip("a_reload_that_changes_what_the_fleet_session_holds_is_refused_naming_the_key")
+    {
+        return;
+    }
+    let etcd = Etcd::start().expect("etcd starts");
+    let mut config = PeregrineToml::local(free_port());
+    config.supervisor.sampler = Some(Sampler::Off);
+    config.cluster = Some(ClusterTable::insecure([etcd.endpoint()], "a"));
+    config.service(SERVICE, ServiceTable::at("http://127.0.0.1:0").count(1));
+    let supervisor = Supervisor::start(&config.toml());
+    wait_until(Duration::from_secs(30), "the host joined the fleet", || {
+        supervisor.logs().contains("Joined the fleet").then_some(())
+    });
+    config.cluster_mut().allowed_networks = Some(vec!["10.0.0.0/8".into()]);
+    supervisor.rewrite_config(&config.toml()).unwrap();
+    let error = supervisor
+        .control("reload", &[])
+        .expect_err("the reload is refused");
+    let error = format!("{error:#}");
+    assert!(
+        error.contains("cluster.allowed_networks") && error.contains("nothing changed"),
+        "{error}"
+    );
+    // Anything else still reloads once the table is as it runs.
+    config.cluster_mut().allowed_networks = None;
+    config.service_mut(SERVICE).count = Some(2);
+    supervisor.rewrite_config(&config.toml()).unwrap();
+    supervisor
+        .control("reload", &[])
+        .expect("the reload applies");
+}

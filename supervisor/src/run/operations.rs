@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::envoy_facing::{self, OrcaReach};
 use crate::{
     children,
-    config::Config,
+    config::{ClusterConfig, Config},
     manager::Manager,
     registration::{self, ControlAnswer},
     sampler::ErrorChain,
@@ -34,6 +34,41 @@ pub(super) struct Outputs {
     pub(super) worker_sockets: registration::WorkerSockets,
     /// The program image this supervisor runs, which an upgrade replaces.
     pub(super) image: Image,
+    /// The `[cluster]` the fleet session runs with: a reload that changes what it holds is refused.
+    pub(super) cluster: Option<ClusterConfig>,
+}
+
+/// The `[cluster]` keys whose change a reload cannot apply, because the fleet session holds them
+/// from its start (etcd, the lease, the records' filter): each one that `new` changes, or
+/// `cluster` itself if the table comes or goes. `routing` is not among them: xDS applies it.
+fn unappliable_cluster_changes(
+    running: Option<&ClusterConfig>,
+    new: Option<&ClusterConfig>,
+) -> Vec<&'static str> {
+    let (running, new) = match (running, new) {
+        (None, None) => return Vec::new(),
+        (Some(running), Some(new)) => (running, new),
+        _ => return vec!["cluster"],
+    };
+    [
+        ("cluster.etcd", running.etcd != new.etcd),
+        ("cluster.host", running.host != new.host),
+        (
+            "cluster.region",
+            running.locality.region != new.locality.region,
+        ),
+        ("cluster.zone", running.locality.zone != new.locality.zone),
+        ("cluster.lease_ttl_ms", running.lease_ttl != new.lease_ttl),
+        ("cluster.prefix", running.prefix != new.prefix),
+        ("cluster.tls", running.tls != new.tls),
+        (
+            "cluster.allowed_networks",
+            running.allowed_networks != new.allowed_networks,
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(key, changed)| changed.then_some(key))
+    .collect()
 }
 
 /// A control command and, unless it came from a signal, where its reply goes.
@@ -80,6 +115,7 @@ async fn apply(
         tls,
         worker_sockets,
         image: _,
+        cluster,
     } = outputs;
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -113,6 +149,18 @@ async fn apply(
         return failed(
             format!(
                 "no service {service:?} in {}; nothing changed",
+                path.display()
+            ),
+            Vec::new(),
+        );
+    }
+    let unappliable = unappliable_cluster_changes(cluster.as_ref(), config.cluster.as_ref());
+    if !unappliable.is_empty() {
+        return failed(
+            format!(
+                "{} changed in {}, and [cluster] applies only when the supervisor starts (or \
+                 upgrades in place: `peregrine upgrade`); nothing changed",
+                unappliable.join(", "),
                 path.display()
             ),
             Vec::new(),
@@ -192,5 +240,50 @@ async fn apply(
         added: report.added.len() as u32,
         removed: report.removed.len() as u32,
         failures: report.failures.iter().map(ToString::to_string).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, path::Path};
+
+    use super::*;
+
+    fn cluster(extra: &str) -> Option<ClusterConfig> {
+        Config::parse(
+            &format!(
+                "[service.web]\n[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nhost = \"a\"\n\
+                 allow_insecure = true\n{extra}"
+            ),
+            Path::new("/tmp"),
+            &HashMap::new(),
+        )
+        .expect("a valid config")
+        .cluster
+    }
+
+    #[test]
+    fn a_reload_names_each_cluster_key_it_cannot_apply_and_only_those() {
+        let running = cluster("");
+        assert!(unappliable_cluster_changes(running.as_ref(), running.as_ref()).is_empty());
+        assert!(unappliable_cluster_changes(None, None).is_empty());
+        assert_eq!(
+            unappliable_cluster_changes(running.as_ref(), None),
+            ["cluster"]
+        );
+        assert_eq!(
+            unappliable_cluster_changes(None, running.as_ref()),
+            ["cluster"]
+        );
+        let networks = cluster("allowed_networks = [\"10.0.0.0/8\"]\n");
+        assert_eq!(
+            unappliable_cluster_changes(running.as_ref(), networks.as_ref()),
+            ["cluster.allowed_networks"]
+        );
+        let moved = cluster("prefix = \"/other\"\nallowed_networks = [\"10.0.0.0/8\"]\n");
+        assert_eq!(
+            unappliable_cluster_changes(running.as_ref(), moved.as_ref()),
+            ["cluster.prefix", "cluster.allowed_networks"]
+        );
     }
 }
