@@ -5,6 +5,12 @@
 
 use std::{fmt, path::PathBuf, str::FromStr};
 
+/// The mode of a worker's Unix socket, whoever binds it (the worker, or the supervisor for a server
+/// on a passed listener): any local user may connect, as to a port on loopback, so that Envoy
+/// reaches it whatever user it runs as (a socket created under the usual umask, 0755, admits only
+/// its owner: connecting needs write permission). Who may reach it is the folder's to say.
+pub const UNIX_SOCKET_MODE: u32 = 0o666;
+
 /// A parsed bind url.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BindUrl {

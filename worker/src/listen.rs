@@ -216,6 +216,11 @@ fn bind_unix(path: &Path) -> Result<BoundListener, BindError> {
         .bind(&SockAddr::unix(path).map_err(err)?)
         .map_err(err)?;
     socket.listen(BACKLOG).map_err(err)?;
+    std::fs::set_permissions(
+        path,
+        std::os::unix::fs::PermissionsExt::from_mode(peregrine_contract::url::UNIX_SOCKET_MODE),
+    )
+    .map_err(err)?;
     Ok(BoundListener {
         listener: Listener::Unix(socket.into()),
         addr: BoundAddr::Unix(path.to_path_buf()),
@@ -335,6 +340,10 @@ mod tests {
         let bound = bind(&BindUrl::Unix { path: path.clone() }).unwrap();
         assert_eq!(bound[0].addr, BoundAddr::Unix(path.clone()));
         UnixStream::connect(&path).unwrap();
+        // Any local user may connect (Envoy runs as its own), whatever the umask.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, peregrine_contract::url::UNIX_SOCKET_MODE);
     }
 
     #[test]

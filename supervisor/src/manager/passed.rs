@@ -91,6 +91,13 @@ impl PassedListener {
                 let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
                 socket.bind(&SockAddr::unix(path)?)?;
                 socket.listen(BACKLOG)?;
+                // Bound by root under its umask it would admit root alone: Envoy could not connect.
+                std::fs::set_permissions(
+                    path,
+                    std::os::unix::fs::PermissionsExt::from_mode(
+                        peregrine_contract::url::UNIX_SOCKET_MODE,
+                    ),
+                )?;
                 Ok(PassedListener {
                     fd: socket.into(),
                     address: Address::Unix(path.clone()),
@@ -312,6 +319,19 @@ async fn send_and_read(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_passed_unix_socket_admits_any_local_user() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("app.sock");
+        let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o022));
+        let bound = PassedListener::bind(&BindUrl::Unix { path: path.clone() });
+        rustix::process::umask(old);
+        bound.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, peregrine_contract::url::UNIX_SOCKET_MODE);
+    }
 
     #[test]
     fn reads_the_status_of_an_answer() {
