@@ -29,7 +29,7 @@ mod operations;
 
 pub use self::envoy_facing::orca_listen_addresses;
 use self::{
-    envoy_facing::{OrcaReach, orca_services, xds_options},
+    envoy_facing::{OrcaReach, Sampling, orca_services, xds_options},
     operations::operate,
 };
 use crate::{
@@ -288,7 +288,8 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         tracing::warn!(%bound, "The gRPC port is reachable from other hosts and has no TLS: anyone who reaches it reads every endpoint, and anyone who impersonates it steers every Envoy; add [supervisor.tls] and [envoy.tls]");
     }
     let _tls_watch = tls.as_ref().map(|tls| AbortOnDrop(tls.spawn_watch()));
-    let orca = orca_services(&config, sources.sched.is_some());
+    let sampling = Sampling::of(sources.sched.as_deref());
+    let orca = orca_services(&config, sampling);
     let mut orca_listeners = Vec::new();
     for addr in orca_listen_addresses(&config, &orca, bound) {
         if !addr.ip().is_loopback() {
@@ -303,11 +304,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         orca_listeners.push(listener);
     }
     let orca_reach = OrcaReach {
-        sampling: sources.sched.is_some(),
-        kernel_counts: sources
-            .sched
-            .as_ref()
-            .is_some_and(|source| source.counts_sends()),
+        sampling,
         bound,
         listening: orca_listeners
             .iter()
@@ -335,7 +332,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         config.supervisor.lifecycle.drain_timeout,
     );
     // With a sampler, ORCA is served even if no service uses it yet: a reload may add one.
-    let orca_service = orca_reach.sampling.then(|| {
+    let orca_service = sampling.loads.then(|| {
         OrcaService::new(
             registry.clone(),
             records.orca.clone(),

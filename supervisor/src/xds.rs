@@ -17,6 +17,7 @@ pub mod acks;
 pub mod cache;
 pub mod convergence;
 pub mod counters;
+pub mod own_reports;
 pub mod priorities;
 pub mod resources;
 pub mod stream_kind;

@@ -9,7 +9,9 @@ use std::{
 };
 
 use peregrine_e2e::{
-    AppServers, Envoy, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip, current_test,
+    AppServers, Envoy, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip,
+    config::Sampler,
+    current_test,
     deploy::{Deployed, STEP},
     envoy_or_skip, free_port, gone, gunicorn_command, http_get, test_app, wait_until, worker_pid,
 };
@@ -66,6 +68,16 @@ struct Apps {
 
 impl Apps {
     fn start(server: Server, servers: &AppServers, count: u32) -> Apps {
+        Apps::start_with(server, servers, count, |_| {})
+    }
+
+    /// As [`Apps::start`], with `change` made to the config first.
+    fn start_with(
+        server: Server,
+        servers: &AppServers,
+        count: u32,
+        change: impl FnOnce(&mut PeregrineToml),
+    ) -> Apps {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
         let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
         config.supervisor.register_timeout_ms = Some(20000);
@@ -79,6 +91,7 @@ impl Apps {
                     .command(server.command(servers))
             },
         );
+        change(&mut config);
         let supervisor = Supervisor::start(&config.toml());
         let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
         Apps {
@@ -97,6 +110,26 @@ impl Apps {
             cluster: SERVICE,
             listen: self.listen,
         }
+    }
+
+    /// The name of the load-balancing policy of the service's cluster in Envoy (`None` before Envoy
+    /// has the cluster, or for a plain `lb_policy`).
+    fn cluster_policy(&self) -> Option<String> {
+        let dump: serde_json::Value = serde_json::from_str(
+            &self
+                .envoy
+                .admin_get("/config_dump?resource=dynamic_active_clusters")
+                .ok()?,
+        )
+        .ok()?;
+        let cluster = dump["configs"]
+            .as_array()?
+            .iter()
+            .map(|c| &c["cluster"])
+            .find(|c| c["name"] == SERVICE)?;
+        cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"]
+            .as_str()
+            .map(str::to_owned)
     }
 
     /// The address the supervisor published for worker `pid`.
@@ -343,6 +376,35 @@ fn adopts(server: Server) {
     });
     assert_eq!(apps.envoy.host_pids(SERVICE).unwrap().0, workers);
     apps.deployed().finish(load, 50, &workers);
+}
+
+/// The procfs sampler counts no response of a server on a passed socket (nor does the eBPF one on a
+/// kernel before 6.3): with no request rate to report, the service is balanced by least request from
+/// the start, with a warning, and stays so after a reload.
+#[test]
+fn without_the_kernels_count_a_passed_socket_service_gets_least_request_at_start_and_reload() {
+    let Some(servers) = servers() else {
+        return;
+    };
+    let apps = Apps::start_with(Server::Gunicorn, &servers, 2, |config| {
+        config.supervisor.sampler = Some(Sampler::Procfs);
+    });
+    let least_request = "envoy.load_balancing_policies.least_request";
+    apps.deployed().wait_for_workers(2, &BTreeSet::new());
+    let at_start = apps.cluster_policy();
+    assert_eq!(
+        at_start.as_deref(),
+        Some(least_request),
+        "{}",
+        apps.supervisor.all_logs()
+    );
+    let logs = apps.supervisor.all_logs();
+    assert!(logs.contains("least request instead of ORCA"), "{logs}");
+    // A reload publishes the clusters again, from the same decision.
+    apps.supervisor.set_count(3).expect("config");
+    apps.supervisor.control("reload", &[]).expect("reload");
+    apps.deployed().wait_for_workers(3, &BTreeSet::new());
+    assert_eq!(apps.cluster_policy().as_deref(), Some(least_request));
 }
 
 /// With the eBPF sampler the kernel counts a passed-socket server's responses, so its service is

@@ -1,19 +1,22 @@
 //! ORCA load reports with the real Envoy: every worker's stream reports, Envoy computes weights from
 //! them, a restarted worker's stream moves to its new hostname, and under a CPU hog on one worker's
 //! core, client-side weighted round robin sends that worker a clearly smaller share than round robin.
+//! A worker that states its own load in a response header moves no weight: out of band, the
+//! supervisor's reports are the only ones Envoy reads.
 
 use std::{
     collections::BTreeMap,
-    net::SocketAddr,
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
     sync::Mutex,
     time::{Duration, Instant},
 };
 
 use peregrine_e2e::{
-    Envoy, PeregrineToml, ServiceTable, Supervisor,
+    Envoy, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip,
     config::{Orca, OrcaTable},
     cpus::Hog,
-    envoy_or_skip, free_port, hosts, http_get,
+    envoy_or_skip, free_port, gunicorn_command, hosts, http_get,
     load::answers_for,
     peregrine_path, try_wait_until, wait_until,
 };
@@ -245,4 +248,131 @@ fn weights_apply_within_a_second_of_the_hosts_with_the_defaults() {
     // Up to two sample intervals for the first report's two readings (200 ms each), one weight
     // update (100 ms), and slack for a busy machine; a 2 s blackout alone would take longer.
     assert!(after < Duration::from_millis(1500), "{after:?}");
+}
+
+/// What a worker that lies says of itself: a rate ten thousand times and a utilization a thousandth
+/// of what two workers sharing the load report, so a weight ten million times its peer's.
+const LIE: &str = "rps_fractional=100000,application_utilization=0.001,cpu_utilization=0.001";
+
+/// The response of worker `address` to `GET /`, headers and body.
+fn direct_get(address: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET / HTTP/1.0\r\nHost: worker\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response)
+}
+
+/// Out of band, the weights are the supervisor's account of each worker: a worker (here gunicorn on
+/// a passed socket) that claims in every response, as in-band reports travel, to be all but idle
+/// draws about its share, not the whole load. Both of ORCA's headers are tried: the binary
+/// `endpoint-load-metrics-bin` and the text form of `endpoint-load-metrics`.
+#[test]
+fn a_worker_that_claims_in_its_responses_to_be_idle_draws_no_more_than_its_share_out_of_band() {
+    let test = "a_worker_that_claims_in_its_responses_to_be_idle_draws_no_more_than_its_share";
+    let Some(_envoy_binary) = envoy_or_skip(test) else {
+        return;
+    };
+    let Some(servers) = app_servers_or_skip(test) else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (form, header) in [
+        ("bin", "endpoint-load-metrics-bin: "),
+        ("text", "endpoint-load-metrics: TEXT "),
+    ] {
+        let env = BTreeMap::from([
+            ("APP_LOAD_REPORT".to_string(), LIE.to_string()),
+            ("APP_LOAD_REPORT_INDEX".to_string(), "0".to_string()),
+            ("APP_LOAD_REPORT_FORM".to_string(), form.to_string()),
+        ]);
+        let (config, listen) = config([(
+            "app",
+            ServiceTable {
+                pass_socket: Some(true),
+                ready_path: Some("/healthz".into()),
+                env: Some(env),
+                ..ServiceTable::default()
+                    .count(2)
+                    .orca(Orca::On)
+                    .command(gunicorn_command(&servers.gunicorn))
+            },
+        )]);
+        let supervisor = Supervisor::start(&config);
+        let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("bootstrap"));
+        let rows = wait_until(Duration::from_secs(30), "both workers registered", || {
+            let rows = supervisor.status_rows("app").ok()?;
+            (rows.len() == 2 && rows.values().all(|r| r["pid"].as_u64().is_some())).then_some(rows)
+        });
+        let sampler = supervisor.status_json().expect("status")["sampler"].clone();
+        if sampler != "ebpf" {
+            // Without the kernel's count of its responses, the service is not on ORCA at all.
+            eprintln!("SKIP {test}: the {sampler} sampler counts no passed-socket responses");
+            return;
+        }
+        let liar = rows[&0]["pid"].as_u64().expect("pid") as u32;
+        let address = rows[&0]["addresses"][0]
+            .as_str()
+            .expect("address")
+            .to_owned();
+        let response = direct_get(&address).expect("worker 0 answers");
+        assert!(response.contains(header), "worker 0 lies: {response}");
+        wait_until(
+            Duration::from_secs(30),
+            "Envoy to hold both workers",
+            || (hosts(&envoy.clusters(), "app").len() == 2).then_some(()),
+        );
+        // Each request burns 2 ms of CPU. The warm-up (4 clients) lets the supervisor's weights
+        // (and, were they read, the worker's own) apply; 2 clients then load the workers without
+        // saturating them, where the weights of equal workers are closest.
+        let path = "/?cpu=2";
+        let (warm, _) = answers_for(listen, path, 4, Duration::from_secs(3));
+        assert!(!warm.is_empty(), "no answer during the warm-up");
+        // Meanwhile, the highest ratio of the liar's weight to its peer's that Envoy held.
+        let measuring = std::sync::atomic::AtomicBool::new(true);
+        let ((counts, failed), highest) = std::thread::scope(|scope| {
+            let weights = scope.spawn(|| {
+                let mut highest = 0.0f64;
+                while measuring.load(std::sync::atomic::Ordering::Relaxed) {
+                    let hosts = hosts(&envoy.clusters(), "app");
+                    let weight = |prefix: &str| {
+                        hosts
+                            .iter()
+                            .find(|h| h.hostname.starts_with(prefix))
+                            .map(|h| h.weight as f64)
+                    };
+                    if let (Some(liar), Some(peer)) = (weight("app-0-"), weight("app-1-")) {
+                        highest = highest.max(liar / peer.max(1.0));
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                highest
+            });
+            let answers = answers_for(listen, path, 2, Duration::from_secs(5));
+            measuring.store(false, std::sync::atomic::Ordering::Relaxed);
+            (answers, weights.join().expect("the weight sampler"))
+        });
+        let total = counts.values().sum::<u64>().max(1);
+        let share = counts.get(&liar).copied().unwrap_or(0) as f64 / total as f64;
+        eprintln!(
+            "{form}: the lying worker's share {:.1}% ({counts:?}); its weight at most {highest:.1}x \
+             its peer's",
+            share * 100.0,
+        );
+        assert_eq!(failed, 0, "no request failed");
+        // Believed (before the headers were removed), the lie weighed the liar 242,000x to 725,000x
+        // its peer, and it took 92.6% to 100% of the requests. The supervisor's own weights of two
+        // equal workers differed by up to 4.4x on a busy 2-core machine, and worker 0's share
+        // ranged from 39% to 76% with the lie ignored, 50% to 64% with no lie (2026-12-07).
+        assert!(
+            highest < 20.0,
+            "{form}: Envoy weighed the worker that claims to be idle {highest:.0}x its peer"
+        );
+        assert!(
+            share < 0.85,
+            "{form}: the worker that claims to be idle got {:.1}% of the requests",
+            share * 100.0
+        );
+    }
 }

@@ -14,21 +14,69 @@ use peregrine_contract::url::BindUrl;
 
 use crate::{
     config::{self, Balancing, Config},
+    sampler::SchedSource,
     xds::{
         self,
         resources::{Balancer, OrcaPolicy},
     },
 };
 
+/// What the running sampler can report, which is all that decides (with the config) the services
+/// balanced on ORCA: see [`orca_services`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Sampling {
+    /// Whether a sampler runs (without one there is no load to report).
+    pub(super) loads: bool,
+    /// Whether it counts the responses of servers on passed sockets (eBPF with the
+    /// `sock_send_length` tracepoint): without it they have no request rate to report.
+    pub(super) sends: bool,
+}
+
+impl Sampling {
+    /// What `source` can report; `None` when no sampler runs.
+    pub(super) fn of(source: Option<&dyn SchedSource>) -> Self {
+        Sampling {
+            loads: source.is_some(),
+            sends: source.is_some_and(SchedSource::counts_sends),
+        }
+    }
+}
+
+/// The services of `config` balanced on ORCA reports, as far as the sampler decides it: those with
+/// `orca` on, when a sampler runs; of the servers on passed sockets, only those whose responses it
+/// counts (without a rate, `rps / utilization` would weigh them on noise: they get least request,
+/// see [`xds_options`]). The one decision, at start and at every reload; each service it leaves out
+/// is named in a warning.
+pub(super) fn orca_services(config: &Config, sampling: Sampling) -> BTreeSet<String> {
+    let wanted = config.services.values().filter(|s| s.orca());
+    if !sampling.loads {
+        let wanted: BTreeSet<&str> = wanted.map(|s| s.name.as_str()).collect();
+        if !wanted.is_empty() {
+            tracing::warn!(
+                services = ?wanted,
+                "sampler = \"off\": no load to report, so these services get round robin instead of ORCA-weighted round robin"
+            );
+        }
+        return BTreeSet::new();
+    }
+    wanted
+        .filter(|s| {
+            let uncounted = s.pass_socket && !sampling.sends;
+            if uncounted {
+                tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs eBPF and the sock_send_length tracepoint, Linux 6.3): least request instead of ORCA");
+            }
+            !uncounted
+        })
+        .map(|s| s.name.clone())
+        .collect()
+}
+
 /// Where ORCA can reach workers: with a sampler running, on the gRPC port's address and the ORCA
 /// listeners bound at start.
 #[derive(Clone, Debug)]
 pub(super) struct OrcaReach {
-    /// Whether a sampler runs (without one there is nothing to report).
-    pub(super) sampling: bool,
-    /// Whether it counts the responses of servers on passed sockets (eBPF with the send
-    /// tracepoint): without it they have no request rate to report, and balance by least request.
-    pub(super) kernel_counts: bool,
+    /// What the sampler can report.
+    pub(super) sampling: Sampling,
     /// The gRPC port's address.
     pub(super) bound: SocketAddr,
     /// Every address the supervisor listens on for ORCA, the gRPC port's included.
@@ -36,35 +84,26 @@ pub(super) struct OrcaReach {
 }
 
 impl OrcaReach {
-    /// The services of `config` balanced on ORCA: those that want it and whose workers' addresses
-    /// these listeners cover (a service added by reload on another address family gets round robin
-    /// until the supervisor starts again, which binds what it needs).
+    /// The services of `config` balanced on ORCA: those [`orca_services`] gives, whose workers'
+    /// addresses these listeners cover (a service added by reload on another address family gets
+    /// round robin until the supervisor starts again, which binds what it needs).
     pub(super) fn services(&self, config: &Config) -> BTreeSet<String> {
-        if !self.sampling {
-            return BTreeSet::new();
-        }
-        config
-            .services
-            .values()
-            .filter(|s| s.orca())
-            .filter(|s| {
+        orca_services(config, self.sampling)
+            .into_iter()
+            .filter(|name| {
+                let s = &config.services[name];
                 // In band, the reports travel in the workers' responses: no stream to reach.
                 if s.orca_in_band() {
                     return true;
                 }
-                if s.pass_socket && !self.kernel_counts {
-                    tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs eBPF): least request instead of ORCA");
-                    return false;
-                }
-                let one = BTreeSet::from([s.name.clone()]);
+                let one = BTreeSet::from([name.clone()]);
                 let needed = orca_listen_addresses(config, &one, self.bound);
                 let covered = needed.iter().all(|addr| self.listening.contains(addr));
                 if !covered {
-                    tracing::warn!(service = %s.name, ?needed, "ORCA would need listeners bound only when the supervisor starts: round robin until then");
+                    tracing::warn!(service = %name, ?needed, "ORCA would need listeners bound only when the supervisor starts: round robin until then");
                 }
                 covered
             })
-            .map(|s| s.name.clone())
             .collect()
     }
 }
@@ -80,8 +119,8 @@ pub(super) fn xds_options(config: &Config, orca: &BTreeSet<String>, port: u16) -
         in_band: false,
     };
     let balancer = |service: &config::ServiceConfig| match service.balancing {
-        // Without a sampler there is nothing to report: round robin (see `orca_services`). Servers
-        // on passed sockets without the kernel's count of their responses: least request.
+        // Left out by `orca_services`: servers on passed sockets (whose queue Envoy's count of active
+        // requests reads) get least request, the others round robin.
         Balancing::Orca(reports) if orca.contains(&service.name) => Balancer::Orca(OrcaPolicy {
             in_band: reports == config::OrcaReports::InBand,
             ..policy
@@ -154,25 +193,6 @@ fn ring_size_for(weights: &[u32]) -> u64 {
     let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
     let lightest = u64::from(weights.iter().copied().min().unwrap_or(1).max(1));
     config::RING_POINTS_PER_WORKER * total.div_ceil(lightest).max(1)
-}
-
-/// The services balanced on ORCA reports: those with `orca` on, when a sampler runs (without one
-/// there is nothing to report, and the services get round robin).
-pub(super) fn orca_services(config: &Config, sampling: bool) -> BTreeSet<String> {
-    let wanted: BTreeSet<String> = config
-        .services
-        .values()
-        .filter(|s| s.orca())
-        .map(|s| s.name.clone())
-        .collect();
-    if !sampling && !wanted.is_empty() {
-        tracing::warn!(
-            services = ?wanted,
-            "sampler = \"off\": no load to report, so these services get round robin instead of ORCA-weighted round robin"
-        );
-        return BTreeSet::new();
-    }
-    wanted
 }
 
 /// The addresses, besides `bound`, where the supervisor must also listen (for ORCA only) so that Envoy's
@@ -253,7 +273,7 @@ mod tests {
              [service.sock]\nurl = \"unix:///run/s.sock\"\n\
              [service.any]\nurl = \"http://0.0.0.0:0\"\n",
         );
-        let orca = orca_services(&config, true);
+        let orca = orca_services(&config, COUNTS_SENDS);
         assert_eq!(
             orca,
             BTreeSet::from(["any".into(), "local".into(), "v4".into()])
@@ -285,6 +305,109 @@ mod tests {
     fn without_a_sampler_no_service_is_balanced_on_orca() {
         let config = config("[supervisor]\nsampler = \"off\"\n[service.a]\n");
         assert!(config.services["a"].orca());
-        assert!(orca_services(&config, false).is_empty());
+        let none = Sampling::of(None);
+        assert!(orca_services(&config, none).is_empty());
+    }
+
+    /// A sampler that follows processes and may count sends, as [`Sampling::of`] sees it.
+    struct Source {
+        kind: crate::sampler::SamplerKind,
+        sends: bool,
+    }
+
+    impl SchedSource for Source {
+        fn kind(&self) -> crate::sampler::SamplerKind {
+            self.kind
+        }
+        fn track(&mut self, _lane: usize, _pid: u32) -> Result<(), crate::sampler::SampleError> {
+            Ok(())
+        }
+        fn untrack(&mut self, _lane: usize, _pid: u32) {}
+        fn read(
+            &mut self,
+            _lane: usize,
+            pid: u32,
+        ) -> Result<crate::sampler::SchedTotals, crate::sampler::SampleError> {
+            Err(crate::sampler::SampleError::Gone { pid })
+        }
+        fn counts_sends(&self) -> bool {
+            self.sends
+        }
+    }
+
+    const COUNTS_SENDS: Sampling = Sampling {
+        loads: true,
+        sends: true,
+    };
+
+    /// A built-in worker's service `web` and a passed-socket server's `app`, both on ORCA by default.
+    fn web_and_app() -> Config {
+        config(
+            "[service.web]\n\
+             [service.app]\npass_socket = true\ncommand = [\"/bin/true\"]\nready_path = \"/\"\n",
+        )
+    }
+
+    /// The eBPF sampler on a kernel without `sock_send_length` (Linux 6.1), and the procfs sampler:
+    /// neither counts a passed-socket server's responses, so its service gets least request, while
+    /// a built-in worker's, which counts its own, stays on ORCA.
+    #[test]
+    fn a_passed_socket_service_is_on_orca_only_where_the_sampler_counts_its_responses() {
+        let config = web_and_app();
+        assert!(config.services["app"].orca());
+        let least = Balancer::LeastRequest {
+            choice_count: config::DEFAULT_CHOICE_COUNT,
+        };
+        for (kind, sends, app_on_orca) in [
+            (crate::sampler::SamplerKind::Ebpf, true, true),
+            (crate::sampler::SamplerKind::Ebpf, false, false),
+            (crate::sampler::SamplerKind::Procfs, false, false),
+        ] {
+            let source = Source { kind, sends };
+            let sampling = Sampling::of(Some(&source));
+            let orca = orca_services(&config, sampling);
+            assert_eq!(orca.contains("app"), app_on_orca, "{kind:?}, sends {sends}");
+            assert!(orca.contains("web"), "{kind:?}, sends {sends}");
+            let balancers = xds_options(&config, &orca, 18000).balancers;
+            assert!(matches!(balancers["web"], Balancer::Orca(_)));
+            if app_on_orca {
+                assert!(matches!(balancers["app"], Balancer::Orca(_)));
+            } else {
+                assert_eq!(balancers["app"], least, "{kind:?}, sends {sends}");
+            }
+        }
+    }
+
+    /// Start publishes `orca_services`; a reload publishes `OrcaReach::services`, which must agree
+    /// with it wherever the listeners bound at start cover the workers.
+    #[test]
+    fn a_reload_publishes_the_balancers_the_start_did() {
+        let config = web_and_app();
+        let bound = addr("127.0.0.1:18000");
+        for sampling in [
+            COUNTS_SENDS,
+            Sampling {
+                loads: true,
+                sends: false,
+            },
+            Sampling::of(None),
+        ] {
+            let at_start = orca_services(&config, sampling);
+            // As at start: the gRPC port, and the listeners bound for the services on ORCA.
+            let mut listening = BTreeSet::from([bound]);
+            listening.extend(orca_listen_addresses(&config, &at_start, bound));
+            let reach = OrcaReach {
+                sampling,
+                bound,
+                listening,
+            };
+            let at_reload = reach.services(&config);
+            assert_eq!(at_start, at_reload, "{sampling:?}");
+            assert_eq!(
+                xds_options(&config, &at_start, bound.port()).balancers,
+                xds_options(&config, &at_reload, bound.port()).balancers,
+                "{sampling:?}"
+            );
+        }
     }
 }

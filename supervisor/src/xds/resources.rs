@@ -61,7 +61,10 @@ use envoy_types::pb::{
 };
 use prost::Name;
 
-use super::upstream_tls::{self, EnvoyTls};
+use super::{
+    own_reports,
+    upstream_tls::{self, EnvoyTls},
+};
 pub use crate::balancer::{Balancer, OrcaPolicy};
 use crate::{
     config::{Locality, Routing},
@@ -319,6 +322,12 @@ pub fn make_cluster(
                 protocol_config: Some(protocol_config),
             },
         )),
+        // Out of band, the supervisor's reports are the only ones: a worker's own, in a response
+        // header, is removed before Envoy's weighted round robin reads it.
+        http_filters: match balancer {
+            Balancer::Orca(orca) if !orca.in_band => own_reports::upstream_filters(),
+            _ => Vec::new(),
+        },
         ..Default::default()
     };
     Cluster {
@@ -764,7 +773,11 @@ mod tests {
             ..ClusterOptions::default()
         };
         let cluster = make_cluster("web", &ServiceView::default(), &[], &options);
-        let policies = cluster.load_balancing_policy.expect("a policy").policies;
+        let policies = cluster
+            .load_balancing_policy
+            .clone()
+            .expect("a policy")
+            .policies;
         let any = policies[0].typed_extension_config.as_ref().unwrap();
         let config = ClientSideWeightedRoundRobin::decode(
             any.typed_config.as_ref().unwrap().value.as_slice(),
@@ -774,6 +787,48 @@ mod tests {
             config.enable_oob_load_report,
             Some(BoolValue { value: false })
         );
+        assert!(
+            upstream_http_filters(&cluster).is_empty(),
+            "in band, the header is the report"
+        );
+    }
+
+    /// The cluster's upstream HTTP filters.
+    fn upstream_http_filters(
+        cluster: &Cluster,
+    ) -> Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>
+    {
+        let any = &cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY];
+        HttpProtocolOptions::decode(any.value.as_slice())
+            .unwrap()
+            .http_filters
+    }
+
+    /// Out of band, a worker's own ORCA header is removed before Envoy reads it; clusters that read
+    /// no report, or read it in band, keep every header and have no upstream filter.
+    #[test]
+    fn out_of_band_orca_clusters_remove_the_workers_own_load_reports() {
+        let options = ClusterOptions {
+            balancers: BTreeMap::from([
+                ("oob".to_string(), Balancer::Orca(orca_policy())),
+                (
+                    "in-band".to_string(),
+                    Balancer::Orca(OrcaPolicy {
+                        in_band: true,
+                        ..orca_policy()
+                    }),
+                ),
+                ("lr".to_string(), Balancer::LeastRequest { choice_count: 2 }),
+            ]),
+            ..ClusterOptions::default()
+        };
+        let filters = |name: &str| {
+            upstream_http_filters(&make_cluster(name, &ServiceView::default(), &[], &options))
+        };
+        assert_eq!(filters("oob"), own_reports::upstream_filters());
+        for name in ["in-band", "lr", "rr"] {
+            assert!(filters(name).is_empty(), "{name}");
+        }
     }
 
     #[test]
