@@ -267,6 +267,8 @@ fn a_certificate_that_cannot_be_used_stops_the_start_and_says_which() {
         let output = Command::new(peregrine_e2e::peregrine_path())
             .arg(command)
             .arg(&path)
+            // No metrics port: the default one may be another supervisor's on this machine.
+            .env("PEREGRINE_METRICS", "")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr);
