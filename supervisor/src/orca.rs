@@ -51,6 +51,7 @@ pub mod stats;
 use self::stats::{OrcaStats, ReportSummary};
 use crate::{
     config::MAX_REPORT_INTERVAL,
+    printable::printable,
     registry::{Loads, Registry, Snapshot, Worker, WorkerLoad},
 };
 
@@ -172,7 +173,7 @@ impl OrcaService {
             ));
         };
         let Some(worker) = self.registry.find_hostname(authority) else {
-            tracing::debug!(%authority, "ORCA stream for no registered worker");
+            tracing::debug!(authority = %printable(authority), "ORCA stream for no registered worker");
             return Err(Status::not_found(format!(
                 "no registered worker has hostname {authority}"
             )));

@@ -57,6 +57,7 @@ use super::{
     counters::{self, XdsCounters},
     priorities::Requester,
 };
+use crate::printable::printable;
 
 /// The most assignment bytes one EDS response carries, state of the world or delta (one assignment
 /// larger than this goes alone): about the HTTP/2 stream window a client opens by default (65,535
@@ -205,7 +206,8 @@ async fn run_stream<W: Send + 'static>(
         .unwrap_or_default();
     let requester = Requester::of(Stream::<W>::node(&first));
     let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
-    let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
+    // The node id is the client's: escaped, so that it cannot write lines of its own into the log.
+    let span = tracing::info_span!("xds_stream", id, %kind, node = %printable(&node));
     async move {
         tracing::debug!("Stream opened");
         // Dropped on every way out of this block, which removes the stream from `acks`.
@@ -398,11 +400,11 @@ impl<'a> Reply<'a> {
         match error {
             Some(error) => {
                 tracing::warn!(
-                    node,
+                    node = %printable(node),
                     type_url,
                     version,
                     nonce,
-                    error = %error.message,
+                    error = %printable(&error.message),
                     "Envoy rejected a response (NACK)"
                 );
                 Reply::Nack
