@@ -51,6 +51,7 @@ pub mod stats;
 use self::stats::{OrcaStats, ReportSummary};
 use crate::{
     config::MAX_REPORT_INTERVAL,
+    grpc_port::ClientProof,
     printable::printable,
     registry::{Loads, Registry, Snapshot, Worker, WorkerLoad},
 };
@@ -144,6 +145,11 @@ impl OpenRcaService for OrcaService {
             .get::<Authority>()
             .map(|a| a.0.as_str());
         let (worker, interval) = self.accept(authority, request.get_ref())?;
+        // Only a client that knows a registered worker's hostname gets here: the connection is
+        // proven ([`ClientProof`]).
+        if let Some(proof) = request.extensions().get::<ClientProof>() {
+            proof.prove();
+        }
         tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(report_loop(
