@@ -6,7 +6,8 @@
 //! close, holds one of [`GrpcLimits::max_connections`] slots, and one address may hold at most
 //! [`GrpcLimits::max_connections_per_peer`] of them ([`slots`]). When a cap is full, a new
 //! connection takes the slot of the oldest connection that has not proved itself a client (no TLS
-//! handshake with a client certificate, or, where the port asks for none, no stream yet), and is
+//! handshake with a client certificate, or, where the port asks for none, no client's request yet:
+//! [`ClientProof`]), and is
 //! refused only when every one has (with a log line at most every 10 s saying how many were). A
 //! connection must send the HTTP/2 client preface within [`GrpcLimits::handshake_timeout`]; and once
 //! admitted it is closed after [`GrpcLimits::idle_timeout`] without an open stream. The cap is
@@ -19,8 +20,9 @@
 //!
 //! The pieces: [`incoming`] accepts on the listeners and yields [`Admitted`] connections (the
 //! preface read and replayed to the server); [`TrackStreamsLayer`] counts each connection's open
-//! streams (gRPC calls), which is what "idle" is measured on and what proves a connection where no
-//! client certificate does; [`Admitted`] closes itself (a read error, which ends the connection in
+//! streams (gRPC calls), which is what "idle" is measured on, and hands each request its
+//! connection's [`ClientProof`], which the service calls once a stream carried a client's request
+//! (where no client certificate proved the connection); [`Admitted`] closes itself (a read error, which ends the connection in
 //! the server) once idle too long, or once its slot went to a newer connection.
 //!
 //! Invariant: nothing here knows xDS or ORCA; it sees TCP connections, their TLS, the HTTP/2
@@ -35,7 +37,7 @@ mod trim;
 
 pub use self::{
     admission::{Admission, incoming},
-    admitted::{Admitted, ConnInfo},
+    admitted::{Admitted, ClientProof, ConnInfo},
     track::{TrackStreams, TrackStreamsLayer, Tracked},
     trim::spawn_trimmer,
 };

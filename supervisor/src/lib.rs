@@ -18,6 +18,7 @@ pub mod instance;
 pub mod manager;
 pub mod metrics;
 pub mod orca;
+pub mod printable;
 pub mod registration;
 pub mod registry;
 pub mod run;

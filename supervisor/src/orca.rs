@@ -51,6 +51,8 @@ pub mod stats;
 use self::stats::{OrcaStats, ReportSummary};
 use crate::{
     config::MAX_REPORT_INTERVAL,
+    grpc_port::ClientProof,
+    printable::printable,
     registry::{Loads, Registry, Snapshot, Worker, WorkerLoad},
 };
 
@@ -143,6 +145,11 @@ impl OpenRcaService for OrcaService {
             .get::<Authority>()
             .map(|a| a.0.as_str());
         let (worker, interval) = self.accept(authority, request.get_ref())?;
+        // Only a client that knows a registered worker's hostname gets here: the connection is
+        // proven ([`ClientProof`]).
+        if let Some(proof) = request.extensions().get::<ClientProof>() {
+            proof.prove();
+        }
         tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(report_loop(
@@ -172,7 +179,7 @@ impl OrcaService {
             ));
         };
         let Some(worker) = self.registry.find_hostname(authority) else {
-            tracing::debug!(%authority, "ORCA stream for no registered worker");
+            tracing::debug!(authority = %printable(authority), "ORCA stream for no registered worker");
             return Err(Status::not_found(format!(
                 "no registered worker has hostname {authority}"
             )));

@@ -6,8 +6,10 @@
 //! registration only from a live worker process the manager started, running as the uid it was
 //! started with, on its service's socket, whose message names that worker's own pid, service and
 //! slot ([`admission`]). Anything else gets a `Refused` answer, a log line (with the peer's uid and
-//! pid), and a closed connection; nothing else is touched. A registered worker's connection stays
-//! open: its close deregisters the worker.
+//! pid; at most one per kind per 10 s, since any peer that may open the socket can repeat it), and a
+//! closed connection; nothing else is touched. A registered worker's connection stays open: its
+//! close deregisters the worker. A connection that sends nothing is closed after 10 s, or sooner
+//! when newer ones take its place ([`pending`]).
 //!
 //! The control socket also answers `peregrine status`: a connection whose first message is a status
 //! request gets the registry's status ([`crate::status::report`]) and is closed. Control commands
@@ -40,15 +42,27 @@ use tokio::{
 use tracing::Instrument;
 
 mod admission;
+mod pending;
 mod worker_sockets;
 
 pub use self::admission::{ListenerError, PeerCred, Refusal, Socket, admit_peer};
 use self::admission::{admit, commander};
+use self::pending::{PENDING_CAP, Pending, Ticket};
 pub use self::worker_sockets::WorkerSockets;
-use crate::{children::Children, instance::InstanceLock, registry::Registry, status};
+use crate::{
+    children::Children, instance::InstanceLock, registry::Registry, status, throttle::Throttles,
+};
 
 /// How long a new connection may take to send its registration.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// At most one log line per kind of refusal (and of failed accept) per socket in this time, with a
+/// count of the lines held back.
+const LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// The first pause after a failed accept; it doubles while accepts fail, up to the most.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Why the registration socket could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -171,46 +185,76 @@ pub async fn serve(listener: UnixListener, server: Server) {
 
 /// Accepts connections on `socket` until the task is dropped.
 async fn serve_on(listener: UnixListener, server: Server, socket: Socket) {
+    let pending = Pending::new(PENDING_CAP);
+    let logs = Arc::new(Throttles::new(LOG_PERIOD));
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let (server, socket) = (server.clone(), socket.clone());
+                backoff = ACCEPT_BACKOFF_MIN;
+                let (server, socket, logs) = (server.clone(), socket.clone(), logs.clone());
                 let cred = stream.peer_cred().ok();
                 let span = tracing::info_span!(
                     "registration",
                     pid = cred.and_then(|c| c.pid()),
                     uid = cred.map(|c| c.uid()),
                 );
+                let (ticket, evicted) = pending.enter();
+                if evicted && let Some(held_back) = logs.allow("evicted") {
+                    tracing::warn!(
+                        parent: &span,
+                        cap = PENDING_CAP,
+                        held_back,
+                        "Registration socket: {PENDING_CAP} connections have sent nothing yet; the \
+                         oldest is closed to make room"
+                    );
+                }
                 tokio::spawn(
                     async move {
-                        match handle(stream, &server, &socket).await {
-                            Ok(()) => {}
-                            // A connect-and-close (a client that gave up, a port scan of sorts).
-                            Err(reason @ Closed::EarlyEof) => {
-                                tracing::debug!(%reason, "Registration connection closed");
-                            }
-                            Err(reason) => {
-                                tracing::warn!(%reason, "Registration connection closed");
-                            }
+                        if let Err(reason) = handle(stream, &server, &socket, ticket).await {
+                            log_closed(&reason, &logs);
                         }
                     }
                     .instrument(span),
                 );
+                // Lets the connections just accepted read their first message before the next
+                // accept, so that a burst of workers does not push its own out of the cap.
+                tokio::task::yield_now().await;
             }
             Err(error) => {
-                // EMFILE and the like: log and keep accepting after a short pause.
-                tracing::error!(%error, "Cannot accept a registration connection");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // EMFILE and the like: the descriptors are someone else's doing; the connection
+                // stays in the backlog, so try again after a pause that grows while it lasts.
+                if let Some(held_back) = logs.allow("accept") {
+                    tracing::error!(%error, held_back, retry_in = ?backoff, "Cannot accept a registration connection");
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
             }
         }
+    }
+}
+
+/// Logs why a connection was closed: a line per kind at most every [`LOG_PERIOD`], since any peer
+/// that may open the socket can close connections as fast as it likes.
+fn log_closed(reason: &Closed, logs: &Throttles) {
+    // A connect-and-close (a client that gave up, a port scan of sorts).
+    if matches!(reason, Closed::EarlyEof) {
+        tracing::debug!(%reason, "Registration connection closed");
+        return;
+    }
+    if let Some(held_back) = logs.allow(reason.kind()) {
+        tracing::warn!(%reason, held_back, "Registration connection closed");
     }
 }
 
 /// Why a connection was closed.
 #[derive(Debug, thiserror::Error)]
 enum Closed {
-    #[error("refused: {0}")]
-    Refused(String),
+    #[error("refused: {reason}")]
+    Refused {
+        reason: String,
+        code: peregrine_proto::v1::refused::Code,
+    },
     #[error("malformed message: {0}")]
     Malformed(#[source] FrameError),
     #[error("unexpected message after registration")]
@@ -219,11 +263,35 @@ enum Closed {
     Timeout,
     #[error("connection closed before registering")]
     EarlyEof,
+    #[error("closed before its first message: newer connections took its place")]
+    Evicted,
     #[error("i/o error")]
     Io(#[from] io::Error),
 }
 
-async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Result<(), Closed> {
+impl Closed {
+    /// What its log line is throttled by.
+    fn kind(&self) -> &'static str {
+        match self {
+            Closed::Refused { code, .. } => code.as_str_name(),
+            Closed::Malformed(_) => "malformed",
+            Closed::Unexpected => "unexpected",
+            Closed::Timeout => "timeout",
+            Closed::EarlyEof => "early-eof",
+            Closed::Evicted => "evicted",
+            Closed::Io(_) => "io",
+        }
+    }
+}
+
+/// Serves one connection; `ticket` is its place among the socket's pending connections, given back
+/// once its first message is read.
+async fn handle(
+    mut stream: UnixStream,
+    server: &Server,
+    socket: &Socket,
+    ticket: Ticket,
+) -> Result<(), Closed> {
     let Server {
         registry,
         children,
@@ -231,13 +299,17 @@ async fn handle(mut stream: UnixStream, server: &Server, socket: &Socket) -> Res
         commands,
     } = server;
     let mut buf = BytesMut::with_capacity(1024);
-    let message =
-        match tokio::time::timeout(REGISTER_TIMEOUT, read_message(&mut stream, &mut buf)).await {
+    let first = tokio::time::timeout(REGISTER_TIMEOUT, read_message(&mut stream, &mut buf));
+    let message = tokio::select! {
+        () = ticket.evicted() => return Err(Closed::Evicted),
+        first = first => match first {
             Err(_) => return Err(Closed::Timeout),
             Ok(Ok(Some(message))) => message,
             Ok(Ok(None)) => return Err(Closed::EarlyEof),
             Ok(Err(e)) => return Err(e),
-        };
+        },
+    };
+    drop(ticket);
     let message = match message.message {
         Some(worker_message::Message::Status(_) | worker_message::Message::Control(_))
             if *socket != Socket::Control =>
@@ -348,7 +420,10 @@ async fn refuse(stream: &mut UnixStream, refusal: &Refusal) -> Closed {
     };
     // The peer may be gone already; the refusal is logged either way.
     let _ = stream.write_all(&encode(&answer)).await;
-    Closed::Refused(reason)
+    Closed::Refused {
+        reason,
+        code: refusal.code(),
+    }
 }
 
 /// Reads one message; `None` on a clean EOF between messages.
@@ -697,7 +772,8 @@ mod tests {
                     records: status::Records::default(),
                     commands,
                 };
-                handle(server, &server_side, &Socket::Control).await
+                let (ticket, _) = Pending::new(1).enter();
+                handle(server, &server_side, &Socket::Control, ticket).await
             });
             client.write_all(&encode(&request)).await.unwrap();
             let refused = match read_answer(&mut client).await.and_then(|a| a.message) {
@@ -709,7 +785,7 @@ mod tests {
                 refused.reason,
                 "peer uid 65534 is not the supervisor's uid 0"
             );
-            assert!(matches!(served.await.unwrap(), Err(Closed::Refused(_))));
+            assert!(matches!(served.await.unwrap(), Err(Closed::Refused { .. })));
             assert!(
                 received.try_recv().is_err(),
                 "no command reached the run loop"

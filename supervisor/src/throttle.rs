@@ -3,6 +3,7 @@
 //! saying how many were held back.
 
 use std::{
+    collections::HashMap,
     sync::Mutex,
     time::{Duration, Instant},
 };
@@ -53,6 +54,33 @@ impl Throttle {
     }
 }
 
+/// A [`Throttle`] per kind of line, each made on its first use: a flood of one kind holds back no
+/// line of another.
+#[derive(Debug)]
+pub struct Throttles {
+    period: Duration,
+    kinds: Mutex<HashMap<&'static str, Throttle>>,
+}
+
+impl Throttles {
+    /// One event per `period` for each kind.
+    pub fn new(period: Duration) -> Self {
+        Throttles {
+            period,
+            kinds: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// [`Throttle::allow`] for the events of `kind`.
+    pub fn allow(&self, kind: &'static str) -> Option<u64> {
+        let mut kinds = self.kinds.lock().unwrap_or_else(|e| e.into_inner());
+        kinds
+            .entry(kind)
+            .or_insert_with(|| Throttle::new(self.period))
+            .allow()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +100,14 @@ mod tests {
         );
         assert_eq!(throttle.allow_at(start + Duration::from_secs(11)), None);
         assert_eq!(throttle.allow_at(start + Duration::from_secs(30)), Some(1));
+    }
+
+    #[test]
+    fn each_kind_has_a_throttle_of_its_own() {
+        let throttles = Throttles::new(Duration::from_secs(10));
+        assert_eq!(throttles.allow("refused"), Some(0));
+        assert_eq!(throttles.allow("refused"), None);
+        assert_eq!(throttles.allow("timeout"), Some(0), "another kind passes");
+        assert_eq!(throttles.allow("timeout"), None);
     }
 }

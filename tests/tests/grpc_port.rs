@@ -6,7 +6,9 @@
 //!   stay without a stream, and then serves again;
 //! - with mutual TLS, one address holding 8,400 connections, or many addresses filling the port,
 //!   keep no client with a certificate out: new mTLS clients are served, and a restarted Envoy gets
-//!   its config.
+//!   its config;
+//! - without TLS, streams that send nothing, more than Envoy's address may hold, keep no restarted
+//!   Envoy of that address out.
 
 use std::{
     io::{Read, Write},
@@ -450,4 +452,128 @@ fn silent_connections_from_many_addresses_that_fill_the_port_make_room_for_mtls_
         holder.closed_by_server(),
     );
     assert_eq!(served, 15, "every mTLS client is served");
+}
+
+/// Connections from 127.0.0.1 to the gRPC port, each with an ADS stream open that never sends a
+/// request: opened, held until the server ends them, and opened again, until dropped.
+struct StreamHolder {
+    /// How many connections have their stream open now.
+    open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StreamHolder {
+    fn start(grpc: u16, connections: usize) -> StreamHolder {
+        use std::sync::atomic::Ordering;
+
+        use envoy_types::pb::envoy::service::discovery::v3::{
+            DiscoveryRequest, aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+        };
+
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let shared = open.clone();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let connecting = std::sync::Arc::new(tokio::sync::Semaphore::new(64));
+                let mut tasks = tokio::task::JoinSet::new();
+                for _ in 0..connections {
+                    let (open, connecting) = (shared.clone(), connecting.clone());
+                    tasks.spawn(async move {
+                        loop {
+                            let stream = {
+                                let _permit = connecting.acquire().await.unwrap();
+                                tokio::time::timeout(Duration::from_secs(5), async {
+                                    let mut client = AggregatedDiscoveryServiceClient::connect(
+                                        format!("http://127.0.0.1:{grpc}"),
+                                    )
+                                    .await
+                                    .ok()?;
+                                    let silent = tokio_stream::pending::<DiscoveryRequest>();
+                                    client.stream_aggregated_resources(silent).await.ok()
+                                })
+                                .await
+                            };
+                            if let Ok(Some(response)) = stream {
+                                open.fetch_add(1, Ordering::Relaxed);
+                                let mut stream = response.into_inner();
+                                while let Ok(Some(_)) = stream.message().await {}
+                                open.fetch_sub(1, Ordering::Relaxed);
+                            }
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                    });
+                }
+                let _ = stopped.wait_for(|stop| *stop).await;
+                tasks.abort_all();
+            });
+        });
+        StreamHolder {
+            open,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    fn open(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for StreamHolder {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[test]
+fn a_restarted_envoy_gets_its_clusters_while_its_address_holds_its_cap_of_silent_streams() {
+    if envoy_or_skip(&current_test()).is_none() {
+        return;
+    }
+    raise_nofile_limit();
+    let (grpc, listen, admin) = (free_port(), free_port(), free_port());
+    let supervisor = Supervisor::start(&PeregrineToml::one_service(grpc, listen, admin, 1).toml());
+    let bootstrap = supervisor.envoy_bootstrap().unwrap();
+    let envoy = Envoy::start(&bootstrap);
+    let has_its_cluster = |envoy: &Envoy| {
+        let hosts = hosts(&envoy.clusters(), "cluster");
+        (hosts.len() == 1 && hosts[0].healthy).then_some(())
+    };
+    wait_until(STEP, "Envoy has its cluster", || has_its_cluster(&envoy));
+
+    // A local process holds more streams from 127.0.0.1, Envoy's address, than its cap (1,024):
+    // streams that Envoy would open, on which it sends nothing.
+    let holder = StreamHolder::start(grpc, 1100);
+    wait_until(STEP, "the address's cap of streams held", || {
+        (holder.open() >= 1000).then_some(())
+    });
+    drop(envoy);
+    let started = Instant::now();
+    let envoy = Envoy::start(&bootstrap);
+    wait_until(
+        Duration::from_secs(15),
+        "the restarted Envoy has its cluster",
+        || has_its_cluster(&envoy),
+    );
+    eprintln!(
+        "the restarted Envoy had its cluster after {:?}, while {} silent streams were held",
+        started.elapsed(),
+        holder.open()
+    );
+    assert!(
+        holder.open() >= 900,
+        "the holder kept its streams: {}",
+        holder.open()
+    );
 }

@@ -1,5 +1,6 @@
 //! Registration abuse against the real supervisor: a process that is not one of its workers is refused,
-//! and a malformed message closes only its own connection; the workers keep serving through Envoy.
+//! and a malformed message closes only its own connection; the workers keep serving through Envoy. A
+//! flood of refused or silent connections costs a few log lines and a bounded count of descriptors.
 
 use std::{
     io::{Read, Write},
@@ -9,8 +10,8 @@ use std::{
 
 use bytes::BytesMut;
 use peregrine_e2e::{
-    Envoy, PeregrineToml, Supervisor, envoy_or_skip, free_port, hosts, http_get, wait_until,
-    worker_pid,
+    Envoy, PeregrineToml, Supervisor, envoy_or_skip, free_port, hosts, http_get, one_worker,
+    wait_until, worker_pid,
 };
 use peregrine_proto::{
     decode_frame, encode,
@@ -119,4 +120,80 @@ fn strangers_and_garbage_cannot_disturb_the_workers() {
         assert_eq!(status, 200);
         assert!(worker_pid(&body).is_some(), "{body}");
     }
+}
+
+/// Whether the supervisor has closed `stream` (EOF or a reset), without waiting.
+fn closed(mut stream: &UnixStream) -> bool {
+    stream.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+#[test]
+fn a_flood_of_refused_and_silent_connections_logs_a_few_lines_and_holds_few_descriptors() {
+    let (supervisor, _addr) = one_worker();
+    let first = wait_until(Duration::from_secs(30), "the worker registered", || {
+        supervisor.status_pids().ok().filter(|pids| pids.len() == 1)
+    });
+    let control = supervisor.dir().join("peregrine.sock");
+
+    // Silent connections, which never send a frame, held open throughout.
+    let silent: Vec<UnixStream> = (0..300)
+        .map(|_| UnixStream::connect(&control).unwrap())
+        .collect();
+    // Refused connections, as fast as this process opens them, for at most 3 s.
+    let claim = encode(&impostor_registration());
+    let started = std::time::Instant::now();
+    let mut flood = 0;
+    while flood < 3000 && started.elapsed() < Duration::from_secs(3) {
+        let mut stranger = UnixStream::connect(&control).unwrap();
+        stranger.write_all(&claim).unwrap();
+        // The answer is read, so that the refusal is done before the next.
+        assert!(read_answer(&mut stranger).is_some());
+        flood += 1;
+    }
+    assert!(flood >= 500, "only {flood} refusals in 3 s");
+
+    // The supervisor answers and a real worker registers again.
+    supervisor
+        .status_json()
+        .expect("status answers during the flood");
+    let old = *first.iter().next().unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(old as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(20), "a new worker registered", || {
+        supervisor
+            .status_pids()
+            .ok()
+            .filter(|pids| pids.len() == 1 && !pids.contains(&old))
+    });
+
+    // All but the newest pending connections were closed, long before their deadline.
+    let closed = silent.iter().filter(|stream| closed(stream)).count();
+    assert!(
+        closed >= 300 - 64,
+        "{closed} of 300 silent connections closed"
+    );
+
+    let logs = supervisor.logs();
+    let lines = logs
+        .lines()
+        .filter(|line| line.contains("Registration connection closed"))
+        .count();
+    assert!(
+        (1..=4).contains(&lines),
+        "{lines} lines for {flood} refusals and 300 silent connections; the first 20:\n{}",
+        logs.lines().take(20).collect::<Vec<_>>().join("\n")
+    );
+    assert!(
+        logs.contains("not a worker of this supervisor"),
+        "the first refusal is logged"
+    );
 }

@@ -14,6 +14,7 @@ use toml::{
 };
 
 use super::error::Problem;
+use crate::printable::is_bidi_control;
 
 // Each table has its own struct though their shapes repeat: `deny_unknown_fields` then names a
 // misspelt key within its own table, the defaults stay per table, and a shared generic shape (a map of
@@ -220,12 +221,6 @@ pub(super) fn key_part(part: &str) -> std::borrow::Cow<'_, str> {
     }
     quoted.push('"');
     quoted.into()
-}
-
-/// Whether `c` is one of Unicode's bidirectional formatting characters, which reorder the text
-/// that follows them on a terminal.
-fn is_bidi_control(c: char) -> bool {
-    matches!(c, '\u{200E}' | '\u{200F}' | '\u{061C}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
 }
 
 impl RawService {

@@ -110,7 +110,7 @@ impl Admission {
                     cap,
                     evicted_since_last_line = since_last_line,
                     "gRPC port: {}; the oldest connection that has not proved itself a client (no TLS \
-                     handshake with a client certificate, or no stream yet) was closed to make room",
+                     handshake with a client certificate, or no client's request yet) was closed to make room",
                     match full {
                         Full::Port => "the cap of open connections is reached",
                         Full::Peer => "an address reached its cap of open connections",
@@ -472,7 +472,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn on_a_cleartext_port_a_connection_is_proven_by_its_first_stream() {
+    async fn on_a_cleartext_port_a_connection_is_proven_by_a_clients_request_not_by_a_stream() {
         let limits = GrpcLimits {
             handshake_timeout: Duration::from_secs(60),
             ..GrpcLimits::default()
@@ -489,19 +489,28 @@ mod tests {
             clients.push(client);
             admitted.push(incoming.next().await.unwrap().unwrap());
         }
-        // The server reads the replayed prefaces; the first opens a stream, the second none.
+        // The server reads the replayed prefaces; both open a stream, and the first's carries a
+        // client's request.
         let mut preface = [0u8; PREFACE.len()];
         for admitted in &mut admitted {
             admitted.read_exact(&mut preface).await.unwrap();
         }
         let info = tonic::transport::server::Connected::connect_info(&admitted[0]);
-        drop(info.streams.opened());
+        let _streams: Vec<_> = admitted
+            .iter()
+            .map(|admitted| {
+                tonic::transport::server::Connected::connect_info(admitted)
+                    .streams
+                    .opened()
+            })
+            .collect();
+        info.proof().prove();
         // A third connection takes the second's slot.
         let _third = connect_from([127, 0, 0, 4], addr).await;
         let mut buf = [0u8; 64];
         let error = tokio::time::timeout(Duration::from_secs(1), admitted[1].read(&mut buf))
             .await
-            .expect("the connection without a stream is closed")
+            .expect("the connection whose stream proved nothing is closed")
             .unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::ConnectionAborted);
         wait_for_open(&admission, 2).await;

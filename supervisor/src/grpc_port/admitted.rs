@@ -7,7 +7,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -29,17 +29,13 @@ use super::{
 pub(super) struct Streams {
     open: AtomicUsize,
     idle_since: Mutex<Instant>,
-    /// Whether a stream was ever opened: the first proves the connection (see [`super::slots`]).
-    opened_once: AtomicBool,
+    /// What the service tells once a stream carried a client's request ([`ClientProof`]).
     prover: Prover,
 }
 
 impl Streams {
     pub(super) fn opened(self: &Arc<Self>) -> StreamGuard {
         self.open.fetch_add(1, Ordering::AcqRel);
-        if !self.opened_once.swap(true, Ordering::AcqRel) {
-            self.prover.prove();
-        }
         StreamGuard(self.clone())
     }
 
@@ -72,6 +68,28 @@ pub struct ConnInfo {
     pub(super) streams: Arc<Streams>,
 }
 
+impl ConnInfo {
+    /// What a service uses to prove this connection, once one of its requests shows a client.
+    pub fn proof(&self) -> ClientProof {
+        ClientProof(self.streams.prover.clone())
+    }
+}
+
+/// Proves a connection a client, so that it is never evicted for a new one (see
+/// [`super::slots`]); in each request's extensions ([`super::TrackStreamsLayer`]). A service calls
+/// [`ClientProof::prove`] once a stream carried a request only a client sends: an xDS request with
+/// a node id, an ORCA request for a registered worker. Opening a stream proves nothing: anyone who
+/// reaches a cleartext port can open streams and send nothing on them.
+#[derive(Clone, Debug)]
+pub struct ClientProof(Prover);
+
+impl ClientProof {
+    /// The connection showed it is a client: it is never evicted from now on.
+    pub fn prove(&self) {
+        self.0.prove();
+    }
+}
+
 /// An admitted connection: its slot, its preface to replay, and its idle deadline.
 #[derive(Debug)]
 pub struct Admitted {
@@ -102,7 +120,6 @@ impl Admitted {
             streams: Arc::new(Streams {
                 open: AtomicUsize::new(0),
                 idle_since: Mutex::new(now),
-                opened_once: AtomicBool::new(false),
                 prover: slot.prover(),
             }),
             idle_timeout,
@@ -142,13 +159,13 @@ impl Admitted {
         }
     }
 
-    /// Ready with an error once the connection's slot went to a newer one (it had opened no stream).
+    /// Ready with an error once the connection's slot went to a newer one (it had proved nothing).
     fn poll_evicted(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         self.slot.poll_evicted(cx).map(|()| {
-            tracing::debug!(peer = %self.peer, "gRPC port: connection without a stream evicted for a new one, closing");
+            tracing::debug!(peer = %self.peer, "gRPC port: connection that proved nothing evicted for a new one, closing");
             io::Error::new(
                 io::ErrorKind::ConnectionAborted,
-                "evicted: no stream yet, and the connection cap is reached",
+                "evicted: no client's request yet, and the connection cap is reached",
             )
         })
     }

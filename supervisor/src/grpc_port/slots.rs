@@ -4,14 +4,18 @@
 //! Every connection holds a slot from its accept to its close. The port has `cap` slots and one
 //! address (an IP; a v4-mapped v6 address counts as the v4 one) may hold `per_peer` of them. A
 //! connection is *unproven* until it shows it is a client: its TLS handshake completed with a client
-//! certificate the CA signed, or, on a port that asks for none, it opened its first stream. A new
+//! certificate the CA signed, or, on a port that asks for none, one of its streams carried a
+//! client's request (an xDS request that names a node, an ORCA request for a registered worker:
+//! [`super::ClientProof`]; a stream that sends nothing proves nothing). A new
 //! connection that finds its address's slots all held takes the slot of that address's oldest
 //! unproven connection; one that finds the port's slots all held takes the port's oldest unproven
 //! connection's. It is refused only when every slot in question is held by a proven connection.
 //!
 //! Invariant: a proven connection is never evicted. Whoever cannot complete a handshake (on a
 //! mutual TLS port: whoever has no certificate from the CA) can only take slots from others who
-//! cannot either, however many connections and addresses it has.
+//! cannot either, however many connections and addresses it has. On a cleartext port a client's
+//! request is the only proof there is, so a local process that sends xDS requests can still hold
+//! its address's share.
 //!
 //! [`Table`] is the bookkeeping alone (a plain value, tested beside it); [`Slots`] shares it between
 //! the accept loops and the connections, and tells an evicted connection to close.
@@ -295,7 +299,7 @@ impl Drop for Slot {
 }
 
 /// Marks a connection proven: see [`Slot::prover`].
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct Prover {
     id: u64,
     slots: Arc<Slots>,

@@ -1,5 +1,6 @@
 //! Counts each request (a gRPC stream) as open on its connection until its response body is done:
-//! what "idle" is measured on, and what proves a connection on a port without client certificates.
+//! what "idle" is measured on; and hands the request its connection's [`ClientProof`](super::ClientProof), which the
+//! service uses once the stream shows a client.
 
 use std::{
     pin::Pin,
@@ -42,11 +43,12 @@ where
         self.0.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let guard = request
-            .extensions()
-            .get::<ConnInfo>()
-            .map(|info| info.streams.opened());
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let info = request.extensions().get::<ConnInfo>().cloned();
+        let guard = info.as_ref().map(|info| info.streams.opened());
+        if let Some(info) = info {
+            request.extensions_mut().insert(info.proof());
+        }
         let response = self.0.call(request);
         Box::pin(async move {
             let response = response.await?;

@@ -20,7 +20,7 @@ use peregrine_proto::{
 };
 use socket2::{Domain, SockAddr, Socket, Type};
 
-use super::view::printable;
+use crate::printable::printable;
 
 /// How long [`query`] waits for the supervisor at each step.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -6,10 +6,12 @@
 //! workers; a terminal escape in one must not reach the terminal that shows the table. The JSON
 //! escapes them already (serde writes control characters as `\u001b`).
 
-use std::{borrow::Cow, fmt::Write as _};
+use std::borrow::Cow;
 
 use peregrine_proto::v1;
 use serde::Serialize;
+
+use crate::printable::printable;
 
 /// A status answer for people and scripts: `--json` prints it with serde.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -383,41 +385,6 @@ fn fleet_line(fleet: &FleetView) -> String {
     format!("fleet: host {}; {etcd}; {others}\n", printable(&fleet.host))
 }
 
-/// `text` as a terminal may show it: every control character (a terminal escape, a newline, a
-/// carriage return, C1 codes) and every bidirectional formatting character (which reorders what
-/// follows it) written out as an escape, `\x1b` for ASCII ones as the log writes them and
-/// `\u{202e}` for the others, and a backslash as `\\`, so that no text passes for an escape.
-/// Borrowed when there is nothing to escape.
-pub fn printable(text: &str) -> Cow<'_, str> {
-    let escaped = |c: char| c == '\\' || c.is_control() || is_bidi_control(c);
-    if !text.chars().any(escaped) {
-        return Cow::Borrowed(text);
-    }
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            c if c.is_ascii_control() => {
-                let _ = write!(out, "\\x{:02x}", u32::from(c));
-            }
-            c if escaped(c) => {
-                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    Cow::Owned(out)
-}
-
-/// Whether `c` is one of Unicode's bidirectional formatting characters (marks, embeddings,
-/// overrides, isolates).
-fn is_bidi_control(c: char) -> bool {
-    matches!(
-        c,
-        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
-    )
-}
-
 /// How long ago `ms` (milliseconds since the Unix epoch) was, for a person: `12.3 s`.
 fn ago(ms: u64) -> String {
     let now = std::time::SystemTime::now()
@@ -430,6 +397,7 @@ fn ago(ms: u64) -> String {
 mod tests {
     use super::*;
     use crate::{
+        printable::is_bidi_control,
         registry::{Address, Protocol, Worker},
         status::{report_of, report_with_streams, tests::registry},
         xds::{acks::StreamSync, stream_kind::StreamKind},
@@ -560,20 +528,6 @@ web           1    -  crash-loop  -                             -          -    
              SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
-    }
-
-    #[test]
-    fn printable_escapes_controls_bidi_and_backslashes_only() {
-        assert!(matches!(printable("web-0 [::1]:80 é"), Cow::Borrowed(_)));
-        assert_eq!(printable("a\x1b[2Jb"), "a\\x1b[2Jb");
-        assert_eq!(printable("\r\n\t\x07\x7f"), "\\x0d\\x0a\\x09\\x07\\x7f");
-        assert_eq!(printable("\u{9b}31m"), "\\u{9b}31m");
-        assert_eq!(printable("\u{202e}gnp.exe"), "\\u{202e}gnp.exe");
-        assert_eq!(
-            printable("a\\x1b"),
-            "a\\\\x1b",
-            "no text passes for an escape"
-        );
     }
 
     #[test]

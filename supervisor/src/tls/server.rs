@@ -41,7 +41,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, server::TlsStream};
 
 use super::pem::{self, PemError, Summary};
-use crate::{config::ServerTlsConfig, throttle::Throttle};
+use crate::{config::ServerTlsConfig, printable::printable, throttle::Throttle};
 
 /// How often the certificate files are looked at for a rotation.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(1);
@@ -374,7 +374,7 @@ impl ServerTls {
                     .and_then(|c| c.first())
                     && let Ok(summary) = Summary::of(cert)
                 {
-                    tracing::debug!(%peer, client = %summary.subject, "gRPC port: TLS client admitted");
+                    tracing::debug!(%peer, client = %printable(&summary.subject), "gRPC port: TLS client admitted");
                 }
                 Ok(stream)
             }
@@ -388,15 +388,18 @@ impl ServerTls {
 
     fn log(&self, refusal: &Refusal, peer: SocketAddr) {
         if matches!(refusal, Refusal::Closed(_)) {
-            tracing::debug!(%peer, %refusal, "gRPC port: TLS handshake ended");
+            tracing::debug!(%peer, refusal = %printable(&refusal.to_string()), "gRPC port: TLS handshake ended");
             return;
         }
         let mut refusals = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
         let throttle = refusals
             .entry(refusal.kind())
             .or_insert_with(|| Throttle::new(Duration::from_secs(10)));
+        let kind = refusal.kind();
         if let Some(held_back) = throttle.allow() {
-            tracing::warn!(%peer, kind = refusal.kind(), held_back, "gRPC port: TLS client refused: {refusal}");
+            // The certificate it names is the client's: escaped.
+            let refusal = printable(&refusal.to_string()).into_owned();
+            tracing::warn!(%peer, kind, held_back, "gRPC port: TLS client refused: {refusal}");
         }
     }
 }

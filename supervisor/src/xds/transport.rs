@@ -57,6 +57,7 @@ use super::{
     counters::{self, XdsCounters},
     priorities::Requester,
 };
+use crate::{grpc_port::ClientProof, printable::printable};
 
 /// The most assignment bytes one EDS response carries, state of the world or delta (one assignment
 /// larger than this goes alone): about the HTTP/2 stream window a client opens by default (65,535
@@ -161,6 +162,7 @@ impl XdsService {
         &self,
         kind: StreamKind,
         requests: Streaming<<Stream<W> as StreamRules>::Request>,
+        proof: Option<ClientProof>,
     ) -> Responses<W>
     where
         Stream<W>: StreamRules,
@@ -176,6 +178,7 @@ impl XdsService {
             resources.clone(),
             (self.acks.clone(), self.counters.clone()),
             tx,
+            proof,
         ));
         ReceiverStream::new(rx)
     }
@@ -189,6 +192,7 @@ async fn run_stream<W: Send + 'static>(
     mut resources: watch::Receiver<Arc<Resources>>,
     (acks, counters): (Arc<Acks>, Arc<XdsCounters>),
     tx: mpsc::Sender<Outgoing<<Stream<W> as StreamRules>::Response>>,
+    proof: Option<ClientProof>,
 ) where
     Stream<W>: StreamRules,
 {
@@ -203,9 +207,17 @@ async fn run_stream<W: Send + 'static>(
     let node = Stream::<W>::node(&first)
         .map(|n| n.id.clone())
         .unwrap_or_default();
+    // A request with a node id is what Envoy sends first: it proves the connection a client, which
+    // a new connection no longer evicts. A stream that sends nothing proves nothing.
+    if !node.is_empty()
+        && let Some(proof) = &proof
+    {
+        proof.prove();
+    }
     let requester = Requester::of(Stream::<W>::node(&first));
     let id = STREAMS.fetch_add(1, Ordering::Relaxed) + 1;
-    let span = tracing::info_span!("xds_stream", id, %kind, node = %node);
+    // The node id is the client's: escaped, so that it cannot write lines of its own into the log.
+    let span = tracing::info_span!("xds_stream", id, %kind, node = %printable(&node));
     async move {
         tracing::debug!("Stream opened");
         // Dropped on every way out of this block, which removes the stream from `acks`.
@@ -398,11 +410,11 @@ impl<'a> Reply<'a> {
         match error {
             Some(error) => {
                 tracing::warn!(
-                    node,
+                    node = %printable(node),
                     type_url,
                     version,
                     nonce,
-                    error = %error.message,
+                    error = %printable(&error.message),
                     "Envoy rejected a response (NACK)"
                 );
                 Reply::Nack

@@ -34,9 +34,12 @@ use envoy_types::pb::envoy::{
 use tonic::Status;
 
 use super::{EDS_RESPONSE_BYTES, Reply, Stream, StreamRules, looked::Looked, next_nonce};
-use crate::xds::{
-    cache::{Resources, TypeResources},
-    resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
+use crate::{
+    printable::printable,
+    xds::{
+        cache::{Resources, TypeResources},
+        resources::{CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL},
+    },
 };
 
 /// What a stream knows about one resource type.
@@ -113,7 +116,7 @@ impl StreamRules for StreamState {
         match reply {
             Reply::Stale => return Ok(Vec::new()),
             Reply::None => {
-                tracing::debug!(type_url, version = %request.version_info, names = ?request.resource_names, "Subscribed");
+                tracing::debug!(type_url, version = %printable(&request.version_info), names = ?request.resource_names, "Subscribed");
                 // A new subscription is owed a response, whatever was sent before.
                 watch.sent = None;
                 watch.looked.forget();

@@ -36,7 +36,7 @@ use tonic::{
 use tonic_prost::ProstCodec;
 
 use super::{XdsService, delta::DeltaWatch, sotw::TypeWatch};
-use crate::xds::stream_kind::StreamKind;
+use crate::{grpc_port::ClientProof, xds::stream_kind::StreamKind};
 
 /// The bytes before each message on the wire: a compression flag and the length (big-endian).
 const FRAME_HEADER: usize = 5;
@@ -135,13 +135,20 @@ fn answer(
         Ok(kind) => kind,
         Err(status) => return status.into_http(),
     };
+    let proof = request.extensions().get::<ClientProof>().cloned();
     let body = request.into_body();
     let body = if kind.is_delta() {
-        Body::new(Framed::new(
-            service.open::<DeltaWatch>(kind, requests(body)),
-        ))
+        Body::new(Framed::new(service.open::<DeltaWatch>(
+            kind,
+            requests(body),
+            proof,
+        )))
     } else {
-        Body::new(Framed::new(service.open::<TypeWatch>(kind, requests(body))))
+        Body::new(Framed::new(service.open::<TypeWatch>(
+            kind,
+            requests(body),
+            proof,
+        )))
     };
     let mut response = http::Response::new(body);
     response.headers_mut().insert(
