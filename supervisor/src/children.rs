@@ -94,6 +94,14 @@ pub struct Child {
     pub uid: u32,
 }
 
+impl Child {
+    /// Whether it serves on a listener the supervisor bound and passed it (`pass_socket`), which
+    /// the supervisor registers: such a server is the one that does not count its own requests.
+    pub fn is_passed(&self) -> bool {
+        !self.counts_requests
+    }
+}
+
 /// Live worker processes by pid.
 #[derive(Debug, Default)]
 pub struct Children {
