@@ -94,6 +94,14 @@ pub struct Child {
     pub uid: u32,
 }
 
+impl Child {
+    /// Whether it serves on a listener the supervisor bound and passed it (`pass_socket`), which
+    /// the supervisor registers: such a server is the one that does not count its own requests.
+    pub fn is_passed(&self) -> bool {
+        !self.counts_requests
+    }
+}
+
 /// Live worker processes by pid.
 #[derive(Debug, Default)]
 pub struct Children {
@@ -101,6 +109,9 @@ pub struct Children {
     /// Children that are no workers and that whoever started them waits for (an upgrade's checks
     /// of the new program): the orphan reaper leaves them alone. Locked after `by_pid`.
     waited: Mutex<HashSet<u32>>,
+    /// The supervisor's orphan watcher, while it runs: the one process with this lineage and no
+    /// slot that is never a worker's leftover (`manager::orphan_watch`).
+    helper: Mutex<Option<u32>>,
 }
 
 impl Children {
@@ -158,6 +169,16 @@ impl Children {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&pid);
+    }
+
+    /// Marks `pid` as the supervisor's own helper (its orphan watcher), or none.
+    pub fn set_helper(&self, pid: Option<u32>) {
+        *self.helper.lock().unwrap_or_else(|e| e.into_inner()) = pid;
+    }
+
+    /// Whether `pid` is the supervisor's own helper, marked by [`Children::set_helper`].
+    pub fn is_helper(&self, pid: u32) -> bool {
+        *self.helper.lock().unwrap_or_else(|e| e.into_inner()) == Some(pid)
     }
 
     /// Adds a live worker: one this supervisor adopted.

@@ -224,7 +224,11 @@ impl Manager {
             return;
         }
         self.watcher = None;
-        match orphan_watch::Watcher::spawn(&self.supervisor, &self.context.lineage) {
+        match orphan_watch::Watcher::spawn(
+            &self.supervisor,
+            &self.context.lineage,
+            &self.context.children,
+        ) {
             Ok(watcher) => self.watcher = Some(watcher),
             Err(error) => {
                 tracing::warn!(%error, "Cannot start the orphan watcher: servers on passed listeners outlive a supervisor that dies, until one adopts them")

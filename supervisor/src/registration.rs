@@ -42,6 +42,7 @@ use tokio::{
 use tracing::Instrument;
 
 mod admission;
+mod listening;
 mod pending;
 mod worker_sockets;
 
@@ -565,6 +566,13 @@ mod tests {
         std::process::id()
     }
 
+    /// A listener of this process on `[::1]`, which it may register.
+    fn listener() -> (std::net::TcpListener, u32) {
+        let listener = std::net::TcpListener::bind("[::1]:0").unwrap();
+        let port = listener.local_addr().unwrap().port().into();
+        (listener, port)
+    }
+
     #[test]
     fn the_socket_is_owner_only_and_a_stale_one_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
@@ -590,8 +598,9 @@ mod tests {
     async fn registers_a_worker_until_its_connection_closes() {
         let fx = Fixture::new();
         fx.children.insert_for_test(own_pid(), "web", 0);
+        let (_listener, port) = listener();
         let (stream, answer) = fx
-            .exchange(&register_message("web", 0, own_pid(), 8080))
+            .exchange(&register_message("web", 0, own_pid(), port))
             .await;
         let Some(SupervisorMessage {
             message: Some(supervisor_message::Message::Registered(registered)),
@@ -607,7 +616,7 @@ mod tests {
         let worker = snapshot.services["web"].serving(0).unwrap();
         assert_eq!(
             worker.listener.addresses,
-            [Address::Tcp("[::1]:8080".parse().unwrap())]
+            [Address::Tcp(format!("[::1]:{port}").parse().unwrap())]
         );
         drop(stream);
         fx.wait_for_revision(2).await;
@@ -672,6 +681,49 @@ mod tests {
             assert!(!refused.reason.is_empty());
         }
         assert_eq!(fx.registry.snapshot().revision, 0);
+    }
+
+    #[tokio::test]
+    async fn refuses_an_address_the_worker_does_not_listen_on() {
+        let fx = Fixture::new();
+        fx.children.insert_for_test(own_pid(), "web", 0);
+        // A port this process held and gave up, as another's (Envoy's admin port) would be: no
+        // listener of this process is bound to it.
+        let (gone, gone_port) = listener();
+        drop(gone);
+        let (_listener, port) = listener();
+        let mut message = register_message("web", 0, own_pid(), port);
+        if let Some(worker_message::Message::Register(register)) = &mut message.message {
+            let listener = register.listener.as_mut().unwrap();
+            listener.addresses.push(v1::Address {
+                address: Some(v1::address::Address::Socket(v1::SocketAddress {
+                    ip: "::1".into(),
+                    port: gone_port,
+                })),
+            });
+        }
+        let (_stream, answer) = fx.exchange(&message).await;
+        let refused = match answer.and_then(|a| a.message) {
+            Some(supervisor_message::Message::Refused(r)) => r,
+            other => panic!("expected Refused, got {other:?}"),
+        };
+        assert_eq!(refused.code(), Code::NotListening, "{}", refused.reason);
+        assert_eq!(
+            refused.reason,
+            format!("process {} does not listen on [::1]:{gone_port}", own_pid())
+        );
+        assert_eq!(fx.registry.snapshot().revision, 0);
+        // Its own listener alone is admitted.
+        let (_registered, answer) = fx
+            .exchange(&register_message("web", 0, own_pid(), port))
+            .await;
+        assert!(
+            matches!(
+                answer.and_then(|a| a.message),
+                Some(supervisor_message::Message::Registered(_))
+            ),
+            "its own listener is admitted"
+        );
     }
 
     fn status_request() -> WorkerMessage {
@@ -797,8 +849,9 @@ mod tests {
     async fn a_malformed_message_closes_only_its_own_connection() {
         let fx = Fixture::new();
         fx.children.insert_for_test(own_pid(), "web", 0);
+        let (_listener, port) = listener();
         let (_registered, _) = fx
-            .exchange(&register_message("web", 0, own_pid(), 8080))
+            .exchange(&register_message("web", 0, own_pid(), port))
             .await;
         let mut bad = UnixStream::connect(&fx.path).await.unwrap();
         bad.write_all(&[4, 0xff, 0xff, 0xff, 0xff]).await.unwrap();

@@ -618,3 +618,90 @@ fn a_worker_that_could_shrink_its_counter_is_adopted_three_times_and_faults_no_s
         "the refusal is logged with its reason:\n{logs}"
     );
 }
+
+/// The live processes running `sleep SECONDS`: the marker a test gives its own.
+fn sleepers(seconds: u32) -> BTreeSet<u32> {
+    let wanted = format!("sleep\0{seconds}\0");
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == wanted.as_bytes())
+                && !gone(*pid)
+        })
+        .collect()
+}
+
+/// A worker's child that keeps only the lineage of its environment is no helper of the supervisor,
+/// and one that names another slot is not that slot's: when the worker is replaced, both are
+/// stopped as its leftovers (while the other slot's worker serves on, and the log names the slot
+/// that was claimed as only claimed), and so are the next worker's at the supervisor's stop.
+#[test]
+fn a_workers_children_that_keep_the_lineage_or_name_another_slot_are_its_leftovers() {
+    // Markers no other test runs: `sleep` for this many seconds.
+    let lineage_only = 1_000_000 + u32::from(peregrine_e2e::free_port());
+    let naming_api = lineage_only + 100_000;
+    let script = format!(
+        "env -i PEREGRINE_LINEAGE=\"$PEREGRINE_LINEAGE\" sleep {lineage_only} & \
+         env -i PEREGRINE_LINEAGE=\"$PEREGRINE_LINEAGE\" PEREGRINE_SERVICE=api \
+         PEREGRINE_WORKER_INDEX=0 sleep {naming_api} & \
+         exec {} worker",
+        peregrine_path().display()
+    );
+    let mut config = PeregrineToml::local(peregrine_e2e::free_port());
+    config.supervisor.stop_timeout_ms = Some(2000);
+    config.service(
+        "web",
+        ServiceTable::at("http://127.0.0.1:0").command(["/bin/sh", "-c", script.as_str()]),
+    );
+    config.service("api", ServiceTable::at("http://127.0.0.1:0"));
+    let mut supervisor = peregrine_e2e::Supervisor::start(&config.toml());
+    let ready = |supervisor: &peregrine_e2e::Supervisor| {
+        let status = supervisor.status_json().ok()?;
+        let pid = |service: &str| {
+            status["workers"].as_array()?.iter().find_map(|row| {
+                (row["service"] == service && row["state"] == "ready")
+                    .then(|| row["pid"].as_u64())
+                    .flatten()
+            })
+        };
+        Some((pid("web")?, pid("api")?))
+    };
+    let (web, api) = wait_until(STEP, "both workers ready", || ready(&supervisor));
+    let children = |what| {
+        wait_until(STEP, what, || {
+            let (a, b) = (sleepers(lineage_only), sleepers(naming_api));
+            (a.len() == 1 && b.len() == 1).then_some(a.into_iter().chain(b).collect::<Vec<_>>())
+        })
+    };
+    let first = children("the first worker's two children");
+
+    supervisor.control("restart", &["web"]).unwrap();
+    wait_until(STEP, "the first worker's children stopped", || {
+        first.iter().all(|pid| gone(*pid)).then_some(())
+    });
+    let (web_now, api_now) = wait_until(STEP, "web replaced", || {
+        ready(&supervisor).filter(|(web_now, _)| *web_now != web)
+    });
+    assert_eq!(api_now, api, "api's worker serves on");
+    let logs = supervisor.logs();
+    let line = logs
+        .lines()
+        .find(|line| line.contains("names another slot"))
+        .unwrap_or_else(|| panic!("no line on the child naming api:\n{logs}"));
+    assert!(
+        line.contains("service=web") && line.contains(&format!("left={}", first[1])),
+        "attributed to web's worker that exited: {line}"
+    );
+    assert!(line.contains("names=api[0]"), "{line}");
+
+    let second = children("the second worker's two children");
+    assert!(second.iter().all(|pid| !first.contains(pid)));
+    assert_ne!(web_now, web);
+    supervisor.stop().unwrap();
+    for pid in &second {
+        assert!(gone(*pid), "process {pid} outlived the supervisor's stop");
+    }
+}

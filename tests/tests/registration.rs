@@ -10,8 +10,8 @@ use std::{
 
 use bytes::BytesMut;
 use peregrine_e2e::{
-    Envoy, PeregrineToml, Supervisor, envoy_or_skip, free_port, hosts, http_get, one_worker,
-    wait_until, worker_pid,
+    Envoy, PeregrineToml, Supervisor, config::ServiceTable, envoy_or_skip, free_port, hosts,
+    http_get, one_worker, wait_until, worker_pid,
 };
 use peregrine_proto::{
     decode_frame, encode,
@@ -120,6 +120,80 @@ fn strangers_and_garbage_cannot_disturb_the_workers() {
         assert_eq!(status, 200);
         assert!(worker_pid(&body).is_some(), "{body}");
     }
+}
+
+#[test]
+fn a_worker_may_register_only_addresses_it_listens_on() {
+    // Someone else's listener: this test process's, as Envoy's admin port would be.
+    let someone_elses = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let foreign = someone_elses.local_addr().unwrap();
+    let listen = free_port();
+    let mut config = PeregrineToml::local(free_port());
+    config.service(
+        "web",
+        ServiceTable::at(format!("http://127.0.0.1:{listen}")),
+    );
+    config.service(
+        "imp",
+        ServiceTable::default().command([
+            env!("CARGO_BIN_EXE_register-as").to_owned(),
+            "--stay".to_owned(),
+            "120".to_owned(),
+            // Its own slot, at a port another process listens on; then at a listener of its own.
+            format!("-,imp,0@{foreign}"),
+            "-,imp,0@listen".to_owned(),
+        ]),
+    );
+    let supervisor = Supervisor::start(&config.toml());
+    let lines = wait_until(Duration::from_secs(30), "the two claims of imp", || {
+        let logs = supervisor.logs();
+        let lines: Vec<String> = logs
+            .lines()
+            .filter(|line| line.contains("register-as: uid"))
+            .map(str::to_owned)
+            .collect();
+        (lines.len() >= 2).then_some(lines)
+    });
+    let pid: u32 = lines[0]
+        .split(" pid ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", lines[0]));
+    let refusal = format!("refused CODE_NOT_LISTENING: process {pid} does not listen on {foreign}");
+    assert!(lines[0].ends_with(&refusal), "{lines:?}");
+    assert!(
+        lines[1].ends_with(&format!("registered as imp-0-{pid}")),
+        "{lines:?}"
+    );
+    wait_until(Duration::from_secs(10), "the refusal logged", || {
+        supervisor
+            .logs()
+            .lines()
+            .any(|line| {
+                line.contains("Registration connection closed")
+                    && line.contains(&format!("process {pid} does not listen on {foreign}"))
+            })
+            .then_some(())
+    });
+    // The real worker registered as ever, and serves; imp is registered at its own listener.
+    wait_until(Duration::from_secs(30), "both slots ready", || {
+        let status = supervisor.status_json().ok()?;
+        let ready = |service: &str| {
+            status["workers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|row| {
+                    row["service"] == service && row["index"] == 0 && row["state"] == "ready"
+                })
+        };
+        (ready("web") && ready("imp")).then_some(())
+    });
+    let (status, body) = http_get(([127, 0, 0, 1], listen), "/").unwrap();
+    assert_eq!(status, 200);
+    assert!(worker_pid(&body).is_some(), "{body}");
+    drop(someone_elses);
 }
 
 /// Whether the supervisor has closed `stream` (EOF or a reset), without waiting.

@@ -7,8 +7,14 @@
 //! left running is a child of the supervisor that is no worker. That is a server that daemonizes
 //! (forks and lets its parent exit: the supervisor would take the parent's exit for the server's),
 //! or the children of a server that was killed. Each is told from another slot's by its environment,
-//! the worker's, which it inherited; one whose environment carries no lineage at all (it cleared it)
-//! is a leftover of whichever worker exits next. They are stopped as a worker is ([`stop`]):
+//! the worker's, which it inherited; one whose environment carries no lineage at all (it cleared it),
+//! or the lineage alone, is a leftover of whichever worker exits next. One that names another slot
+//! is a leftover too, of the worker that exited, not of that slot: it is the supervisor's child, so
+//! outside the tree of that slot's worker, and the log says which slot it names and whose exit it was
+//! found at. The environment is the worker's to write, so it is evidence of nothing but itself: the
+//! one process of the supervisor's children spared for its environment is its orphan watcher, known
+//! by its pid ([`Children::is_helper`]), not by the lineage without a slot that it carries.
+//! They are stopped as a worker is ([`stop`]):
 //! SIGTERM, then SIGKILL after `stop_timeout`, again until none is left. The supervisor, their
 //! parent now, reaps them ([`reap_orphans`]).
 //!
@@ -23,8 +29,7 @@
 //!
 //! Invariant: a process is signalled only through a pidfd opened while it was known to be the
 //! process found (its start time is read again once the pidfd is open), and never while it is a
-//! live worker or inside a live worker's tree. A process carrying this lineage but no slot (none
-//! the supervisor starts) is never a leftover.
+//! live worker or inside a live worker's tree, nor while it is the supervisor's orphan watcher.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -83,23 +88,44 @@ pub(super) struct Leftover {
     starttime: u64,
 }
 
-/// The processes that `slot`'s worker left running, those whose environment carries no lineage
-/// among them (see the module's doc); empty when there are none.
+/// A process found at a worker's exit that names another slot than the worker's: the slot it names,
+/// for the log, which must not blame that slot for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Foreign {
+    /// The process.
+    pub(super) pid: u32,
+    /// The slot its environment names.
+    pub(super) names: Slot,
+}
+
+/// The processes that `slot`'s worker left running, those whose environment carries no lineage,
+/// the lineage alone, or another slot among them (see the module's doc); empty when there are none.
 pub(super) fn find(
     slot: &Slot,
     lineage: &Lineage,
     children: &Children,
     scope: Scope,
 ) -> Vec<Leftover> {
+    find_naming(slot, lineage, children, scope).0
+}
+
+/// [`find`], with those of the supervisor's children found that name another slot than `slot`.
+pub(super) fn find_naming(
+    slot: &Slot,
+    lineage: &Lineage,
+    children: &Children,
+    scope: Scope,
+) -> (Vec<Leftover>, Vec<Foreign>) {
     let own = std::process::id();
-    // The cheap look first: no child of ours but workers, and nothing to look for elsewhere.
+    // The cheap look first: no child of ours but workers and the watcher, and nothing to look for
+    // elsewhere.
     if scope == Scope::Children
         && let Some(kids) = own_children()
         && kids
             .iter()
-            .all(|pid| children.is_worker(*pid) || claim_of(*pid, lineage) == Claim::Helper)
+            .all(|pid| children.is_worker(*pid) || children.is_helper(*pid))
     {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     }
     let subreaper = is_subreaper();
     let table = ProcTable::read();
@@ -108,25 +134,51 @@ pub(super) fn find(
     let workers = children.pids();
     let in_live_tree = |pid: u32| table.has_ancestor_in(pid, &workers);
     let mut seeds = Vec::new();
+    let mut foreign = Vec::new();
     for (&pid, proc) in &table.procs {
-        if pid == own || proc.zombie || in_live_tree(pid) {
+        if pid == own || proc.zombie || in_live_tree(pid) || children.is_helper(pid) {
             continue;
         }
         let ours = proc.ppid == own;
         if !ours && scope == Scope::Children {
             continue;
         }
-        let wanted = match claim_of(pid, lineage) {
-            Claim::Slot(of) => &of == slot,
-            // Cleared its environment: nobody else's, and handed to us as a worker's orphan.
-            Claim::None => ours && subreaper,
-            Claim::Helper => false,
-        };
-        if wanted {
-            seeds.push(pid);
+        match judge(claim_of(pid, lineage), slot, ours && subreaper) {
+            Verdict::Spared => {}
+            Verdict::Left => seeds.push(pid),
+            Verdict::LeftNaming(names) => {
+                seeds.push(pid);
+                foreign.push(Foreign { pid, names });
+            }
         }
     }
-    table.with_descendants(seeds)
+    foreign.sort_by_key(|f| f.pid);
+    (table.with_descendants(seeds), foreign)
+}
+
+/// What a process outside every live worker's tree is to the exit of `slot`'s worker.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Not its leftover.
+    Spared,
+    /// Its leftover.
+    Left,
+    /// Its leftover, though its environment names this other slot.
+    LeftNaming(Slot),
+}
+
+/// Judges a process by what its environment claims and whether it is an `orphan` (a child of the
+/// supervisor as their subreaper, which no worker's live tree holds): one that names `slot` is its
+/// leftover wherever it is; an orphan is the leftover of the exit that handed it over, whatever its
+/// environment says (it names another slot, the lineage alone, or nothing of ours); anything else
+/// on the host is spared.
+fn judge(claim: Claim, slot: &Slot, orphan: bool) -> Verdict {
+    match claim {
+        Claim::Slot(of) if &of == slot => Verdict::Left,
+        Claim::Slot(names) if orphan => Verdict::LeftNaming(names),
+        Claim::None | Claim::LineageOnly if orphan => Verdict::Left,
+        _ => Verdict::Spared,
+    }
 }
 
 /// Every process any worker left, when no worker runs any more (the supervisor is stopping): the
@@ -140,12 +192,14 @@ pub(super) fn sweep(lineage: &Lineage, children: &Children) -> Vec<Leftover> {
         .procs
         .iter()
         .filter(|(pid, proc)| {
-            **pid != own && !proc.zombie && !table.has_ancestor_in(**pid, &workers)
+            **pid != own
+                && !proc.zombie
+                && !table.has_ancestor_in(**pid, &workers)
+                && !children.is_helper(**pid)
         })
         .filter(|(pid, proc)| match claim_of(**pid, lineage) {
             Claim::Slot(_) => true,
-            Claim::None => proc.ppid == own && subreaper,
-            Claim::Helper => false,
+            Claim::None | Claim::LineageOnly => proc.ppid == own && subreaper,
         })
         .map(|(pid, _)| *pid)
         .collect();
@@ -289,8 +343,9 @@ enum Claim {
     Slot(Slot),
     /// Nothing of ours: it carries no lineage (or another, or it cannot be read).
     None,
-    /// This lineage without a slot: one of the supervisor's own helpers, never a worker's.
-    Helper,
+    /// This lineage without a slot: what the orphan watcher carries, and what any process of a
+    /// worker's can keep of its environment. Proof of nothing: the watcher is known by its pid.
+    LineageOnly,
 }
 
 fn claim_of(pid: u32, lineage: &Lineage) -> Claim {
@@ -321,7 +376,7 @@ fn claim_in(environ: &[u8], lineage: &Lineage) -> Claim {
             service: service.to_owned(),
             index,
         }),
-        _ => Claim::Helper,
+        _ => Claim::LineageOnly,
     }
 }
 
@@ -486,8 +541,47 @@ mod tests {
         );
         assert_eq!(
             claim_in(&environ(&[(ENV_LINEAGE, lineage.as_str())]), &lineage),
-            Claim::Helper
+            Claim::LineageOnly
         );
+    }
+
+    #[test]
+    fn an_orphan_is_the_exiting_workers_whatever_its_environment_names() {
+        let slot = |service: &str| Slot {
+            service: service.into(),
+            index: 0,
+        };
+        let web = slot("web");
+        // Its own slot's, wherever it is.
+        assert_eq!(judge(Claim::Slot(web.clone()), &web, false), Verdict::Left);
+        assert_eq!(judge(Claim::Slot(web.clone()), &web, true), Verdict::Left);
+        // The lineage alone, as the orphan watcher has it, proves nothing: an orphan handed over at
+        // this exit is this exit's, as one that cleared its environment is.
+        assert_eq!(judge(Claim::LineageOnly, &web, true), Verdict::Left);
+        assert_eq!(judge(Claim::None, &web, true), Verdict::Left);
+        // Naming another slot, it is still this exit's, and says which slot it names.
+        assert_eq!(
+            judge(Claim::Slot(slot("api")), &web, true),
+            Verdict::LeftNaming(slot("api"))
+        );
+        // Elsewhere on the host (not handed to the supervisor), only its own slot's are taken.
+        assert_eq!(
+            judge(Claim::Slot(slot("api")), &web, false),
+            Verdict::Spared
+        );
+        assert_eq!(judge(Claim::LineageOnly, &web, false), Verdict::Spared);
+        assert_eq!(judge(Claim::None, &web, false), Verdict::Spared);
+    }
+
+    #[test]
+    fn only_the_marked_watcher_is_the_supervisors_helper() {
+        let children = Children::default();
+        assert!(!children.is_helper(42));
+        children.set_helper(Some(42));
+        assert!(children.is_helper(42));
+        assert!(!children.is_helper(43));
+        children.set_helper(None);
+        assert!(!children.is_helper(42));
     }
 
     fn table(rows: &[(u32, u32, bool)]) -> ProcTable {

@@ -13,7 +13,13 @@
 //!
 //! The watcher runs as the supervisor does (it must signal workers of every service's user), in
 //! the supervisor's process group, with this lineage but no slot in its environment: it is never
-//! taken for a worker, adopted or stopped as one.
+//! taken for a worker or adopted. Its environment alone does not spare it from being stopped as a
+//! worker's leftover (a worker's child can keep the lineage and drop the rest): the supervisor
+//! knows its pid ([`Children::set_helper`]) while it runs. A watcher of an earlier supervisor is
+//! never the supervisor's child (its parent died, and it went to init, or to a subreaper above the
+//! dead supervisor, which no later supervisor is), so nothing takes it for a leftover either: those
+//! are found among the supervisor's children, or, anywhere on the host, only by a slot in their
+//! environment. It exits by itself once the new supervisor answers on the control socket.
 //!
 //! Invariant: the watcher signals nothing before the supervisor that started it has exited and
 //! `orphan_timeout_ms` has passed without an answer on the control socket.
@@ -23,11 +29,15 @@ use std::{
     os::fd::OwnedFd,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::Arc,
     time::Duration,
 };
 
 use peregrine_contract::settings::ENV_LINEAGE;
-use rustix::process::{Pid, PidfdFlags, Signal};
+use rustix::{
+    event::{PollFd, PollFlags, Timespec},
+    process::{Pid, PidfdFlags, Signal},
+};
 
 use super::leftovers;
 use crate::{children::Children, config::SupervisorConfig, instance::Lineage};
@@ -35,6 +45,12 @@ use crate::{children::Children, config::SupervisorConfig, instance::Lineage};
 /// The hidden subcommand that runs the watcher: `peregrine orphan-watch SUPERVISOR_PID CONTROL
 /// ORPHAN_TIMEOUT_MS STOP_TIMEOUT_MS`, with the lineage in `PEREGRINE_LINEAGE`.
 pub const ORPHAN_WATCH: &str = "orphan-watch";
+
+/// How long a watcher sent SIGKILL is waited for to exit.
+const EXIT_WAIT: Timespec = Timespec {
+    tv_sec: 1,
+    tv_nsec: 0,
+};
 
 /// What a watcher is told when it starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,11 +70,16 @@ pub struct WatchOrders {
 pub(super) struct Watcher {
     pidfd: OwnedFd,
     orders: WatchOrders,
+    children: Arc<Children>,
 }
 
 impl Watcher {
     /// Starts a watcher for this supervisor, with `supervisor`'s control socket and timeouts.
-    pub(super) fn spawn(supervisor: &SupervisorConfig, lineage: &Lineage) -> io::Result<Watcher> {
+    pub(super) fn spawn(
+        supervisor: &SupervisorConfig,
+        lineage: &Lineage,
+        children: &Arc<Children>,
+    ) -> io::Result<Watcher> {
         let orders = WatchOrders {
             supervisor: std::process::id(),
             control: supervisor.control.clone(),
@@ -75,12 +96,20 @@ impl Watcher {
         for name in crate::service_manager::INHERITED {
             command.env_remove(name);
         }
-        let child = command.spawn()?;
-        let pid = Pid::from_raw(child.id() as i32).ok_or_else(|| io::Error::other("pid 0"))?;
+        // Marked before a worker's exit can look for leftovers (the reaper takes no child of
+        // `spawn_waited` meanwhile, so the pid names the watcher until it is marked).
+        let (pid, ()) = children.spawn_waited(|| Ok((command.spawn()?.id(), ())))?;
+        children.set_helper(Some(pid));
+        children.done_waiting(pid);
+        let raw = Pid::from_raw(pid as i32).ok_or_else(|| io::Error::other("pid 0"))?;
         // Our child: its pid cannot name another process before it is reaped.
-        let pidfd = rustix::process::pidfd_open(pid, PidfdFlags::empty())?;
-        tracing::debug!(pid = child.id(), timeout = ?orders.orphan_timeout, "Orphan watcher started");
-        Ok(Watcher { pidfd, orders })
+        let pidfd = rustix::process::pidfd_open(raw, PidfdFlags::empty())?;
+        tracing::debug!(pid, timeout = ?orders.orphan_timeout, "Orphan watcher started");
+        Ok(Watcher {
+            pidfd,
+            orders,
+            children: children.clone(),
+        })
     }
 
     /// Whether this watcher was started with what `supervisor` says now.
@@ -92,8 +121,13 @@ impl Watcher {
 
 impl Drop for Watcher {
     fn drop(&mut self) {
-        // The supervisor reaps it (it is no worker: `leftovers::reap_orphans`).
+        // The supervisor reaps it (it is no worker: `leftovers::reap_orphans`). It stays marked
+        // until it has exited (a zombie is never a leftover), so it is not taken for one meanwhile,
+        // and never longer: its pid may name another process once it is reaped.
         let _ = rustix::process::pidfd_send_signal(&self.pidfd, Signal::KILL);
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        let _ = rustix::event::poll(&mut fds, Some(&EXIT_WAIT));
+        self.children.set_helper(None);
     }
 }
 
@@ -146,7 +180,6 @@ pub fn watch_orphans(orders: &WatchOrders) -> io::Result<()> {
 /// Returns once process `pid`, this process's parent, has exited (at once if it has already: the
 /// parent is then another process).
 fn wait_for_exit(pid: u32) -> io::Result<()> {
-    use rustix::event::{PollFd, PollFlags};
     let Some(raw) = Pid::from_raw(pid as i32) else {
         return Ok(());
     };

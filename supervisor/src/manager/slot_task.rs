@@ -707,14 +707,28 @@ impl SlotTask {
         let slot = self.slot.clone();
         let lineage = self.context.lineage.clone();
         let children = self.context.children.clone();
+        let (slot_now, lineage_now, children_now) =
+            (slot.clone(), lineage.clone(), children.clone());
         let find = move || leftovers::find(&slot, &lineage, &children, scope);
-        let first = tokio::task::spawn_blocking(find.clone())
-            .await
-            .unwrap_or_default();
+        let (first, foreign) = tokio::task::spawn_blocking(move || {
+            leftovers::find_naming(&slot_now, &lineage_now, &children_now, scope)
+        })
+        .await
+        .unwrap_or_default();
         if first.is_empty() {
             return 0;
         }
         let pids: Vec<u32> = first.iter().map(|l| l.pid()).collect();
+        for leftover in &foreign {
+            // Handed to the supervisor when this worker exited, outside the tree of the slot it
+            // names: this worker's leftover, not that slot's.
+            tracing::warn!(
+                pid,
+                left = leftover.pid,
+                names = %leftover.names,
+                "A process this worker left names another slot in its environment; it is this worker's, not that slot's"
+            );
+        }
         if let Exit::Code(_) = exit {
             tracing::warn!(pid, %exit, left = ?pids, "The worker exited and left processes running; stopping them: {DAEMONIZES}");
         } else {

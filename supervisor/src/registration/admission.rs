@@ -17,6 +17,7 @@ use std::net::{IpAddr, SocketAddr};
 use peregrine_proto::v1::{self, WorkerMessage, refused::Code, worker_message};
 use tokio::net::UnixStream;
 
+use super::listening::Listening;
 use crate::{
     children::{Children, Slot},
     registry::{Address, Protocol, RegistryError, Worker},
@@ -105,6 +106,35 @@ pub enum Refusal {
         /// The slot the message names.
         claimed: Slot,
     },
+    /// The process serves on a listener the supervisor bound and passed it (`pass_socket`): the
+    /// supervisor registers it itself, at the address it bound, once it answers there.
+    #[error(
+        "process {pid} is a worker of {service}, whose listener the supervisor binds and registers: \
+         it may not register one"
+    )]
+    PassedSocket {
+        /// The peer.
+        pid: u32,
+        /// Its service.
+        service: String,
+    },
+    /// The process does not listen on an address it names.
+    #[error("process {pid} does not listen on {address}")]
+    NotListening {
+        /// The peer.
+        pid: u32,
+        /// The first address it names and does not listen on.
+        address: Address,
+    },
+    /// What the process listens on could not be read.
+    #[error("cannot read what process {pid} listens on: {error}")]
+    ListenersUnreadable {
+        /// The peer.
+        pid: u32,
+        /// Why.
+        #[source]
+        error: std::io::Error,
+    },
     /// The listener is missing or malformed.
     #[error("{0}")]
     Listener(#[from] ListenerError),
@@ -128,6 +158,10 @@ impl Refusal {
             Refusal::NotRegister => Code::NotRegister,
             Refusal::PidMismatch { .. } => Code::PidMismatch,
             Refusal::SlotMismatch { .. } => Code::SlotMismatch,
+            Refusal::PassedSocket { .. } => Code::PassedSocket,
+            Refusal::NotListening { .. } | Refusal::ListenersUnreadable { .. } => {
+                Code::NotListening
+            }
             Refusal::Listener(_) | Refusal::Registry(RegistryError::NoAddress) => Code::BadListener,
             Refusal::Registry(RegistryError::UnknownService(_)) => Code::UnknownService,
         }
@@ -269,7 +303,9 @@ fn check_user(cred: PeerCred, ours: u32) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Checks a registration on `socket` against the peer's credentials and the process table.
+/// Checks a registration on `socket` against the peer's credentials and the process table, then
+/// that the peer listens on every address it names ([`Listening`]: its descriptors and its network
+/// namespace's tables in procfs).
 pub(super) fn admit(
     stream: &UnixStream,
     socket: &Socket,
@@ -277,7 +313,17 @@ pub(super) fn admit(
     children: &Children,
 ) -> Result<Worker, Refusal> {
     let cred = PeerCred::of(stream)?;
-    admit_peer(message, cred, socket, children)
+    let worker = admit_peer(message, cred, socket, children)?;
+    let pid = worker.pid;
+    let listening =
+        Listening::of(pid).map_err(|error| Refusal::ListenersUnreadable { pid, error })?;
+    if let Some(address) = listening.first_missing(&worker.listener.addresses) {
+        return Err(Refusal::NotListening {
+            pid,
+            address: address.clone(),
+        });
+    }
+    Ok(worker)
 }
 
 /// Checks a registration on `socket` from a peer with credentials `cred` against the process table:
@@ -306,7 +352,7 @@ pub fn admit_peer(
             started: child.uid,
         });
     }
-    let slot = child.slot;
+    let slot = child.slot.clone();
     let on_its_socket = match socket {
         Socket::Workers { service } => *service == slot.service,
         // A worker of the supervisor's user registers here; one of another user on its own socket
@@ -337,6 +383,14 @@ pub fn admit_peer(
             pid: peer,
             started: slot,
             claimed,
+        });
+    }
+    // Its address is the one the supervisor bound: whatever it claims would only stand beside it,
+    // or in its place, so it is refused rather than ignored, and the log says who tried.
+    if child.is_passed() {
+        return Err(Refusal::PassedSocket {
+            pid: peer,
+            service: slot.service,
         });
     }
     let wire = register.listener.ok_or(ListenerError::Missing)?;
@@ -394,7 +448,7 @@ fn listener_from(listener: v1::Listener) -> Result<(Vec<Protocol>, Vec<Address>)
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::{collections::HashMap, sync::Arc};
 
     use super::*;
     use crate::registry::WorkerState;
@@ -548,6 +602,23 @@ mod tests {
             admit_peer(message("web", 42), peer(42), &web, &children),
             Err(Refusal::NotItsUser { pid: 42, .. })
         ));
+    }
+
+    #[test]
+    fn a_passed_socket_server_may_not_register_an_address() {
+        let children = Children::default();
+        let counters = Arc::new(crate::children::Counters::memfd(2).unwrap());
+        children.insert_counted_for_test(42, ("app", 0), 0, &counters, false);
+        children.insert_counted_for_test(43, ("web", 0), 1, &counters, true);
+        let message = |service: &str, pid| register(service, 0, pid, vec![tcp("127.0.0.1", 9901)]);
+        let refusal = admit_peer(message("app", 42), peer(42), CONTROL, &children).unwrap_err();
+        assert!(
+            matches!(&refusal, Refusal::PassedSocket { pid: 42, service } if service == "app"),
+            "{refusal:?}"
+        );
+        assert_eq!(refusal.code(), Code::PassedSocket);
+        // A built-in worker goes on to have its addresses checked against its listeners.
+        assert!(admit_peer(message("web", 43), peer(43), CONTROL, &children).is_ok());
     }
 
     #[test]

@@ -10,14 +10,17 @@
 //!
 //! where OUTCOME is `registered as HOSTNAME`, `refused CODE: REASON` (CODE as the protocol names it,
 //! e.g. `CODE_NOT_OURS`), `closed without an answer` or
-//! `cannot connect: ERROR`. An ATTEMPT is `SOCKET,SERVICE,INDEX` or `SOCKET,SERVICE,INDEX,PID`:
-//! register on the Unix socket SOCKET (`-`: the one in `PEREGRINE_CONTROL_SOCKET`, as a worker
-//! would) as worker INDEX of SERVICE, process PID (this process when left out), listening on
-//! `127.0.0.1:9`. A registered connection is kept open until the process exits. With `--stay`, the
-//! process then sleeps SECS seconds (a worker that exited at once would only be started again).
+//! `cannot connect: ERROR`. An ATTEMPT is `SOCKET,SERVICE,INDEX` or `SOCKET,SERVICE,INDEX,PID`,
+//! optionally followed by `@ADDRESS`: register on the Unix socket SOCKET (`-`: the one in
+//! `PEREGRINE_CONTROL_SOCKET`, as a worker would) as worker INDEX of SERVICE, process PID (this
+//! process when left out), listening on ADDRESS (`IP:PORT`, or `listen`: a listener this process
+//! binds on `127.0.0.1:0` and keeps; `127.0.0.1:9` when left out). A registered connection is kept
+//! open until the process exits. With `--stay`, the process then sleeps SECS seconds (a worker that
+//! exited at once would only be started again).
 
 use std::{
     io::{Read, Write},
+    net::{SocketAddr, TcpListener},
     os::unix::net::UnixStream,
     path::PathBuf,
     time::Duration,
@@ -30,7 +33,7 @@ use peregrine_proto::{
     v1::{self, SupervisorMessage, WorkerMessage, supervisor_message, worker_message},
 };
 
-const USAGE: &str = "usage: register-as [--stay SECS] SOCKET,SERVICE,INDEX[,PID]...";
+const USAGE: &str = "usage: register-as [--stay SECS] SOCKET,SERVICE,INDEX[,PID][@ADDRESS]...";
 
 /// How long an answer may take.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,6 +45,7 @@ struct Attempt {
     service: String,
     index: u32,
     pid: u32,
+    address: SocketAddr,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,7 +56,11 @@ fn main() -> anyhow::Result<()> {
         let secs: u64 = args.next().context(USAGE)?.parse().context(USAGE)?;
         stay = Some(Duration::from_secs(secs));
     }
-    let attempts: Vec<Attempt> = args.map(|arg| parse(&arg)).collect::<Result<_, _>>()?;
+    // The listeners of `@listen` attempts, held until the process exits.
+    let mut listeners = Vec::new();
+    let attempts: Vec<Attempt> = args
+        .map(|arg| parse(&arg, &mut listeners))
+        .collect::<Result<_, _>>()?;
     if attempts.is_empty() {
         bail!(USAGE);
     }
@@ -78,17 +86,32 @@ fn main() -> anyhow::Result<()> {
     if let Some(stay) = stay {
         std::thread::sleep(stay);
     }
-    drop(kept);
+    drop((kept, listeners));
     Ok(())
 }
 
-/// `SOCKET,SERVICE,INDEX[,PID]`.
-fn parse(arg: &str) -> anyhow::Result<Attempt> {
+/// `SOCKET,SERVICE,INDEX[,PID][@ADDRESS]`; a listener it binds (`@listen`) goes to `listeners`.
+fn parse(arg: &str, listeners: &mut Vec<TcpListener>) -> anyhow::Result<Attempt> {
+    let (arg, address) = match arg.rsplit_once('@') {
+        Some((arg, "listen")) => {
+            let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
+            let address = listener.local_addr()?;
+            listeners.push(listener);
+            (arg, address)
+        }
+        Some((arg, address)) => (
+            arg,
+            address
+                .parse()
+                .with_context(|| format!("address in {arg:?}"))?,
+        ),
+        None => (arg, SocketAddr::from(([127, 0, 0, 1], 9))),
+    };
     let parts: Vec<&str> = arg.split(',').collect();
     let (socket, service, index, pid) = match parts[..] {
         [socket, service, index] => (socket, service, index, None),
         [socket, service, index, pid] => (socket, service, index, Some(pid)),
-        _ => bail!("{arg:?} is not SOCKET,SERVICE,INDEX[,PID]\n{USAGE}"),
+        _ => bail!("{arg:?} is not SOCKET,SERVICE,INDEX[,PID][@ADDRESS]\n{USAGE}"),
     };
     let socket = match socket {
         "-" => std::env::var_os("PEREGRINE_CONTROL_SOCKET")
@@ -104,6 +127,7 @@ fn parse(arg: &str) -> anyhow::Result<Attempt> {
             Some(pid) => pid.parse().with_context(|| format!("pid in {arg:?}"))?,
             None => std::process::id(),
         },
+        address,
     })
 }
 
@@ -125,8 +149,8 @@ fn register(attempt: &Attempt) -> anyhow::Result<(String, Option<UnixStream>)> {
                 protocols: vec![v1::Protocol::Http1 as i32],
                 addresses: vec![v1::Address {
                     address: Some(v1::address::Address::Socket(v1::SocketAddress {
-                        ip: "127.0.0.1".into(),
-                        port: 9,
+                        ip: attempt.address.ip().to_string(),
+                        port: attempt.address.port().into(),
                     })),
                 }],
             }),
