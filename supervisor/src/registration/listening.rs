@@ -1,11 +1,15 @@
 //! Whether a registering process listens on the addresses it names: a worker may publish only its
 //! own listeners, never another's port (Envoy's admin port, another worker's).
 //!
-//! The process's listening sockets are found through procfs: the inodes of its descriptors
-//! (`/proc/PID/fd/*`, a link `socket:[INODE]`) matched against the listening entries of its own
-//! network namespace (`/proc/PID/net/tcp`, `tcp6`: state `0A`; `/proc/PID/net/unix`: the
-//! `__SO_ACCEPTCON` flag). These files are not `contract::procfs`'s subject (stat, status,
-//! schedstat, `/proc/stat`), so, as ARCHITECTURE.md has it, they are read here, where they are used.
+//! The process's listening sockets are its socket descriptors (`/proc/PID/fd/*`, a link
+//! `socket:[INODE]`). Where the supervisor may take a duplicate of them (`pidfd_getfd(2)`, as
+//! adoption does: root, or `CAP_SYS_PTRACE`), each is asked whether it listens (`SO_ACCEPTCONN`)
+//! and where (`getsockname`): a few system calls per descriptor. Otherwise their inodes are matched
+//! against the listening entries of the process's network namespace (`/proc/PID/net/tcp`, `tcp6`:
+//! state `0A`; `/proc/PID/net/unix`: the `__SO_ACCEPTCON` flag); reading those walks the kernel's
+//! whole socket tables, tens of milliseconds on a busy host, for every registration. These files are
+//! not `contract::procfs`'s subject (stat, status, schedstat, `/proc/stat`), so, as ARCHITECTURE.md
+//! has it, they are read here, where they are used.
 //!
 //! The pid is the peer's (SO_PEERCRED), a live child of the supervisor that is not reaped before
 //! its registration is answered, so it names the same process throughout.
@@ -32,8 +36,66 @@ pub(super) struct Listening {
 }
 
 impl Listening {
-    /// What process `pid` listens on, read from `/proc/PID`.
+    /// What process `pid` listens on: from duplicates of its descriptors where this process may
+    /// take them, else from the kernel's socket tables in `/proc/PID`.
     pub(super) fn of(pid: u32) -> io::Result<Listening> {
+        match Listening::of_descriptors(pid) {
+            Ok(listening) => Ok(listening),
+            Err(error) if error.raw_os_error() == Some(libc::EPERM) => Listening::of_tables(pid),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// What process `pid` listens on, asked of duplicates of its socket descriptors.
+    fn of_descriptors(pid: u32) -> io::Result<Listening> {
+        let raw = i32::try_from(pid).map_err(io::Error::other)?;
+        let pid_of =
+            rustix::process::Pid::from_raw(raw).ok_or_else(|| io::Error::other("pid 0"))?;
+        let pidfd = rustix::process::pidfd_open(pid_of, rustix::process::PidfdFlags::empty())?;
+        let mut listening = Listening::default();
+        for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+            let entry = entry?;
+            // A descriptor closed while the folder is read is simply not there.
+            let Ok(target) = std::fs::read_link(entry.path()) else {
+                continue;
+            };
+            if socket_inode(&target.to_string_lossy()).is_none() {
+                continue;
+            }
+            let Some(number) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            let socket = match rustix::process::pidfd_getfd(
+                &pidfd,
+                number,
+                rustix::process::PidfdGetfdFlags::empty(),
+            ) {
+                Ok(socket) => socket,
+                // Closed since it was listed.
+                Err(rustix::io::Errno::BADF) => continue,
+                Err(error) => return Err(error.into()),
+            };
+            if !rustix::net::sockopt::socket_acceptconn(&socket).unwrap_or(false) {
+                continue;
+            }
+            let Ok(name) = rustix::net::getsockname(&socket) else {
+                continue;
+            };
+            if let Ok(address) = SocketAddr::try_from(name.clone()) {
+                listening.tcp.insert(canonical(address));
+            } else if let Ok(unix) = rustix::net::SocketAddrUnix::try_from(name)
+                && let Some(path) = unix.path()
+            {
+                use std::os::unix::ffi::OsStrExt;
+                let path = std::ffi::OsStr::from_bytes(path.to_bytes());
+                listening.unix.insert(PathBuf::from(path));
+            }
+        }
+        Ok(listening)
+    }
+
+    /// What process `pid` listens on, read from the kernel's socket tables in `/proc/PID`.
+    fn of_tables(pid: u32) -> io::Result<Listening> {
         let proc = PathBuf::from(format!("/proc/{pid}"));
         let inodes = socket_inodes(&proc.join("fd"))?;
         let mut listening = Listening::default();
@@ -234,12 +296,18 @@ Num       RefCount Protocol Flags    Type St Inode Path
         let v4 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let unix = std::os::unix::net::UnixListener::bind(&path).unwrap();
         let connected = std::net::TcpStream::connect(v4.local_addr().unwrap()).unwrap();
-        let me = Listening::of(std::process::id()).unwrap();
         let ours = [Address::Tcp(v4.local_addr().unwrap()), Address::Unix(path)];
-        assert_eq!(me.first_missing(&ours), None, "{me:?}");
-        // A connected socket's local address is not a listener.
         let local = [Address::Tcp(connected.local_addr().unwrap())];
-        assert_eq!(me.first_missing(&local), Some(&local[0]));
+        // Both ways agree: the descriptors asked, and the kernel's tables.
+        let pid = std::process::id();
+        for me in [
+            Listening::of_descriptors(pid).unwrap(),
+            Listening::of_tables(pid).unwrap(),
+        ] {
+            assert_eq!(me.first_missing(&ours), None, "{me:?}");
+            // A connected socket's local address is not a listener.
+            assert_eq!(me.first_missing(&local), Some(&local[0]));
+        }
         drop((unix, connected));
     }
 }
