@@ -33,13 +33,11 @@ mod admitted;
 mod conn;
 mod slots;
 mod track;
-mod trim;
 
 pub use self::{
     admission::{Admission, incoming},
     admitted::{Admitted, ClientProof, ConnInfo},
     track::{TrackStreams, TrackStreamsLayer, Tracked},
-    trim::spawn_trimmer,
 };
 use crate::config::GrpcLimits;
 

@@ -28,6 +28,7 @@ pub mod status;
 pub mod throttle;
 pub mod timings;
 pub mod tls;
+pub mod trim;
 pub mod upgrade;
 pub mod xds;
 

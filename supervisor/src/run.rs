@@ -454,7 +454,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         );
     }
     let admission = Admission::with_tls(config.supervisor.grpc, cap, tls.clone());
-    grpc_port::spawn_trimmer(&admission);
+    crate::trim::spawn();
     let mut xds_task = tokio::spawn(grpc::serve(
         grpc::Ports {
             listeners: vec![grpc],

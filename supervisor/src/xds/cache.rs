@@ -106,9 +106,32 @@ struct Variants {
     memo: Arc<Mutex<VariantMemo>>,
 }
 
-/// Requester -> service -> (the assignment a variant was made from, the variant).
-type VariantMemo =
-    HashMap<Requester, HashMap<String, (Arc<ClusterLoadAssignment>, VersionedResource)>>;
+/// Each requester's variants across builds, kept while it asks.
+///
+/// Invariant: a requester is forgotten once it has not asked for [`KEPT_BUILDS`] builds. The
+/// requester is what a client says its locality is, so without this, clients that come and go (or
+/// one that names a new sub-zone on each stream) would leave their variants of every assignment in
+/// the memo for good. A live stream asks for every build it sees, so it keeps its entry.
+#[derive(Debug, Default)]
+struct VariantMemo {
+    /// Builds so far.
+    build: u64,
+    /// Requester -> its variants.
+    made: HashMap<Requester, Made>,
+}
+
+/// The variants made for one requester.
+#[derive(Debug, Default)]
+struct Made {
+    /// The build during which it last asked.
+    asked: u64,
+    /// Service -> (the assignment a variant was made from, the variant).
+    variants: HashMap<String, (Arc<ClusterLoadAssignment>, VersionedResource)>,
+}
+
+/// How many builds a requester's variants are kept without its asking: a stream that skipped a
+/// build (it reads only the latest) is not made to rebuild all of its variants.
+const KEPT_BUILDS: u64 = 2;
 
 /// Where the clusters served on a stream tell Envoy to fetch their endpoints: picks the cluster
 /// flavour of [`Resources::get`].
@@ -166,7 +189,10 @@ impl Resources {
             .entry(requester.clone())
             .or_insert_with(|| {
                 let mut memo = variants.memo.lock().unwrap_or_else(PoisonError::into_inner);
-                let made = memo.entry(requester.clone()).or_default();
+                let build = memo.build;
+                let made = memo.made.entry(requester.clone()).or_default();
+                made.asked = build;
+                let made = &mut made.variants;
                 let resources = variants
                     .assignments
                     .iter()
@@ -359,11 +385,20 @@ impl Cache {
             .fleet
             .as_ref()
             .is_some_and(|f| f.routing == Routing::LocalFirst);
-        if local_first {
+        {
             let mut memo = self.variants.lock().unwrap_or_else(PoisonError::into_inner);
-            for made in memo.values_mut() {
-                made.retain(|name, _| served.contains_key(name));
+            memo.build += 1;
+            let build = memo.build;
+            if local_first {
+                memo.made
+                    .retain(|_, made| made.asked + KEPT_BUILDS >= build);
+                for made in memo.made.values_mut() {
+                    made.variants.retain(|name, _| served.contains_key(name));
+                }
+            } else {
+                memo.made.clear();
             }
+            memo.made.shrink_to_fit();
         }
         Resources {
             revision: snapshot.revision,
@@ -759,6 +794,30 @@ mod tests {
             .get(ENDPOINT_TYPE_URL, EdsVia::Grpc, &requester("b", "z2"))
             .unwrap();
         assert!(Arc::ptr_eq(&got, &on_b));
+    }
+
+    #[test]
+    fn local_first_forgets_the_variants_of_requesters_that_stopped_asking() {
+        let (registry, mut cache) = fleet_of_two(Routing::LocalFirst);
+        let resources = cache.build(&registry.snapshot());
+        // A thousand Envoys, each naming a host of its own, ask once and are gone.
+        for host in 0..1000 {
+            resources.endpoints_for(&requester(&format!("gone-{host}"), "z9"));
+        }
+        drop(resources);
+        let variants = |cache: &Cache| cache.variants.lock().unwrap().made.len();
+        assert_eq!(variants(&cache), 1000);
+        // One stays and asks for every build.
+        for _ in 0..=KEPT_BUILDS {
+            let resources = cache.build(&registry.snapshot());
+            resources.endpoints_for(&requester("a", "z1"));
+        }
+        assert_eq!(variants(&cache), 1, "only the requester that still asks");
+        let resources = cache.build(&registry.snapshot());
+        assert_eq!(
+            priorities(&resources.endpoints_for(&requester("a", "z1"))),
+            [("a".into(), 0), ("b".into(), 1)].into()
+        );
     }
 
     #[test]

@@ -1,0 +1,103 @@
+//! Memory given back to the system after a flood, whatever brought it.
+//!
+//! glibc's allocator keeps what it frees: each of the runtime's threads allocates from an arena of
+//! its own, and only the top of the main heap goes back to the system on its own. Thousands of ORCA
+//! streams multiplexed on a few connections, a flood of registration connections or one xDS request
+//! naming 100,000 resources all leave tens to hundreds of MB free in the arenas once they are gone,
+//! held for good: not a leak (a second flood reuses it), but the supervisor's RSS stays at the
+//! flood's peak. Every [`PERIOD`], this task reads how much the allocator holds free
+//! (`mallinfo2(3)`) and, when that is at least [`FREE_FLOOR`] and at least a [`FREE_SHARE`] of what
+//! is in use, calls `malloc_trim(0)`, which returns every arena's free pages.
+//!
+//! Invariant: a trim happens only when much is free, so a steady state (whose free memory stays
+//! within a share of its use) is never trimmed over and over; at most one trim per [`PERIOD`].
+
+use std::time::Duration;
+
+/// How often the allocator's free memory is looked at.
+pub const PERIOD: Duration = Duration::from_secs(5);
+
+/// Free memory below which no trim is worth it.
+pub const FREE_FLOOR: usize = 16 << 20;
+
+/// The share of the memory in use that must be free, too, for a trim (one in `FREE_SHARE`).
+pub const FREE_SHARE: usize = 4;
+
+/// Whether `free` bytes held by the allocator, with `in_use` bytes allocated, are worth a trim.
+pub fn worth_trimming(free: usize, in_use: usize) -> bool {
+    free >= FREE_FLOOR && free >= in_use / FREE_SHARE
+}
+
+/// Starts the task that trims when the allocator holds much free memory; it runs for the life of
+/// the runtime. Must be called within a tokio runtime. Does nothing on other allocators than
+/// glibc's, which give memory back on their own.
+pub fn spawn() {
+    if allocator().is_none() {
+        return;
+    }
+    tokio::spawn(async {
+        let mut ticks = tokio::time::interval(PERIOD);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Ok(Some((free, in_use))) = tokio::task::spawn_blocking(allocator).await else {
+                continue;
+            };
+            if !worth_trimming(free, in_use) {
+                continue;
+            }
+            let returned = tokio::task::spawn_blocking(trim).await.unwrap_or(false);
+            tracing::debug!(
+                free_mib = free >> 20,
+                in_use_mib = in_use >> 20,
+                returned,
+                "Gave the allocator's free memory back to the system"
+            );
+        }
+    });
+}
+
+/// The allocator's free bytes (in its arenas, mmapped chunks aside) and bytes in use.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn allocator() -> Option<(usize, usize)> {
+    // SAFETY: mallinfo2 takes every arena's lock itself and only reads the allocator's own state;
+    // it returns a plain struct by value.
+    let info = unsafe { libc::mallinfo2() };
+    Some((info.fordblks, info.uordblks.saturating_add(info.hblkhd)))
+}
+
+/// Other allocators are not looked at.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn allocator() -> Option<(usize, usize)> {
+    None
+}
+
+/// Returns the allocator's free memory to the system; whether any was.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim() -> bool {
+    // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it takes the
+    // arenas' locks itself and touches no memory in use.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
+/// Other allocators give memory back on their own.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_much_free_memory_is_trimmed() {
+        assert!(!worth_trimming(FREE_FLOOR - 1, 0), "below the floor");
+        assert!(worth_trimming(FREE_FLOOR, 10 << 20), "after a flood");
+        assert!(
+            !worth_trimming(100 << 20, 1 << 30),
+            "a large steady state's churn"
+        );
+        assert!(worth_trimming(300 << 20, 1 << 30), "a large share free");
+    }
+}
