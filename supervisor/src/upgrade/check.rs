@@ -147,9 +147,19 @@ mod tests {
 
     use super::*;
 
+    /// A shell script at `dir/peregrine`. Written by `cp`, not by this process: a descriptor this
+    /// process opened to write it could be inherited by a child another test forks meanwhile, and
+    /// executing the script while that child holds it fails with "Text file busy".
     fn script(dir: &Path, body: &str) -> PathBuf {
+        let source = dir.join("peregrine.txt");
+        std::fs::write(&source, format!("#!/bin/sh\n{body}\n")).unwrap();
         let path = dir.join("peregrine");
-        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        let copied = std::process::Command::new("cp")
+            .arg(&source)
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(copied.success());
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         path
     }
