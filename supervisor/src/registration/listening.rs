@@ -23,6 +23,11 @@ use std::{
 
 use crate::registry::Address;
 
+/// The descriptor numbers walked when `/proc/PID/status` shows no `FDSize`.
+const DESCRIPTORS_WITHOUT_FDSIZE: u64 = 1024;
+/// The most descriptor numbers walked: a worker's listeners are among its first descriptors.
+const MAX_DESCRIPTORS: u64 = 65_536;
+
 /// The TCP state `LISTEN` in `/proc/net/tcp`.
 const TCP_LISTEN: &str = "0A";
 /// `__SO_ACCEPTCON` in `/proc/net/unix`'s flags: a listening socket.
@@ -46,35 +51,34 @@ impl Listening {
         }
     }
 
-    /// What process `pid` listens on, asked of duplicates of its socket descriptors.
+    /// What process `pid` listens on, asked of duplicates of its socket descriptors. The descriptor
+    /// numbers are walked up to the size of its descriptor table (`FDSize` in `/proc/PID/status`,
+    /// which anyone may read): listing `/proc/PID/fd` of another user's process needs
+    /// `CAP_DAC_READ_SEARCH`, which the packaged unit does not grant, where `pidfd_getfd` needs only
+    /// the `CAP_SYS_PTRACE` adoption needs too. A number nothing is open at costs one failed call.
     fn of_descriptors(pid: u32) -> io::Result<Listening> {
         let raw = i32::try_from(pid).map_err(io::Error::other)?;
         let pid_of =
             rustix::process::Pid::from_raw(raw).ok_or_else(|| io::Error::other("pid 0"))?;
         let pidfd = rustix::process::pidfd_open(pid_of, rustix::process::PidfdFlags::empty())?;
+        let table = peregrine_contract::procfs::StatusText::read(pid)
+            .ok()
+            .and_then(|status| status.number("FDSize"))
+            .unwrap_or(DESCRIPTORS_WITHOUT_FDSIZE)
+            .min(MAX_DESCRIPTORS);
         let mut listening = Listening::default();
-        for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
-            let entry = entry?;
-            // A descriptor closed while the folder is read is simply not there.
-            let Ok(target) = std::fs::read_link(entry.path()) else {
-                continue;
-            };
-            if socket_inode(&target.to_string_lossy()).is_none() {
-                continue;
-            }
-            let Some(number) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
-                continue;
-            };
+        for number in 0..table {
             let socket = match rustix::process::pidfd_getfd(
                 &pidfd,
-                number,
+                number as i32,
                 rustix::process::PidfdGetfdFlags::empty(),
             ) {
                 Ok(socket) => socket,
-                // Closed since it was listed.
+                // Nothing open at that number (or closed since).
                 Err(rustix::io::Errno::BADF) => continue,
                 Err(error) => return Err(error.into()),
             };
+            // Not a socket (ENOTSOCK), or not a listening one.
             if !rustix::net::sockopt::socket_acceptconn(&socket).unwrap_or(false) {
                 continue;
             }
