@@ -1,13 +1,14 @@
 //! Whether a registering process listens on the addresses it names: a worker may publish only its
 //! own listeners, never another's port (Envoy's admin port, another worker's).
 //!
-//! The process's listening sockets are its socket descriptors (`/proc/PID/fd/*`, a link
-//! `socket:[INODE]`). Where the supervisor may take a duplicate of them (`pidfd_getfd(2)`, as
-//! adoption does: root, or `CAP_SYS_PTRACE`), each is asked whether it listens (`SO_ACCEPTCONN`)
-//! and where (`getsockname`): a few system calls per descriptor. Otherwise their inodes are matched
-//! against the listening entries of the process's network namespace (`/proc/PID/net/tcp`, `tcp6`:
-//! state `0A`; `/proc/PID/net/unix`: the `__SO_ACCEPTCON` flag); reading those walks the kernel's
-//! whole socket tables, tens of milliseconds on a busy host, for every registration. These files are
+//! The process's listening sockets are among its descriptors. Where the supervisor may take a
+//! duplicate of them (`pidfd_getfd(2)`, as adoption does: root, or `CAP_SYS_PTRACE`), each number up
+//! to the process's descriptor table size is taken and asked whether it listens (`SO_ACCEPTCONN`)
+//! and where (`getsockname`): a few system calls per descriptor. Otherwise the inodes of its
+//! sockets (`/proc/PID/fd/*`, a link `socket:[INODE]`) are matched against the listening entries of
+//! its network namespace (`/proc/PID/net/tcp`, `tcp6`: state `0A`; `/proc/PID/net/unix`: the
+//! `__SO_ACCEPTCON` flag); reading those walks the kernel's whole socket tables, tens of
+//! milliseconds on a busy host, for every registration. These files are
 //! not `contract::procfs`'s subject (stat, status, schedstat, `/proc/stat`), so, as ARCHITECTURE.md
 //! has it, they are read here, where they are used.
 //!
