@@ -622,7 +622,8 @@ mod tests {
         // Essential packages (coreutils, dash, apt) are on every Debian system, even a minbase
         // one; python3 comes with python3-venv.
         const EVERYWHERE: &[&str] = &[
-            "sh", "sleep", "true", "timeout", "date", "cat", "/bin/cat", "id", "install", "python3",
+            "sh", "sleep", "true", "timeout", "date", "cat", "/bin/cat", "cp", "id", "install",
+            "python3",
         ];
         let root = crate::workspace_root();
         let mut files = Vec::new();
