@@ -72,9 +72,10 @@ fn allocator() -> Option<(usize, usize)> {
     None
 }
 
-/// Returns the allocator's free memory to the system; whether any was.
+/// Returns the allocator's free memory to the system; whether any was. The one `malloc_trim` of the
+/// crate (the fleet's trim after its view shrinks calls it too).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trim() -> bool {
+pub(crate) fn trim() -> bool {
     // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it takes the
     // arenas' locks itself and touches no memory in use.
     unsafe { libc::malloc_trim(0) == 1 }
@@ -82,7 +83,7 @@ fn trim() -> bool {
 
 /// Other allocators give memory back on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() -> bool {
+pub(crate) fn trim() -> bool {
     false
 }
 

@@ -19,6 +19,8 @@ use std::{
 
 use tokio::time::Instant;
 
+use crate::trim::trim;
+
 /// How many workers fewer than the largest view make a trim worth it (about 3.5 MB of view).
 pub const SHRINK: usize = 1000;
 
@@ -77,20 +79,6 @@ impl Trimmer {
         });
         true
     }
-}
-
-/// Returns the allocator's free memory to the system; whether any was.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trim() -> bool {
-    // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it takes the
-    // arenas' locks itself and touches no memory in use.
-    unsafe { libc::malloc_trim(0) == 1 }
-}
-
-/// Other allocators give memory back on their own.
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() -> bool {
-    false
 }
 
 #[cfg(test)]
