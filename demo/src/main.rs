@@ -135,7 +135,11 @@ fn python_service(config: &mut PeregrineToml) -> anyhow::Result<()> {
     let command = peregrine_e2e::gunicorn_command(&bin.join("gunicorn"));
     config.service(
         CLUSTER,
-        ServiceTable::app_server(command).count(WORKERS as u32),
+        // Each worker an endpoint of its own, which the demo follows in Envoy one by one
+        // (gunicorn's sync worker would share one listener by default).
+        ServiceTable::app_server(command)
+            .count(WORKERS as u32)
+            .per_worker(),
     );
     Ok(())
 }

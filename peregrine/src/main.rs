@@ -286,6 +286,14 @@ fn main() -> ExitCode {
                     plural(c.services.len(), "service"),
                     plural(workers as usize, "worker")
                 );
+                for service in c.services.values() {
+                    println!(
+                        "  {}: {}, {}",
+                        service.name,
+                        plural(service.count as usize, "worker"),
+                        service.balanced_on()
+                    );
+                }
                 ExitCode::SUCCESS
             }
             Err(error) => config_error(&error),

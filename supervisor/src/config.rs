@@ -30,6 +30,7 @@ use peregrine_contract::url::BindUrl;
 
 pub mod account;
 mod check;
+pub mod concurrency;
 mod error;
 mod files;
 mod limits;
@@ -446,6 +447,11 @@ pub struct ServiceConfig {
     /// The account its workers run as (`user`, `group`); `None`: the supervisor's own. A service
     /// with one registers on its own socket, [`worker_socket`].
     pub account: Option<Account>,
+    /// How many requests one worker serves at once (`concurrency`), written or read off the command.
+    pub concurrency: concurrency::Concurrency,
+    /// Whether the workers share one listener the supervisor binds (`listener = "shared"`) or each
+    /// has its own.
+    pub listener: concurrency::ListenerMode,
 }
 
 /// A signal that stops a worker gracefully, by name (`stop_signal`).
@@ -532,6 +538,20 @@ impl ServiceConfig {
     /// Whether those reports travel in band, in the workers' responses (`orca = "in-band"`).
     pub fn orca_in_band(&self) -> bool {
         self.balancing == Balancing::Orca(OrcaReports::InBand)
+    }
+
+    /// How its workers listen and are balanced, in words, for `peregrine check` and `status`:
+    /// `concurrency 1 (gunicorn's sync worker), one shared listener, least_request between hosts`.
+    pub fn balanced_on(&self) -> String {
+        let (listener, among) = match self.listener {
+            concurrency::ListenerMode::Shared => ("one shared listener", "between hosts"),
+            concurrency::ListenerMode::PerWorker => ("a listener per worker", "over the workers"),
+        };
+        format!(
+            "concurrency {}, {listener}, {} {among}",
+            self.concurrency.describe(),
+            self.balancing.name()
+        )
     }
 
     /// The bind url of the worker in slot `index`.

@@ -12,6 +12,7 @@ pub mod balancer;
 pub mod bootstrap;
 pub mod children;
 pub mod config;
+pub mod descriptors;
 pub mod fleet;
 pub mod grpc_port;
 pub mod instance;

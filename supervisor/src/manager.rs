@@ -28,6 +28,7 @@ mod slot_task;
 use std::{
     collections::{BTreeSet, HashMap},
     io,
+    os::fd::AsFd,
     sync::Arc,
 };
 
@@ -42,7 +43,7 @@ use tracing::Instrument;
 use self::{
     backoff::Backoff,
     context::SlotCommand,
-    launch::{Launch, LaunchKey},
+    launch::{Launch, LaunchKey, PassedListener},
     process::signal,
     slot_task::SlotTask,
 };
@@ -57,7 +58,7 @@ pub use self::{
 };
 use crate::{
     children::{Slot, slot_count},
-    config::{Config, ServiceConfig, SupervisorConfig},
+    config::{Config, ServiceConfig, SupervisorConfig, concurrency::ListenerMode},
 };
 
 /// A running slot task, as the manager sees it.
@@ -166,6 +167,9 @@ pub struct Manager {
     watcher: Option<orphan_watch::Watcher>,
     /// The locked memory each user's workers are given for their rings ([`locked_memory`]).
     locked_memory: locked_memory::Plan,
+    /// Each shared listener (`listener = "shared"`) by service, with the url it was bound for: one
+    /// per service, kept for as long as the service and its url are.
+    shared: std::sync::Mutex<std::collections::BTreeMap<String, (String, Arc<PassedListener>)>>,
 }
 
 impl Manager {
@@ -187,8 +191,10 @@ impl Manager {
             shutdown,
             watcher: None,
             locked_memory: locked_memory::Plan::default(),
+            shared: Default::default(),
         };
         manager.plan_locked_memory(&config.services);
+        manager.take_back_shared(config, &adopted);
         for service in config.services.values() {
             for index in 0..service.count {
                 let slot = Slot {
@@ -273,6 +279,73 @@ impl Manager {
         self.watch_orphans();
     }
 
+    /// Takes back the shared listeners the `adopted` workers hold, for the services of `config`
+    /// whose url is still where they listen: new workers join the queue the adopted ones accept
+    /// from. A service whose adopted workers hold none (or that has none) binds its listener anew.
+    fn take_back_shared(&self, config: &Config, adopted: &HashMap<Slot, Adopted>) {
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        for (slot, worker) in adopted {
+            let Some(service) = config.services.get(&slot.service) else {
+                continue;
+            };
+            if service.listener != ListenerMode::Shared || shared.contains_key(&service.name) {
+                continue;
+            }
+            let Some(address) = &worker.passed else {
+                continue;
+            };
+            let url = service.url_for(0);
+            if !passed::bound_for(address, &url) {
+                continue;
+            }
+            match PassedListener::take_back(worker.pidfd.as_fd(), worker.pid, address) {
+                Ok(Some(listener)) => {
+                    tracing::info!(service = %service.name, %address, pid = worker.pid, "Took the shared listener back from an adopted worker");
+                    shared.insert(
+                        service.name.clone(),
+                        (service.url.clone(), Arc::new(listener)),
+                    );
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(service = %service.name, pid = worker.pid, error = %ErrorChain(&error), "Cannot take the shared listener back from an adopted worker")
+                }
+            }
+        }
+    }
+
+    /// The shared listener of `service`, if its workers share one: the one bound for its url, or
+    /// one bound now.
+    fn shared_listener(&self, service: &ServiceConfig) -> io::Result<Option<Arc<PassedListener>>> {
+        if service.listener != ListenerMode::Shared {
+            return Ok(None);
+        }
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((url, listener)) = shared.get(&service.name)
+            && *url == service.url
+        {
+            return Ok(Some(listener.clone()));
+        }
+        let listener = Arc::new(PassedListener::bind(&service.url_for(0))?);
+        tracing::info!(service = %service.name, address = %listener.address, "Bound the listener the service's workers share");
+        shared.insert(
+            service.name.clone(),
+            (service.url.clone(), listener.clone()),
+        );
+        Ok(Some(listener))
+    }
+
+    /// Forgets the shared listeners of services that are gone or no longer share one (a worker
+    /// still passed one keeps its own duplicate, and its slot's launch the listener itself).
+    fn forget_shared(&self) {
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        shared.retain(|name, (url, _)| {
+            self.services
+                .get(name)
+                .is_some_and(|s| s.listener == ListenerMode::Shared && s.url == *url)
+        });
+    }
+
     /// What the worker in slot `index` of `service` is started with.
     fn launch(&self, service: &ServiceConfig, index: u32) -> io::Result<Launch> {
         let uid = service
@@ -290,7 +363,7 @@ impl Manager {
             &self.supervisor,
             &self.context.lineage,
             &self.context.counters,
-            locked_memory,
+            (locked_memory, self.shared_listener(service)?),
         )
     }
 
@@ -548,6 +621,7 @@ impl Manager {
             report.merge(result);
         }
         self.services = config.services.clone();
+        self.forget_shared();
         self.context
             .registry
             .set_services(self.services.keys().cloned());

@@ -159,6 +159,10 @@ pub struct ServiceTable {
     pub pass_socket: Option<bool>,
     pub ready_path: Option<String>,
     pub stop_signal: Option<String>,
+    /// How many requests one worker serves at once.
+    pub concurrency: Option<u32>,
+    /// `"shared"` or `"per-worker"`.
+    pub listener: Option<String>,
     pub user: Option<AccountId>,
     pub group: Option<AccountId>,
     pub env: Option<BTreeMap<String, String>>,
@@ -370,6 +374,20 @@ impl ServiceTable {
         }
         .command(command)
     }
+
+    /// Each worker its own listener (`listener = "per-worker"`), whatever the server's concurrency.
+    #[must_use]
+    pub fn per_worker(mut self) -> Self {
+        self.listener = Some("per-worker".into());
+        self
+    }
+
+    /// One listener all the workers share (`listener = "shared"`).
+    #[must_use]
+    pub fn shared(mut self) -> Self {
+        self.listener = Some("shared".into());
+        self
+    }
 }
 
 #[cfg(test)]
@@ -391,6 +409,8 @@ mod tests {
             pass_socket: Some(true),
             ready_path: text(),
             stop_signal: text(),
+            concurrency: Some(1),
+            listener: text(),
             user: Some(AccountId::Name("nobody".into())),
             group: Some(AccountId::Id(65534)),
             env: Some(BTreeMap::from([("A".into(), "b".into())])),

@@ -235,6 +235,11 @@ impl Supervisor {
         envoy_bootstrap(&self.binary, &self.config)
     }
 
+    /// `peregrine check` on this supervisor's config: what it printed.
+    pub fn check(&self) -> anyhow::Result<String> {
+        run_peregrine(&self.binary, "check", &[self.config.as_os_str()])
+    }
+
     /// `peregrine status --json` on this supervisor's config: the parsed JSON object.
     pub fn status_json(&self) -> anyhow::Result<serde_json::Value> {
         let stdout = status(&self.binary, &[self.config.as_os_str(), "--json".as_ref()])?;

@@ -83,12 +83,15 @@ impl Apps {
         config.supervisor.register_timeout_ms = Some(20000);
         config.service(
             SERVICE,
+            // Each worker on a listener of its own, which these tests follow worker by worker
+            // (gunicorn's sync worker would share one by default: see shared_listener.rs).
             ServiceTable {
                 pass_socket: Some(true),
                 ready_path: Some("/healthz".into()),
                 ..ServiceTable::default()
                     .count(count)
                     .command(server.command(servers))
+                    .per_worker()
             },
         );
         change(&mut config);

@@ -413,6 +413,7 @@ fn gunicorn_as_nobody_and_every_process_it_forks_hold_no_privilege_through_kills
             ..ServiceTable::default()
                 .count(2)
                 .command(stage.gunicorn_command(&servers.gunicorn))
+                .per_worker()
         }),
     );
     let mut supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());

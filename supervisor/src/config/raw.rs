@@ -144,6 +144,8 @@ pub(super) struct RawService {
     pub(super) pass_socket: Option<Spanned<bool>>,
     pub(super) ready_path: Option<Spanned<String>>,
     pub(super) stop_signal: Option<Spanned<String>>,
+    pub(super) concurrency: Option<Spanned<RawConcurrency>>,
+    pub(super) listener: Option<Spanned<String>>,
     pub(super) user: Option<Spanned<AccountId>>,
     pub(super) group: Option<Spanned<AccountId>>,
     pub(super) env: Option<Spanned<BTreeMap<String, String>>>,
@@ -274,6 +276,42 @@ impl<'de> Deserialize<'de> for RawOrcaMode {
     }
 }
 
+/// `service.NAME.concurrency`: a number, or a text (`"auto"`), checked by the service's check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum RawConcurrency {
+    /// A number, not checked yet.
+    Number(i64),
+    /// A text, not checked yet.
+    Text(String),
+}
+
+impl<'de> Deserialize<'de> for RawConcurrency {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RawConcurrency;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a number of requests (1 or more) or \"auto\"")
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<RawConcurrency, E> {
+                Ok(RawConcurrency::Number(n))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<RawConcurrency, E> {
+                Ok(RawConcurrency::Number(i64::try_from(n).unwrap_or(i64::MAX)))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RawConcurrency, E> {
+                Ok(RawConcurrency::Text(text.to_owned()))
+            }
+        }
+        // As for `AccountId`: a TOML value says what it is, whatever is asked.
+        deserializer.deserialize_str(Visitor)
+    }
+}
+
 /// `user` and `group`: a name, or a numeric id written as an integer (`65534`) or as a text of digits
 /// (`"65534"`); either way the text of digits.
 #[derive(Debug)]
@@ -325,6 +363,18 @@ pub(super) struct RawBalancing {
     pub(super) hash_on: Option<Spanned<String>>,
     pub(super) weight: Option<Spanned<i64>>,
     pub(super) weights: Option<Spanned<Vec<i64>>>,
+}
+
+impl RawBalancing {
+    /// Whether the table chooses how Envoy balances over the workers themselves: a policy, ORCA
+    /// on, or per-worker weights. Each needs the workers to be endpoints of their own.
+    pub(super) fn balances_workers(&self) -> bool {
+        let orca_on = self
+            .orca
+            .as_ref()
+            .is_some_and(|orca| *orca.get_ref() != RawOrcaMode::Flag(false));
+        orca_on || self.lb_policy.is_some() || self.weight.is_some() || self.weights.is_some()
+    }
 }
 
 /// A serde path as the dotted key a user wrote, without serde's private wrapper segments.

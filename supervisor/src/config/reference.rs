@@ -77,7 +77,7 @@ fn base(key: &str) -> toml::Table {
     source.push_str(&format!("[service.{SERVICE}]\n"));
     if key.starts_with("service.") {
         match field {
-            "ready_path" => {
+            "ready_path" | "listener" => {
                 let program = std::env::current_exe().expect("the test binary's path");
                 let program = toml::Value::from(program.display().to_string());
                 source.push_str(&format!("pass_socket = true\ncommand = [{program}]\n"));

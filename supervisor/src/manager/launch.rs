@@ -59,6 +59,9 @@ pub(super) struct Launch {
     pub(super) ready_path: String,
     /// What asks the worker to finish its requests and exit.
     pub(super) stop_signal: StopSignal,
+    /// The listener every worker of the service shares (`listener = "shared"`), which the
+    /// supervisor keeps: each worker is passed a duplicate.
+    pub(super) shared: Option<Arc<PassedListener>>,
     /// What the worker gives up before it runs: the supervisor's user, for the service's, and every
     /// capability.
     privileges: Privileges,
@@ -74,6 +77,7 @@ pub(super) struct LaunchKey {
     url: String,
     env: std::collections::BTreeMap<String, String>,
     pass_socket: bool,
+    listener: crate::config::concurrency::ListenerMode,
     account: Option<crate::config::Account>,
 }
 
@@ -84,6 +88,7 @@ impl LaunchKey {
             url: service.url.clone(),
             env: service.env.clone(),
             pass_socket: service.pass_socket,
+            listener: service.listener,
             account: service.account.clone(),
         }
     }
@@ -96,7 +101,7 @@ impl Launch {
         supervisor: &SupervisorConfig,
         lineage: &Lineage,
         counters: &Arc<Counters>,
-        locked_memory: Option<Limit>,
+        (locked_memory, shared): (Option<Limit>, Option<Arc<PassedListener>>),
     ) -> io::Result<Self> {
         let program = match &service.command.program {
             Program::Peregrine => std::env::current_exe()?,
@@ -141,6 +146,7 @@ impl Launch {
             names_fd,
             ready_path: service.ready_path.clone(),
             stop_signal: service.stop_signal,
+            shared,
             privileges: Privileges {
                 identity: service
                     .account
@@ -190,12 +196,16 @@ impl Launch {
         }
     }
 
-    /// For a passed-socket service, the listener of the next worker, bound now.
+    /// For a passed-socket service, the listener of the next worker: bound now, or a duplicate of
+    /// the service's shared one.
     pub(super) fn bind_passed(&self) -> io::Result<Option<PassedListener>> {
         if !self.pass_socket {
             return Ok(None);
         }
-        PassedListener::bind(&self.settings.url).map(Some)
+        match &self.shared {
+            Some(shared) => shared.share().map(Some),
+            None => PassedListener::bind(&self.settings.url).map(Some),
+        }
     }
 
     /// Starts the server on its listener, as descriptor [`PASSED_FD`], through `peregrine

@@ -383,8 +383,17 @@ fn claim_in(environ: &[u8], lineage: &Lineage) -> Claim {
 /// This process's children, from `/proc/self/task/*/children`; `None` where the kernel has no
 /// such file (built without `CONFIG_PROC_CHILDREN`).
 fn own_children() -> Option<Vec<u32>> {
+    children_of("self")
+}
+
+/// The children of process `pid` (a number, or `self`), from `/proc/PID/task/*/children`; `None`
+/// where the kernel has no such file (built without `CONFIG_PROC_CHILDREN`) or the process is gone.
+pub(super) fn children_of(pid: &str) -> Option<Vec<u32>> {
     let mut pids = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
         match std::fs::read_to_string(task.path().join("children")) {
             Ok(text) => pids.extend(
                 text.split_ascii_whitespace()

@@ -7,6 +7,13 @@
 //! `LISTEN_PID`, which only the child can know: `peregrine exec-passed` sets it and execs the
 //! server, keeping the pid). The supervisor keeps no copy: the worker owns its listener.
 //!
+//! A shared listener (`listener = "shared"`) is bound once per service and url instead, kept by the
+//! supervisor, and a duplicate passed to every worker: one accept queue, from which whichever
+//! worker is free takes the next connection. A supervisor that starts again takes it back from the
+//! workers it adopts ([`PassedListener::take_back`]). Its readiness probe reaches whichever worker
+//! accepts it, so it says that the service answers; a replacement is then ready once its own
+//! processes have settled ([`settled`]).
+//!
 //! A worker is published once `GET ready_path` on its listener answers with a status below 500; the
 //! probe also asks, with the HTTP/2 preface, whether it speaks h2c. Until then, what the last probe
 //! found is in the slot's status (`peregrine status`) and logged every [`PROBE_REPORT`]; the slot
@@ -18,7 +25,7 @@
 use std::{
     io,
     net::{IpAddr, SocketAddr},
-    os::fd::OwnedFd,
+    os::fd::{BorrowedFd, OwnedFd},
     path::Path,
     sync::{Arc, Mutex},
     time::Duration,
@@ -33,6 +40,7 @@ use tokio::{
 
 use crate::{
     config::{ADDRESS_PLACEHOLDER, FD_PLACEHOLDER, PASSED_FD, PORT_PLACEHOLDER},
+    descriptors::ListenAddress,
     registry::{Address, Protocol, Registry, Worker},
 };
 
@@ -50,7 +58,8 @@ const MAX_STATUS_LINE: usize = 1024;
 /// The HTTP/2 connection preface, then an empty SETTINGS frame.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
 
-/// A listener bound for one worker instance, and where it listens.
+/// A listener bound for one worker instance (or, shared, for every worker of a service), and where
+/// it listens.
 #[derive(Debug)]
 pub(super) struct PassedListener {
     pub(super) fd: OwnedFd,
@@ -106,6 +115,36 @@ impl PassedListener {
         }
     }
 
+    /// A duplicate of this listener, for one more worker of a shared listener: the supervisor keeps
+    /// the original, so the accept queue outlives every worker that accepts from it.
+    pub(super) fn share(&self) -> io::Result<PassedListener> {
+        Ok(PassedListener {
+            fd: self.fd.try_clone()?,
+            address: self.address.clone(),
+        })
+    }
+
+    /// The listener at `address` among the descriptors of the adopted worker `pid` (open as
+    /// `pidfd`), if it still holds one: a shared listener taken back after this supervisor started
+    /// again, so that new workers join the queue the adopted ones accept from.
+    pub(super) fn take_back(
+        pidfd: BorrowedFd<'_>,
+        pid: u32,
+        address: &Address,
+    ) -> io::Result<Option<PassedListener>> {
+        let found = crate::descriptors::listening(pidfd, pid)?
+            .into_iter()
+            .find(|(_, at)| match (at, address) {
+                (ListenAddress::Tcp(at), Address::Tcp(address)) => at == address,
+                (ListenAddress::Unix(at), Address::Unix(address)) => at == address,
+                _ => false,
+            });
+        Ok(found.map(|(fd, _)| PassedListener {
+            fd,
+            address: address.clone(),
+        }))
+    }
+
     /// The bind url a worker on this listener is told it has (`PEREGRINE_URL`).
     pub(super) fn url(&self) -> BindUrl {
         match &self.address {
@@ -126,6 +165,19 @@ impl PassedListener {
         arg.replace(FD_PLACEHOLDER, &PASSED_FD.to_string())
             .replace(PORT_PLACEHOLDER, &port)
             .replace(ADDRESS_PLACEHOLDER, &address)
+    }
+}
+
+/// Whether `address` is where a listener bound for `url` listens: the same path, or the same IP
+/// and (unless the url leaves it to the kernel) port.
+pub(super) fn bound_for(address: &Address, url: &BindUrl) -> bool {
+    match (address, url) {
+        (Address::Tcp(at), BindUrl::Tcp { host, port }) => {
+            host.parse::<IpAddr>().is_ok_and(|ip| ip == at.ip())
+                && (*port == 0 || *port == at.port())
+        }
+        (Address::Unix(at), BindUrl::Unix { path }) => at == path,
+        _ => false,
     }
 }
 
@@ -153,6 +205,68 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
 /// What the last probe of a worker that is not ready yet found, for the report when it never is.
 pub(super) type LastProbe = Arc<Mutex<Option<String>>>;
 
+/// How long a new worker of a shared listener may take to settle once the service answers; past
+/// it the worker is taken as ready (its probe could not reach it alone).
+const SETTLE_MAX: Duration = Duration::from_secs(10);
+/// How often a new worker's processes are looked at while it settles.
+const SETTLE_LOOK: Duration = Duration::from_millis(20);
+/// How many looks in a row a settled worker's processes stay the same, each seen asleep in one.
+const SETTLE_WINDOW: usize = 5;
+
+/// Whether worker `pid` has settled: over the last [`SETTLE_WINDOW`] looks, its processes (it and
+/// its descendants: a gunicorn arbiter and the worker it forks) were the same, and each was seen
+/// asleep (`S`, waiting, as a server waiting for a connection is) in at least one. A server still
+/// starting runs (`R`) or reads its files (`D`) all along; one that serves sleeps between requests.
+/// Waits at most [`SETTLE_MAX`]; returns whether it settled.
+pub(super) async fn settled(pid: u32) -> bool {
+    let deadline = tokio::time::Instant::now() + SETTLE_MAX;
+    let mut window: std::collections::VecDeque<Vec<(u32, char)>> = Default::default();
+    while tokio::time::Instant::now() < deadline {
+        let look = tokio::task::spawn_blocking(move || process_tree(pid))
+            .await
+            .unwrap_or_default();
+        window.push_back(look);
+        if window.len() > SETTLE_WINDOW {
+            window.pop_front();
+        }
+        if window.len() == SETTLE_WINDOW && asleep_in_turn(window.make_contiguous()) {
+            return true;
+        }
+        tokio::time::sleep(SETTLE_LOOK).await;
+    }
+    false
+}
+
+/// Whether `looks` (each the pids of a tree with their states) all hold the same processes, each
+/// seen asleep in at least one.
+fn asleep_in_turn(looks: &[Vec<(u32, char)>]) -> bool {
+    let Some(first) = looks.first().filter(|first| !first.is_empty()) else {
+        return false;
+    };
+    let pids = |look: &Vec<(u32, char)>| look.iter().map(|(pid, _)| *pid).collect::<Vec<_>>();
+    looks.iter().all(|look| pids(look) == pids(first))
+        && first.iter().all(|(pid, _)| {
+            looks
+                .iter()
+                .any(|look| look.iter().any(|(p, state)| p == pid && *state == 'S'))
+        })
+}
+
+/// Process `pid` and its descendants, sorted by pid, each with its state; empty once it is gone.
+fn process_tree(pid: u32) -> Vec<(u32, char)> {
+    let mut tree = Vec::new();
+    let mut next = vec![pid];
+    while let Some(pid) = next.pop() {
+        let Ok(stat) = peregrine_contract::procfs::stat(pid) else {
+            continue;
+        };
+        tree.push((pid, stat.state));
+        next.extend(super::leftovers::children_of(&pid.to_string()).unwrap_or_default());
+    }
+    tree.sort_unstable();
+    tree
+}
+
 /// Probes `address` until `GET ready_path` answers below 500, then registers worker `pid` of
 /// `service`'s slot `index` with the protocols it speaks. Runs until it has registered (the slot
 /// task bounds it with the registration timeout, and aborts it when the worker exits).
@@ -162,7 +276,7 @@ pub(super) type LastProbe = Arc<Mutex<Option<String>>>;
 pub(super) async fn register_when_ready(
     registry: Arc<Registry>,
     (service, index, pid): (String, u32, u32),
-    address: Address,
+    (address, shared): (Address, bool),
     ready_path: String,
     last: LastProbe,
 ) {
@@ -181,6 +295,16 @@ pub(super) async fn register_when_ready(
     loop {
         match probe_ready(&address, &ready_path).await {
             Ok(status) => {
+                if shared {
+                    // The probe reached whichever worker took it from the shared queue: the service
+                    // answers. This worker is ready once its own processes have settled.
+                    set_status(Some(
+                        "the shared listener answers; waiting for this worker to settle",
+                    ));
+                    if !settled(pid).await {
+                        tracing::info!(pid, %address, wait = ?SETTLE_MAX, "Worker on the shared listener did not settle; taking it as ready");
+                    }
+                }
                 let mut protocols = vec![Protocol::Http1];
                 if speaks_h2c(&address).await {
                     protocols.push(Protocol::Http2);

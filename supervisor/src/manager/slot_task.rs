@@ -162,7 +162,7 @@ impl Prober {
         let task = tokio::spawn(register_when_ready(
             context.registry.clone(),
             (slot.service.clone(), slot.index, pid),
-            address,
+            (address, launch.shared.is_some()),
             launch.ready_path.clone(),
             last.clone(),
         ));
@@ -417,7 +417,9 @@ impl SlotTask {
             .clone();
         let exclusive = current.is_some()
             && old_url == self.launch.settings.url
-            && fixed_address(&self.launch.settings.url);
+            && fixed_address(&self.launch.settings.url)
+            // A shared listener is the supervisor's: the new worker joins it beside the old one.
+            && self.launch.shared.is_none();
         match self.replace(current, exclusive).await {
             Ok(new) => Ok(Replaced {
                 slot: self.slot.clone(),
@@ -812,7 +814,7 @@ mod tests {
                 &config.supervisor,
                 &context.lineage,
                 &context.counters,
-                None,
+                (None, None),
             )
             .unwrap(),
             backoff: Backoff::new(RestartPolicy::default()),

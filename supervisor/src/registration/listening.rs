@@ -22,12 +22,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::registry::Address;
-
-/// The descriptor numbers walked when `/proc/PID/status` shows no `FDSize`.
-const DESCRIPTORS_WITHOUT_FDSIZE: u64 = 1024;
-/// The most descriptor numbers walked: a worker's listeners are among its first descriptors.
-const MAX_DESCRIPTORS: u64 = 65_536;
+use crate::{descriptors::ListenAddress, registry::Address};
 
 /// The TCP state `LISTEN` in `/proc/net/tcp`.
 const TCP_LISTEN: &str = "0A";
@@ -62,38 +57,15 @@ impl Listening {
         let pid_of =
             rustix::process::Pid::from_raw(raw).ok_or_else(|| io::Error::other("pid 0"))?;
         let pidfd = rustix::process::pidfd_open(pid_of, rustix::process::PidfdFlags::empty())?;
-        let table = peregrine_contract::procfs::StatusText::read(pid)
-            .ok()
-            .and_then(|status| status.number("FDSize"))
-            .unwrap_or(DESCRIPTORS_WITHOUT_FDSIZE)
-            .min(MAX_DESCRIPTORS);
         let mut listening = Listening::default();
-        for number in 0..table {
-            let socket = match rustix::process::pidfd_getfd(
-                &pidfd,
-                number as i32,
-                rustix::process::PidfdGetfdFlags::empty(),
-            ) {
-                Ok(socket) => socket,
-                // Nothing open at that number (or closed since).
-                Err(rustix::io::Errno::BADF) => continue,
-                Err(error) => return Err(error.into()),
-            };
-            // Not a socket (ENOTSOCK), or not a listening one.
-            if !rustix::net::sockopt::socket_acceptconn(&socket).unwrap_or(false) {
-                continue;
-            }
-            let Ok(name) = rustix::net::getsockname(&socket) else {
-                continue;
-            };
-            if let Ok(address) = SocketAddr::try_from(name.clone()) {
-                listening.tcp.insert(canonical(address));
-            } else if let Ok(unix) = rustix::net::SocketAddrUnix::try_from(name)
-                && let Some(path) = unix.path()
-            {
-                use std::os::unix::ffi::OsStrExt;
-                let path = std::ffi::OsStr::from_bytes(path.to_bytes());
-                listening.unix.insert(PathBuf::from(path));
+        for (_, address) in crate::descriptors::listening(&pidfd, pid)? {
+            match address {
+                ListenAddress::Tcp(address) => {
+                    listening.tcp.insert(canonical(address));
+                }
+                ListenAddress::Unix(path) => {
+                    listening.unix.insert(path);
+                }
             }
         }
         Ok(listening)

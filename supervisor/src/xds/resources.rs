@@ -371,26 +371,25 @@ pub fn make_load_assignment(
 ) -> ClusterLoadAssignment {
     let weights = options.weights.get(name);
     let host = options.fleet.as_ref().map(|f| f.host.as_str());
-    let local = view
-        .workers
-        .values()
-        .map(|worker| {
-            let weight = weights
-                .and_then(|w| w.get(worker.index as usize))
-                .copied()
-                .unwrap_or(1);
-            // A draining worker keeps its endpoint but gets no new requests (and, unlike an
-            // unhealthy one, causes no spill-over to other priorities). A stalled one is
-            // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
-            lb_endpoint(
-                &worker.listener.addresses,
-                &worker.hostname,
-                health_status(worker.health()),
-                weight,
-                &slot_hash_key(host, &worker.service, worker.index),
-            )
-        })
-        .collect::<Vec<_>>();
+    let local = merge_shared(
+        view.workers
+            .values()
+            .map(|worker| EndpointSpec {
+                addresses: &worker.listener.addresses,
+                hostname: worker.hostname.clone(),
+                // A draining worker keeps its endpoint but gets no new requests (and, unlike an
+                // unhealthy one, causes no spill-over to other priorities). A stalled one is
+                // unhealthy until it moves again: Envoy sends it nothing new meanwhile.
+                health: worker.health(),
+                weight: weights
+                    .and_then(|w| w.get(worker.index as usize))
+                    .copied()
+                    .unwrap_or(1),
+                hash: slot_hash_key(host, &worker.service, worker.index),
+                shared_name: shared_hostname(host, &worker.service),
+            })
+            .collect(),
+    );
     let mut localities = Vec::new();
     if !local.is_empty() {
         localities.push(LocalityLbEndpoints {
@@ -402,24 +401,25 @@ pub fn make_load_assignment(
             ..Default::default()
         });
     }
-    let mut by_host: BTreeMap<&str, (&Locality, Vec<LbEndpoint>)> = BTreeMap::new();
+    let mut by_host: BTreeMap<&str, (&Locality, Vec<EndpointSpec<'_>>)> = BTreeMap::new();
     for &(host, locality, worker) in remote {
         by_host
             .entry(host)
             .or_insert((locality, Vec::new()))
             .1
-            .push(lb_endpoint(
-                &worker.addresses,
-                &worker.hostname,
-                health_status(worker.health),
-                worker.weight,
-                &worker.hash_key,
-            ));
+            .push(EndpointSpec {
+                addresses: &worker.addresses,
+                hostname: worker.hostname.clone(),
+                health: worker.health,
+                weight: worker.weight,
+                hash: worker.hash_key.clone(),
+                shared_name: shared_hostname(Some(host), &worker.service),
+            });
     }
-    for (host, (locality, lb_endpoints)) in by_host {
+    for (host, (locality, specs)) in by_host {
         localities.push(LocalityLbEndpoints {
             locality: Some(envoy_locality(host, locality)),
-            lb_endpoints,
+            lb_endpoints: merge_shared(specs),
             ..Default::default()
         });
     }
@@ -428,6 +428,80 @@ pub fn make_load_assignment(
         endpoints: localities,
         ..Default::default()
     }
+}
+
+/// One worker's endpoint, before the workers of a shared listener are merged.
+struct EndpointSpec<'a> {
+    addresses: &'a [Address],
+    hostname: String,
+    health: Health,
+    weight: u32,
+    hash: String,
+    /// The hostname and hash key of the endpoint it is merged into, if it shares its listener.
+    shared_name: String,
+}
+
+/// The hostname (and hash key) of a service's shared listener: `<service>-shared`, in a fleet
+/// `<host>-<service>-shared`; the same across its workers' restarts.
+pub fn shared_hostname(host: Option<&str>, service: &str) -> String {
+    match host {
+        Some(host) => format!("{host}-{service}-shared"),
+        None => format!("{service}-shared"),
+    }
+}
+
+/// The endpoints of `specs`, in order, where workers that listen on the same addresses (a shared
+/// listener: one accept queue) are one endpoint: serving while any of them serves (else draining
+/// while any drains, else unhealthy), weighted by the weights of those serving, and named after the
+/// service rather than a worker, so that its workers' restarts change nothing in Envoy but its
+/// weight. Workers with listeners of their own stay an endpoint each.
+fn merge_shared(specs: Vec<EndpointSpec<'_>>) -> Vec<LbEndpoint> {
+    let mut merged: Vec<(EndpointSpec<'_>, usize)> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        match merged
+            .iter_mut()
+            .find(|(first, _)| first.addresses == spec.addresses)
+        {
+            None => merged.push((spec, 1)),
+            Some((first, members)) => {
+                let serving = |s: &EndpointSpec<'_>| match s.health {
+                    Health::Serving => s.weight,
+                    _ => 0,
+                };
+                if *members == 1 {
+                    first.weight = serving(first);
+                    first.hostname = first.shared_name.clone();
+                    first.hash = first.shared_name.clone();
+                }
+                first.weight += serving(&spec);
+                first.health = best_health(first.health, spec.health);
+                *members += 1;
+            }
+        }
+    }
+    merged
+        .into_iter()
+        .map(|(spec, _)| {
+            lb_endpoint(
+                spec.addresses,
+                &spec.hostname,
+                health_status(spec.health),
+                spec.weight.max(1),
+                &spec.hash,
+            )
+        })
+        .collect()
+}
+
+/// The health of an endpoint two workers share: serving if either serves, else draining if either
+/// drains.
+fn best_health(a: Health, b: Health) -> Health {
+    let rank = |h: Health| match h {
+        Health::Serving => 2,
+        Health::Draining => 1,
+        Health::Unhealthy => 0,
+    };
+    if rank(b) > rank(a) { b } else { a }
 }
 
 /// The workers of `service` on the other hosts of `snapshot`'s fleet.
@@ -1078,6 +1152,59 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(assignment, expected);
+    }
+
+    #[test]
+    fn workers_of_a_shared_listener_are_one_endpoint_serving_while_any_serves() {
+        let hosts = |workers: Vec<Worker>| -> Vec<(String, i32, u32, usize)> {
+            make_load_assignment("web", &view(workers), &[], &ClusterOptions::default()).endpoints
+                [0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(HostIdentifier::Endpoint(endpoint)) => (
+                    endpoint.hostname.clone(),
+                    e.health_status,
+                    e.load_balancing_weight.map_or(1, |w| w.value),
+                    1 + endpoint.additional_addresses.len(),
+                ),
+                _ => panic!("an endpoint"),
+            })
+            .collect()
+        };
+        let healthy = HealthStatus::Healthy as i32;
+        let draining = HealthStatus::Draining as i32;
+        // Three workers on one listener, a fourth on its own.
+        let shared = vec![tcp(8000)];
+        let workers = vec![
+            worker(0, 10, &[], shared.clone()),
+            worker(1, 11, &[], shared.clone()),
+            worker(2, 12, &[], shared.clone()),
+            worker(3, 13, &[], vec![tcp(8001)]),
+        ];
+        assert_eq!(
+            hosts(workers.clone()),
+            [
+                ("web-shared".to_string(), healthy, 3, 1),
+                ("web-3-13".to_string(), healthy, 1, 1),
+            ]
+        );
+        // One draining (its replacement starting): the endpoint serves on, weighed by those left.
+        let mut one_draining = workers.clone();
+        one_draining[1].state = WorkerState::Draining;
+        assert_eq!(
+            hosts(one_draining)[0],
+            ("web-shared".to_string(), healthy, 2, 1)
+        );
+        // All draining (the supervisor stopping): the endpoint drains.
+        let mut all_draining = workers;
+        for worker in &mut all_draining[..3] {
+            worker.state = WorkerState::Draining;
+        }
+        assert_eq!(
+            hosts(all_draining)[0],
+            ("web-shared".to_string(), draining, 1, 1)
+        );
     }
 
     #[test]

@@ -188,7 +188,10 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<priv
     let checked = in_root(root, "peregrine check")?;
     println!("{checked}");
     ensure!(
-        checked == format!("{CONFIG}: ok (1 service, {WORKERS} workers)"),
+        checked
+            .lines()
+            .next()
+            .is_some_and(|first| first == format!("{CONFIG}: ok (1 service, {WORKERS} workers)")),
         "peregrine check said {checked:?}"
     );
     println!("\n$ systemd-analyze verify {UNIT}");

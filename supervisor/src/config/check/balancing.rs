@@ -13,6 +13,7 @@ use crate::{
     balancer::{Balancer, OrcaPolicy},
     config::{
         MIN_SAMPLE_INTERVAL,
+        concurrency::ListenerMode,
         raw::{RawBalancing, RawOrcaMode},
     },
 };
@@ -162,8 +163,9 @@ impl Checker<'_> {
         raw: RawBalancing,
         count: u32,
         reach: OrcaReach,
-        pass_socket: bool,
+        (pass_socket, listener): (bool, ListenerMode),
     ) -> (Balancing, Vec<u32>) {
+        let shared = listener == ListenerMode::Shared;
         let key = |field: &str| format!("service.{service}.{field}");
         let weights = self.weights(&key, &raw, count);
         let policy = raw
@@ -223,7 +225,8 @@ impl Checker<'_> {
             }
             (Some((reports, _, _)), _) => reports.is_some(),
             (None, Some((name, _))) => name == "orca",
-            (None, None) => reach == OrcaReach::Yes,
+            // A shared listener is one endpoint per host, which no worker's report describes.
+            (None, None) => reach == OrcaReach::Yes && !shared,
         };
         let orca_key = if raw.orca.is_some() {
             "orca"
@@ -236,6 +239,11 @@ impl Checker<'_> {
             .map(Spanned::span)
             .or(policy.clone().map(|(_, s)| s));
         let why_not = match (reach, reports) {
+            _ if shared => Some(
+                "the workers of a shared listener are one endpoint, and ORCA reports describe one \
+                 worker each: balance them with lb_policy = \"least_request\" (the default for a \
+                 shared listener), or give each worker its own with listener = \"per-worker\"",
+            ),
             (_, OrcaReports::InBand) if pass_socket => Some(
                 "orca = \"in-band\" needs the worker's responses to carry its load report (a \
                  header the worker library adds), which a pass_socket server does not send: use \
@@ -256,6 +264,9 @@ impl Checker<'_> {
         let name = match (policy.clone(), orca_wanted) {
             (_, true) => "orca",
             (Some((name, _)), false) if name != "orca" => name,
+            // Between hosts' shared listeners (in a fleet), the one with the fewest requests in
+            // flight.
+            _ if shared => "least_request",
             _ => "round_robin",
         };
         // Options that do not apply to the chosen policy.

@@ -17,9 +17,12 @@ use crate::config::{
     ADDRESS_PLACEHOLDER, DEFAULT_PASSED_URL, DEFAULT_READY_PATH, DEFAULT_URL, FD_PLACEHOLDER,
     INDEX_PLACEHOLDER, PORT_PLACEHOLDER, Program, ServiceConfig, StopSignal, WorkerCommand,
     account::{self, Account, AccountKey, worker_socket},
+    concurrency::{
+        self, CONCURRENCY_KEY, Concurrency, ConcurrencySource, ListenerMode, MAX_CONCURRENCY,
+    },
     files::resolve_program,
     limits::{MAX_SOCKET_PATH, MAX_WORKERS},
-    raw::{AccountId, RawConfig, RawService, key_part},
+    raw::{AccountId, RawConcurrency, RawConfig, RawService, key_part},
 };
 
 /// Where the file writes a service's name, and the keys that checks across services name.
@@ -82,6 +85,8 @@ impl Checker<'_> {
         let balancing = raw.take_balancing();
         let passing = Passing {
             pass_socket: raw.pass_socket.take(),
+            concurrency: raw.concurrency.take(),
+            listener: raw.listener.take(),
             ready_path: raw.ready_path.take(),
             stop_signal: raw.stop_signal.take(),
         };
@@ -100,39 +105,21 @@ impl Checker<'_> {
             None => (DEFAULT_URL.to_string(), None),
         };
         let url_span_for_pass = url_span.clone();
-        match url.replace(INDEX_PLACEHOLDER, "0").parse::<BindUrl>() {
-            Err(err) => self.report(url_span, key("url"), err.to_string()),
-            Ok(BindUrl::Tcp { .. }) if url.contains(INDEX_PLACEHOLDER) => self.report(
-                url_span,
-                key("url"),
-                format!("{INDEX_PLACEHOLDER} is only allowed in unix:// urls"),
-            ),
-            Ok(parsed) => {
-                if let Some(port) = parsed.fixed_port().filter(|_| count > 1) {
-                    self.report(
-                        url_span.clone(),
-                        key("url"),
-                        format!(
-                            "fixed port {port} cannot serve {count} workers: each worker binds its own \
-                             listener (no SO_REUSEPORT); use port 0 or count = 1"
-                        ),
-                    );
-                }
-                if matches!(parsed, BindUrl::Unix { .. })
-                    && count > 1
-                    && !url.contains(INDEX_PLACEHOLDER)
-                {
-                    self.report(
-                        url_span,
-                        key("url"),
-                        format!(
-                            "one socket path cannot serve {count} workers: each worker binds its own \
-                             listener; put {INDEX_PLACEHOLDER} in the path (e.g. unix:///run/app-{INDEX_PLACEHOLDER}.sock)"
-                        ),
-                    );
-                }
+        let parsed_url = match url.replace(INDEX_PLACEHOLDER, "0").parse::<BindUrl>() {
+            Err(err) => {
+                self.report(url_span.clone(), key("url"), err.to_string());
+                None
             }
-        }
+            Ok(BindUrl::Tcp { .. }) if url.contains(INDEX_PLACEHOLDER) => {
+                self.report(
+                    url_span.clone(),
+                    key("url"),
+                    format!("{INDEX_PLACEHOLDER} is only allowed in unix:// urls"),
+                );
+                None
+            }
+            Ok(parsed) => Some(parsed),
+        };
         let env = match raw.env {
             None => BTreeMap::new(),
             Some(env) => {
@@ -197,6 +184,16 @@ impl Checker<'_> {
             }
         };
         let pass_socket = passing.pass_socket.as_ref().is_some_and(|p| *p.get_ref());
+        let (concurrency, listener) = self.concurrency(
+            &key,
+            &passing,
+            (pass_socket, balancing.balances_workers()),
+            &command,
+            &env,
+        );
+        if let Some(parsed) = &parsed_url {
+            self.listeners_fit(&key, (&url, parsed, url_span.clone()), count, listener);
+        }
         let (ready_path, stop_signal) = self.passed_socket(
             &key,
             &passing,
@@ -223,8 +220,13 @@ impl Checker<'_> {
         } else {
             OrcaReach::Yes
         };
-        let (balancing, weights) =
-            self.balancing(&key_part(&name), balancing, count, reach, pass_socket);
+        let (balancing, weights) = self.balancing(
+            &key_part(&name),
+            balancing,
+            count,
+            reach,
+            (pass_socket, listener),
+        );
         let restart_batch = raw
             .restart_batch
             .and_then(|batch| {
@@ -252,7 +254,135 @@ impl Checker<'_> {
             ready_path,
             stop_signal,
             account,
+            concurrency,
+            listener,
         }
+    }
+
+    /// Whether `count` workers can all listen on `url` at once: a fixed port or one socket path
+    /// serves one worker, unless they share the one listener.
+    fn listeners_fit(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        (url, parsed, url_span): (&str, &BindUrl, Option<Span>),
+        count: u32,
+        listener: ListenerMode,
+    ) {
+        if listener == ListenerMode::Shared {
+            if url.contains(INDEX_PLACEHOLDER) {
+                self.report(
+                    url_span,
+                    key("url"),
+                    format!(
+                        "{INDEX_PLACEHOLDER} names a socket per worker, and the workers of a shared \
+                         listener share one: write its one path"
+                    ),
+                );
+            }
+            return;
+        }
+        if let Some(port) = parsed.fixed_port().filter(|_| count > 1) {
+            self.report(
+                url_span.clone(),
+                key("url"),
+                format!(
+                    "fixed port {port} cannot serve {count} workers: each worker binds its own \
+                     listener (no SO_REUSEPORT); use port 0, count = 1, or a listener the workers \
+                     share (pass_socket = true with listener = \"shared\")"
+                ),
+            );
+        }
+        if matches!(parsed, BindUrl::Unix { .. }) && count > 1 && !url.contains(INDEX_PLACEHOLDER) {
+            self.report(
+                url_span,
+                key("url"),
+                format!(
+                    "one socket path cannot serve {count} workers: each worker binds its own \
+                     listener; put {INDEX_PLACEHOLDER} in the path (e.g. \
+                     unix:///run/app-{INDEX_PLACEHOLDER}.sock)"
+                ),
+            );
+        }
+    }
+
+    /// `concurrency` and `listener`: how many requests one worker serves at once (written, or read
+    /// off the command of a passed-socket server), and whether the workers share one listener: by
+    /// default a passed-socket server of one request at a time does, unless the service chooses
+    /// how Envoy balances over its workers (`balances_workers`).
+    fn concurrency(
+        &mut self,
+        key: &dyn Fn(&str) -> String,
+        raw: &Passing,
+        (pass_socket, balances_workers): (bool, bool),
+        command: &WorkerCommand,
+        env: &BTreeMap<String, String>,
+    ) -> (Concurrency, ListenerMode) {
+        let written = match &raw.concurrency {
+            None => None,
+            Some(value) => match value.get_ref() {
+                RawConcurrency::Text(text) if text == "auto" => None,
+                RawConcurrency::Number(n) if (1..=i64::from(MAX_CONCURRENCY)).contains(n) => {
+                    Some(Concurrency {
+                        limit: Some(*n as u32),
+                        source: ConcurrencySource::Written,
+                    })
+                }
+                other => {
+                    let shown = match other {
+                        RawConcurrency::Number(n) => n.to_string(),
+                        RawConcurrency::Text(text) => format!("{text:?}"),
+                    };
+                    self.report(
+                        Some(value.span()),
+                        key(CONCURRENCY_KEY),
+                        format!(
+                            "expected how many requests one worker serves at once, 1 to \
+                             {MAX_CONCURRENCY}, or \"auto\" (read off a known server's command \
+                             line), got {shown}"
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        let concurrency = written
+            .or_else(|| {
+                let Program::Path(program) = &command.program else {
+                    return None;
+                };
+                concurrency::infer(program, &command.args, env).filter(|_| pass_socket)
+            })
+            .unwrap_or_else(Concurrency::many);
+        let listener = match &raw.listener {
+            // A balancing policy written for the service balances over its workers: each keeps
+            // its own listener.
+            None if balances_workers => ListenerMode::PerWorker,
+            None => concurrency.default_listener(pass_socket),
+            Some(text) => match ListenerMode::parse(text.get_ref()) {
+                Some(ListenerMode::Shared) if !pass_socket => {
+                    self.report(
+                        Some(text.span()),
+                        key("listener"),
+                        "a shared listener is one the supervisor binds and passes to every worker: \
+                         it needs pass_socket = true and a command of your own",
+                    );
+                    ListenerMode::PerWorker
+                }
+                Some(mode) => mode,
+                None => {
+                    self.report(
+                        Some(text.span()),
+                        key("listener"),
+                        format!(
+                            "expected \"shared\" or \"per-worker\", got {:?}",
+                            text.get_ref()
+                        ),
+                    );
+                    concurrency.default_listener(pass_socket)
+                }
+            },
+        };
+        (concurrency, listener)
     }
 
     /// `user` and `group`: the account the service's workers run as, which must exist and be one this
@@ -416,6 +546,8 @@ impl Checker<'_> {
 /// The keys of a service about a passed socket and its stop, taken out of its table.
 struct Passing {
     pass_socket: Option<Spanned<bool>>,
+    concurrency: Option<Spanned<RawConcurrency>>,
+    listener: Option<Spanned<String>>,
     ready_path: Option<Spanned<String>>,
     stop_signal: Option<Spanned<String>>,
 }
@@ -430,6 +562,7 @@ mod tests {
     use std::{collections::HashMap, path::Path};
 
     use super::*;
+    use crate::config::concurrency::{Concurrency, ListenerMode};
     use crate::config::{
         Config, Identity,
         testing::{parse, parse_as, problems},
@@ -445,6 +578,102 @@ mod tests {
             config.services["a"].url_for(1).to_string(),
             "unix:///run/a-1.sock"
         );
+    }
+
+    #[test]
+    fn a_server_of_one_request_at_a_time_shares_a_listener_unless_told_otherwise() {
+        let gunicorn =
+            "pass_socket = true\ncommand = [\"/usr/bin/env\", \"gunicorn\", \"app:app\"]\n";
+        let service = |extra: &str| {
+            parse(&format!("[service.api]\ncount = 4\n{gunicorn}{extra}"))
+                .map(|config| config.services["api"].clone())
+        };
+        // gunicorn's sync worker: one at a time, so one shared listener and least request between
+        // hosts' listeners.
+        let api = service("").unwrap();
+        assert_eq!(api.concurrency.limit, Some(1));
+        assert_eq!(api.concurrency.describe(), "1 (gunicorn's sync worker)");
+        assert_eq!(api.listener, ListenerMode::Shared);
+        assert_eq!(api.balancing.name(), "least_request");
+        // A fixed port serves every worker of a shared listener.
+        let fixed = service("url = \"http://127.0.0.1:8000\"\n").unwrap();
+        assert_eq!(fixed.listener, ListenerMode::Shared);
+        // A balancing policy written balances over the workers: each keeps its own listener.
+        for policy in [
+            "orca = true",
+            "lb_policy = \"least_request\"",
+            "weights = [1, 1, 1, 2]",
+        ] {
+            let api = service(&format!("{policy}\n")).unwrap();
+            assert_eq!(api.listener, ListenerMode::PerWorker, "{policy}");
+        }
+        assert_eq!(
+            service("orca = false\n").unwrap().listener,
+            ListenerMode::Shared
+        );
+        // Written, either way.
+        let many = service("listener = \"per-worker\"\n").unwrap();
+        assert_eq!(
+            (many.listener, many.balancing.name()),
+            (ListenerMode::PerWorker, "orca")
+        );
+        let async_server = service("concurrency = 100\n").unwrap();
+        assert_eq!(async_server.listener, ListenerMode::PerWorker);
+        let uvicorn = parse(
+            "[service.api]\ncount = 2\npass_socket = true\nconcurrency = 1\n\
+             command = [\"/usr/bin/env\", \"uvicorn\", \"--fd\", \"{fd}\", \"app:app\"]\n",
+        )
+        .unwrap();
+        assert_eq!(uvicorn.services["api"].listener, ListenerMode::Shared);
+        // The built-in worker is never taken for one at a time.
+        let builtin = parse("[service.a]\ncount = 2\n").unwrap();
+        assert_eq!(builtin.services["a"].concurrency, Concurrency::many());
+        assert_eq!(builtin.services["a"].listener, ListenerMode::PerWorker);
+    }
+
+    #[test]
+    fn shared_listener_mistakes_are_explained_with_their_lines() {
+        let errors = |source: &str| problems(source).join("\n");
+        let text = errors("[service.a]\ncount = 2\nlistener = \"shared\"\n");
+        assert!(
+            text.contains(
+                "line 3: service.a.listener: a shared listener is one the supervisor binds"
+            ),
+            "{text}"
+        );
+        let text = errors(
+            "[service.a]\npass_socket = true\ncommand = [\"/bin/sh\"]\nlistener = \"shared\"\n\
+             orca = true\n",
+        );
+        assert!(
+            text.contains(
+                "line 5: service.a.orca: the workers of a shared listener are one endpoint"
+            ),
+            "{text}"
+        );
+        let text = errors(
+            "[service.a]\ncount = 2\npass_socket = true\ncommand = [\"/bin/sh\"]\n\
+             listener = \"shared\"\nurl = \"unix:///run/a-{index}.sock\"\n",
+        );
+        assert!(
+            text.contains("line 6: service.a.url: {index} names a socket per worker"),
+            "{text}"
+        );
+        let text = errors("[service.a]\nconcurrency = 0\n");
+        assert!(
+            text.contains("line 2: service.a.concurrency: expected how many requests"),
+            "{text}"
+        );
+        let text = errors("[service.a]\nconcurrency = \"many\"\n");
+        assert!(text.contains("got \"many\""), "{text}");
+        let text = errors("[service.a]\nlistener = \"own\"\n");
+        assert!(
+            text.contains("expected \"shared\" or \"per-worker\", got \"own\""),
+            "{text}"
+        );
+        // A fixed port for several workers each with its own listener says what would share one.
+        let text = errors("[service.a]\ncount = 2\nurl = \"http://127.0.0.1:8000\"\n");
+        assert!(text.contains("listener = \"shared\""), "{text}");
     }
 
     #[test]
