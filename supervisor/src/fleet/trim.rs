@@ -5,7 +5,8 @@
 //! all of it is freed, but glibc's allocator keeps freed memory in its arenas (one per thread that
 //! allocated, and the runtime's threads all did) and returns to the system only the top of the main
 //! heap: the supervisor stayed at 108 MB of 119 after 25,000 workers left, from 28 before they came.
-//! `malloc_trim(0)` returns every arena's free pages. It is called once the view has shrunk by
+//! `malloc_trim(0)` returns every arena's free pages (a thread arena's free top goes back as it is
+//! freed, see [`crate::trim`]). It is called once the view has shrunk by
 //! [`SHRINK`] workers from its largest, [`DELAY`] after the last such shrink, so that the xDS cache
 //! has rebuilt its snapshots and dropped the old ones, and once more [`AGAIN`] later.
 //!
@@ -67,8 +68,12 @@ impl Trimmer {
                 tokio::time::sleep_until(at).await;
             }
             *due.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            // What the allocator holds, to tell memory still in use from free memory kept.
+            let (free, in_use) = crate::trim::allocator().unwrap_or_default();
             let returned = trim();
             tracing::debug!(
+                free_mib = free >> 20,
+                in_use_mib = in_use >> 20,
                 returned,
                 "Gave freed memory back after the fleet's view shrank"
             );
