@@ -324,6 +324,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         supervisor: Some(image.status()),
         ..Default::default()
     };
+    records.services.set(&config);
     let acks = records.acks.clone();
     let remembered = remember_envoys(
         &acks,
@@ -500,6 +501,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
             worker_sockets,
             image,
             cluster: config.cluster.clone(),
+            services: records.services.clone(),
         },
     ));
     // The watchdog's pings come from this loop: if it stops turning, they stop.

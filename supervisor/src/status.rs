@@ -26,6 +26,7 @@ pub use self::{
     view::{OrcaReportView, StatusView, SupervisorView, WorkerRow, XdsStreamView},
 };
 use crate::{
+    config::Config,
     fleet::{EtcdState, FleetStatus, SessionStatus},
     orca::stats::{OrcaByHostname, OrcaStats, OrcaStreams},
     registry::{Health, Loads, Registry, Slots, Snapshot, WorkerLoad},
@@ -44,6 +45,32 @@ pub struct Records {
     pub fleet: Arc<SessionStatus>,
     /// The supervisor process and the image it runs.
     pub supervisor: Option<v1::Supervisor>,
+    /// How each configured service is balanced, as the last config applied says.
+    pub services: Arc<ServiceNotes>,
+}
+
+/// How each configured service's workers listen and are balanced
+/// ([`ServiceConfig::balanced_on`]), set when a config is applied.
+#[derive(Debug, Default)]
+pub struct ServiceNotes(std::sync::Mutex<Vec<v1::ServiceStatus>>);
+
+impl ServiceNotes {
+    /// The services of `config`, now applied.
+    pub fn set(&self, config: &Config) {
+        let notes = config
+            .services
+            .values()
+            .map(|service| v1::ServiceStatus {
+                name: service.name.clone(),
+                balanced_on: service.balanced_on(),
+            })
+            .collect();
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = notes;
+    }
+
+    fn get(&self) -> Vec<v1::ServiceStatus> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// The status answer for everything `registry` and `records` hold now.
@@ -67,6 +94,7 @@ fn report_with_streams(
         records.fleet.get().as_ref(),
     );
     status.supervisor = records.supervisor.clone();
+    status.services = records.services.get();
     status
 }
 
@@ -142,6 +170,7 @@ pub fn report(
         sampler,
         sample_interval_ms,
         supervisor: None,
+        services: Vec::new(),
         revision: snapshot.revision,
         xds_streams: streams
             .iter()

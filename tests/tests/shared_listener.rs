@@ -90,8 +90,13 @@ fn workers_on_one_shared_listener_lose_no_request_to_kills_restarts_and_adoption
         "{endpoint:?}"
     );
     assert_eq!(endpoint.weight, WORKERS as u64, "{endpoint:?}");
-    // Every worker listens on it.
+    // Every worker listens on it, and the status says how the service is balanced.
     let status = supervisor.status_json().expect("status");
+    assert_eq!(
+        status["services"][SERVICE],
+        "concurrency 1 (gunicorn's sync worker), one shared listener, least_request between hosts",
+        "{status}"
+    );
     let addresses: BTreeSet<String> = status["workers"]
         .as_array()
         .unwrap()

@@ -36,6 +36,8 @@ pub(super) struct Outputs {
     pub(super) image: Image,
     /// The `[cluster]` the fleet session runs with: a reload that changes what it holds is refused.
     pub(super) cluster: Option<ClusterConfig>,
+    /// How each service is balanced, for `peregrine status`: set once a config is applied.
+    pub(super) services: Arc<crate::status::ServiceNotes>,
 }
 
 /// The `[cluster]` keys whose change a reload cannot apply, because the fleet session holds them
@@ -116,6 +118,7 @@ async fn apply(
         worker_sockets,
         image: _,
         cluster,
+        services,
     } = outputs;
     let failed = |summary: String, failures: Vec<String>| v1::ControlReply {
         ok: false,
@@ -215,6 +218,7 @@ async fn apply(
     xds_options.send_replace(new_options);
     if reloaded.is_ok() {
         worker_sockets.retain(&config);
+        services.set(&config);
         super::exposure::warn(&config, path);
     }
     let mut report = match reloaded {

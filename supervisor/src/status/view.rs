@@ -30,6 +30,9 @@ pub struct StatusView {
     pub fleet: Option<FleetView>,
     /// The supervisor process and the program image it runs, `null` from an older supervisor.
     pub supervisor: Option<SupervisorView>,
+    /// How each service's workers listen and are balanced, by service (empty from an older
+    /// supervisor).
+    pub services: std::collections::BTreeMap<String, String>,
 }
 
 /// The supervisor process and its program image.
@@ -178,7 +181,13 @@ impl StatusView {
 impl From<v1::Status> for StatusView {
     fn from(status: v1::Status) -> Self {
         let running = !status.sampler.is_empty();
+        let services = status
+            .services
+            .into_iter()
+            .map(|s| (s.name, s.balanced_on))
+            .collect();
         StatusView {
+            services,
             sampler: running.then_some(status.sampler),
             sample_interval_ms: running.then_some(status.sample_interval_ms),
             workers: status.workers.into_iter().map(WorkerRow::from).collect(),
@@ -270,6 +279,13 @@ impl StatusView {
             _ => "sampler: not running\n".to_owned(),
         };
         out.push_str(&self.xds_line());
+        for (service, balanced_on) in &self.services {
+            out.push_str(&format!(
+                "service {}: {}\n",
+                printable(service),
+                printable(balanced_on)
+            ));
+        }
         if let Some(fleet) = &self.fleet {
             out.push_str(&fleet_line(fleet));
             for conflict in &fleet.conflicts {
