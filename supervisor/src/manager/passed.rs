@@ -445,6 +445,74 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_worker_has_settled_once_each_of_its_processes_was_seen_asleep_and_none_came_or_went() {
+        let look = |states: &[(u32, char)]| states.to_vec();
+        // gunicorn's arbiter asleep, its worker still loading the app: not yet.
+        let starting = vec![look(&[(10, 'S'), (11, 'R')]); 5];
+        assert!(!asleep_in_turn(&starting));
+        // Each asleep at some look (a worker serving sleeps between requests): settled.
+        let serving = [
+            look(&[(10, 'S'), (11, 'R')]),
+            look(&[(10, 'S'), (11, 'R')]),
+            look(&[(10, 'S'), (11, 'S')]),
+            look(&[(10, 'R'), (11, 'R')]),
+            look(&[(10, 'S'), (11, 'D')]),
+        ];
+        assert!(asleep_in_turn(&serving));
+        // The arbiter alone, before it forks: its worker is still to come.
+        let forking = [
+            look(&[(10, 'S')]),
+            look(&[(10, 'S')]),
+            look(&[(10, 'S')]),
+            look(&[(10, 'S')]),
+            look(&[(10, 'S'), (11, 'R')]),
+        ];
+        assert!(!asleep_in_turn(&forking));
+        // Gone: never settled.
+        assert!(!asleep_in_turn(&vec![Vec::new(); 5]));
+    }
+
+    #[test]
+    fn a_listener_taken_back_must_be_where_the_url_binds() {
+        let tcp = |a: &str| Address::Tcp(a.parse().unwrap());
+        let url = |u: &str| u.parse::<BindUrl>().unwrap();
+        assert!(bound_for(
+            &tcp("127.0.0.1:4000"),
+            &url("http://127.0.0.1:0")
+        ));
+        assert!(bound_for(
+            &tcp("127.0.0.1:4000"),
+            &url("http://127.0.0.1:4000")
+        ));
+        assert!(!bound_for(
+            &tcp("127.0.0.1:4000"),
+            &url("http://127.0.0.1:4001")
+        ));
+        assert!(!bound_for(
+            &tcp("127.0.0.2:4000"),
+            &url("http://127.0.0.1:0")
+        ));
+        assert!(!bound_for(&tcp("[::1]:4000"), &url("http://127.0.0.1:0")));
+        let unix = Address::Unix("/run/a.sock".into());
+        assert!(bound_for(&unix, &url("unix:///run/a.sock")));
+        assert!(!bound_for(&unix, &url("unix:///run/b.sock")));
+        assert!(!bound_for(&unix, &url("http://127.0.0.1:0")));
+    }
+
+    #[test]
+    fn a_shared_listener_is_duplicated_for_each_worker_and_outlives_their_copies() {
+        let shared = PassedListener::bind(&"http://127.0.0.1:0".parse().unwrap()).unwrap();
+        let copy = shared.share().unwrap();
+        assert_eq!(copy.address, shared.address);
+        drop(copy);
+        // The supervisor's own is still open and listening.
+        let Address::Tcp(at) = shared.address else {
+            panic!("a TCP listener")
+        };
+        std::net::TcpStream::connect(at).expect("the listener is still open");
+    }
+
+    #[test]
     fn a_passed_unix_socket_admits_any_local_user() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
