@@ -140,6 +140,14 @@ fn counts_every_request_and_follows_a_restart(sampler: Sampler) {
             .ends_with("no Envoy connected for endpoints"),
         "{table}"
     );
+    assert_eq!(
+        lines.next(),
+        Some(
+            "service web: concurrency many (the built-in worker), a listener per worker, orca over \
+             the workers"
+        ),
+        "{table}"
+    );
     assert!(
         lines.next().unwrap().starts_with("SERVICE  WORKER"),
         "{table}"

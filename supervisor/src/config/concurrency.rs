@@ -66,6 +66,8 @@ pub enum ConcurrencySource {
     Written,
     /// Read off the command line of a server known here: why, in words (`gunicorn's sync worker`).
     Command(String),
+    /// The built-in worker, which serves many at once.
+    BuiltIn,
     /// Neither written nor recognised: taken as many at once.
     Assumed,
 }
@@ -79,6 +81,14 @@ impl Concurrency {
         }
     }
 
+    /// The built-in worker's: many at once.
+    pub fn built_in() -> Self {
+        Concurrency {
+            limit: None,
+            source: ConcurrencySource::BuiltIn,
+        }
+    }
+
     /// One line for `peregrine check` and `status`: `1 (gunicorn's sync worker)`.
     pub fn describe(&self) -> String {
         let figure = match self.limit {
@@ -88,9 +98,8 @@ impl Concurrency {
         match &self.source {
             ConcurrencySource::Written => format!("{figure} (written)"),
             ConcurrencySource::Command(why) => format!("{figure} ({why})"),
-            ConcurrencySource::Assumed => {
-                format!("{figure} (assumed: not a server known to take one at a time)")
-            }
+            ConcurrencySource::BuiltIn => format!("{figure} (the built-in worker)"),
+            ConcurrencySource::Assumed => format!("{figure} (assumed)"),
         }
     }
 

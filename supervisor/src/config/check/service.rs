@@ -345,14 +345,12 @@ impl Checker<'_> {
                 }
             },
         };
-        let concurrency = written
-            .or_else(|| {
-                let Program::Path(program) = &command.program else {
-                    return None;
-                };
-                concurrency::infer(program, &command.args, env).filter(|_| pass_socket)
-            })
-            .unwrap_or_else(Concurrency::many);
+        let concurrency = written.unwrap_or_else(|| match &command.program {
+            Program::Peregrine => Concurrency::built_in(),
+            Program::Path(program) => concurrency::infer(program, &command.args, env)
+                .filter(|_| pass_socket)
+                .unwrap_or_else(Concurrency::many),
+        });
         let listener = match &raw.listener {
             // A balancing policy written for the service balances over its workers: each keeps
             // its own listener.
@@ -627,7 +625,7 @@ mod tests {
         assert_eq!(uvicorn.services["api"].listener, ListenerMode::Shared);
         // The built-in worker is never taken for one at a time.
         let builtin = parse("[service.a]\ncount = 2\n").unwrap();
-        assert_eq!(builtin.services["a"].concurrency, Concurrency::many());
+        assert_eq!(builtin.services["a"].concurrency, Concurrency::built_in());
         assert_eq!(builtin.services["a"].listener, ListenerMode::PerWorker);
     }
 
