@@ -58,6 +58,14 @@
 //! **Timeline** (`--timeline`): the latency over time through a cold start, a hog that appears or
 //! goes, a burst and a replacement, per set-up ([`timeline`]); nothing else runs then.
 //!
+//! **Apps that wait** (`--waits`): gunicorn sync workers whose requests wait (5 ms or 100 ms, as on
+//! a database) under Poisson arrivals, per set-up: gunicorn's own shared socket, ORCA, least
+//! request, round robin, `SO_REUSEPORT`, and the supervisor's one shared listener
+//! (`concurrency = 1`) once it exists ([`waits`]); nothing else runs then. `--cell io|slow-worker|cpu-hog`
+//! and `--setup KEY` choose (all by default), `--rate R` and `--hog-rate R` set the loads (150/s and
+//! 100/s), `--seed N` the arrivals' and the waits' draws (1; round `r` uses `N + r`), and
+//! `--duration` is 20 s by default there.
+//!
 //! **Code.** This module: the options, the policies and scenarios, and what a run gives;
 //! [`run`](mod@run): the set-up and the driving of every run; [`measure`]: one measured run and its
 //! figures; [`series`]: the over-time series (the monitor, the CSVs, the plot); [`report`]: the
@@ -72,6 +80,7 @@ mod report;
 mod run;
 mod series;
 mod timeline;
+mod waits;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -81,7 +90,7 @@ use peregrine_e2e::{ServiceTable, config::Orca};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-ib|orca-1s|lr]...";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-ib|orca-1s|lr]... | --waits [--rounds N] [--warmup SECS] [--duration SECS] [--rate R] [--hog-rate R] [--seed N] [--cell io|slow-worker|cpu-hog]... [--setup shared-socket|orca|lr2|lr4|rr|reuseport|shared]...";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -288,6 +297,14 @@ struct Options {
     /// The workers are gunicorn serving the WSGI test app (`--app gunicorn`, on listeners the
     /// supervisor passes, their responses counted in the kernel) instead of the built-in worker.
     gunicorn: bool,
+    /// Only the apps that wait ([`waits`]), with its cells (all when empty) and `--setup`'s set-ups.
+    waits: bool,
+    cells: Vec<String>,
+    /// Requests per second of the waiting cells (`--rate`) and of the CPU-hog cell (`--hog-rate`).
+    waits_rate: f64,
+    hog_rate: f64,
+    /// The first round's seed of the arrivals and the waits' draws.
+    seed: u64,
 }
 
 impl Options {
@@ -320,7 +337,13 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
         events: Vec::new(),
         setups: Vec::new(),
         gunicorn: false,
+        waits: false,
+        cells: Vec::new(),
+        waits_rate: waits::RATE,
+        hog_rate: waits::HOG_RATE,
+        seed: 1,
     };
+    let mut duration_given = false;
     let mut args = Flags::new(args, USAGE);
     while let Some(flag) = args.next() {
         match flag {
@@ -328,6 +351,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             "--warmup" => options.warmup = args.value(flag)?.parse().context("--warmup SECS")?,
             "--duration" => {
                 options.duration = args.value(flag)?.parse().context("--duration SECS")?;
+                duration_given = true;
             }
             "--load" => options.load = args.value(flag)?.parse().context("--load FRACTION")?,
             "--cpu-ms" => options.cpu_ms = args.value(flag)?.parse().context("--cpu-ms MS")?,
@@ -344,9 +368,35 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
             "--timeline" => options.timeline = true,
             "--event" => options.events.push(args.value(flag)?.to_owned()),
             "--setup" => options.setups.push(args.value(flag)?.to_owned()),
+            "--waits" => options.waits = true,
+            "--cell" => options.cells.push(args.value(flag)?.to_owned()),
+            "--rate" => options.waits_rate = args.value(flag)?.parse().context("--rate R")?,
+            "--hog-rate" => options.hog_rate = args.value(flag)?.parse().context("--hog-rate R")?,
+            "--seed" => options.seed = args.value(flag)?.parse().context("--seed N")?,
             other => return Err(args.unknown(other)),
         }
     }
+    if options.waits {
+        if !duration_given {
+            options.duration = waits::DURATION;
+        }
+        waits::check_keys(&options)?;
+    }
+    ensure!(
+        !options.waits || !(options.timeline || options.first_weights),
+        "--waits, --timeline and --first-weights each run alone"
+    );
+    ensure!(
+        options.waits || options.cells.is_empty(),
+        "--cell is for --waits"
+    );
+    ensure!(
+        options.waits_rate > 0.0
+            && options.hog_rate > 0.0
+            && options.waits_rate <= 5000.0
+            && options.hog_rate <= 5000.0,
+        "--rate and --hog-rate are requests per second, above 0 and at most 5000"
+    );
     ensure!(
         (1..=4096).contains(&options.connections),
         "--connections must be from 1 to 4096 (one thread each)"

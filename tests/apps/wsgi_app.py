@@ -4,7 +4,14 @@ GET /healthz answers `ok` (`503` when APP_UNREADY is set); every other path answ
 load tells workers apart the same way), `<pid>` being the process the supervisor started: gunicorn's
 arbiter, the parent of the process that serves; the `x-server` header says `gunicorn`. `?cpu=MS`
 first burns MS milliseconds of CPU (at most 1000), so one worker can be loaded more than another;
-`/slow?ms=N` first sleeps N milliseconds (at most 60000).
+`/slow?ms=N` first sleeps N milliseconds (at most 60000); so does any path that ends in `/slow`
+(`/api/slow?ms=N` behind a route prefix Envoy does not strip).
+
+Each answer says which process served it in `X-Worker-Index`: APP_WORKER_INDEX (which
+`gunicorn_forks.py` sets in each process gunicorn forks, so the forks of one gunicorn on one socket
+are told apart), else PEREGRINE_WORKER_INDEX; no header when neither is set. APP_WAIT_FACTOR (5, say)
+multiplies `/slow`'s wait in the process of index APP_SLOW_INDEX only (every process when unset): one
+worker whose database calls take longer.
 
 APP_LOAD_REPORT (`rps_fractional=100000,application_utilization=0.001`, say) makes the worker of
 index APP_LOAD_REPORT_INDEX (every worker when unset) state that load to Envoy on every response, as
@@ -61,6 +68,21 @@ def load_report_header():
 LOAD_REPORT = load_report_header()
 
 
+def worker_index():
+    """This process's index: APP_WORKER_INDEX, else the supervisor's PEREGRINE_WORKER_INDEX."""
+    return os.environ.get("APP_WORKER_INDEX", os.environ.get("PEREGRINE_WORKER_INDEX"))
+
+
+def wait_factor():
+    """How much longer this process waits on `/slow` (APP_WAIT_FACTOR where APP_SLOW_INDEX is its
+    index)."""
+    factor = os.environ.get("APP_WAIT_FACTOR")
+    slow = os.environ.get("APP_SLOW_INDEX")
+    if not factor or (slow is not None and slow != worker_index()):
+        return 1.0
+    return float(factor)
+
+
 def app(environ, start_response):
     path = environ.get("PATH_INFO", "/")
     query = parse_qs(environ.get("QUERY_STRING", ""))
@@ -74,20 +96,23 @@ def app(environ, start_response):
     else:
         try:
             cpu = millis(query, "cpu", MAX_CPU_MS)
-            sleep = millis(query, "ms", MAX_SLEEP_MS) if path == "/slow" else 0
+            sleep = millis(query, "ms", MAX_SLEEP_MS) if path.endswith("/slow") else 0
         except ValueError:
             cpu = sleep = None
         if cpu is None:
             status, body = "400 Bad Request", b"cpu and ms take a count of milliseconds\n"
         else:
             burn_cpu(cpu)
-            time.sleep(sleep / 1000)
+            time.sleep(sleep * wait_factor() / 1000)
             body = f"Hello from worker {SUPERVISED_PID}!\n".encode()
     headers = [
         ("Content-Type", "text/plain"),
         ("Content-Length", str(len(body))),
         ("X-Server", SERVER),
     ]
+    index = worker_index()
+    if index is not None:
+        headers.append(("X-Worker-Index", index))
     if LOAD_REPORT:
         headers.append(LOAD_REPORT)
     start_response(status, headers)

@@ -76,6 +76,8 @@ impl Bench<'_> {
             timeout: TIMEOUT,
             per_connection: options.per_connection,
             burst: None,
+            poisson: None,
+            mix: None,
         };
         let side = (case.scenario == Scenario::SideLoad).then(|| Plan {
             addr: workers[0].addr,
@@ -86,6 +88,8 @@ impl Bench<'_> {
             timeout: TIMEOUT,
             per_connection: false,
             burst: None,
+            poisson: None,
+            mix: None,
         });
         // Time for the load threads to connect before the first request is due.
         let start = Instant::now() + Duration::from_millis(500);
@@ -149,6 +153,8 @@ impl Bench<'_> {
             timeout: TIMEOUT,
             per_connection: options.per_connection,
             burst: None,
+            poisson: None,
+            mix: None,
         };
         let start = Instant::now() + Duration::from_millis(500);
         let own = self.own_now(case.hog);
@@ -282,6 +288,8 @@ mod tests {
             sent: scheduled,
             done: scheduled + Duration::from_millis(latency_ms),
             answer,
+            target: 0,
+            worker_index: None,
         }
     }
 

@@ -12,6 +12,14 @@
 //! bounded: the number of requests (`rate * duration`), each answer's wait ([`Plan::timeout`]), and
 //! sending (nothing is sent later than `duration + timeout` after the start; what is left is recorded
 //! as not sent).
+//!
+//! **Random arrivals and targets.** With [`Plan::poisson`] the gaps between scheduled times are
+//! exponential (a Poisson process at the plan's rate, as independent users arrive) instead of even,
+//! drawn from a seed; with [`Plan::mix`] each request draws its target from weighted paths (from
+//! another seed), e.g. 90% `/slow?ms=5` and 10% `/slow?ms=100`. The draws happen before the run, so
+//! the same seeds give every set-up the very same requests at the very same times. An answer's
+//! `x-worker-index` header, when the server sends one, is kept in its record: it tells apart the
+//! processes behind one address (a server that forks several on one socket).
 
 use std::{
     io::{self, Read, Write},
@@ -51,6 +59,69 @@ pub(crate) struct Plan {
     pub(crate) per_connection: bool,
     /// A span of `duration` sent at a multiple of `rate`.
     pub(crate) burst: Option<Burst>,
+    /// Exponential gaps between requests (a Poisson process) drawn from this seed, instead of even
+    /// spacing.
+    pub(crate) poisson: Option<u64>,
+    /// Targets each request draws from instead of `path`.
+    pub(crate) mix: Option<Mix>,
+}
+
+/// Weighted request targets and the seed of the draws.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Mix {
+    pub(crate) seed: u64,
+    /// `(path, weight)`: a request goes to `path` with probability `weight / sum of weights`.
+    pub(crate) targets: Vec<(String, f64)>,
+}
+
+impl Mix {
+    /// The target of each of `count` requests, as an index into [`Mix::targets`].
+    pub(crate) fn draw(&self, count: usize) -> Vec<usize> {
+        let total: f64 = self.targets.iter().map(|(_, w)| w.max(0.0)).sum();
+        let mut rng = SplitMix64::new(self.seed);
+        (0..count)
+            .map(|_| {
+                let mut u = rng.unit() * total;
+                for (i, (_, weight)) in self.targets.iter().enumerate() {
+                    u -= weight.max(0.0);
+                    if u < 0.0 {
+                        return i;
+                    }
+                }
+                self.targets.len().saturating_sub(1)
+            })
+            .collect()
+    }
+}
+
+/// SplitMix64: a small, seeded, well-mixed generator, enough for arrival times and target draws
+/// (no dependency, and the same numbers on every machine).
+#[derive(Clone, Debug)]
+pub(crate) struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub(crate) fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Exponential with mean `1 / rate`.
+    pub(crate) fn exponential(&mut self, rate: f64) -> f64 {
+        // 1 - unit() is in (0, 1]: its logarithm is finite.
+        -(1.0 - self.unit()).ln() / rate
+    }
 }
 
 /// `factor` times the plan's rate from `from` to `to` (offsets from the start).
@@ -63,7 +134,8 @@ pub(crate) struct Burst {
 
 impl Plan {
     /// Every request's scheduled send time, as an offset from the start, in order: evenly spaced at
-    /// `rate`, and at `rate * factor` within the burst.
+    /// `rate`, and at `rate * factor` within the burst; with [`Plan::poisson`], a Poisson process
+    /// at those rates instead.
     pub(crate) fn schedule(&self) -> Vec<Duration> {
         let end = self.duration;
         let spans = match self.burst {
@@ -78,6 +150,20 @@ impl Plan {
             None => vec![(Duration::ZERO, end, self.rate)],
         };
         let mut times = Vec::new();
+        if let Some(seed) = self.poisson {
+            let mut rng = SplitMix64::new(seed);
+            for (from, to, rate) in spans {
+                if rate <= 0.0 {
+                    continue;
+                }
+                let mut t = from.as_secs_f64() + rng.exponential(rate);
+                while t < to.as_secs_f64() {
+                    times.push(Duration::from_secs_f64(t));
+                    t += rng.exponential(rate);
+                }
+            }
+            return times;
+        }
         for (from, to, rate) in spans {
             let count = (rate * (to - from).as_secs_f64()).round() as usize;
             times.extend((0..count).map(|i| from + Duration::from_secs_f64(i as f64 / rate)));
@@ -106,6 +192,10 @@ pub(crate) struct Record {
     pub(crate) sent: Duration,
     pub(crate) done: Duration,
     pub(crate) answer: Answer,
+    /// The target drawn from [`Plan::mix`] (0 without one).
+    pub(crate) target: usize,
+    /// The answer's `x-worker-index` header, if it had one.
+    pub(crate) worker_index: Option<u32>,
 }
 
 impl Record {
@@ -119,22 +209,35 @@ impl Record {
 /// connected by then), and returns every scheduled request's record, in no particular order.
 pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
     let schedule: Arc<[Duration]> = plan.schedule().into();
+    let paths: Vec<&str> = match &plan.mix {
+        Some(mix) if !mix.targets.is_empty() => {
+            mix.targets.iter().map(|(path, _)| path.as_str()).collect()
+        }
+        _ => vec![plan.path.as_str()],
+    };
+    let targets: Arc<[usize]> = match &plan.mix {
+        Some(mix) if !mix.targets.is_empty() => mix.draw(schedule.len()).into(),
+        _ => vec![0; schedule.len()].into(),
+    };
     let next = Arc::new(AtomicUsize::new(0));
-    let request = Arc::new(
-        format!(
-            "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: peregrine-bench\r\n\r\n",
-            plan.path, plan.addr
-        )
-        .into_bytes(),
-    );
+    let requests: Arc<[Vec<u8>]> = paths
+        .iter()
+        .map(|path| {
+            format!(
+                "GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: peregrine-bench\r\n\r\n",
+                plan.addr
+            )
+            .into_bytes()
+        })
+        .collect();
     let threads = (0..plan.connections.max(1))
         .map(|n| {
-            let (plan, next, request) = (plan.clone(), next.clone(), request.clone());
-            let schedule = schedule.clone();
+            let (plan, next, requests) = (plan.clone(), next.clone(), requests.clone());
+            let (schedule, targets) = (schedule.clone(), targets.clone());
             thread::Builder::new()
                 .name(format!("load-{n}"))
                 .stack_size(STACK)
-                .spawn(move || worker(&plan, start, &schedule, (n, &next), &request))
+                .spawn(move || worker(&plan, start, (&schedule, &targets), (n, &next), &requests))
                 .context("starting a load thread")
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -150,13 +253,14 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
 }
 
 /// One load thread, the `n`th: takes request numbers until all are taken (from the shared `next`,
-/// or its own every `connections`-th with [`Plan::per_connection`]).
+/// or its own every `connections`-th with [`Plan::per_connection`]); request `i` goes to
+/// `requests[targets[i]]`.
 fn worker(
     plan: &Plan,
     start: Instant,
-    schedule: &[Duration],
+    (schedule, targets): (&[Duration], &[usize]),
     (n, next): (usize, &AtomicUsize),
-    request: &[u8],
+    requests: &[Vec<u8>],
 ) -> Vec<Record> {
     let send_deadline = start + plan.duration + plan.timeout;
     let mut connection: Option<Connection> = Connection::open(plan.addr, plan.timeout).ok();
@@ -171,6 +275,7 @@ fn worker(
         let Some(&scheduled) = schedule.get(i) else {
             return records;
         };
+        let target = targets.get(i).copied().unwrap_or(0);
         let at = start + scheduled;
         let now = Instant::now();
         if at > now {
@@ -183,18 +288,23 @@ fn worker(
                 sent: sent - start,
                 done: sent - start,
                 answer: Answer::NotSent,
+                target,
+                worker_index: None,
             });
             continue;
         }
-        let answer = match exchange(&mut connection, plan, request) {
-            Ok((200, body)) => std::str::from_utf8(&body)
-                .ok()
-                .and_then(worker_pid)
-                .map_or(Answer::Status(200), Answer::Worker),
-            Ok((status, _)) => Answer::Status(status),
+        let (answer, worker_index) = match exchange(&mut connection, plan, &requests[target]) {
+            Ok((200, body, index)) => (
+                std::str::from_utf8(&body)
+                    .ok()
+                    .and_then(worker_pid)
+                    .map_or(Answer::Status(200), Answer::Worker),
+                index,
+            ),
+            Ok((status, _, index)) => (Answer::Status(status), index),
             Err(_) => {
                 connection = None;
-                Answer::Error
+                (Answer::Error, None)
             }
         };
         records.push(Record {
@@ -202,25 +312,28 @@ fn worker(
             sent: sent - start,
             done: start.elapsed(),
             answer,
+            target,
+            worker_index,
         });
     }
 }
 
-/// Sends `request` on the open connection (opening one first if there is none) and reads the answer.
+/// Sends `request` on the open connection (opening one first if there is none) and reads the answer:
+/// its status, body and `x-worker-index`.
 fn exchange(
     connection: &mut Option<Connection>,
     plan: &Plan,
     request: &[u8],
-) -> io::Result<(u16, Vec<u8>)> {
+) -> io::Result<(u16, Vec<u8>, Option<u32>)> {
     let open = match connection {
         Some(open) => open,
         None => connection.insert(Connection::open(plan.addr, plan.timeout)?),
     };
-    let (status, body, keep_alive) = open.get(request)?;
-    if !keep_alive {
+    let (head, body) = open.get(request)?;
+    if !head.keep_alive {
         *connection = None;
     }
-    Ok((status, body))
+    Ok((head.status, body, head.worker_index))
 }
 
 // === impl Connection ===
@@ -245,9 +358,9 @@ impl Connection {
         })
     }
 
-    /// Sends one request and reads its answer: the status, the body, and whether the connection stays
-    /// open.
-    fn get(&mut self, request: &[u8]) -> io::Result<(u16, Vec<u8>, bool)> {
+    /// Sends one request and reads its answer: its head (the status, whether the connection stays
+    /// open) and its body.
+    fn get(&mut self, request: &[u8]) -> io::Result<(Head, Vec<u8>)> {
         self.stream.write_all(request)?;
         let head_end = loop {
             if let Some(end) = find(&self.buffer, b"\r\n\r\n") {
@@ -269,7 +382,7 @@ impl Connection {
             }
             Framing::Chunked => self.read_chunked()?,
         };
-        Ok((head.status, body, head.keep_alive))
+        Ok((head, body))
     }
 
     fn read_chunked(&mut self) -> io::Result<Vec<u8>> {
@@ -330,6 +443,8 @@ struct Head {
     status: u16,
     framing: Framing,
     keep_alive: bool,
+    /// `x-worker-index`: which of the processes behind one address answered.
+    worker_index: Option<u32>,
 }
 
 /// Parses a response head (without the final empty line). A response without `Content-Length` or
@@ -344,7 +459,7 @@ fn parse_head(head: &[u8]) -> io::Result<Head> {
         .nth(1)
         .and_then(|code| code.parse().ok())
         .ok_or_else(|| invalid("bad status line"))?;
-    let (mut framing, mut keep_alive) = (None, true);
+    let (mut framing, mut keep_alive, mut worker_index) = (None, true, None);
     for line in lines {
         let Some((name, value)) = line.split_once(':') else {
             continue;
@@ -359,6 +474,8 @@ fn parse_head(head: &[u8]) -> io::Result<Head> {
             framing = Some(Framing::Chunked);
         } else if name.eq_ignore_ascii_case("connection") && value.eq_ignore_ascii_case("close") {
             keep_alive = false;
+        } else if name.eq_ignore_ascii_case("x-worker-index") {
+            worker_index = value.parse().ok();
         }
     }
     let framing = match (framing, status) {
@@ -370,6 +487,7 @@ fn parse_head(head: &[u8]) -> io::Result<Head> {
         status,
         framing,
         keep_alive,
+        worker_index,
     })
 }
 
@@ -394,16 +512,18 @@ mod tests {
             Head {
                 status: 200,
                 framing: Framing::Length(25),
-                keep_alive: true
+                keep_alive: true,
+                worker_index: None,
             }
         );
         assert_eq!(
-            parse_head(b"HTTP/1.1 503 Service Unavailable\r\ntransfer-encoding: chunked\r\nconnection: close")
+            parse_head(b"HTTP/1.1 503 Service Unavailable\r\ntransfer-encoding: chunked\r\nconnection: close\r\nX-Worker-Index: 3")
                 .unwrap(),
             Head {
                 status: 503,
                 framing: Framing::Chunked,
-                keep_alive: false
+                keep_alive: false,
+                worker_index: Some(3),
             }
         );
         assert!(parse_head(b"HTTP/1.1 200 OK").is_err());
@@ -421,6 +541,8 @@ mod tests {
             timeout: Duration::from_secs(1),
             per_connection: false,
             burst: None,
+            poisson: None,
+            mix: None,
         }
     }
 
@@ -528,5 +650,108 @@ mod tests {
         assert_eq!(in_burst, 20);
         assert_eq!(times[11] - times[10], Duration::from_millis(50));
         assert_eq!(times[31] - times[30], Duration::from_millis(100));
+    }
+
+    #[test]
+    fn poisson_arrivals_are_seeded_exponential_and_at_the_rate() {
+        let plan = Plan {
+            poisson: Some(7),
+            ..plan(closed_port(), 1000.0, Duration::from_secs(20), 1)
+        };
+        let times = plan.schedule();
+        assert_eq!(times, plan.schedule(), "the same seed, the same times");
+        let other = Plan {
+            poisson: Some(8),
+            ..plan.clone()
+        };
+        assert_ne!(times, other.schedule());
+        // 20,000 expected: within 3% (the standard deviation is 141).
+        assert!((19_400..=20_600).contains(&times.len()), "{}", times.len());
+        assert!(times.windows(2).all(|w| w[0] <= w[1]));
+        assert!(times.iter().all(|t| *t < Duration::from_secs(20)));
+        // Exponential gaps: mean 1 ms, and about e^-1 of them longer than the mean, e^-3 than 3x.
+        let gaps: Vec<f64> = times
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0)
+            .collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((mean - 1.0).abs() < 0.03, "{mean}");
+        let over = |x: f64| gaps.iter().filter(|g| **g > x).count() as f64 / gaps.len() as f64;
+        assert!((over(1.0) - (-1.0f64).exp()).abs() < 0.02, "{}", over(1.0));
+        assert!((over(3.0) - (-3.0f64).exp()).abs() < 0.01, "{}", over(3.0));
+    }
+
+    #[test]
+    fn the_mix_draws_targets_by_weight_from_its_seed() {
+        let mix = Mix {
+            seed: 3,
+            targets: vec![("/slow?ms=5".into(), 0.9), ("/slow?ms=100".into(), 0.1)],
+        };
+        let drawn = mix.draw(100_000);
+        assert_eq!(drawn, mix.draw(100_000));
+        let long = drawn.iter().filter(|&&i| i == 1).count();
+        assert!((9_700..=10_300).contains(&long), "{long}");
+        assert!(drawn.iter().all(|&i| i < 2));
+        let one = Mix {
+            seed: 3,
+            targets: vec![("/".into(), 1.0)],
+        };
+        assert!(one.draw(100).iter().all(|&i| i == 0));
+    }
+
+    #[test]
+    fn each_request_goes_to_its_drawn_target() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Answers with the target's last character as its worker index.
+        let server = thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut buffer = Vec::new();
+            for _ in 0..30 {
+                while find(&buffer, b"\r\n\r\n").is_none() {
+                    let mut chunk = [0u8; 1024];
+                    let read = stream.read(&mut chunk).unwrap();
+                    assert!(read > 0, "the client closed early");
+                    buffer.extend_from_slice(&chunk[..read]);
+                }
+                let end = find(&buffer, b"\r\n\r\n").unwrap();
+                let line = String::from_utf8_lossy(&buffer[..end]).into_owned();
+                buffer.drain(..end + 4);
+                let path = line.split(' ').nth(1).unwrap().to_owned();
+                let index = path.chars().last().unwrap();
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\nx-worker-index: {index}\r\ncontent-length: 21\r\n\r\nHello from worker 7!\n"
+                );
+                stream.write_all(answer.as_bytes()).unwrap();
+            }
+        });
+        let plan = Plan {
+            timeout: Duration::from_secs(5),
+            poisson: Some(1),
+            mix: Some(Mix {
+                seed: 2,
+                targets: vec![("/t0".into(), 1.0), ("/t1".into(), 1.0)],
+            }),
+            ..plan(addr, 30.0 / 0.3, Duration::from_secs(10), 1)
+        };
+        // Exactly 30 requests: cut the Poisson schedule's duration to its 30th time.
+        let times = plan.schedule();
+        let plan = Plan {
+            duration: times[29] + Duration::from_micros(1),
+            ..plan
+        };
+        assert_eq!(plan.schedule().len(), 30);
+        let records = run(&plan, Instant::now() + Duration::from_millis(50)).unwrap();
+        server.join().unwrap();
+        assert_eq!(records.len(), 30);
+        for record in &records {
+            assert_eq!(record.answer, Answer::Worker(7));
+            assert_eq!(
+                record.worker_index,
+                Some(record.target as u32),
+                "{record:?}"
+            );
+        }
+        assert!(records.iter().any(|r| r.target == 0) && records.iter().any(|r| r.target == 1));
     }
 }

@@ -46,6 +46,19 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    if options.waits {
+        // Before any pinning: matplotlib installs on both cores, and the report names the CPUs.
+        crate::plot::python(&out)?;
+        let cpu_line = cpu_line()?;
+        super::waits::run(
+            &peregrine,
+            &envoy_binary,
+            &options,
+            &cpu_line,
+            &super::super::command_line("balance", args),
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if options.timeline {
         // Before pinning: matplotlib installs on both cores, and the report names the CPUs.
         crate::plot::python(&out)?;
@@ -151,7 +164,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 }
 
 /// Pins this process (and what it starts from now on, except what pins itself) to CPU 1.
-fn pin_to_other_cpu() -> anyhow::Result<()> {
+pub(super) fn pin_to_other_cpu() -> anyhow::Result<()> {
     let mut cpu = rustix::thread::CpuSet::new();
     cpu.set(OTHER_CPU);
     rustix::thread::sched_setaffinity(None, &cpu).context("pinning the benchmark to CPU 1")

@@ -351,6 +351,8 @@ fn one_run(
                 to: EVENT_AT + BURST,
                 factor: BURST_FACTOR,
             }),
+            poisson: None,
+            mix: None,
         };
         // The clients connect to Envoy in this time; Envoy connects to the workers on the first
         // requests.

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Plots `cargo xtask bench balance --waits`: per cell (a panel each), the p99 of every set-up, the
+median over rounds as a bar and each round as a dot.
+
+usage: waits_plot.py CSV OUT_PNG
+"""
+
+import csv
+import statistics
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CELLS = [
+    ("io", "io: waits of 5 ms (90%) / 100 ms (10%)"),
+    ("slow-worker", "slow-worker: worker 0 waits 5x longer"),
+    ("cpu-hog", "cpu-hog: 4 ms CPU, hog on worker 0's core"),
+]
+SETUPS = [
+    ("shared-socket", "gunicorn shared socket", "tab:gray"),
+    ("orca", "ORCA (default)", "tab:blue"),
+    ("lr2", "least request, 2", "tab:orange"),
+    ("lr4", "least request, all", "tab:red"),
+    ("rr", "round robin", "tab:purple"),
+    ("reuseport", "SO_REUSEPORT", "tab:brown"),
+    ("shared", "shared listener", "tab:green"),
+]
+
+
+def main():
+    path, out = sys.argv[1], sys.argv[2]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    cells = [(key, title) for key, title in CELLS if any(r["cell"] == key for r in rows)]
+    fig, axes = plt.subplots(1, max(len(cells), 1), figsize=(5 * max(len(cells), 1), 4.5),
+                             squeeze=False)
+    for ax, (cell, title) in zip(axes[0], cells):
+        names, x = [], 0
+        for key, label, color in SETUPS:
+            runs = [r for r in rows if r["cell"] == cell and r["setup"] == key]
+            if not runs:
+                continue
+            p99 = [float(r["p99_ms"]) for r in runs if r["p99_ms"] != ""]
+            failed = len(runs) - len(p99)
+            if p99:
+                ax.bar(x, statistics.median(p99), color=color, alpha=0.7)
+                ax.plot([x] * len(p99), p99, "k.", markersize=4)
+            if failed:
+                # On a failed request (a timeout): at the panel's foot, as the log scale has no 0.
+                ax.annotate(f"{failed} of {len(runs)} rounds failed", (x, 0.03),
+                            xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                            ha="center", va="bottom")
+            names.append(label)
+            x += 1
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("p99 (ms), median of rounds; dots: rounds")
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", which="both", alpha=0.3)
+    fig.suptitle("gunicorn sync workers behind Envoy: p99 per set-up", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
