@@ -10,8 +10,8 @@
 //! - `shared-socket`: what gunicorn does by itself. One Peregrine worker (`count = 1`) whose gunicorn
 //!   runs `--workers 4` on the one passed socket: one accept queue, each connection taken by whichever
 //!   process is free. The forks learn their index from `tests/apps/gunicorn_forks.py` (`-c`).
-//! - `orca`: today's default with `pass_socket` (`count = 4`, gunicorn `--workers 1`, no `lb_policy`:
-//!   client-side weighted round robin on the supervisor's ORCA reports).
+//! - `orca`: the former default with `pass_socket` (`count = 4`, gunicorn `--workers 1`, a listener
+//!   per worker, `orca = true`: client-side weighted round robin on the supervisor's ORCA reports).
 //! - `lr2`, `lr4`: `lb_policy = "least_request"` with `choice_count` 2, and with `choice_count` the
 //!   number of workers (join the shortest queue of Envoy's own count).
 //! - `rr`: `lb_policy = "round_robin"`.
@@ -19,10 +19,11 @@
 //!   `--workers 1 --reuse-port --bind 127.0.0.1:P` on one port, loaded *directly* by the generator
 //!   (no Envoy): the kernel hashes each connection (gunicorn's sync worker closes every one) to one of
 //!   them.
-//! - `shared`: one listener the supervisor binds and all `count` workers share (`concurrency = 1` on
-//!   a `pass_socket` service), published to Envoy as one endpoint. When `peregrine check` refuses that
-//!   config (a supervisor without the key), the set-up is skipped with the reason, and the report
-//!   says so.
+//! - `shared`: Peregrine's default for gunicorn's sync worker (`count = 4`, gunicorn `--workers 1`,
+//!   no balancing key: `concurrency` read off the command as 1): one listener the supervisor binds
+//!   and all `count` workers share, published to Envoy as one endpoint. When `peregrine check` does
+//!   not take a set-up's config (an older supervisor, say), the set-up is skipped with the reason,
+//!   and the report says so.
 //!
 //! **Cells** ([`Cell`]; `--cell KEY`, all by default), each with a supervisor and an Envoy
 //! (`--concurrency 1`, HTTP/1.1 to the workers) of its own, started when the cell starts:
@@ -68,7 +69,7 @@ use std::{
 use anyhow::{Context, ensure};
 use peregrine_contract::procfs;
 use peregrine_e2e::{
-    ChildGuard, Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, free_port,
+    ChildGuard, Envoy, PeregrineToml, ServiceTable, Supervisor, TempDir, config::Orca, free_port,
     gunicorn_command, hosts, http_get, target_dir, test_app,
 };
 use xtask::envoy;
@@ -227,12 +228,12 @@ impl SetUp {
             SetUp::SharedSocket => {
                 format!("gunicorn's shared socket (count 1, --workers {workers})")
             }
-            SetUp::Orca => "ORCA weighted round robin (default)".into(),
+            SetUp::Orca => "ORCA weighted round robin, a listener each (the former default)".into(),
             SetUp::Lr2 => "least request, 2 choices".into(),
             SetUp::LrAll => format!("least request, choice_count = workers ({workers})"),
             SetUp::RoundRobin => "round robin".into(),
             SetUp::ReusePort => "SO_REUSEPORT, no Envoy".into(),
-            SetUp::Shared => "one shared listener (concurrency = 1)".into(),
+            SetUp::Shared => "Peregrine's default: one shared listener".into(),
         }
     }
 
@@ -250,13 +251,8 @@ impl SetUp {
         }
     }
 
-    /// The Peregrine service of this set-up in `cell` (none for the `SO_REUSEPORT` one), and the
-    /// lines `peregrine.toml` needs beyond what [`ServiceTable`] writes.
-    fn service_table(
-        self,
-        cell: Cell,
-        gunicorn: &Path,
-    ) -> Option<(ServiceTable, Option<&'static str>)> {
+    /// The Peregrine service of this set-up in `cell` (none for the `SO_REUSEPORT` one).
+    fn service_table(self, cell: Cell, gunicorn: &Path) -> Option<ServiceTable> {
         let workers = cell.workers();
         let mut env: std::collections::BTreeMap<String, String> = cell.env().into_iter().collect();
         env.insert("PYTHONUNBUFFERED".into(), "1".into());
@@ -290,23 +286,17 @@ impl SetUp {
             ..ServiceTable::app_server(command)
         };
         Some(match self {
-            SetUp::RoundRobin => (
-                ServiceTable {
-                    lb_policy: Some("round_robin".into()),
-                    ..service
-                },
-                None,
-            ),
-            SetUp::Lr2 | SetUp::LrAll => (
-                ServiceTable {
-                    lb_policy: Some("least_request".into()),
-                    choice_count: Some(if self == SetUp::Lr2 { 2 } else { workers }),
-                    ..service
-                },
-                None,
-            ),
-            SetUp::Shared => (service, Some("concurrency = 1")),
-            _ => (service, None),
+            SetUp::RoundRobin => ServiceTable {
+                lb_policy: Some("round_robin".into()),
+                ..service
+            },
+            SetUp::Lr2 | SetUp::LrAll => ServiceTable {
+                lb_policy: Some("least_request".into()),
+                choice_count: Some(if self == SetUp::Lr2 { 2 } else { workers }),
+                ..service
+            },
+            SetUp::Orca => service.orca(Orca::On),
+            _ => service,
         })
     }
 
@@ -485,39 +475,32 @@ fn run_cell(
     let dir = TempDir::new().context("a temporary directory")?;
     let (listen, admin) = (free_port(), free_port());
     let mut setups = setups.to_vec();
-    // The config, checked first with the shared listener and without, so a supervisor that does not
-    // know `concurrency` skips that set-up alone.
+    // The config, each set-up's service checked alone first, so that one `peregrine check` does
+    // not take (an older supervisor's, say) is skipped alone.
     let config = |with: &[SetUp]| -> String {
         let mut config = PeregrineToml::local(free_port())
             .control_in(dir.path())
             .with_envoy(listen, admin);
-        let mut extra = Vec::new();
         for setup in with {
-            if let Some((service, lines)) = setup.service_table(cell, gunicorn) {
+            if let Some(service) = setup.service_table(cell, gunicorn) {
                 config.service(setup.service(), service);
-                if let Some(lines) = lines {
-                    extra.push((setup.service(), lines));
-                }
             }
         }
-        let mut text = config.toml();
-        for (service, lines) in extra {
-            text = with_lines(&text, service, lines);
-        }
-        text
+        config.toml()
     };
-    if setups.contains(&SetUp::Shared) {
-        let text = config(&[SetUp::Shared]);
-        if let Err(refusal) = check(peregrine, dir.path(), &text) {
+    for setup in setups.clone() {
+        if setup == SetUp::ReusePort {
+            continue;
+        }
+        if let Err(refusal) = check(peregrine, dir.path(), &config(&[setup])) {
             let why = format!(
-                "{} skipped in {}: `peregrine check` refuses `concurrency = 1` on a pass_socket service ({})",
-                SetUp::Shared.key(),
+                "{} skipped in {}: `peregrine check` refuses its config ({refusal})",
+                setup.key(),
                 cell.key(),
-                refusal
             );
             eprintln!("{why}");
             skipped.push(why);
-            setups.retain(|s| *s != SetUp::Shared);
+            setups.retain(|s| *s != setup);
         }
     }
     let text = config(&setups);
@@ -567,18 +550,6 @@ fn run_cell(
     drop(supervisor);
     drop(hogs);
     Ok(())
-}
-
-/// `text` (a `peregrine.toml`) with `lines` added to `[service.<service>]`.
-fn with_lines(text: &str, service: &str, lines: &str) -> String {
-    let header = format!("[service.{service}]\n");
-    match text.find(&header) {
-        Some(at) => {
-            let at = at + header.len();
-            format!("{}{lines}\n{}", &text[..at], &text[at..])
-        }
-        None => format!("{text}\n{header}{lines}\n"),
-    }
 }
 
 /// `peregrine check` on `text`; the error is its first line of complaint.
@@ -1251,7 +1222,7 @@ mod tests {
             }
         }
         let gunicorn = Path::new("/venv/bin/gunicorn");
-        let (socket, _) = SetUp::SharedSocket
+        let socket = SetUp::SharedSocket
             .service_table(Cell::Io, gunicorn)
             .unwrap();
         assert_eq!(socket.count, Some(1));
@@ -1259,27 +1230,24 @@ mod tests {
         let workers = command.iter().position(|a| a == "--workers").unwrap();
         assert_eq!(command[workers + 1], "4");
         assert!(command.iter().any(|a| a.ends_with("gunicorn_forks.py")));
-        let (lr, _) = SetUp::LrAll.service_table(Cell::CpuHog, gunicorn).unwrap();
+        let lr = SetUp::LrAll.service_table(Cell::CpuHog, gunicorn).unwrap();
         assert_eq!(
             (lr.count, lr.choice_count, lr.lb_policy.as_deref()),
             (Some(2), Some(2), Some("least_request"))
         );
         assert_eq!(lr.command.unwrap()[..3], ["taskset", "-c", "{index}"]);
-        let (orca, extra) = SetUp::Orca.service_table(Cell::Io, gunicorn).unwrap();
-        assert_eq!((orca.count, orca.lb_policy, extra), (Some(4), None, None));
-        let (shared, extra) = SetUp::Shared.service_table(Cell::Io, gunicorn).unwrap();
-        assert_eq!((shared.count, extra), (Some(4), Some("concurrency = 1")));
-        assert!(SetUp::ReusePort.service_table(Cell::Io, gunicorn).is_none());
-    }
-
-    #[test]
-    fn adds_lines_to_one_service() {
-        let text =
-            "[supervisor]\nx = 1\n\n[service.shared]\ncount = 4\n\n[service.rr]\ncount = 4\n";
+        let orca = SetUp::Orca.service_table(Cell::Io, gunicorn).unwrap();
         assert_eq!(
-            with_lines(text, "shared", "concurrency = 1"),
-            "[supervisor]\nx = 1\n\n[service.shared]\nconcurrency = 1\ncount = 4\n\n[service.rr]\ncount = 4\n"
+            (orca.count, orca.lb_policy, orca.orca),
+            (Some(4), None, Some(Orca::On))
         );
+        // Peregrine's default: no balancing key, so gunicorn's sync worker shares a listener.
+        let shared = SetUp::Shared.service_table(Cell::Io, gunicorn).unwrap();
+        assert_eq!(
+            (shared.count, shared.orca, shared.lb_policy, shared.listener),
+            (Some(4), None, None, None)
+        );
+        assert!(SetUp::ReusePort.service_table(Cell::Io, gunicorn).is_none());
     }
 
     #[test]
