@@ -21,7 +21,10 @@ use std::{
     sync::{Arc, Mutex, atomic::Ordering},
 };
 
-use peregrine_contract::{counters::CounterRegion, shm::ShmError};
+use peregrine_contract::{
+    counters::{CounterRegion, FEATURE_IN_FLIGHT, InFlight},
+    shm::ShmError,
+};
 
 use crate::config::Config;
 
@@ -70,6 +73,14 @@ impl CounterRef {
             .lane(self.index)
             .load(Ordering::Relaxed)
     }
+
+    /// Its requests in flight, if the worker keeps them (a built-in worker of this version; not a
+    /// server on a passed listener, nor a worker of an older version).
+    pub fn in_flight(&self) -> Option<InFlight> {
+        let region = self.region.region();
+        let kept = region.features(self.index).load(Ordering::Relaxed) & FEATURE_IN_FLIGHT != 0;
+        kept.then(|| InFlight(region.in_flight(self.index).load(Ordering::Relaxed)))
+    }
 }
 
 /// A live worker process of this supervisor.
@@ -89,9 +100,15 @@ pub struct Child {
     /// responses sent on the connections it accepted, in the lane's counter. Without it (procfs, or a
     /// Unix listener) such a server has no request rate, and no stall is judged from one.
     pub listen_port: Option<u16>,
+    /// Whether that listener is IPv6 (its connections are then the kernel's IPv6 sockets, IPv4 ones
+    /// mapped into it included).
+    pub listen_ipv6: bool,
     /// The uid it was started with (its service's `user`, or the supervisor's): the only uid it may
     /// register as.
     pub uid: u32,
+    /// How many requests it serves at once (its service's `concurrency`); `None`: many. The sampler
+    /// scales its requests in flight by it into a utilization.
+    pub concurrency: Option<u32>,
 }
 
 impl Child {
@@ -249,7 +266,9 @@ impl Children {
             counter: CounterRef::new(counters.clone(), lane),
             counts_requests,
             listen_port: None,
+            listen_ipv6: false,
             uid: rustix::process::geteuid().as_raw(),
+            concurrency: None,
         };
         self.lock().insert(pid, child);
     }

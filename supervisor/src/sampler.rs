@@ -28,6 +28,7 @@
 pub mod ebpf;
 pub mod procfs;
 pub mod rates;
+pub mod sock_diag;
 pub mod stall;
 
 use std::{
@@ -269,6 +270,9 @@ struct Sampler {
     /// A baseline taken between ticks ([`Sampler::baseline_new`]) gives rates only once it is this
     /// old: half the interval, so a first rate never rests on a sliver of time.
     min_window: Duration,
+    /// The kernel's socket tables, for the requests in flight of servers on passed listeners: opened
+    /// at the first tick that has one; `Err` once it could not be (logged once, not tried again).
+    diag: Option<Result<sock_diag::SockDiag, ()>>,
 }
 
 /// Who counts a worker's requests in its lane.
@@ -276,8 +280,9 @@ struct Sampler {
 enum Counting {
     /// The worker, once per request.
     ByWorker,
-    /// The source, from the responses sent on connections its listener on this port accepted.
-    Sends(u16),
+    /// The source, from the responses sent on connections its listener on this port (IPv6: `true`)
+    /// accepted.
+    Sends(u16, bool),
     /// Nobody (a server on a passed Unix listener).
     None,
 }
@@ -298,6 +303,11 @@ struct Tracked {
     stall: Option<Stall>,
     /// When its history is a baseline taken between ticks, when that was.
     baseline_at: Option<Instant>,
+    /// For a server on a passed TCP listener, the listener's port and whether it is IPv6: where its
+    /// requests in flight are seen ([`sock_diag`]).
+    port: Option<(u16, bool)>,
+    /// Its service's concurrency ([`crate::children::Child::concurrency`]).
+    concurrency: Option<u32>,
 }
 
 /// What one tick found.
@@ -317,6 +327,10 @@ struct StallChange {
     stall: Option<Stall>,
 }
 
+/// A worker of the snapshot the manager lists: its pid, service, index, counter, who counts its
+/// requests, and its service's concurrency.
+type Found<'a> = (u32, &'a str, u32, CounterRef, Counting, Option<u32>);
+
 /// A tracked worker in this tick's snapshot.
 #[derive(Debug)]
 struct Current {
@@ -332,6 +346,54 @@ impl Sampler {
             children,
             tracked: HashMap::new(),
             min_window: Duration::ZERO,
+            diag: None,
+        }
+    }
+
+    /// A tracked worker's requests in flight, as read now: kept in its line by a worker that counts,
+    /// seen in `seen` (the kernel's count by listening port) for a server on a passed listener.
+    fn in_flight_of(tracked: &Tracked, seen: &HashMap<u16, u64>) -> Option<rates::InFlightReading> {
+        match tracked.port {
+            Some((port, _)) => Some(rates::InFlightReading::Seen(
+                seen.get(&port).copied().unwrap_or(0),
+            )),
+            None => {
+                // The clock first: a request that starts after it adds nothing negative.
+                let at_us = peregrine_contract::counters::coarse_now_us();
+                let word = tracked.counter.in_flight()?;
+                Some(rates::InFlightReading::Kept { word, at_us })
+            }
+        }
+    }
+
+    /// The requests in flight on the tracked passed listeners, by port, from the kernel's socket
+    /// tables; empty when none is tracked or the tables cannot be read.
+    fn seen_in_flight(&mut self) -> HashMap<u16, u64> {
+        let listeners: Vec<(u16, bool)> = self.tracked.values().filter_map(|t| t.port).collect();
+        if listeners.is_empty() {
+            return HashMap::new();
+        }
+        let ports: std::collections::HashSet<u16> =
+            listeners.iter().map(|&(port, _)| port).collect();
+        let families = sock_diag::Families {
+            ipv4: listeners.iter().any(|&(_, ipv6)| !ipv6),
+            ipv6: listeners.iter().any(|&(_, ipv6)| ipv6),
+        };
+        let diag = self.diag.get_or_insert_with(|| {
+            sock_diag::SockDiag::open().map_err(|error| {
+                tracing::warn!(error = %ErrorChain(&error), "Cannot read the kernel's socket tables: servers on passed listeners have no requests in flight");
+            })
+        });
+        let Ok(socket) = diag else {
+            return HashMap::new();
+        };
+        match socket.in_flight(&ports, families) {
+            Ok(seen) => seen,
+            Err(error) => {
+                tracing::warn!(error = %ErrorChain(&error), "Cannot read the kernel's socket tables: servers on passed listeners have no requests in flight");
+                self.diag = Some(Err(()));
+                HashMap::new()
+            }
         }
     }
 
@@ -349,10 +411,13 @@ impl Sampler {
             let Ok(sched) = self.source.read(lane, tracked.pid) else {
                 continue;
             };
+            // A passed listener's count is only seen at ticks: its first mean comes a tick later.
             let reading = rates::Reading {
                 pid: tracked.pid,
                 sched,
                 requests: tracked.counter.load(),
+                in_flight: Self::in_flight_of(tracked, &HashMap::new())
+                    .filter(|r| matches!(r, rates::InFlightReading::Kept { .. })),
                 at: now,
             };
             tracked.history = Some(rates::step(None, reading).0);
@@ -362,10 +427,13 @@ impl Sampler {
 
     /// One sample of every worker in `snapshot`: the loads to publish, and the stalls that changed.
     fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Sample {
-        self.tick_with(snapshot, now, wall, stall::queued_in)
+        let workers = self.reconcile(snapshot);
+        let seen = self.seen_in_flight();
+        self.sample(workers, (now, wall), stall::queued_in, &seen)
     }
 
     /// [`Sampler::tick`], with `queued` telling what waits in a process's sockets.
+    #[cfg(test)]
     fn tick_with(
         &mut self,
         snapshot: &Snapshot,
@@ -374,6 +442,18 @@ impl Sampler {
         queued: impl Fn(u32) -> Option<u64>,
     ) -> Sample {
         let workers = self.reconcile(snapshot);
+        self.sample(workers, (now, wall), queued, &HashMap::new())
+    }
+
+    /// Samples the tracked `workers`, with `queued` telling what waits in a process's sockets and
+    /// `seen` the requests in flight on passed listeners by port.
+    fn sample(
+        &mut self,
+        workers: Vec<Current>,
+        (now, wall): (Instant, SystemTime),
+        queued: impl Fn(u32) -> Option<u64>,
+        seen: &HashMap<u16, u64>,
+    ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
             stalls: Vec::new(),
@@ -392,7 +472,9 @@ impl Sampler {
             if let (Some(at), Some(history)) = (tracked.baseline_at, tracked.history.as_ref())
                 && now.saturating_duration_since(at) < self.min_window
             {
-                sample.loads.push(history.load(service, index, None, wall));
+                sample
+                    .loads
+                    .push(history.load(service, index, None, (tracked.concurrency, wall)));
                 continue;
             }
             tracked.baseline_at = None;
@@ -412,6 +494,7 @@ impl Sampler {
                 pid,
                 sched,
                 requests: tracked.counter.load(),
+                in_flight: Self::in_flight_of(tracked, seen),
                 at: now,
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
@@ -442,7 +525,9 @@ impl Sampler {
                     stall,
                 });
             }
-            sample.loads.push(history.load(service, index, rates, wall));
+            sample
+                .loads
+                .push(history.load(service, index, rates, (tracked.concurrency, wall)));
         }
         sample
     }
@@ -450,7 +535,7 @@ impl Sampler {
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, Counting)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, Found<'_>> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
@@ -464,9 +549,10 @@ impl Sampler {
                             child.counter,
                             match (child.counts_requests, child.listen_port) {
                                 (true, _) => Counting::ByWorker,
-                                (false, Some(port)) => Counting::Sends(port),
+                                (false, Some(port)) => Counting::Sends(port, child.listen_ipv6),
                                 (false, None) => Counting::None,
                             },
+                            child.concurrency,
                         ),
                     );
                 }
@@ -482,14 +568,14 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, counting)) in current {
+        for (lane, (pid, service, index, counter, counting, concurrency)) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
                         tracing::debug!(%service, index, pid, lane, "Sampling worker");
                         let counted = match counting {
                             Counting::ByWorker => true,
-                            Counting::Sends(port) => self.source.count_sends(lane, port),
+                            Counting::Sends(port, _) => self.source.count_sends(lane, port),
                             Counting::None => false,
                         };
                         self.tracked.insert(
@@ -503,6 +589,11 @@ impl Sampler {
                                 suspect: false,
                                 stall: None,
                                 baseline_at: None,
+                                port: match counting {
+                                    Counting::Sends(port, ipv6) => Some((port, ipv6)),
+                                    _ => None,
+                                },
+                                concurrency,
                             },
                         );
                     }

@@ -2,10 +2,24 @@
 
 Both servers put `tests/apps` on the import path (gunicorn's `--chdir`, uvicorn's `--app-dir`).
 """
+import os
 import time
 
 MAX_CPU_MS = 1000
 MAX_SLEEP_MS = 60000
+
+
+def wait_factor():
+    """APP_WAIT_FACTOR (a number, 1 when unset) when this worker's index (PEREGRINE_WORKER_INDEX) is
+    APP_SLOW_INDEX, else 1: the factor its `/slow` waits are multiplied by, so that one worker's
+    requests wait longer than its peers' (an IO-bound worker on a slower database, say)."""
+    slow = os.environ.get("APP_SLOW_INDEX")
+    if slow is None or slow != os.environ.get("PEREGRINE_WORKER_INDEX"):
+        return 1.0
+    return float(os.environ.get("APP_WAIT_FACTOR", "1"))
+
+
+WAIT_FACTOR = wait_factor()
 
 
 def burn_cpu(ms):

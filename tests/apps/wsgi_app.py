@@ -4,7 +4,8 @@ GET /healthz answers `ok` (`503` when APP_UNREADY is set); every other path answ
 load tells workers apart the same way), `<pid>` being the process the supervisor started: gunicorn's
 arbiter, the parent of the process that serves; the `x-server` header says `gunicorn`. `?cpu=MS`
 first burns MS milliseconds of CPU (at most 1000), so one worker can be loaded more than another;
-`/slow?ms=N` first sleeps N milliseconds (at most 60000).
+`/slow?ms=N` first sleeps N milliseconds (at most 60000), times APP_WAIT_FACTOR in the worker of
+index APP_SLOW_INDEX (`app_knobs.wait_factor`).
 
 APP_LOAD_REPORT (`rps_fractional=100000,application_utilization=0.001`, say) makes the worker of
 index APP_LOAD_REPORT_INDEX (every worker when unset) state that load to Envoy on every response, as
@@ -23,7 +24,7 @@ import struct
 import time
 from urllib.parse import parse_qs
 
-from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
+from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, WAIT_FACTOR, burn_cpu, millis
 
 SERVER = "gunicorn"
 UNREADY = bool(os.environ.get("APP_UNREADY"))
@@ -81,7 +82,7 @@ def app(environ, start_response):
             status, body = "400 Bad Request", b"cpu and ms take a count of milliseconds\n"
         else:
             burn_cpu(cpu)
-            time.sleep(sleep / 1000)
+            time.sleep(sleep * WAIT_FACTOR / 1000)
             body = f"Hello from worker {SUPERVISED_PID}!\n".encode()
     headers = [
         ("Content-Type", "text/plain"),
