@@ -397,6 +397,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_worker_that_does_not_keep_its_requests_in_flight_has_none_rather_than_zero() {
+        use peregrine_contract::counters::FEATURE_IN_FLIGHT;
+        let counters = Arc::new(Counters::memfd(2).unwrap());
+        let (new, old) = (
+            CounterRef::new(counters.clone(), 0),
+            CounterRef::new(counters.clone(), 1),
+        );
+        // A worker of this version says it keeps the word; one of an older version leaves it all zero.
+        let region = counters.region();
+        region
+            .features(0)
+            .store(FEATURE_IN_FLIGHT, Ordering::Relaxed);
+        region
+            .in_flight(0)
+            .store(InFlight::start_delta(5), Ordering::Relaxed);
+        assert_eq!(new.in_flight().map(InFlight::open), Some(1));
+        assert_eq!(old.in_flight(), None);
+    }
+
+    #[test]
     fn a_child_its_starter_waits_for_is_passed_over_by_the_orphan_reaper_until_waited_for() {
         let children = Children::default();
         let (pid, ()) = children.spawn_waited(|| Ok((4242, ()))).unwrap();
