@@ -103,6 +103,9 @@ pub struct Child {
     /// Whether that listener is IPv6 (its connections are then the kernel's IPv6 sockets, IPv4 ones
     /// mapped into it included).
     pub listen_ipv6: bool,
+    /// Whether that listener is the service's shared one (`listener = "shared"`): its connections
+    /// are every worker's, so none of them is this worker's own requests in flight.
+    pub listen_shared: bool,
     /// The uid it was started with (its service's `user`, or the supervisor's): the only uid it may
     /// register as.
     pub uid: u32,
@@ -267,6 +270,7 @@ impl Children {
             counts_requests,
             listen_port: None,
             listen_ipv6: false,
+            listen_shared: false,
             uid: rustix::process::geteuid().as_raw(),
             concurrency: None,
         };

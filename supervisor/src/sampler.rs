@@ -280,9 +280,8 @@ struct Sampler {
 enum Counting {
     /// The worker, once per request.
     ByWorker,
-    /// The source, from the responses sent on connections its listener on this port (IPv6: `true`)
-    /// accepted.
-    Sends(u16, bool),
+    /// The source, from the responses sent on connections its listener on this port accepted.
+    Sends(u16),
     /// Nobody (a server on a passed Unix listener).
     None,
 }
@@ -303,8 +302,8 @@ struct Tracked {
     stall: Option<Stall>,
     /// When its history is a baseline taken between ticks, when that was.
     baseline_at: Option<Instant>,
-    /// For a server on a passed TCP listener, the listener's port and whether it is IPv6: where its
-    /// requests in flight are seen ([`sock_diag`]).
+    /// For a server on a passed TCP listener of its own, the listener's port and whether it is
+    /// IPv6: where its requests in flight are seen ([`sock_diag`]).
     port: Option<(u16, bool)>,
     /// Its service's concurrency ([`crate::children::Child::concurrency`]).
     concurrency: Option<u32>,
@@ -328,8 +327,13 @@ struct StallChange {
 }
 
 /// A worker of the snapshot the manager lists: its pid, service, index, counter, who counts its
-/// requests, and its service's concurrency.
-type Found<'a> = (u32, &'a str, u32, CounterRef, Counting, Option<u32>);
+/// requests, and where its requests in flight are seen and its service's concurrency.
+type Found<'a> = (u32, &'a str, u32, CounterRef, Counting, InFlightAt);
+
+/// Where a worker's requests in flight are seen: the port of its own passed TCP listener and whether
+/// it is IPv6 (`None`: it keeps them itself, or has no listener of its own), and its service's
+/// concurrency.
+type InFlightAt = (Option<(u16, bool)>, Option<u32>);
 
 /// A tracked worker in this tick's snapshot.
 #[derive(Debug)]
@@ -351,11 +355,15 @@ impl Sampler {
     }
 
     /// A tracked worker's requests in flight, as read now: kept in its line by a worker that counts,
-    /// seen in `seen` (the kernel's count by listening port) for a server on a passed listener.
-    fn in_flight_of(tracked: &Tracked, seen: &HashMap<u16, u64>) -> Option<rates::InFlightReading> {
+    /// seen in `seen` (the kernel's count by listening port; `None`: the tables could not be read)
+    /// for a server on a passed listener.
+    fn in_flight_of(
+        tracked: &Tracked,
+        seen: Option<&HashMap<u16, u64>>,
+    ) -> Option<rates::InFlightReading> {
         match tracked.port {
             Some((port, _)) => Some(rates::InFlightReading::Seen(
-                seen.get(&port).copied().unwrap_or(0),
+                seen?.get(&port).copied().unwrap_or(0),
             )),
             None => {
                 // The clock first: a request that starts after it adds nothing negative.
@@ -367,11 +375,11 @@ impl Sampler {
     }
 
     /// The requests in flight on the tracked passed listeners, by port, from the kernel's socket
-    /// tables; empty when none is tracked or the tables cannot be read.
-    fn seen_in_flight(&mut self) -> HashMap<u16, u64> {
+    /// tables; `None` when they cannot be read (no figure, rather than a zero).
+    fn seen_in_flight(&mut self) -> Option<HashMap<u16, u64>> {
         let listeners: Vec<(u16, bool)> = self.tracked.values().filter_map(|t| t.port).collect();
         if listeners.is_empty() {
-            return HashMap::new();
+            return Some(HashMap::new());
         }
         let ports: std::collections::HashSet<u16> =
             listeners.iter().map(|&(port, _)| port).collect();
@@ -385,14 +393,14 @@ impl Sampler {
             })
         });
         let Ok(socket) = diag else {
-            return HashMap::new();
+            return None;
         };
         match socket.in_flight(&ports, families) {
-            Ok(seen) => seen,
+            Ok(seen) => Some(seen),
             Err(error) => {
                 tracing::warn!(error = %ErrorChain(&error), "Cannot read the kernel's socket tables: servers on passed listeners have no requests in flight");
                 self.diag = Some(Err(()));
-                HashMap::new()
+                None
             }
         }
     }
@@ -416,8 +424,7 @@ impl Sampler {
                 pid: tracked.pid,
                 sched,
                 requests: tracked.counter.load(),
-                in_flight: Self::in_flight_of(tracked, &HashMap::new())
-                    .filter(|r| matches!(r, rates::InFlightReading::Kept { .. })),
+                in_flight: Self::in_flight_of(tracked, None),
                 at: now,
             };
             tracked.history = Some(rates::step(None, reading).0);
@@ -429,7 +436,7 @@ impl Sampler {
     fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Sample {
         let workers = self.reconcile(snapshot);
         let seen = self.seen_in_flight();
-        self.sample(workers, (now, wall), stall::queued_in, &seen)
+        self.sample(workers, (now, wall), stall::queued_in, seen.as_ref())
     }
 
     /// [`Sampler::tick`], with `queued` telling what waits in a process's sockets.
@@ -442,7 +449,7 @@ impl Sampler {
         queued: impl Fn(u32) -> Option<u64>,
     ) -> Sample {
         let workers = self.reconcile(snapshot);
-        self.sample(workers, (now, wall), queued, &HashMap::new())
+        self.sample(workers, (now, wall), queued, Some(&HashMap::new()))
     }
 
     /// Samples the tracked `workers`, with `queued` telling what waits in a process's sockets and
@@ -452,7 +459,7 @@ impl Sampler {
         workers: Vec<Current>,
         (now, wall): (Instant, SystemTime),
         queued: impl Fn(u32) -> Option<u64>,
-        seen: &HashMap<u16, u64>,
+        seen: Option<&HashMap<u16, u64>>,
     ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
@@ -549,10 +556,16 @@ impl Sampler {
                             child.counter,
                             match (child.counts_requests, child.listen_port) {
                                 (true, _) => Counting::ByWorker,
-                                (false, Some(port)) => Counting::Sends(port, child.listen_ipv6),
+                                (false, Some(port)) => Counting::Sends(port),
                                 (false, None) => Counting::None,
                             },
-                            child.concurrency,
+                            (
+                                child
+                                    .listen_port
+                                    .filter(|_| !child.counts_requests && !child.listen_shared)
+                                    .map(|port| (port, child.listen_ipv6)),
+                                child.concurrency,
+                            ),
                         ),
                     );
                 }
@@ -568,14 +581,14 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, counting, concurrency)) in current {
+        for (lane, (pid, service, index, counter, counting, (port, concurrency))) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
                         tracing::debug!(%service, index, pid, lane, "Sampling worker");
                         let counted = match counting {
                             Counting::ByWorker => true,
-                            Counting::Sends(port, _) => self.source.count_sends(lane, port),
+                            Counting::Sends(port) => self.source.count_sends(lane, port),
                             Counting::None => false,
                         };
                         self.tracked.insert(
@@ -589,10 +602,7 @@ impl Sampler {
                                 suspect: false,
                                 stall: None,
                                 baseline_at: None,
-                                port: match counting {
-                                    Counting::Sends(port, ipv6) => Some((port, ipv6)),
-                                    _ => None,
-                                },
+                                port,
                                 concurrency,
                             },
                         );

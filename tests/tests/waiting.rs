@@ -5,8 +5,9 @@
 //! worker 0's sleeps are five times as long (`APP_WAIT_FACTOR`, `APP_SLOW_INDEX`). The kernel's
 //! socket tables show what each worker holds open, so its report to Envoy counts it busy: Envoy
 //! weighs the slow worker below the others. The same figure is measured with the procfs sampler,
-//! where the kernel counts no response and the service is balanced by least request. And a built-in
-//! worker keeps its own count, which the supervisor reads from its line.
+//! where the kernel counts no response and the service is balanced by least request. Workers on one
+//! shared listener have no figure of their own. And a built-in worker keeps its own count, which the
+//! supervisor reads from its line.
 
 use std::{
     collections::BTreeMap,
@@ -50,6 +51,15 @@ struct Waiting {
 
 impl Waiting {
     fn start(servers: &AppServers, sampler: Option<Sampler>) -> Waiting {
+        Waiting::start_with(servers, sampler, ServiceTable::per_worker)
+    }
+
+    /// [`Waiting::start`], with the service's listener set by `listener`.
+    fn start_with(
+        servers: &AppServers,
+        sampler: Option<Sampler>,
+        listener: fn(ServiceTable) -> ServiceTable,
+    ) -> Waiting {
         let (grpc, listen, admin) = (free_port(), free_port(), free_port());
         let mut config = PeregrineToml::local(grpc).with_envoy(listen, admin);
         config.supervisor.register_timeout_ms = Some(20000);
@@ -63,10 +73,11 @@ impl Waiting {
                     ("APP_WAIT_FACTOR".to_owned(), FACTOR.to_owned()),
                     ("APP_SLOW_INDEX".to_owned(), SLOW.to_string()),
                 ])),
-                ..ServiceTable::default()
-                    .count(WORKERS)
-                    .command(gunicorn_command(&servers.gunicorn))
-                    .per_worker()
+                ..listener(
+                    ServiceTable::default()
+                        .count(WORKERS)
+                        .command(gunicorn_command(&servers.gunicorn)),
+                )
             },
         );
         let supervisor = Supervisor::start(&config.toml());
@@ -198,6 +209,27 @@ fn with_procfs_the_kernel_still_shows_what_gunicorn_workers_hold_open() {
             figure(slow, "in_flight")
         );
         assert!(slow["in_flight_now"].is_u64(), "{slow}");
+    });
+}
+
+#[test]
+fn workers_on_a_shared_listener_have_no_requests_in_flight_of_their_own() {
+    let Some(servers) = servers() else {
+        return;
+    };
+    let waiting = Waiting::start_with(&servers, None, ServiceTable::shared);
+    waiting.under_load(|| {
+        // The accept queue and the connections on the one port are every worker's: no worker is
+        // given them as its own.
+        let rows = wait_until(STEP * 2, "every worker sampled", || {
+            let rows = waiting.supervisor.status_rows(SERVICE).ok()?;
+            (rows.len() == WORKERS as usize && rows.values().all(|r| r["cpu_cores"].is_f64()))
+                .then_some(rows)
+        });
+        for row in rows.values() {
+            assert!(row["in_flight"].is_null(), "{row}");
+            assert!(row["in_flight_now"].is_null(), "{row}");
+        }
     });
 }
 

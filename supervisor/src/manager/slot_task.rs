@@ -87,6 +87,7 @@ impl Adopted {
                 counts_requests: !launch.pass_socket,
                 listen_port: self.passed.as_ref().and_then(Address::port),
                 listen_ipv6: self.passed.as_ref().is_some_and(is_ipv6),
+                listen_shared: launch.shared.is_some(),
                 uid: self.uid,
                 concurrency: launch.concurrency,
             },
@@ -497,6 +498,7 @@ impl SlotTask {
             counts_requests: !self.launch.pass_socket,
             listen_port: passed.as_ref().and_then(Address::port),
             listen_ipv6: passed.as_ref().is_some_and(is_ipv6),
+            listen_shared: self.launch.shared.is_some(),
             uid: self.launch.uid(),
             concurrency: self.launch.concurrency,
         };
