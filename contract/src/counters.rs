@@ -294,6 +294,24 @@ mod tests {
         assert_eq!(many.mean_between(1 << 50, more, (1 << 50) + 100), Some(1.0));
     }
 
+    /// What a request's start and end cost a worker (two clock reads, two atomic adds):
+    /// `cargo test -p peregrine-contract --release -- --ignored --nocapture what_a_request_costs`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn what_a_request_costs() {
+        let (_fd, region) = CounterRegion::create(1).unwrap();
+        let word = region.in_flight(0);
+        let rounds = 10_000_000u32;
+        let started = std::time::Instant::now();
+        for _ in 0..rounds {
+            word.fetch_add(InFlight::start_delta(coarse_now_us()), Ordering::Relaxed);
+            word.fetch_add(InFlight::end_delta(coarse_now_us()), Ordering::Relaxed);
+        }
+        let each = started.elapsed() / rounds;
+        eprintln!("a request's start and end: {each:?}");
+        assert_eq!(InFlight(word.load(Ordering::Relaxed)).open(), 0);
+    }
+
     #[test]
     fn the_in_flight_words_are_the_second_and_third_of_a_line() {
         let (fd, writer) = CounterRegion::create(2).unwrap();
