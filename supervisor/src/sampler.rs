@@ -632,7 +632,7 @@ mod tests {
     use prometheus_client::metrics::histogram::Histogram;
 
     use super::*;
-    use crate::children::Counters;
+    use crate::children::{Child, Counters};
     use crate::registry::{Address, Protocol, Worker};
 
     /// What a test has the fake do at its next read.
@@ -920,6 +920,89 @@ mod tests {
         assert_eq!(sample.stalls[0].stall, None);
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn requests_in_flight_come_from_the_workers_line_or_the_kernels_count_on_its_own_port() {
+        use peregrine_contract::counters::{FEATURE_IN_FLIGHT, InFlight};
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(3).unwrap());
+        let registry = Registry::new(["a".to_string()]);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        let child = |index: u32, counts_requests, port: Option<u16>, shared| Child {
+            slot: crate::children::Slot {
+                service: "a".into(),
+                index,
+            },
+            lane: index as usize,
+            counter: CounterRef::new(counters.clone(), index as usize),
+            counts_requests,
+            listen_port: port,
+            listen_ipv6: false,
+            listen_shared: shared,
+            uid: 0,
+            concurrency: Some(2),
+        };
+        // A built-in worker that keeps its word, a server on a listener of its own (port 8001), and
+        // one on a shared listener (port 8002).
+        children.insert(100, child(0, true, None, false));
+        children.insert(101, child(1, false, Some(8001), false));
+        children.insert(102, child(2, false, Some(8002), true));
+        for (index, pid) in [(0, 100), (1, 101), (2, 102)] {
+            register(&registry, "a", index, pid);
+            fake.totals
+                .lock()
+                .unwrap()
+                .insert(pid, SchedTotals::default());
+        }
+        let region = counters.region();
+        region
+            .features(0)
+            .store(FEATURE_IN_FLIGHT, Ordering::Relaxed);
+        let start = InFlight::start_delta(peregrine_contract::counters::coarse_now_us());
+        // Two requests open in the built-in worker all along.
+        region
+            .in_flight(0)
+            .store(start.wrapping_mul(2), Ordering::Relaxed);
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH;
+        let snapshot = registry.snapshot();
+        let workers = sampler.reconcile(&snapshot);
+        let seen = HashMap::from([(8001, 3), (8002, 5)]);
+        sampler.sample(workers, (t0, wall), |_| Some(0), Some(&seen));
+        std::thread::sleep(Duration::from_millis(30));
+        let workers = sampler.reconcile(&snapshot);
+        let seen = HashMap::from([(8001, 1), (8002, 5)]);
+        let loads = sampler
+            .sample(
+                workers,
+                (t0 + Duration::from_millis(30), wall),
+                |_| Some(0),
+                Some(&seen),
+            )
+            .loads;
+        let by_index = |i: u32| loads.iter().find(|l| l.index == i).unwrap();
+        // Kept: exactly two throughout, over a concurrency of 2.
+        assert_eq!(by_index(0).in_flight, Some(2.0));
+        assert_eq!(by_index(0).in_flight_utilization, Some(1.0));
+        assert_eq!(by_index(0).in_flight_now, Some(2));
+        // Seen: the mean of the two counts, 3 and 1.
+        assert_eq!(by_index(1).in_flight, Some(2.0));
+        assert_eq!(by_index(1).in_flight_now, Some(1));
+        // A shared listener's count is no worker's own.
+        assert_eq!(by_index(2).in_flight, None);
+        // The kernel's tables could not be read: no figure, not a zero.
+        let workers = sampler.reconcile(&snapshot);
+        let loads = sampler
+            .sample(
+                workers,
+                (t0 + Duration::from_millis(60), wall),
+                |_| Some(0),
+                None,
+            )
+            .loads;
+        assert_eq!(loads.iter().find(|l| l.index == 1).unwrap().in_flight, None);
     }
 
     #[test]
