@@ -58,3 +58,5 @@ const _: () = assert!(offset_of!(Cell, on_cpu_ns) == 8);
 const _: () = assert!(offset_of!(Cell, runq_wait_ns) == 16);
 const _: () = assert!(size_of::<Counter>() == LINE);
 const _: () = assert!(offset_of!(Counter, requests) == 0);
+const _: () = assert!(offset_of!(Counter, in_flight) == 8);
+const _: () = assert!(offset_of!(Counter, features) == 16);

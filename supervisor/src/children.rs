@@ -21,7 +21,10 @@ use std::{
     sync::{Arc, Mutex, atomic::Ordering},
 };
 
-use peregrine_contract::{counters::CounterRegion, shm::ShmError};
+use peregrine_contract::{
+    counters::{CounterRegion, FEATURE_IN_FLIGHT, InFlight},
+    shm::ShmError,
+};
 
 use crate::config::Config;
 
@@ -70,6 +73,14 @@ impl CounterRef {
             .lane(self.index)
             .load(Ordering::Relaxed)
     }
+
+    /// Its requests in flight, if the worker keeps them (a built-in worker of this version; not a
+    /// server on a passed listener, nor a worker of an older version).
+    pub fn in_flight(&self) -> Option<InFlight> {
+        let region = self.region.region();
+        let kept = region.features(self.index).load(Ordering::Relaxed) & FEATURE_IN_FLIGHT != 0;
+        kept.then(|| InFlight(region.in_flight(self.index).load(Ordering::Relaxed)))
+    }
 }
 
 /// A live worker process of this supervisor.
@@ -89,9 +100,18 @@ pub struct Child {
     /// responses sent on the connections it accepted, in the lane's counter. Without it (procfs, or a
     /// Unix listener) such a server has no request rate, and no stall is judged from one.
     pub listen_port: Option<u16>,
+    /// Whether that listener is IPv6 (its connections are then the kernel's IPv6 sockets, IPv4 ones
+    /// mapped into it included).
+    pub listen_ipv6: bool,
+    /// Whether that listener is the service's shared one (`listener = "shared"`): its connections
+    /// are every worker's, so none of them is this worker's own requests in flight.
+    pub listen_shared: bool,
     /// The uid it was started with (its service's `user`, or the supervisor's): the only uid it may
     /// register as.
     pub uid: u32,
+    /// How many requests it serves at once (its service's `concurrency`); `None`: many. The sampler
+    /// scales its requests in flight by it into a utilization.
+    pub concurrency: Option<u32>,
 }
 
 impl Child {
@@ -249,7 +269,10 @@ impl Children {
             counter: CounterRef::new(counters.clone(), lane),
             counts_requests,
             listen_port: None,
+            listen_ipv6: false,
+            listen_shared: false,
             uid: rustix::process::geteuid().as_raw(),
+            concurrency: None,
         };
         self.lock().insert(pid, child);
     }
@@ -376,6 +399,26 @@ impl Counters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_that_does_not_keep_its_requests_in_flight_has_none_rather_than_zero() {
+        use peregrine_contract::counters::FEATURE_IN_FLIGHT;
+        let counters = Arc::new(Counters::memfd(2).unwrap());
+        let (new, old) = (
+            CounterRef::new(counters.clone(), 0),
+            CounterRef::new(counters.clone(), 1),
+        );
+        // A worker of this version says it keeps the word; one of an older version leaves it all zero.
+        let region = counters.region();
+        region
+            .features(0)
+            .store(FEATURE_IN_FLIGHT, Ordering::Relaxed);
+        region
+            .in_flight(0)
+            .store(InFlight::start_delta(5), Ordering::Relaxed);
+        assert_eq!(new.in_flight().map(InFlight::open), Some(1));
+        assert_eq!(old.in_flight(), None);
+    }
 
     #[test]
     fn a_child_its_starter_waits_for_is_passed_over_by_the_orphan_reaper_until_waited_for() {

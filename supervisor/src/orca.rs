@@ -328,10 +328,12 @@ async fn send(
 /// none). Every field Envoy reads is positive, so no report is an error to Envoy or encodes empty.
 ///
 /// - `cpu_utilization`: the worker's on-CPU time per second of wall time, in cores (all its threads).
-/// - `application_utilization`: (on-CPU + run-queue wait) per second of wall time. Envoy prefers it
-///   over `cpu_utilization`. A worker starved by a noisy neighbour on its core waits for the CPU
-///   instead of running: its CPU time alone would look low and draw *more* traffic; the time it waits
-///   shows it is saturated.
+/// - `application_utilization`: the higher of (on-CPU + run-queue wait) per second of wall time and
+///   the mean requests in flight over the service's concurrency ([`application_utilization`]). Envoy
+///   prefers it over `cpu_utilization`. A worker starved by a noisy neighbour on its core waits for
+///   the CPU instead of running: its CPU time alone would look low and draw *more* traffic; the time
+///   it waits shows it is saturated. A worker that waits on IO holds its requests open: they show
+///   it busy.
 /// - `rps_fractional`: requests per second over the last sample interval.
 ///
 /// Envoy's weight is `rps_fractional / utilization`. A worker that served nothing in the last
@@ -349,8 +351,7 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
 /// (out of band here, in band through [`in_band`]) send.
 pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(pid)?;
-    let (cpu, wait, rps) = rates(load)?;
-    let application = cpu + wait;
+    let (cpu, application, rps) = rates(load)?;
     let (rps, application) = if rps >= IDLE_RPS {
         (rps, application)
     } else {
@@ -369,7 +370,7 @@ pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
             // The best peer's weight, as Envoy computes it (rate over utilization).
             let best_weight = busy
                 .iter()
-                .map(|&(cpu, wait, rps)| rps / (cpu + wait).max(MIN_UTILIZATION))
+                .map(|&(_, application, rps)| rps / application.max(MIN_UTILIZATION))
                 .fold(0.0, f64::max);
             // Twice the best peer's weight, unless the worker itself is busier than that (a long
             // request, or work of its own): a near-zero utilization would weigh it a thousand times
@@ -394,13 +395,30 @@ pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
     .then_some(report)
 }
 
-/// A sample's CPU, run-queue wait and request rates, if it has them (not a baseline) and they are
-/// numbers: a rate that is not finite (a sampler fault, such as a rate over no time) makes none.
+/// A sample's CPU, application utilization ([`application_utilization`]) and request rate, if it has
+/// them (not a baseline) and they are numbers: a rate that is not finite (a sampler fault, such as a
+/// rate over no time) makes none.
 fn rates(load: &WorkerLoad) -> Option<(f64, f64, f64)> {
     let cpu = load.cpu_cores.filter(|v| v.is_finite())?;
     let rps = load.requests_per_second.filter(|v| v.is_finite())?;
     let wait = load.runq_wait_cores.unwrap_or(0.0);
-    wait.is_finite().then_some((cpu, wait, rps))
+    let application = application_utilization(cpu, wait, load.in_flight_utilization);
+    application.is_finite().then_some((cpu, application, rps))
+}
+
+/// The utilization reported as `application_utilization`, which Envoy weighs by: the busier of the
+/// worker's time on and waiting for a CPU (`cpu + wait`), and its requests in flight over its
+/// concurrency (`in_flight`, where known). A worker that waits on IO (a database, another service)
+/// uses no CPU while its requests are open: counted by its CPU alone it would look idle and draw
+/// *more* traffic; counted by what it holds open it is as busy as it is. A worker starved of CPU shows
+/// in both.
+pub fn application_utilization(cpu: f64, wait: f64, in_flight: Option<f64>) -> f64 {
+    let scheduled = cpu + wait;
+    match in_flight {
+        // NaN never wins (and a NaN `scheduled` stays NaN, for the caller to refuse).
+        Some(in_flight) if in_flight > scheduled => in_flight,
+        _ => scheduled,
+    }
 }
 
 #[cfg(test)]
@@ -429,6 +447,9 @@ mod tests {
             cpu_seconds_total: 1.0,
             runq_wait_seconds_total: 0.0,
             requests_total: 10,
+            in_flight: None,
+            in_flight_now: None,
+            in_flight_utilization: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }
@@ -535,6 +556,46 @@ mod tests {
         assert!(r.application_utilization.is_finite());
         let both_huge = load(1, Some(f64::MAX), f64::MAX, Some(100.0));
         assert_eq!(report_for(&loads(vec![both_huge]), &worker(1)), None);
+    }
+
+    #[test]
+    fn a_worker_that_waits_on_io_counts_as_busy_as_its_requests_in_flight() {
+        // Two workers of one request at a time at the same rate, near no CPU; one holds its requests
+        // five times as long (0.9 in flight against 0.18).
+        let waiting = |pid, in_flight| WorkerLoad {
+            in_flight: Some(in_flight),
+            in_flight_utilization: Some(in_flight),
+            ..load(pid, Some(0.01), 0.0, Some(36.0))
+        };
+        let l = loads(vec![waiting(1, 0.9), waiting(2, 0.18)]);
+        let report = |pid| report_for(&l, &worker(pid)).unwrap();
+        assert!((report(1).application_utilization - 0.9).abs() < 1e-9);
+        assert!(
+            (report(1).cpu_utilization - 0.01).abs() < 1e-9,
+            "CPU is still CPU"
+        );
+        let weight = |r: OrcaLoadReport| r.rps_fractional / r.application_utilization;
+        assert!((weight(report(2)) / weight(report(1)) - 5.0).abs() < 1e-9);
+        // CPU and run-queue wait still win where they are higher (a CPU-bound worker).
+        assert_eq!(application_utilization(0.5, 0.25, Some(0.5)), 0.75);
+        assert_eq!(application_utilization(0.5, 0.25, None), 0.75);
+        assert_eq!(application_utilization(0.1, 0.0, Some(f64::NAN)), 0.1);
+        // An idle worker beside a waiting one: twice the best weight, from the waiting utilization.
+        let idle = load(3, Some(0.0), 0.0, Some(0.0));
+        let l = loads(vec![waiting(1, 0.9), idle]);
+        let r = report_for(&l, &worker(3)).unwrap();
+        let best = 36.0 / 0.9;
+        assert!((r.rps_fractional / r.application_utilization - 2.0 * best).abs() < 1e-6);
+        // A worker with a request open for the whole interval and none finished is not idle.
+        let stuck = WorkerLoad {
+            in_flight_utilization: Some(1.0),
+            ..load(4, Some(0.0), 0.0, Some(0.0))
+        };
+        let l = loads(vec![stuck, waiting(1, 0.9)]);
+        assert_eq!(
+            report_for(&l, &worker(4)).unwrap().application_utilization,
+            1.0
+        );
     }
 
     #[test]

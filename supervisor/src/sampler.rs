@@ -28,6 +28,7 @@
 pub mod ebpf;
 pub mod procfs;
 pub mod rates;
+pub mod sock_diag;
 pub mod stall;
 
 use std::{
@@ -269,6 +270,9 @@ struct Sampler {
     /// A baseline taken between ticks ([`Sampler::baseline_new`]) gives rates only once it is this
     /// old: half the interval, so a first rate never rests on a sliver of time.
     min_window: Duration,
+    /// The kernel's socket tables, for the requests in flight of servers on passed listeners: opened
+    /// at the first tick that has one; `Err` once it could not be (logged once, not tried again).
+    diag: Option<Result<sock_diag::SockDiag, ()>>,
 }
 
 /// Who counts a worker's requests in its lane.
@@ -298,6 +302,11 @@ struct Tracked {
     stall: Option<Stall>,
     /// When its history is a baseline taken between ticks, when that was.
     baseline_at: Option<Instant>,
+    /// For a server on a passed TCP listener of its own, the listener's port and whether it is
+    /// IPv6: where its requests in flight are seen ([`sock_diag`]).
+    port: Option<(u16, bool)>,
+    /// Its service's concurrency ([`crate::children::Child::concurrency`]).
+    concurrency: Option<u32>,
 }
 
 /// What one tick found.
@@ -317,6 +326,15 @@ struct StallChange {
     stall: Option<Stall>,
 }
 
+/// A worker of the snapshot the manager lists: its pid, service, index, counter, who counts its
+/// requests, and where its requests in flight are seen and its service's concurrency.
+type Found<'a> = (u32, &'a str, u32, CounterRef, Counting, InFlightAt);
+
+/// Where a worker's requests in flight are seen: the port of its own passed TCP listener and whether
+/// it is IPv6 (`None`: it keeps them itself, or has no listener of its own), and its service's
+/// concurrency.
+type InFlightAt = (Option<(u16, bool)>, Option<u32>);
+
 /// A tracked worker in this tick's snapshot.
 #[derive(Debug)]
 struct Current {
@@ -332,6 +350,58 @@ impl Sampler {
             children,
             tracked: HashMap::new(),
             min_window: Duration::ZERO,
+            diag: None,
+        }
+    }
+
+    /// A tracked worker's requests in flight, as read now: kept in its line by a worker that counts,
+    /// seen in `seen` (the kernel's count by listening port; `None`: the tables could not be read)
+    /// for a server on a passed listener.
+    fn in_flight_of(
+        tracked: &Tracked,
+        seen: Option<&HashMap<u16, u64>>,
+    ) -> Option<rates::InFlightReading> {
+        match tracked.port {
+            Some((port, _)) => Some(rates::InFlightReading::Seen(
+                seen?.get(&port).copied().unwrap_or(0),
+            )),
+            None => {
+                // The clock first: a request that starts after it adds nothing negative.
+                let at_us = peregrine_contract::counters::coarse_now_us();
+                let word = tracked.counter.in_flight()?;
+                Some(rates::InFlightReading::Kept { word, at_us })
+            }
+        }
+    }
+
+    /// The requests in flight on the tracked passed listeners, by port, from the kernel's socket
+    /// tables; `None` when they cannot be read (no figure, rather than a zero).
+    fn seen_in_flight(&mut self) -> Option<HashMap<u16, u64>> {
+        let listeners: Vec<(u16, bool)> = self.tracked.values().filter_map(|t| t.port).collect();
+        if listeners.is_empty() {
+            return Some(HashMap::new());
+        }
+        let ports: std::collections::HashSet<u16> =
+            listeners.iter().map(|&(port, _)| port).collect();
+        let families = sock_diag::Families {
+            ipv4: listeners.iter().any(|&(_, ipv6)| !ipv6),
+            ipv6: listeners.iter().any(|&(_, ipv6)| ipv6),
+        };
+        let diag = self.diag.get_or_insert_with(|| {
+            sock_diag::SockDiag::open().map_err(|error| {
+                tracing::warn!(error = %ErrorChain(&error), "Cannot read the kernel's socket tables: servers on passed listeners have no requests in flight");
+            })
+        });
+        let Ok(socket) = diag else {
+            return None;
+        };
+        match socket.in_flight(&ports, families) {
+            Ok(seen) => Some(seen),
+            Err(error) => {
+                tracing::warn!(error = %ErrorChain(&error), "Cannot read the kernel's socket tables: servers on passed listeners have no requests in flight");
+                self.diag = Some(Err(()));
+                None
+            }
         }
     }
 
@@ -349,10 +419,12 @@ impl Sampler {
             let Ok(sched) = self.source.read(lane, tracked.pid) else {
                 continue;
             };
+            // A passed listener's count is only seen at ticks: its first mean comes a tick later.
             let reading = rates::Reading {
                 pid: tracked.pid,
                 sched,
                 requests: tracked.counter.load(),
+                in_flight: Self::in_flight_of(tracked, None),
                 at: now,
             };
             tracked.history = Some(rates::step(None, reading).0);
@@ -362,10 +434,13 @@ impl Sampler {
 
     /// One sample of every worker in `snapshot`: the loads to publish, and the stalls that changed.
     fn tick(&mut self, snapshot: &Snapshot, now: Instant, wall: SystemTime) -> Sample {
-        self.tick_with(snapshot, now, wall, stall::queued_in)
+        let workers = self.reconcile(snapshot);
+        let seen = self.seen_in_flight();
+        self.sample(workers, (now, wall), stall::queued_in, seen.as_ref())
     }
 
     /// [`Sampler::tick`], with `queued` telling what waits in a process's sockets.
+    #[cfg(test)]
     fn tick_with(
         &mut self,
         snapshot: &Snapshot,
@@ -374,6 +449,18 @@ impl Sampler {
         queued: impl Fn(u32) -> Option<u64>,
     ) -> Sample {
         let workers = self.reconcile(snapshot);
+        self.sample(workers, (now, wall), queued, Some(&HashMap::new()))
+    }
+
+    /// Samples the tracked `workers`, with `queued` telling what waits in a process's sockets and
+    /// `seen` the requests in flight on passed listeners by port.
+    fn sample(
+        &mut self,
+        workers: Vec<Current>,
+        (now, wall): (Instant, SystemTime),
+        queued: impl Fn(u32) -> Option<u64>,
+        seen: Option<&HashMap<u16, u64>>,
+    ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
             stalls: Vec::new(),
@@ -392,7 +479,9 @@ impl Sampler {
             if let (Some(at), Some(history)) = (tracked.baseline_at, tracked.history.as_ref())
                 && now.saturating_duration_since(at) < self.min_window
             {
-                sample.loads.push(history.load(service, index, None, wall));
+                sample
+                    .loads
+                    .push(history.load(service, index, None, (tracked.concurrency, wall)));
                 continue;
             }
             tracked.baseline_at = None;
@@ -412,6 +501,7 @@ impl Sampler {
                 pid,
                 sched,
                 requests: tracked.counter.load(),
+                in_flight: Self::in_flight_of(tracked, seen),
                 at: now,
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
@@ -442,7 +532,9 @@ impl Sampler {
                     stall,
                 });
             }
-            sample.loads.push(history.load(service, index, rates, wall));
+            sample
+                .loads
+                .push(history.load(service, index, rates, (tracked.concurrency, wall)));
         }
         sample
     }
@@ -450,7 +542,7 @@ impl Sampler {
     /// Tracks the workers of `snapshot` that are new, untracks those that are gone; returns the
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
-        let mut current: BTreeMap<usize, (u32, &str, u32, CounterRef, Counting)> = BTreeMap::new();
+        let mut current: BTreeMap<usize, Found<'_>> = BTreeMap::new();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
@@ -467,6 +559,13 @@ impl Sampler {
                                 (false, Some(port)) => Counting::Sends(port),
                                 (false, None) => Counting::None,
                             },
+                            (
+                                child
+                                    .listen_port
+                                    .filter(|_| !child.counts_requests && !child.listen_shared)
+                                    .map(|port| (port, child.listen_ipv6)),
+                                child.concurrency,
+                            ),
                         ),
                     );
                 }
@@ -482,7 +581,7 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, counting)) in current {
+        for (lane, (pid, service, index, counter, counting, (port, concurrency))) in current {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
@@ -503,6 +602,8 @@ impl Sampler {
                                 suspect: false,
                                 stall: None,
                                 baseline_at: None,
+                                port,
+                                concurrency,
                             },
                         );
                     }
@@ -531,7 +632,7 @@ mod tests {
     use prometheus_client::metrics::histogram::Histogram;
 
     use super::*;
-    use crate::children::Counters;
+    use crate::children::{Child, Counters};
     use crate::registry::{Address, Protocol, Worker};
 
     /// What a test has the fake do at its next read.
@@ -819,6 +920,89 @@ mod tests {
         assert_eq!(sample.stalls[0].stall, None);
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn requests_in_flight_come_from_the_workers_line_or_the_kernels_count_on_its_own_port() {
+        use peregrine_contract::counters::{FEATURE_IN_FLIGHT, InFlight};
+        let fake = Fake::default();
+        let counters = Arc::new(Counters::memfd(3).unwrap());
+        let registry = Registry::new(["a".to_string()]);
+        let children = Arc::new(Children::default());
+        let mut sampler = Sampler::new(Box::new(fake.clone()), children.clone());
+        let child = |index: u32, counts_requests, port: Option<u16>, shared| Child {
+            slot: crate::children::Slot {
+                service: "a".into(),
+                index,
+            },
+            lane: index as usize,
+            counter: CounterRef::new(counters.clone(), index as usize),
+            counts_requests,
+            listen_port: port,
+            listen_ipv6: false,
+            listen_shared: shared,
+            uid: 0,
+            concurrency: Some(2),
+        };
+        // A built-in worker that keeps its word, a server on a listener of its own (port 8001), and
+        // one on a shared listener (port 8002).
+        children.insert(100, child(0, true, None, false));
+        children.insert(101, child(1, false, Some(8001), false));
+        children.insert(102, child(2, false, Some(8002), true));
+        for (index, pid) in [(0, 100), (1, 101), (2, 102)] {
+            register(&registry, "a", index, pid);
+            fake.totals
+                .lock()
+                .unwrap()
+                .insert(pid, SchedTotals::default());
+        }
+        let region = counters.region();
+        region
+            .features(0)
+            .store(FEATURE_IN_FLIGHT, Ordering::Relaxed);
+        let start = InFlight::start_delta(peregrine_contract::counters::coarse_now_us());
+        // Two requests open in the built-in worker all along.
+        region
+            .in_flight(0)
+            .store(start.wrapping_mul(2), Ordering::Relaxed);
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH;
+        let snapshot = registry.snapshot();
+        let workers = sampler.reconcile(&snapshot);
+        let seen = HashMap::from([(8001, 3), (8002, 5)]);
+        sampler.sample(workers, (t0, wall), |_| Some(0), Some(&seen));
+        std::thread::sleep(Duration::from_millis(30));
+        let workers = sampler.reconcile(&snapshot);
+        let seen = HashMap::from([(8001, 1), (8002, 5)]);
+        let loads = sampler
+            .sample(
+                workers,
+                (t0 + Duration::from_millis(30), wall),
+                |_| Some(0),
+                Some(&seen),
+            )
+            .loads;
+        let by_index = |i: u32| loads.iter().find(|l| l.index == i).unwrap();
+        // Kept: exactly two throughout, over a concurrency of 2.
+        assert_eq!(by_index(0).in_flight, Some(2.0));
+        assert_eq!(by_index(0).in_flight_utilization, Some(1.0));
+        assert_eq!(by_index(0).in_flight_now, Some(2));
+        // Seen: the mean of the two counts, 3 and 1.
+        assert_eq!(by_index(1).in_flight, Some(2.0));
+        assert_eq!(by_index(1).in_flight_now, Some(1));
+        // A shared listener's count is no worker's own.
+        assert_eq!(by_index(2).in_flight, None);
+        // The kernel's tables could not be read: no figure, not a zero.
+        let workers = sampler.reconcile(&snapshot);
+        let loads = sampler
+            .sample(
+                workers,
+                (t0 + Duration::from_millis(60), wall),
+                |_| Some(0),
+                None,
+            )
+            .loads;
+        assert_eq!(loads.iter().find(|l| l.index == 1).unwrap().in_flight, None);
     }
 
     #[test]

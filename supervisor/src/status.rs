@@ -260,6 +260,9 @@ fn load_message(load: &WorkerLoad) -> v1::Load {
         runq_wait_seconds_total: load.runq_wait_seconds_total,
         requests_total: load.requests_total,
         sampled_at_unix_ms,
+        in_flight: load.in_flight,
+        in_flight_now: load.in_flight_now,
+        in_flight_utilization: load.in_flight_utilization,
     }
 }
 
@@ -285,6 +288,9 @@ pub(crate) mod tests {
             cpu_seconds_total: 1.5,
             runq_wait_seconds_total: 0.25,
             requests_total: 42,
+            in_flight: Some(0.52),
+            in_flight_now: Some(1),
+            in_flight_utilization: Some(0.52),
             sampled_at: SystemTime::UNIX_EPOCH + Duration::from_millis(1234),
         }
     }

@@ -98,6 +98,9 @@ fn sampled(pid: u32, rates: bool) -> Loads {
             cpu_seconds_total: 1.0,
             runq_wait_seconds_total: 0.1,
             requests_total: 500,
+            in_flight: None,
+            in_flight_now: None,
+            in_flight_utilization: None,
             sampled_at: SystemTime::now(),
         }],
     )

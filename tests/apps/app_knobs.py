@@ -2,6 +2,7 @@
 
 Both servers put `tests/apps` on the import path (gunicorn's `--chdir`, uvicorn's `--app-dir`).
 """
+import os
 import time
 
 MAX_CPU_MS = 1000

@@ -386,15 +386,16 @@ where
                         span.in_scope(|| tracing::debug!("Stream reset before the call, skipped"));
                         continue;
                     }
-                    crate::counter::record_request();
+                    let open = crate::counter::record_request();
                     let call = match call {
                         None => Ok(service.call(request)),
                         Some(error) => Err(error),
                     };
                     // Most calls are ready at once: the response is sent from here, in a box kept
                     // for the next one, and only one that must wait joins `responding`.
-                    let response = respond_to(call, respond, head_only, charge, &resets, &carried)
-                        .instrument(span);
+                    let response =
+                        respond_to(call, (respond, open), head_only, charge, &resets, &carried)
+                            .instrument(span);
                     let mut slot = match spare.take() {
                         Some(mut slot) => {
                             Pin::set(&mut slot, response.fuse());

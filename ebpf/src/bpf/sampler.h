@@ -44,7 +44,9 @@ struct peregrine_cell {
  */
 struct peregrine_counter {
 	__u64 requests;
-	__u64 _reserved[7];
+	__u64 in_flight; /* kept by a worker that counts its own requests; never written here */
+	__u64 features;
+	__u64 _reserved[5];
 };
 
 /*

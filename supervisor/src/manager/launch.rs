@@ -52,6 +52,8 @@ pub(super) struct Launch {
     counters: Arc<Counters>,
     /// Whether the supervisor binds the worker's listener and passes it (`pass_socket`).
     pub(super) pass_socket: bool,
+    /// How many requests a worker serves at once (`concurrency`; `None`: many).
+    pub(super) concurrency: Option<u32>,
     /// Whether the command names the passed descriptor itself (`{fd}` in an argument): then the
     /// server is not told of it through systemd's variables as well (gunicorn would open it twice).
     names_fd: bool,
@@ -143,6 +145,7 @@ impl Launch {
             settings,
             counters: counters.clone(),
             pass_socket: service.pass_socket,
+            concurrency: service.concurrency.limit,
             names_fd,
             ready_path: service.ready_path.clone(),
             stop_signal: service.stop_signal,

@@ -86,7 +86,10 @@ impl Adopted {
                 counter,
                 counts_requests: !launch.pass_socket,
                 listen_port: self.passed.as_ref().and_then(Address::port),
+                listen_ipv6: self.passed.as_ref().is_some_and(is_ipv6),
+                listen_shared: launch.shared.is_some(),
                 uid: self.uid,
+                concurrency: launch.concurrency,
             },
         );
         Ok(Instance {
@@ -494,7 +497,10 @@ impl SlotTask {
             counter: counter.clone(),
             counts_requests: !self.launch.pass_socket,
             listen_port: passed.as_ref().and_then(Address::port),
+            listen_ipv6: passed.as_ref().is_some_and(is_ipv6),
+            listen_shared: self.launch.shared.is_some(),
             uid: self.launch.uid(),
+            concurrency: self.launch.concurrency,
         };
         let (pid, pidfd) = self.context.children.spawn(child, || {
             let pid = self.launch.spawn(&counter, listener)?;
@@ -761,6 +767,11 @@ async fn sleep_until_some(at: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
     }
+}
+
+/// Whether `address` is an IPv6 socket's.
+fn is_ipv6(address: &Address) -> bool {
+    matches!(address, Address::Tcp(socket) if socket.is_ipv6())
 }
 
 #[cfg(test)]

@@ -139,6 +139,14 @@ pub fn encode(
             .iter()
             .filter_map(|row| Some((slot(row), row.runq_wait_cores?))),
     )?;
+    gauges(
+        &mut encoder,
+        "peregrine_worker_requests_in_flight",
+        "Mean requests in flight over the last sample (kept by the worker, or seen in the kernel's socket tables for a server on a passed listener)",
+        slots
+            .iter()
+            .filter_map(|row| Some((slot(row), row.in_flight?))),
+    )?;
     counters(
         &mut encoder,
         "peregrine_worker_requests",
@@ -352,6 +360,7 @@ mod tests {
         let successor = WorkerRow {
             cpu_cores: Some(0.25),
             runq_wait_cores: Some(0.125),
+            in_flight: Some(1.5),
             requests_total: Some(3),
             restarts: 1,
             orca_streams: Some(2),
@@ -390,6 +399,7 @@ mod tests {
             "peregrine_workers{service=\"web\",state=\"stalled\"} 0",
             "peregrine_worker_cpu_cores{service=\"web\",index=\"0\"} 0.25",
             "peregrine_worker_runqueue_wait_cores{service=\"web\",index=\"0\"} 0.125",
+            "peregrine_worker_requests_in_flight{service=\"web\",index=\"0\"} 1.5",
             "peregrine_worker_requests_total{service=\"web\",index=\"0\"} 3",
             "peregrine_worker_restarts_total{service=\"web\",index=\"0\"} 1",
             "peregrine_worker_restarts_total{service=\"web\",index=\"1\"} 6",

@@ -197,6 +197,9 @@ mod tests {
             cpu_seconds_total: 1.0,
             runq_wait_seconds_total: 0.0,
             requests_total: 10,
+            in_flight: None,
+            in_flight_now: None,
+            in_flight_utilization: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }

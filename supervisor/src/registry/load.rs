@@ -58,6 +58,15 @@ pub struct WorkerLoad {
     pub runq_wait_seconds_total: f64,
     /// Requests this worker instance served (its counter starts at zero).
     pub requests_total: u64,
+    /// Mean requests in flight between the last two samples: kept by a built-in worker (exact), or
+    /// seen in the kernel's socket tables for a server on a passed listener (the mean of the counts
+    /// at the two samples). `None` where neither is known.
+    pub in_flight: Option<f64>,
+    /// Requests in flight at the last sample.
+    pub in_flight_now: Option<u64>,
+    /// The utilization that requests in flight make: [`in_flight`](Self::in_flight) over the
+    /// service's concurrency (unscaled for a server of many at once).
+    pub in_flight_utilization: Option<f64>,
     /// When the sample was taken.
     pub sampled_at: SystemTime,
 }
@@ -210,6 +219,9 @@ mod tests {
             cpu_seconds_total: 0.0,
             runq_wait_seconds_total: 0.0,
             requests_total: 0,
+            in_flight: None,
+            in_flight_now: None,
+            in_flight_utilization: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }

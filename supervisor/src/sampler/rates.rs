@@ -7,8 +7,61 @@
 
 use std::time::{Instant, SystemTime};
 
+use peregrine_contract::counters::InFlight;
+
 use super::SchedTotals;
 use crate::registry::WorkerLoad;
+
+/// A worker's requests in flight, as one tick read them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InFlightReading {
+    /// Kept by the worker: its [`InFlight`] word, read at `at_us` on its clock.
+    Kept {
+        /// The word.
+        word: InFlight,
+        /// When it was read (`CLOCK_MONOTONIC_COARSE`, microseconds).
+        at_us: u64,
+    },
+    /// Seen in the kernel's socket tables at the tick: the requests in flight at that moment.
+    Seen(u64),
+}
+
+impl InFlightReading {
+    /// The requests open at the reading.
+    pub fn open(self) -> u64 {
+        match self {
+            InFlightReading::Kept { word, .. } => word.open(),
+            InFlightReading::Seen(n) => n,
+        }
+    }
+
+    /// The mean in flight between `earlier` and this reading: exact from two words a worker kept;
+    /// from two counts seen at the ticks, their mean (the trapezoid between the two points).
+    fn mean_since(self, earlier: InFlightReading) -> Option<f64> {
+        match (earlier, self) {
+            (
+                InFlightReading::Kept { word: a, at_us: t0 },
+                InFlightReading::Kept { word: b, at_us: t1 },
+            ) => a.mean_between(t0, b, t1),
+            (InFlightReading::Seen(a), InFlightReading::Seen(b)) => {
+                Some((a as f64 + b as f64) / 2.0)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The utilization that requests in flight make: the mean in flight over the requests a worker
+/// serves at once (`concurrency`, its service's), so that a worker of one request at a time that
+/// waits through all of its requests is fully busy whatever its CPU. A worker that serves many at
+/// once (`None`) counts each request in flight as one: `rps / in flight` is then one over its mean
+/// latency (Little's law), which ranks such workers by how long their requests take.
+pub fn in_flight_utilization(mean_in_flight: f64, concurrency: Option<u32>) -> f64 {
+    match concurrency {
+        Some(n) if n > 0 => mean_in_flight / f64::from(n),
+        _ => mean_in_flight,
+    }
+}
 
 /// What one tick read for one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +72,8 @@ pub struct Reading {
     pub sched: SchedTotals,
     /// Its lane's request counter.
     pub requests: u64,
+    /// Its requests in flight, where they are known.
+    pub in_flight: Option<InFlightReading>,
     /// When it was read.
     pub at: Instant,
 }
@@ -40,6 +95,8 @@ pub struct Rates {
     pub runq_wait_cores: f64,
     /// Requests per second.
     pub requests_per_second: f64,
+    /// Mean requests in flight, where they are known.
+    pub in_flight: Option<f64>,
 }
 
 /// Adds `now` to a worker's history: the new history, and the rates since the previous reading (`None`
@@ -79,6 +136,11 @@ pub fn step(previous: Option<&History>, now: Reading) -> (History, Option<Rates>
         cpu_cores: on_cpu as f64 / 1e9 / seconds,
         runq_wait_cores: runq_wait as f64 / 1e9 / seconds,
         requests_per_second: requests as f64 / seconds,
+        in_flight: now
+            .in_flight
+            .zip(previous.last.in_flight)
+            .and_then(|(now, earlier)| now.mean_since(earlier))
+            .filter(|mean| mean.is_finite()),
     };
     (history, Some(rates))
 }
@@ -90,8 +152,9 @@ impl History {
         service: String,
         index: u32,
         rates: Option<Rates>,
-        sampled_at: SystemTime,
+        (concurrency, sampled_at): (Option<u32>, SystemTime),
     ) -> WorkerLoad {
+        let in_flight = rates.and_then(|r| r.in_flight);
         WorkerLoad {
             service,
             index,
@@ -102,6 +165,9 @@ impl History {
             cpu_seconds_total: self.totals.on_cpu_ns as f64 / 1e9,
             runq_wait_seconds_total: self.totals.runq_wait_ns as f64 / 1e9,
             requests_total: self.requests,
+            in_flight,
+            in_flight_now: self.last.in_flight.map(InFlightReading::open),
+            in_flight_utilization: in_flight.map(|mean| in_flight_utilization(mean, concurrency)),
             sampled_at,
         }
     }
@@ -128,6 +194,7 @@ mod tests {
                 runq_wait_ns: runq_ms * MS,
             },
             requests,
+            in_flight: None,
             at,
         }
     }
@@ -137,7 +204,7 @@ mod tests {
         let t0 = Instant::now();
         let (history, rates) = step(None, reading(1, 300, 20, 5, t0));
         assert_eq!(rates, None);
-        let load = history.load("a".into(), 0, rates, SystemTime::UNIX_EPOCH);
+        let load = history.load("a".into(), 0, rates, (None, SystemTime::UNIX_EPOCH));
         assert_eq!(load.cpu_cores, None);
         assert_eq!(load.requests_per_second, None);
         assert_eq!(load.cpu_seconds_total, 0.3);
@@ -209,7 +276,8 @@ mod tests {
             Some(Rates {
                 cpu_cores: 0.0,
                 runq_wait_cores: 0.0,
-                requests_per_second: 0.0
+                requests_per_second: 0.0,
+                in_flight: None,
             })
         );
         assert_eq!(history.totals().1, 9);
@@ -228,6 +296,65 @@ mod tests {
                 10
             )
         );
+    }
+
+    #[test]
+    fn requests_in_flight_are_a_mean_over_the_interval_scaled_by_the_concurrency() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let with = |r: Reading, in_flight| Reading { in_flight, ..r };
+        // A worker that keeps its word: one request from 0 to 150 ms, one from 100 ms on, read at 0
+        // and at 200 ms (a coarse clock in microseconds).
+        let kept = |word: u64, at_us| {
+            Some(InFlightReading::Kept {
+                word: InFlight(word),
+                at_us,
+            })
+        };
+        let start = |us| InFlight::start_delta(us);
+        let end = |us| InFlight::end_delta(us);
+        let base = 5_000_000u64;
+        let w0 = start(base);
+        let w1 = w0
+            .wrapping_add(end(base + 150_000))
+            .wrapping_add(start(base + 100_000));
+        let (history, _) = step(None, with(reading(1, 0, 0, 0, at(0)), kept(w0, base)));
+        let (history, rates) = step(
+            Some(&history),
+            with(reading(1, 10, 0, 1, at(200)), kept(w1, base + 200_000)),
+        );
+        let rates = rates.unwrap();
+        // 150 ms + 100 ms of requests over 200 ms: 1.25 in flight on average, 1 open now.
+        assert!((rates.in_flight.unwrap() - 1.25).abs() < 1e-9, "{rates:?}");
+        let load = history.load(
+            "a".into(),
+            0,
+            Some(rates),
+            (Some(1), SystemTime::UNIX_EPOCH),
+        );
+        assert_eq!(load.in_flight_now, Some(1));
+        assert!((load.in_flight_utilization.unwrap() - 1.25).abs() < 1e-9);
+        let load = history.load(
+            "a".into(),
+            0,
+            Some(rates),
+            (Some(4), SystemTime::UNIX_EPOCH),
+        );
+        assert!((load.in_flight_utilization.unwrap() - 0.3125).abs() < 1e-9);
+        // Counts seen in the kernel at two ticks: their mean.
+        let seen = |n| Some(InFlightReading::Seen(n));
+        let (history, _) = step(None, with(reading(2, 0, 0, 0, at(0)), seen(3)));
+        let (history, rates) = step(Some(&history), with(reading(2, 0, 0, 0, at(200)), seen(0)));
+        assert_eq!(rates.unwrap().in_flight, Some(1.5));
+        let load = history.load("a".into(), 0, rates, (None, SystemTime::UNIX_EPOCH));
+        assert_eq!(
+            (load.in_flight_now, load.in_flight_utilization),
+            (Some(0), Some(1.5))
+        );
+        // Unknown on either side (a worker of an older version): none.
+        let (history, _) = step(None, reading(3, 0, 0, 0, at(0)));
+        let (_, rates) = step(Some(&history), with(reading(3, 0, 0, 0, at(200)), seen(2)));
+        assert_eq!(rates.unwrap().in_flight, None);
     }
 
     #[test]

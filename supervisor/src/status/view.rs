@@ -125,6 +125,12 @@ pub struct WorkerRow {
     pub runq_wait_seconds_total: Option<f64>,
     /// Requests served by this worker instance.
     pub requests_total: Option<u64>,
+    /// Mean requests in flight between the last two samples (`null` where not known).
+    pub in_flight: Option<f64>,
+    /// Requests in flight at the last sample.
+    pub in_flight_now: Option<u64>,
+    /// The utilization requests in flight make: `in_flight` over the service's concurrency.
+    pub in_flight_utilization: Option<f64>,
     /// When the load was sampled, in milliseconds since the Unix epoch.
     pub sampled_at_unix_ms: Option<u64>,
     /// ORCA streams Envoy holds open for this worker (`null`: Envoy never opened one).
@@ -253,6 +259,9 @@ impl From<v1::WorkerStatus> for WorkerRow {
             cpu_seconds_total: load.map(|l| l.cpu_seconds_total),
             runq_wait_seconds_total: load.map(|l| l.runq_wait_seconds_total),
             requests_total: load.map(|l| l.requests_total),
+            in_flight: load.and_then(|l| l.in_flight),
+            in_flight_now: load.and_then(|l| l.in_flight_now),
+            in_flight_utilization: load.and_then(|l| l.in_flight_utilization),
             sampled_at_unix_ms: load.map(|l| l.sampled_at_unix_ms),
             orca_streams: row.orca.as_ref().map(|o| o.open_streams),
             orca_reports: row.orca.as_ref().map(|o| o.reports),
@@ -301,6 +310,7 @@ impl StatusView {
             "CPU",
             "RUNQ WAIT",
             "REQ/S",
+            "IN FLIGHT",
             "REQUESTS",
             "ORCA",
             "RESTARTS",
@@ -326,6 +336,7 @@ impl StatusView {
                     fixed(w.cpu_cores, 2),
                     fixed(w.runq_wait_cores, 2),
                     fixed(w.requests_per_second, 1),
+                    fixed(w.in_flight, 2),
                     w.requests_total.map_or_else(dash, |r| r.to_string()),
                     // Open ORCA streams, and the utilization Envoy weighs the worker by.
                     match (w.orca_streams, &w.orca_last_report) {
@@ -339,7 +350,7 @@ impl StatusView {
             .collect();
         // Text columns (service, state, addresses) align left, numbers right.
         let mut left = vec![
-            true, false, false, true, true, false, false, false, false, false, false,
+            true, false, false, true, true, false, false, false, false, false, false, false,
         ];
         // In a fleet, a HOST column first: every host's workers are listed.
         if self.fleet.is_some() {
@@ -479,10 +490,10 @@ mod tests {
         let expected = "\
 sampler: procfs, every 250 ms
 xds: revision 2; envoy-a (eds) synced 2, envoy-b (ads) not synced yet, script (eds) not synced yet, silent for 10 s (drains do not wait for it)
-SERVICE  WORKER  PID  STATE       ADDRESSES                   CPU  RUNQ WAIT  REQ/S  REQUESTS    ORCA  RESTARTS
-api           1  300  ready       unix:/run/api-1.sock          -          -      -         -       -         2
-web           0  100  ready       [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3        42  1@0.27         0
-web           1    -  crash-loop  -                             -          -      -         -       -         7
+SERVICE  WORKER  PID  STATE       ADDRESSES                   CPU  RUNQ WAIT  REQ/S  IN FLIGHT  REQUESTS    ORCA  RESTARTS
+api           1  300  ready       unix:/run/api-1.sock          -          -      -          -         -       -         2
+web           0  100  ready       [::1]:8000,127.0.0.1:8000  0.26       0.01   12.3       0.52        42  1@0.27         0
+web           1    -  crash-loop  -                             -          -      -          -         -       -         7
 ";
         assert_eq!(table, expected, "\n{table}");
     }
@@ -496,6 +507,10 @@ web           1    -  crash-loop  -                             -          -    
         assert_eq!(json["sample_interval_ms"], 250);
         assert_eq!(json["workers"][1]["requests_total"], 42);
         assert_eq!(json["workers"][1]["cpu_cores"], 0.256);
+        assert_eq!(json["workers"][1]["in_flight"], 0.52);
+        assert_eq!(json["workers"][1]["in_flight_now"], 1);
+        assert_eq!(json["workers"][1]["in_flight_utilization"], 0.52);
+        assert!(json["workers"][0]["in_flight"].is_null());
         assert_eq!(json["workers"][1]["hostname"], "web-0-100");
         assert!(json["workers"][2]["pid"].is_null());
         assert!(json["workers"][2]["hostname"].is_null());
@@ -541,7 +556,7 @@ web           1    -  crash-loop  -                             -          -    
         assert_eq!(
             idle.table(),
             "sampler: not running\nxds: revision 0; no Envoy connected for endpoints\n\
-             SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  REQUESTS  ORCA  RESTARTS\n"
+             SERVICE  WORKER  PID  STATE  ADDRESSES  CPU  RUNQ WAIT  REQ/S  IN FLIGHT  REQUESTS  ORCA  RESTARTS\n"
         );
         assert!(serde_json::to_value(&idle).unwrap()["sampler"].is_null());
     }

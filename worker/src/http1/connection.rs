@@ -293,7 +293,8 @@ impl<I: Io, S: HttpService> Connection<'_, '_, I, S> {
     /// Calls the application with one request and appends its response; returns whether the
     /// connection closes after it.
     async fn answer(&mut self, parsed: Parsed) -> io::Result<bool> {
-        crate::counter::record_request();
+        // In flight until the response is written, or this future is dropped with its connection.
+        let _open = crate::counter::record_request();
         let version = parsed.request.version();
         let head_only = parsed.request.method() == Method::HEAD;
         let res = match call(&mut self.service, parsed.request).await {

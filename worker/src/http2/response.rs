@@ -68,7 +68,8 @@ impl From<h2::Error> for SendError {
 /// Runs one call and sends its response; an error becomes a `500`, a reset by the peer drops the call.
 pub(super) async fn respond_to<F, B, E>(
     call: Result<F, BoxError>,
-    mut respond: SendResponse<Bytes>,
+    // The stream, and the request in flight on it until this future ends (or is dropped).
+    (mut respond, _open): (SendResponse<Bytes>, crate::counter::Open),
     head_only: bool,
     charge: Option<Charge>,
     resets: &Resets,
