@@ -21,12 +21,12 @@ CELLS = [
 ]
 SETUPS = [
     ("shared-socket", "gunicorn shared socket", "tab:gray"),
-    ("orca", "ORCA (default)", "tab:blue"),
+    ("orca", "ORCA, a listener each\n(former default)", "tab:blue"),
     ("lr2", "least request, 2", "tab:orange"),
     ("lr4", "least request, all", "tab:red"),
     ("rr", "round robin", "tab:purple"),
     ("reuseport", "SO_REUSEPORT", "tab:brown"),
-    ("shared", "shared listener", "tab:green"),
+    ("shared", "shared listener\n(default)", "tab:green"),
 ]
 
 
