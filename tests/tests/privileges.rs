@@ -616,7 +616,7 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
     let ask = "\"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" > \"$2/ctl.out\" 2>&1 & \
                pid=$!; wait $pid; code=$?; \
                echo \"ctl asked for a restart: pid $pid: exit $code:\" $(cat \"$2/ctl.out\"); \
-               exec sleep 120";
+               touch \"$2/ctl.done\"; exec sleep 120";
     // A nobody worker tries the control socket, then asks for a restart on its own socket.
     let try_as_nobody = "out=$(\"$1\" status --socket \"$2\" 2>&1); \
                echo \"nobody asked for the status: exit $?:\" $out; \
@@ -626,9 +626,10 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
     // A worker of the supervisor's own user that double-forks: the grandchild, an orphan handed to
     // the supervisor (the subreaper of everything it starts), waits until it is the supervisor's
     // child, then asks for a restart. It is in no worker's tree any more, but it is in the
-    // supervisor's.
-    let orphan = "sup=$PPID; ( sh -c 'while [ \"$(cut -d\" \" -f4 /proc/$$/stat)\" != \"$0\" ]; \
-                  do sleep 0.05; done; \
+    // supervisor's. It asks once the first worker has had its answer: refusals of one kind are
+    // logged once per period, and the first must be that worker's, whose line names its pid.
+    let orphan = "sup=$PPID; ( sh -c 'while [ \"$(cut -d\" \" -f4 /proc/$$/stat)\" != \"$0\" ] \
+                  || [ ! -e \"$2/ctl.done\" ]; do sleep 0.05; done; \
                   \"$1\" restart --socket \"$PEREGRINE_CONTROL_SOCKET\" > \"$2/orphan.out\" 2>&1; \
                   echo \"orphan asked for a restart: pid $$: exit $?:\" $(cat \"$2/orphan.out\")' \
                   \"$sup\" \"$1\" \"$2\" & ); exec sleep 120";
