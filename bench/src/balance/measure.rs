@@ -68,7 +68,7 @@ impl Bench<'_> {
         let workers = self.workers(service)?;
         let total = Duration::from_secs(options.warmup + options.duration);
         let main = Plan {
-            addr: self.listen,
+            addrs: vec![self.listen],
             path: format!("/{service}?cpu={}", options.cpu_ms),
             rate: options.rate(),
             duration: total,
@@ -80,7 +80,7 @@ impl Bench<'_> {
             mix: None,
         };
         let side = (case.scenario == Scenario::SideLoad).then(|| Plan {
-            addr: workers[0].addr,
+            addrs: vec![workers[0].addr],
             path: format!("/?cpu={}", options.side_cpu_ms()),
             rate: options.side_rate(),
             duration: total,
@@ -145,7 +145,7 @@ impl Bench<'_> {
             .clone()
             .context("the SO_REUSEPORT baseline is not running")?;
         let plan = Plan {
-            addr,
+            addrs: vec![addr],
             path: format!("/?cpu={}", options.cpu_ms),
             rate: options.rate(),
             duration: Duration::from_secs(options.warmup + options.duration),

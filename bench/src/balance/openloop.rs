@@ -13,6 +13,12 @@
 //! sending (nothing is sent later than `duration + timeout` after the start; what is left is recorded
 //! as not sent).
 //!
+//! **Several servers.** With more than one address in [`Plan::addrs`] (several Envoys in front of the
+//! same workers, say), request `i` goes to address `i mod k` of the `k`: thread `n` holds a connection
+//! to address `n mod k` and takes the requests of that address alone, from a queue of its own (with
+//! [`Plan::per_connection`], its own every `connections`-th, `k` dividing `connections`), so each
+//! address gets every `k`-th request of the very same schedule.
+//!
 //! **Random arrivals and targets.** With [`Plan::poisson`] the gaps between scheduled times are
 //! exponential (a Poisson process at the plan's rate, as independent users arrive) instead of even,
 //! drawn from a seed; with [`Plan::mix`] each request draws its target from weighted paths (from
@@ -43,7 +49,9 @@ const MAX_HEAD: usize = 16 * 1024;
 /// What to send, how fast and for how long.
 #[derive(Clone, Debug)]
 pub(crate) struct Plan {
-    pub(crate) addr: SocketAddr,
+    /// The servers: one, or several that take every `k`-th request each (at least one; no more
+    /// than `connections`).
+    pub(crate) addrs: Vec<SocketAddr>,
     /// The request target, e.g. `/orca?cpu=4`.
     pub(crate) path: String,
     /// Requests per second.
@@ -208,6 +216,15 @@ impl Record {
 /// Runs `plan`, starting at `start` (which should be a little in the future, so the threads are
 /// connected by then), and returns every scheduled request's record, in no particular order.
 pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
+    let servers = plan.addrs.len();
+    let connections = plan.connections.max(1);
+    anyhow::ensure!(
+        servers >= 1
+            && connections >= servers
+            && (!plan.per_connection || connections.is_multiple_of(servers)),
+        "a plan needs an address, and a connection for each of its {servers} addresses (with \
+         per-connection clients, a multiple of them)"
+    );
     let schedule: Arc<[Duration]> = plan.schedule().into();
     let paths: Vec<&str> = match &plan.mix {
         Some(mix) if !mix.targets.is_empty() => {
@@ -219,15 +236,22 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
         Some(mix) if !mix.targets.is_empty() => mix.draw(schedule.len()).into(),
         _ => vec![0; schedule.len()].into(),
     };
-    let next = Arc::new(AtomicUsize::new(0));
-    let requests: Arc<[Vec<u8>]> = paths
+    // One queue per address: its requests' numbers are `server + servers * taken`.
+    let next: Arc<[AtomicUsize]> = (0..servers).map(|_| AtomicUsize::new(0)).collect();
+    // Each address's requests, by target.
+    let requests: Arc<[Vec<Vec<u8>>]> = plan
+        .addrs
         .iter()
-        .map(|path| {
-            format!(
-                "GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: peregrine-bench\r\n\r\n",
-                plan.addr
-            )
-            .into_bytes()
+        .map(|addr| {
+            paths
+                .iter()
+                .map(|path| {
+                    format!(
+                        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: peregrine-bench\r\n\r\n"
+                    )
+                    .into_bytes()
+                })
+                .collect()
         })
         .collect();
     let threads = (0..plan.connections.max(1))
@@ -237,7 +261,16 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
             thread::Builder::new()
                 .name(format!("load-{n}"))
                 .stack_size(STACK)
-                .spawn(move || worker(&plan, start, (&schedule, &targets), (n, &next), &requests))
+                .spawn(move || {
+                    let server = n % servers;
+                    worker(
+                        &plan,
+                        start,
+                        (&schedule, &targets),
+                        (n, &next[server]),
+                        &requests[server],
+                    )
+                })
                 .context("starting a load thread")
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -252,9 +285,9 @@ pub(crate) fn run(plan: &Plan, start: Instant) -> anyhow::Result<Vec<Record>> {
     Ok(records)
 }
 
-/// One load thread, the `n`th: takes request numbers until all are taken (from the shared `next`,
-/// or its own every `connections`-th with [`Plan::per_connection`]); request `i` goes to
-/// `requests[targets[i]]`.
+/// One load thread, the `n`th: takes request numbers until all are taken (from `next`, the queue of
+/// its address, or its own every `connections`-th with [`Plan::per_connection`]), on a connection to
+/// address `n mod k`; request `i` goes to `requests[targets[i]]`.
 fn worker(
     plan: &Plan,
     start: Instant,
@@ -263,7 +296,9 @@ fn worker(
     requests: &[Vec<u8>],
 ) -> Vec<Record> {
     let send_deadline = start + plan.duration + plan.timeout;
-    let mut connection: Option<Connection> = Connection::open(plan.addr, plan.timeout).ok();
+    let servers = plan.addrs.len();
+    let addr = plan.addrs[n % servers];
+    let mut connection: Option<Connection> = Connection::open(addr, plan.timeout).ok();
     let mut records = Vec::new();
     let mut own = (n..).step_by(plan.connections.max(1));
     loop {
@@ -271,6 +306,8 @@ fn worker(
             own.next().unwrap_or(usize::MAX)
         } else {
             next.fetch_add(1, Ordering::Relaxed)
+                .saturating_mul(servers)
+                .saturating_add(n % servers)
         };
         let Some(&scheduled) = schedule.get(i) else {
             return records;
@@ -293,7 +330,8 @@ fn worker(
             });
             continue;
         }
-        let (answer, worker_index) = match exchange(&mut connection, plan, &requests[target]) {
+        let (answer, worker_index) = match exchange(&mut connection, addr, plan, &requests[target])
+        {
             Ok((200, body, index)) => (
                 std::str::from_utf8(&body)
                     .ok()
@@ -318,16 +356,17 @@ fn worker(
     }
 }
 
-/// Sends `request` on the open connection (opening one first if there is none) and reads the answer:
-/// its status, body and `x-worker-index`.
+/// Sends `request` on the open connection (opening one to `addr` first if there is none) and reads
+/// the answer: its status, body and `x-worker-index`.
 fn exchange(
     connection: &mut Option<Connection>,
+    addr: SocketAddr,
     plan: &Plan,
     request: &[u8],
 ) -> io::Result<(u16, Vec<u8>, Option<u32>)> {
     let open = match connection {
         Some(open) => open,
-        None => connection.insert(Connection::open(plan.addr, plan.timeout)?),
+        None => connection.insert(Connection::open(addr, plan.timeout)?),
     };
     let (head, body) = open.get(request)?;
     if !head.keep_alive {
@@ -533,7 +572,7 @@ mod tests {
     /// A plan of `GET /` at `rate` per second for `duration` on `connections` to `addr`.
     fn plan(addr: SocketAddr, rate: f64, duration: Duration, connections: usize) -> Plan {
         Plan {
-            addr,
+            addrs: vec![addr],
             path: "/".into(),
             rate,
             duration,
@@ -555,8 +594,8 @@ mod tests {
     }
 
     /// A server that answers every request on one connection, alternating content-length and chunked
-    /// framing, with the hello body of pid 7.
-    fn serve(listener: TcpListener, answers: usize) {
+    /// framing, with the hello body of `pid`.
+    fn serve(listener: TcpListener, answers: usize, pid: u32) {
         let (mut stream, _) = listener.accept().unwrap();
         let mut buffer = Vec::new();
         for n in 0..answers {
@@ -568,12 +607,20 @@ mod tests {
             }
             let end = find(&buffer, b"\r\n\r\n").unwrap();
             buffer.drain(..end + 4);
-            let answer: &[u8] = if n % 2 == 0 {
-                b"HTTP/1.1 200 OK\r\ncontent-length: 21\r\n\r\nHello from worker 7!\n"
+            let (first, rest) = ("Hello ", format!("from worker {pid}!\n"));
+            let answer = if n % 2 == 0 {
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{first}{rest}",
+                    first.len() + rest.len()
+                )
             } else {
-                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nHello \r\nf\r\nfrom worker 7!\n\r\n0\r\n\r\n"
+                format!(
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{first}\r\n{:x}\r\n{rest}\r\n0\r\n\r\n",
+                    first.len(),
+                    rest.len()
+                )
             };
-            stream.write_all(answer).unwrap();
+            stream.write_all(answer.as_bytes()).unwrap();
         }
     }
 
@@ -581,7 +628,7 @@ mod tests {
     fn sends_at_the_rate_on_kept_alive_connections() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = thread::spawn(move || serve(listener, 20));
+        let server = thread::spawn(move || serve(listener, 20, 7));
         let plan = Plan {
             timeout: Duration::from_secs(5),
             ..plan(addr, 100.0, Duration::from_millis(200), 1)
@@ -599,6 +646,40 @@ mod tests {
             assert_eq!(record.scheduled, Duration::from_millis(10 * i as u64));
             assert!(record.sent >= record.scheduled && record.done >= record.sent);
         }
+    }
+
+    #[test]
+    fn several_servers_take_every_kth_request_each() {
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let servers: Vec<_> = listeners
+            .into_iter()
+            .zip([7, 8])
+            .map(|(listener, pid)| thread::spawn(move || serve(listener, 10, pid)))
+            .collect();
+        let two = Plan {
+            addrs,
+            timeout: Duration::from_secs(5),
+            ..plan(closed_port(), 100.0, Duration::from_millis(200), 2)
+        };
+        let mut records = run(&two, Instant::now() + Duration::from_millis(50)).unwrap();
+        for server in servers {
+            server.join().unwrap();
+        }
+        records.sort_by_key(|r| r.scheduled);
+        let answers: Vec<Answer> = records.iter().map(|r| r.answer).collect();
+        let expected: Vec<Answer> = (0..20).map(|i| Answer::Worker(7 + i % 2)).collect();
+        assert_eq!(answers, expected, "request i to server i mod 2");
+        let three = Plan {
+            addrs: vec![closed_port(); 3],
+            ..plan(closed_port(), 10.0, Duration::from_millis(100), 2)
+        };
+        assert!(
+            run(&three, Instant::now()).is_err(),
+            "fewer connections than servers"
+        );
     }
 
     #[test]

@@ -335,7 +335,7 @@ fn one_run(
             )?;
         }
         let plan = Plan {
-            addr: ([127, 0, 0, 1], listen).into(),
+            addrs: vec![([127, 0, 0, 1], listen).into()],
             path: format!("/web?cpu={CPU_MS}"),
             rate: if event == Event::Burst {
                 RATE / BURST_FACTOR

@@ -641,7 +641,7 @@ fn reuseport(
 /// The `x-worker-index` of one answer to `GET path` at `addr` (a new connection).
 fn answering_index(addr: SocketAddr, path: &str) -> Option<u32> {
     let plan = Plan {
-        addr,
+        addrs: vec![addr],
         path: path.to_owned(),
         rate: 1000.0,
         duration: Duration::from_millis(1),
@@ -743,7 +743,7 @@ impl CellBench<'_> {
             _ => (self.listen, format!("/{}", setup.service())),
         };
         let plan = Plan {
-            addr,
+            addrs: vec![addr],
             path: String::new(),
             rate: self.cell.rate(options),
             duration: Duration::from_secs(options.warmup + options.duration),
