@@ -1,7 +1,18 @@
-"""What the WSGI and ASGI test applications share: their limits and the `cpu` and `ms` knobs.
+"""What the WSGI and ASGI test applications share: their limits, the `cpu` and `ms` knobs, and the
+index each process names in `X-Worker-Index`.
 
 Both servers put `tests/apps` on the import path (gunicorn's `--chdir`, uvicorn's `--app-dir`).
+
+APP_INDEX_DIR (a directory) tells apart the processes that one server forks on one socket where the
+server has no hook to number them (uvicorn's `--workers N`; gunicorn has one, see
+`gunicorn_forks.py`): as the app loads, each process takes the smallest index whose lock file
+(`INDEX.lock` in that directory) no live process holds, holds it for as long as it lives, and sets
+APP_WORKER_INDEX to it. A replacement takes the index of the process it replaces. With
+APP_PIN_FORKS (a list of CPUs, `0,1`) the process of index i is then pinned to the (i mod length)-th
+of them, as `gunicorn_forks.py` pins gunicorn's.
 """
+import fcntl
+import itertools
 import os
 import time
 
@@ -25,3 +36,33 @@ def millis(query, name, cap):
     if value < 0:
         raise ValueError(name)
     return min(value, cap)
+
+
+# The lock file of the index this process holds (see APP_INDEX_DIR), open for as long as it lives.
+_INDEX_LOCK = []
+
+
+def claim_fork_index():
+    """With APP_INDEX_DIR, takes this process's index and sets APP_WORKER_INDEX (and pins it with
+    APP_PIN_FORKS); without it, does nothing."""
+    directory = os.environ.get("APP_INDEX_DIR")
+    if not directory or _INDEX_LOCK:
+        return
+    for index in itertools.count():
+        lock = open(os.path.join(directory, f"{index}.lock"), "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        _INDEX_LOCK.append(lock)
+        os.environ["APP_WORKER_INDEX"] = str(index)
+        cpus = [int(cpu) for cpu in os.environ.get("APP_PIN_FORKS", "").split(",") if cpu.strip()]
+        if cpus:
+            os.sched_setaffinity(0, {cpus[index % len(cpus)]})
+        return
+
+
+def worker_index():
+    """This process's index: APP_WORKER_INDEX, else the supervisor's PEREGRINE_WORKER_INDEX."""
+    return os.environ.get("APP_WORKER_INDEX", os.environ.get("PEREGRINE_WORKER_INDEX"))

@@ -30,7 +30,7 @@ import struct
 import time
 from urllib.parse import parse_qs
 
-from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis
+from app_knobs import MAX_CPU_MS, MAX_SLEEP_MS, burn_cpu, millis, worker_index
 
 SERVER = "gunicorn"
 UNREADY = bool(os.environ.get("APP_UNREADY"))
@@ -66,11 +66,6 @@ def load_report_header():
 
 
 LOAD_REPORT = load_report_header()
-
-
-def worker_index():
-    """This process's index: APP_WORKER_INDEX, else the supervisor's PEREGRINE_WORKER_INDEX."""
-    return os.environ.get("APP_WORKER_INDEX", os.environ.get("PEREGRINE_WORKER_INDEX"))
 
 
 def wait_factor():
