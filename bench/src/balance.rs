@@ -247,8 +247,10 @@ fn spawn_hog(dir: &std::path::Path) -> anyhow::Result<peregrine_e2e::ChildGuard>
     )
 }
 
-/// Envoy, bootstrapped from `config` alone (`peregrine envoy-bootstrap`), before any supervisor runs.
-fn envoy_before_supervisor(
+/// Envoy, bootstrapped from `config` alone (`peregrine envoy-bootstrap`), in `dir`: before any
+/// supervisor runs, or as one of several Envoys of one supervisor, each from a config with its own
+/// `[envoy]`.
+fn envoy_bootstrapped_from(
     peregrine: &std::path::Path,
     envoy: &std::path::Path,
     dir: &std::path::Path,

@@ -107,7 +107,7 @@ fn one_start(
     config.service("web", ServiceTable::at("http://127.0.0.1:0").count(2));
     let config = config.toml();
     // The bootstrap comes from the config alone: Envoy runs before the supervisor does.
-    let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
+    let envoy = super::envoy_bootstrapped_from(peregrine, envoy_binary, dir.path(), &config)?;
     let _supervisor = Supervisor::start_in(peregrine, dir.path(), &config)?;
     let started = Instant::now();
     let mut held = None;

@@ -299,7 +299,7 @@ fn one_run(
     );
     let config = config.toml();
     let before = Busy::now(std::process::id())?;
-    let envoy = super::envoy_before_supervisor(peregrine, envoy_binary, dir.path(), &config)?;
+    let envoy = super::envoy_bootstrapped_from(peregrine, envoy_binary, dir.path(), &config)?;
     let mut hog = event
         .hog_from_start()
         .then(|| super::spawn_hog(dir.path()))

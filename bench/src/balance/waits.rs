@@ -87,7 +87,7 @@ use crate::{
 
 /// Requests per second of the waiting cells by default: 60% of what 4 workers serve.
 pub(super) const RATE: f64 = 150.0;
-/// Requests per second of the CPU-hog cell by default.
+/// Requests per second of the hogged cells by default.
 pub(super) const HOG_RATE: f64 = 100.0;
 /// The measured window by default, in seconds.
 pub(super) const DURATION: u64 = 20;
@@ -97,12 +97,12 @@ const MIX: [(u64, f64); 2] = [(5, 0.9), (100, 0.1)];
 const MIX_SEED: u64 = 0x5EED_0F7A_46E7;
 /// How much longer the slow worker waits.
 const SLOW_FACTOR: u32 = 5;
-/// CPU per request in the CPU-hog cell.
+/// CPU per request in the hogged cells.
 const CPU_MS: u64 = 4;
 /// Processes of the hog on CPU 0.
 const HOG_THREADS: usize = 3;
-/// Connections of the generator.
-const CONNECTIONS: usize = 256;
+/// The Envoys of the four-envoys cell.
+const ENVOYS: usize = 4;
 /// How long the supervisor's and Envoy's idle CPU is measured before each run.
 const IDLE: Duration = Duration::from_secs(2);
 /// How many times a noisy run is repeated here (the quietest kept): once, as in the timeline; a
@@ -111,58 +111,109 @@ const WAITS_NOISY_RETRIES: usize = 1;
 /// The plotting script.
 const PLOT_SCRIPT: &str = include_str!("waits_plot.py");
 
-/// What the workers do, and what slows one of them.
+/// What the workers do, what slows one of them, and what stands in front of them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Cell {
     Io,
     SlowWorker,
     CpuHog,
+    FourEnvoys,
+    AsyncIo,
+    AsyncHog,
 }
 
 impl Cell {
-    const ALL: [Cell; 3] = [Cell::Io, Cell::SlowWorker, Cell::CpuHog];
+    const ALL: [Cell; 6] = [
+        Cell::Io,
+        Cell::SlowWorker,
+        Cell::CpuHog,
+        Cell::FourEnvoys,
+        Cell::AsyncIo,
+        Cell::AsyncHog,
+    ];
 
     fn key(self) -> &'static str {
         match self {
             Cell::Io => "io",
             Cell::SlowWorker => "slow-worker",
             Cell::CpuHog => "cpu-hog",
+            Cell::FourEnvoys => "four-envoys",
+            Cell::AsyncIo => "async-io",
+            Cell::AsyncHog => "async-hog",
         }
     }
 
     fn title(self, options: &Options) -> String {
+        let rate = self.rate(options);
         match self {
-            Cell::Io => format!(
-                "io: 4 workers, waits of 5 ms (90%) or 100 ms (10%), {} req/s",
-                options.waits_rate
-            ),
+            Cell::Io => format!("io: 4 workers, waits of 5 ms (90%) or 100 ms (10%), {rate} req/s"),
             Cell::SlowWorker => format!(
-                "slow-worker: the same, worker 0's waits {SLOW_FACTOR}x longer, {} req/s",
-                options.waits_rate
+                "slow-worker: the same, worker 0's waits {SLOW_FACTOR}x longer, {rate} req/s"
             ),
             Cell::CpuHog => format!(
-                "cpu-hog: 2 pinned workers, {CPU_MS} ms of CPU per request, a {HOG_THREADS}-process hog on CPU 0, {} req/s",
-                options.hog_rate
+                "cpu-hog: 2 pinned workers, {CPU_MS} ms of CPU per request, a {HOG_THREADS}-process hog on CPU 0, {rate} req/s"
+            ),
+            Cell::FourEnvoys => format!(
+                "four-envoys: io behind {ENVOYS} Envoys, request i to Envoy i mod {ENVOYS}, {rate} req/s"
+            ),
+            Cell::AsyncIo => format!(
+                "async-io: 4 uvicorn workers, waits of 5 ms (90%) or 100 ms (10%) that block nothing, {rate} req/s"
+            ),
+            Cell::AsyncHog => format!(
+                "async-hog: 2 pinned uvicorn workers, {CPU_MS} ms of CPU per request, a {HOG_THREADS}-process hog on CPU 0, {rate} req/s"
             ),
         }
     }
 
     fn workers(self) -> u32 {
         match self {
-            Cell::Io | Cell::SlowWorker => 4,
-            Cell::CpuHog => 2,
+            Cell::Io | Cell::SlowWorker | Cell::FourEnvoys | Cell::AsyncIo => 4,
+            Cell::CpuHog | Cell::AsyncHog => 2,
         }
+    }
+
+    /// Whether the requests wait (the mix of 5 ms and 100 ms), rather than burn CPU beside a hog.
+    fn waits(self) -> bool {
+        !self.hogged()
+    }
+
+    /// Whether CPU 0 has the hog, and each worker a CPU of its own.
+    fn hogged(self) -> bool {
+        matches!(self, Cell::CpuHog | Cell::AsyncHog)
     }
 
     fn rate(self, options: &Options) -> f64 {
-        match self {
-            Cell::Io | Cell::SlowWorker => options.waits_rate,
-            Cell::CpuHog => options.hog_rate,
+        if self.waits() {
+            options.waits_rate
+        } else {
+            options.hog_rate
         }
     }
 
-    fn pinned(self) -> bool {
-        self == Cell::CpuHog
+    fn app(self) -> App {
+        match self {
+            Cell::AsyncIo | Cell::AsyncHog => App::Uvicorn,
+            _ => App::Gunicorn,
+        }
+    }
+
+    /// The Envoys in front of the supervisor's workers.
+    fn envoys(self) -> usize {
+        if self == Cell::FourEnvoys { ENVOYS } else { 1 }
+    }
+
+    /// Why `setup` is left out of this cell, if it is.
+    fn leaves_out(self, setup: SetUp) -> Option<&'static str> {
+        match (self, setup) {
+            (Cell::FourEnvoys, SetUp::ReusePort) => {
+                Some("no Envoy is in its path, so the io cell's row is its figure")
+            }
+            (Cell::AsyncIo | Cell::AsyncHog, SetUp::Orca) => Some(
+                "ORCA on a listener each is what Peregrine gives uvicorn by default: the `shared` row",
+            ),
+            (Cell::AsyncHog, SetUp::Lr2) => Some("with 2 workers it is lr4's config"),
+            _ => None,
+        }
     }
 
     /// The app's environment in this cell.
@@ -172,20 +223,129 @@ impl Cell {
                 ("APP_WAIT_FACTOR".into(), SLOW_FACTOR.to_string()),
                 ("APP_SLOW_INDEX".into(), "0".into()),
             ],
-            Cell::Io | Cell::CpuHog => Vec::new(),
+            _ => Vec::new(),
         }
     }
 
     /// The request targets under `prefix` (a route, or empty) with their weights.
     fn targets(self, prefix: &str) -> Vec<(String, f64)> {
-        match self {
-            Cell::Io | Cell::SlowWorker => MIX
-                .iter()
+        if self.waits() {
+            MIX.iter()
                 .map(|(ms, weight)| (format!("{prefix}/slow?ms={ms}"), *weight))
-                .collect(),
-            Cell::CpuHog => vec![(format!("{prefix}/?cpu={CPU_MS}"), 1.0)],
+                .collect()
+        } else {
+            vec![(format!("{prefix}/?cpu={CPU_MS}"), 1.0)]
         }
     }
+}
+
+/// The server the workers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum App {
+    /// gunicorn's sync worker on `tests/apps/wsgi_app.py`: one request at a time.
+    Gunicorn,
+    /// uvicorn on `tests/apps/asgi_app.py`: many at once, on one event loop.
+    Uvicorn,
+}
+
+/// Where a server takes its listener from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listener {
+    /// The one the supervisor passes.
+    Passed,
+    /// One it binds with `SO_REUSEPORT` on this address, beside its siblings.
+    ReusePort(SocketAddr),
+}
+
+impl App {
+    fn name(self) -> &'static str {
+        match self {
+            App::Gunicorn => "gunicorn",
+            App::Uvicorn => "uvicorn",
+        }
+    }
+
+    /// The server on the test app (in the virtualenv's `bin`) with `processes` processes on one
+    /// `listener`: forked by the server itself when more than one, each told its index (gunicorn by
+    /// `gunicorn_forks.py`, uvicorn by [`App::forks_env`]).
+    fn command(self, bin: &Path, processes: u32, listener: Listener) -> Vec<String> {
+        match self {
+            App::Gunicorn => {
+                let mut command = gunicorn_command(&bin.join("gunicorn"));
+                let at = command
+                    .iter()
+                    .position(|a| a == "--workers")
+                    .expect("gunicorn_command sets --workers")
+                    + 1;
+                command[at] = processes.to_string();
+                if processes > 1 {
+                    command.splice(
+                        1..1,
+                        [
+                            "-c".to_owned(),
+                            test_app("gunicorn_forks.py").display().to_string(),
+                        ],
+                    );
+                }
+                if let Listener::ReusePort(addr) = listener {
+                    command.splice(
+                        1..1,
+                        ["--reuse-port".to_owned(), "--bind".into(), addr.to_string()],
+                    );
+                }
+                command
+            }
+            App::Uvicorn => {
+                let uvicorn = bin.join("uvicorn").display().to_string();
+                // uvicorn has no --reuse-port: `reuseport.py` binds the port and passes it as fd 3.
+                let mut command = match listener {
+                    Listener::Passed => vec![uvicorn, "--fd".into(), "{fd}".into()],
+                    Listener::ReusePort(addr) => vec![
+                        bin.join("python").display().to_string(),
+                        test_app("reuseport.py").display().to_string(),
+                        addr.to_string(),
+                        uvicorn,
+                        "--fd".into(),
+                        "3".into(),
+                    ],
+                };
+                if processes > 1 {
+                    command.extend(["--workers".into(), processes.to_string()]);
+                }
+                // gunicorn logs no access either.
+                command.extend([
+                    "--no-access-log".into(),
+                    "--app-dir".into(),
+                    test_app("").display().to_string(),
+                    "asgi_app:app".into(),
+                ]);
+                command
+            }
+        }
+    }
+
+    /// The environment that numbers the processes one server forks on its socket (`forks`: a
+    /// directory of their index locks, for uvicorn) and, in a hogged cell, pins process `i` to CPU
+    /// `i`.
+    fn forks_env(self, cell: Cell, forks: &Path) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if self == App::Uvicorn {
+            env.push(("APP_INDEX_DIR".into(), forks.display().to_string()));
+        }
+        if cell.hogged() {
+            env.push(("APP_PIN_FORKS".into(), "0,1".into()));
+        }
+        env
+    }
+}
+
+/// `command` run on `cpu` (`taskset -c`).
+fn taskset(cpu: &str, command: Vec<String>) -> Vec<String> {
+    ["taskset", "-c", cpu]
+        .map(String::from)
+        .into_iter()
+        .chain(command)
+        .collect()
 }
 
 /// A way to spread the requests over the workers.
@@ -223,17 +383,22 @@ impl SetUp {
         }
     }
 
-    fn label(self, workers: u32) -> String {
+    fn label(self, cell: Cell) -> String {
+        let workers = cell.workers();
         match self {
-            SetUp::SharedSocket => {
-                format!("gunicorn's shared socket (count 1, --workers {workers})")
-            }
+            SetUp::SharedSocket => format!(
+                "{}'s shared socket (count 1, --workers {workers})",
+                cell.app().name()
+            ),
             SetUp::Orca => "ORCA weighted round robin, a listener each (the former default)".into(),
             SetUp::Lr2 => "least request, 2 choices".into(),
             SetUp::LrAll => format!("least request, choice_count = workers ({workers})"),
             SetUp::RoundRobin => "round robin".into(),
             SetUp::ReusePort => "SO_REUSEPORT, no Envoy".into(),
-            SetUp::Shared => "Peregrine's default: one shared listener".into(),
+            SetUp::Shared => match cell.app() {
+                App::Gunicorn => "Peregrine's default: one shared listener".into(),
+                App::Uvicorn => "Peregrine's default: a listener each, ORCA".into(),
+            },
         }
     }
 
@@ -251,27 +416,23 @@ impl SetUp {
         }
     }
 
-    /// The Peregrine service of this set-up in `cell` (none for the `SO_REUSEPORT` one).
-    fn service_table(self, cell: Cell, gunicorn: &Path) -> Option<ServiceTable> {
+    /// The Peregrine service of this set-up in `cell` (none for the `SO_REUSEPORT` one): the
+    /// servers from the virtualenv's `bin`, uvicorn's forks numbered in `forks`.
+    fn service_table(self, cell: Cell, bin: &Path, forks: &Path) -> Option<ServiceTable> {
         let workers = cell.workers();
+        let app = cell.app();
         let mut env: std::collections::BTreeMap<String, String> = cell.env().into_iter().collect();
         env.insert("PYTHONUNBUFFERED".into(), "1".into());
         let (count, command) = match self {
             SetUp::ReusePort => return None,
             SetUp::SharedSocket => {
-                if cell.pinned() {
-                    env.insert("APP_PIN_FORKS".into(), "0,1".into());
-                }
-                (1, gunicorn_args(gunicorn, workers, true))
+                env.extend(app.forks_env(cell, forks));
+                (1, app.command(bin, workers, Listener::Passed))
             }
             _ => {
-                let command = gunicorn_args(gunicorn, 1, false);
-                let command = if cell.pinned() {
-                    ["taskset", "-c", "{index}"]
-                        .map(String::from)
-                        .into_iter()
-                        .chain(command)
-                        .collect()
+                let command = app.command(bin, 1, Listener::Passed);
+                let command = if cell.hogged() {
+                    taskset("{index}", command)
                 } else {
                     command
                 };
@@ -300,36 +461,14 @@ impl SetUp {
         })
     }
 
-    /// How many hosts Envoy holds once the set-up is ready (`None`: any, at least one).
+    /// How many hosts each Envoy holds once the set-up is ready (`None`: any, at least one).
     fn hosts(self, cell: Cell) -> Option<usize> {
-        match self {
-            SetUp::SharedSocket => Some(1),
-            SetUp::Shared | SetUp::ReusePort => None,
+        match (self, cell.app()) {
+            (SetUp::SharedSocket, _) => Some(1),
+            (SetUp::ReusePort, _) | (SetUp::Shared, App::Gunicorn) => None,
             _ => Some(cell.workers() as usize),
         }
     }
-}
-
-/// gunicorn on the WSGI test app with `workers` processes, and with `gunicorn_forks.py` (each fork's
-/// index, and its CPU) when `forks`.
-fn gunicorn_args(gunicorn: &Path, workers: u32, forks: bool) -> Vec<String> {
-    let mut command = gunicorn_command(gunicorn);
-    let at = command
-        .iter()
-        .position(|a| a == "--workers")
-        .expect("gunicorn_command sets --workers")
-        + 1;
-    command[at] = workers.to_string();
-    if forks {
-        command.splice(
-            1..1,
-            [
-                "-c".to_owned(),
-                test_app("gunicorn_forks.py").display().to_string(),
-            ],
-        );
-    }
-    command
 }
 
 /// Checks `--cell` and `--setup` name cells and set-ups of this benchmark.
@@ -348,6 +487,10 @@ pub(super) fn check_keys(options: &Options) -> anyhow::Result<()> {
             SetUp::ALL.map(SetUp::key).join(", ")
         );
     }
+    ensure!(
+        !chosen(Cell::FourEnvoys.key(), &options.cells) || options.connections >= ENVOYS,
+        "four-envoys needs --connections {ENVOYS} at least: one to each Envoy"
+    );
     Ok(())
 }
 
@@ -391,10 +534,18 @@ struct CellBench<'a> {
     cell: Cell,
     supervisor: &'a Supervisor,
     supervisor_pid: u32,
-    envoy_pid: u32,
-    listen: SocketAddr,
+    /// Every Envoy of the cell.
+    envoys: Vec<EnvoyAt>,
     /// The `SO_REUSEPORT` port, when that set-up runs.
     reuseport: Option<SocketAddr>,
+}
+
+/// One Envoy: its pid, its listener and its admin listener.
+#[derive(Clone, Copy, Debug)]
+struct EnvoyAt {
+    pid: u32,
+    listen: SocketAddr,
+    admin: SocketAddr,
 }
 
 /// Runs every chosen cell and set-up `options.rounds` times; writes the report, the CSV and the plot.
@@ -405,7 +556,8 @@ pub(super) fn run(
     cpu_line: &str,
     command: &str,
 ) -> anyhow::Result<()> {
-    let gunicorn = xtask::pyapps::install()?.join("gunicorn");
+    // gunicorn, uvicorn and their Python.
+    let bin = xtask::pyapps::install()?;
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let started = Instant::now();
@@ -415,14 +567,23 @@ pub(super) fn run(
         .into_iter()
         .filter(|c| chosen(c.key(), &options.cells))
     {
-        let setups: Vec<SetUp> = SetUp::ALL
+        let mut setups = Vec::new();
+        for setup in SetUp::ALL
             .into_iter()
             .filter(|s| chosen(s.key(), &options.setups))
-            .collect();
+        {
+            match cell.leaves_out(setup) {
+                Some(why) => skipped.push(format!("{} in {}: {why}", setup.key(), cell.key())),
+                None => setups.push(setup),
+            }
+        }
+        if setups.is_empty() {
+            continue;
+        }
         run_cell(
             peregrine,
             envoy_binary,
-            &gunicorn,
+            &bin,
             options,
             cell,
             &setups,
@@ -455,57 +616,67 @@ pub(super) fn run(
     Ok(())
 }
 
-/// One cell: its hog and pinning, its supervisor and Envoy, the `SO_REUSEPORT` processes, and every
-/// round of `setups`; pushes the runs, and the set-ups skipped with why.
+/// One cell: its hog and pinning, its supervisor and Envoys, the `SO_REUSEPORT` processes, and every
+/// round of `setups`; pushes the runs, and the set-ups skipped with why. The servers are in the
+/// virtualenv's `bin`.
 fn run_cell(
     peregrine: &Path,
     envoy_binary: &Path,
-    gunicorn: &Path,
+    bin: &Path,
     options: &Options,
     cell: Cell,
     setups: &[SetUp],
     (runs, skipped): (&mut Vec<WaitRun>, &mut Vec<String>),
 ) -> anyhow::Result<()> {
     eprintln!("== {}", cell.title(options));
-    if cell.pinned() {
+    if cell.hogged() {
         super::run::pin_to_other_cpu()?;
     } else {
         unpin()?;
     }
     let dir = TempDir::new().context("a temporary directory")?;
-    let (listen, admin) = (free_port(), free_port());
+    // Where the processes uvicorn forks on one socket take their indices.
+    let forks = dir.path().join("forks");
+    std::fs::create_dir_all(&forks).with_context(|| format!("creating {}", forks.display()))?;
+    let grpc = free_port();
+    // Each Envoy's listener and admin ports.
+    let ports: Vec<(u16, u16)> = (0..cell.envoys())
+        .map(|_| (free_port(), free_port()))
+        .collect();
     let mut setups = setups.to_vec();
-    // The config, each set-up's service checked alone first, so that one `peregrine check` does
-    // not take (an older supervisor's, say) is skipped alone.
-    let config = |with: &[SetUp]| -> String {
-        let mut config = PeregrineToml::local(free_port())
+    // The config, with `[envoy]` for the first Envoy.
+    let config = |with: &[SetUp]| -> PeregrineToml {
+        let mut config = PeregrineToml::local(grpc)
             .control_in(dir.path())
-            .with_envoy(listen, admin);
+            .with_envoy(ports[0].0, ports[0].1);
         for setup in with {
-            if let Some(service) = setup.service_table(cell, gunicorn) {
+            if let Some(service) = setup.service_table(cell, bin, &forks) {
                 config.service(setup.service(), service);
             }
         }
-        config.toml()
+        config
     };
+    // Each set-up's service checked alone first, so that one `peregrine check` does not take (an
+    // older supervisor's, say) is skipped alone.
     for setup in setups.clone() {
         if setup == SetUp::ReusePort {
             continue;
         }
-        if let Err(refusal) = check(peregrine, dir.path(), &config(&[setup])) {
+        if let Err(refusal) = check(peregrine, dir.path(), &config(&[setup]).toml()) {
             let why = format!(
-                "{} skipped in {}: `peregrine check` refuses its config ({refusal})",
+                "{} in {}: `peregrine check` refuses its config ({refusal})",
                 setup.key(),
                 cell.key(),
             );
-            eprintln!("{why}");
+            eprintln!("skipped: {why}");
             skipped.push(why);
             setups.retain(|s| *s != setup);
         }
     }
-    let text = config(&setups);
+    let full = config(&setups);
+    let text = full.toml();
     check(peregrine, dir.path(), &text).context("peregrine check")?;
-    let hogs = if cell == Cell::CpuHog {
+    let hogs = if cell.hogged() {
         (0..HOG_THREADS)
             .map(|_| super::spawn_hog(dir.path()))
             .collect::<anyhow::Result<Vec<_>>>()?
@@ -513,30 +684,47 @@ fn run_cell(
         Vec::new()
     };
     let (reuseport, _processes) = if setups.contains(&SetUp::ReusePort) {
-        let (addr, processes) = reuseport(gunicorn, cell, dir.path())?;
+        let (addr, processes) = reuseport(bin, cell, dir.path())?;
         (Some(addr), processes)
     } else {
         (None, Vec::new())
     };
     let supervisor = Supervisor::start_in(peregrine, dir.path(), &text)?;
     let result = (|| {
-        let mut envoy = Envoy::start_in(envoy_binary, dir.path(), &supervisor.envoy_bootstrap()?)?;
+        let mut envoys = Vec::new();
+        for (k, &(listen, admin)) in ports.iter().enumerate() {
+            envoys.push(start_envoy(
+                peregrine,
+                envoy_binary,
+                dir.path(),
+                &full,
+                k,
+                (listen, admin),
+            )?);
+        }
         let bench = CellBench {
             options,
             cell,
             supervisor: &supervisor,
             supervisor_pid: supervisor.pid(),
-            envoy_pid: envoy.process().id(),
-            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+            envoys: envoys
+                .iter_mut()
+                .zip(&ports)
+                .map(|(envoy, &(listen, _))| EnvoyAt {
+                    pid: envoy.process().id(),
+                    listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+                    admin: envoy.admin_addr(),
+                })
+                .collect(),
             reuseport,
         };
-        bench.ready(&setups, envoy.admin_addr())?;
+        bench.ready(&setups)?;
         for round in 0..options.rounds {
             for k in 0..setups.len() {
                 let setup = setups[(k + round) % setups.len()];
                 let run = bench
                     .run_quietest(setup, round)
-                    .with_context(|| setup.label(cell.workers()))?;
+                    .with_context(|| setup.label(cell))?;
                 eprintln!("{}", describe(&run));
                 runs.push(run);
             }
@@ -550,6 +738,28 @@ fn run_cell(
     drop(supervisor);
     drop(hogs);
     Ok(())
+}
+
+/// Envoy `k` of a cell, in a directory of its own under `dir`, bootstrapped from `config` with its
+/// own listener, admin port and (beside others) node id.
+fn start_envoy(
+    peregrine: &Path,
+    envoy_binary: &Path,
+    dir: &Path,
+    config: &PeregrineToml,
+    k: usize,
+    (listen, admin): (u16, u16),
+) -> anyhow::Result<Envoy> {
+    let mut config = config.clone().with_envoy(listen, admin);
+    if k > 0
+        && let Some(envoy) = config.envoy.as_mut()
+    {
+        envoy.node = Some(format!("peregrine-envoy-{k}"));
+    }
+    let dir = dir.join(format!("envoy-{k}"));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    super::envoy_bootstrapped_from(peregrine, envoy_binary, &dir, &config.toml())
+        .with_context(|| format!("Envoy {k}"))
 }
 
 /// `peregrine check` on `text`; the error is its first line of complaint.
@@ -582,31 +792,23 @@ fn unpin() -> anyhow::Result<()> {
     rustix::thread::sched_setaffinity(None, &cpus).context("unpinning the benchmark")
 }
 
-/// The `SO_REUSEPORT` set-up: `cell.workers()` gunicorns `--workers 1 --reuse-port` on one port
-/// (process `i` with `APP_WORKER_INDEX=i`, on CPU `i` in the pinned cell), once each has answered.
-fn reuseport(
-    gunicorn: &Path,
-    cell: Cell,
-    dir: &Path,
-) -> anyhow::Result<(SocketAddr, Vec<ChildGuard>)> {
+/// The `SO_REUSEPORT` set-up: `cell.workers()` servers of one process each, each binding one port
+/// with `SO_REUSEPORT` (process `i` with `APP_WORKER_INDEX=i`, on CPU `i` in a hogged cell), once
+/// each has answered.
+fn reuseport(bin: &Path, cell: Cell, dir: &Path) -> anyhow::Result<(SocketAddr, Vec<ChildGuard>)> {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let app = cell.app();
     let mut processes = Vec::new();
     for index in 0..cell.workers() {
-        let mut args = gunicorn_args(gunicorn, 1, false);
-        args.splice(
-            1..1,
-            ["--reuse-port".to_owned(), "--bind".into(), addr.to_string()],
-        );
-        let mut command = if cell.pinned() {
-            let mut command = Command::new("taskset");
-            command.args(["-c", &index.to_string()]).args(&args);
-            command
+        let args = app.command(bin, 1, Listener::ReusePort(addr));
+        let args = if cell.hogged() {
+            taskset(&index.to_string(), args)
         } else {
-            let mut command = Command::new(&args[0]);
-            command.args(&args[1..]);
-            command
+            args
         };
+        let mut command = Command::new(&args[0]);
         command
+            .args(&args[1..])
             .env("APP_WORKER_INDEX", index.to_string())
             .env("PYTHONUNBUFFERED", "1")
             .envs(cell.env());
@@ -620,7 +822,7 @@ fn reuseport(
     poll_every(
         Duration::from_millis(100),
         Instant::now() + Duration::from_secs(30),
-        "every SO_REUSEPORT gunicorn to answer",
+        &format!("every SO_REUSEPORT {} to answer", app.name()),
         || {
             // A new connection each time: the kernel's hash sends some to each.
             for _ in 0..8 {
@@ -632,8 +834,9 @@ fn reuseport(
         },
     )?;
     eprintln!(
-        "reuseport: {} gunicorns on {addr}, SO_REUSEPORT, loaded directly",
-        cell.workers()
+        "reuseport: {} {}s on {addr}, SO_REUSEPORT, loaded directly",
+        cell.workers(),
+        app.name()
     );
     Ok((addr, processes))
 }
@@ -657,32 +860,35 @@ fn answering_index(addr: SocketAddr, path: &str) -> Option<u32> {
 }
 
 impl CellBench<'_> {
-    /// Waits until Envoy holds every service's hosts, healthy, and routes to each.
-    fn ready(&self, setups: &[SetUp], admin: SocketAddr) -> anyhow::Result<()> {
+    /// Waits until every Envoy holds every service's hosts, healthy, and routes to each.
+    fn ready(&self, setups: &[SetUp]) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(90);
         for setup in setups {
             if *setup == SetUp::ReusePort {
                 continue;
             }
             let service = setup.service();
-            poll_every(
-                Duration::from_millis(250),
-                deadline,
-                &format!("Envoy routing /{service}"),
-                || {
-                    let hosts = hosts(&http_get(admin, "/clusters").ok()?.1, service);
-                    let expected = setup
-                        .hosts(self.cell)
-                        .map_or(!hosts.is_empty(), |n| hosts.len() == n);
-                    let ok = http_get(self.listen, &format!("/{service}/"))
-                        .is_ok_and(|(status, _)| status == 200);
-                    (ok && expected && hosts.iter().all(|h| h.healthy)).then_some(())
-                },
-            )?;
+            for (k, envoy) in self.envoys.iter().enumerate() {
+                poll_every(
+                    Duration::from_millis(250),
+                    deadline,
+                    &format!("Envoy {k} routing /{service}"),
+                    || {
+                        let hosts = hosts(&http_get(envoy.admin, "/clusters").ok()?.1, service);
+                        let expected = setup
+                            .hosts(self.cell)
+                            .map_or(!hosts.is_empty(), |n| hosts.len() == n);
+                        let ok = http_get(envoy.listen, &format!("/{service}/"))
+                            .is_ok_and(|(status, _)| status == 200);
+                        (ok && expected && hosts.iter().all(|h| h.healthy)).then_some(())
+                    },
+                )?;
+            }
             eprintln!(
-                "{service}: {} ({} hosts in Envoy)",
-                setup.label(self.cell.workers()),
-                hosts(&http_get(admin, "/clusters")?.1, service).len()
+                "{service}: {} ({} hosts in Envoy, {} Envoys)",
+                setup.label(self.cell),
+                hosts(&http_get(self.envoys[0].admin, "/clusters")?.1, service).len(),
+                self.envoys.len()
             );
         }
         Ok(())
@@ -734,20 +940,25 @@ impl CellBench<'_> {
     fn run(&self, setup: SetUp, round: usize) -> anyhow::Result<WaitRun> {
         let options = self.options;
         let seed = options.seed + round as u64;
-        let (addr, prefix) = match setup {
+        let (addrs, prefix) = match setup {
             SetUp::ReusePort => (
-                self.reuseport
-                    .context("the SO_REUSEPORT gunicorns are not running")?,
+                vec![
+                    self.reuseport
+                        .context("the SO_REUSEPORT servers are not running")?,
+                ],
                 String::new(),
             ),
-            _ => (self.listen, format!("/{}", setup.service())),
+            _ => (
+                self.envoys.iter().map(|e| e.listen).collect(),
+                format!("/{}", setup.service()),
+            ),
         };
         let plan = Plan {
-            addrs: vec![addr],
+            addrs,
             path: String::new(),
             rate: self.cell.rate(options),
             duration: Duration::from_secs(options.warmup + options.duration),
-            connections: CONNECTIONS,
+            connections: options.connections,
             timeout: TIMEOUT,
             per_connection: false,
             burst: None,
@@ -759,31 +970,29 @@ impl CellBench<'_> {
         };
         let through_envoy = setup != SetUp::ReusePort;
         let ticks = |pid: u32| procfs::stat(pid).map_or(0, |s| s.cpu_ticks());
+        // Every Envoy's together.
+        let envoy_ticks = || self.envoys.iter().map(|e| ticks(e.pid)).sum::<u64>();
         let hz = procfs::clock_ticks_per_second() as f64;
         // What the supervisor (sampling, reporting) and Envoy (its timers, the ORCA streams) take
         // with no requests: subtracted from the run's.
-        let idle_from = (
-            Instant::now(),
-            ticks(self.supervisor_pid),
-            ticks(self.envoy_pid),
-        );
+        let idle_from = (Instant::now(), ticks(self.supervisor_pid), envoy_ticks());
         std::thread::sleep(IDLE);
         let idle_secs = idle_from.0.elapsed().as_secs_f64();
         let idle = (
             ticks(self.supervisor_pid).saturating_sub(idle_from.1) as f64 / hz / idle_secs,
-            ticks(self.envoy_pid).saturating_sub(idle_from.2) as f64 / hz / idle_secs,
+            envoy_ticks().saturating_sub(idle_from.2) as f64 / hz / idle_secs,
         );
         let start = Instant::now() + Duration::from_millis(500);
         let before = (
             Busy::now(std::process::id())?,
             ticks(self.supervisor_pid),
-            ticks(self.envoy_pid),
+            envoy_ticks(),
         );
         let records = openloop::run(&plan, start)?;
         let after = (
             Busy::now(std::process::id())?,
             ticks(self.supervisor_pid),
-            ticks(self.envoy_pid),
+            envoy_ticks(),
         );
         let others = after.0.since(before.0).1;
         let run_secs = start.elapsed().as_secs_f64() + 0.5;
@@ -889,7 +1098,8 @@ fn summarize(
         failed: measured.len() - answered,
         p50: percentile(&measured, 0.5),
         p99: percentile(&measured, 0.99),
-        p99_short: (cell != Cell::CpuHog)
+        p99_short: cell
+            .waits()
             .then(|| {
                 let short: Vec<Record> =
                     measured.iter().filter(|r| r.target == 0).copied().collect();
@@ -1042,17 +1252,17 @@ fn tables(options: &Options, runs: &[WaitRun]) -> String {
             let others = of.iter().map(|r| r.others).fold(0.0, f64::max);
             let unindexed: usize = of.iter().map(|r| r.unindexed).sum();
             rows.push(vec![
-                setup.label(cell.workers()),
+                setup.label(cell),
                 if p50s.is_empty() {
                     "failed".into()
                 } else {
                     format_duration(Duration::from_secs_f64(median(p50s)))
                 },
                 ms_median_range(&of.iter().map(|r| r.p99).collect::<Vec<_>>()),
-                if cell == Cell::CpuHog {
-                    "-".into()
-                } else {
+                if cell.waits() {
                     ms_median_range(&of.iter().map(|r| r.p99_short).collect::<Vec<_>>())
+                } else {
+                    "-".into()
                 },
                 format!(
                     "{} of {}",
@@ -1081,6 +1291,129 @@ fn tables(options: &Options, runs: &[WaitRun]) -> String {
     out
 }
 
+/// Per round, the `SO_REUSEPORT` set-up's split and p99 in every cell it ran in. Each run opens its
+/// connections afresh, from new ephemeral ports, and the kernel hashes each to one process: each
+/// round is one draw of that split, the luckiest and the unluckiest among them.
+fn reuseport_rounds(runs: &[WaitRun]) -> String {
+    let mut out = String::new();
+    for cell in Cell::ALL {
+        let mut of: Vec<&WaitRun> = runs
+            .iter()
+            .filter(|r| r.cell == cell && r.setup == SetUp::ReusePort)
+            .collect();
+        if of.is_empty() {
+            continue;
+        }
+        of.sort_by_key(|r| r.round);
+        writeln!(
+            out,
+            "**{}: SO_REUSEPORT per round** (each run's connections split by the kernel's hash)\n",
+            cell.key()
+        )
+        .expect("a String");
+        let mut rows = vec![
+            ["round (seed)", "share per worker", "p50", "p99", "failed"]
+                .map(String::from)
+                .to_vec(),
+        ];
+        let duration = |d: Option<Duration>| d.map_or("failed".into(), format_duration);
+        for run in of {
+            rows.push(vec![
+                format!("{} ({})", run.round + 1, run.seed),
+                shares(&run.shares),
+                duration(run.p50),
+                duration(run.p99),
+                format!("{} of {}", run.failed, run.requests),
+            ]);
+        }
+        out.push_str(&markdown(&rows, 1));
+        out.push('\n');
+    }
+    out
+}
+
+/// The median of the runs' p99s, a failed one counting as slower than any (`None` when the median
+/// falls on a failure, or there is no run).
+fn median_p99<'a>(runs: impl Iterator<Item = &'a WaitRun>) -> Option<Duration> {
+    let p99s: Vec<f64> = runs
+        .map(|r| r.p99.map_or(f64::INFINITY, |d| d.as_secs_f64()))
+        .collect();
+    if p99s.is_empty() {
+        return None;
+    }
+    let median = median(p99s);
+    median.is_finite().then(|| Duration::from_secs_f64(median))
+}
+
+/// `a / b` as a ratio against `goal` (at most): `0.93x (goal: at most 1.1x): met`.
+fn against(a: Option<Duration>, b: Option<Duration>, goal: f64) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) => {
+            let ratio = a.as_secs_f64() / b.as_secs_f64();
+            let verdict = if ratio <= goal { "met" } else { "not met" };
+            format!("{ratio:.2}x (goal: at most {goal}x): {verdict}")
+        }
+        (Some(_), None) => format!("the other failed (goal: at most {goal}x): met"),
+        (None, _) => format!("failed (goal: at most {goal}x): not met"),
+    }
+}
+
+/// The goals of the async cells, for those whose runs have both sides: on async-io the default's
+/// p99 within 1.1x of least request over every worker; under async-hog within 1.5x of
+/// `SO_REUSEPORT`'s luckiest round and at most 0.5x its unluckiest.
+fn goals(runs: &[WaitRun]) -> Vec<String> {
+    let of = |cell: Cell, setup: SetUp| -> Vec<&WaitRun> {
+        runs.iter()
+            .filter(|r| r.cell == cell && r.setup == setup)
+            .collect()
+    };
+    let duration = |d: Option<Duration>| d.map_or("failed".into(), format_duration);
+    let mut goals = Vec::new();
+    let (default, lr) = (
+        of(Cell::AsyncIo, SetUp::Shared),
+        of(Cell::AsyncIo, SetUp::LrAll),
+    );
+    if !default.is_empty() && !lr.is_empty() {
+        let (a, b) = (median_p99(default.into_iter()), median_p99(lr.into_iter()));
+        goals.push(format!(
+            "async-io: Peregrine's default, p99 {}, against least request over every worker, {}: {}",
+            duration(a),
+            duration(b),
+            against(a, b, 1.1)
+        ));
+    }
+    let (default, mut reuseport) = (
+        of(Cell::AsyncHog, SetUp::Shared),
+        of(Cell::AsyncHog, SetUp::ReusePort),
+    );
+    if !default.is_empty() && !reuseport.is_empty() {
+        let a = median_p99(default.into_iter());
+        // From the luckiest round to the unluckiest; a failed p99 is the unluckiest.
+        reuseport.sort_by(|x, y| {
+            let key = |r: &WaitRun| r.p99.map_or(f64::INFINITY, |d| d.as_secs_f64());
+            key(x).total_cmp(&key(y))
+        });
+        let round = |r: &WaitRun| {
+            format!(
+                "round {}, shares {}, p99 {}",
+                r.round + 1,
+                shares(&r.shares),
+                duration(r.p99)
+            )
+        };
+        let (luckiest, unluckiest) = (reuseport[0], reuseport[reuseport.len() - 1]);
+        goals.push(format!(
+            "async-hog: Peregrine's default, p99 {}, against SO_REUSEPORT's luckiest round ({}): {}; against its unluckiest ({}): {}",
+            duration(a),
+            round(luckiest),
+            against(a, luckiest.p99, 1.5),
+            round(unluckiest),
+            against(a, unluckiest.p99, 0.5)
+        ));
+    }
+    goals
+}
+
 fn write_report(
     out: &Path,
     options: &Options,
@@ -1090,13 +1423,13 @@ fn write_report(
     let mut report = String::new();
     writeln!(
         report,
-        "# Balance: gunicorn sync workers whose requests wait\n"
+        "# Balance: servers whose requests wait, or burn CPU beside a hog, per set-up\n"
     )?;
     writeln!(report, "Command: `{}`", setting.command)?;
     machine_lines(&mut report, &setting.cpu_line)?;
     writeln!(
         report,
-        "Envoy: {} (`--concurrency 1`)",
+        "Envoy: {} (`--concurrency 1`; {ENVOYS} of them in four-envoys)",
         setting.envoy_version
     )?;
     let seeds: Vec<String> = (0..options.rounds)
@@ -1120,14 +1453,28 @@ fn write_report(
             others.iter().copied().fold(0.0, f64::max)
         )?;
     }
+    writeln!(
+        report,
+        "Generator: {} connections (in four-envoys, a quarter to each Envoy)",
+        options.connections
+    )?;
     for why in &setting.skipped {
         writeln!(report, "Skipped: {why}")?;
     }
     writeln!(report)?;
+    let goals = goals(runs);
+    if !goals.is_empty() {
+        writeln!(report, "Goals:")?;
+        for goal in goals {
+            writeln!(report, "- {goal}")?;
+        }
+        writeln!(report)?;
+    }
     report.push_str(&tables(options, runs));
+    report.push_str(&reuseport_rounds(runs));
     writeln!(
         report,
-        "p50 and p99: the median over rounds (p99 also its min-max; a p99 that falls on a failed request counts as none); p99 of 5 ms requests: of the requests that drew the short wait alone; failed: summed over rounds, of the requests scheduled in the measured windows; share: each worker's share of the answers (worker 0 first; the slowed or hogged one), median over rounds; supervisor and Envoy: their CPU per answered request over the whole run (`/proc/PID/stat`, 10 ms ticks), less what they took idle in the 2 s before it (in brackets, in cores), median over rounds (`-`: not in the path); others: the most CPU other processes took during a kept run, in cores."
+        "p50 and p99: the median over rounds (p99 also its min-max; a p99 that falls on a failed request counts as none); p99 of 5 ms requests: of the requests that drew the short wait alone; failed: summed over rounds, of the requests scheduled in the measured windows; share: each worker's share of the answers (worker 0 first; the slowed or hogged one), median over rounds; supervisor and Envoy (in four-envoys, the four Envoys together): their CPU per answered request over the whole run (`/proc/PID/stat`, 10 ms ticks), less what they took idle in the 2 s before it (in brackets, in cores), median over rounds (`-`: not in the path); others: the most CPU other processes took during a kept run, in cores."
     )?;
     let path = out.join("balance-waits.md");
     std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
@@ -1135,22 +1482,24 @@ fn write_report(
     Ok(path)
 }
 
-/// `cell,setup,label,round,p50_ms,p99_ms,failed` per run (an empty p99 where it fell on a failure).
+/// `cell,setup,label,round,p50_ms,p99_ms,failed,shares` per run (an empty p99 where it fell on a
+/// failure; shares in percent, worker 0 first, `/` between them).
 fn write_csv(out: &Path, runs: &[WaitRun]) -> anyhow::Result<PathBuf> {
-    let mut csv = String::from("cell,setup,label,round,p50_ms,p99_ms,failed\n");
+    let mut csv = String::from("cell,setup,label,round,p50_ms,p99_ms,failed,shares\n");
     let ms =
         |d: Option<Duration>| d.map_or(String::new(), |d| format!("{:.3}", d.as_secs_f64() * 1e3));
     for run in runs {
         writeln!(
             csv,
-            "{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{}",
             run.cell.key(),
             run.setup.key(),
-            run.setup.label(run.cell.workers()).replace(',', ";"),
+            run.setup.label(run.cell).replace(',', ";"),
             run.round + 1,
             ms(run.p50),
             ms(run.p99),
-            run.failed
+            run.failed,
+            shares(&run.shares).trim_end_matches('%')
         )?;
     }
     let path = out.join("balance-waits.csv");
@@ -1181,6 +1530,12 @@ mod tests {
         assert_eq!((chosen.rounds, chosen.duration, chosen.seed), (2, 5, 9));
         assert_eq!((chosen.waits_rate, chosen.hog_rate), (120.0, 80.0));
         assert_eq!(chosen.cells, ["io", "cpu-hog"]);
+        let new = parse_args(&args(
+            "--waits --cell four-envoys --cell async-io --cell async-hog --setup reuseport --connections 64",
+        ))
+        .unwrap();
+        assert_eq!(new.cells, ["four-envoys", "async-io", "async-hog"]);
+        assert_eq!((defaults.connections, new.connections), (256, 64));
         assert_eq!(chosen.setups, ["shared-socket", "lr4"]);
         assert_eq!(
             parse_args(&[]).unwrap().duration,
@@ -1188,6 +1543,8 @@ mod tests {
             "the other runs keep theirs"
         );
         assert!(parse_args(&args("--waits --cell disk")).is_err());
+        assert!(parse_args(&args("--waits --connections 2")).is_err());
+        assert!(parse_args(&args("--waits --cell io --connections 2")).is_ok());
         assert!(parse_args(&args("--waits --setup orca-ib")).is_err());
         assert!(
             parse_args(&args("--cell io")).is_err(),
@@ -1221,33 +1578,175 @@ mod tests {
                 );
             }
         }
-        let gunicorn = Path::new("/venv/bin/gunicorn");
+        let (bin, forks) = (Path::new("/venv/bin"), Path::new("/tmp/forks"));
         let socket = SetUp::SharedSocket
-            .service_table(Cell::Io, gunicorn)
+            .service_table(Cell::Io, bin, forks)
             .unwrap();
         assert_eq!(socket.count, Some(1));
         let command = socket.command.unwrap();
+        assert_eq!(command[0], "/venv/bin/gunicorn");
         let workers = command.iter().position(|a| a == "--workers").unwrap();
         assert_eq!(command[workers + 1], "4");
         assert!(command.iter().any(|a| a.ends_with("gunicorn_forks.py")));
-        let lr = SetUp::LrAll.service_table(Cell::CpuHog, gunicorn).unwrap();
+        let lr = SetUp::LrAll
+            .service_table(Cell::CpuHog, bin, forks)
+            .unwrap();
         assert_eq!(
             (lr.count, lr.choice_count, lr.lb_policy.as_deref()),
             (Some(2), Some(2), Some("least_request"))
         );
         assert_eq!(lr.command.unwrap()[..3], ["taskset", "-c", "{index}"]);
-        let orca = SetUp::Orca.service_table(Cell::Io, gunicorn).unwrap();
+        let orca = SetUp::Orca.service_table(Cell::Io, bin, forks).unwrap();
         assert_eq!(
             (orca.count, orca.lb_policy, orca.orca),
             (Some(4), None, Some(Orca::On))
         );
         // Peregrine's default: no balancing key, so gunicorn's sync worker shares a listener.
-        let shared = SetUp::Shared.service_table(Cell::Io, gunicorn).unwrap();
+        let shared = SetUp::Shared.service_table(Cell::Io, bin, forks).unwrap();
         assert_eq!(
             (shared.count, shared.orca, shared.lb_policy, shared.listener),
             (Some(4), None, None, None)
         );
-        assert!(SetUp::ReusePort.service_table(Cell::Io, gunicorn).is_none());
+        assert!(
+            SetUp::ReusePort
+                .service_table(Cell::Io, bin, forks)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn four_envoys_and_the_async_cells() {
+        let (bin, forks) = (Path::new("/venv/bin"), Path::new("/tmp/forks"));
+        assert_eq!((Cell::FourEnvoys.envoys(), Cell::Io.envoys()), (4, 1));
+        assert_eq!(Cell::FourEnvoys.targets("/x"), Cell::Io.targets("/x"));
+        assert_eq!(
+            Cell::FourEnvoys.app(),
+            App::Gunicorn,
+            "io's app behind more Envoys"
+        );
+        assert!(Cell::FourEnvoys.leaves_out(SetUp::ReusePort).is_some());
+        assert!(Cell::AsyncIo.leaves_out(SetUp::Orca).is_some());
+        assert!(Cell::AsyncHog.leaves_out(SetUp::Lr2).is_some());
+        assert!(Cell::AsyncIo.leaves_out(SetUp::Lr2).is_none());
+        assert!(Cell::Io.leaves_out(SetUp::ReusePort).is_none());
+        assert!(Cell::AsyncIo.waits() && !Cell::AsyncHog.waits() && Cell::AsyncHog.hogged());
+        assert_eq!(Cell::AsyncHog.targets(""), [("/?cpu=4".to_owned(), 1.0)]);
+        // uvicorn on the passed socket, one process per worker, pinned in the hogged cell.
+        let default = SetUp::Shared
+            .service_table(Cell::AsyncHog, bin, forks)
+            .unwrap();
+        assert_eq!(
+            (default.count, default.orca, default.lb_policy),
+            (Some(2), None, None)
+        );
+        assert_eq!(
+            default.command.unwrap(),
+            [
+                "taskset",
+                "-c",
+                "{index}",
+                "/venv/bin/uvicorn",
+                "--fd",
+                "{fd}",
+                "--no-access-log",
+                "--app-dir",
+                &test_app("").display().to_string(),
+                "asgi_app:app"
+            ]
+        );
+        assert_eq!(SetUp::Shared.hosts(Cell::AsyncIo), Some(4));
+        assert_eq!(SetUp::Shared.hosts(Cell::Io), None);
+        // uvicorn's own workers on one socket: numbered through their locks, pinned in async-hog.
+        let socket = SetUp::SharedSocket
+            .service_table(Cell::AsyncHog, bin, forks)
+            .unwrap();
+        let command = socket.command.unwrap();
+        let workers = command.iter().position(|a| a == "--workers").unwrap();
+        assert_eq!(
+            (socket.count, command[workers + 1].as_str()),
+            (Some(1), "2")
+        );
+        let env = socket.env.unwrap();
+        assert_eq!(env["APP_INDEX_DIR"], "/tmp/forks");
+        assert_eq!(env["APP_PIN_FORKS"], "0,1");
+        // SO_REUSEPORT: reuseport.py binds the port for uvicorn; gunicorn binds it itself.
+        let addr: SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        let uvicorn = App::Uvicorn.command(bin, 1, Listener::ReusePort(addr));
+        assert_eq!(uvicorn[0], "/venv/bin/python");
+        assert!(uvicorn[1].ends_with("reuseport.py"));
+        assert_eq!(
+            uvicorn[2..6],
+            ["127.0.0.1:8000", "/venv/bin/uvicorn", "--fd", "3"]
+        );
+        let gunicorn = App::Gunicorn.command(bin, 1, Listener::ReusePort(addr));
+        assert_eq!(gunicorn[1..4], ["--reuse-port", "--bind", "127.0.0.1:8000"]);
+        assert!(!gunicorn.iter().any(|a| a.ends_with("gunicorn_forks.py")));
+        assert_eq!(
+            SetUp::Shared.label(Cell::AsyncIo),
+            "Peregrine's default: a listener each, ORCA"
+        );
+        assert!(
+            SetUp::SharedSocket
+                .label(Cell::AsyncIo)
+                .starts_with("uvicorn's")
+        );
+    }
+
+    #[test]
+    fn the_goals_of_the_async_cells() {
+        let run = |cell, setup, round, p99_ms: Option<u64>, share0: f64| WaitRun {
+            cell,
+            setup,
+            round,
+            seed: 1 + round as u64,
+            requests: 100,
+            failed: usize::from(p99_ms.is_none()),
+            p50: Some(Duration::from_millis(5)),
+            p99: p99_ms.map(Duration::from_millis),
+            p99_short: None,
+            shares: vec![share0, 1.0 - share0],
+            unindexed: 0,
+            supervisor_us: None,
+            envoy_us: None,
+            supervisor_idle: None,
+            envoy_idle: None,
+            others: 0.0,
+        };
+        let runs = vec![
+            run(Cell::AsyncIo, SetUp::Shared, 0, Some(105), 0.5),
+            run(Cell::AsyncIo, SetUp::LrAll, 0, Some(100), 0.5),
+            run(Cell::AsyncHog, SetUp::Shared, 0, Some(30), 0.3),
+            run(Cell::AsyncHog, SetUp::ReusePort, 0, Some(25), 0.45),
+            run(Cell::AsyncHog, SetUp::ReusePort, 1, None, 0.55),
+            run(Cell::AsyncHog, SetUp::ReusePort, 2, Some(900), 0.5),
+        ];
+        let goals = goals(&runs);
+        assert_eq!(goals.len(), 2, "{goals:?}");
+        assert!(
+            goals[0].contains("1.05x (goal: at most 1.1x): met"),
+            "{}",
+            goals[0]
+        );
+        assert!(
+            goals[1].contains("luckiest round (round 1, shares 45/55%, p99 25.0 ms): 1.20x"),
+            "{}",
+            goals[1]
+        );
+        assert!(
+            goals[1].contains("unluckiest (round 2, shares 55/45%, p99 failed): the other failed"),
+            "{}",
+            goals[1]
+        );
+        assert_eq!(
+            median_p99(runs[3..].iter()),
+            Some(Duration::from_millis(900))
+        );
+        let rounds = reuseport_rounds(&runs);
+        assert!(
+            rounds.contains("async-hog: SO_REUSEPORT per round"),
+            "{rounds}"
+        );
+        assert!(super::goals(&runs[..1]).is_empty(), "one side only");
     }
 
     #[test]
