@@ -58,13 +58,14 @@
 //! **Timeline** (`--timeline`): the latency over time through a cold start, a hog that appears or
 //! goes, a burst and a replacement, per set-up ([`timeline`]); nothing else runs then.
 //!
-//! **Apps that wait** (`--waits`): gunicorn sync workers whose requests wait (5 ms or 100 ms, as on
-//! a database) under Poisson arrivals, per set-up: gunicorn's own shared socket, ORCA, least
-//! request, round robin, `SO_REUSEPORT`, and the supervisor's one shared listener
-//! (`concurrency = 1`) once it exists ([`waits`]); nothing else runs then. `--cell io|slow-worker|cpu-hog`
-//! and `--setup KEY` choose (all by default), `--rate R` and `--hog-rate R` set the loads (150/s and
-//! 100/s), `--seed N` the arrivals' and the waits' draws (1; round `r` uses `N + r`), and
-//! `--duration` is 20 s by default there.
+//! **Apps that wait** (`--waits`): servers whose requests wait (5 ms or 100 ms, as on a database)
+//! under Poisson arrivals, or burn CPU beside a hog, per set-up: the server's own shared socket,
+//! ORCA, least request, round robin, `SO_REUSEPORT`, and Peregrine's default ([`waits`]); nothing
+//! else runs then. Cells: gunicorn sync workers (`io`, `slow-worker`, `cpu-hog`), `io` behind four
+//! Envoys (`four-envoys`), uvicorn (`async-io`, `async-hog`). `--cell KEY` and `--setup KEY` choose
+//! (all by default: about 55 min), `--rate R` and `--hog-rate R` set the loads (150/s and 100/s),
+//! `--seed N` the arrivals' and the waits' draws (1; round `r` uses `N + r`), `--connections N` the
+//! generator's connections (256), and `--duration` is 20 s by default there.
 //!
 //! **Code.** This module: the options, the policies and scenarios, and what a run gives;
 //! [`run`](mod@run): the set-up and the driving of every run; [`measure`]: one measured run and its
@@ -90,7 +91,7 @@ use peregrine_e2e::{ServiceTable, config::Orca};
 pub(crate) use self::run::run;
 use super::Flags;
 
-const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-ib|orca-1s|lr]... | --waits [--rounds N] [--warmup SECS] [--duration SECS] [--rate R] [--hog-rate R] [--seed N] [--cell io|slow-worker|cpu-hog]... [--setup shared-socket|orca|lr2|lr4|rr|reuseport|shared]...";
+const USAGE: &str = "cargo xtask bench balance [--rounds N] [--warmup SECS] [--duration SECS] [--load FRACTION] [--cpu-ms MS] [--connections N] [--per-connection] [--app gunicorn] | --first-weights [--rounds N] | --timeline [--rounds N] [--event cold|hog-appears|hog-leaves|burst|replacement]... [--setup orca|orca-ib|orca-1s|lr]... | --waits [--rounds N] [--warmup SECS] [--duration SECS] [--rate R] [--hog-rate R] [--seed N] [--connections N] [--cell io|slow-worker|cpu-hog|four-envoys|async-io|async-hog]... [--setup shared-socket|orca|lr2|lr4|rr|reuseport|shared]...";
 
 /// The core of every service's worker 0, shared with the hog or the side load.
 const SHARED_CPU: usize = 0;
@@ -282,8 +283,8 @@ struct Options {
     /// The offered load as a share of the two workers' capacity without the hog.
     load: f64,
     cpu_ms: u64,
-    /// The main load's connections (each one request at a time): under `SO_REUSEPORT` the kernel
-    /// splits these, so fewer make a coarser, more variable split.
+    /// The main load's connections (each one request at a time; also `--waits`' generator's):
+    /// under `SO_REUSEPORT` the kernel splits these, so fewer make a coarser, more variable split.
     connections: usize,
     /// Each connection a client with its own schedule (`--per-connection`) instead of one queue
     /// that hands each request to a free connection (which balances a `SO_REUSEPORT` port by

@@ -1,62 +1,116 @@
-//! `cargo xtask bench balance --waits`: gunicorn *sync* workers (one request at a time) whose
-//! requests wait, as on a database, behind the real Envoy, per balancing set-up.
+//! `cargo xtask bench balance --waits`: servers whose requests wait, as on a database (gunicorn *sync*
+//! workers, one request at a time; uvicorn, many at once), or burn CPU beside a hog, behind the real
+//! Envoy (one, or four), per balancing set-up.
 //!
-//! **The app.** `tests/apps/wsgi_app.py` under gunicorn 27 (`target/pyapps/venv`): `/slow?ms=N`
-//! sleeps N ms and uses no CPU to speak of. Every answer names the process that served it
-//! (`X-Worker-Index`), so each worker's share is counted even where one gunicorn forks several.
+//! **The apps** (`target/pyapps/venv`). Every answer names the process that served it
+//! (`X-Worker-Index`), so each worker's share is counted even where one server forks several on one
+//! socket.
+//! - gunicorn 27 on `tests/apps/wsgi_app.py`: `/slow?ms=N` sleeps N ms and uses no CPU to speak of,
+//!   holding its process; gunicorn's sync worker closes every connection.
+//! - uvicorn on `tests/apps/asgi_app.py`: `/slow?ms=N` awaits N ms and blocks nothing; `?cpu=MS`
+//!   blocks the event loop. uvicorn keeps connections alive. It takes a passed descriptor as a Unix
+//!   socket (`socket.fromfd(fd, AF_UNIX, ...)`, `--fd`), so asyncio leaves Nagle's algorithm on the
+//!   connections it accepts there, and an answer on a kept-alive connection after the first waits
+//!   about 40 ms for the client's delayed ACK, unless the listener itself has `TCP_NODELAY` (accepted
+//!   connections inherit it). The set-ups under Peregrine measure the listener the supervisor
+//!   passes, as it is; the `reuseport` set-up's listener has `TCP_NODELAY`, as a uvicorn that binds
+//!   its own port has on every connection.
 //!
 //! **Set-ups** ([`SetUp`]; `--setup KEY`, all by default), each taken in turn in every round, in an
 //! order rotated per round:
-//! - `shared-socket`: what gunicorn does by itself. One Peregrine worker (`count = 1`) whose gunicorn
-//!   runs `--workers 4` on the one passed socket: one accept queue, each connection taken by whichever
-//!   process is free. The forks learn their index from `tests/apps/gunicorn_forks.py` (`-c`).
-//! - `orca`: the former default with `pass_socket` (`count = 4`, gunicorn `--workers 1`, a listener
-//!   per worker, `orca = true`: client-side weighted round robin on the supervisor's ORCA reports).
+//! - `shared-socket`: what the server does by itself. One Peregrine worker (`count = 1`) whose server
+//!   runs `--workers 4` (2 in the hogged cells) on the one passed socket: one accept queue, each
+//!   connection taken by whichever process is free (for uvicorn, each of Envoy's kept-alive
+//!   connections, for as long as it lasts). gunicorn's forks learn their index from
+//!   `tests/apps/gunicorn_forks.py` (`-c`); uvicorn's take one each as they load the app
+//!   (`APP_INDEX_DIR`, lock files in the cell's directory; `tests/apps/app_knobs.py`).
+//! - `orca`: the former default with `pass_socket` (`count = 4`, `--workers 1`, a listener per
+//!   worker, `orca = true`: client-side weighted round robin on the supervisor's ORCA reports).
 //! - `lr2`, `lr4`: `lb_policy = "least_request"` with `choice_count` 2, and with `choice_count` the
 //!   number of workers (join the shortest queue of Envoy's own count).
 //! - `rr`: `lb_policy = "round_robin"`.
-//! - `reuseport`: the workers' gunicorns started by the benchmark itself, outside Peregrine, each
-//!   `--workers 1 --reuse-port --bind 127.0.0.1:P` on one port, loaded *directly* by the generator
-//!   (no Envoy): the kernel hashes each connection (gunicorn's sync worker closes every one) to one of
-//!   them.
-//! - `shared`: Peregrine's default for gunicorn's sync worker (`count = 4`, gunicorn `--workers 1`,
-//!   no balancing key: `concurrency` read off the command as 1): one listener the supervisor binds
-//!   and all `count` workers share, published to Envoy as one endpoint. When `peregrine check` does
-//!   not take a set-up's config (an older supervisor, say), the set-up is skipped with the reason,
-//!   and the report says so.
+//! - `reuseport`: the workers' servers started by the benchmark itself, outside Peregrine, each of
+//!   one process on one port with `SO_REUSEPORT`, loaded *directly* by the generator (no Envoy):
+//!   gunicorn `--workers 1 --reuse-port --bind 127.0.0.1:P`; uvicorn, which has no `--reuse-port`,
+//!   through `tests/apps/reuseport.py`, which binds the port and passes it as `--fd 3`. The kernel
+//!   hashes each new connection to one of them: for gunicorn every request (it closes every
+//!   connection), for uvicorn each of the generator's connections for the whole run.
+//! - `shared`: Peregrine's default, no balancing key. For gunicorn's sync worker (`concurrency` read
+//!   off the command as 1): one listener the supervisor binds and all `count` workers share, published
+//!   to Envoy as one endpoint. For uvicorn (`concurrency` many): a listener per worker, balanced on
+//!   ORCA, as `peregrine check` prints it ("a listener per worker, orca over the workers").
 //!
-//! **Cells** ([`Cell`]; `--cell KEY`, all by default), each with a supervisor and an Envoy
+//! When `peregrine check` does not take a set-up's config (an older supervisor, say), the set-up is
+//! skipped with the reason, and the report says so; so is a set-up a cell leaves out
+//! ([`Cell::leaves_out`]): `reuseport` in four-envoys (no Envoy is in its path: its figure is io's),
+//! `orca` in the async cells (it is the default there, the `shared` row), `lr2` in async-hog (with 2
+//! workers it is `lr4`).
+//!
+//! **Cells** ([`Cell`]; `--cell KEY`, all by default), each with a supervisor and Envoys
 //! (`--concurrency 1`, HTTP/1.1 to the workers) of its own, started when the cell starts:
-//! - `io`: 4 workers, nothing pinned. Each request waits 5 ms (90%) or 100 ms (10%): 14.5 ms on
-//!   average, so 4 workers serve about 250/s with gunicorn's own cost; `--rate` 150/s is 60% of that.
+//! - `io`: 4 gunicorn workers, nothing pinned. Each request waits 5 ms (90%) or 100 ms (10%): 14.5 ms
+//!   on average, so 4 workers serve about 250/s with gunicorn's own cost; `--rate` 150/s is 60% of
+//!   that.
 //! - `slow-worker`: the same, but worker 0's waits are 5x longer (`APP_WAIT_FACTOR=5`,
 //!   `APP_SLOW_INDEX=0`; in `shared-socket` the fork of index 0, by `gunicorn_forks.py`).
-//! - `cpu-hog`: 2 workers, worker `i` pinned to CPU `i` (`taskset`; in `shared-socket` the fork of
-//!   index `i`, by `APP_PIN_FORKS=0,1`), requests of `?cpu=4` (4 ms of CPU) at `--hog-rate` 100/s, and
-//!   a 3-process CPU hog (`sh -c 'while :; do :; done'` x3) pinned to CPU 0. The benchmark pins itself
-//!   (and so the supervisor, Envoy and the generator) to CPU 1 in this cell, as the other balance
-//!   scenarios do.
+//! - `cpu-hog`: 2 gunicorn workers, worker `i` pinned to CPU `i` (`taskset`; in `shared-socket` the
+//!   fork of index `i`, by `APP_PIN_FORKS=0,1`), requests of `?cpu=4` (4 ms of CPU) at `--hog-rate`
+//!   100/s, and a 3-process CPU hog (`sh -c 'while :; do :; done'` x3) pinned to CPU 0. The benchmark
+//!   pins itself (and so the supervisor, Envoy and the generator) to CPU 1 in the hogged cells, as the
+//!   other balance scenarios do.
+//! - `four-envoys`: io's workers, waits and rate behind **four** Envoys, each `--concurrency 1` with
+//!   a bootstrap of its own (`peregrine envoy-bootstrap` on the cell's config with its own listener,
+//!   admin port and node id; `--base-id` random per Envoy) on the one supervisor's xDS. The generator
+//!   sends request `i` to Envoy `i mod 4`, each Envoy with a quarter of the connections. Each Envoy's
+//!   least request counts only the quarter of the requests in flight that it sent, while a shared
+//!   accept queue holds them all.
+//! - `async-io`: io's waits and rate with 4 uvicorn workers, whose waits block nothing.
+//! - `async-hog`: cpu-hog with 2 uvicorn workers (pinned as there; in `shared-socket` uvicorn's forks
+//!   pin themselves, `APP_PIN_FORKS=0,1`).
 //!
 //! **Load.** The open-loop generator ([`openloop`](super::openloop)) with Poisson arrivals (seeded:
 //! round `r` uses `--seed` + `r`, the same for every set-up of the round) and, in the waiting cells,
 //! each request's wait drawn from the mix (seeded likewise), so every set-up of a round gets the very
-//! same requests at the very same times. Latency from each request's scheduled time; 256 connections,
-//! each request to whichever is free; an answer may take 10 s. A run is a `--warmup` (5 s) and a
-//! measured `--duration` (20 s); only requests scheduled in the window count, failures as slower than
-//! every answer.
+//! same requests at the very same times. Latency from each request's scheduled time;
+//! `--connections` (256) kept-alive connections, each request to whichever is free (of its Envoy's
+//! quarter, in four-envoys); an answer may take 10 s. A run is a `--warmup` (5 s) and a measured
+//! `--duration` (20 s); only requests scheduled in the window count, failures as slower than every
+//! answer.
 //!
-//! **Figures** per cell and set-up: p50 and p99 (median over rounds, and the p99's min-max), failed
-//! requests (summed), each worker's share of the answers (median), and the CPU the supervisor and
-//! Envoy took per answered request (`/proc/PID/stat` before and after the run, 10 ms ticks), less
-//! what each took idle over the 2 s before the run (the supervisor samples and reports, Envoy keeps
-//! its ORCA streams and timers), which the report gives beside it. Between
-//! runs the benchmark waits until every listen queue of the set-up is empty (`/proc/net/tcp`), so a
-//! backlog a run left does not delay the next. Report: `target/bench/balance-waits.md`; p99 per cell
-//! and set-up: `target/bench/balance-waits.csv` and `.png`.
+//! **What makes a `SO_REUSEPORT` split vary.** The kernel picks a process by a hash of each
+//! connection's addresses and ports (with a secret drawn at boot), so the split is set by the
+//! client's source ports, and the kernel gives every run's connections new ephemeral ports: each
+//! run is a new draw, whatever the seed (the seed sets the requests, not the split). With uvicorn a
+//! connection stays with its process for the run, so the split of the requests is near that of the
+//! generator's connections (its one queue hands a request to a free connection, which leans a little
+//! away from a slow process's busy ones); how far the split strays from even shrinks with the
+//! number of connections (256 over 2 processes: about 3 points either way; `--connections 64`
+//! strays twice as far). With gunicorn each request is a new connection, and the split is even
+//! over a run. The report lists the `reuseport` set-up's split and p99 per round: its luckiest and
+//! unluckiest draws.
+//!
+//! **Figures** per cell and set-up: p50 and p99 (median over rounds, and the p99's min-max), the p99
+//! of the 5 ms requests (waiting cells), failed requests (summed), each worker's share of the answers
+//! (median), and the CPU the supervisor and Envoy (four-envoys: the four together) took per answered
+//! request (`/proc/PID/stat` before and after the run, 10 ms ticks), less what each took idle over
+//! the 2 s before the run (the supervisor samples and reports, Envoy keeps its ORCA streams and
+//! timers), which the report gives beside it. The goals, where a run has both sides: on async-io
+//! the default's p99 within 1.1x of `lr4`'s; under async-hog within 1.5x of `reuseport`'s luckiest
+//! round and at most 0.5x its unluckiest. Between runs the benchmark waits until every listen
+//! queue of the set-up is empty (`/proc/net/tcp`), so a backlog a run left does not delay the next.
+//! Report: `target/bench/balance-waits.md`; p99 and shares per run: `target/bench/balance-waits.csv`,
+//! and the p99s plotted per cell and set-up in `.png`.
 //!
 //! **Noise.** As the other balance runs: the CPU that processes outside this benchmark's tree took
 //! during each run; a run over 0.1 core is run again (once: on a shared machine more would
 //! triple the runs) and the quieter kept.
+//!
+//! **How long.** A run takes its warm-up and window plus about 3 s (the idle measure, the drain),
+//! 28 s at the defaults, twice that when it is run again for noise; a cell's start (supervisor,
+//! Envoys, readiness) a few seconds. At the defaults, 3 rounds of every set-up a cell runs: io,
+//! slow-worker and cpu-hog 7 set-ups each (about 10 min a cell), four-envoys and async-io 6 (about
+//! 8.5 min), async-hog 5 (about 7 min); every cell, about 55 min on a quiet machine, up to twice
+//! that on a busy one. `--duration 15` takes a sixth off.
 
 use std::{
     fmt::Write as _,
