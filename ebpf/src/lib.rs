@@ -13,7 +13,7 @@ mod layout;
 mod probe;
 
 pub use layout::{Cell, Counter, Descendants, LINE, Tracked};
-pub use probe::{Error, MAX_DESCENDANTS, Probe, SchedTotals};
+pub use probe::{Error, MAX_DESCENDANTS, Probe, SchedTotals, SendHook, SendsError};
 
 mod object {
     include!(concat!(env!("OUT_DIR"), "/object.rs"));

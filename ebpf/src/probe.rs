@@ -10,7 +10,7 @@ use std::{
 use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, MapError},
-    programs::{BtfTracePoint, ProgramError},
+    programs::{BtfTracePoint, FExit, ProgramError},
 };
 use peregrine_contract::shm::{Access, SharedMemory, ShmError};
 
@@ -26,8 +26,40 @@ const PROGRAMS: [(&str, &str); 6] = [
     ("on_exit", "sched_process_exit"),
 ];
 
-/// The program that counts sends as requests, and its tracepoint (once per socket send, after it).
-const SENDS: (&str, &str) = ("on_send", "sock_send_length");
+/// Where the kernel program counts the sends of servers on passed listeners
+/// ([`Probe::count_sends`]), in the order [`Probe::load`] tries them: the first that the kernel
+/// loads and attaches is the only one attached, so that no send counts twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendHook {
+    /// The `sock_send_length` tracepoint, after every socket send (Linux 6.3 and later).
+    SockSendLength,
+    /// The return of `tcp_sendmsg` (an fexit program), for kernels without the tracepoint (Debian
+    /// 12's 6.1): every TCP send but `splice` and `sendfile` before Linux 6.5, which went through
+    /// `tcp_sendpage`.
+    TcpSendmsg,
+}
+
+impl SendHook {
+    /// Every hook, in the order tried.
+    pub const ALL: [SendHook; 2] = [SendHook::SockSendLength, SendHook::TcpSendmsg];
+
+    /// The program and the kernel function or tracepoint it attaches to.
+    fn program(self) -> (&'static str, &'static str) {
+        match self {
+            SendHook::SockSendLength => ("on_send", "sock_send_length"),
+            SendHook::TcpSendmsg => ("on_tcp_sendmsg", "tcp_sendmsg"),
+        }
+    }
+}
+
+impl std::fmt::Display for SendHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SendHook::SockSendLength => "the sock_send_length tracepoint",
+            SendHook::TcpSendmsg => "the return of tcp_sendmsg",
+        })
+    }
+}
 
 /// How many processes forked by tracked processes (at any depth, alive at once) are counted with
 /// their roots, over all lanes. A child forked past it is simply not counted: its time is missing
@@ -88,8 +120,8 @@ pub enum Error {
         "this process runs in a nested pid namespace: the eBPF programs see the host's pids, not these"
     )]
     PidNamespace,
-    /// The kernel would not load or attach the program that counts sends (its tracepoint,
-    /// `sock_send_length`, is in Linux 6.3 and later); the scheduler programs work without it.
+    /// The kernel would load and attach none of the programs that count sends ([`SendHook`]); the
+    /// scheduler programs work without them.
     #[error("cannot count sends in the kernel")]
     SendsUnavailable(#[source] Arc<SendsError>),
     /// A lane outside `0..lanes`.
@@ -132,8 +164,8 @@ pub struct Probe {
     ports: Ports,
     /// `struct peregrine_descendants`, written: user space gives back the places it frees.
     descendants: SharedMemory,
-    /// Whether the sends program is attached, or why not.
-    sends: Result<(), Arc<SendsError>>,
+    /// Where sends are counted, or why nowhere.
+    sends: Result<SendHook, Arc<SendsError>>,
     /// The descendants' budget (entries of `tracked` that are not roots).
     max_descendants: u32,
     cells: SharedMemory,
@@ -151,6 +183,16 @@ impl Probe {
 
     /// [`load`](Probe::load), with room for `max_descendants` descendants instead.
     pub fn load_with_budget(lanes: u32, max_descendants: u32) -> Result<Probe, Error> {
+        Probe::load_with(lanes, max_descendants, &SendHook::ALL)
+    }
+
+    /// [`load_with_budget`](Probe::load_with_budget), counting sends at the first of `send_hooks`
+    /// that the kernel takes (none: sends are not counted).
+    pub fn load_with(
+        lanes: u32,
+        max_descendants: u32,
+        send_hooks: &[SendHook],
+    ) -> Result<Probe, Error> {
         let object = crate::object().map_err(Error::NotBuilt)?;
         // The programs see the kernel's (initial namespace) pids; pids tracked from a nested pid
         // namespace would never match, and every worker would read as idle.
@@ -190,7 +232,7 @@ impl Probe {
             prog.load(tracepoint, &btf).map_err(err)?;
             prog.attach().map_err(err)?;
         }
-        let sends = attach_sends(&mut ebpf, &btf).map_err(Arc::new);
+        let sends = attach_sends(&mut ebpf, &btf, send_hooks).map_err(Arc::new);
         let tracked =
             HashMap::try_from(take_map(&mut ebpf, "tracked")?).map_err(|source| Error::Map {
                 name: "tracked",
@@ -345,10 +387,14 @@ impl Probe {
             .load_u64(offset_of!(Descendants, entries), Ordering::Acquire)
     }
 
-    /// Whether the send program is attached, so that [`count_sends`](Self::count_sends) can count
-    /// (it needs the `sock_send_length` tracepoint, Linux 6.3).
+    /// Whether a send program is attached, so that [`count_sends`](Self::count_sends) can count.
     pub fn counts_sends(&self) -> bool {
         self.sends.is_ok()
+    }
+
+    /// Where sends are counted: the first [`SendHook`] the kernel took, or why none.
+    pub fn send_hook(&self) -> Result<SendHook, Arc<SendsError>> {
+        self.sends.clone()
     }
 
     /// Counts, in `counters[lane].requests`, every send call that sent bytes (`send`, `sendto`,
@@ -519,50 +565,85 @@ fn not_found(error: &MapError) -> bool {
     }
 }
 
-/// Why the program that counts sends is not attached.
+/// Why no program that counts sends is attached.
 #[derive(Debug, thiserror::Error)]
 pub enum SendsError {
+    /// None was asked for.
+    #[error("no way of counting sends was asked for")]
+    NoneAsked,
     /// The object has no such program.
     #[error("{0} is not in the object")]
     Missing(&'static str),
-    /// The program is not a BTF tracepoint program.
-    #[error("{program} is not a BTF tracepoint program")]
-    NotTracePoint {
+    /// The program is not of the type its hook needs.
+    #[error("{program} is not a program of its hook's type")]
+    WrongType {
         /// The program.
         program: &'static str,
         /// The cause.
         #[source]
         source: ProgramError,
     },
-    /// The kernel would not load or attach it (its tracepoint is in Linux 6.3 and later).
-    #[error("cannot load or attach {program} to {tracepoint}")]
+    /// The kernel would not load or attach it (`sock_send_length` is in Linux 6.3 and later).
+    #[error("cannot load or attach {program} to {target}")]
     Attach {
         /// The program.
         program: &'static str,
-        /// Its tracepoint.
-        tracepoint: &'static str,
+        /// Its tracepoint or kernel function.
+        target: &'static str,
         /// The cause.
         #[source]
         source: ProgramError,
     },
+    /// Neither of two hooks: the first's reason, then the rest's.
+    #[error("{first}; {rest}")]
+    Neither {
+        /// Why the first was not attached.
+        first: Box<SendsError>,
+        /// Why the rest were not.
+        rest: Box<SendsError>,
+    },
 }
 
-/// Loads and attaches the program that counts sends; why not, if it cannot (the sampler works
-/// without it).
-fn attach_sends(ebpf: &mut Ebpf, btf: &Btf) -> Result<(), SendsError> {
-    let (program, tracepoint) = SENDS;
-    let prog: &mut BtfTracePoint = ebpf
+/// Loads and attaches the program of the first of `hooks` that the kernel takes; why none, if it
+/// takes none (the sampler works without them).
+fn attach_sends(ebpf: &mut Ebpf, btf: &Btf, hooks: &[SendHook]) -> Result<SendHook, SendsError> {
+    let Some((&hook, rest)) = hooks.split_first() else {
+        return Err(SendsError::NoneAsked);
+    };
+    let (program, target) = hook.program();
+    let attach = |source| SendsError::Attach {
+        program,
+        target,
+        source,
+    };
+    let wrong_type = |source| SendsError::WrongType { program, source };
+    let prog = ebpf
         .program_mut(program)
-        .ok_or(SendsError::Missing(program))?
-        .try_into()
-        .map_err(|source| SendsError::NotTracePoint { program, source })?;
-    prog.load(tracepoint, btf)
-        .and_then(|()| prog.attach().map(drop))
-        .map_err(|source| SendsError::Attach {
-            program,
-            tracepoint,
-            source,
-        })
+        .ok_or(SendsError::Missing(program))?;
+    let attached = match hook {
+        SendHook::SockSendLength => {
+            let prog: &mut BtfTracePoint = prog.try_into().map_err(wrong_type)?;
+            prog.load(target, btf)
+                .and_then(|()| prog.attach().map(drop))
+                .map_err(attach)
+        }
+        SendHook::TcpSendmsg => {
+            let prog: &mut FExit = prog.try_into().map_err(wrong_type)?;
+            prog.load(target, btf)
+                .and_then(|()| prog.attach().map(drop))
+                .map_err(attach)
+        }
+    };
+    match attached {
+        Ok(()) => Ok(hook),
+        Err(first) if !rest.is_empty() => {
+            attach_sends(ebpf, btf, rest).map_err(|rest| SendsError::Neither {
+                first: Box::new(first),
+                rest: Box::new(rest),
+            })
+        }
+        Err(first) => Err(first),
+    }
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, Error> {

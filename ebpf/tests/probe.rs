@@ -13,7 +13,7 @@ use std::{
 };
 
 use peregrine_contract::{ErrorChain, counters::CounterRegion, procfs};
-use peregrine_ebpf::{MAX_DESCENDANTS, Probe, SchedTotals, Tracked};
+use peregrine_ebpf::{MAX_DESCENDANTS, Probe, SchedTotals, SendHook, Tracked};
 
 /// The tests measure CPU time: one at a time, so they do not steal each other's cores.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -23,14 +23,21 @@ fn probe(lanes: u32) -> Option<Probe> {
 }
 
 fn probe_with_budget(lanes: u32, max_descendants: u32) -> Option<Probe> {
-    match Probe::load_with_budget(lanes, max_descendants) {
+    probe_with(lanes, max_descendants, &SendHook::ALL)
+}
+
+fn probe_with(lanes: u32, max_descendants: u32, send_hooks: &[SendHook]) -> Option<Probe> {
+    match Probe::load_with(lanes, max_descendants, send_hooks) {
         Ok(probe) => Some(probe),
         Err(error) => {
             let text = ErrorChain(&error);
             if std::env::var("PEREGRINE_REQUIRE_EBPF").is_ok_and(|v| v == "1") {
                 panic!("PEREGRINE_REQUIRE_EBPF=1 but the probe cannot load: {text}");
             }
-            eprintln!("skipped: the eBPF probe cannot load here: {text}");
+            peregrine_testenv::skip(
+                &peregrine_testenv::current_test(),
+                format_args!("the eBPF probe cannot load here: {text}"),
+            );
             None
         }
     }
@@ -641,7 +648,77 @@ fn request(port: u16, request: &str) -> String {
 #[test]
 fn sends_on_the_listeners_accepted_connections_count_as_requests() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(mut probe) = probe(2) else { return };
+    let Some(probe) = probe(2) else { return };
+    // Linux 6.3 and later have the tracepoint, which is tried first.
+    let release = rustix::system::uname()
+        .release()
+        .to_string_lossy()
+        .into_owned();
+    let version: Vec<u32> = release
+        .split(|c: char| !c.is_ascii_digit())
+        .take(2)
+        .map(|n| n.parse().unwrap_or(0))
+        .collect();
+    if version.as_slice() >= [6, 3].as_slice() {
+        assert_eq!(
+            probe.send_hook().ok(),
+            Some(SendHook::SockSendLength),
+            "{release}"
+        );
+    }
+    sends_count_as_requests(probe);
+}
+
+/// The count where the kernel has no `sock_send_length` (Linux 6.1): at `tcp_sendmsg`'s return,
+/// the same, send for send.
+#[test]
+fn sends_count_the_same_at_tcp_sendmsgs_return_as_kernels_before_6_3_do() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(probe) = probe_with(2, MAX_DESCENDANTS, &[SendHook::TcpSendmsg]) else {
+        return;
+    };
+    match probe.send_hook() {
+        Ok(hook) => assert_eq!(hook, SendHook::TcpSendmsg),
+        // Refused before the verifier saw it (no log): a kernel that allows no fexit program at
+        // all, as some hypervisors' kernels do. A program the verifier rejects fails here.
+        Err(why) if refused_outright(&why) => {
+            peregrine_testenv::skip(
+                &peregrine_testenv::current_test(),
+                format_args!(
+                    "this kernel refuses fexit programs: {}",
+                    ErrorChain(why.as_ref())
+                ),
+            );
+            return;
+        }
+        Err(why) => panic!("{}", ErrorChain(why.as_ref())),
+    }
+    sends_count_as_requests(probe);
+}
+
+/// Whether `why` is the kernel refusing to load the program with EPERM, with an empty verifier log.
+fn refused_outright(why: &peregrine_ebpf::SendsError) -> bool {
+    let text = ErrorChain(why).to_string();
+    text.contains("Operation not permitted") && text.contains("Verifier output: :")
+}
+
+/// Asked for no hook, the probe loads and counts no sends.
+#[test]
+fn a_probe_without_a_send_hook_counts_no_sends() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut probe) = probe_with(1, MAX_DESCENDANTS, &[]) else {
+        return;
+    };
+    assert!(!probe.counts_sends());
+    let me = std::process::id();
+    probe.track(0, me).unwrap();
+    assert!(probe.count_sends(0, 8080).is_err());
+    assert_eq!(probe.counted_port(0).unwrap(), None);
+}
+
+/// Lane 0 counts its listener's sends, lane 1 (the same server) is given no port, through `probe`'s
+/// send hook.
+fn sends_count_as_requests(mut probe: Probe) {
     let sink = TcpListener::bind("127.0.0.1:0").unwrap();
     let sink_port = sink.local_addr().unwrap().port();
     // Lane 0 counts its listener's sends; lane 1, the same server, is not given a port.

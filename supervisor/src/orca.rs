@@ -53,7 +53,7 @@ use crate::{
     config::MAX_REPORT_INTERVAL,
     grpc_port::ClientProof,
     printable::printable,
-    registry::{Loads, Registry, Snapshot, Worker, WorkerLoad},
+    registry::{Loads, Registry, SmoothedLoad, Snapshot, Worker, WorkerLoad},
 };
 
 /// The smallest utilization reported: Envoy treats 0 as an error and keeps the old weight.
@@ -328,13 +328,14 @@ async fn send(
 /// none). Every field Envoy reads is positive, so no report is an error to Envoy or encodes empty.
 ///
 /// - `cpu_utilization`: the worker's on-CPU time per second of wall time, in cores (all its threads).
-/// - `application_utilization`: the higher of (on-CPU + run-queue wait) per second of wall time and
-///   the mean requests in flight over the service's concurrency ([`application_utilization`]). Envoy
-///   prefers it over `cpu_utilization`. A worker starved by a noisy neighbour on its core waits for
-///   the CPU instead of running: its CPU time alone would look low and draw *more* traffic; the time
-///   it waits shows it is saturated. A worker that waits on IO holds its requests open: they show
-///   it busy.
+/// - `application_utilization`: (on-CPU + run-queue wait) per second of wall time
+///   ([`application_utilization`]). Envoy prefers it over `cpu_utilization`. A worker starved by a
+///   noisy neighbour on its core waits for the CPU instead of running: its CPU time alone would look
+///   low and draw *more* traffic; the time it waits shows it is saturated.
 /// - `rps_fractional`: requests per second over the last sample interval.
+///
+/// A worker of a service of a known concurrency reports its smoothed load in both instead: its
+/// requests in flight show it busy while it waits on IO ([`application_utilization`]).
 ///
 /// Envoy's weight is `rps_fractional / utilization`. A worker that served nothing in the last
 /// interval ([`IDLE_RPS`]) has no rate to report (0 is an error to Envoy, which would keep a stale
@@ -400,22 +401,37 @@ pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
 /// rate over no time) makes none.
 fn rates(load: &WorkerLoad) -> Option<(f64, f64, f64)> {
     let cpu = load.cpu_cores.filter(|v| v.is_finite())?;
+    if let Some(SmoothedLoad {
+        requests_per_second,
+        utilization,
+    }) = load.smoothed
+    {
+        return (requests_per_second.is_finite() && utilization.is_finite()).then_some((
+            cpu,
+            utilization,
+            requests_per_second,
+        ));
+    }
     let rps = load.requests_per_second.filter(|v| v.is_finite())?;
     let wait = load.runq_wait_cores.unwrap_or(0.0);
     let application = application_utilization(cpu, wait);
     application.is_finite().then_some((cpu, application, rps))
 }
 
-/// The utilization reported as `application_utilization`, which Envoy weighs by: the worker's time
-/// on and waiting for a CPU (`cpu + wait`). A worker starved of CPU by a neighbour waits instead of
-/// running, so its CPU time alone would look low; counting the wait shows it is saturated.
+/// The utilization reported as `application_utilization`, which Envoy weighs by, for a worker of a
+/// server of many requests at once: its time on and waiting for a CPU (`cpu + wait`). A worker
+/// starved of CPU by a neighbour waits instead of running, so its CPU time alone would look low;
+/// counting the wait shows it is saturated.
 ///
-/// The requests a worker holds in flight are measured (`WorkerLoad::in_flight`) but not reported:
-/// taken as the utilization (the higher of the two, over the service's concurrency), they made
-/// Envoy's weights herd on workers that wait. With gunicorn sync workers on listeners of their own,
-/// whose requests wait 5 ms or 100 ms, the p99 went from 334 ms to 553 ms (2026-12-07, `cargo xtask
-/// bench balance --waits --cell io --setup orca`): a worker's figure over one 200 ms sample
-/// swings with the one long request it happened to hold, and the weights follow a sample late.
+/// A worker of a service of a known `concurrency` (gunicorn's sync worker: one) reports its
+/// [`SmoothedLoad`] instead: the higher of the same figure and its requests in flight over the
+/// concurrency, and its rate, each an exponential mean over 2 s. A worker of one request at a time
+/// that waits on IO uses no CPU and is busy all the same; Envoy's weight, rate over utilization, is
+/// then one over its mean time per request, queue included (Little's law). Over one 200 ms sample
+/// (a count of 0, one half or 1 for a worker seen at two ticks) the same figure made Envoy's weights
+/// herd: p99 553 ms against 334 ms for CPU and wait alone, gunicorn sync workers whose requests wait
+/// 5 or 100 ms (2026-12-07). Smoothed requests in flight with the rate of one sample were no better
+/// (p99 360-440 ms, p50 45 ms): the rate must be smoothed alike.
 pub fn application_utilization(cpu: f64, wait: f64) -> f64 {
     cpu + wait
 }
@@ -449,6 +465,7 @@ mod tests {
             in_flight: None,
             in_flight_now: None,
             in_flight_utilization: None,
+            smoothed: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }
@@ -558,19 +575,44 @@ mod tests {
     }
 
     #[test]
-    fn requests_in_flight_are_measured_but_do_not_weigh_a_worker() {
+    fn a_worker_of_one_request_at_a_time_reports_its_smoothed_load() {
         // Two workers of one request at a time at the same rate, near no CPU; one holds its requests
-        // five times as long (0.9 in flight against 0.18). Both report their CPU and wait alone.
+        // five times as long (0.9 in flight against 0.18): its weight (rate over utilization) is a
+        // fifth of the other's.
         let waiting = |pid, in_flight| WorkerLoad {
             in_flight: Some(in_flight),
-            in_flight_utilization: Some(in_flight),
-            ..load(pid, Some(0.01), 0.0, Some(36.0))
+            smoothed: Some(SmoothedLoad {
+                requests_per_second: 36.0,
+                utilization: in_flight,
+            }),
+            ..load(pid, Some(0.01), 0.0, Some(50.0))
         };
         let l = loads(vec![waiting(1, 0.9), waiting(2, 0.18)]);
         let report = |pid| report_for(&l, &worker(pid)).unwrap();
-        assert_eq!(report(1), report(2));
-        assert!((report(1).application_utilization - 0.01).abs() < 1e-9);
+        assert_eq!(report(1).application_utilization, 0.9);
+        assert_eq!(report(2).application_utilization, 0.18);
+        assert_eq!(report(1).rps_fractional, 36.0);
+        assert_eq!(report(1).cpu_utilization, 0.01);
+        let weight = |pid| report(pid).rps_fractional / report(pid).application_utilization;
+        assert!((weight(2) / weight(1) - 5.0).abs() < 1e-9);
+        // Without one (a server of many at once), requests in flight weigh nothing.
+        let many = WorkerLoad {
+            in_flight: Some(3.0),
+            in_flight_utilization: Some(3.0),
+            ..load(3, Some(0.01), 0.0, Some(36.0))
+        };
+        let r = report_for(&loads(vec![many]), &worker(3)).unwrap();
+        assert!((r.application_utilization - 0.01).abs() < 1e-9);
         assert_eq!(application_utilization(0.5, 0.25), 0.75);
+        // A smoothed load that is not finite makes no report.
+        let broken = WorkerLoad {
+            smoothed: Some(SmoothedLoad {
+                requests_per_second: f64::NAN,
+                utilization: 0.5,
+            }),
+            ..load(4, Some(0.01), 0.0, Some(36.0))
+        };
+        assert_eq!(report_for(&loads(vec![broken]), &worker(4)), None);
     }
 
     #[test]

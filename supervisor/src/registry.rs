@@ -34,7 +34,9 @@ use tokio::sync::watch;
 pub use self::fleet::{
     Fleet, Health, RemoteHost, RemoteWorker, SpecChoice, SpecChoices, choose_specs,
 };
-pub use self::load::{Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, WorkerLoad};
+pub use self::load::{
+    Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, SmoothedLoad, WorkerLoad,
+};
 
 /// An application protocol a worker's listener speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

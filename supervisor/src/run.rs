@@ -195,6 +195,7 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
                 })?;
             tracing::info!(
                 slots,
+                sends = %source.sends(),
                 "Sampler: eBPF programs attached to the scheduler's tracepoints"
             );
             Ok(SamplerSources {
@@ -208,6 +209,7 @@ pub fn choose_sampler(config: &Config) -> Result<SamplerSources, RunError> {
                 tracing::info!(
                     sampler = "ebpf",
                     why = "the eBPF programs loaded and attached",
+                    sends = %source.sends(),
                     "Sampler chosen for sampler = \"auto\""
                 );
                 Ok(SamplerSources {

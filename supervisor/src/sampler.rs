@@ -359,11 +359,11 @@ impl Sampler {
     /// for a server on a passed listener.
     fn in_flight_of(
         tracked: &Tracked,
-        seen: Option<&HashMap<u16, u64>>,
+        seen: Option<&HashMap<u16, sock_diag::Held>>,
     ) -> Option<rates::InFlightReading> {
         match tracked.port {
             Some((port, _)) => Some(rates::InFlightReading::Seen(
-                seen?.get(&port).copied().unwrap_or(0),
+                seen?.get(&port).copied().unwrap_or_default(),
             )),
             None => {
                 // The clock first: a request that starts after it adds nothing negative.
@@ -376,7 +376,7 @@ impl Sampler {
 
     /// The requests in flight on the tracked passed listeners, by port, from the kernel's socket
     /// tables; `None` when they cannot be read (no figure, rather than a zero).
-    fn seen_in_flight(&mut self) -> Option<HashMap<u16, u64>> {
+    fn seen_in_flight(&mut self) -> Option<HashMap<u16, sock_diag::Held>> {
         let listeners: Vec<(u16, bool)> = self.tracked.values().filter_map(|t| t.port).collect();
         if listeners.is_empty() {
             return Some(HashMap::new());
@@ -459,7 +459,7 @@ impl Sampler {
         workers: Vec<Current>,
         (now, wall): (Instant, SystemTime),
         queued: impl Fn(u32) -> Option<u64>,
-        seen: Option<&HashMap<u16, u64>>,
+        seen: Option<&HashMap<u16, sock_diag::Held>>,
     ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
@@ -969,11 +969,12 @@ mod tests {
         let wall = SystemTime::UNIX_EPOCH;
         let snapshot = registry.snapshot();
         let workers = sampler.reconcile(&snapshot);
-        let seen = HashMap::from([(8001, 3), (8002, 5)]);
+        let held = |queued, serving| sock_diag::Held { queued, serving };
+        let seen = HashMap::from([(8001, held(2, 1)), (8002, held(4, 1))]);
         sampler.sample(workers, (t0, wall), |_| Some(0), Some(&seen));
         std::thread::sleep(Duration::from_millis(30));
         let workers = sampler.reconcile(&snapshot);
-        let seen = HashMap::from([(8001, 1), (8002, 5)]);
+        let seen = HashMap::from([(8001, held(0, 1)), (8002, held(4, 1))]);
         let loads = sampler
             .sample(
                 workers,
@@ -990,6 +991,8 @@ mod tests {
         // Seen: the mean of the two counts, 3 and 1.
         assert_eq!(by_index(1).in_flight, Some(2.0));
         assert_eq!(by_index(1).in_flight_now, Some(1));
+        // Smoothed from its first rates on: two in flight over a concurrency of two.
+        assert_eq!(by_index(1).smoothed.map(|s| s.utilization), Some(1.0));
         // A shared listener's count is no worker's own.
         assert_eq!(by_index(2).in_flight, None);
         // The kernel's tables could not be read: no figure, not a zero.

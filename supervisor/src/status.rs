@@ -291,6 +291,7 @@ pub(crate) mod tests {
             in_flight: Some(0.52),
             in_flight_now: Some(1),
             in_flight_utilization: Some(0.52),
+            smoothed: None,
             sampled_at: SystemTime::UNIX_EPOCH + Duration::from_millis(1234),
         }
     }

@@ -101,6 +101,7 @@ fn sampled(pid: u32, rates: bool) -> Loads {
             in_flight: None,
             in_flight_now: None,
             in_flight_utilization: None,
+            smoothed: None,
             sampled_at: SystemTime::now(),
         }],
     )

@@ -4,8 +4,8 @@
 //! "per-worker"`), serve requests that sleep (`/slow`, as on a database) and use next to no CPU;
 //! worker 0's sleeps are five times as long (`APP_WAIT_FACTOR`, `APP_SLOW_INDEX`). The kernel's
 //! socket tables show what each worker holds open, and the slow worker holds the most; its report
-//! to Envoy stays on CPU and run-queue wait (in flight, the weights herded: see
-//! `orca::application_utilization`). The same figure is measured with the procfs sampler,
+//! to Envoy says it busy (the share of the time it serves a request, though its CPU is next to
+//! nothing), and Envoy weighs it least. The same figure is measured with the procfs sampler,
 //! where the kernel counts no response and the service is balanced by least request. Workers on one
 //! shared listener have no figure of their own. And a built-in worker keeps its own count, which the
 //! supervisor reads from its line.
@@ -44,7 +44,7 @@ fn servers() -> Option<AppServers> {
 /// A supervisor running the gunicorn workers with `sampler`, and an Envoy bootstrapped from it.
 struct Waiting {
     // Envoy first: it is killed before the supervisor when dropped. The load goes through it.
-    _envoy: Envoy,
+    envoy: Envoy,
     supervisor: Supervisor,
     listen: SocketAddr,
 }
@@ -83,7 +83,7 @@ impl Waiting {
         let supervisor = Supervisor::start(&config.toml());
         let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
         Waiting {
-            _envoy: envoy,
+            envoy,
             supervisor,
             listen: SocketAddr::from(([127, 0, 0, 1], listen)),
         }
@@ -120,7 +120,7 @@ fn figure(row: &serde_json::Value, key: &str) -> f64 {
 }
 
 #[test]
-fn the_kernel_shows_the_gunicorn_worker_that_waits_longer_holding_the_most() {
+fn the_gunicorn_worker_that_waits_longer_is_busy_by_the_kernels_count_and_weighs_least_in_envoy() {
     let Some(servers) = servers() else {
         return;
     };
@@ -137,26 +137,38 @@ fn the_kernel_shows_the_gunicorn_worker_that_waits_longer_holding_the_most() {
     }
     waiting.under_load(|| {
         // The slow worker holds its requests open while it sleeps: the most in flight of the three,
-        // though its CPU is next to nothing; its report to Envoy is its CPU and wait.
-        let rows = wait_until(
-            STEP * 2,
-            "the slow worker holding the most requests in flight",
+        // and busy most of the time, though its CPU is next to nothing. Its report says it busy, and
+        // Envoy weighs it (rate over utilization: one over its time per request) well below the
+        // others.
+        let (rows, weights) = wait_until(
+            STEP * 3,
+            "the slow worker busy in its report and weighed least by Envoy",
             || {
                 let rows = waiting.in_flight_rows()?;
                 let slow = &rows[&u64::from(SLOW)];
                 let report = &slow["orca_last_report"];
-                let most = rows
-                    .iter()
-                    .filter(|(index, _)| **index != u64::from(SLOW))
-                    .all(|(_, row)| figure(row, "in_flight") < figure(slow, "in_flight"));
-                (most
-                    && figure(slow, "in_flight_utilization") > 0.3
-                    && report["application_utilization"].as_f64()? < 0.2
-                    && report["cpu_utilization"].as_f64()? < 0.2)
-                    .then_some(rows)
+                let others = || rows.iter().filter(|(index, _)| **index != u64::from(SLOW));
+                let most =
+                    others().all(|(_, row)| figure(row, "in_flight") < figure(slow, "in_flight"));
+                let busy = report["application_utilization"].as_f64()? > 0.5
+                    && report["cpu_utilization"].as_f64()? < 0.2;
+                let hosts = peregrine_e2e::hosts(&waiting.envoy.clusters(), SERVICE);
+                let weight = |row: &serde_json::Value| {
+                    let pid = u32::try_from(row["pid"].as_u64()?).ok()?;
+                    hosts
+                        .iter()
+                        .find(|h| peregrine_e2e::hostname_pid(&h.hostname) == Some(pid))
+                        .map(|h| h.weight)
+                };
+                let slow_weight = weight(slow)?;
+                let weights: Vec<u64> = others()
+                    .map(|(_, row)| weight(row))
+                    .collect::<Option<_>>()?;
+                let least = weights.iter().all(|&w| w >= 2 * slow_weight.max(1));
+                (most && busy && least).then_some((rows.clone(), (slow_weight, weights)))
             },
         );
-        eprintln!("status rows: {rows:#?}");
+        eprintln!("status rows: {rows:#?}\nEnvoy's weights (slow, others): {weights:?}");
     });
 }
 

@@ -69,6 +69,9 @@ struct sock {
 	__u16 sk_protocol;
 } __attribute__((preserve_access_index));
 
+/* Only passed through: tcp_sendmsg's second argument. */
+struct msghdr;
+
 /* Set by the loader before the object is loaded. */
 const volatile __u32 lanes = 1;
 const volatile __u32 nr_cpus = 1;
@@ -329,31 +332,52 @@ int BPF_PROG(on_exit, struct task_struct *task)
 }
 
 /*
+ * A send that sent bytes on socket sk, by the current process: for a process of a lane with a
+ * listening port, a send on a TCP socket whose local port is that port (a connection the passed
+ * listener accepted) counts one request.
+ */
+static __always_inline void count_send(struct sock *sk)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct peregrine_tracked e;
+	if (!accounted(tgid, &e))
+		return;
+	__u32 lane = e.lane;
+	__u16 *port = bpf_map_lookup_elem(&ports, &lane);
+	if (!port || *port == 0)
+		return;
+	__u16 family = sk->__sk_common.skc_family;
+	if ((family != AF_INET && family != AF_INET6) || sk->sk_protocol != IPPROTO_TCP ||
+	    sk->__sk_common.skc_num != *port)
+		return;
+	struct peregrine_counter *counter = bpf_map_lookup_elem(&counters, &lane);
+	if (counter)
+		__sync_fetch_and_add(&counter->requests, 1);
+}
+
+/*
  * A send on a socket has returned (sock_sendmsg: send, sendto, sendmsg, sendmmsg's each message,
- * write on a socket, io_uring's sends, splice and sendfile to a socket). For a process of a lane with
- * a listening port, a send that sent bytes on a TCP socket whose local port is that port (a
- * connection the passed listener accepted) counts one request.
+ * write on a socket, io_uring's sends, splice and sendfile to a socket). Linux 6.3 and later.
  */
 SEC("tp_btf/sock_send_length")
 int BPF_PROG(on_send, struct sock *sk, int ret)
 {
-	if (ret <= 0)
-		return 0;
-	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	struct peregrine_tracked e;
-	if (!accounted(tgid, &e))
-		return 0;
-	__u32 lane = e.lane;
-	__u16 *port = bpf_map_lookup_elem(&ports, &lane);
-	if (!port || *port == 0)
-		return 0;
-	__u16 family = sk->__sk_common.skc_family;
-	if ((family != AF_INET && family != AF_INET6) || sk->sk_protocol != IPPROTO_TCP ||
-	    sk->__sk_common.skc_num != *port)
-		return 0;
-	struct peregrine_counter *counter = bpf_map_lookup_elem(&counters, &lane);
-	if (counter)
-		__sync_fetch_and_add(&counter->requests, 1);
+	if (ret > 0)
+		count_send(sk);
+	return 0;
+}
+
+/*
+ * The same count where the kernel has no sock_send_length (before Linux 6.3, such as Debian 12's
+ * 6.1): tcp_sendmsg has returned. It sees what on_send sees on TCP, except splice and sendfile
+ * before Linux 6.5 (which went through tcp_sendpage). Attached only where on_send cannot be, so that
+ * no send counts twice.
+ */
+SEC("fexit/tcp_sendmsg")
+int BPF_PROG(on_tcp_sendmsg, struct sock *sk, struct msghdr *msg, __u64 size, int ret)
+{
+	if (ret > 0)
+		count_send(sk);
 	return 0;
 }
 

@@ -23,7 +23,7 @@ use peregrine_proto::xds::service::orca::v3::OrcaLoadReportRequest;
 use peregrine_supervisor::{
     config::MAX_REPORT_INTERVAL,
     orca::{IDLE_RPS, MIN_UTILIZATION, OrcaService, report_for},
-    registry::{Address, Loads, Protocol, Registry, Worker, WorkerLoad},
+    registry::{Address, Loads, Protocol, Registry, SmoothedLoad, Worker, WorkerLoad},
 };
 
 /// The registered workers: service, index, pid.
@@ -181,6 +181,17 @@ fn loads(u: &mut Unstructured<'_>) -> libfuzzer_sys::arbitrary::Result<()> {
             cpu_seconds_total: number(u)?,
             runq_wait_seconds_total: number(u)?,
             requests_total: u.arbitrary()?,
+            in_flight: optional(u)?,
+            in_flight_now: u.arbitrary()?,
+            in_flight_utilization: optional(u)?,
+            smoothed: if u.arbitrary()? {
+                Some(SmoothedLoad {
+                    requests_per_second: number(u)?,
+                    utilization: number(u)?,
+                })
+            } else {
+                None
+            },
             sampled_at: SystemTime::UNIX_EPOCH,
         });
     }

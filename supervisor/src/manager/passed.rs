@@ -84,6 +84,11 @@ impl PassedListener {
                 if ip.is_ipv6() {
                     socket.set_only_v6(true)?;
                 }
+                // Accepted connections inherit it. A server that takes its listener as a file
+                // descriptor may not set it on them: uvicorn (`--fd`) wraps the descriptor as a Unix
+                // socket, so asyncio leaves Nagle's algorithm on, and every answer after a kept-alive
+                // connection's first waited for the client's delayed ACK (45 ms for a 5 ms request).
+                socket.set_tcp_nodelay(true)?;
                 socket.bind(&addr.into())?;
                 socket.listen(BACKLOG)?;
                 let bound = socket
@@ -550,6 +555,12 @@ mod tests {
         assert_eq!(listener.url().to_string(), format!("http://{addr}"));
         // Not SO_REUSEPORT: nobody else can bind it while it lives.
         assert!(std::net::TcpListener::bind(addr).is_err());
+        // Nagle's algorithm off on the listener, so on every connection accepted from it, whether
+        // the server sets it or not.
+        assert!(rustix::net::sockopt::tcp_nodelay(&listener.fd).unwrap());
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let (accepted, _) = rustix::net::acceptfrom(&listener.fd).unwrap();
+        assert!(rustix::net::sockopt::tcp_nodelay(&accepted).unwrap());
     }
 
     #[test]

@@ -200,6 +200,7 @@ mod tests {
             in_flight: None,
             in_flight_now: None,
             in_flight_utilization: None,
+            smoothed: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }

@@ -67,8 +67,22 @@ pub struct WorkerLoad {
     /// The utilization that requests in flight make: [`in_flight`](Self::in_flight) over the
     /// service's concurrency (unscaled for a server of many at once).
     pub in_flight_utilization: Option<f64>,
+    /// For a worker of a service that serves a known number of requests at once (`concurrency`),
+    /// with its requests in flight known: its rate and utilization as ORCA reports them, each an
+    /// exponential mean over a few seconds of samples. `None` otherwise.
+    pub smoothed: Option<SmoothedLoad>,
     /// When the sample was taken.
     pub sampled_at: SystemTime,
+}
+
+/// A worker's rate and utilization, each an exponential mean over a few seconds of samples.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SmoothedLoad {
+    /// Requests per second.
+    pub requests_per_second: f64,
+    /// The higher of (on-CPU + run-queue wait) in cores and the mean requests in flight over the
+    /// service's concurrency.
+    pub utilization: f64,
 }
 
 /// The sampler that produces the loads.
@@ -222,6 +236,7 @@ mod tests {
             in_flight: None,
             in_flight_now: None,
             in_flight_utilization: None,
+            smoothed: None,
             sampled_at: SystemTime::UNIX_EPOCH,
         }
     }

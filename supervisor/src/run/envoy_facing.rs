@@ -27,8 +27,8 @@ use crate::{
 pub(super) struct Sampling {
     /// Whether a sampler runs (without one there is no load to report).
     pub(super) loads: bool,
-    /// Whether it counts the responses of servers on passed sockets (eBPF with the
-    /// `sock_send_length` tracepoint): without it they have no request rate to report.
+    /// Whether it counts the responses of servers on passed sockets (eBPF, with one of its send
+    /// programs attached): without it they have no request rate to report.
     pub(super) sends: bool,
 }
 
@@ -63,7 +63,7 @@ pub(super) fn orca_services(config: &Config, sampling: Sampling) -> BTreeSet<Str
         .filter(|s| {
             let uncounted = s.pass_socket && !sampling.sends;
             if uncounted {
-                tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs eBPF and the sock_send_length tracepoint, Linux 6.3): least request instead of ORCA");
+                tracing::warn!(service = %s.name, "The sampler cannot count the responses of servers on passed sockets (it needs the eBPF sampler): least request instead of ORCA");
             }
             !uncounted
         })
@@ -348,8 +348,8 @@ mod tests {
         )
     }
 
-    /// The eBPF sampler on a kernel without `sock_send_length` (Linux 6.1), and the procfs sampler:
-    /// neither counts a passed-socket server's responses, so its service gets least request, while
+    /// An eBPF sampler that could attach no send program, and the procfs sampler: neither counts a
+    /// passed-socket server's responses, so its service gets least request, while
     /// a built-in worker's, which counts its own, stays on ORCA.
     #[test]
     fn a_passed_socket_service_is_on_orca_only_where_the_sampler_counts_its_responses() {

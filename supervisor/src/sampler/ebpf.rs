@@ -29,6 +29,18 @@ impl EbpfSource {
             })?;
         Ok((EbpfSource { probe }, Arc::new(counters)))
     }
+
+    /// Where the kernel counts the sends of servers on passed listeners, or why it does not: for
+    /// the log line that names the sampler.
+    pub fn sends(&self) -> String {
+        match self.probe.send_hook() {
+            Ok(hook) => format!("counted at {hook}"),
+            Err(why) => format!(
+                "not counted ({})",
+                peregrine_contract::ErrorChain(why.as_ref())
+            ),
+        }
+    }
 }
 
 fn counters_of(probe: &Probe, lanes: usize) -> Result<Counters, ShmError> {

@@ -5,12 +5,17 @@
 //! between the two. A reading lower than the previous one (a procfs thread that exited between two
 //! samples takes its time with it; a counter read just as its lane was zeroed) adds nothing.
 
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use peregrine_contract::counters::InFlight;
 
-use super::SchedTotals;
-use crate::registry::WorkerLoad;
+use super::{SchedTotals, sock_diag::Held};
+use crate::registry::{SmoothedLoad, WorkerLoad};
+
+/// How long a smoothed load remembers: the time constant of its exponential means. Ten samples at
+/// the default interval, so that the requests in flight seen at the ticks (0, 1 or 2 for a worker
+/// of one request at a time) average to a figure a weight can follow.
+pub const SMOOTHING: Duration = Duration::from_secs(2);
 
 /// A worker's requests in flight, as one tick read them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,7 +28,7 @@ pub enum InFlightReading {
         at_us: u64,
     },
     /// Seen in the kernel's socket tables at the tick: the requests in flight at that moment.
-    Seen(u64),
+    Seen(Held),
 }
 
 impl InFlightReading {
@@ -31,7 +36,7 @@ impl InFlightReading {
     pub fn open(self) -> u64 {
         match self {
             InFlightReading::Kept { word, .. } => word.open(),
-            InFlightReading::Seen(n) => n,
+            InFlightReading::Seen(held) => held.total(),
         }
     }
 
@@ -44,7 +49,7 @@ impl InFlightReading {
                 InFlightReading::Kept { word: b, at_us: t1 },
             ) => a.mean_between(t0, b, t1),
             (InFlightReading::Seen(a), InFlightReading::Seen(b)) => {
-                Some((a as f64 + b as f64) / 2.0)
+                Some((a.total() as f64 + b.total() as f64) / 2.0)
             }
             _ => None,
         }
@@ -79,11 +84,51 @@ pub struct Reading {
 }
 
 /// A worker's sampling history: its last reading and its running totals.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct History {
     last: Reading,
     totals: SchedTotals,
     requests: u64,
+    /// Exponential means of its rates, where its requests in flight are known.
+    smoothed: Option<Smoothed>,
+}
+
+/// Exponential means of a worker's rates over [`SMOOTHING`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Smoothed {
+    requests_per_second: f64,
+    /// On-CPU time and run-queue wait, in cores.
+    scheduled: f64,
+    in_flight: f64,
+}
+
+impl Smoothed {
+    /// The means after `rates`, taken over `seconds`, from `previous`; the first are the rates
+    /// themselves. `None` without requests in flight, or where a mean is not finite.
+    fn step(previous: Option<Smoothed>, rates: &Rates, seconds: f64) -> Option<Smoothed> {
+        let now = Smoothed {
+            requests_per_second: rates.requests_per_second,
+            scheduled: rates.cpu_cores + rates.runq_wait_cores,
+            in_flight: rates.in_flight?,
+        };
+        let next = match previous {
+            // Each mean moves toward the new figure by the share of the time constant that passed.
+            Some(old) => {
+                let weight = 1.0 - (-seconds / SMOOTHING.as_secs_f64()).exp();
+                let mean = |old: f64, new: f64| old + weight * (new - old);
+                Smoothed {
+                    requests_per_second: mean(old.requests_per_second, now.requests_per_second),
+                    scheduled: mean(old.scheduled, now.scheduled),
+                    in_flight: mean(old.in_flight, now.in_flight),
+                }
+            }
+            None => now,
+        };
+        [next.requests_per_second, next.scheduled, next.in_flight]
+            .iter()
+            .all(|v| v.is_finite())
+            .then_some(next)
+    }
 }
 
 /// Rates between two readings: CPU time per wall time ("cores") and requests per second.
@@ -107,6 +152,7 @@ pub fn step(previous: Option<&History>, now: Reading) -> (History, Option<Rates>
             last: now,
             totals: now.sched,
             requests: now.requests,
+            smoothed: None,
         };
         return (baseline, None);
     };
@@ -119,13 +165,14 @@ pub fn step(previous: Option<&History>, now: Reading) -> (History, Option<Rates>
         .runq_wait_ns
         .saturating_sub(previous.last.sched.runq_wait_ns);
     let requests = now.requests.saturating_sub(previous.last.requests);
-    let history = History {
+    let mut history = History {
         last: now,
         totals: previous.totals.saturating_add(SchedTotals {
             on_cpu_ns: on_cpu,
             runq_wait_ns: runq_wait,
         }),
         requests: previous.requests.saturating_add(requests),
+        smoothed: previous.smoothed,
     };
     let elapsed = now.at.saturating_duration_since(previous.last.at);
     if elapsed.is_zero() {
@@ -142,6 +189,7 @@ pub fn step(previous: Option<&History>, now: Reading) -> (History, Option<Rates>
             .and_then(|(now, earlier)| now.mean_since(earlier))
             .filter(|mean| mean.is_finite()),
     };
+    history.smoothed = Smoothed::step(previous.smoothed, &rates, seconds);
     (history, Some(rates))
 }
 
@@ -168,8 +216,22 @@ impl History {
             in_flight,
             in_flight_now: self.last.in_flight.map(InFlightReading::open),
             in_flight_utilization: in_flight.map(|mean| in_flight_utilization(mean, concurrency)),
+            smoothed: self.smoothed_load(concurrency),
             sampled_at,
         }
+    }
+
+    /// The smoothed load of a worker of a service of `concurrency` requests at once: its smoothed
+    /// rate, and the higher of its smoothed CPU and run-queue wait and its smoothed requests in
+    /// flight over `concurrency`. `None` for a server of many at once, or where its requests in
+    /// flight are not known.
+    fn smoothed_load(&self, concurrency: Option<u32>) -> Option<SmoothedLoad> {
+        let n = concurrency.filter(|&n| n > 0)?;
+        let smoothed = self.smoothed?;
+        Some(SmoothedLoad {
+            requests_per_second: smoothed.requests_per_second,
+            utilization: smoothed.scheduled.max(smoothed.in_flight / f64::from(n)),
+        })
     }
 
     /// The running totals: scheduler time and requests.
@@ -342,7 +404,7 @@ mod tests {
         );
         assert!((load.in_flight_utilization.unwrap() - 0.3125).abs() < 1e-9);
         // Counts seen in the kernel at two ticks: their mean.
-        let seen = |n| Some(InFlightReading::Seen(n));
+        let seen = |serving| Some(InFlightReading::Seen(Held { queued: 0, serving }));
         let (history, _) = step(None, with(reading(2, 0, 0, 0, at(0)), seen(3)));
         let (history, rates) = step(Some(&history), with(reading(2, 0, 0, 0, at(200)), seen(0)));
         assert_eq!(rates.unwrap().in_flight, Some(1.5));
@@ -355,6 +417,62 @@ mod tests {
         let (history, _) = step(None, reading(3, 0, 0, 0, at(0)));
         let (_, rates) = step(Some(&history), with(reading(3, 0, 0, 0, at(200)), seen(2)));
         assert_eq!(rates.unwrap().in_flight, None);
+    }
+
+    #[test]
+    fn a_worker_of_a_known_concurrency_has_a_load_smoothed_over_seconds() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let seen = |queued, serving| Some(InFlightReading::Seen(Held { queued, serving }));
+        // Every 200 ms: 10 more requests, 20 ms of CPU, and what it holds.
+        let read = |tick: u64, held| Reading {
+            in_flight: held,
+            ..reading(1, tick * 20, 0, tick * 10, at(tick * 200))
+        };
+        let smoothed = |h: &History, concurrency| {
+            h.load("a".into(), 0, None, (concurrency, SystemTime::UNIX_EPOCH))
+                .smoothed
+        };
+        // Serving one with two queued at the baseline and the first tick: three in flight.
+        let (history, _) = step(None, read(0, seen(2, 1)));
+        let (history, rates) = step(Some(&history), read(1, seen(2, 1)));
+        assert_eq!(rates.unwrap().in_flight, Some(3.0));
+        let first = smoothed(&history, Some(1)).unwrap();
+        assert!((first.requests_per_second - 50.0).abs() < 1e-9, "{first:?}");
+        assert!((first.utilization - 3.0).abs() < 1e-9, "{first:?}");
+        assert!((smoothed(&history, Some(4)).unwrap().utilization - 0.75).abs() < 1e-9);
+        // A server of many at once has none: it reports its CPU and wait.
+        assert_eq!(smoothed(&history, None), None);
+        // Idle from then on: in flight falls by the exponential mean, not at once. After one time
+        // constant of idle ticks, e^-1 of it is left (the first tick's mean is one half, the
+        // trapezoid); the rate stays, the CPU (0.1 core) takes over once in flight is below it.
+        let mut history = history;
+        let ticks = SMOOTHING.as_millis() as u64 / 200;
+        for tick in 2..=ticks + 1 {
+            history = step(Some(&history), read(tick, seen(0, 0))).0;
+        }
+        let left = smoothed(&history, Some(1)).unwrap();
+        let weight = 1.0 - (-0.1f64).exp();
+        let expected = 3.0 * (1.0 - weight * 0.5) * (1.0 - weight).powi(ticks as i32 - 1);
+        assert!(
+            (left.utilization - expected).abs() < 1e-9,
+            "{left:?} against {expected}"
+        );
+        assert!((left.requests_per_second - 50.0).abs() < 1e-9, "{left:?}");
+        for tick in ticks + 2..=ticks * 6 {
+            history = step(Some(&history), read(tick, seen(0, 0))).0;
+        }
+        let late = smoothed(&history, Some(1)).unwrap();
+        assert!((late.utilization - 0.1).abs() < 1e-6, "{late:?}");
+        // A new process starts its own means.
+        let (history, _) = step(
+            Some(&history),
+            Reading {
+                pid: 2,
+                ..read(100, seen(0, 0))
+            },
+        );
+        assert_eq!(smoothed(&history, Some(1)), None);
     }
 
     #[test]

@@ -89,20 +89,48 @@ pub struct TcpTimes {
     pub bytes_received: u64,
 }
 
-/// How many requests socket `seen` holds in flight.
-pub fn classify(seen: &Seen) -> u64 {
+/// The requests a listener's sockets hold in flight: those waiting in its accept queue, and those
+/// its server took and has not answered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Connections not accepted yet, each holding a request.
+    pub queued: u64,
+    /// Accepted connections holding a request.
+    pub serving: u64,
+}
+
+impl Held {
+    /// Every request held.
+    pub fn total(self) -> u64 {
+        self.queued.saturating_add(self.serving)
+    }
+
+    fn add(&mut self, other: Held) {
+        self.queued = self.queued.saturating_add(other.queued);
+        self.serving = self.serving.saturating_add(other.serving);
+    }
+}
+
+/// The requests socket `seen` holds in flight.
+pub fn classify(seen: &Seen) -> Held {
     match seen.state {
-        TCP_LISTEN => u64::from(seen.rqueue),
+        TCP_LISTEN => Held {
+            queued: u64::from(seen.rqueue),
+            serving: 0,
+        },
         // Not accepted yet: its listener's queue counts it.
-        TCP_ESTABLISHED | TCP_CLOSE_WAIT if seen.inode == 0 => 0,
+        TCP_ESTABLISHED | TCP_CLOSE_WAIT if seen.inode == 0 => Held::default(),
         TCP_ESTABLISHED | TCP_CLOSE_WAIT => {
             let answering = seen.tcp.is_some_and(|t| {
                 t.bytes_received > 0
                     && (t.bytes_sent == 0 || t.last_data_recv_ms < t.last_data_sent_ms)
             });
-            u64::from(seen.rqueue > 0 || answering)
+            Held {
+                queued: 0,
+                serving: u64::from(seen.rqueue > 0 || answering),
+            }
         }
-        _ => 0,
+        _ => Held::default(),
     }
 }
 
@@ -176,7 +204,7 @@ impl SockDiag {
         &mut self,
         ports: &HashSet<u16>,
         families: Families,
-    ) -> Result<HashMap<u16, u64>, DiagError> {
+    ) -> Result<HashMap<u16, Held>, DiagError> {
         let mut counts = HashMap::new();
         if ports.is_empty() {
             return Ok(counts);
@@ -190,9 +218,12 @@ impl SockDiag {
         for family in wanted.into_iter().filter_map(|(f, on)| on.then_some(f)) {
             self.dump(family, filter.as_deref(), |seen| {
                 if ports.contains(&seen.port) {
-                    let n = classify(&seen);
-                    if n > 0 {
-                        *counts.entry(seen.port).or_insert(0) += n;
+                    let held = classify(&seen);
+                    if held.total() > 0 {
+                        counts
+                            .entry(seen.port)
+                            .or_insert_with(Held::default)
+                            .add(held);
                     }
                 }
             })?;
@@ -325,48 +356,57 @@ mod tests {
 
     #[test]
     fn classifies_listeners_connections_and_requests_in_flight() {
-        // A listener with three connections not accepted yet.
-        assert_eq!(classify(&socket(TCP_LISTEN, 9, 3, None)), 3);
+        // A listener with three connections not accepted yet: queued.
+        assert_eq!(
+            classify(&socket(TCP_LISTEN, 9, 3, None)),
+            Held {
+                queued: 3,
+                serving: 0
+            }
+        );
         // One of those connections, with its request unread: counted with its listener's queue.
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 0, 120, times(5, 5, 0, 120))),
+            classify(&socket(TCP_ESTABLISHED, 0, 120, times(5, 5, 0, 120))).total(),
             0
         );
         // Accepted, its request read and not answered yet (received in the same millisecond as the
         // connection came: the times are equal, but nothing was sent).
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 7, 0, times(3, 3, 0, 120))),
+            classify(&socket(TCP_ESTABLISHED, 7, 0, times(3, 3, 0, 120))).total(),
             1
         );
         // Accepted, nothing received yet: no request.
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 7, 0, times(3, 3, 0, 0))),
+            classify(&socket(TCP_ESTABLISHED, 7, 0, times(3, 3, 0, 0))).total(),
             0
         );
         // Keep-alive: answered 40 ms ago, the request came 45 ms ago: idle.
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 7, 0, times(40, 45, 900, 240))),
+            classify(&socket(TCP_ESTABLISHED, 7, 0, times(40, 45, 900, 240))).total(),
             0
         );
         // The next request came 10 ms ago, the last response went 40 ms ago: in flight.
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 7, 0, times(40, 10, 900, 360))),
+            classify(&socket(TCP_ESTABLISHED, 7, 0, times(40, 10, 900, 360))).total(),
             1
         );
         // Bytes unread: in flight whatever the times.
         assert_eq!(
-            classify(&socket(TCP_ESTABLISHED, 7, 80, times(1, 50, 900, 360))),
+            classify(&socket(TCP_ESTABLISHED, 7, 80, times(1, 50, 900, 360))).total(),
             1
         );
         // The client half-closed after its request: still owed a response.
         assert_eq!(
-            classify(&socket(TCP_CLOSE_WAIT, 7, 0, times(40, 10, 900, 360))),
+            classify(&socket(TCP_CLOSE_WAIT, 7, 0, times(40, 10, 900, 360))).total(),
             1
         );
         // Without a tcp_info only unread bytes tell.
-        assert_eq!(classify(&socket(TCP_ESTABLISHED, 7, 0, None)), 0);
+        assert_eq!(classify(&socket(TCP_ESTABLISHED, 7, 0, None)).total(), 0);
         // Other states hold none.
-        assert_eq!(classify(&socket(6, 7, 10, times(40, 10, 900, 360))), 0);
+        assert_eq!(
+            classify(&socket(6, 7, 10, times(40, 10, 900, 360))).total(),
+            0
+        );
     }
 
     /// Runs `filter` on a socket of local port `port`, as the kernel's `inet_diag_bc_run` does;
@@ -428,8 +468,7 @@ mod tests {
                 .in_flight(&ports, IPV4)
                 .unwrap()
                 .get(&port)
-                .copied()
-                .unwrap_or(0);
+                .map_or(0, |held| held.total());
             if got == want || Instant::now() > deadline {
                 return got;
             }
@@ -495,7 +534,12 @@ mod tests {
         let started = Instant::now();
         let mut total = 0;
         for _ in 0..rounds {
-            total += diag.in_flight(&ports, IPV4).unwrap().values().sum::<u64>();
+            total += diag
+                .in_flight(&ports, IPV4)
+                .unwrap()
+                .values()
+                .map(|held| held.total())
+                .sum::<u64>();
         }
         let each = started.elapsed() / rounds;
         eprintln!(
