@@ -8,7 +8,8 @@ use std::{
 
 use anyhow::bail;
 
-/// Polls `f` every `step` until it returns `Some` or `deadline` passes.
+/// Polls `f` every `step` until it returns `Some` or `deadline` passes; fails at once on Ctrl-C
+/// where the run installed [`xtask::interrupt`], so that its guards stop what it started.
 pub(super) fn poll_every<T>(
     step: Duration,
     deadline: Instant,
@@ -22,6 +23,7 @@ pub(super) fn poll_every<T>(
         if Instant::now() >= deadline {
             bail!("timed out waiting for {what}");
         }
+        xtask::interrupt::check()?;
         thread::sleep(step);
     }
 }

@@ -24,8 +24,9 @@
 //!   connections, for as long as it lasts). gunicorn's forks learn their index from
 //!   `tests/apps/gunicorn_forks.py` (`-c`); uvicorn's take one each as they load the app
 //!   (`APP_INDEX_DIR`, lock files in the cell's directory; `tests/apps/app_knobs.py`).
-//! - `orca`: the former default with `pass_socket` (`count = 4`, `--workers 1`, a listener per
-//!   worker, `orca = true`: client-side weighted round robin on the supervisor's ORCA reports).
+//! - `orca`: a listener per worker balanced on ORCA, the default before shared listeners (`count =
+//!   4`, `--workers 1`, `orca = true`: client-side weighted round robin on the supervisor's ORCA
+//!   reports, which for gunicorn's sync worker carry its requests in flight).
 //! - `lr2`, `lr4`: `lb_policy = "least_request"` with `choice_count` 2, and with `choice_count` the
 //!   number of workers (join the shortest queue of Envoy's own count).
 //! - `rr`: `lb_policy = "round_robin"`.
@@ -100,6 +101,9 @@
 //! queue of the set-up is empty (`/proc/net/tcp`), so a backlog a run left does not delay the next.
 //! Report: `target/bench/balance-waits.md`; p99 and shares per run: `target/bench/balance-waits.csv`,
 //! and the p99s plotted per cell and set-up in `.png`.
+//!
+//! **Ctrl-C** fails the next wait between runs (at most one run later): the guards then stop every
+//! process the cell started; a second one ends the benchmark at once.
 //!
 //! **Noise.** As the other balance runs: the CPU that processes outside this benchmark's tree took
 //! during each run; a run over 0.1 core is run again (once: on a shared machine more would
@@ -444,7 +448,7 @@ impl SetUp {
                 "{}'s shared socket (count 1, --workers {workers})",
                 cell.app().name()
             ),
-            SetUp::Orca => "ORCA weighted round robin, a listener each (the former default)".into(),
+            SetUp::Orca => "ORCA weighted round robin, a listener each".into(),
             SetUp::Lr2 => "least request, 2 choices".into(),
             SetUp::LrAll => format!("least request, choice_count = workers ({workers})"),
             SetUp::RoundRobin => "round robin".into(),
@@ -610,6 +614,8 @@ pub(super) fn run(
     cpu_line: &str,
     command: &str,
 ) -> anyhow::Result<()> {
+    // Ctrl-C fails the next wait, and the guards stop every process of the cell.
+    xtask::interrupt::install()?;
     // gunicorn, uvicorn and their Python.
     let bin = xtask::pyapps::install()?;
     let out = target_dir().join("bench");

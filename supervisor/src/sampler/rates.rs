@@ -100,6 +100,8 @@ struct Smoothed {
     /// On-CPU time and run-queue wait, in cores.
     scheduled: f64,
     in_flight: f64,
+    /// The seconds of samples the means cover.
+    covered: f64,
 }
 
 impl Smoothed {
@@ -110,6 +112,7 @@ impl Smoothed {
             requests_per_second: rates.requests_per_second,
             scheduled: rates.cpu_cores + rates.runq_wait_cores,
             in_flight: rates.in_flight?,
+            covered: seconds,
         };
         let next = match previous {
             // Each mean moves toward the new figure by the share of the time constant that passed.
@@ -120,6 +123,7 @@ impl Smoothed {
                     requests_per_second: mean(old.requests_per_second, now.requests_per_second),
                     scheduled: mean(old.scheduled, now.scheduled),
                     in_flight: mean(old.in_flight, now.in_flight),
+                    covered: old.covered + seconds,
                 }
             }
             None => now,
@@ -223,11 +227,16 @@ impl History {
 
     /// The smoothed load of a worker of a service of `concurrency` requests at once: its smoothed
     /// rate, and the higher of its smoothed CPU and run-queue wait and its smoothed requests in
-    /// flight over `concurrency`. `None` for a server of many at once, or where its requests in
-    /// flight are not known.
+    /// flight over `concurrency`. `None` for a server of many at once, where its requests in flight
+    /// are not known, or before its means cover [`SMOOTHING`].
     fn smoothed_load(&self, concurrency: Option<u32>) -> Option<SmoothedLoad> {
         let n = concurrency.filter(|&n| n > 0)?;
-        let smoothed = self.smoothed?;
+        // Until the means cover a time constant, a first sample that saw nothing in flight would
+        // weigh the worker by its CPU alone, a hundred times its peers, and draw every request. (A
+        // millisecond's slack: ten intervals of 0.2 s add up to a hair under 2 s.)
+        let smoothed = self
+            .smoothed
+            .filter(|s| s.covered + 1e-3 >= SMOOTHING.as_secs_f64())?;
         Some(SmoothedLoad {
             requests_per_second: smoothed.requests_per_second,
             utilization: smoothed.scheduled.max(smoothed.in_flight / f64::from(n)),
@@ -433,10 +442,16 @@ mod tests {
             h.load("a".into(), 0, None, (concurrency, SystemTime::UNIX_EPOCH))
                 .smoothed
         };
-        // Serving one with two queued at the baseline and the first tick: three in flight.
-        let (history, _) = step(None, read(0, seen(2, 1)));
-        let (history, rates) = step(Some(&history), read(1, seen(2, 1)));
-        assert_eq!(rates.unwrap().in_flight, Some(3.0));
+        // Serving one with two queued at every tick: three in flight. None until the means cover a
+        // time constant: a first sample could have seen nothing.
+        let ticks = SMOOTHING.as_millis() as u64 / 200;
+        let (mut history, _) = step(None, read(0, seen(2, 1)));
+        for tick in 1..=ticks {
+            assert_eq!(smoothed(&history, Some(1)), None, "tick {tick}");
+            let rates;
+            (history, rates) = step(Some(&history), read(tick, seen(2, 1)));
+            assert_eq!(rates.unwrap().in_flight, Some(3.0));
+        }
         let first = smoothed(&history, Some(1)).unwrap();
         assert!((first.requests_per_second - 50.0).abs() < 1e-9, "{first:?}");
         assert!((first.utilization - 3.0).abs() < 1e-9, "{first:?}");
@@ -446,9 +461,7 @@ mod tests {
         // Idle from then on: in flight falls by the exponential mean, not at once. After one time
         // constant of idle ticks, e^-1 of it is left (the first tick's mean is one half, the
         // trapezoid); the rate stays, the CPU (0.1 core) takes over once in flight is below it.
-        let mut history = history;
-        let ticks = SMOOTHING.as_millis() as u64 / 200;
-        for tick in 2..=ticks + 1 {
+        for tick in ticks + 1..=ticks * 2 {
             history = step(Some(&history), read(tick, seen(0, 0))).0;
         }
         let left = smoothed(&history, Some(1)).unwrap();
@@ -459,7 +472,7 @@ mod tests {
             "{left:?} against {expected}"
         );
         assert!((left.requests_per_second - 50.0).abs() < 1e-9, "{left:?}");
-        for tick in ticks + 2..=ticks * 6 {
+        for tick in ticks * 2 + 1..=ticks * 7 {
             history = step(Some(&history), read(tick, seen(0, 0))).0;
         }
         let late = smoothed(&history, Some(1)).unwrap();
