@@ -17,6 +17,9 @@ mod compile;
 
 use std::path::{Path, PathBuf};
 
+/// The lines of clang's diagnostics a failed build shows as cargo warnings.
+const MAX_WARNING_LINES: usize = 20;
+
 fn main() {
     let crate_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("set by cargo"));
@@ -51,13 +54,18 @@ fn main() {
             if required {
                 panic!("PEREGRINE_REQUIRE_EBPF=1 and the eBPF program cannot be built: {error}");
             }
-            let first_line = error
-                .to_string()
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_owned();
-            println!("cargo::warning=eBPF sampler not built (procfs fallback only): {first_line}");
+            // A cargo warning is one line: clang's diagnostics (the lines after the first) go out as
+            // a warning each, the first of them that say what went wrong.
+            let why = error.to_string();
+            let mut lines = why.lines().filter(|line| !line.trim().is_empty());
+            let first = lines.next().unwrap_or_default();
+            println!("cargo::warning=eBPF sampler not built (procfs fallback only): {first}");
+            for line in lines.by_ref().take(MAX_WARNING_LINES) {
+                println!("cargo::warning=  {line}");
+            }
+            if lines.next().is_some() {
+                println!("cargo::warning=  ... (run `cargo xtask build-ebpf` for all of it)");
+            }
             format!(
                 "/// Why the kernel program was not built.\n\
                  pub(crate) static OBJECT: Result<&[u8], &str> = Err({:?});\n",

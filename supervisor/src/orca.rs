@@ -404,13 +404,13 @@ fn rates(load: &WorkerLoad) -> Option<(f64, f64, f64)> {
     if let Some(SmoothedLoad {
         requests_per_second,
         utilization,
+        settled,
     }) = load.smoothed
     {
-        return (requests_per_second.is_finite() && utilization.is_finite()).then_some((
-            cpu,
-            utilization,
-            requests_per_second,
-        ));
+        // Unsettled means make no report: Envoy round-robins a worker without a weight, or gives it
+        // its peers' median weight, rather than weigh it by its first samples.
+        return (settled && requests_per_second.is_finite() && utilization.is_finite())
+            .then_some((cpu, utilization, requests_per_second));
     }
     let rps = load.requests_per_second.filter(|v| v.is_finite())?;
     let wait = load.runq_wait_cores.unwrap_or(0.0);
@@ -584,6 +584,7 @@ mod tests {
             smoothed: Some(SmoothedLoad {
                 requests_per_second: 36.0,
                 utilization: in_flight,
+                settled: true,
             }),
             ..load(pid, Some(0.01), 0.0, Some(50.0))
         };
@@ -609,10 +610,28 @@ mod tests {
             smoothed: Some(SmoothedLoad {
                 requests_per_second: f64::NAN,
                 utilization: 0.5,
+                settled: true,
             }),
             ..load(4, Some(0.01), 0.0, Some(36.0))
         };
         assert_eq!(report_for(&loads(vec![broken]), &worker(4)), None);
+        // Nor does one whose means do not yet cover their time constant, and such a worker is no
+        // busy peer to an idle one.
+        let unsettled = WorkerLoad {
+            smoothed: Some(SmoothedLoad {
+                requests_per_second: 36.0,
+                utilization: 0.01,
+                settled: false,
+            }),
+            ..load(5, Some(0.01), 0.0, Some(36.0))
+        };
+        assert_eq!(
+            report_for(&loads(vec![unsettled.clone()]), &worker(5)),
+            None
+        );
+        let idle = load(6, Some(0.0), 0.0, Some(0.0));
+        let r = report_for(&loads(vec![unsettled, idle]), &worker(6)).unwrap();
+        assert_eq!(r.rps_fractional, 1.0, "no busy peer: {r:?}");
     }
 
     #[test]

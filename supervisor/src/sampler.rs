@@ -991,8 +991,10 @@ mod tests {
         // Seen: the mean of the two counts, 3 and 1.
         assert_eq!(by_index(1).in_flight, Some(2.0));
         assert_eq!(by_index(1).in_flight_now, Some(1));
-        // No smoothed load before its means cover a time constant (`rates::SMOOTHING`).
-        assert_eq!(by_index(1).smoothed, None);
+        // Smoothed from its first rates on, but not settled before its means cover a time constant
+        // (`rates::SMOOTHING`): two in flight over a concurrency of two.
+        let smoothed = by_index(1).smoothed.unwrap();
+        assert_eq!((smoothed.utilization, smoothed.settled), (1.0, false));
         // A shared listener's count is no worker's own.
         assert_eq!(by_index(2).in_flight, None);
         // The kernel's tables could not be read: no figure, not a zero.

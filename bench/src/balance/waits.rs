@@ -582,6 +582,9 @@ struct WaitRun {
     /// What the supervisor and Envoy took idle just before the run, in cores.
     supervisor_idle: Option<f64>,
     envoy_idle: Option<f64>,
+    /// How far off either per-request figure can be, in µs: a clock tick each way at both ends of
+    /// the run and of the idle measure, the latter scaled to the run.
+    cpu_resolution_us: Option<f64>,
     /// Other processes' CPU during the run, in cores.
     others: f64,
 }
@@ -1068,6 +1071,7 @@ impl CellBench<'_> {
         let per_request =
             |ticks: u64, idle: f64| (ticks as f64 / hz - idle * run_secs) / answered * 1e6;
         if through_envoy {
+            run.cpu_resolution_us = Some((1.0 + run_secs / idle_secs) / hz / answered * 1e6);
             run.supervisor_us = Some(per_request(after.1.saturating_sub(before.1), idle.0));
             run.envoy_us = Some(per_request(after.2.saturating_sub(before.2), idle.1));
             run.supervisor_idle = Some(idle.0);
@@ -1172,6 +1176,7 @@ fn summarize(
         envoy_us: None,
         supervisor_idle: None,
         envoy_idle: None,
+        cpu_resolution_us: None,
         others: 0.0,
     }
 }
@@ -1190,11 +1195,13 @@ fn describe(run: &WaitRun) -> String {
         run.requests,
         shares(&run.shares),
         run.supervisor_us.map_or("-".into(), |us| format!(
-            "{us:.0} µs/req (idle {:.3} cores)",
+            "{} µs/req (idle {:.3} cores)",
+            per_request_us(us, run.cpu_resolution_us),
             run.supervisor_idle.unwrap_or(0.0)
         )),
         run.envoy_us.map_or("-".into(), |us| format!(
-            "{us:.0} µs/req (idle {:.3} cores)",
+            "{} µs/req (idle {:.3} cores)",
+            per_request_us(us, run.cpu_resolution_us),
             run.envoy_idle.unwrap_or(0.0)
         )),
         run.others
@@ -1255,12 +1262,24 @@ fn median_of(values: impl Iterator<Item = Option<f64>>, format: impl Fn(f64) -> 
     }
 }
 
+/// CPU per request in µs, or `< R` where it is within `resolution` µs of nothing (a process that
+/// takes no more under load than idle, as far as 10 ms ticks tell).
+fn per_request_us(us: f64, resolution: Option<f64>) -> String {
+    match resolution {
+        Some(r) if us.abs() < r => format!("< {r:.0}"),
+        _ => format!("{us:.0}"),
+    }
+}
+
 /// `µs per request (idle cores)`, medians over runs.
 fn cpu(
     per_request: impl Iterator<Item = Option<f64>>,
     idle: impl Iterator<Item = Option<f64>>,
+    resolution: impl Iterator<Item = Option<f64>>,
 ) -> String {
-    let per_request = median_of(per_request, |us| format!("{us:.0}"));
+    let resolution: Vec<f64> = resolution.flatten().collect();
+    let resolution = (!resolution.is_empty()).then(|| median(resolution));
+    let per_request = median_of(per_request, |us| per_request_us(us, resolution));
     if per_request == "-" {
         return per_request;
     }
@@ -1337,10 +1356,12 @@ fn tables(options: &Options, runs: &[WaitRun]) -> String {
                 cpu(
                     of.iter().map(|r| r.supervisor_us),
                     of.iter().map(|r| r.supervisor_idle),
+                    of.iter().map(|r| r.cpu_resolution_us),
                 ),
                 cpu(
                     of.iter().map(|r| r.envoy_us),
                     of.iter().map(|r| r.envoy_idle),
+                    of.iter().map(|r| r.cpu_resolution_us),
                 ),
                 format!("{others:.2}"),
             ]);
@@ -1534,7 +1555,7 @@ fn write_report(
     report.push_str(&reuseport_rounds(runs));
     writeln!(
         report,
-        "p50 and p99: the median over rounds (p99 also its min-max; a p99 that falls on a failed request counts as none); p99 of 5 ms requests: of the requests that drew the short wait alone; failed: summed over rounds, of the requests scheduled in the measured windows; share: each worker's share of the answers (worker 0 first; the slowed or hogged one), median over rounds; supervisor and Envoy (in four-envoys, the four Envoys together): their CPU per answered request over the whole run (`/proc/PID/stat`, 10 ms ticks), less what they took idle in the 2 s before it (in brackets, in cores), median over rounds (`-`: not in the path); others: the most CPU other processes took during a kept run, in cores."
+        "p50 and p99: the median over rounds (p99 also its min-max; a p99 that falls on a failed request counts as none); p99 of 5 ms requests: of the requests that drew the short wait alone; failed: summed over rounds, of the requests scheduled in the measured windows; share: each worker's share of the answers (worker 0 first; the slowed or hogged one), median over rounds; supervisor and Envoy (in four-envoys, the four Envoys together): their CPU per answered request over the whole run (`/proc/PID/stat`, 10 ms ticks), less what they took idle in the 2 s before it (in brackets, in cores), median over rounds (`-`: not in the path; `< R`: within the R µs that 10 ms ticks can tell from idle); others: the most CPU other processes took during a kept run, in cores."
     )?;
     let path = out.join("balance-waits.md");
     std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
@@ -1574,6 +1595,27 @@ mod tests {
 
     fn args(text: &str) -> Vec<String> {
         text.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn a_cost_within_what_ticks_can_tell_is_shown_as_its_bound() {
+        // Ticks of 10 ms over a 20 s run and a 2 s idle measure, 2,268 answers: about 50 µs.
+        assert_eq!(per_request_us(-35.0, Some(50.0)), "< 50");
+        assert_eq!(per_request_us(49.0, Some(50.0)), "< 50");
+        assert_eq!(per_request_us(647.2, Some(50.0)), "647");
+        assert_eq!(per_request_us(-35.0, None), "-35");
+        assert_eq!(
+            cpu(
+                [Some(-2.0), Some(8.0)].into_iter(),
+                [Some(0.02)].into_iter(),
+                [Some(50.0)].into_iter()
+            ),
+            "< 50 (0.020)"
+        );
+        assert_eq!(
+            cpu([None].into_iter(), [None].into_iter(), [None].into_iter()),
+            "-"
+        );
     }
 
     #[test]
@@ -1770,6 +1812,7 @@ mod tests {
             envoy_us: None,
             supervisor_idle: None,
             envoy_idle: None,
+            cpu_resolution_us: None,
             others: 0.0,
         };
         let runs = vec![

@@ -69,7 +69,8 @@ pub struct WorkerLoad {
     pub in_flight_utilization: Option<f64>,
     /// For a worker of a service that serves a known number of requests at once (`concurrency`),
     /// with its requests in flight known: its rate and utilization as ORCA reports them, each an
-    /// exponential mean over a few seconds of samples. `None` otherwise.
+    /// exponential mean over a few seconds of samples (from its first rates on: see
+    /// [`SmoothedLoad::settled`]). `None` otherwise.
     pub smoothed: Option<SmoothedLoad>,
     /// When the sample was taken.
     pub sampled_at: SystemTime,
@@ -83,6 +84,10 @@ pub struct SmoothedLoad {
     /// The higher of (on-CPU + run-queue wait) in cores and the mean requests in flight over the
     /// service's concurrency.
     pub utilization: f64,
+    /// Whether the means cover their time constant. Until then they lean on the first samples (one
+    /// that saw nothing in flight would weigh a busy worker by its CPU alone, a hundred times its
+    /// peers), and ORCA reports nothing for the worker.
+    pub settled: bool,
 }
 
 /// The sampler that produces the loads.

@@ -227,19 +227,16 @@ impl History {
 
     /// The smoothed load of a worker of a service of `concurrency` requests at once: its smoothed
     /// rate, and the higher of its smoothed CPU and run-queue wait and its smoothed requests in
-    /// flight over `concurrency`. `None` for a server of many at once, where its requests in flight
-    /// are not known, or before its means cover [`SMOOTHING`].
+    /// flight over `concurrency`; settled once its means cover [`SMOOTHING`]. `None` for a server
+    /// of many at once, or where its requests in flight are not known.
     fn smoothed_load(&self, concurrency: Option<u32>) -> Option<SmoothedLoad> {
         let n = concurrency.filter(|&n| n > 0)?;
-        // Until the means cover a time constant, a first sample that saw nothing in flight would
-        // weigh the worker by its CPU alone, a hundred times its peers, and draw every request. (A
-        // millisecond's slack: ten intervals of 0.2 s add up to a hair under 2 s.)
-        let smoothed = self
-            .smoothed
-            .filter(|s| s.covered + 1e-3 >= SMOOTHING.as_secs_f64())?;
+        let smoothed = self.smoothed?;
         Some(SmoothedLoad {
             requests_per_second: smoothed.requests_per_second,
             utilization: smoothed.scheduled.max(smoothed.in_flight / f64::from(n)),
+            // A millisecond's slack: ten intervals of 0.2 s add up to a hair under 2 s.
+            settled: smoothed.covered + 1e-3 >= SMOOTHING.as_secs_f64(),
         })
     }
 
@@ -442,17 +439,22 @@ mod tests {
             h.load("a".into(), 0, None, (concurrency, SystemTime::UNIX_EPOCH))
                 .smoothed
         };
-        // Serving one with two queued at every tick: three in flight. None until the means cover a
-        // time constant: a first sample could have seen nothing.
+        // Serving one with two queued at every tick: three in flight. Not settled until the means
+        // cover a time constant: a first sample could have seen nothing.
         let ticks = SMOOTHING.as_millis() as u64 / 200;
         let (mut history, _) = step(None, read(0, seen(2, 1)));
+        assert_eq!(smoothed(&history, Some(1)), None, "a baseline has no rates");
         for tick in 1..=ticks {
-            assert_eq!(smoothed(&history, Some(1)), None, "tick {tick}");
+            if tick > 1 {
+                let early = smoothed(&history, Some(1)).unwrap();
+                assert!(!early.settled, "tick {tick}: {early:?}");
+            }
             let rates;
             (history, rates) = step(Some(&history), read(tick, seen(2, 1)));
             assert_eq!(rates.unwrap().in_flight, Some(3.0));
         }
         let first = smoothed(&history, Some(1)).unwrap();
+        assert!(first.settled, "{first:?}");
         assert!((first.requests_per_second - 50.0).abs() < 1e-9, "{first:?}");
         assert!((first.utilization - 3.0).abs() < 1e-9, "{first:?}");
         assert!((smoothed(&history, Some(4)).unwrap().utilization - 0.75).abs() < 1e-9);
