@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 CELLS = [
     ("io", "io: waits of 5 ms (90%) / 100 ms (10%)"),
@@ -55,7 +56,7 @@ def main():
     for ax in panels[len(cells):]:
         ax.set_visible(False)
     for ax, (cell, title) in zip(panels, cells):
-        names, x = [], 0
+        names, x, panel_p99 = [], 0, []
         for key, label, color in SETUPS:
             if cell in ASYNC_CELLS:
                 label = ASYNC_LABELS.get(key, label)
@@ -63,6 +64,7 @@ def main():
             if not runs:
                 continue
             p99 = [float(r["p99_ms"]) for r in runs if r["p99_ms"] != ""]
+            panel_p99.extend(p99)
             failed = len(runs) - len(p99)
             if p99:
                 ax.bar(x, statistics.median(p99), color=color, alpha=0.7)
@@ -84,6 +86,14 @@ def main():
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_yscale("log")
+        # Plain figures at 1, 2 and 5 of each decade, and at least a factor of 4 from foot to top, so
+        # that a panel whose set-ups all sit at one floor (async-io) shows them level.
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        if panel_p99:
+            low, high = min(panel_p99), max(panel_p99)
+            ax.set_ylim(low / 2, max(high * 1.5, low * 4))
         ax.set_ylabel("p99 (ms), median of rounds; dots: rounds")
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", which="both", alpha=0.3)
