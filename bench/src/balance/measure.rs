@@ -184,11 +184,7 @@ fn summarize(
 ) -> Run {
     let from = Duration::from_secs(options.warmup);
     let to = from + Duration::from_secs(options.duration);
-    let measured: Vec<Record> = records
-        .iter()
-        .filter(|r| r.scheduled >= from && r.scheduled < to)
-        .copied()
-        .collect();
+    let measured = measured_window(options, records);
     let index = |answer: Answer| match answer {
         Answer::Worker(pid) => workers.iter().position(|w| w.pid == pid),
         _ => None,
@@ -265,6 +261,17 @@ fn percentile_of(records: &[Record], q: f64, ok: impl Fn(&&Record) -> bool) -> O
     latencies.sort_by_key(|l| l.map_or((1, Duration::ZERO), |d| (0, d)));
     let rank = ((q * latencies.len() as f64).ceil() as usize).clamp(1, latencies.len());
     latencies[rank - 1]
+}
+
+/// The records of requests scheduled in the measured window: after `--warmup`, for `--duration`.
+pub(super) fn measured_window(options: &Options, records: &[Record]) -> Vec<Record> {
+    let from = Duration::from_secs(options.warmup);
+    let to = from + Duration::from_secs(options.duration);
+    records
+        .iter()
+        .filter(|r| r.scheduled >= from && r.scheduled < to)
+        .copied()
+        .collect()
 }
 
 /// [`percentile_of`] with any worker's answer as success.

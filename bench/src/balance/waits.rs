@@ -138,7 +138,7 @@ use xtask::envoy;
 
 use super::{
     NOISY, Options, TIMEOUT,
-    measure::percentile,
+    measure::{measured_window, percentile},
     openloop::{self, Answer, Mix, Plan, Record},
     poll::poll_every,
 };

@@ -479,13 +479,7 @@ pub(super) fn summarize(
     options: &Options,
     records: &[Record],
 ) -> WaitRun {
-    let from = Duration::from_secs(options.warmup);
-    let to = from + Duration::from_secs(options.duration);
-    let measured: Vec<Record> = records
-        .iter()
-        .filter(|r| r.scheduled >= from && r.scheduled < to)
-        .copied()
-        .collect();
+    let measured = measured_window(options, records);
     let workers = cell.workers() as usize;
     let mut counts = vec![0u64; workers];
     let mut unindexed = 0;
