@@ -170,6 +170,8 @@ const HOG_THREADS: usize = 3;
 const ENVOYS: usize = 4;
 /// How long the supervisor's and Envoy's idle CPU is measured before each run.
 const IDLE: Duration = Duration::from_secs(2);
+/// How many idle windows a run takes at most, while the supervisor is still busy starting.
+const IDLE_TRIES: usize = 5;
 /// How many times a noisy run is repeated here (the quietest kept): once, as in the timeline; a
 /// shared machine would otherwise triple the runs.
 const WAITS_NOISY_RETRIES: usize = 1;
