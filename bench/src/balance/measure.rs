@@ -40,22 +40,12 @@ impl Bench<'_> {
     /// [`Bench::run`], again (up to [`NOISY_RETRIES`] times) while other processes used more than
     /// [`NOISY`] cores; keeps the quietest.
     pub(super) fn run_quietest(&self, case: Case) -> anyhow::Result<Run> {
-        let mut best = self.run(case)?;
-        for _ in 0..NOISY_RETRIES {
-            if best.others <= NOISY {
-                break;
-            }
-            eprintln!(
-                "  other processes used {:.2} cores: running again ({})",
-                best.others,
-                report::describe(&best, self.options)
-            );
-            let again = self.run(case)?;
-            if again.others < best.others {
-                best = again;
-            }
-        }
-        Ok(best)
+        quietest(
+            NOISY_RETRIES,
+            || self.run(case),
+            |run| run.others,
+            |run| report::describe(run, self.options),
+        )
     }
 
     /// One run: warm-up and measured window of `policy`'s service, with the side load in scenario B.
@@ -261,6 +251,32 @@ fn percentile_of(records: &[Record], q: f64, ok: impl Fn(&&Record) -> bool) -> O
     latencies.sort_by_key(|l| l.map_or((1, Duration::ZERO), |d| (0, d)));
     let rank = ((q * latencies.len() as f64).ceil() as usize).clamp(1, latencies.len());
     latencies[rank - 1]
+}
+
+/// `run`, again (up to `retries` times) while other processes used more than [`NOISY`] cores
+/// during it (`others`, in cores); keeps the quietest. `describe` names a run that is run again.
+pub(super) fn quietest<R>(
+    retries: usize,
+    mut run: impl FnMut() -> anyhow::Result<R>,
+    others: impl Fn(&R) -> f64,
+    describe: impl Fn(&R) -> String,
+) -> anyhow::Result<R> {
+    let mut best = run()?;
+    for _ in 0..retries {
+        if others(&best) <= NOISY {
+            break;
+        }
+        eprintln!(
+            "  other processes used {:.2} cores: running again ({})",
+            others(&best),
+            describe(&best)
+        );
+        let again = run()?;
+        if others(&again) < others(&best) {
+            best = again;
+        }
+    }
+    Ok(best)
 }
 
 /// The records of requests scheduled in the measured window: after `--warmup`, for `--duration`.

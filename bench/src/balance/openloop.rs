@@ -593,20 +593,28 @@ mod tests {
             .unwrap()
     }
 
+    /// Reads the next request's head from `stream` (what `buffer` holds first) and takes it, its
+    /// blank line included, off `buffer`.
+    fn read_head(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> String {
+        while find(buffer, b"\r\n\r\n").is_none() {
+            let mut chunk = [0u8; 1024];
+            let read = stream.read(&mut chunk).unwrap();
+            assert!(read > 0, "the client closed early");
+            buffer.extend_from_slice(&chunk[..read]);
+        }
+        let end = find(buffer, b"\r\n\r\n").unwrap();
+        let head = String::from_utf8_lossy(&buffer[..end]).into_owned();
+        buffer.drain(..end + 4);
+        head
+    }
+
     /// A server that answers every request on one connection, alternating content-length and chunked
     /// framing, with the hello body of `pid`.
     fn serve(listener: TcpListener, answers: usize, pid: u32) {
         let (mut stream, _) = listener.accept().unwrap();
         let mut buffer = Vec::new();
         for n in 0..answers {
-            while find(&buffer, b"\r\n\r\n").is_none() {
-                let mut chunk = [0u8; 1024];
-                let read = stream.read(&mut chunk).unwrap();
-                assert!(read > 0, "the client closed early");
-                buffer.extend_from_slice(&chunk[..read]);
-            }
-            let end = find(&buffer, b"\r\n\r\n").unwrap();
-            buffer.drain(..end + 4);
+            read_head(&mut stream, &mut buffer);
             let (first, rest) = ("Hello ", format!("from worker {pid}!\n"));
             let answer = if n % 2 == 0 {
                 format!(
@@ -789,15 +797,7 @@ mod tests {
             let (mut stream, _) = listener.accept().unwrap();
             let mut buffer = Vec::new();
             for _ in 0..30 {
-                while find(&buffer, b"\r\n\r\n").is_none() {
-                    let mut chunk = [0u8; 1024];
-                    let read = stream.read(&mut chunk).unwrap();
-                    assert!(read > 0, "the client closed early");
-                    buffer.extend_from_slice(&chunk[..read]);
-                }
-                let end = find(&buffer, b"\r\n\r\n").unwrap();
-                let line = String::from_utf8_lossy(&buffer[..end]).into_owned();
-                buffer.drain(..end + 4);
+                let line = read_head(&mut stream, &mut buffer);
                 let path = line.split(' ').nth(1).unwrap().to_owned();
                 let index = path.chars().last().unwrap();
                 let answer = format!(

@@ -46,31 +46,18 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     let out = target_dir().join("bench");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    if options.waits {
+    if options.waits || options.timeline {
         // Before any pinning: matplotlib installs on both cores, and the report names the CPUs.
         crate::plot::python(&out)?;
         let cpu_line = cpu_line()?;
-        super::waits::run(
-            &peregrine,
-            &envoy_binary,
-            &options,
-            &cpu_line,
-            &super::super::command_line("balance", args),
-        )?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if options.timeline {
-        // Before pinning: matplotlib installs on both cores, and the report names the CPUs.
-        crate::plot::python(&out)?;
-        let cpu_line = cpu_line()?;
-        pin_to_other_cpu()?;
-        super::timeline::run(
-            &peregrine,
-            &envoy_binary,
-            &options,
-            &cpu_line,
-            &super::super::command_line("balance", args),
-        )?;
+        let command = super::super::command_line("balance", args);
+        if options.waits {
+            // The waits pin per cell (the hogged cells only).
+            super::waits::run(&peregrine, &envoy_binary, &options, &cpu_line, &command)?;
+        } else {
+            pin_to_other_cpu()?;
+            super::timeline::run(&peregrine, &envoy_binary, &options, &cpu_line, &command)?;
+        }
         return Ok(ExitCode::SUCCESS);
     }
     // Before pinning: the report names the CPUs this process may use.

@@ -138,7 +138,7 @@ use xtask::envoy;
 
 use super::{
     NOISY, Options, TIMEOUT,
-    measure::{measured_window, percentile},
+    measure::{measured_window, percentile, quietest},
     openloop::{self, Answer, Mix, Plan, Record},
     poll::poll_every,
 };

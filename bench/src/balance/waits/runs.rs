@@ -329,22 +329,12 @@ impl CellBench<'_> {
     /// [`CellBench::run`], again (up to [`WAITS_NOISY_RETRIES`] times) while other processes used more
     /// than [`NOISY`] cores; keeps the quietest.
     pub(super) fn run_quietest(&self, setup: SetUp, round: usize) -> anyhow::Result<WaitRun> {
-        let mut best = self.run(setup, round)?;
-        for _ in 0..WAITS_NOISY_RETRIES {
-            if best.others <= NOISY {
-                break;
-            }
-            eprintln!(
-                "  other processes used {:.2} cores: running again ({})",
-                best.others,
-                describe(&best)
-            );
-            let again = self.run(setup, round)?;
-            if again.others < best.others {
-                best = again;
-            }
-        }
-        Ok(best)
+        quietest(
+            WAITS_NOISY_RETRIES,
+            || self.run(setup, round),
+            |run| run.others,
+            describe,
+        )
     }
 
     /// One run of `setup` in round `round`: warm-up and measured window, then the drain.
