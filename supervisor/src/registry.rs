@@ -35,7 +35,7 @@ pub use self::fleet::{
     Fleet, Health, RemoteHost, RemoteWorker, SpecChoice, SpecChoices, choose_specs,
 };
 pub use self::load::{
-    Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, SmoothedLoad, WorkerLoad,
+    ListenerLoad, Loads, SamplerInfo, SamplerKind, SlotStatus, Slots, SmoothedLoad, WorkerLoad,
 };
 
 /// An application protocol a worker's listener speaks.

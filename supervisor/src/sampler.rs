@@ -46,7 +46,7 @@ use peregrine_contract::procfs::ProcError;
 pub use crate::registry::SamplerKind;
 use crate::{
     children::{Children, CounterRef},
-    registry::{Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
+    registry::{ListenerLoad, Loads, Registry, SamplerInfo, Snapshot, Stall, WorkerLoad},
 };
 
 /// Cumulative scheduler time of one process (all its threads) since an arbitrary baseline.
@@ -211,7 +211,9 @@ pub async fn run(
                 if let Some(pass_time) = &options.pass_time {
                     pass_time.observe(took.as_secs_f64());
                 }
-                registry.publish_loads(Loads::new(Some(info), sample.loads));
+                registry.publish_loads(
+                    Loads::new(Some(info), sample.loads).with_listeners(sample.listeners),
+                );
                 let mut own_writes = 0;
                 for change in sample.stalls {
                     let StallChange {
@@ -273,6 +275,9 @@ struct Sampler {
     /// The kernel's socket tables, for the requests in flight of servers on passed listeners: opened
     /// at the first tick that has one; `Err` once it could not be (logged once, not tried again).
     diag: Option<Result<sock_diag::SockDiag, ()>>,
+    /// The services whose workers share one passed TCP listener: its port, and whether it is IPv6.
+    /// Its requests in flight are the service's, whichever worker holds them.
+    shared: BTreeMap<String, (u16, bool)>,
 }
 
 /// Who counts a worker's requests in its lane.
@@ -313,6 +318,8 @@ struct Tracked {
 #[derive(Debug, Default)]
 struct Sample {
     loads: Vec<WorkerLoad>,
+    /// The shared listeners' loads, by service (none where the kernel's tables could not be read).
+    listeners: Vec<(String, ListenerLoad)>,
     /// Workers whose stall began or ended.
     stalls: Vec<StallChange>,
 }
@@ -351,6 +358,7 @@ impl Sampler {
             tracked: HashMap::new(),
             min_window: Duration::ZERO,
             diag: None,
+            shared: BTreeMap::new(),
         }
     }
 
@@ -377,7 +385,12 @@ impl Sampler {
     /// The requests in flight on the tracked passed listeners, by port, from the kernel's socket
     /// tables; `None` when they cannot be read (no figure, rather than a zero).
     fn seen_in_flight(&mut self) -> Option<HashMap<u16, sock_diag::Held>> {
-        let listeners: Vec<(u16, bool)> = self.tracked.values().filter_map(|t| t.port).collect();
+        let listeners: Vec<(u16, bool)> = self
+            .tracked
+            .values()
+            .filter_map(|t| t.port)
+            .chain(self.shared.values().copied())
+            .collect();
         if listeners.is_empty() {
             return Some(HashMap::new());
         }
@@ -463,6 +476,19 @@ impl Sampler {
     ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
+            listeners: seen.map_or_else(Vec::new, |seen| {
+                self.shared
+                    .iter()
+                    .map(|(service, (port, _))| {
+                        let held = seen.get(port).copied().unwrap_or_default();
+                        let load = ListenerLoad {
+                            queued: held.queued,
+                            serving: held.serving,
+                        };
+                        (service.clone(), load)
+                    })
+                    .collect()
+            }),
             stalls: Vec::new(),
         };
         for Current {
@@ -543,10 +569,15 @@ impl Sampler {
     /// tracked workers, by lane.
     fn reconcile(&mut self, snapshot: &Snapshot) -> Vec<Current> {
         let mut current: BTreeMap<usize, Found<'_>> = BTreeMap::new();
+        self.shared.clear();
         for (service, view) in &snapshot.services {
             for worker in view.workers.values() {
                 // A worker the manager no longer lists has exited (its lane may be reused already).
                 if let Some(child) = self.children.child(worker.pid) {
+                    if let Some(port) = child.listen_port.filter(|_| child.listen_shared) {
+                        self.shared
+                            .insert(service.clone(), (port, child.listen_ipv6));
+                    }
                     current.insert(
                         child.lane,
                         (
@@ -975,14 +1006,13 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         let workers = sampler.reconcile(&snapshot);
         let seen = HashMap::from([(8001, held(0, 1)), (8002, held(4, 1))]);
-        let loads = sampler
-            .sample(
-                workers,
-                (t0 + Duration::from_millis(30), wall),
-                |_| Some(0),
-                Some(&seen),
-            )
-            .loads;
+        let sample = sampler.sample(
+            workers,
+            (t0 + Duration::from_millis(30), wall),
+            |_| Some(0),
+            Some(&seen),
+        );
+        let loads = sample.loads;
         let by_index = |i: u32| loads.iter().find(|l| l.index == i).unwrap();
         // Kept: exactly two throughout, over a concurrency of 2.
         assert_eq!(by_index(0).in_flight, Some(2.0));
@@ -995,19 +1025,24 @@ mod tests {
         // (`rates::SMOOTHING`): two in flight over a concurrency of two.
         let smoothed = by_index(1).smoothed.unwrap();
         assert_eq!((smoothed.utilization, smoothed.settled), (1.0, false));
-        // A shared listener's count is no worker's own.
+        // A shared listener's count is no worker's own: it is the service's, as seen at the tick.
         assert_eq!(by_index(2).in_flight, None);
+        let on_the_listener = ListenerLoad {
+            queued: 4,
+            serving: 1,
+        };
+        assert_eq!(sample.listeners, [("a".to_string(), on_the_listener)]);
         // The kernel's tables could not be read: no figure, not a zero.
         let workers = sampler.reconcile(&snapshot);
-        let loads = sampler
-            .sample(
-                workers,
-                (t0 + Duration::from_millis(60), wall),
-                |_| Some(0),
-                None,
-            )
-            .loads;
+        let sample = sampler.sample(
+            workers,
+            (t0 + Duration::from_millis(60), wall),
+            |_| Some(0),
+            None,
+        );
+        let loads = sample.loads;
         assert_eq!(loads.iter().find(|l| l.index == 1).unwrap().in_flight, None);
+        assert!(sample.listeners.is_empty());
     }
 
     #[test]

@@ -63,6 +63,7 @@ impl ServiceNotes {
             .map(|service| v1::ServiceStatus {
                 name: service.name.clone(),
                 balanced_on: service.balanced_on(),
+                ..Default::default()
             })
             .collect();
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = notes;
@@ -94,8 +95,18 @@ fn report_with_streams(
         records.fleet.get().as_ref(),
     );
     status.supervisor = records.supervisor.clone();
-    status.services = records.services.get();
+    status.services = with_listeners(records.services.get(), &registry.loads());
     status
+}
+
+/// `services` with their shared listeners' loads, where `loads` has them.
+fn with_listeners(mut services: Vec<v1::ServiceStatus>, loads: &Loads) -> Vec<v1::ServiceStatus> {
+    for service in &mut services {
+        let load = loads.listener(&service.name);
+        service.listener_queued = load.map(|l| l.queued);
+        service.listener_serving = load.map(|l| l.serving);
+    }
+    services
 }
 
 /// The status answer for the registry's current state.
@@ -267,14 +278,14 @@ fn load_message(load: &WorkerLoad) -> v1::Load {
 }
 
 #[cfg(test)]
-#[cfg(test)]
 pub(crate) mod tests {
     use std::time::Duration;
 
     use super::*;
     use crate::{
-        registry::{Address, Protocol, Registry, SamplerInfo, Worker},
+        registry::{Address, ListenerLoad, Protocol, Registry, SamplerInfo, Worker},
         sampler::SamplerKind,
+        status::view::StatusView,
     };
 
     pub(super) fn load(service: &str, index: u32, pid: u32, sampled: bool) -> WorkerLoad {
@@ -344,6 +355,42 @@ pub(crate) mod tests {
             },
         );
         (registry, records)
+    }
+
+    #[test]
+    fn a_shared_listener_shows_what_it_holds_beside_its_service() {
+        let (registry, records) = registry();
+        *records.services.0.lock().unwrap() = ["api", "web"]
+            .map(|name| v1::ServiceStatus {
+                name: name.into(),
+                balanced_on: format!("{name}'s way"),
+                ..Default::default()
+            })
+            .to_vec();
+        let on_it = ListenerLoad {
+            queued: 3,
+            serving: 4,
+        };
+        let loads = (*registry.loads()).clone();
+        registry.publish_loads(loads.with_listeners([("web".to_string(), on_it)]));
+        let status = report_of(&registry, &records);
+        let figures: Vec<_> = status
+            .services
+            .iter()
+            .map(|s| (s.name.as_str(), s.listener_queued, s.listener_serving))
+            .collect();
+        assert_eq!(figures, [("api", None, None), ("web", Some(3), Some(4))]);
+        let view = StatusView::from(status);
+        let text = view.table();
+        assert!(text.contains("service api: api's way\n"), "{text}");
+        assert!(
+            text.contains("service web: web's way; on it now: 4 serving, 3 queued\n"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["listeners"]["web"]["serving"], 4);
+        assert_eq!(json["listeners"]["web"]["queued"], 3);
+        assert!(json["listeners"]["api"].is_null());
     }
 
     #[test]

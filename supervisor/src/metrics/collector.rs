@@ -147,6 +147,23 @@ pub fn encode(
             .iter()
             .filter_map(|row| Some((slot(row), row.in_flight?))),
     )?;
+    let service = |name: &String| -> Labels { vec![("service", name.clone())] };
+    gauges(
+        &mut encoder,
+        "peregrine_listener_requests_serving",
+        "For a service whose workers share one listener: its accepted connections that hold a request, at the last sample",
+        view.listeners
+            .iter()
+            .map(|(name, listener)| (service(name), listener.serving as i64)),
+    )?;
+    gauges(
+        &mut encoder,
+        "peregrine_listener_requests_queued",
+        "For a service whose workers share one listener: the connections waiting in its accept queue, at the last sample",
+        view.listeners
+            .iter()
+            .map(|(name, listener)| (service(name), listener.queued as i64)),
+    )?;
     counters(
         &mut encoder,
         "peregrine_worker_requests",
@@ -389,6 +406,13 @@ mod tests {
                 hosts: vec!["b".into()],
                 conflicts: Vec::new(),
             }),
+            listeners: BTreeMap::from([(
+                "web".to_string(),
+                crate::status::view::ListenerView {
+                    queued: 2,
+                    serving: 3,
+                },
+            )]),
             ..StatusView::default()
         };
         let text = text(view);
@@ -400,6 +424,8 @@ mod tests {
             "peregrine_worker_cpu_cores{service=\"web\",index=\"0\"} 0.25",
             "peregrine_worker_runqueue_wait_cores{service=\"web\",index=\"0\"} 0.125",
             "peregrine_worker_requests_in_flight{service=\"web\",index=\"0\"} 1.5",
+            "peregrine_listener_requests_serving{service=\"web\"} 3",
+            "peregrine_listener_requests_queued{service=\"web\"} 2",
             "peregrine_worker_requests_total{service=\"web\",index=\"0\"} 3",
             "peregrine_worker_restarts_total{service=\"web\",index=\"0\"} 1",
             "peregrine_worker_restarts_total{service=\"web\",index=\"1\"} 6",

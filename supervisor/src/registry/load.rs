@@ -90,6 +90,17 @@ pub struct SmoothedLoad {
     pub settled: bool,
 }
 
+/// What the kernel shows on a service's shared listener at a sample: the connections waiting in its
+/// accept queue, and the accepted ones that hold a request (see the sampler's `sock_diag`). The
+/// service's requests in flight, whichever worker holds them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ListenerLoad {
+    /// Connections not accepted yet.
+    pub queued: u64,
+    /// Accepted connections that hold a request.
+    pub serving: u64,
+}
+
 /// The sampler that produces the loads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SamplerInfo {
@@ -107,6 +118,8 @@ pub struct Loads {
     /// By service, slot index and pid (a slot being replaced has two instances).
     by_instance: BTreeMap<(String, u32, u32), WorkerLoad>,
     by_pid: HashMap<u32, (String, u32, u32)>,
+    /// The shared listeners' loads, by service.
+    listeners: BTreeMap<String, ListenerLoad>,
 }
 
 impl Loads {
@@ -141,6 +154,27 @@ impl Loads {
     /// Every load, by service name, slot index and pid.
     pub fn iter(&self) -> impl Iterator<Item = &WorkerLoad> {
         self.by_instance.values()
+    }
+
+    /// These loads with the shared listeners' `listeners`, by service.
+    pub fn with_listeners(
+        mut self,
+        listeners: impl IntoIterator<Item = (String, ListenerLoad)>,
+    ) -> Self {
+        self.listeners.extend(listeners);
+        self
+    }
+
+    /// The load of `service`'s shared listener, where it has one and its tables could be read.
+    pub fn listener(&self, service: &str) -> Option<ListenerLoad> {
+        self.listeners.get(service).copied()
+    }
+
+    /// Every shared listener's load, by service name.
+    pub fn listeners(&self) -> impl Iterator<Item = (&str, ListenerLoad)> {
+        self.listeners
+            .iter()
+            .map(|(service, load)| (service.as_str(), *load))
     }
 
     /// How many workers have a load.

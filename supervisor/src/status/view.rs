@@ -33,6 +33,18 @@ pub struct StatusView {
     /// How each service's workers listen and are balanced, by service (empty from an older
     /// supervisor).
     pub services: std::collections::BTreeMap<String, String>,
+    /// The shared listeners at the last sample, by service: a service whose workers share one
+    /// listener has its requests in flight there, whichever worker holds them.
+    pub listeners: std::collections::BTreeMap<String, ListenerView>,
+}
+
+/// A shared listener's load at the last sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ListenerView {
+    /// Connections waiting in its accept queue.
+    pub queued: u64,
+    /// Accepted connections that hold a request.
+    pub serving: u64,
 }
 
 /// The supervisor process and its program image.
@@ -187,6 +199,17 @@ impl StatusView {
 impl From<v1::Status> for StatusView {
     fn from(status: v1::Status) -> Self {
         let running = !status.sampler.is_empty();
+        let listeners = status
+            .services
+            .iter()
+            .filter_map(|s| {
+                let view = ListenerView {
+                    queued: s.listener_queued?,
+                    serving: s.listener_serving?,
+                };
+                Some((s.name.clone(), view))
+            })
+            .collect();
         let services = status
             .services
             .into_iter()
@@ -194,6 +217,7 @@ impl From<v1::Status> for StatusView {
             .collect();
         StatusView {
             services,
+            listeners,
             sampler: running.then_some(status.sampler),
             sample_interval_ms: running.then_some(status.sample_interval_ms),
             workers: status.workers.into_iter().map(WorkerRow::from).collect(),
@@ -289,8 +313,12 @@ impl StatusView {
         };
         out.push_str(&self.xds_line());
         for (service, balanced_on) in &self.services {
+            // A shared listener holds the service's requests in flight: what it held last.
+            let held = self.listeners.get(service).map_or_else(String::new, |l| {
+                format!("; on it now: {} serving, {} queued", l.serving, l.queued)
+            });
             out.push_str(&format!(
-                "service {}: {}\n",
+                "service {}: {}{held}\n",
                 printable(service),
                 printable(balanced_on)
             ));
