@@ -304,6 +304,29 @@ mod tests {
         text.split_whitespace().map(str::to_owned).collect()
     }
 
+    #[test]
+    fn a_noisy_run_is_run_again_and_the_quietest_kept() {
+        // Each run's "others", in cores, in the order the runs happen.
+        let quietest_of = |others: &[f64], retries| {
+            let mut runs = others.iter().copied().enumerate();
+            quietest(
+                retries,
+                || Ok(runs.next().expect("no more runs than planned")),
+                |&(_, others)| others,
+                |run| format!("{run:?}"),
+            )
+            .unwrap()
+        };
+        // Quiet at once: one run.
+        assert_eq!(quietest_of(&[0.05], 2), (0, 0.05));
+        // Noisy, then quiet: the second, and no third.
+        assert_eq!(quietest_of(&[0.5, 0.02], 2), (1, 0.02));
+        // Noisy every time: the quietest of the three.
+        assert_eq!(quietest_of(&[0.5, 0.3, 0.4], 2), (1, 0.3));
+        // No retries: the first, noisy or not.
+        assert_eq!(quietest_of(&[0.5], 0), (0, 0.5));
+    }
+
     fn record(scheduled_ms: u64, latency_ms: u64, answer: Answer) -> Record {
         let scheduled = Duration::from_millis(scheduled_ms);
         Record {
