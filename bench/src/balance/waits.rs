@@ -224,18 +224,24 @@ struct WaitRun {
     shares: Vec<f64>,
     /// Answers without an index (there should be none).
     unindexed: usize,
-    /// CPU per answered request of the whole run beyond what the process takes idle, in µs (`None`
-    /// where the process is not part of the set-up).
-    supervisor_us: Option<f64>,
-    envoy_us: Option<f64>,
-    /// What the supervisor and Envoy took idle just before the run, in cores.
-    supervisor_idle: Option<f64>,
-    envoy_idle: Option<f64>,
-    /// How far off either per-request figure can be, in µs: a clock tick each way at both ends of
-    /// the run and of the idle measure, the latter scaled to the run.
-    cpu_resolution_us: Option<f64>,
+    /// What the supervisor and Envoy took (`None` where the set-up has no Envoy in its path).
+    machinery: Option<Machinery>,
     /// Other processes' CPU during the run, in cores.
     others: f64,
+}
+
+/// What the supervisor and Envoy (every Envoy of the cell together) took during a run.
+#[derive(Clone, Copy, Debug)]
+struct Machinery {
+    /// CPU per answered request of the whole run beyond what the process takes idle, in µs.
+    supervisor_us: f64,
+    envoy_us: f64,
+    /// What each took idle just before the run, in cores.
+    supervisor_idle: f64,
+    envoy_idle: f64,
+    /// How far off either per-request figure can be, in µs: a clock tick each way at both ends of
+    /// the run and of the idle measure, the latter scaled to the run.
+    resolution_us: f64,
 }
 
 /// Runs every chosen cell and set-up `options.rounds` times; writes the report, the CSV and the plot.

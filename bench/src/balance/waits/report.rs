@@ -143,14 +143,14 @@ pub(super) fn tables(options: &Options, runs: &[WaitRun]) -> String {
                     shares(&share)
                 },
                 cpu(
-                    of.iter().map(|r| r.supervisor_us),
-                    of.iter().map(|r| r.supervisor_idle),
-                    of.iter().map(|r| r.cpu_resolution_us),
+                    of.iter().map(|r| r.machinery.map(|m| m.supervisor_us)),
+                    of.iter().map(|r| r.machinery.map(|m| m.supervisor_idle)),
+                    of.iter().map(|r| r.machinery.map(|m| m.resolution_us)),
                 ),
                 cpu(
-                    of.iter().map(|r| r.envoy_us),
-                    of.iter().map(|r| r.envoy_idle),
-                    of.iter().map(|r| r.cpu_resolution_us),
+                    of.iter().map(|r| r.machinery.map(|m| m.envoy_us)),
+                    of.iter().map(|r| r.machinery.map(|m| m.envoy_idle)),
+                    of.iter().map(|r| r.machinery.map(|m| m.resolution_us)),
                 ),
                 format!("{others:.2}"),
             ]);
@@ -390,15 +390,15 @@ pub(super) fn describe(run: &WaitRun) -> String {
         run.failed,
         run.requests,
         shares(&run.shares),
-        run.supervisor_us.map_or("-".into(), |us| format!(
+        run.machinery.map_or("-".into(), |m| format!(
             "{} µs/req (idle {:.3} cores)",
-            per_request_us(us, run.cpu_resolution_us),
-            run.supervisor_idle.unwrap_or(0.0)
+            per_request_us(m.supervisor_us, Some(m.resolution_us)),
+            m.supervisor_idle
         )),
-        run.envoy_us.map_or("-".into(), |us| format!(
+        run.machinery.map_or("-".into(), |m| format!(
             "{} µs/req (idle {:.3} cores)",
-            per_request_us(us, run.cpu_resolution_us),
-            run.envoy_idle.unwrap_or(0.0)
+            per_request_us(m.envoy_us, Some(m.resolution_us)),
+            m.envoy_idle
         )),
         run.others
     )
@@ -449,11 +449,7 @@ mod tests {
             p99_short: None,
             shares: vec![share0, 1.0 - share0],
             unindexed: 0,
-            supervisor_us: None,
-            envoy_us: None,
-            supervisor_idle: None,
-            envoy_idle: None,
-            cpu_resolution_us: None,
+            machinery: None,
             others: 0.0,
         };
         let runs = vec![

@@ -422,11 +422,13 @@ impl CellBench<'_> {
         let per_request =
             |ticks: u64, idle: f64| (ticks as f64 / hz - idle * run_secs) / answered * 1e6;
         if through_envoy {
-            run.cpu_resolution_us = Some((1.0 + run_secs / idle_secs) / hz / answered * 1e6);
-            run.supervisor_us = Some(per_request(after.1.saturating_sub(before.1), idle.0));
-            run.envoy_us = Some(per_request(after.2.saturating_sub(before.2), idle.1));
-            run.supervisor_idle = Some(idle.0);
-            run.envoy_idle = Some(idle.1);
+            run.machinery = Some(Machinery {
+                supervisor_us: per_request(after.1.saturating_sub(before.1), idle.0),
+                envoy_us: per_request(after.2.saturating_sub(before.2), idle.1),
+                supervisor_idle: idle.0,
+                envoy_idle: idle.1,
+                resolution_us: (1.0 + run_secs / idle_secs) / hz / answered * 1e6,
+            });
         }
         Ok(run)
     }
@@ -517,11 +519,7 @@ pub(super) fn summarize(
             .flatten(),
         shares: counts.iter().map(|c| *c as f64 / total).collect(),
         unindexed,
-        supervisor_us: None,
-        envoy_us: None,
-        supervisor_idle: None,
-        envoy_idle: None,
-        cpu_resolution_us: None,
+        machinery: None,
         others: 0.0,
     }
 }
