@@ -522,10 +522,7 @@ struct ReusePort {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
+    use crate::args;
 
     #[test]
     fn parses_the_options_and_derives_the_rates() {

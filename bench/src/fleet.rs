@@ -252,10 +252,7 @@ fn envoy_fleet(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
+    use crate::args;
 
     #[test]
     fn parses_the_options() {

@@ -779,10 +779,7 @@ fn tool_version(program: &str, flag: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
+    use crate::args;
 
     #[test]
     fn parses_the_options() {

@@ -59,6 +59,12 @@ use anyhow::{Context, bail};
 use peregrine_e2e::target_dir;
 use xtask::{cargo, envoy, run_checked};
 
+/// A command line from `text`, split at whitespace: the option strings the tests parse.
+#[cfg(test)]
+fn args(text: &str) -> Vec<String> {
+    text.split_whitespace().map(str::to_owned).collect()
+}
+
 fn main() -> ExitCode {
     xtask::main_with(run)
 }

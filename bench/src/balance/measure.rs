@@ -298,11 +298,8 @@ pub(super) fn percentile(records: &[Record], q: f64) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args;
     use crate::balance::{WorkerSample, parse_args};
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
 
     #[test]
     fn a_noisy_run_is_run_again_and_the_quietest_kept() {

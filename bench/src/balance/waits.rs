@@ -317,11 +317,8 @@ pub(super) fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args;
     use crate::balance::parse_args;
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
 
     #[test]
     fn parses_the_waits_options() {

@@ -527,11 +527,8 @@ pub(super) fn summarize(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args;
     use crate::balance::parse_args;
-
-    fn args(text: &str) -> Vec<String> {
-        text.split_whitespace().map(str::to_owned).collect()
-    }
 
     #[test]
     fn reads_listen_queues() {
