@@ -47,10 +47,24 @@ pub struct LoadReport {
     pub ok: BTreeMap<Protocol, u64>,
     /// Requests answered, by worker pid.
     pub by_pid: BTreeMap<u32, u64>,
-    /// Every failed request: protocol and what went wrong.
-    pub failures: Vec<(Protocol, String)>,
+    /// Every failed request, in the order they failed.
+    pub failures: Vec<FailedRequest>,
     /// How long the load ran.
     pub elapsed: Duration,
+}
+
+/// A request that failed.
+#[derive(Clone, Debug)]
+pub struct FailedRequest {
+    /// The client's protocol.
+    pub protocol: Protocol,
+    /// What went wrong.
+    pub what: String,
+    /// When, on the load's clock ([`Load::elapsed`]).
+    pub after: Duration,
+    /// Whether its answer was cut short: its head had arrived when its body failed. Envoy cannot
+    /// retry such a request on another worker, as it retries one whose worker reset it unanswered.
+    pub cut: bool,
 }
 
 impl LoadReport {
@@ -113,6 +127,7 @@ pub struct Load {
     report: Arc<Mutex<LoadReport>>,
     thread: Option<thread::JoinHandle<()>>,
     started: Instant,
+    clients: usize,
 }
 
 impl Load {
@@ -142,9 +157,12 @@ impl Load {
                     && let Err(error) = enter()
                 {
                     let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
-                    report
-                        .failures
-                        .push((Protocol::Http1, format!("entering: {error:#}")));
+                    report.failures.push(FailedRequest {
+                        protocol: Protocol::Http1,
+                        what: format!("entering: {error:#}"),
+                        after: started.elapsed(),
+                        cut: false,
+                    });
                     return;
                 }
                 let runtime = tokio::runtime::Builder::new_current_thread()
@@ -158,7 +176,8 @@ impl Load {
                         .chain(std::iter::repeat_n(Protocol::Http2, http2));
                     for protocol in protocols {
                         let (stop, report, path) = (stop.clone(), report.clone(), path.clone());
-                        clients.spawn(client(addr, path, protocol, pause, stop, report, deadline));
+                        let clock = Clock { started, deadline };
+                        clients.spawn(client(addr, path, protocol, pause, stop, report, clock));
                     }
                     while clients.join_next().await.is_some() {}
                 });
@@ -169,7 +188,18 @@ impl Load {
             report,
             thread: Some(thread),
             started,
+            clients: http1 + http2,
         }
+    }
+
+    /// How long the load has run: its clock, on which [`FailedRequest::after`] is read.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// How many clients it runs: at most as many requests are in flight at once.
+    pub fn clients(&self) -> usize {
+        self.clients
     }
 
     /// What was seen so far.
@@ -202,6 +232,13 @@ impl Drop for Load {
     }
 }
 
+/// When a load started, and when it stops by itself.
+#[derive(Clone, Copy)]
+struct Clock {
+    started: Instant,
+    deadline: Instant,
+}
+
 /// One client: a connection at a time, requests one after another on it.
 async fn client(
     addr: SocketAddr,
@@ -210,22 +247,28 @@ async fn client(
     pause: Duration,
     stop: Arc<AtomicBool>,
     report: Arc<Mutex<LoadReport>>,
-    deadline: Instant,
+    clock: Clock,
 ) {
+    let Clock { started, deadline } = clock;
     let answered = |pid: u32| {
         let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
         *report.ok.entry(protocol).or_default() += 1;
         *report.by_pid.entry(pid).or_default() += 1;
     };
-    let failed = |what: String| {
+    let failed = |what: String, cut: bool| {
         let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
-        report.failures.push((protocol, what));
+        report.failures.push(FailedRequest {
+            protocol,
+            what,
+            after: started.elapsed(),
+            cut,
+        });
     };
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         let mut sender = match connect(addr, protocol).await {
             Ok(sender) => sender,
             Err(error) => {
-                failed(format!("connect: {error}"));
+                failed(format!("connect: {error}"), false);
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
@@ -239,12 +282,12 @@ async fn client(
                     }
                 }
                 Ok(Err(Failure::Closed)) => break,
-                Ok(Err(Failure::Failed(what))) => {
-                    failed(what);
+                Ok(Err(Failure::Failed { what, cut })) => {
+                    failed(what, cut);
                     break;
                 }
                 Err(_) => {
-                    failed(format!("no answer within {REQUEST_TIMEOUT:?}"));
+                    failed(format!("no answer within {REQUEST_TIMEOUT:?}"), false);
                     break;
                 }
             }
@@ -257,8 +300,8 @@ enum Failure {
     /// The connection was closed between requests (Envoy may close an idle connection): not a failed
     /// request, the client reconnects.
     Closed,
-    /// The request failed.
-    Failed(String),
+    /// The request failed: what went wrong, and whether its answer was cut short.
+    Failed { what: String, cut: bool },
 }
 
 enum Sender {
@@ -303,19 +346,31 @@ impl Sender {
             Sender::Http1(s) => s.send_request(request).await,
             Sender::Http2(s) => s.send_request(request).await,
         }
-        .map_err(|e| Failure::Failed(format!("request: {e}")))?;
+        .map_err(|e| Failure::Failed {
+            what: format!("request: {e}"),
+            cut: false,
+        })?;
         let status = response.status();
         let body = response
             .into_body()
             .collect()
             .await
-            .map_err(|e| Failure::Failed(format!("body: {e}")))?
+            .map_err(|e| Failure::Failed {
+                what: format!("body: {e}"),
+                cut: true,
+            })?
             .to_bytes();
         let body = String::from_utf8_lossy(&body);
         if status != 200 {
-            return Err(Failure::Failed(format!("status {status}: {body}")));
+            return Err(Failure::Failed {
+                what: format!("status {status}: {body}"),
+                cut: false,
+            });
         }
-        worker_pid(&body).ok_or_else(|| Failure::Failed(format!("not a worker's answer: {body:?}")))
+        worker_pid(&body).ok_or_else(|| Failure::Failed {
+            what: format!("not a worker's answer: {body:?}"),
+            cut: false,
+        })
     }
 }
 

@@ -172,9 +172,12 @@ fn serves_and_recovers(server: Server) {
     );
     let load = apps.deployed().load();
 
-    // SIGKILL: the slot's next worker gets a listener of its own, on another port.
+    // SIGKILL: the slot's next worker gets a listener of its own, on another port. Only an answer
+    // the victim had begun to write may be lost with it (uvicorn and gunicorn write a response's
+    // head and body in two calls).
     let victim = *first.iter().next().unwrap();
     let old_address = apps.address_of(victim);
+    let killed_at = load.elapsed();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(victim as i32).unwrap(),
         rustix::process::Signal::KILL,
@@ -189,6 +192,7 @@ fn serves_and_recovers(server: Server) {
         let (_, body) = http_get(apps.listen, "/").ok()?;
         (worker_pid(&body) == Some(replacement)).then_some(())
     });
+    let killed = killed_at..load.elapsed();
 
     // A rolling restart: each new worker is ready before its predecessor drains.
     let out = apps.supervisor.control("restart", &[]).unwrap();
@@ -201,7 +205,7 @@ fn serves_and_recovers(server: Server) {
         wait_until(STEP, "the old workers to exit", || gone(*pid).then_some(()));
     }
     let all: BTreeSet<u32> = first.iter().chain(&second).chain(&third).copied().collect();
-    let report = apps.deployed().finish(load, 50, &all);
+    let report = apps.deployed().finish_through_kill(load, 50, &all, killed);
     assert!(
         third.iter().all(|pid| report.by_pid.contains_key(pid)),
         "the new workers served: {third:?} in {:?}",

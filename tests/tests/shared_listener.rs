@@ -114,14 +114,17 @@ fn workers_on_one_shared_listener_lose_no_request_to_kills_restarts_and_adoption
     );
     let load = deployed.load();
 
-    // SIGKILL one: its successor joins the same listener; the others serve meanwhile.
+    // SIGKILL one: its successor joins the same listener; the others serve meanwhile. Only an
+    // answer the victim had begun to write may be lost with it.
     let victim = *first.iter().next().unwrap();
+    let killed_at = load.elapsed();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(victim as i32).unwrap(),
         rustix::process::Signal::KILL,
     )
     .unwrap();
     let second = registered(&supervisor, &BTreeSet::from([victim]));
+    let killed = killed_at..load.elapsed();
 
     // A rolling restart: every worker replaced, the endpoint never gone.
     let out = supervisor.control("restart", &[]).unwrap();
@@ -163,7 +166,7 @@ fn workers_on_one_shared_listener_lose_no_request_to_kills_restarts_and_adoption
         .chain(&fourth)
         .copied()
         .collect();
-    let report = deployed.finish(load, 50, &all);
+    let report = deployed.finish_through_kill(load, 50, &all, killed);
     assert!(
         fourth.iter().any(|pid| report.by_pid.contains_key(pid)),
         "the last workers served: {fourth:?} in {:?}",
