@@ -884,14 +884,14 @@ fn traffic_since(fleet: &Fleet, name: &str, begun: &BTreeMap<String, Counted>) -
                     *traffic.by_host.entry(host).or_default() += n - earlier;
                 }
             }
-            for (_, reason) in counted
+            for failed in counted
                 .report
                 .failures
                 .iter()
                 .skip(before.report.failures.len())
             {
                 traffic.failed += 1;
-                *traffic.failures.entry(reason.clone()).or_default() += 1;
+                *traffic.failures.entry(failed.what.clone()).or_default() += 1;
             }
             (envoy.clone(), traffic)
         })

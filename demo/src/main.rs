@@ -356,8 +356,8 @@ fn report_load(load: Load, more: u64) -> anyhow::Result<()> {
         report.failures.len(),
         report.by_pid
     );
-    if let Some((protocol, failure)) = report.failures.first() {
-        bail!("a request failed ({protocol:?}): {failure}");
+    if let Some(first) = report.failures.first() {
+        bail!("a request failed ({:?}): {}", first.protocol, first.what);
     }
     Ok(())
 }

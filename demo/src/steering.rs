@@ -257,11 +257,13 @@ fn weights(envoy: &Envoy, workers: &[Worker]) -> [Option<u64>; 2] {
 /// Stops the load; an error if any request failed.
 fn stop(load: Load) -> anyhow::Result<u64> {
     let report = load.stop();
-    if let Some((protocol, failure)) = report.failures.first() {
+    if let Some(first) = report.failures.first() {
         bail!(
-            "{} of {} requests failed under the steering load, the first ({protocol:?}): {failure}",
+            "{} of {} requests failed under the steering load, the first ({:?}): {}",
             report.failures.len(),
-            report.served() + report.failures.len() as u64
+            report.served() + report.failures.len() as u64,
+            first.protocol,
+            first.what
         );
     }
     Ok(report.served())
