@@ -9,6 +9,12 @@ use crate::{Envoy, FailedRequest, Load, LoadReport, Supervisor, wait_until};
 pub const STEP: Duration = Duration::from_secs(60);
 /// The longest any load runs (each test stops its load long before).
 pub const LOAD_LIMIT: Duration = Duration::from_secs(150);
+/// Envoy's `delayed_close_timeout` (its default; the bootstrap leaves it): when Envoy cuts an
+/// answer short (its worker died after the head), it closes the client's HTTP/1.1 connection only
+/// after waiting this long for the client to close it, and the client sees the cut only then.
+pub const ENVOY_DELAYED_CLOSE: Duration = Duration::from_secs(1);
+/// Slack on the window a cut answer is seen in: the client's read of the close.
+const CLOSE_SLACK: Duration = Duration::from_millis(500);
 
 /// An Envoy routing `cluster` to `supervisor`'s workers, with its listener at `listen`.
 #[derive(Clone, Copy, Debug)]
@@ -45,6 +51,28 @@ impl Deployed<'_> {
         )
     }
 
+    /// Envoy's counters of what cuts a request short, those above zero, a line each: resets,
+    /// timeouts, connections closed with requests on them, retries.
+    pub fn resets(&self) -> String {
+        let Ok(stats) = self.envoy.admin_get("/stats") else {
+            return "(Envoy's admin did not answer)".to_owned();
+        };
+        const TELLING: [&str; 6] = [
+            "reset",
+            "timeout",
+            "with_active_rq",
+            "retry",
+            "5xx",
+            "premature",
+        ];
+        stats
+            .lines()
+            .filter(|line| TELLING.iter().any(|word| line.contains(word)))
+            .filter(|line| !line.ends_with(": 0"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     /// Starts the load: two HTTP/1.1 and two HTTP/2 clients through Envoy; returns once it is served.
     pub fn load(&self) -> Load {
         let load = Load::start(self.listen, 2, 2, LOAD_LIMIT);
@@ -65,8 +93,10 @@ impl Deployed<'_> {
     /// [`finish`](Self::finish) for a load that a worker's SIGKILL went through: a response the
     /// killed server had begun to write is lost with it (Envoy has passed its head on and cannot
     /// retry it), so answers cut short within `killed` (on the load's clock: from the signal to the
-    /// successor's first answer) are allowed, one per client at most. Every other failure still
-    /// fails the test: a request the killed worker had not begun to answer must be retried.
+    /// successor's first answer) are allowed, one per client at most. The client sees such a cut
+    /// only when Envoy closes its connection, up to [`ENVOY_DELAYED_CLOSE`] later, so the window
+    /// ends that much after `killed` does. Every other failure still fails the test: a request the
+    /// killed worker had not begun to answer must be retried.
     pub fn finish_through_kill(
         &self,
         load: Load,
@@ -94,6 +124,8 @@ impl Deployed<'_> {
                 .then_some(())
         });
         let report = load.stop();
+        let killed =
+            killed.map(|killed| killed.start..killed.end + ENVOY_DELAYED_CLOSE + CLOSE_SLACK);
         let cut_by_kill = |failure: &FailedRequest| {
             failure.cut
                 && killed
@@ -104,11 +136,13 @@ impl Deployed<'_> {
             report.failures.iter().partition(|f| cut_by_kill(f));
         assert!(
             failures.is_empty() && cut.len() <= clients,
-            "{} of {} requests failed ({} cut short by the kill at {killed:?}): {:?}\n{}",
+            "{} of {} requests failed ({} cut short by the kill at {killed:?}): {:?}\n\
+             Envoy's resets and timeouts:\n{}\n{}",
             report.failures.len(),
             report.served() + report.failures.len() as u64,
             cut.len(),
             &report.failures[..report.failures.len().min(10)],
+            self.resets(),
             self.supervisor.all_logs()
         );
         let strangers: Vec<&u32> = report
