@@ -312,6 +312,8 @@ fn main() -> ExitCode {
             };
             // Reloads read the same file, whatever the working directory is by then.
             let path = std::fs::canonicalize(&path).unwrap_or(path);
+            // Before any thread: one arena, whose freed memory goes back to the system whole.
+            peregrine_supervisor::trim::one_arena();
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(error) => {
