@@ -144,18 +144,18 @@ impl OpenRcaService for OrcaService {
             .extensions()
             .get::<Authority>()
             .map(|a| a.0.as_str());
-        let (worker, interval) = self.accept(authority, request.get_ref())?;
-        // Only a client that knows a registered worker's hostname gets here: the connection is
-        // proven ([`ClientProof`]).
+        let (subject, interval) = self.accept(authority, request.get_ref())?;
+        // Only a client that knows a registered worker's hostname (or a shared listener's) gets
+        // here: the connection is proven ([`ClientProof`]).
         if let Some(proof) = request.extensions().get::<ClientProof>() {
             proof.prove();
         }
-        tracing::info!(hostname = %worker.hostname, ?interval, "ORCA stream opened");
+        tracing::info!(hostname = %subject.hostname(), ?interval, "ORCA stream opened");
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(report_loop(
             self.registry.clone(),
             self.stats.clone(),
-            worker,
+            subject,
             interval,
             tx,
         ));
@@ -163,29 +163,82 @@ impl OpenRcaService for OrcaService {
     }
 }
 
+/// What one ORCA stream reports on: the endpoint its `:authority` names.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Subject {
+    /// A worker with a listener of its own (or the only worker on a shared one).
+    Worker(Worker),
+    /// A service's shared listener: its workers, one endpoint to Envoy.
+    Listener {
+        /// The service.
+        service: String,
+        /// Its endpoint's hostname ([`crate::registry::shared_hostname`]).
+        hostname: String,
+    },
+}
+
+impl Subject {
+    /// The endpoint's hostname, as Envoy names it.
+    pub fn hostname(&self) -> &str {
+        match self {
+            Subject::Worker(worker) => &worker.hostname,
+            Subject::Listener { hostname, .. } => hostname,
+        }
+    }
+
+    /// Whether it is still published in `snapshot`: the worker instance registered, or workers of
+    /// the service still sharing its listener.
+    fn is_published(&self, snapshot: &Snapshot) -> bool {
+        match self {
+            Subject::Worker(worker) => is_registered(snapshot, worker),
+            Subject::Listener { service, .. } => snapshot
+                .services
+                .get(service)
+                .is_some_and(|view| view.shares_listener()),
+        }
+    }
+
+    /// Its report from `loads` ([`report_for`], [`report_for_listener`]).
+    fn report(&self, loads: &Loads) -> Option<OrcaLoadReport> {
+        match self {
+            Subject::Worker(worker) => report_for(loads, worker),
+            Subject::Listener { service, .. } => report_for_listener(loads, service),
+        }
+    }
+}
+
 impl OrcaService {
     /// What a stream whose `:authority` is `authority` (`None`: it has none) asking `request` gets:
-    /// the registered worker of that hostname and the interval to report it at
-    /// ([`report_interval`]), or the status it is refused with (NOT_FOUND, which Envoy retries).
-    /// Reads the registry, writes nothing.
+    /// the registered worker of that hostname (or the shared listener) and the interval to report
+    /// it at ([`report_interval`]), or the status it is refused with (NOT_FOUND, which Envoy
+    /// retries). Reads the registry, writes nothing.
     pub fn accept(
         &self,
         authority: Option<&str>,
         request: &OrcaLoadReportRequest,
-    ) -> Result<(Worker, Duration), Status> {
+    ) -> Result<(Subject, Duration), Status> {
         let Some(authority) = authority else {
             return Err(Status::not_found(
                 "no :authority: Envoy sets it to the worker's EDS hostname",
             ));
         };
-        let Some(worker) = self.registry.find_hostname(authority) else {
-            tracing::debug!(authority = %printable(authority), "ORCA stream for no registered worker");
-            return Err(Status::not_found(format!(
-                "no registered worker has hostname {authority}"
-            )));
+        let subject = match self.registry.find_hostname(authority) {
+            Some(worker) => Subject::Worker(worker),
+            None => match self.registry.find_shared(authority) {
+                Some(service) => Subject::Listener {
+                    service,
+                    hostname: authority.to_owned(),
+                },
+                None => {
+                    tracing::debug!(authority = %printable(authority), "ORCA stream for no registered worker");
+                    return Err(Status::not_found(format!(
+                        "no registered worker or shared listener has hostname {authority}"
+                    )));
+                }
+            },
         };
         let interval = report_interval(request.report_interval.as_ref(), self.min_interval);
-        Ok((worker, interval))
+        Ok((subject, interval))
     }
 }
 
@@ -207,14 +260,14 @@ pub fn report_interval(asked: Option<&ProtoDuration>, min_interval: Duration) ->
 struct OpenStream<'a> {
     registry: &'a Registry,
     stats: &'a OrcaStats,
-    worker: &'a Worker,
+    subject: &'a Subject,
 }
 
 impl Drop for OpenStream<'_> {
     fn drop(&mut self) {
-        let registered = is_registered(&self.registry.snapshot(), self.worker);
-        self.stats.closed(&self.worker.hostname, registered);
-        tracing::info!(hostname = %self.worker.hostname, "ORCA stream closed");
+        let published = self.subject.is_published(&self.registry.snapshot());
+        self.stats.closed(self.subject.hostname(), published);
+        tracing::info!(hostname = %self.subject.hostname(), "ORCA stream closed");
     }
 }
 
@@ -225,26 +278,26 @@ fn is_registered(snapshot: &Snapshot, worker: &Worker) -> bool {
         .is_some()
 }
 
-/// Sends `worker`'s reports on `tx`: the first once a real sample exists, then the first sample of
-/// each `interval` as it is published, until the worker leaves the registry (the stream then ends
-/// with OK) or Envoy goes away.
+/// Sends `subject`'s reports on `tx`: the first once a real sample exists, then the first sample of
+/// each `interval` as it is published, until it leaves the registry (the stream then ends with OK)
+/// or Envoy goes away.
 async fn report_loop(
     registry: Arc<Registry>,
     stats: Arc<OrcaStats>,
-    worker: Worker,
+    subject: Subject,
     interval: Duration,
     tx: mpsc::Sender<Result<OrcaLoadReport, Status>>,
 ) {
-    stats.opened(&worker.hostname);
+    stats.opened(subject.hostname());
     let _open = OpenStream {
         registry: &registry,
         stats: &stats,
-        worker: &worker,
+        subject: &subject,
     };
     let mut loads = registry.subscribe_loads();
     let mut snapshots = registry.subscribe();
     let registered = |snapshots: &mut watch::Receiver<Arc<Snapshot>>| {
-        is_registered(&snapshots.borrow_and_update(), &worker)
+        subject.is_published(&snapshots.borrow_and_update())
     };
 
     // The first report as soon as there is a real sample (rates need two readings).
@@ -253,8 +306,8 @@ async fn report_loop(
             return;
         }
         let current = loads.borrow_and_update().clone();
-        if let Some(report) = report_for(&current, &worker) {
-            if !send(&stats, &worker, &tx, report).await {
+        if let Some(report) = subject.report(&current) {
+            if !send(&stats, subject.hostname(), &tx, report).await {
                 return;
             }
             break;
@@ -296,8 +349,8 @@ async fn report_loop(
         if !registered(&mut snapshots) {
             return;
         }
-        if let Some(report) = report_for(&current, &worker) {
-            if !send(&stats, &worker, &tx, report).await {
+        if let Some(report) = subject.report(&current) {
+            if !send(&stats, subject.hostname(), &tx, report).await {
                 return;
             }
             last = Instant::now();
@@ -307,7 +360,7 @@ async fn report_loop(
 
 async fn send(
     stats: &OrcaStats,
-    worker: &Worker,
+    hostname: &str,
     tx: &mpsc::Sender<Result<OrcaLoadReport, Status>>,
     report: OrcaLoadReport,
 ) -> bool {
@@ -320,7 +373,7 @@ async fn send(
     if tx.send(Ok(report)).await.is_err() {
         return false;
     }
-    stats.reported(&worker.hostname, summary);
+    stats.reported(hostname, summary);
     true
 }
 
@@ -349,9 +402,13 @@ pub fn report_for(loads: &Loads, worker: &Worker) -> Option<OrcaLoadReport> {
 }
 
 /// [`report_for`] the worker instance of process `pid`: the one report both ways of sending it
-/// (out of band here, in band through [`in_band`]) send.
+/// (out of band here, in band through [`in_band`]) send. The only worker of a service on a shared
+/// listener (EDS names the endpoint after it) reports the listener's load.
 pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
     let load = loads.by_pid(pid)?;
+    if loads.listener(&load.service).is_some() {
+        return report_for_listener(loads, &load.service);
+    }
     let (cpu, application, rps) = rates(load)?;
     let (rps, application) = if rps >= IDLE_RPS {
         (rps, application)
@@ -386,6 +443,52 @@ pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
         ..Default::default()
     };
     // Finite rates far beyond any machine's can still overflow: no report rather than an infinite one.
+    [
+        report.cpu_utilization,
+        report.application_utilization,
+        report.rps_fractional,
+    ]
+    .iter()
+    .all(|v| v.is_finite())
+    .then_some(report)
+}
+
+/// The report for `service`'s shared listener, the one endpoint its workers on this host are to
+/// Envoy, from its smoothed load ([`ListenerLoad::smoothed`](crate::registry::ListenerLoad)):
+///
+/// - `rps_fractional`: the workers' summed request rate;
+/// - `application_utilization`: the listener's requests in flight (queued or served) per worker
+///   over the service's concurrency, or the workers' mean CPU and run-queue wait where higher;
+/// - `cpu_utilization`: the workers' mean CPU at the last sample.
+///
+/// Envoy's weight, rate over utilization, is then the host's capacity over the mean time a request
+/// spends there (Little's law): between hosts, one whose requests take longer (a slower backend, a
+/// hogged core) or that has fewer workers weighs less, whichever Envoy sent the requests. Nothing is
+/// reported until the means cover their time constant, nor while the listener serves nothing (a
+/// rate of [`IDLE_RPS`] at most): Envoy keeps the weight it has, or gives a host without one the
+/// others' mean.
+pub fn report_for_listener(loads: &Loads, service: &str) -> Option<OrcaLoadReport> {
+    let SmoothedLoad {
+        requests_per_second,
+        utilization,
+        settled,
+    } = loads.listener(service)?.smoothed?;
+    if !settled || requests_per_second.is_nan() || requests_per_second < IDLE_RPS {
+        return None;
+    }
+    let cpus: Vec<f64> = loads
+        .iter()
+        .filter(|load| load.service == service)
+        .filter_map(|load| load.cpu_cores)
+        .filter(|cpu| cpu.is_finite())
+        .collect();
+    let cpu = cpus.iter().sum::<f64>() / cpus.len().max(1) as f64;
+    let report = OrcaLoadReport {
+        cpu_utilization: cpu.max(MIN_UTILIZATION),
+        application_utilization: utilization.max(MIN_UTILIZATION),
+        rps_fractional: requests_per_second,
+        ..Default::default()
+    };
     [
         report.cpu_utilization,
         report.application_utilization,
@@ -634,6 +737,120 @@ mod tests {
         assert_eq!(r.rps_fractional, 1.0, "no busy peer: {r:?}");
     }
 
+    /// `loads` with `service`'s shared listener's smoothed load.
+    fn with_listener(loads: Loads, service: &str, smoothed: Option<SmoothedLoad>) -> Loads {
+        let listener = crate::registry::ListenerLoad {
+            queued: 0,
+            serving: 1,
+            smoothed,
+        };
+        loads.with_listeners([(service.to_owned(), listener)])
+    }
+
+    #[test]
+    fn a_shared_listener_reports_its_workers_as_one_endpoint() {
+        let smoothed = |requests_per_second, utilization| {
+            Some(SmoothedLoad {
+                requests_per_second,
+                utilization,
+                settled: true,
+            })
+        };
+        let workers = || {
+            vec![
+                load(1, Some(0.02), 0.0, Some(20.0)),
+                load(2, Some(0.04), 0.0, Some(20.0)),
+            ]
+        };
+        // Two hosts' listeners of 2 workers each at the same rate: one holds its requests three
+        // times as long (1.5 in flight per worker against 0.5). Its weight is a third.
+        let fast = with_listener(loads(workers()), "web", smoothed(40.0, 0.5));
+        let slow = with_listener(loads(workers()), "web", smoothed(40.0, 1.5));
+        let report = |l: &Loads| report_for_listener(l, "web").unwrap();
+        let weight = |l: &Loads| report(l).rps_fractional / report(l).application_utilization;
+        assert!((weight(&fast) / weight(&slow) - 3.0).abs() < 1e-9);
+        assert_eq!(report(&fast).rps_fractional, 40.0);
+        assert!(
+            (report(&fast).cpu_utilization - 0.03).abs() < 1e-9,
+            "the mean"
+        );
+        // The only worker of a shared listener (EDS names the endpoint after it) reports the same.
+        assert_eq!(report_for(&fast, &worker(1)), Some(report(&fast)));
+        // No report before the means settle, while the listener serves nothing, or without means
+        // (the kernel's tables unread), or for a service without a shared listener.
+        let unsettled = SmoothedLoad {
+            settled: false,
+            ..smoothed(40.0, 0.5).unwrap()
+        };
+        for (l, why) in [
+            (
+                with_listener(loads(workers()), "web", Some(unsettled)),
+                "unsettled",
+            ),
+            (
+                with_listener(loads(workers()), "web", smoothed(0.001, 0.5)),
+                "idle",
+            ),
+            (
+                with_listener(loads(workers()), "web", smoothed(f64::NAN, 0.5)),
+                "no rate",
+            ),
+            (with_listener(loads(workers()), "web", None), "no means"),
+            (loads(workers()), "no listener"),
+        ] {
+            assert_eq!(report_for_listener(&l, "web"), None, "{why}");
+        }
+        assert_eq!(report_for_listener(&fast, "api"), None);
+    }
+
+    #[test]
+    fn a_stream_for_a_shared_listener_is_for_its_hostname_while_workers_share_it() {
+        let shared = |pid| {
+            Worker::ready(
+                "web",
+                pid % 10,
+                pid,
+                vec![Protocol::Http1],
+                vec![Address::Tcp(([127, 0, 0, 1], 8000).into())],
+            )
+        };
+        let request = OrcaLoadReportRequest::default();
+        for host in [None, Some("host-a")] {
+            let mut registry = Registry::new(["web".to_string(), "api".to_string()]);
+            if let Some(host) = host {
+                registry = registry.in_fleet(host);
+            }
+            let registry = Arc::new(registry);
+            let orca = OrcaService::new(registry.clone(), Arc::default(), Duration::from_secs(1));
+            let hostname = crate::registry::shared_hostname(host, "web");
+            registry.register(shared(1)).unwrap();
+            // One worker alone is an endpoint of its own (named after it): no shared stream yet.
+            assert!(
+                orca.accept(Some(&hostname), &request).is_err(),
+                "{hostname}"
+            );
+            registry.register(shared(2)).unwrap();
+            let (subject, _) = orca.accept(Some(&hostname), &request).unwrap();
+            assert_eq!(
+                subject,
+                Subject::Listener {
+                    service: "web".into(),
+                    hostname: hostname.clone()
+                }
+            );
+            assert!(subject.is_published(&registry.snapshot()));
+            // Another host's name, or another service's, is not this one's.
+            for other in [
+                crate::registry::shared_hostname(Some("host-b"), "web"),
+                crate::registry::shared_hostname(host, "api"),
+            ] {
+                assert!(orca.accept(Some(&other), &request).is_err(), "{other}");
+            }
+            registry.deregister("web", 1, 1);
+            assert!(!subject.is_published(&registry.snapshot()));
+        }
+    }
+
     #[test]
     fn a_report_from_another_instance_in_the_slot_is_not_used() {
         let l = loads(vec![load(2, Some(0.5), 0.0, Some(10.0))]);
@@ -685,7 +902,7 @@ mod tests {
             ..Default::default()
         };
         let (found, interval) = orca.accept(Some(&registered.hostname), &request).unwrap();
-        assert_eq!(found.pid, 7);
+        assert_eq!(found, Subject::Worker(registered.clone()));
         assert_eq!(interval, Duration::from_secs(3));
         for authority in [None, Some("web-7-8"), Some("")] {
             let status = orca.accept(authority, &request).unwrap_err();

@@ -238,6 +238,15 @@ impl ServiceView {
     pub fn instance(&self, index: u32, pid: u32) -> Option<&Worker> {
         self.workers.get(&WorkerKey { index, pid })
     }
+
+    /// Whether two or more of its workers listen on the same addresses: one shared listener, which
+    /// EDS publishes as one endpoint named [`shared_hostname`].
+    pub fn shares_listener(&self) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        self.workers
+            .values()
+            .any(|w| !seen.insert(&w.listener.addresses))
+    }
 }
 
 /// An immutable view of the registry at one revision.
@@ -358,6 +367,16 @@ pub fn fleet_hostname_for(host: &str, service: &str, index: u32, pid: u32) -> St
     format!("{host}-{}", hostname_for(service, index, pid))
 }
 
+/// The hostname (and hash key) of a service's shared listener, the one endpoint its workers are to
+/// Envoy: `<service>-shared`, in a fleet `<host>-<service>-shared`; the same across its workers'
+/// restarts.
+pub fn shared_hostname(host: Option<&str>, service: &str) -> String {
+    match host {
+        Some(host) => format!("{host}-{service}-shared"),
+        None => format!("{service}-shared"),
+    }
+}
+
 impl Registry {
     /// A registry for the given services, with no workers yet.
     pub fn new(services: impl IntoIterator<Item = String>) -> Self {
@@ -391,6 +410,19 @@ impl Registry {
     /// The registered worker with this hostname.
     pub fn find_hostname(&self, hostname: &str) -> Option<Worker> {
         self.snapshot().worker_by_hostname(hostname).cloned()
+    }
+
+    /// The service of this host whose shared listener is published as `hostname`
+    /// ([`shared_hostname`]), while it has workers that share one listener.
+    pub fn find_shared(&self, hostname: &str) -> Option<String> {
+        let snapshot = self.snapshot();
+        snapshot
+            .services
+            .iter()
+            .find(|(service, view)| {
+                shared_hostname(self.host.as_deref(), service) == hostname && view.shares_listener()
+            })
+            .map(|(service, _)| service.clone())
     }
 
     /// A receiver that sees every published snapshot (at least the latest).

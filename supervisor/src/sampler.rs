@@ -278,6 +278,8 @@ struct Sampler {
     /// The services whose workers share one passed TCP listener: its port, and whether it is IPv6.
     /// Its requests in flight are the service's, whichever worker holds them.
     shared: BTreeMap<String, (u16, bool)>,
+    /// Each shared listener's history, by service.
+    listener_history: BTreeMap<String, rates::ListenerHistory>,
 }
 
 /// Who counts a worker's requests in its lane.
@@ -338,9 +340,10 @@ struct StallChange {
 type Found<'a> = (u32, &'a str, u32, CounterRef, Counting, InFlightAt);
 
 /// Where a worker's requests in flight are seen: the port of its own passed TCP listener and whether
-/// it is IPv6 (`None`: it keeps them itself, or has no listener of its own), and its service's
-/// concurrency.
-type InFlightAt = (Option<(u16, bool)>, Option<u32>);
+/// it is IPv6 (`None`: it keeps them itself, or has no listener of its own), its service's
+/// concurrency, and whether it accepts from its service's shared listener (whose count is the
+/// service's).
+type InFlightAt = (Option<(u16, bool)>, Option<u32>, bool);
 
 /// A tracked worker in this tick's snapshot.
 #[derive(Debug)]
@@ -348,6 +351,8 @@ struct Current {
     lane: usize,
     service: String,
     index: u32,
+    /// Whether it accepts from its service's shared listener.
+    shared: bool,
 }
 
 impl Sampler {
@@ -359,6 +364,7 @@ impl Sampler {
             min_window: Duration::ZERO,
             diag: None,
             shared: BTreeMap::new(),
+            listener_history: BTreeMap::new(),
         }
     }
 
@@ -476,25 +482,16 @@ impl Sampler {
     ) -> Sample {
         let mut sample = Sample {
             loads: Vec::with_capacity(workers.len()),
-            listeners: seen.map_or_else(Vec::new, |seen| {
-                self.shared
-                    .iter()
-                    .map(|(service, (port, _))| {
-                        let held = seen.get(port).copied().unwrap_or_default();
-                        let load = ListenerLoad {
-                            queued: held.queued,
-                            serving: held.serving,
-                        };
-                        (service.clone(), load)
-                    })
-                    .collect()
-            }),
+            listeners: Vec::new(),
             stalls: Vec::new(),
         };
+        // The rates of each shared listener's workers at this tick, and their concurrency.
+        let mut on_shared: BTreeMap<&str, (Vec<rates::Rates>, Option<u32>)> = BTreeMap::new();
         for Current {
             lane,
             service,
             index,
+            shared,
         } in workers
         {
             let Some(tracked) = self.tracked.get_mut(&lane) else {
@@ -532,6 +529,13 @@ impl Sampler {
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
             tracked.history = Some(history);
+            if let (Some(rates), true, Some((listener, _))) =
+                (rates, shared, self.shared.get_key_value(&service))
+            {
+                let (all, concurrency) = on_shared.entry(listener.as_str()).or_default();
+                all.push(rates);
+                *concurrency = tracked.concurrency;
+            }
             // Only a worker that served nothing can be stalled; one that did is not. One that counts
             // no requests (a server on a passed listener) is never judged by them.
             let (stall, suspect) = match rates {
@@ -561,6 +565,27 @@ impl Sampler {
             sample
                 .loads
                 .push(history.load(service, index, rates, (tracked.concurrency, wall)));
+        }
+        // Each shared listener: what the kernel shows on it now, and its workers' load as one
+        // endpoint's. Unread tables make no figure (not a zero) and leave the means as they were.
+        if let Some(seen) = seen {
+            for (service, (port, _)) in &self.shared {
+                let held = seen.get(port).copied().unwrap_or_default();
+                let (workers, concurrency) = on_shared
+                    .get(service.as_str())
+                    .map_or((&[][..], None), |(rates, c)| (rates.as_slice(), *c));
+                let history = match self.listener_history.get(service) {
+                    Some(previous) => previous.step(held.total(), now, workers),
+                    None => rates::ListenerHistory::new(held.total(), now),
+                };
+                self.listener_history.insert(service.clone(), history);
+                let load = ListenerLoad {
+                    queued: held.queued,
+                    serving: held.serving,
+                    smoothed: history.load(concurrency),
+                };
+                sample.listeners.push((service.clone(), load));
+            }
         }
         sample
     }
@@ -596,12 +621,15 @@ impl Sampler {
                                     .filter(|_| !child.counts_requests && !child.listen_shared)
                                     .map(|port| (port, child.listen_ipv6)),
                                 child.concurrency,
+                                child.listen_shared,
                             ),
                         ),
                     );
                 }
             }
         }
+        self.listener_history
+            .retain(|service, _| self.shared.contains_key(service));
         self.tracked.retain(|lane, tracked| {
             let keep = current
                 .get(lane)
@@ -612,7 +640,8 @@ impl Sampler {
             keep
         });
         let mut workers = Vec::with_capacity(current.len());
-        for (lane, (pid, service, index, counter, counting, (port, concurrency))) in current {
+        for (lane, (pid, service, index, counter, counting, (port, concurrency, shared))) in current
+        {
             if !self.tracked.contains_key(&lane) {
                 match self.source.track(lane, pid) {
                     Ok(()) => {
@@ -650,6 +679,7 @@ impl Sampler {
                 lane,
                 service: service.to_owned(),
                 index,
+                shared,
             });
         }
         workers
@@ -664,7 +694,7 @@ mod tests {
 
     use super::*;
     use crate::children::{Child, Counters};
-    use crate::registry::{Address, Protocol, Worker};
+    use crate::registry::{Address, Protocol, SmoothedLoad, Worker};
 
     /// What a test has the fake do at its next read.
     type OnRead = Box<dyn FnOnce() + Send>;
@@ -1025,11 +1055,18 @@ mod tests {
         // (`rates::SMOOTHING`): two in flight over a concurrency of two.
         let smoothed = by_index(1).smoothed.unwrap();
         assert_eq!((smoothed.utilization, smoothed.settled), (1.0, false));
-        // A shared listener's count is no worker's own: it is the service's, as seen at the tick.
+        // A shared listener's count is no worker's own: it is the service's, as seen at the tick,
+        // and its load is that of the workers on it (here one, of the three): 5 in flight over one
+        // worker of 2 at once, unsettled.
         assert_eq!(by_index(2).in_flight, None);
         let on_the_listener = ListenerLoad {
             queued: 4,
             serving: 1,
+            smoothed: Some(SmoothedLoad {
+                requests_per_second: 0.0,
+                utilization: 2.5,
+                settled: false,
+            }),
         };
         assert_eq!(sample.listeners, [("a".to_string(), on_the_listener)]);
         // The kernel's tables could not be read: no figure, not a zero.

@@ -370,6 +370,7 @@ pub(crate) mod tests {
         let on_it = ListenerLoad {
             queued: 3,
             serving: 4,
+            smoothed: None,
         };
         let loads = (*registry.loads()).clone();
         registry.publish_loads(loads.with_listeners([("web".to_string(), on_it)]));

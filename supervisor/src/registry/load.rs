@@ -93,12 +93,17 @@ pub struct SmoothedLoad {
 /// What the kernel shows on a service's shared listener at a sample: the connections waiting in its
 /// accept queue, and the accepted ones that hold a request (see the sampler's `sock_diag`). The
 /// service's requests in flight, whichever worker holds them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ListenerLoad {
     /// Connections not accepted yet.
     pub queued: u64,
     /// Accepted connections that hold a request.
     pub serving: u64,
+    /// The load of the one endpoint the listener is to Envoy, as its ORCA reports carry it: its
+    /// workers' summed rate, and their utilization (the listener's requests in flight per worker
+    /// over the concurrency, or their CPU and run-queue wait if higher), exponential means over a
+    /// few seconds. `None` until the sampler has its first means.
+    pub smoothed: Option<SmoothedLoad>,
 }
 
 /// The sampler that produces the loads.

@@ -133,6 +133,76 @@ impl Smoothed {
             .all(|v| v.is_finite())
             .then_some(next)
     }
+
+    /// As published: the rate, and the higher of the scheduled time and the requests in flight
+    /// over `concurrency` (each one request where it is many); settled once the means cover
+    /// [`SMOOTHING`].
+    fn load(self, concurrency: Option<u32>) -> SmoothedLoad {
+        SmoothedLoad {
+            requests_per_second: self.requests_per_second,
+            utilization: self
+                .scheduled
+                .max(in_flight_utilization(self.in_flight, concurrency)),
+            // A millisecond's slack: ten intervals of 0.2 s add up to a hair under 2 s.
+            settled: self.covered + 1e-3 >= SMOOTHING.as_secs_f64(),
+        }
+    }
+}
+
+/// A shared listener's history: what the kernel showed on it at the last tick, and exponential
+/// means of its service's load on this host, as one endpoint's ([`ListenerHistory::load`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ListenerHistory {
+    /// Requests on the listener (queued and serving) at the last tick, and when.
+    held: u64,
+    at: Instant,
+    smoothed: Option<Smoothed>,
+}
+
+impl ListenerHistory {
+    /// The first tick's: `held` requests on the listener at `at`, no means yet.
+    pub fn new(held: u64, at: Instant) -> Self {
+        ListenerHistory {
+            held,
+            at,
+            smoothed: None,
+        }
+    }
+
+    /// After a tick at `at` that saw `held` requests on the listener and the rates of the service's
+    /// workers that have rates at this tick (`workers`): its means move by the workers' summed
+    /// request rate, their mean scheduled time, and the listener's mean requests in flight (the
+    /// two ticks' counts) per worker. A tick with no worker's rates (all of them new) moves none.
+    pub fn step(self, held: u64, at: Instant, workers: &[Rates]) -> ListenerHistory {
+        let elapsed = at.saturating_duration_since(self.at);
+        let mut next = ListenerHistory {
+            held,
+            at,
+            smoothed: self.smoothed,
+        };
+        if elapsed.is_zero() || workers.is_empty() {
+            return next;
+        }
+        let n = workers.len() as f64;
+        let rates = Rates {
+            cpu_cores: workers.iter().map(|r| r.cpu_cores).sum::<f64>() / n,
+            runq_wait_cores: workers.iter().map(|r| r.runq_wait_cores).sum::<f64>() / n,
+            requests_per_second: workers.iter().map(|r| r.requests_per_second).sum(),
+            in_flight: Some((self.held as f64 + held as f64) / 2.0 / n),
+        };
+        next.smoothed = Smoothed::step(self.smoothed, &rates, elapsed.as_secs_f64());
+        next
+    }
+
+    /// The endpoint's smoothed load for a service of `concurrency` requests per worker: its
+    /// workers' summed rate, and the higher of their mean scheduled time and the requests in
+    /// flight per worker over `concurrency`. Envoy's weight (rate over utilization) is then the
+    /// host's workers times their concurrency over the mean time a request spends on the host,
+    /// queue included (Little's law): a host of slower or fewer workers weighs less. `None`
+    /// before the first means.
+    pub fn load(&self, concurrency: Option<u32>) -> Option<SmoothedLoad> {
+        Some(self.smoothed?.load(concurrency.filter(|&n| n > 0)))
+    }
 }
 
 /// Rates between two readings: CPU time per wall time ("cores") and requests per second.
@@ -231,13 +301,7 @@ impl History {
     /// of many at once, or where its requests in flight are not known.
     fn smoothed_load(&self, concurrency: Option<u32>) -> Option<SmoothedLoad> {
         let n = concurrency.filter(|&n| n > 0)?;
-        let smoothed = self.smoothed?;
-        Some(SmoothedLoad {
-            requests_per_second: smoothed.requests_per_second,
-            utilization: smoothed.scheduled.max(smoothed.in_flight / f64::from(n)),
-            // A millisecond's slack: ten intervals of 0.2 s add up to a hair under 2 s.
-            settled: smoothed.covered + 1e-3 >= SMOOTHING.as_secs_f64(),
-        })
+        Some(self.smoothed?.load(Some(n)))
     }
 
     /// The running totals: scheduler time and requests.
@@ -488,6 +552,54 @@ mod tests {
             },
         );
         assert_eq!(smoothed(&history, Some(1)), None);
+    }
+
+    #[test]
+    fn a_shared_listener_is_one_endpoint_whose_load_is_its_workers_together() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // Each of 4 workers of one request at a time serves 10 requests/s on 5% of a core; the
+        // listener holds 6 requests (queued or served) at every tick.
+        let worker = Rates {
+            cpu_cores: 0.05,
+            runq_wait_cores: 0.0,
+            requests_per_second: 10.0,
+            in_flight: None,
+        };
+        let mut history = ListenerHistory::new(6, at(0));
+        assert_eq!(history.load(Some(1)), None, "the first tick has no means");
+        let ticks = SMOOTHING.as_millis() as u64 / 200;
+        for tick in 1..=ticks {
+            history = history.step(6, at(tick * 200), &[worker; 4]);
+            let load = history.load(Some(1)).unwrap();
+            assert_eq!(load.settled, tick == ticks, "tick {tick}: {load:?}");
+        }
+        let load = history.load(Some(1)).unwrap();
+        // The rate is the host's (the four together); the utilization, 6 in flight over 4 workers
+        // of one at a time. Envoy's weight: 40 / 1.5, the host's 4 workers over its 0.15 s a request.
+        assert!((load.requests_per_second - 40.0).abs() < 1e-9, "{load:?}");
+        assert!((load.utilization - 1.5).abs() < 1e-9, "{load:?}");
+        // Workers that serve many at once: one request each, by Little's law.
+        assert!((history.load(None).unwrap().utilization - 1.5).abs() < 1e-9);
+        assert!((history.load(Some(3)).unwrap().utilization - 0.5).abs() < 1e-9);
+        // Busier on CPU than in flight (a hogged core): the scheduled time shows it.
+        let starved = Rates {
+            cpu_cores: 0.5,
+            runq_wait_cores: 1.5,
+            ..worker
+        };
+        let mut hogged = ListenerHistory::new(0, at(0));
+        for tick in 1..=ticks {
+            hogged = hogged.step(0, at(tick * 200), &[starved; 2]);
+        }
+        assert!((hogged.load(Some(1)).unwrap().utilization - 2.0).abs() < 1e-9);
+        // A tick with no worker's rates (every worker new) moves nothing but the count.
+        let held = history.step(6, at(ticks * 200 + 200), &[]);
+        assert_eq!(held.load(Some(1)), history.load(Some(1)));
+        assert_eq!(held.held, 6);
+        // Nor does one at the same instant.
+        let same = history.step(0, at(ticks * 200), &[worker; 4]);
+        assert_eq!(same.load(Some(1)), history.load(Some(1)));
     }
 
     #[test]

@@ -68,7 +68,7 @@ use super::{
 pub use crate::balancer::{Balancer, OrcaPolicy};
 use crate::{
     config::{Locality, Routing},
-    registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot},
+    registry::{Address, Health, Protocol, RemoteWorker, ServiceView, Snapshot, shared_hostname},
 };
 
 /// The type URL of CDS resources.
@@ -439,15 +439,6 @@ struct EndpointSpec<'a> {
     hash: String,
     /// The hostname and hash key of the endpoint it is merged into, if it shares its listener.
     shared_name: String,
-}
-
-/// The hostname (and hash key) of a service's shared listener: `<service>-shared`, in a fleet
-/// `<host>-<service>-shared`; the same across its workers' restarts.
-pub fn shared_hostname(host: Option<&str>, service: &str) -> String {
-    match host {
-        Some(host) => format!("{host}-{service}-shared"),
-        None => format!("{service}-shared"),
-    }
 }
 
 /// The endpoints of `specs`, in order, where workers that listen on the same addresses (a shared

@@ -225,7 +225,8 @@ impl Checker<'_> {
             }
             (Some((reports, _, _)), _) => reports.is_some(),
             (None, Some((name, _))) => name == "orca",
-            // A shared listener is one endpoint per host, which no worker's report describes.
+            // A shared listener is one endpoint per host, which Envoy balances between hosts by
+            // least request unless told to weigh them on ORCA reports of the host's load.
             (None, None) => reach == OrcaReach::Yes && !shared,
         };
         let orca_key = if raw.orca.is_some() {
@@ -239,11 +240,6 @@ impl Checker<'_> {
             .map(Spanned::span)
             .or(policy.clone().map(|(_, s)| s));
         let why_not = match (reach, reports) {
-            _ if shared => Some(
-                "the workers of a shared listener are one endpoint, and ORCA reports describe one \
-                 worker each: balance them with lb_policy = \"least_request\" (the default for a \
-                 shared listener), or give each worker its own with listener = \"per-worker\"",
-            ),
             (_, OrcaReports::InBand) if pass_socket => Some(
                 "orca = \"in-band\" needs the worker's responses to carry its load report (a \
                  header the worker library adds), which a pass_socket server does not send: use \

@@ -639,14 +639,28 @@ mod tests {
             ),
             "{text}"
         );
+        // ORCA with a shared listener weighs the hosts' listeners on their reports, out of band
+        // only (a passed-socket server does not carry reports in its responses).
+        let shared_orca = parse(
+            "[service.a]\ncount = 2\npass_socket = true\ncommand = [\"/bin/sh\"]\n\
+             listener = \"shared\"\norca = true\n",
+        )
+        .unwrap();
+        let a = &shared_orca.services["a"];
+        assert_eq!(
+            (a.listener, a.balancing.name()),
+            (ListenerMode::Shared, "orca")
+        );
+        assert_eq!(
+            a.balanced_on(),
+            "concurrency many (assumed), one shared listener, orca between hosts"
+        );
         let text = errors(
             "[service.a]\npass_socket = true\ncommand = [\"/bin/sh\"]\nlistener = \"shared\"\n\
-             orca = true\n",
+             orca = \"in-band\"\n",
         );
         assert!(
-            text.contains(
-                "line 5: service.a.orca: the workers of a shared listener are one endpoint"
-            ),
+            text.contains("line 5: service.a.orca: orca = \"in-band\" needs"),
             "{text}"
         );
         let text = errors(
