@@ -9,7 +9,8 @@ server has no hook to number them (uvicorn's `--workers N`; gunicorn has one, se
 (`INDEX.lock` in that directory) no live process holds, holds it for as long as it lives, and sets
 APP_WORKER_INDEX to it. A replacement takes the index of the process it replaces. With
 APP_PIN_FORKS (a list of CPUs, `0,1`) the process of index i is then pinned to the (i mod length)-th
-of them, as `gunicorn_forks.py` pins gunicorn's.
+of them, as `gunicorn_forks.py` pins gunicorn's. APP_INDEX_BASE (a number) is added to the index
+each process names, so that the workers of several hosts are told apart.
 """
 import fcntl
 import itertools
@@ -64,5 +65,10 @@ def claim_fork_index():
 
 
 def worker_index():
-    """This process's index: APP_WORKER_INDEX, else the supervisor's PEREGRINE_WORKER_INDEX."""
-    return os.environ.get("APP_WORKER_INDEX", os.environ.get("PEREGRINE_WORKER_INDEX"))
+    """This process's index: APP_WORKER_INDEX, else the supervisor's PEREGRINE_WORKER_INDEX, plus
+    APP_INDEX_BASE where set (so that the workers of several hosts have distinct indices)."""
+    index = os.environ.get("APP_WORKER_INDEX", os.environ.get("PEREGRINE_WORKER_INDEX"))
+    base = os.environ.get("APP_INDEX_BASE")
+    if index is None or not base:
+        return index
+    return str(int(index) + int(base))

@@ -40,6 +40,9 @@
 //!   off the command as 1): one listener the supervisor binds and all `count` workers share, published
 //!   to Envoy as one endpoint. For uvicorn (`concurrency` many): a listener per worker, balanced on
 //!   ORCA, as `peregrine check` prints it ("a listener per worker, orca over the workers").
+//! - `shared-orca`: one shared listener per host (`listener = "shared"`) weighed between hosts on
+//!   ORCA (`orca = true`): each host's supervisor reports its listener's load. Only in two-hosts
+//!   (one host is one endpoint, with nothing to weigh it against).
 //!
 //! When `peregrine check` does not take a set-up's config (an older supervisor, say), the set-up is
 //! skipped with the reason, and the report says so; so is a set-up a cell leaves out
@@ -68,6 +71,13 @@
 //! - `async-io`: io's waits and rate with 4 uvicorn workers, whose waits block nothing.
 //! - `async-hog`: cpu-hog with 2 uvicorn workers (pinned as there; in `shared-socket` uvicorn's forks
 //!   pin themselves, `APP_PIN_FORKS=0,1`).
+//! - `two-hosts`: io's 4 gunicorn workers on two hosts of 2 (`a` on 127.0.0.2, `b` on 127.0.0.3),
+//!   each a supervisor in a fleet (`routing = "fleet"`, an etcd of the cell's own, one gRPC port),
+//!   every worker of host b waiting 2x longer (its backend is slower: `APP_WAIT_FACTOR`), an Envoy
+//!   per host bootstrapped from its own supervisor, and request `i` to Envoy `i mod 2`. No socket
+//!   spans two hosts, so `shared-socket` and `reuseport` are left out; each Envoy's least request
+//!   counts only the requests it sent itself. The workers of host `h` number themselves from
+//!   `2h` (`APP_INDEX_BASE`).
 //!
 //! **Load.** The open-loop generator ([`openloop`](super::openloop)) with Poisson arrivals (seeded:
 //! round `r` uses `--seed` + `r`, the same for every set-up of the round) and, in the waiting cells,
@@ -113,8 +123,8 @@
 //! 28 s at the defaults, twice that when it is run again for noise; a cell's start (supervisor,
 //! Envoys, readiness) a few seconds. At the defaults, 3 rounds of every set-up a cell runs: io,
 //! slow-worker and cpu-hog 7 set-ups each (about 10 min a cell), four-envoys and async-io 6 (about
-//! 8.5 min), async-hog 5 (about 7 min); every cell, about 55 min on a quiet machine, up to twice
-//! that on a busy one. `--duration 15` takes a sixth off.
+//! 8.5 min), async-hog and two-hosts 5 (about 7 min); every cell, about 62 min on a quiet
+//! machine, up to twice that on a busy one. `--duration 15` takes a sixth off.
 
 mod cell;
 mod report;
@@ -162,6 +172,8 @@ const MIX: [(u64, f64); 2] = [(5, 0.9), (100, 0.1)];
 const MIX_SEED: u64 = 0x5EED_0F7A_46E7;
 /// How much longer the slow worker waits.
 const SLOW_FACTOR: u32 = 5;
+/// How much longer every worker of the slower host of two-hosts waits.
+const HOST_SLOW_FACTOR: u32 = 2;
 /// CPU per request in the hogged cells.
 const CPU_MS: u64 = 4;
 /// Processes of the hog on CPU 0.

@@ -23,6 +23,7 @@ CELLS = [
     ("four-envoys", "four-envoys: io behind 4 Envoys"),
     ("async-io", "async-io: uvicorn, waits that block nothing"),
     ("async-hog", "async-hog: uvicorn, 4 ms CPU, hog on worker 0's core"),
+    ("two-hosts", "two-hosts: host b waits 2x longer, an Envoy each"),
 ]
 # The cells whose server is uvicorn: its own socket is uvicorn's, and Peregrine's default for it is
 # a listener each, balanced on ORCA.
@@ -41,6 +42,7 @@ SETUPS = [
     ("rr", "round robin", "tab:purple"),
     ("reuseport", "SO_REUSEPORT", "tab:brown"),
     ("shared", "shared listener\n(default)", "tab:green"),
+    ("shared-orca", "shared listener,\nORCA between hosts", "tab:olive"),
 ]
 
 

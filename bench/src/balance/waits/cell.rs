@@ -12,16 +12,18 @@ pub(super) enum Cell {
     FourEnvoys,
     AsyncIo,
     AsyncHog,
+    TwoHosts,
 }
 
 impl Cell {
-    pub(super) const ALL: [Cell; 6] = [
+    pub(super) const ALL: [Cell; 7] = [
         Cell::Io,
         Cell::SlowWorker,
         Cell::CpuHog,
         Cell::FourEnvoys,
         Cell::AsyncIo,
         Cell::AsyncHog,
+        Cell::TwoHosts,
     ];
 
     pub(super) fn key(self) -> &'static str {
@@ -32,6 +34,7 @@ impl Cell {
             Cell::FourEnvoys => "four-envoys",
             Cell::AsyncIo => "async-io",
             Cell::AsyncHog => "async-hog",
+            Cell::TwoHosts => "two-hosts",
         }
     }
 
@@ -54,14 +57,29 @@ impl Cell {
             Cell::AsyncHog => format!(
                 "async-hog: 2 pinned uvicorn workers, {CPU_MS} ms of CPU per request, a {HOG_THREADS}-process hog on CPU 0, {rate} req/s"
             ),
+            Cell::TwoHosts => format!(
+                "two-hosts: 2 hosts of 2 workers, host b's waits {HOST_SLOW_FACTOR}x longer, an Envoy per host, request i to Envoy i mod 2, {rate} req/s"
+            ),
         }
     }
 
+    /// Every host's workers together.
     pub(super) fn workers(self) -> u32 {
         match self {
-            Cell::Io | Cell::SlowWorker | Cell::FourEnvoys | Cell::AsyncIo => 4,
+            Cell::Io | Cell::SlowWorker | Cell::FourEnvoys | Cell::AsyncIo | Cell::TwoHosts => 4,
             Cell::CpuHog | Cell::AsyncHog => 2,
         }
+    }
+
+    /// The hosts (supervisors, each on a loopback address of its own, sharing membership through
+    /// etcd).
+    pub(super) fn hosts(self) -> u32 {
+        if self == Cell::TwoHosts { 2 } else { 1 }
+    }
+
+    /// Each host's workers.
+    pub(super) fn workers_per_host(self) -> u32 {
+        self.workers() / self.hosts()
     }
 
     /// Whether the requests wait (the mix of 5 ms and 100 ms), rather than burn CPU beside a hog.
@@ -89,9 +107,13 @@ impl Cell {
         }
     }
 
-    /// The Envoys in front of the supervisor's workers.
+    /// The Envoys in front of the supervisors' workers: in two-hosts, one per host.
     pub(super) fn envoys(self) -> usize {
-        if self == Cell::FourEnvoys { ENVOYS } else { 1 }
+        match self {
+            Cell::FourEnvoys => ENVOYS,
+            Cell::TwoHosts => 2,
+            _ => 1,
+        }
     }
 
     /// Why `setup` is left out of this cell, if it is.
@@ -104,18 +126,49 @@ impl Cell {
                 "ORCA on a listener each is what Peregrine gives uvicorn by default: the `shared` row",
             ),
             (Cell::AsyncHog, SetUp::Lr2) => Some("with 2 workers it is lr4's config"),
+            (Cell::TwoHosts, SetUp::SharedSocket | SetUp::ReusePort) => {
+                Some("no socket spans two hosts: each host's own shared one is the `shared` row")
+            }
+            (Cell::TwoHosts, SetUp::Lr2) => {
+                Some("lr4 is the better of the two in every other cell")
+            }
+            (Cell::TwoHosts, _) => None,
+            (_, SetUp::SharedOrca) => Some("one host is one endpoint: nothing to weigh it against"),
             _ => None,
         }
     }
 
-    /// The app's environment in this cell.
-    pub(super) fn env(self) -> Vec<(String, String)> {
+    /// The app's environment in this cell, on its host `host` (0 where it has one).
+    pub(super) fn env(self, host: u32) -> Vec<(String, String)> {
         match self {
             Cell::SlowWorker => vec![
                 ("APP_WAIT_FACTOR".into(), SLOW_FACTOR.to_string()),
                 ("APP_SLOW_INDEX".into(), "0".into()),
             ],
+            // Host b's workers all wait longer (its backend is slower); each host's workers name
+            // indices of their own.
+            Cell::TwoHosts => {
+                let mut env = vec![(
+                    "APP_INDEX_BASE".into(),
+                    (host * self.workers_per_host()).to_string(),
+                )];
+                if host == 1 {
+                    env.push(("APP_WAIT_FACTOR".into(), HOST_SLOW_FACTOR.to_string()));
+                }
+                env
+            }
             _ => Vec::new(),
+        }
+    }
+
+    /// Host `host`'s name and address: this machine's loopback with one host, else `a` on
+    /// 127.0.0.2, `b` on 127.0.0.3 and so on.
+    pub(super) fn host(self, host: u32) -> (String, std::net::Ipv4Addr) {
+        let name = char::from(b'a' + host as u8).to_string();
+        if self.hosts() == 1 {
+            (name, std::net::Ipv4Addr::LOCALHOST)
+        } else {
+            (name, std::net::Ipv4Addr::new(127, 0, 0, 2 + host as u8))
         }
     }
 
@@ -250,10 +303,11 @@ pub(super) enum SetUp {
     RoundRobin,
     ReusePort,
     Shared,
+    SharedOrca,
 }
 
 impl SetUp {
-    pub(super) const ALL: [SetUp; 7] = [
+    pub(super) const ALL: [SetUp; 8] = [
         SetUp::SharedSocket,
         SetUp::Orca,
         SetUp::Lr2,
@@ -261,6 +315,7 @@ impl SetUp {
         SetUp::RoundRobin,
         SetUp::ReusePort,
         SetUp::Shared,
+        SetUp::SharedOrca,
     ];
 
     pub(super) fn key(self) -> &'static str {
@@ -272,6 +327,7 @@ impl SetUp {
             SetUp::RoundRobin => "rr",
             SetUp::ReusePort => "reuseport",
             SetUp::Shared => "shared",
+            SetUp::SharedOrca => "shared-orca",
         }
     }
 
@@ -291,6 +347,7 @@ impl SetUp {
                 App::Gunicorn => "Peregrine's default: one shared listener".into(),
                 App::Uvicorn => "Peregrine's default: a listener each, ORCA".into(),
             },
+            SetUp::SharedOrca => "one shared listener per host, ORCA between hosts".into(),
         }
     }
 
@@ -305,6 +362,7 @@ impl SetUp {
             SetUp::RoundRobin => "rr",
             SetUp::ReusePort => "reuseport",
             SetUp::Shared => "shared",
+            SetUp::SharedOrca => "weighed",
         }
     }
 
@@ -316,9 +374,9 @@ impl SetUp {
         bin: &Path,
         forks: &Path,
     ) -> Option<ServiceTable> {
-        let workers = cell.workers();
+        let workers = cell.workers_per_host();
         let app = cell.app();
-        let mut env: std::collections::BTreeMap<String, String> = cell.env().into_iter().collect();
+        let mut env: std::collections::BTreeMap<String, String> = cell.env(0).into_iter().collect();
         env.insert("PYTHONUNBUFFERED".into(), "1".into());
         let (count, command) = match self {
             SetUp::ReusePort => return None,
@@ -350,10 +408,18 @@ impl SetUp {
             },
             SetUp::Lr2 | SetUp::LrAll => ServiceTable {
                 lb_policy: Some("least_request".into()),
-                choice_count: Some(if self == SetUp::Lr2 { 2 } else { workers }),
+                choice_count: Some(if self == SetUp::Lr2 {
+                    2
+                } else {
+                    cell.workers()
+                }),
                 ..service
             },
             SetUp::Orca => service.orca(Orca::On),
+            SetUp::SharedOrca => ServiceTable {
+                listener: Some("shared".into()),
+                ..service.orca(Orca::On)
+            },
             _ => service,
         })
     }
@@ -362,7 +428,10 @@ impl SetUp {
     pub(super) fn hosts(self, cell: Cell) -> Option<usize> {
         match (self, cell.app()) {
             (SetUp::SharedSocket, _) => Some(1),
-            (SetUp::ReusePort, _) | (SetUp::Shared, App::Gunicorn) => None,
+            (SetUp::Shared | SetUp::SharedOrca, App::Gunicorn) if cell.hosts() > 1 => {
+                Some(cell.hosts() as usize)
+            }
+            (SetUp::ReusePort, _) | (SetUp::Shared | SetUp::SharedOrca, App::Gunicorn) => None,
             _ => Some(cell.workers() as usize),
         }
     }
@@ -383,7 +452,7 @@ mod tests {
         assert_eq!(Cell::CpuHog.targets(""), [("/?cpu=4".to_owned(), 1.0)]);
         assert!(
             Cell::SlowWorker
-                .env()
+                .env(0)
                 .contains(&("APP_SLOW_INDEX".into(), "0".into()))
         );
         // No route prefix is a prefix of another.
@@ -429,6 +498,48 @@ mod tests {
                 .service_table(Cell::Io, bin, forks)
                 .is_none()
         );
+    }
+
+    #[test]
+    fn two_hosts_of_two_workers_one_slower() {
+        let (bin, forks) = (Path::new("/venv/bin"), Path::new("/tmp/forks"));
+        let cell = Cell::TwoHosts;
+        assert_eq!(
+            (cell.hosts(), cell.workers_per_host(), cell.envoys()),
+            (2, 2, 2)
+        );
+        assert_eq!(
+            cell.host(1),
+            ("b".into(), std::net::Ipv4Addr::new(127, 0, 0, 3))
+        );
+        assert_eq!(
+            Cell::Io.host(0),
+            ("a".into(), std::net::Ipv4Addr::LOCALHOST)
+        );
+        // Host b's workers wait longer, and the hosts' workers name indices of their own.
+        let b = cell.env(1);
+        assert!(b.contains(&("APP_WAIT_FACTOR".into(), HOST_SLOW_FACTOR.to_string())));
+        assert!(b.contains(&("APP_INDEX_BASE".into(), "2".into())));
+        assert_eq!(cell.env(0), [("APP_INDEX_BASE".into(), "0".into())]);
+        for setup in [SetUp::SharedSocket, SetUp::ReusePort, SetUp::Lr2] {
+            assert!(cell.leaves_out(setup).is_some(), "{setup:?}");
+        }
+        for setup in [SetUp::Shared, SetUp::SharedOrca, SetUp::Orca, SetUp::LrAll] {
+            assert!(cell.leaves_out(setup).is_none(), "{setup:?}");
+        }
+        assert!(Cell::Io.leaves_out(SetUp::SharedOrca).is_some());
+        // A shared listener per host, weighed on ORCA between hosts: one endpoint a host.
+        let weighed = SetUp::SharedOrca.service_table(cell, bin, forks).unwrap();
+        assert_eq!(
+            (weighed.count, weighed.orca, weighed.listener.as_deref()),
+            (Some(2), Some(Orca::On), Some("shared"))
+        );
+        assert_eq!(SetUp::SharedOrca.hosts(cell), Some(2));
+        assert_eq!(SetUp::Shared.hosts(cell), Some(2));
+        // A listener each: every host's workers in every Envoy, least request over all four.
+        let lr = SetUp::LrAll.service_table(cell, bin, forks).unwrap();
+        assert_eq!((lr.count, lr.choice_count), (Some(2), Some(4)));
+        assert_eq!(SetUp::LrAll.hosts(cell), Some(4));
     }
 
     #[test]

@@ -7,8 +7,8 @@ use super::*;
 pub(super) struct CellBench<'a> {
     pub(super) options: &'a Options,
     pub(super) cell: Cell,
-    pub(super) supervisor: &'a Supervisor,
-    pub(super) supervisor_pid: u32,
+    /// Every host's supervisor (one but in two-hosts).
+    pub(super) supervisors: Vec<&'a Supervisor>,
     /// Every Envoy of the cell.
     pub(super) envoys: Vec<EnvoyAt>,
     /// The `SO_REUSEPORT` port, when that set-up runs.
@@ -45,24 +45,59 @@ pub(super) fn run_cell(
     // Where the processes uvicorn forks on one socket take their indices.
     let forks = dir.path().join("forks");
     std::fs::create_dir_all(&forks).with_context(|| format!("creating {}", forks.display()))?;
+    // One gRPC port for every host: Envoy opens each endpoint's ORCA stream to its address on it.
     let grpc = free_port();
     // Each Envoy's listener and admin ports.
     let ports: Vec<(u16, u16)> = (0..cell.envoys())
         .map(|_| (free_port(), free_port()))
         .collect();
     let mut setups = setups.to_vec();
-    // The config, with `[envoy]` for the first Envoy.
-    let config = |with: &[SetUp]| -> PeregrineToml {
+    // Several hosts share their membership through an etcd of their own.
+    let etcd = if cell.hosts() > 1 {
+        Some(peregrine_e2e::Etcd::start().context("etcd for the hosts")?)
+    } else {
+        None
+    };
+    let host_dir = |host: u32| {
+        if cell.hosts() == 1 {
+            dir.path().to_owned()
+        } else {
+            dir.path().join(cell.host(host).0)
+        }
+    };
+    for host in 0..cell.hosts() {
+        std::fs::create_dir_all(host_dir(host)).context("a host's directory")?;
+    }
+    // Host `host`'s config, with `[envoy]` for its first Envoy.
+    let host_config = |host: u32, with: &[SetUp]| -> PeregrineToml {
+        let (name, ip) = cell.host(host);
+        let envoy = ports[(host as usize).min(ports.len() - 1)];
         let mut config = PeregrineToml::local(grpc)
-            .control_in(dir.path())
-            .with_envoy(ports[0].0, ports[0].1);
+            .control_in(&host_dir(host))
+            .with_envoy(envoy.0, envoy.1);
+        if let Some(etcd) = &etcd {
+            config.supervisor.bind = Some(format!("http://{ip}:{grpc}"));
+            // One machine's loopback: nothing leaves it.
+            config.cluster = Some(peregrine_e2e::config::ClusterTable {
+                routing: Some("fleet".into()),
+                ..peregrine_e2e::config::ClusterTable::insecure([etcd.endpoint()], &name)
+            });
+            if let Some(envoy) = config.envoy.as_mut() {
+                envoy.node = Some(format!("envoy-{name}"));
+            }
+        }
         for setup in with {
-            if let Some(service) = setup.service_table(cell, bin, &forks) {
+            if let Some(mut service) = setup.service_table(cell, bin, &forks) {
+                service.url = Some(format!("http://{ip}:0"));
+                if let Some(env) = service.env.as_mut() {
+                    env.extend(cell.env(host));
+                }
                 config.service(setup.service(), service);
             }
         }
         config
     };
+    let config = |with: &[SetUp]| host_config(0, with);
     // Each set-up's service checked alone first, so that one `peregrine check` does not take (an
     // older supervisor's, say) is skipped alone.
     for setup in setups.clone() {
@@ -80,9 +115,12 @@ pub(super) fn run_cell(
             setups.retain(|s| *s != setup);
         }
     }
-    let full = config(&setups);
-    let text = full.toml();
-    check(peregrine, dir.path(), &text).context("peregrine check")?;
+    let fulls: Vec<PeregrineToml> = (0..cell.hosts())
+        .map(|host| host_config(host, &setups))
+        .collect();
+    for full in &fulls {
+        check(peregrine, dir.path(), &full.toml()).context("peregrine check")?;
+    }
     let hogs = if cell.hogged() {
         (0..HOG_THREADS)
             .map(|_| crate::balance::spawn_hog(dir.path()))
@@ -96,15 +134,18 @@ pub(super) fn run_cell(
     } else {
         (None, Vec::new())
     };
-    let supervisor = Supervisor::start_in(peregrine, dir.path(), &text)?;
+    let supervisors = (0..cell.hosts())
+        .map(|host| Supervisor::start_in(peregrine, &host_dir(host), &fulls[host as usize].toml()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let result = (|| {
         let mut envoys = Vec::new();
         for (k, &(listen, admin)) in ports.iter().enumerate() {
+            // In two-hosts, Envoy k is host k's, bootstrapped from its supervisor.
             envoys.push(start_envoy(
                 peregrine,
                 envoy_binary,
                 dir.path(),
-                &full,
+                &fulls[k.min(fulls.len() - 1)],
                 k,
                 (listen, admin),
             )?);
@@ -112,8 +153,7 @@ pub(super) fn run_cell(
         let bench = CellBench {
             options,
             cell,
-            supervisor: &supervisor,
-            supervisor_pid: supervisor.pid(),
+            supervisors: supervisors.iter().collect(),
             envoys: envoys
                 .iter_mut()
                 .zip(&ports)
@@ -139,10 +179,13 @@ pub(super) fn run_cell(
         Ok::<_, anyhow::Error>(())
     })();
     if let Err(error) = result {
-        eprintln!("{}", supervisor.logs());
+        for supervisor in &supervisors {
+            eprintln!("{}", supervisor.logs());
+        }
         return Err(error);
     }
-    drop(supervisor);
+    drop(supervisors);
+    drop(etcd);
     drop(hogs);
     Ok(())
 }
@@ -222,7 +265,7 @@ pub(super) fn reuseport(
             .args(&args[1..])
             .env("APP_WORKER_INDEX", index.to_string())
             .env("PYTHONUNBUFFERED", "1")
-            .envs(cell.env());
+            .envs(cell.env(0));
         processes.push(ChildGuard::spawn(
             &format!("reuseport-{index}"),
             &mut command,
@@ -310,16 +353,20 @@ impl CellBench<'_> {
         if setup == SetUp::ReusePort {
             return self.reuseport.into_iter().collect();
         }
-        let Ok(status) = self.supervisor.status_json() else {
-            return Vec::new();
-        };
-        let mut addresses: Vec<SocketAddr> = status["workers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|row| row["service"] == setup.service())
-            .flat_map(|row| row["addresses"].as_array().cloned().unwrap_or_default())
-            .filter_map(|a| a.as_str()?.parse().ok())
+        let mut addresses: Vec<SocketAddr> = self
+            .supervisors
+            .iter()
+            .filter_map(|supervisor| supervisor.status_json().ok())
+            .flat_map(|status| {
+                status["workers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|row| row["service"] == setup.service())
+                    .flat_map(|row| row["addresses"].as_array().cloned().unwrap_or_default())
+                    .filter_map(|a| a.as_str()?.parse().ok())
+                    .collect::<Vec<SocketAddr>>()
+            })
             .collect();
         addresses.sort();
         addresses.dedup();
@@ -371,19 +418,20 @@ impl CellBench<'_> {
         };
         let through_envoy = setup != SetUp::ReusePort;
         let ticks = |pid: u32| procfs::stat(pid).map_or(0, |s| s.cpu_ticks());
-        // Every Envoy's together.
+        // Every Envoy's together, and every supervisor's.
         let envoy_ticks = || self.envoys.iter().map(|e| ticks(e.pid)).sum::<u64>();
+        let supervisor_ticks = || self.supervisors.iter().map(|s| ticks(s.pid())).sum::<u64>();
         let hz = procfs::clock_ticks_per_second() as f64;
         // What the supervisor (sampling, reporting) and Envoy (its timers, the ORCA streams) take
         // with no requests: subtracted from the run's. A supervisor that has just started (a cell's
         // first run: the eBPF programs loading, the workers registering) is not idle yet: measured
         // again while it takes more than `NOISY` cores, up to `IDLE_TRIES` windows.
         let measure_idle = || {
-            let from = (Instant::now(), ticks(self.supervisor_pid), envoy_ticks());
+            let from = (Instant::now(), supervisor_ticks(), envoy_ticks());
             std::thread::sleep(IDLE);
             let secs = from.0.elapsed().as_secs_f64();
             (
-                ticks(self.supervisor_pid).saturating_sub(from.1) as f64 / hz / secs,
+                supervisor_ticks().saturating_sub(from.1) as f64 / hz / secs,
                 envoy_ticks().saturating_sub(from.2) as f64 / hz / secs,
                 secs,
             )
@@ -399,13 +447,13 @@ impl CellBench<'_> {
         let start = Instant::now() + Duration::from_millis(500);
         let before = (
             Busy::now(std::process::id())?,
-            ticks(self.supervisor_pid),
+            supervisor_ticks(),
             envoy_ticks(),
         );
         let records = openloop::run(&plan, start)?;
         let after = (
             Busy::now(std::process::id())?,
-            ticks(self.supervisor_pid),
+            supervisor_ticks(),
             envoy_ticks(),
         );
         let others = after.0.since(before.0).1;
@@ -427,7 +475,11 @@ impl CellBench<'_> {
                 envoy_us: per_request(after.2.saturating_sub(before.2), idle.1),
                 supervisor_idle: idle.0,
                 envoy_idle: idle.1,
-                resolution_us: (1.0 + run_secs / idle_secs) / hz / answered * 1e6,
+                // Each process summed (the Envoys of four-envoys, the supervisors of two-hosts)
+                // is a tick off on its own.
+                resolution_us: (1.0 + run_secs / idle_secs) / hz / answered
+                    * 1e6
+                    * self.supervisors.len().max(self.envoys.len()) as f64,
             });
         }
         Ok(run)
