@@ -27,8 +27,8 @@
 //! [`Root`] is the reusable part: the package test installs the `.deb` into the same kind of root.
 
 mod base;
-mod mirror;
-mod mounts;
+pub(crate) mod mirror;
+pub(crate) mod mounts;
 mod root;
 
 use std::{

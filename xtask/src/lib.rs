@@ -63,6 +63,12 @@ commands:
                         root: apt-get install it on a fresh Debian 12 root, run the unit's commands, see the
                         workers in `peregrine status`, get 200s through Envoy, systemd-analyze verify the
                         unit, purge it and find nothing of it left
+  vm [--debian 12|13] [--shell] [--rebuild]
+                        as root: a Debian image (debootstrap of bookworm or trixie with the stock kernel and
+                        systemd, cached in /var/cache/peregrine/vm/) booted under QEMU with no network device
+                        (TCG; PEREGRINE_VM_ACCEL=kvm to try KVM); runs the check on the VM's own kernel
+                        (BTF, the eBPF probe tests, the sampler `peregrine run` chooses); prints each step
+                        and `N passed, M failed`. --shell: a root shell on the console instead
   demo fleet [--keep-running]
                         as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
                         Envoy under traffic; kill a host and start it again, cut one off and restore it,

@@ -12,6 +12,7 @@
 mod fresh;
 mod package;
 mod test;
+mod vm;
 
 use std::{os::unix::process::CommandExt as _, process::ExitCode};
 
@@ -30,6 +31,7 @@ fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         Some("build-ebpf") => ebpf::run(&args[1..]),
         Some("fresh") => fresh::run(&args[1..]),
         Some("package") => package::run(&args[1..]),
+        Some("vm") => vm::run(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)

@@ -43,6 +43,8 @@ pub enum Use {
     Fresh,
     /// The Debian package (`cargo xtask package`) and its test in a fresh root.
     Package,
+    /// The virtual machines of `cargo xtask vm`: a Debian image booted under QEMU.
+    Vm,
 }
 
 /// How a package is found to be there.
@@ -190,8 +192,26 @@ pub const PACKAGES: &[Package] = &[
     Package {
         name: "debootstrap",
         probe: Probe::Program("debootstrap"),
-        uses: &[Use::Fresh],
-        why: "makes the minimal Debian root of `cargo xtask fresh`",
+        uses: &[Use::Fresh, Use::Vm],
+        why: "makes the minimal Debian root of `cargo xtask fresh` and the VM images",
+    },
+    Package {
+        name: "qemu-system-x86",
+        probe: Probe::Program("qemu-system-x86_64"),
+        uses: &[Use::Vm],
+        why: "boots the VM images of `cargo xtask vm` (TCG, or KVM where it boots Debian's kernels)",
+    },
+    Package {
+        name: "qemu-utils",
+        probe: Probe::Program("qemu-img"),
+        uses: &[Use::Vm],
+        why: "qemu-img makes the copy-on-write overlay each VM run boots from",
+    },
+    Package {
+        name: "e2fsprogs",
+        probe: Probe::Program("mkfs.ext4"),
+        uses: &[Use::Vm],
+        why: "mkfs.ext4 -d makes the VM's disks from folders, without a loop device",
     },
     Package {
         name: "git",
@@ -223,6 +243,9 @@ pub const FRESH: &[Use] = &[Use::Fresh];
 /// `cargo xtask package [--test]`: the release build with the eBPF sampler, dpkg's tools, and for
 /// the test a network namespace and an HTTP client (the fresh root asks for its own).
 pub const PACKAGE: &[Use] = &[Use::Build, Use::Ebpf, Use::Package];
+/// `cargo xtask vm`: the build with the eBPF sampler (the payload), and what makes and boots the
+/// images.
+pub const VM: &[Use] = &[Use::Build, Use::Ebpf, Use::Vm];
 
 /// Package lists older than this are refreshed (`apt-get update`) before an install.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(24 * 3600);

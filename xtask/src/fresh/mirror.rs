@@ -12,9 +12,9 @@ pub(super) const SUITE: &str = "bookworm";
 
 /// Where the Debian archive and its security updates are.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Mirror {
+pub(crate) struct Mirror {
     /// The archive (`http://deb.debian.org/debian`).
-    pub(super) archive: String,
+    pub(crate) archive: String,
     /// The security archive (`http://deb.debian.org/debian-security`), when apt here has one.
     pub(super) security: Option<String>,
 }
@@ -28,7 +28,7 @@ struct Source {
 
 impl Mirror {
     /// The mirror of this machine's apt sources, else Debian's own.
-    pub(super) fn of_host() -> Self {
+    pub(crate) fn of_host() -> Self {
         let mut texts = Vec::new();
         for file in ["/etc/apt/sources.list"] {
             if let Ok(text) = fs::read_to_string(file) {

@@ -74,7 +74,7 @@ pub(super) fn bind(source: &Path, target: &Path) -> anyhow::Result<()> {
 
 /// Deletes `dir` (a root, or a folder holding one) after killing every process whose root is in
 /// it and unmounting everything under it; refuses while anything is still mounted there.
-pub(super) fn remove(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn remove(dir: &Path) -> anyhow::Result<()> {
     if fs::symlink_metadata(dir).is_err() {
         return Ok(());
     }
