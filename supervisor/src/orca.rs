@@ -436,13 +436,19 @@ pub fn report_for_pid(loads: &Loads, pid: u32) -> Option<OrcaLoadReport> {
             (mean_rps, application.max(mean_rps / (2.0 * best_weight)))
         }
     };
+    finite_report(cpu, application, rps)
+}
+
+/// The report of `cpu` and `application` utilization (each at least [`MIN_UTILIZATION`]) and `rps`,
+/// or `None` where a field is not finite: rates far beyond any machine's can still overflow, and no
+/// report is better than an infinite one.
+fn finite_report(cpu: f64, application: f64, rps: f64) -> Option<OrcaLoadReport> {
     let report = OrcaLoadReport {
         cpu_utilization: cpu.max(MIN_UTILIZATION),
         application_utilization: application.max(MIN_UTILIZATION),
         rps_fractional: rps,
         ..Default::default()
     };
-    // Finite rates far beyond any machine's can still overflow: no report rather than an infinite one.
     [
         report.cpu_utilization,
         report.application_utilization,
@@ -483,20 +489,7 @@ pub fn report_for_listener(loads: &Loads, service: &str) -> Option<OrcaLoadRepor
         .filter(|cpu| cpu.is_finite())
         .collect();
     let cpu = cpus.iter().sum::<f64>() / cpus.len().max(1) as f64;
-    let report = OrcaLoadReport {
-        cpu_utilization: cpu.max(MIN_UTILIZATION),
-        application_utilization: utilization.max(MIN_UTILIZATION),
-        rps_fractional: requests_per_second,
-        ..Default::default()
-    };
-    [
-        report.cpu_utilization,
-        report.application_utilization,
-        report.rps_fractional,
-    ]
-    .iter()
-    .all(|v| v.is_finite())
-    .then_some(report)
+    finite_report(cpu, utilization, requests_per_second)
 }
 
 /// A sample's CPU, application utilization ([`application_utilization`]) and request rate, if it has
