@@ -529,11 +529,9 @@ impl Sampler {
             };
             let (history, rates) = rates::step(tracked.history.as_ref(), reading);
             tracked.history = Some(history);
-            if let (Some(rates), true, Some((listener, _))) =
-                (rates, shared, self.shared.get_key_value(&service))
-            {
+            if shared && let Some((listener, _)) = self.shared.get_key_value(&service) {
                 let (all, concurrency) = on_shared.entry(listener.as_str()).or_default();
-                all.push(rates);
+                all.extend(rates);
                 *concurrency = tracked.concurrency;
             }
             // Only a worker that served nothing can be stalled; one that did is not. One that counts
