@@ -67,8 +67,10 @@ commands:
                         as root: a Debian image (debootstrap of bookworm or trixie with the stock kernel and
                         systemd, cached in /var/cache/peregrine/vm/) booted under QEMU with no network device
                         (TCG; PEREGRINE_VM_ACCEL=kvm to try KVM); runs the check on the VM's own kernel
-                        (BTF, the eBPF probe tests, the sampler `peregrine run` chooses); prints each step
-                        and `N passed, M failed`. --shell: a root shell on the console instead
+                        (BTF, the eBPF probe tests, the sampler `peregrine run` chooses, Envoy's weights of
+                        servers on passed sockets, the .deb installed, started, stopped and purged under
+                        systemd); prints each step and `N passed, M failed`. --shell: a root shell on the
+                        console instead
   demo fleet [--keep-running]
                         as root: etcd and 3 hosts as network namespaces, each with a supervisor and an
                         Envoy under traffic; kill a host and start it again, cut one off and restore it,

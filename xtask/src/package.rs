@@ -68,7 +68,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 }
 
 /// Builds the release binary with the eBPF sampler, lays the package out and builds the `.deb`.
-fn build() -> anyhow::Result<Package> {
+pub(crate) fn build() -> anyhow::Result<Package> {
     eprintln!("building the release binary with the eBPF sampler (PEREGRINE_REQUIRE_EBPF=1)");
     run_checked(
         cargo()

@@ -26,7 +26,10 @@
 //! loaded and checked against `/proc`, none skipped), `peregrine run` saying which sampler it chose
 //! and where it counts sends, and the waiting signal through the pinned Envoy: two Python servers
 //! of one request at a time on passed sockets (`vm/server.py`), one waiting 5x longer, which Envoy
-//! must weigh at half the other or less (`vm/weights.py`).
+//! must weigh at half the other or less (`vm/weights.py`); then the package under systemd: the
+//! `.deb` installed with apt (offline: its dependencies are in the image), started by its unit
+//! (`Type=notify`), `peregrine status` with the eBPF sampler and workers of the `peregrine` user,
+//! stopped with nothing left running, and purged with nothing left behind.
 
 mod image;
 mod qemu;
@@ -119,6 +122,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     qemu::prefer_backports_where_qemu_utils_is_one()?;
     packages::ensure(packages::VM)?;
+    packages::ensure(packages::PACKAGE)?;
     let started = Instant::now();
     let image = image::ensure(options.release, options.rebuild)?;
     let built = started.elapsed();
@@ -171,6 +175,10 @@ fn payload() -> anyhow::Result<PathBuf> {
     )?;
     let probe = test_executable("peregrine-ebpf", "probe")?;
     copy_executable(&probe, &folder.join("probe"))?;
+    // The package, as `cargo xtask package` builds it (a release build with the eBPF sampler).
+    let package = crate::package::build()?;
+    std::fs::copy(&package.deb, folder.join("peregrine.deb"))
+        .with_context(|| format!("copying {}", package.deb.display()))?;
     let envoy = xtask::envoy::install()?;
     copy_executable(&envoy_binary(&envoy), &folder.join("envoy"))?;
     for (name, text) in [

@@ -8,6 +8,16 @@ failed=0
 
 say() { echo "check: $1: $2"; }
 
+# `USER COMMAND LINE` of every process whose command line holds $1 (minbase has no procps).
+processes() {
+    for dir in /proc/[0-9]*; do
+        line=$(tr '\0' ' ' < "$dir/cmdline" 2>/dev/null)
+        case "$line" in
+            *"$1"*) echo "$(stat -c %U "$dir") $line" ;;
+        esac
+    done
+}
+
 say kernel "ok: $(uname -r) ($(. /etc/os-release && echo "$PRETTY_NAME"))"
 if [ -r /sys/kernel/btf/vmlinux ]; then
     say btf "ok: /sys/kernel/btf/vmlinux"
@@ -101,4 +111,58 @@ else
 fi
 kill -TERM "$envoy" "$app" 2>/dev/null
 wait "$envoy" "$app"
+
+# The package under systemd, installed with apt from the payload (its dependencies are in the
+# image: the VM has no network), started by its unit (Type=notify: `active` only once the
+# supervisor said it is ready), then stopped and purged.
+if apt-get install -y -q "$payload/peregrine.deb" > /tmp/apt.log 2>&1; then
+    say install "ok: $(dpkg-query -W -f '${Package} ${Version}' peregrine) with apt, offline"
+else
+    failed=1
+    cat /tmp/apt.log
+    say install "FAILED: apt-get install of the package"
+fi
+systemctl start peregrine
+state=$(systemctl is-active peregrine)
+if [ "$state" = active ]; then
+    say unit "ok: systemctl start: $(systemctl show -p Type --value peregrine) unit $state"
+else
+    failed=1
+    journalctl -u peregrine --no-pager | tail -n 30
+    say unit "FAILED: the unit is $state"
+fi
+tries=0
+until peregrine status 2>/dev/null | grep -q 'sampler: ebpf' || [ $tries -ge 600 ]; do
+    sleep 0.1
+    tries=$((tries + 1))
+done
+workers=$(processes 'peregrine worker' | grep -c '^peregrine ')
+if peregrine status 2>/dev/null | grep -q 'sampler: ebpf' && [ "$workers" -ge 1 ]; then
+    say status "ok: peregrine status shows sampler: ebpf; $workers workers run as the peregrine user"
+else
+    failed=1
+    peregrine status
+    processes peregrine
+    say status "FAILED: no eBPF sampler in peregrine status, or no worker of the peregrine user"
+fi
+systemctl stop peregrine
+left=$( (processes 'peregrine run'; processes 'peregrine worker') | wc -l)
+if [ "$(systemctl is-active peregrine)" != active ] && [ "$left" -eq 0 ]; then
+    say stop "ok: systemctl stop: nothing of the supervisor or its workers left running"
+else
+    failed=1
+    say stop "FAILED: $left processes left"
+fi
+apt-get purge -y -q peregrine > /tmp/purge.log 2>&1
+leftovers=""
+for path in /usr/bin/peregrine /etc/peregrine /lib/systemd/system/peregrine.service /usr/lib/systemd/system/peregrine.service; do
+    [ -e "$path" ] && leftovers="$leftovers $path"
+done
+if ! dpkg-query -W -f '${Status}' peregrine 2>/dev/null | grep -q installed && [ -z "$leftovers" ]; then
+    say purge "ok: apt-get purge left no package, binary, config or unit"
+else
+    failed=1
+    cat /tmp/purge.log
+    say purge "FAILED: left:$leftovers"
+fi
 exit $failed

@@ -16,11 +16,13 @@ use crate::fresh::{mirror::Mirror, mounts};
 /// Where the images are kept, one folder per release.
 const CACHE: &str = "/var/cache/peregrine/vm";
 /// What the image is made of; a cached image of another recipe is made again.
-const RECIPE: &str = "3: minbase + systemd-sysv udev kmod linux-image-amd64 initramfs-tools \
-                      e2fsprogs python3; vm-check.service; root without a password";
+const RECIPE: &str = "4: minbase + systemd-sysv udev kmod linux-image-amd64 initramfs-tools \
+                      e2fsprogs python3 adduser; vm-check.service; root without a password";
 /// The packages beyond `--variant=minbase`: systemd as PID 1, the stock kernel and what boots it,
-/// and Python for the check's server and load.
-const INCLUDE: &str = "systemd-sysv,udev,kmod,linux-image-amd64,initramfs-tools,e2fsprogs,python3";
+/// Python for the check's server and load, and what the package depends on beyond minbase
+/// (adduser): the VM installs it with no network.
+const INCLUDE: &str =
+    "systemd-sysv,udev,kmod,linux-image-amd64,initramfs-tools,e2fsprogs,python3,adduser";
 /// The image's size (a sparse file: only what is written takes room).
 const SIZE: &str = "3G";
 /// The unit that runs the payload's check at boot and powers the VM off however it ends (at once,
