@@ -798,15 +798,8 @@ mod tests {
 
     #[test]
     fn a_stream_for_a_shared_listener_is_for_its_hostname_while_workers_share_it() {
-        let shared = |pid| {
-            Worker::ready(
-                "web",
-                pid % 10,
-                pid,
-                vec![Protocol::Http1],
-                vec![Address::Tcp(([127, 0, 0, 1], 8000).into())],
-            )
-        };
+        // `worker` gives every worker the same address: one shared listener.
+        let shared = worker;
         let request = OrcaLoadReportRequest::default();
         for host in [None, Some("host-a")] {
             let mut registry = Registry::new(["web".to_string(), "api".to_string()]);
