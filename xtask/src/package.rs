@@ -218,15 +218,17 @@ fn git(args: &[&str]) -> anyhow::Result<String> {
     output(Command::new("git").args(args).current_dir(workspace_root()))
 }
 
-/// Runs `command`, its stdout trimmed; an error with its stderr unless it exits 0.
-fn output(command: &mut Command) -> anyhow::Result<String> {
+/// Runs `command`, its stdout trimmed; an error with what it printed unless it exits 0 (stderr,
+/// and stdout too where a tool writes its errors there, as debootstrap does).
+pub(crate) fn output(command: &mut Command) -> anyhow::Result<String> {
     let out = command
         .output()
         .with_context(|| format!("running {command:?}"))?;
     ensure!(
         out.status.success(),
-        "{command:?} failed ({}): {}",
+        "{command:?} failed ({}): {}{}",
         out.status,
+        String::from_utf8_lossy(&out.stdout).trim(),
         String::from_utf8_lossy(&out.stderr).trim()
     );
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())

@@ -36,12 +36,14 @@ mod qemu;
 
 use std::{
     path::{Path, PathBuf},
-    process::{Command, ExitCode},
+    process::ExitCode,
     time::Instant,
 };
 
 use anyhow::{Context, bail};
 use xtask::{cargo, packages, workspace_root};
+
+use crate::package::output;
 
 /// The check script the VM runs, and the Python it runs there: a server of one request at a time
 /// on a passed socket, and the load that reads Envoy's weights of it.
@@ -211,18 +213,12 @@ fn envoy_binary(envoy: &Path) -> PathBuf {
 
 /// The path of `package`'s integration test `test`, built now (`cargo test --no-run`).
 fn test_executable(package: &str, test: &str) -> anyhow::Result<PathBuf> {
-    let output = cargo()
-        .args(["test", "-p", package, "--test", test, "--no-run"])
-        .args(["--message-format", "json"])
-        .output()
-        .context("building the probe tests")?;
-    if !output.status.success() {
-        bail!(
-            "cargo test --no-run -p {package} --test {test} failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    executable_in(&String::from_utf8_lossy(&output.stdout), test)
+    let messages = output(
+        cargo()
+            .args(["test", "-p", package, "--test", test, "--no-run"])
+            .args(["--message-format", "json"]),
+    )?;
+    executable_in(&messages, test)
         .with_context(|| format!("cargo named no executable for the test {test}"))
 }
 
@@ -249,22 +245,6 @@ fn set_executable(path: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
         .with_context(|| format!("making {} executable", path.display()))
-}
-
-/// Runs `command`, failing with its output when it fails.
-pub(crate) fn run_quietly(command: &mut Command) -> anyhow::Result<()> {
-    let output = command
-        .output()
-        .with_context(|| format!("running {command:?}"))?;
-    if !output.status.success() {
-        bail!(
-            "{command:?} failed ({}):\n{}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

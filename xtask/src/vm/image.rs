@@ -10,8 +10,9 @@ use std::{
 use anyhow::Context;
 use xtask::run_checked;
 
-use super::{Release, run_quietly};
+use super::Release;
 use crate::fresh::{mirror::Mirror, mounts};
+use crate::package::output;
 
 /// Where the images are kept, one folder per release.
 const CACHE: &str = "/var/cache/peregrine/vm";
@@ -96,13 +97,14 @@ pub(crate) fn ensure(release: Release, rebuild: bool) -> anyhow::Result<Image> {
 }
 
 fn debootstrap(release: Release, root: &Path, mirror: &str) -> anyhow::Result<()> {
-    run_quietly(
+    output(
         Command::new("debootstrap")
             .args(["--variant=minbase", &format!("--include={INCLUDE}")])
             .arg(release.suite())
             .arg(root)
             .arg(mirror),
     )
+    .map(drop)
 }
 
 /// The check's unit, enabled; the root file system in fstab; a host name; root without a
@@ -159,7 +161,7 @@ fn take_out_boot_files(root: &Path, image: &Image) -> anyhow::Result<()> {
 fn make_disk(root: &Path, disk: &Path) -> anyhow::Result<()> {
     let partial = disk.with_extension("img.partial");
     let _ = std::fs::remove_file(&partial);
-    run_quietly(
+    output(
         Command::new("mkfs.ext4")
             .args(["-q", "-F", "-L", "peregrine-vm", "-d"])
             .arg(root)

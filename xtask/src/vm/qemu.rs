@@ -11,7 +11,8 @@ use std::{
 use anyhow::{Context, bail};
 use xtask::{run_checked, workspace_root};
 
-use super::{image::Image, run_quietly};
+use super::image::Image;
+use crate::package::output;
 
 /// How long a boot and its check may take under TCG before the VM is stopped.
 const TIMEOUT: Duration = Duration::from_secs(15 * 60);
@@ -143,7 +144,7 @@ fn disks(image: &Image, payload: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     std::fs::create_dir_all(&folder).with_context(|| format!("creating {}", folder.display()))?;
     let overlay = folder.join(format!("debian-{}.qcow2", image.release.number()));
     let _ = std::fs::remove_file(&overlay);
-    run_quietly(
+    output(
         Command::new("qemu-img")
             .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
             .arg(&image.disk)
@@ -151,7 +152,7 @@ fn disks(image: &Image, payload: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     )?;
     let disk = folder.join("payload.img");
     let _ = std::fs::remove_file(&disk);
-    run_quietly(
+    output(
         Command::new("mkfs.ext4")
             .args(["-q", "-F", "-d"])
             .arg(payload)
