@@ -60,7 +60,7 @@ pub use etcd::{Etcd, EtcdCluster, EtcdTls, etcd_or_skip, etcd_path};
 pub use fleet::FleetHostConfig;
 pub use hello_server::HelloServer;
 pub use http::{http_get, http_get_with, http_post_json, worker_pid};
-pub use load::{FailedRequest, Load, LoadOptions, LoadReport};
+pub use load::{FailedRequest, Load, LoadOptions, LoadReport, requesting_while};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     AppServers, app_servers_or_skip, ebpf_or_skip, envoy_or_skip, envoy_path, example_path,

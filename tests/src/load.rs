@@ -374,6 +374,36 @@ impl Sender {
     }
 }
 
+/// Runs `check` while `clients` threads send `GET path` to `listen`, each one request after
+/// another, answers unread; returns what `check` returns. The clients stop when `check` returns or
+/// panics (a failed wait must fail the test, not leave it waiting on clients that never stop).
+pub fn requesting_while<T>(
+    listen: SocketAddr,
+    path: &str,
+    clients: usize,
+    check: impl FnOnce() -> T,
+) -> T {
+    /// Stops the clients when dropped, on a return or an unwind alike.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let stop = AtomicBool::new(false);
+    thread::scope(|scope| {
+        for _ in 0..clients {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = http_get(listen, path);
+                }
+            });
+        }
+        let _stop = StopOnDrop(&stop);
+        check()
+    })
+}
+
 /// Sends `GET path` (e.g. a CPU-heavy `/?cpu=4`) from `clients` threads, each one request after
 /// another, for `duration`; returns the requests answered per worker pid, and the failures.
 pub fn answers_for(

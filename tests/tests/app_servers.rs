@@ -13,7 +13,8 @@ use peregrine_e2e::{
     config::Sampler,
     current_test,
     deploy::{Deployed, STEP},
-    envoy_or_skip, free_port, gone, gunicorn_command, http_get, test_app, wait_until, worker_pid,
+    envoy_or_skip, free_port, gone, gunicorn_command, http_get, requesting_while, test_app,
+    wait_until, worker_pid,
 };
 
 /// The service (and Envoy cluster) the tests run.
@@ -429,15 +430,7 @@ fn envoy_weighs_gunicorn_workers_on_orca_reports_of_the_kernels_count() {
         assert!(logs.contains("least request instead of ORCA"), "{logs}");
         return;
     }
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        for _ in 0..2 {
-            scope.spawn(|| {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let _ = http_get(apps.listen, "/?cpu=2");
-                }
-            });
-        }
+    requesting_while(apps.listen, "/?cpu=2", 2, || {
         wait_until(STEP, "ORCA reports of every worker's request rate", || {
             let status = apps.supervisor.status_json().ok()?;
             let rows = status["workers"].as_array()?;
@@ -453,7 +446,6 @@ fn envoy_weighs_gunicorn_workers_on_orca_reports_of_the_kernels_count() {
             let hosts = peregrine_e2e::hosts(&apps.envoy.clusters(), SERVICE);
             (hosts.len() == 2 && hosts.iter().all(|h| h.weight > 1)).then_some(hosts)
         });
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
         eprintln!("Envoy's weights for {workers:?}: {weighted:?}");
     });
 }

@@ -8,18 +8,13 @@
 //!
 //! Its own test binary: it runs two supervisors, four gunicorns and an Envoy under load.
 
-use std::{
-    collections::BTreeMap,
-    net::SocketAddr,
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use peregrine_e2e::{
     AppServers, Envoy, Etcd, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip,
     config::{ClusterTable, Orca, Sampler},
     current_test, ebpf_or_skip, envoy_or_skip, etcd_or_skip, free_port, gunicorn_command, hosts,
-    http_get, wait_until,
+    requesting_while, wait_until,
 };
 
 /// The service (and Envoy cluster).
@@ -117,24 +112,14 @@ fn envoy_weighs_each_hosts_shared_listener_on_its_own_supervisors_report() {
         .then_some(())
     });
 
-    let stop = AtomicBool::new(false);
-    let weights = std::thread::scope(|scope| {
-        for _ in 0..CLIENTS {
-            scope.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    let _ = http_get(a.listen, PATH);
-                }
-            });
-        }
-        // Once the means settle (2 s) and Envoy's blackout passes, both endpoints carry weights
-        // from their reports, and A's, whose requests take four times as long, is well below B's.
-        let weights = wait_until(STEP, "A's shared listener weighed below B's", || {
+    // Once the means settle (2 s) and Envoy's blackout passes, both endpoints carry weights from
+    // their reports, and A's, whose requests take four times as long, is well below B's.
+    let weights = requesting_while(a.listen, PATH, CLIENTS, || {
+        wait_until(STEP, "A's shared listener weighed below B's", || {
             let now = weights(&envoy);
             (now.len() == 2 && now.values().all(|&w| w > 1) && now["a"] * 2 <= now["b"])
                 .then_some(now)
-        });
-        stop.store(true, Ordering::Relaxed);
-        weights
+        })
     });
     eprintln!("Envoy's weights of the hosts' shared listeners: {weights:?}");
     // Each report came from the endpoint's own host: B's supervisor serves B's listener's stream,

@@ -10,16 +10,12 @@
 //! shared listener have no figure of their own. And a built-in worker keeps its own count, which the
 //! supervisor reads from its line.
 
-use std::{
-    collections::BTreeMap,
-    net::SocketAddr,
-    sync::atomic::{AtomicBool, Ordering},
-};
+use std::{collections::BTreeMap, net::SocketAddr};
 
 use peregrine_e2e::{
     AppServers, Envoy, PeregrineToml, ServiceTable, Supervisor, app_servers_or_skip,
     config::Sampler, current_test, deploy::STEP, envoy_or_skip, free_port, gunicorn_command,
-    http_get, wait_until,
+    requesting_while, wait_until,
 };
 
 /// The service (and Envoy cluster) the tests run.
@@ -98,19 +94,7 @@ impl Waiting {
 
     /// Runs `check` while `CLIENTS` clients send requests through Envoy.
     fn under_load<T>(&self, check: impl FnOnce() -> T) -> T {
-        let stop = AtomicBool::new(false);
-        std::thread::scope(|scope| {
-            for _ in 0..CLIENTS {
-                scope.spawn(|| {
-                    while !stop.load(Ordering::Relaxed) {
-                        let _ = http_get(self.listen, PATH);
-                    }
-                });
-            }
-            let result = check();
-            stop.store(true, Ordering::Relaxed);
-            result
-        })
+        requesting_while(self.listen, PATH, CLIENTS, check)
     }
 }
 
@@ -243,20 +227,13 @@ fn a_built_in_worker_keeps_its_requests_in_flight() {
         let rows = supervisor.status_rows(SERVICE).ok()?;
         rows.get(&0)?["addresses"][0].as_str()?.parse().ok()
     });
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        // One request after another, each on the CPU for 20 ms: about one in flight all the time.
-        scope.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                let _ = http_get(address, "/?cpu=20");
-            }
-        });
+    // One request after another, each on the CPU for 20 ms: about one in flight all the time.
+    requesting_while(address, "/?cpu=20", 1, || {
         let row = wait_until(STEP * 2, "the worker's own count of its requests", || {
             let rows = supervisor.status_rows(SERVICE).ok()?;
             let row = rows.get(&0)?.clone();
             (figure(&row, "in_flight") > 0.5).then_some(row)
         });
-        stop.store(true, Ordering::Relaxed);
         eprintln!("status row: {row:#}");
         assert!(figure(&row, "in_flight") <= 1.05, "one client: {row}");
         // Many at once (the built-in worker): the utilization is the mean, unscaled.
