@@ -185,7 +185,12 @@ pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found
         return Vec::new();
     };
     let own = std::process::id();
-    entries
+    // Processes of a service's user (not this process's) whose environment it may not read: without
+    // CAP_DAC_READ_SEARCH (or CAP_DAC_OVERRIDE), another user's `environ` (mode 0400) is closed to
+    // root too. Said once, after the scan: they cannot be told to be workers, so none is adopted.
+    let mut denied = Vec::new();
+    let own_uid = rustix::process::geteuid().as_raw();
+    let found = entries
         .flatten()
         .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
@@ -202,7 +207,15 @@ pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found
             if entry.metadata().ok()?.uid() != uid {
                 return None;
             }
-            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let environ = match std::fs::read(entry.path().join("environ")) {
+                Ok(environ) => environ,
+                Err(error) => {
+                    if error.kind() == std::io::ErrorKind::PermissionDenied && uid != own_uid {
+                        denied.push((pid, uid));
+                    }
+                    return None;
+                }
+            };
             let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
             let described = parse(&environ, &stat, control, lineage)?;
             alive(&pidfd).then_some(Found {
@@ -212,7 +225,14 @@ pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found
                 described,
             })
         })
-        .collect()
+        .collect();
+    if !denied.is_empty() {
+        tracing::warn!(
+            processes = ?denied,
+            "Cannot read the environment of processes of a service's user (pid, uid): any worker among them is not adopted, but replaced; the supervisor needs CAP_DAC_READ_SEARCH (the package's unit grants it)"
+        );
+    }
+    found
 }
 
 /// A worker of `control` and `lineage` from its environment (`environ`, NUL-separated) and

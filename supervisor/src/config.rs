@@ -40,7 +40,7 @@ mod reference;
 
 use self::raw::RawConfig;
 pub use self::{
-    account::{Account, Identity, can_switch_users, worker_socket},
+    account::{Account, Identity, can_read_other_users_files, can_switch_users, worker_socket},
     check::{
         balancing::{
             Balancing, DEFAULT_CHOICE_COUNT, HashOn, MAX_WEIGHT, OrcaReports,

@@ -410,6 +410,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
     worker_sockets.open(&config)?;
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the sockets' backlogs).
+    warn_if_other_users_cannot_be_adopted(&config);
     let adopted = adopt::find(&config, lock.lineage());
     let adopted_pids: Vec<u32> = adopted.values().map(|a| a.pid).collect();
     let manager =
@@ -627,5 +628,24 @@ fn warn_of_loopback_workers(config: &Config) {
         if loopback {
             tracing::warn!(service = %service.name, url = %service.url, "In a fleet, these workers are reachable from this machine only: other hosts' Envoys cannot reach them unless every host runs here");
         }
+    }
+}
+
+/// Warns when a service runs as another user whose workers this supervisor could start but not
+/// adopt: it cannot read their environment (another user's, mode 0400) without CAP_DAC_READ_SEARCH,
+/// so after an upgrade in place or a restart it would replace them rather than keep them.
+fn warn_if_other_users_cannot_be_adopted(config: &Config) {
+    let own = rustix::process::geteuid().as_raw();
+    let others: Vec<&str> = config
+        .services
+        .values()
+        .filter(|service| service.account.as_ref().is_some_and(|a| a.uid != own))
+        .map(|service| service.name.as_str())
+        .collect();
+    if !others.is_empty() && !crate::config::can_read_other_users_files() {
+        tracing::warn!(
+            services = ?others,
+            "These services' workers run as another user, whose environment this supervisor cannot read (no CAP_DAC_READ_SEARCH): after `peregrine upgrade` or a restart of the supervisor they are replaced, not adopted; grant CAP_DAC_READ_SEARCH (the package's unit does)"
+        );
     }
 }

@@ -1130,3 +1130,76 @@ fn the_supervisor_warns_of_root_workers_and_of_a_config_a_worker_could_replace()
         "{replace}"
     );
 }
+
+/// The capabilities the package's unit leaves the supervisor (its `CapabilityBoundingSet=`), as
+/// `setpriv` names them (`bpf`, `dac_read_search`, ...).
+fn units_capabilities() -> Vec<String> {
+    let unit = std::fs::read_to_string(
+        peregrine_e2e::workspace_root().join("packaging/systemd/peregrine.service"),
+    )
+    .unwrap();
+    let line = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("CapabilityBoundingSet="))
+        .expect("a CapabilityBoundingSet= line in the unit");
+    line.split_whitespace()
+        .map(|cap| cap.trim_start_matches("CAP_").to_lowercase())
+        .collect()
+}
+
+#[test]
+fn a_supervisor_with_only_the_units_capabilities_adopts_workers_of_a_services_user() {
+    let nobody = nobody();
+    let stage = Stage::new(&nobody);
+    let granted = units_capabilities();
+    assert!(
+        granted.iter().any(|cap| cap == "dac_read_search"),
+        "{granted:?}"
+    );
+    // Without CAP_DAC_READ_SEARCH the supervisor cannot read a `nobody` worker's environment (its
+    // /proc/PID/environ is nobody's, mode 0400), so it cannot tell its own workers and replaces
+    // them, and says why; with the unit's set it keeps them. Both under no_new_privs, as the unit
+    // runs it (an upgrade in place execs under it too).
+    let without: Vec<String> = granted
+        .iter()
+        .filter(|cap| *cap != "dac_read_search")
+        .cloned()
+        .collect();
+    for (caps, adopts) in [(without, false), (granted, true)] {
+        let bounding = format!(
+            "--bounding-set=-all,{}",
+            caps.iter()
+                .map(|cap| format!("+{cap}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let wrapper = ["setpriv", "--no-new-privs", bounding.as_str(), "--"];
+        let mut config = PeregrineToml::local(free_port());
+        config.service(CLUSTER, as_nobody(ServiceTable::default().count(2)));
+        let mut supervisor = Supervisor::start_open_to_workers(&stage, &wrapper, &config.toml());
+        let before = wait_until(STEP, "both workers registered", || {
+            let pids = supervisor.status_pids().ok()?;
+            (pids.len() == 2).then_some(pids)
+        });
+        supervisor.kill_and_start_again().unwrap();
+        let after = wait_until(STEP, "two workers registered again", || {
+            let pids = supervisor.status_pids().ok()?;
+            (pids.len() == 2 && (adopts || pids.is_disjoint(&before))).then_some(pids)
+        });
+        let logs = supervisor.all_logs();
+        if adopts {
+            assert_eq!(after, before, "with {caps:?}, not adopted:\n{logs}");
+            assert!(
+                !logs.contains("Cannot read the environment"),
+                "with {caps:?}:\n{logs}"
+            );
+        } else {
+            for said in [
+                "no CAP_DAC_READ_SEARCH",
+                "Cannot read the environment of processes of a service's user",
+            ] {
+                assert!(logs.contains(said), "with {caps:?}, no {said:?}:\n{logs}");
+            }
+        }
+    }
+}

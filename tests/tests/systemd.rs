@@ -1,9 +1,10 @@
 //! Under systemd: the unit in `packaging/systemd/` passes `systemd-analyze verify` with the config
 //! the package installs beside it, which passes `peregrine check` and puts the control socket in the
-//! unit's runtime directory; and the supervisor speaks the readiness protocol to a real datagram socket set as `NOTIFY_SOCKET`:
-//! `READY=1` once xDS serves, watchdog pings, `RELOADING=1` then `READY=1` around a reload and
-//! around an upgrade in place (SIGUSR2: the new image, same pid, says `READY=1`), `STOPPING=1`; its
-//! workers inherit none of it.
+//! unit's runtime directory, and so does the example Envoy unit in `examples/`; and the supervisor
+//! speaks the readiness protocol to a real datagram socket set as `NOTIFY_SOCKET`: `READY=1` once
+//! xDS serves, watchdog pings, `RELOADING=1` then `READY=1` around a reload and around an upgrade in
+//! place (SIGUSR2: the new image, same pid, says `READY=1`), `STOPPING=1`; its workers inherit none
+//! of it.
 
 use std::{
     os::unix::net::UnixDatagram,
@@ -66,11 +67,15 @@ fn the_unit_passes_systemd_analyze_verify() {
             "/etc/peregrine/peregrine.toml",
             &config.display().to_string(),
         );
-    let path = dir.path().join("peregrine.service");
-    std::fs::write(&path, local).unwrap();
+    verify(&dir.path().join("peregrine.service"), &local);
+}
+
+/// `systemd-analyze verify` of `unit` written at `path`: not one word of complaint.
+fn verify(path: &Path, unit: &str) {
+    std::fs::write(path, unit).unwrap();
     let output = Command::new("systemd-analyze")
         .args(["verify", "--man=no"])
-        .arg(&path)
+        .arg(path)
         .output()
         .unwrap();
     let said = format!(
@@ -80,6 +85,41 @@ fn the_unit_passes_systemd_analyze_verify() {
     );
     // A misspelt value is only a warning (exit 0): nothing may be printed at all.
     assert!(output.status.success() && said.trim().is_empty(), "{said}");
+}
+
+#[test]
+fn the_envoy_unit_in_the_examples_passes_systemd_analyze_verify() {
+    if !tool_or_skip(
+        "the example Envoy unit",
+        "systemd-analyze",
+        "--version",
+        "PEREGRINE_REQUIRE_SYSTEMD",
+        "apt install systemd",
+    ) {
+        return;
+    }
+    let unit = std::fs::read_to_string(workspace_root().join("examples/envoy.service")).unwrap();
+    // Its bootstrap is the packaged config's, written at each start into its runtime directory.
+    for line in [
+        "RuntimeDirectory=envoy",
+        "ExecStartPre=+/bin/sh -c 'umask 022 && /usr/bin/peregrine envoy-bootstrap /etc/peregrine/peregrine.toml > /run/envoy/envoy.yaml'",
+        "ExecStart=/usr/local/bin/envoy -c /run/envoy/envoy.yaml",
+        "DynamicUser=yes",
+    ] {
+        assert!(
+            unit.lines().any(|l| l.starts_with(line)),
+            "no {line:?} in the Envoy unit"
+        );
+    }
+    // The programs it names, pointed at ones that exist here (verify checks they do).
+    let dir = TempDir::new().unwrap();
+    let local = unit
+        .replace(
+            "/usr/bin/peregrine",
+            &peregrine_path().display().to_string(),
+        )
+        .replace("/usr/local/bin/envoy", "/bin/true");
+    verify(&dir.path().join("envoy.service"), &local);
 }
 
 /// The config the package installs, as `peregrine check` on a host with the package would read it:

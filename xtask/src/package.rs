@@ -69,6 +69,12 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 
 /// Builds the release binary with the eBPF sampler, lays the package out and builds the `.deb`.
 pub(crate) fn build() -> anyhow::Result<Package> {
+    build_revision(REVISION)
+}
+
+/// [`build`], with the Debian revision `revision`: e.g. a package of the same tree with a higher
+/// version, to upgrade to.
+pub(crate) fn build_revision(revision: &str) -> anyhow::Result<Package> {
     eprintln!("building the release binary with the eBPF sampler (PEREGRINE_REQUIRE_EBPF=1)");
     run_checked(
         cargo()
@@ -79,7 +85,7 @@ pub(crate) fn build() -> anyhow::Result<Package> {
     let version_line = output(Command::new(&binary).arg("--version"))?;
     let upstream = env!("CARGO_PKG_VERSION");
     check_version_line(&version_line, upstream)?;
-    let version = format!("{upstream}-{REVISION}");
+    let version = format!("{upstream}-{revision}");
     let architecture = output(Command::new("dpkg").arg("--print-architecture"))?;
 
     let out = target_dir().join("debian");

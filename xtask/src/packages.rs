@@ -728,6 +728,28 @@ mod tests {
         }
     }
 
+    /// The Vagrant VM is provisioned as CI is: the same build tools, the rest from this list by
+    /// the xtask itself.
+    #[test]
+    fn the_vagrant_vm_installs_what_ci_installs() {
+        let vagrantfile =
+            std::fs::read_to_string(crate::workspace_root().join("vagrant/Vagrantfile")).unwrap();
+        let line = vagrantfile
+            .lines()
+            .find(|line| line.contains("apt-get install"))
+            .expect("an apt-get install line in the Vagrantfile");
+        let installed: Vec<&str> = line
+            .split_whitespace()
+            .skip_while(|word| *word != "install")
+            .skip(1)
+            .filter(|word| !word.starts_with('-'))
+            .collect();
+        assert_eq!(
+            installed,
+            ["build-essential", "clang-19", "libbpf-dev", "curl"]
+        );
+    }
+
     fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) {
         for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let path = entry.path();

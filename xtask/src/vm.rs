@@ -21,17 +21,29 @@
 //! `--shell` boots the same image without the check, with a root shell on the console for a person
 //! to look around (the payload at `/dev/vdb`); `--rebuild` makes the image again.
 //!
-//! What runs in the VM so far: the kernel's facts for the eBPF sampler (BTF, whether the
+//! What runs in the VM: the kernel's facts for the eBPF sampler (BTF, whether the
 //! `sock_send_length` tracepoint exists), the eBPF crate's probe tests (every program of the sampler
 //! loaded and checked against `/proc`, none skipped), `peregrine run` saying which sampler it chose
 //! and where it counts sends, and the waiting signal through the pinned Envoy: two Python servers
 //! of one request at a time on passed sockets (`vm/server.py`), one waiting 5x longer, which Envoy
-//! must weigh at half the other or less (`vm/weights.py`); then the package under systemd: the
-//! `.deb` installed with apt (offline: its dependencies are in the image), started by its unit
-//! (`Type=notify`), `peregrine status` with the eBPF sampler and workers of the `peregrine` user,
-//! stopped with nothing left running, and purged with nothing left behind.
+//! must weigh at half the other or less (`vm/weights.py`). Those facts make the release's row of
+//! `docs/kernels.md` ([`kernels`]), which must be what the page says (`--write-docs` writes it).
+//! Then the package under systemd (`vm/host.py` for the steps a shell line cannot hold): the `.deb`
+//! installed with apt (offline: its dependencies are in the image), started by its unit
+//! (`Type=notify`, the watchdog on), `peregrine status` with the eBPF sampler and workers of the
+//! `peregrine` user, Envoy run by the example unit the package ships answering 200 from every
+//! worker, `systemctl reload` applying a new `count`, the journal holding the logs, an `apt-get
+//! install` of the same tree with a higher version under HTTP/1.1 and HTTP/2 load (the tests'
+//! load as a program, `http-load`) with no failed request and the workers kept, 256 workers under
+//! the unit's limits, the watchdog pinged and never fired, stopped with nothing left running, and
+//! purged with nothing left behind.
+//!
+//! `--all` checks both releases. Where the check cannot run (not root, no QEMU to install) it
+//! skips and says why, through the tests' skip list, unless `PEREGRINE_REQUIRE_VM=1` (CI), where it
+//! fails.
 
 mod image;
+mod kernels;
 mod qemu;
 
 use std::{
@@ -50,6 +62,10 @@ use crate::package::output;
 const CHECK_SCRIPT: &str = include_str!("vm/check.sh");
 const SERVER: &str = include_str!("vm/server.py");
 const WEIGHTS: &str = include_str!("vm/weights.py");
+const HOST: &str = include_str!("vm/host.py");
+
+/// The Debian revision of the package the check upgrades to: the same tree, a higher version.
+const UPGRADE_REVISION: &str = "1+upgrade";
 
 /// A Debian release the VM can be made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,75 +104,138 @@ impl Release {
 /// What `cargo xtask vm` was asked.
 #[derive(Debug, PartialEq, Eq)]
 struct Options {
-    release: Release,
+    releases: Vec<Release>,
     shell: bool,
     rebuild: bool,
+    /// Write each release's row of the kernels' table rather than compare it.
+    write_docs: bool,
 }
+
+const USAGE: &str = "cargo xtask vm [--debian 12|13 | --all] [--shell] [--rebuild] [--write-docs]";
 
 fn parse(args: &[String]) -> anyhow::Result<Options> {
     let mut options = Options {
-        release: Release::Bookworm,
+        releases: vec![Release::Bookworm],
         shell: false,
         rebuild: false,
+        write_docs: false,
     };
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--debian" => {
                 let number = args.next().context("--debian takes 12 or 13")?;
-                options.release = Release::parse(number)?;
+                options.releases = vec![Release::parse(number)?];
             }
+            "--all" => options.releases = vec![Release::Bookworm, Release::Trixie],
             "--shell" => options.shell = true,
             "--rebuild" => options.rebuild = true,
-            other => bail!(
-                "unknown argument {other:?}: cargo xtask vm [--debian 12|13] [--shell] [--rebuild]"
-            ),
+            "--write-docs" => options.write_docs = true,
+            other => bail!("unknown argument {other:?}: {USAGE}"),
         }
+    }
+    if options.shell && options.releases.len() > 1 {
+        bail!("--shell boots one release: {USAGE}");
     }
     Ok(options)
 }
 
-/// `cargo xtask vm [--debian 12|13] [--shell] [--rebuild]`.
+/// Set to 1 where the VM check must run (CI): then what stops it fails the command instead of
+/// skipping it.
+const REQUIRE_VAR: &str = "PEREGRINE_REQUIRE_VM";
+
+/// `cargo xtask vm [--debian 12|13 | --all] [--shell] [--rebuild] [--write-docs]`.
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse(args)?;
+    if let Err(why) = can_run() {
+        if std::env::var_os(REQUIRE_VAR).is_some_and(|v| v == "1") {
+            return Err(why.context(format!("the VM check cannot run here ({REQUIRE_VAR}=1)")));
+        }
+        peregrine_testenv::skip("cargo xtask vm", format!("{why:#}"));
+        return Ok(ExitCode::SUCCESS);
+    }
+    packages::ensure(packages::PACKAGE)?;
+    let payload = payload()?;
+    let mut passed_all = true;
+    for &release in &options.releases {
+        let started = Instant::now();
+        let image = image::ensure(release, options.rebuild)?;
+        let built = started.elapsed();
+        if options.shell {
+            qemu::shell(&image, &payload)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        println!("Debian {}: booting and checking", release.number());
+        let mut run = qemu::check(&image, &payload)?;
+        run.steps
+            .push(docs_step(release, &run.facts, options.write_docs)?);
+        let (passed, failed): (Vec<&qemu::Step>, Vec<&qemu::Step>) =
+            run.steps.iter().partition(|step| step.passed());
+        println!(
+            "Debian {} in QEMU ({}): image ready in {:.0?}, booted and checked in {:.1?}",
+            release.number(),
+            run.accelerator,
+            built,
+            run.took
+        );
+        for step in &run.steps {
+            println!("  {}: {}", step.name, step.outcome);
+        }
+        if !run.finished {
+            println!(
+                "the check did not run to its end (see {})",
+                run.log.display()
+            );
+        }
+        println!("{} passed, {} failed", passed.len(), failed.len());
+        passed_all &= failed.is_empty() && run.finished && !passed.is_empty();
+    }
+    Ok(if passed_all {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Whether this machine can make and boot the VMs: root (debootstrap makes a root file system), and
+/// QEMU and the image's tools installed or installable.
+fn can_run() -> anyhow::Result<()> {
     if !rustix::process::geteuid().is_root() {
         bail!("cargo xtask vm runs as root: debootstrap makes a root file system");
     }
     qemu::prefer_backports_where_qemu_utils_is_one()?;
-    packages::ensure(packages::VM)?;
-    packages::ensure(packages::PACKAGE)?;
-    let started = Instant::now();
-    let image = image::ensure(options.release, options.rebuild)?;
-    let built = started.elapsed();
-    let payload = payload()?;
-    if options.shell {
-        qemu::shell(&image, &payload)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let run = qemu::check(&image, &payload)?;
-    let (passed, failed): (Vec<&qemu::Step>, Vec<&qemu::Step>) =
-        run.steps.iter().partition(|step| step.passed());
-    println!(
-        "Debian {} in QEMU ({}): image ready in {:.0?}, booted and checked in {:.1?}",
-        options.release.number(),
-        run.accelerator,
-        built,
-        run.took
-    );
-    for step in &run.steps {
-        println!("  {}: {}", step.name, step.outcome);
-    }
-    if !run.finished {
-        println!(
-            "the check did not run to its end (see {})",
-            run.log.display()
-        );
-    }
-    println!("{} passed, {} failed", passed.len(), failed.len());
-    Ok(if failed.is_empty() && run.finished && !passed.is_empty() {
-        ExitCode::SUCCESS
+    packages::ensure(packages::VM)
+}
+
+/// The step that holds `docs/kernels.md` to this run: its row for `release` is what the VM
+/// measured, or, with `write`, is written so.
+fn docs_step(
+    release: Release,
+    facts: &std::collections::BTreeMap<String, String>,
+    write: bool,
+) -> anyhow::Result<qemu::Step> {
+    let path = workspace_root().join(kernels::PAGE);
+    let page =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let row = kernels::row(release, facts);
+    let outcome = if write {
+        match kernels::write(&page, release, &row) {
+            Ok(written) => {
+                std::fs::write(&path, written)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                format!("ok: wrote this run's row into {}", kernels::PAGE)
+            }
+            Err(why) => format!("FAILED: {why}"),
+        }
     } else {
-        ExitCode::FAILURE
+        match kernels::compare(&page, release, &row) {
+            Ok(()) => format!("ok: {}'s row is what this run measured", kernels::PAGE),
+            Err(why) => format!("FAILED: {why}"),
+        }
+    };
+    Ok(qemu::Step {
+        name: "docs".to_owned(),
+        outcome,
     })
 }
 
@@ -177,16 +256,32 @@ fn payload() -> anyhow::Result<PathBuf> {
     )?;
     let probe = test_executable("peregrine-ebpf", "probe")?;
     copy_executable(&probe, &folder.join("probe"))?;
-    // The package, as `cargo xtask package` builds it (a release build with the eBPF sampler).
-    let package = crate::package::build()?;
-    std::fs::copy(&package.deb, folder.join("peregrine.deb"))
-        .with_context(|| format!("copying {}", package.deb.display()))?;
+    // The package, as `cargo xtask package` builds it (a release build with the eBPF sampler), and
+    // the same tree again with a higher version, to upgrade to.
+    for (revision, name) in [
+        (None, "peregrine.deb"),
+        (Some(UPGRADE_REVISION), "peregrine-next.deb"),
+    ] {
+        let package = match revision {
+            None => crate::package::build()?,
+            Some(revision) => crate::package::build_revision(revision)?,
+        };
+        std::fs::copy(&package.deb, folder.join(name))
+            .with_context(|| format!("copying {}", package.deb.display()))?;
+    }
+    // The tests' load, as a program: HTTP/1.1 and HTTP/2 clients that count every failed request.
+    xtask::run_checked(cargo().args(["build", "-p", "peregrine-e2e", "--bin", "http-load"]))?;
+    copy_executable(
+        &root.join("target/debug/http-load"),
+        &folder.join("http-load"),
+    )?;
     let envoy = xtask::envoy::install()?;
     copy_executable(&envoy_binary(&envoy), &folder.join("envoy"))?;
     for (name, text) in [
         ("run.sh", CHECK_SCRIPT),
         ("server.py", SERVER),
         ("weights.py", WEIGHTS),
+        ("host.py", HOST),
     ] {
         let path = folder.join(name);
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -256,22 +351,27 @@ mod tests {
     }
 
     #[test]
-    fn parses_the_release_and_the_modes() {
+    fn parses_the_releases_and_the_modes() {
         let defaults = parse(&[]).unwrap();
         assert_eq!(
             defaults,
             Options {
-                release: Release::Bookworm,
+                releases: vec![Release::Bookworm],
                 shell: false,
-                rebuild: false
+                rebuild: false,
+                write_docs: false,
             }
         );
         let thirteen = parse(&args("--debian 13 --shell --rebuild")).unwrap();
         assert_eq!(
-            (thirteen.release, thirteen.shell, thirteen.rebuild),
-            (Release::Trixie, true, true)
+            (thirteen.releases, thirteen.shell, thirteen.rebuild),
+            (vec![Release::Trixie], true, true)
         );
+        let all = parse(&args("--all --write-docs")).unwrap();
+        assert_eq!(all.releases, [Release::Bookworm, Release::Trixie]);
+        assert!(all.write_docs);
         assert_eq!(Release::Trixie.suite(), "trixie");
+        assert!(parse(&args("--all --shell")).is_err());
         assert!(parse(&args("--debian 11")).is_err());
         assert!(parse(&args("--debian")).is_err());
         assert!(parse(&args("--network")).is_err());

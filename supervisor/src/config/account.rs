@@ -91,6 +91,19 @@ pub fn can_switch_users() -> bool {
     }
 }
 
+/// Whether this process may read files of other users that only their owner may read, as each
+/// process's `/proc/PID/environ` is (mode 0400): its effective capabilities hold CAP_DAC_READ_SEARCH
+/// or CAP_DAC_OVERRIDE. Adopting a worker of another user reads that file. When the capabilities
+/// cannot be read, an effective uid of 0 stands for them.
+pub fn can_read_other_users_files() -> bool {
+    match rustix::thread::capabilities(None) {
+        Ok(sets) => sets
+            .effective
+            .intersects(CapabilitySet::DAC_READ_SEARCH | CapabilitySet::DAC_OVERRIDE),
+        Err(_) => rustix::process::geteuid().is_root(),
+    }
+}
+
 /// The socket the workers of `service` register on when it runs under a `user` of its own:
 /// `<control>.<service>.workers`, the service's name and `.workers` appended to the control socket's
 /// file name (`/run/peregrine/peregrine.sock.web.workers`).

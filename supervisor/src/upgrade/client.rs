@@ -150,6 +150,15 @@ pub fn judge(before: &v1::Supervisor, before_pids: &BTreeSet<u32>, now: &v1::Sta
         ));
     }
     let pids = local_pids(now);
+    // A worker may exit and be replaced during an upgrade, but a new image that kept none of them
+    // could not adopt them: the upgrade ran the new program and lost what they held.
+    if !before_pids.is_empty() && pids.is_disjoint(before_pids) {
+        return Progress::Failed(format!(
+            "the new image ({}) runs, but adopted none of the {} workers: it replaced them, and              requests they held may have been lost; see its log (journalctl -u peregrine)",
+            supervisor.version,
+            before_pids.len()
+        ));
+    }
     Progress::Done(Outcome {
         pid: supervisor.pid,
         old_version: before.version.clone(),
@@ -298,6 +307,24 @@ mod tests {
         };
         assert_eq!(outcome.kept, BTreeSet::from([11]));
         assert!(outcome.new.is_empty(), "{outcome:?}");
+    }
+
+    #[test]
+    fn a_new_image_that_kept_no_worker_failed() {
+        let before = image(100, 1_000, "0.1.0");
+        let now = status(
+            image(100, 2_000, "0.1.0"),
+            vec![row(0, Some(21)), row(1, Some(22))],
+        );
+        assert!(matches!(
+            judge(&before, &BTreeSet::from([11, 12]), &now),
+            Progress::Failed(why) if why.contains("adopted none of the 2 workers")
+        ));
+        // No worker before: nothing to keep.
+        assert!(matches!(
+            judge(&before, &BTreeSet::new(), &now),
+            Progress::Done(_)
+        ));
     }
 
     #[test]

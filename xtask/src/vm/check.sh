@@ -7,6 +7,8 @@ payload=/payload
 failed=0
 
 say() { echo "check: $1: $2"; }
+# A fact of this kernel for the docs' table (docs/kernels.md), which `cargo xtask vm` checks.
+fact() { echo "fact: $1: $2"; }
 
 # `USER COMMAND LINE` of every process whose command line holds $1 (minbase has no procps).
 processes() {
@@ -19,10 +21,13 @@ processes() {
 }
 
 say kernel "ok: $(uname -r) ($(. /etc/os-release && echo "$PRETTY_NAME"))"
+fact kernel "$(uname -r | cut -d. -f1,2)"
 if [ -r /sys/kernel/btf/vmlinux ]; then
     say btf "ok: /sys/kernel/btf/vmlinux"
+    fact btf yes
 else
     say btf "FAILED: no /sys/kernel/btf/vmlinux"
+    fact btf no
 fi
 if grep -qs 'sock_send_length' /sys/kernel/tracing/available_events /sys/kernel/debug/tracing/available_events; then
     say sock_send_length "ok: the tracepoint exists (6.3 and later): sends are counted there"
@@ -36,6 +41,7 @@ mount -t tmpfs tmp /tmp 2>/dev/null
 cd /tmp || exit 1
 if PEREGRINE_REQUIRE_EBPF=1 "$payload/probe" --test-threads=1 > /tmp/probe.log 2>&1; then
     say probe "ok: $(grep '^test result' /tmp/probe.log | head -1)"
+    fact probe "$(grep -c '^test .* ok$' /tmp/probe.log) passed, none skipped"
 else
     failed=1
     cat /tmp/probe.log
@@ -64,6 +70,8 @@ done
 chosen=$(grep 'Sampler chosen' /tmp/run.log | head -1 | sed 's/.*Sampler chosen for //')
 kill -TERM "$run" 2>/dev/null
 wait "$run"
+fact sampler "$(echo "$chosen" | sed -n 's/.* sampler="\([a-z]*\)".*/\1/p')"
+fact sends "$(echo "$chosen" | sed -n 's/.* sends=//p')"
 case "$chosen" in
     *'sampler="ebpf"'*) say sampler "ok: $chosen" ;;
     '') failed=1; cat /tmp/run.log; say sampler "FAILED: the supervisor never said which sampler it chose" ;;
@@ -104,7 +112,7 @@ app=$!
 "$payload/envoy" -c /tmp/envoy.yaml --concurrency 1 --base-id 7 > /tmp/envoy.log 2>&1 &
 envoy=$!
 if python3 "$payload/weights.py" 180; then
-    :
+    fact in_flight "socket tables (sock_diag), weighed by Envoy"
 else
     failed=1
     tail -n 40 /tmp/app.log /tmp/envoy.log
@@ -114,7 +122,8 @@ wait "$envoy" "$app"
 
 # The package under systemd, installed with apt from the payload (its dependencies are in the
 # image: the VM has no network), started by its unit (Type=notify: `active` only once the
-# supervisor said it is ready), then stopped and purged.
+# supervisor said it is ready, with the real watchdog), served through Envoy run by the example
+# unit the package ships, reloaded with more workers, upgraded under load, stopped and purged.
 if apt-get install -y -q "$payload/peregrine.deb" > /tmp/apt.log 2>&1; then
     say install "ok: $(dpkg-query -W -f '${Package} ${Version}' peregrine) with apt, offline"
 else
@@ -124,8 +133,10 @@ else
 fi
 systemctl start peregrine
 state=$(systemctl is-active peregrine)
+main=$(systemctl show -p MainPID --value peregrine)
+watchdog=$(systemctl show -p WatchdogUSec --value peregrine)
 if [ "$state" = active ]; then
-    say unit "ok: systemctl start: $(systemctl show -p Type --value peregrine) unit $state"
+    say unit "ok: systemctl start: $(systemctl show -p Type --value peregrine) unit $state, watchdog $watchdog, main pid $main"
 else
     failed=1
     journalctl -u peregrine --no-pager | tail -n 30
@@ -145,6 +156,79 @@ else
     processes peregrine
     say status "FAILED: no eBPF sampler in peregrine status, or no worker of the peregrine user"
 fi
+
+# Envoy, the pinned binary, as the example unit runs it: its bootstrap written from the installed
+# config at each start.
+install -m 0755 "$payload/envoy" /usr/local/bin/envoy
+cp /usr/share/doc/peregrine/examples/envoy.service /etc/systemd/system/envoy.service
+systemctl daemon-reload
+systemctl start envoy
+python3 "$payload/host.py" every envoy 2 180 || {
+    failed=1
+    systemctl status envoy --no-pager | tail -n 5
+    journalctl -u envoy --no-pager | tail -n 20
+}
+
+# A changed count, applied by `systemctl reload` (peregrine reload).
+sed -i 's/^count = 2$/count = 3/' /etc/peregrine/peregrine.toml
+if systemctl reload peregrine; then
+    python3 "$payload/host.py" every reload 3 180 || failed=1
+else
+    failed=1
+    journalctl -u peregrine --no-pager | tail -n 20
+    say reload "FAILED: systemctl reload peregrine failed"
+fi
+
+# The logs are in the journal: the start and the reload.
+journal=$(journalctl -u peregrine --no-pager -o cat)
+if echo "$journal" | grep -q 'Serving xDS' && echo "$journal" | grep -q 'Control command done'; then
+    say journal "ok: journalctl -u peregrine holds the start (Serving xDS) and the reload ($(echo "$journal" | grep -c .) lines)"
+else
+    failed=1
+    echo "$journal" | tail -n 20
+    say journal "FAILED: no start or no reload in journalctl -u peregrine"
+fi
+
+# The package upgraded in place under HTTP/1.1 and HTTP/2 load through Envoy: not one request lost.
+python3 "$payload/host.py" upgrade upgrade "$payload/peregrine-next.deb" "$payload/http-load" 300 || {
+    failed=1
+    journalctl -u peregrine --no-pager | tail -n 30
+}
+
+# The watchdog: pinged all along (the last ping within one period, minutes after the start),
+# never fired (no restart, the same main pid).
+restarts=$(systemctl show -p NRestarts --value peregrine)
+pinged=$(systemctl show -p WatchdogTimestampMonotonic --value peregrine)
+started=$(systemctl show -p ExecMainStartTimestampMonotonic --value peregrine)
+now_main=$(systemctl show -p MainPID --value peregrine)
+now=$(awk '{ printf "%d", $1 * 1000000 }' /proc/uptime)
+seconds=$(echo "$watchdog" | sed -n 's/^\([0-9][0-9]*\)s$/\1/p')
+period=$(( ${seconds:-0} * 1000000 ))
+since_ping=$(( (now - ${pinged:-0}) / 1000000 ))
+up=$(( (now - ${started:-0}) / 1000000 ))
+if [ "$period" -gt 0 ] && [ "$restarts" = 0 ] && [ "$now_main" = "$main" ] && [ $((now - ${pinged:-0})) -le "$period" ] && [ "$up" -gt $((period / 1000000)) ]; then
+    say watchdog "ok: WatchdogSec $watchdog: last ping ${since_ping} s ago, ${up} s after the start; 0 restarts, the same main pid"
+else
+    failed=1
+    say watchdog "FAILED: watchdog $watchdog, restarts $restarts, main pid $main then $now_main, last ping ${since_ping} s ago, up ${up} s"
+fi
+
+# Many workers under the unit's limits (tasks, descriptors, locked memory). A supervisor sizes its
+# tables at start, so growing past them takes a restart (a stop, which drains and stops every
+# worker, and a start).
+sed -i 's/^count = 3$/count = 256/' /etc/peregrine/peregrine.toml
+if systemctl restart peregrine; then
+    python3 "$payload/host.py" hosts many 256 420 || {
+        failed=1
+        journalctl -u peregrine --no-pager | tail -n 30
+    }
+else
+    failed=1
+    journalctl -u peregrine --no-pager | tail -n 30
+    say many "FAILED: systemctl restart peregrine with 256 workers failed"
+fi
+
+systemctl stop envoy
 systemctl stop peregrine
 left=$( (processes 'peregrine run'; processes 'peregrine worker') | wc -l)
 if [ "$(systemctl is-active peregrine)" != active ] && [ "$left" -eq 0 ]; then

@@ -1,6 +1,7 @@
 //! Booting an image under QEMU with the payload disk, no network device, and what its check said.
 
 use std::{
+    collections::BTreeMap,
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -39,6 +40,8 @@ impl Step {
 #[derive(Debug)]
 pub(crate) struct Run {
     pub(crate) steps: Vec<Step>,
+    /// The kernel's facts the script printed (`fact: KEY: VALUE`), by key.
+    pub(crate) facts: BTreeMap<String, String>,
     /// Whether the script ran to its end (the unit printed its exit).
     pub(crate) finished: bool,
     pub(crate) took: Duration,
@@ -56,6 +59,13 @@ fn step_in(line: &str) -> Option<Step> {
         name: name.to_owned(),
         outcome: outcome.trim_end().to_owned(),
     })
+}
+
+/// The fact a console line reports, if it is one: `fact: KEY: VALUE` anywhere in the line.
+fn fact_in(line: &str) -> Option<(String, String)> {
+    let rest = &line[line.find("fact: ")? + "fact: ".len()..];
+    let (key, value) = rest.split_once(": ")?;
+    (!key.is_empty() && !key.contains(' ')).then(|| (key.to_owned(), value.trim_end().to_owned()))
 }
 
 /// Boots `image` with the payload in `payload` and collects the check's steps.
@@ -83,6 +93,7 @@ pub(crate) fn check(image: &Image, payload: &Path) -> anyhow::Result<Run> {
     });
     let mut console = String::new();
     let mut steps = Vec::new();
+    let mut facts = BTreeMap::new();
     let mut finished = false;
     let deadline = started + TIMEOUT;
     loop {
@@ -94,6 +105,7 @@ pub(crate) fn check(image: &Image, payload: &Path) -> anyhow::Result<Run> {
                     println!("  {}: {}", step.name, step.outcome);
                     steps.push(step);
                 }
+                facts.extend(fact_in(&line));
                 finished |= line.contains("vm-check: exit");
                 console.push_str(&line);
                 console.push('\n');
@@ -123,6 +135,7 @@ pub(crate) fn check(image: &Image, payload: &Path) -> anyhow::Result<Run> {
     }
     Ok(Run {
         steps,
+        facts,
         finished,
         took,
         accelerator,
@@ -275,5 +288,13 @@ mod tests {
         assert!(!failed.passed());
         assert_eq!(step_in("[    1.2] systemd[1]: Started something."), None);
         assert_eq!(step_in("a check: of sorts"), None);
+        assert_eq!(
+            fact_in("\u{1b}[0mfact: sends: counted at the return of tcp_sendmsg"),
+            Some((
+                "sends".into(),
+                "counted at the return of tcp_sendmsg".into()
+            ))
+        );
+        assert_eq!(fact_in("a fact: of sorts"), None);
     }
 }

@@ -221,7 +221,7 @@ mod tests {
             wrapped,
             "prlimit --nofile=1048576:1048576 --memlock=unlimited:unlimited setpriv \
              --no-new-privs --bounding-set=-all,+bpf,+perfmon,+sys_resource,+sys_ptrace,+kill,\
-             +net_bind_service,+setuid,+setgid,+setpcap,+chown --inh-caps=-all -- \
+             +net_bind_service,+setuid,+setgid,+setpcap,+chown,+dac_read_search --inh-caps=-all -- \
              /usr/bin/peregrine run /etc/peregrine/peregrine.toml"
         );
     }
