@@ -48,7 +48,7 @@ use self::{
     slot_task::SlotTask,
 };
 pub use self::{
-    context::{Context, Replaced},
+    context::{Context, Replaced, starting_gate},
     error::{Fallback, ReplaceError, StartError},
     launch::EXEC_PASSED,
     leftovers::{become_subreaper, reap_orphans},

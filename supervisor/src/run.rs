@@ -397,6 +397,7 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         counters: sources.counters.clone(),
         lineage: lock.lineage().clone(),
         timings: timings.clone(),
+        starting: manager::starting_gate(),
     });
     let server = registration::Server {
         registry: registry.clone(),

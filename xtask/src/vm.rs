@@ -156,17 +156,45 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     packages::ensure(packages::PACKAGE)?;
     let payload = payload()?;
-    let mut passed_all = true;
+    let mut images = Vec::new();
     for &release in &options.releases {
         let started = Instant::now();
-        let image = image::ensure(release, options.rebuild)?;
-        let built = started.elapsed();
-        if options.shell {
-            qemu::shell(&image, &payload)?;
-            return Ok(ExitCode::SUCCESS);
+        images.push((image::ensure(release, options.rebuild)?, started.elapsed()));
+    }
+    if options.shell {
+        if let Some((image, _)) = images.first() {
+            qemu::shell(image, &payload)?;
         }
-        println!("Debian {}: booting and checking", release.number());
-        let mut run = qemu::check(&image, &payload)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Each VM runs on one host CPU (TCG, one thread): the releases boot and check at once.
+    println!(
+        "booting and checking Debian {}",
+        options
+            .releases
+            .iter()
+            .map(|release| release.number().to_string())
+            .collect::<Vec<_>>()
+            .join(" and ")
+    );
+    let runs: Vec<anyhow::Result<qemu::Run>> = std::thread::scope(|scope| {
+        let checks: Vec<_> = images
+            .iter()
+            .map(|(image, _)| scope.spawn(|| qemu::check(image, &payload)))
+            .collect();
+        checks
+            .into_iter()
+            .map(|check| {
+                check
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the VM's thread panicked")))
+            })
+            .collect()
+    });
+    let mut passed_all = true;
+    for ((image, built), run) in images.iter().zip(runs) {
+        let release = image.release;
+        let mut run = run?;
         run.steps
             .push(docs_step(release, &run.facts, options.write_docs)?);
         let (passed, failed): (Vec<&qemu::Step>, Vec<&qemu::Step>) =

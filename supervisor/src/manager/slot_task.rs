@@ -27,7 +27,7 @@ use peregrine_contract::ErrorChain;
 use rustix::process::{PidfdFlags, Signal};
 use tokio::{
     io::unix::AsyncFd,
-    sync::{mpsc, watch},
+    sync::{OwnedSemaphorePermit, mpsc, watch},
 };
 
 use super::{
@@ -485,8 +485,11 @@ impl SlotTask {
         }
     }
 
-    /// Starts a worker in a free lane.
+    /// Starts a worker in a free lane, once fewer than
+    /// [`STARTING_AT_ONCE`](super::context::STARTING_AT_ONCE) workers are starting.
     async fn start(&self) -> Result<Instance, StartError> {
+        // The semaphore is never closed; were it, the start would go ungated rather than fail.
+        let permit = self.context.starting.clone().acquire_owned().await.ok();
         let lane = self.context.lanes.take().ok_or(StartError::NoLane)?;
         let listener = self.launch.bind_passed()?;
         let passed = listener.as_ref().map(|listener| listener.address.clone());
@@ -508,6 +511,9 @@ impl SlotTask {
             Ok((pid, pidfd))
         })?;
         tracing::info!(pid, lane = lane.index(), restarts = self.restarts, program = %self.launch.program.display(), "Worker started");
+        if let Some(permit) = permit {
+            self.hold_until_registered(permit, pid);
+        }
         let prober = passed
             .map(|address| Prober::start(&self.context, &self.slot, pid, address, &self.launch));
         Ok(Instance {
@@ -520,6 +526,42 @@ impl SlotTask {
             adopted: false,
             prober,
         })
+    }
+
+    /// Holds `permit` (a place among the workers starting at once) until worker `pid` has
+    /// registered, has exited, or has had its registration timeout, whichever is first.
+    fn hold_until_registered(&self, permit: OwnedSemaphorePermit, pid: u32) {
+        let registry = self.context.registry.clone();
+        let Slot { service, index } = self.slot.clone();
+        let deadline = tokio::time::Instant::now() + self.lifecycle.register_timeout;
+        // Its own pidfd: the instance's is the slot task's to wait on. Without one (the worker
+        // exited already, or the kernel refused), the permit goes back at once.
+        let Some(pidfd) = rustix::process::pidfd_open(pid_of(pid), PidfdFlags::empty())
+            .ok()
+            // SAFETY: the pidfd is an `OwnedFd` moved into the `AsyncFd`, which owns it until it
+            // is dropped (with the task); it is never closed or replaced while registered.
+            .and_then(|fd| unsafe { AsyncFd::register(fd) }.ok())
+        else {
+            return;
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut snapshots = registry.subscribe();
+            loop {
+                if snapshots
+                    .borrow_and_update()
+                    .instance(&service, index, pid)
+                    .is_some()
+                {
+                    return;
+                }
+                tokio::select! {
+                    changed = snapshots.changed() => if changed.is_err() { return },
+                    _ = pidfd.readable() => return,
+                    () = tokio::time::sleep_until(deadline) => return,
+                }
+            }
+        });
     }
 
     /// Starts a new worker and, once it has registered, drains and stops `current`; returns the new
@@ -806,6 +848,7 @@ mod tests {
             counters,
             lineage: crate::instance::Lineage::random().unwrap(),
             timings: Default::default(),
+            starting: crate::manager::starting_gate(),
         });
         let slot = Slot {
             service: "web".into(),

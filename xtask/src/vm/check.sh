@@ -10,6 +10,15 @@ say() { echo "check: $1: $2"; }
 # A fact of this kernel for the docs' table (docs/kernels.md), which `cargo xtask vm` checks.
 fact() { echo "fact: $1: $2"; }
 
+# The supervisor's warnings and errors since its unit started, each kind once with its count
+# (pids and numbers folded), then its last lines: what a failed step prints.
+journal_summary() {
+    journalctl -u peregrine -o cat --no-pager | grep -E 'ERROR|WARN|error' \
+        | sed -e 's/^[0-9TZ:.-]* *//' -e 's/[0-9][0-9]*/N/g' | cut -c1-240 \
+        | sort | uniq -c | sort -rn | head -n 15
+    journalctl -u peregrine --no-pager | tail -n 15
+}
+
 # `USER COMMAND LINE` of every process whose command line holds $1 (minbase has no procps).
 processes() {
     for dir in /proc/[0-9]*; do
@@ -192,7 +201,7 @@ fi
 # The package upgraded in place under HTTP/1.1 and HTTP/2 load through Envoy: not one request lost.
 python3 "$payload/host.py" upgrade upgrade "$payload/peregrine-next.deb" "$payload/http-load" 300 || {
     failed=1
-    journalctl -u peregrine --no-pager | tail -n 30
+    journal_summary
 }
 
 # The watchdog: pinged all along (the last ping within one period, minutes after the start),
@@ -220,11 +229,11 @@ sed -i 's/^count = 3$/count = 256/' /etc/peregrine/peregrine.toml
 if systemctl restart peregrine; then
     python3 "$payload/host.py" hosts many 256 420 || {
         failed=1
-        journalctl -u peregrine --no-pager | tail -n 30
+        journal_summary
     }
 else
     failed=1
-    journalctl -u peregrine --no-pager | tail -n 30
+    journal_summary
     say many "FAILED: systemctl restart peregrine with 256 workers failed"
 fi
 

@@ -114,7 +114,7 @@ def every(name, count, deadline):
         name,
         not missing,
         f"{count} workers of the peregrine user, each answered 200 through Envoy "
-        f"({requests} requests, {errors} refused while Envoy started)"
+        f"({requests} requests; {errors} connections refused before Envoy listened)"
         if not missing
         else f"no answer through Envoy from {missing} in {requests} requests",
     )

@@ -102,7 +102,12 @@ pub(crate) fn check(image: &Image, payload: &Path) -> anyhow::Result<Run> {
             Ok(line) => {
                 let line = line.replace('\r', "");
                 if let Some(step) = step_in(&line) {
-                    println!("  {}: {}", step.name, step.outcome);
+                    println!(
+                        "  Debian {}: {}: {}",
+                        image.release.number(),
+                        step.name,
+                        step.outcome
+                    );
                     steps.push(step);
                 }
                 facts.extend(fact_in(&line));
@@ -163,7 +168,8 @@ fn disks(image: &Image, payload: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
             .arg(&image.disk)
             .arg(&overlay),
     )?;
-    let disk = folder.join("payload.img");
+    // One payload disk per release: the releases' checks may run at once.
+    let disk = folder.join(format!("payload-{}.img", image.release.number()));
     let _ = std::fs::remove_file(&disk);
     output(
         Command::new("mkfs.ext4")
