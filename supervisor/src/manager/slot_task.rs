@@ -894,6 +894,52 @@ mod tests {
         assert_eq!(exit, Exit::Code(7));
     }
 
+    /// A place among the workers starting at once is held until the worker registers or exits.
+    #[tokio::test]
+    async fn a_start_permit_comes_back_when_the_worker_registers_or_exits() {
+        let task = task(Lifecycle::default());
+        let gate = task.context.starting.clone();
+        let all = gate.available_permits();
+        let permits_back = |expected: usize| {
+            let gate = gate.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while gate.available_permits() != expected {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+                .await
+                .expect("the permit back within 10 s");
+            }
+        };
+        // Registered: given back.
+        let mut registers = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = registers.id();
+        task.hold_until_registered(gate.clone().acquire_owned().await.unwrap(), pid);
+        assert_eq!(gate.available_permits(), all - 1);
+        let address = Address::Tcp(([127, 0, 0, 1], 8000).into());
+        task.context
+            .registry
+            .register(crate::registry::Worker::ready(
+                "web",
+                0,
+                pid,
+                vec![crate::registry::Protocol::Http1],
+                vec![address],
+            ))
+            .unwrap();
+        permits_back(all).await;
+        registers.kill().unwrap();
+        registers.wait().unwrap();
+        // Exited unregistered: given back too, long before the registration timeout.
+        let mut exits = Command::new("sleep").arg("30").spawn().unwrap();
+        task.hold_until_registered(gate.clone().acquire_owned().await.unwrap(), exits.id());
+        assert_eq!(gate.available_permits(), all - 1);
+        exits.kill().unwrap();
+        exits.wait().unwrap();
+        permits_back(all).await;
+    }
+
     #[tokio::test]
     async fn an_adopted_process_that_exits_has_an_unknown_status() {
         // The shell's background child is not ours once the shell has exited: like a worker of an
