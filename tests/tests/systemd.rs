@@ -20,32 +20,25 @@ use peregrine_e2e::{
 
 #[test]
 fn the_unit_passes_systemd_analyze_verify() {
-    if !tool_or_skip(
-        "the systemd unit",
-        "systemd-analyze",
-        "--version",
-        "PEREGRINE_REQUIRE_SYSTEMD",
-        "apt install systemd",
-    ) {
+    if !systemd_analyze_or_skip("the systemd unit") {
         return;
     }
     let unit =
         std::fs::read_to_string(workspace_root().join("packaging/systemd/peregrine.service"))
             .unwrap();
-    for line in [
-        "Type=notify",
-        "KillMode=process",
-        "ExecStart=/usr/bin/peregrine run /etc/peregrine/peregrine.toml",
-        "ExecReload=/usr/bin/peregrine reload /etc/peregrine/peregrine.toml",
-        "RuntimeDirectory=peregrine",
-        "RuntimeDirectoryPreserve=restart",
-        "WatchdogSec=",
-    ] {
-        assert!(
-            unit.lines().any(|l| l.starts_with(line)),
-            "no {line:?} in the unit"
-        );
-    }
+    assert_lines(
+        &unit,
+        "the unit",
+        &[
+            "Type=notify",
+            "KillMode=process",
+            "ExecStart=/usr/bin/peregrine run /etc/peregrine/peregrine.toml",
+            "ExecReload=/usr/bin/peregrine reload /etc/peregrine/peregrine.toml",
+            "RuntimeDirectory=peregrine",
+            "RuntimeDirectoryPreserve=restart",
+            "WatchdogSec=",
+        ],
+    );
     // The socket's path is the config's alone: a shell's `peregrine status` has no unit environment.
     assert!(
         !unit
@@ -70,6 +63,28 @@ fn the_unit_passes_systemd_analyze_verify() {
     verify(&dir.path().join("peregrine.service"), &local);
 }
 
+/// Fails unless `unit` (named `name`) has a line starting with each of `lines`.
+fn assert_lines(unit: &str, name: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(
+            unit.lines().any(|l| l.starts_with(line)),
+            "no {line:?} in {name}"
+        );
+    }
+}
+
+/// Whether `systemd-analyze` is here to check `what`; the test skips (or, with
+/// `PEREGRINE_REQUIRE_SYSTEMD=1`, fails) when it is not.
+fn systemd_analyze_or_skip(what: &str) -> bool {
+    tool_or_skip(
+        what,
+        "systemd-analyze",
+        "--version",
+        "PEREGRINE_REQUIRE_SYSTEMD",
+        "apt install systemd",
+    )
+}
+
 /// `systemd-analyze verify` of `unit` written at `path`: not one word of complaint.
 fn verify(path: &Path, unit: &str) {
     std::fs::write(path, unit).unwrap();
@@ -89,28 +104,21 @@ fn verify(path: &Path, unit: &str) {
 
 #[test]
 fn the_envoy_unit_in_the_examples_passes_systemd_analyze_verify() {
-    if !tool_or_skip(
-        "the example Envoy unit",
-        "systemd-analyze",
-        "--version",
-        "PEREGRINE_REQUIRE_SYSTEMD",
-        "apt install systemd",
-    ) {
+    if !systemd_analyze_or_skip("the example Envoy unit") {
         return;
     }
     let unit = std::fs::read_to_string(workspace_root().join("examples/envoy.service")).unwrap();
     // Its bootstrap is the packaged config's, written at each start into its runtime directory.
-    for line in [
-        "RuntimeDirectory=envoy",
-        "ExecStartPre=+/bin/sh -c 'umask 022 && /usr/bin/peregrine envoy-bootstrap /etc/peregrine/peregrine.toml > /run/envoy/envoy.yaml'",
-        "ExecStart=/usr/local/bin/envoy -c /run/envoy/envoy.yaml",
-        "DynamicUser=yes",
-    ] {
-        assert!(
-            unit.lines().any(|l| l.starts_with(line)),
-            "no {line:?} in the Envoy unit"
-        );
-    }
+    assert_lines(
+        &unit,
+        "the Envoy unit",
+        &[
+            "RuntimeDirectory=envoy",
+            "ExecStartPre=+/bin/sh -c 'umask 022 && /usr/bin/peregrine envoy-bootstrap /etc/peregrine/peregrine.toml > /run/envoy/envoy.yaml'",
+            "ExecStart=/usr/local/bin/envoy -c /run/envoy/envoy.yaml",
+            "DynamicUser=yes",
+        ],
+    );
     // The programs it names, pointed at ones that exist here (verify checks they do).
     let dir = TempDir::new().unwrap();
     let local = unit
