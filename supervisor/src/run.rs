@@ -409,9 +409,9 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
     // The sockets the workers of a service with a `user` register on, there before they start.
     let mut worker_sockets = registration::WorkerSockets::new(&control, server.clone());
     worker_sockets.open(&config)?;
+    warn_if_other_users_cannot_be_adopted(&config);
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the sockets' backlogs).
-    warn_if_other_users_cannot_be_adopted(&config);
     let adopted = adopt::find(&config, lock.lineage());
     let adopted_pids: Vec<u32> = adopted.values().map(|a| a.pid).collect();
     let manager =

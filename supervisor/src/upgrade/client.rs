@@ -154,7 +154,8 @@ pub fn judge(before: &v1::Supervisor, before_pids: &BTreeSet<u32>, now: &v1::Sta
     // could not adopt them: the upgrade ran the new program and lost what they held.
     if !before_pids.is_empty() && pids.is_disjoint(before_pids) {
         return Progress::Failed(format!(
-            "the new image ({}) runs, but adopted none of the {} workers: it replaced them, and              requests they held may have been lost; see its log (journalctl -u peregrine)",
+            "the new image ({}) runs, but adopted none of the {} workers: it replaced them, and \
+             requests they held may have been lost; see its log (journalctl -u peregrine)",
             supervisor.version,
             before_pids.len()
         ));
