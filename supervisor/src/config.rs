@@ -37,6 +37,7 @@ mod limits;
 mod raw;
 #[cfg(test)]
 mod reference;
+mod wording;
 
 use self::raw::RawConfig;
 pub use self::{

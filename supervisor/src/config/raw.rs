@@ -13,7 +13,7 @@ use toml::{
     de::{DeTable, DeValue},
 };
 
-use super::error::Problem;
+use super::{error::Problem, wording};
 use crate::printable::is_bidi_control;
 
 // Each table has its own struct though their shapes repeat: `deny_unknown_fields` then names a
@@ -168,14 +168,23 @@ impl RawConfig {
     /// problem returned.
     pub(super) fn from_toml(source: &str) -> Result<RawConfig, Problem> {
         let document = DeTable::parse(source).map_err(|err| {
-            Problem::at(source, err.span(), "(syntax)".into(), err.message().trim())
+            let message = match (err.message().trim(), err.span()) {
+                ("duplicate key", Some(span)) => wording::duplicate(source, span),
+                (message, _) => message.to_owned(),
+            };
+            Problem::at(source, err.span(), "(syntax)".into(), message)
         })?;
         let service_names = service_names(document.get_ref());
         let deserializer = toml::de::Deserializer::from(document);
         let mut raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|err| {
             let key = dotted_key(err.path());
             let inner = err.into_inner();
-            Problem::at(source, inner.span(), key, inner.message().trim())
+            Problem::at(
+                source,
+                inner.span(),
+                key,
+                wording::serde_message(inner.message().trim()),
+            )
         })?;
         raw.service_names = service_names;
         Ok(raw)

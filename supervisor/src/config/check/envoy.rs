@@ -54,7 +54,7 @@ impl Checker<'_> {
                 None => self.report(
                     Some(span.clone()),
                     "envoy.xds_servers".into(),
-                    format!("expected http://IP:PORT (e.g. http://10.0.0.1:18000), got {server:?}"),
+                    crate::config::wording::not_an_http_address(&server, "http://10.0.0.1:18000"),
                 ),
             }
         }
