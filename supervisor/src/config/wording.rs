@@ -14,10 +14,11 @@ pub(super) fn serde_message(message: &str) -> String {
             return unknown_key(unknown, &backquoted(expected));
         }
     }
-    if let Some(rest) = message.strip_prefix("invalid type: ") {
-        if let Some((found, expected)) = rest.split_once(", expected ") {
-            return format!("expected {}, found {found}", toml_type(expected));
-        }
+    if let Some((found, expected)) = message
+        .strip_prefix("invalid type: ")
+        .and_then(|rest| rest.split_once(", expected "))
+    {
+        return format!("expected {}, found {found}", toml_type(expected));
     }
     message.to_owned()
 }
