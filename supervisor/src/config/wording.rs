@@ -91,46 +91,29 @@ pub(super) fn duplicate(source: &str, span: std::ops::Range<usize>) -> String {
         .rfind('\n')
         .map_or(0, |at| at + 1);
     let line = source[start..].lines().next().unwrap_or("").trim();
-    let before = &source[..start];
-    let line_of = |offset: usize| before[..offset].bytes().filter(|&b| b == b'\n').count() + 1;
-    if line.starts_with('[') {
+    // The lines before it; the one at index `i` is line `i + 1`.
+    let earlier: Vec<&str> = source[..start].lines().collect();
+    let (what, first) = if line.starts_with('[') {
         // A table header: the same header earlier.
         let header = header_of(line);
-        let first = before
-            .match_indices('\n')
-            .map(|(at, _)| at + 1)
-            .chain([0])
-            .filter(|&at| header_of(before[at..].lines().next().unwrap_or("").trim()) == header)
-            .min();
-        return match first {
-            Some(at) => format!(
-                "the table `{header}` is given twice: first on line {}",
-                line_of(at)
-            ),
-            None => format!("the table `{header}` is given twice"),
-        };
-    }
-    // A key: the same key earlier in the same table (after the last header before it).
-    let key = line.split('=').next().unwrap_or("").trim();
-    let table_start = before
-        .match_indices('\n')
-        .map(|(at, _)| at + 1)
-        .chain([0])
-        .filter(|&at| before[at..].trim_start().starts_with('['))
-        .max()
-        .unwrap_or(0);
-    let first = before[table_start..]
-        .match_indices('\n')
-        .map(|(at, _)| table_start + at + 1)
-        .chain([table_start])
-        .filter(|&at| {
-            let text = before[at..].lines().next().unwrap_or("");
-            text.split('=').next().is_some_and(|k| k.trim() == key) && text.contains('=')
-        })
-        .min();
+        let first = earlier.iter().position(|l| header_of(l.trim()) == header);
+        (format!("the table `{header}`"), first)
+    } else {
+        // A key: the same key earlier in the same table (after the last header before it).
+        let key = line.split('=').next().unwrap_or("").trim();
+        let table = earlier
+            .iter()
+            .rposition(|l| l.trim_start().starts_with('['))
+            .map_or(0, |i| i + 1);
+        let first = earlier[table..]
+            .iter()
+            .position(|l| l.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+            .map(|i| table + i);
+        (format!("`{key}`"), first)
+    };
     match first {
-        Some(at) => format!("`{key}` is given twice: first on line {}", line_of(at)),
-        None => format!("`{key}` is given twice"),
+        Some(i) => format!("{what} is given twice: first on line {}", i + 1),
+        None => format!("{what} is given twice"),
     }
 }
 
