@@ -6,8 +6,8 @@
 // does), so one worker can be loaded more than another; `/slow?ms=N` first sleeps N milliseconds (at
 // most 60000) without blocking. It listens on file descriptor 3, the socket passed by socket
 // activation (LISTEN_FDS=1): `node tests/apps/node_app.js`. On SIGTERM it stops accepting, closes
-// idle keep-alive connections, answers what is in flight with `Connection: close`, and exits 0 once
-// every connection is closed.
+// idle keep-alive connections and connections that never carried a request, answers what is in
+// flight with `Connection: close`, and exits 0 once every connection is closed.
 'use strict';
 
 const http = require('node:http');
@@ -74,15 +74,31 @@ const server = http.createServer((req, res) => {
   setTimeout(() => answer(200, `Hello from worker ${process.pid}!\n`), sleep);
 });
 
+// Connections that have not begun a request. A proxy opens some ahead of need (Envoy does when a
+// request it opened one for is sent on another that freed first), and Node counts a new connection
+// as busy until its first request: server.close() waits for them and closeIdleConnections() leaves
+// them, so without this a drained server would wait for its SIGKILL.
+const unused = new Set();
+server.on('connection', (socket) => {
+  unused.add(socket);
+  socket.once('close', () => unused.delete(socket));
+});
+server.on('request', (req) => unused.delete(req.socket));
+
+const closeUnused = () => {
+  for (const socket of unused) {
+    socket.destroy();
+  }
+  server.closeIdleConnections();
+};
+
 process.on('SIGTERM', () => {
   closing = true;
   server.close(() => process.exit(0));
   // A connection busy at the signal is answered with `Connection: close`; one that turns idle
   // without another request (a response that was already on its way) is closed on the next pass.
-  if (server.closeIdleConnections) {
-    server.closeIdleConnections();
-    setInterval(() => server.closeIdleConnections(), 100).unref();
-  }
+  closeUnused();
+  setInterval(closeUnused, 100).unref();
 });
 
 server.listen({ fd: 3 });
