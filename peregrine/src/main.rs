@@ -334,8 +334,8 @@ fn main() -> ExitCode {
         } => {
             let socket = match socket {
                 Some(socket) => socket,
-                None => match Config::load(&config) {
-                    Ok(c) => c.supervisor.control,
+                None => match peregrine_supervisor::config::control_socket(&config) {
+                    Ok(socket) => socket,
                     Err(error) => return config_error(&error),
                 },
             };
@@ -383,8 +383,8 @@ fn main() -> ExitCode {
         } => {
             let socket = match socket {
                 Some(socket) => socket,
-                None => match Config::load(&config) {
-                    Ok(c) => c.supervisor.control,
+                None => match peregrine_supervisor::config::control_socket(&config) {
+                    Ok(socket) => socket,
                     Err(error) => return config_error(&error),
                 },
             };
@@ -474,8 +474,8 @@ fn control(
         Some(socket) => socket,
         // An invalid config is still sent: the supervisor reports it (and changes nothing), but a
         // config that cannot name the socket cannot be helped.
-        None => match Config::load(config) {
-            Ok(c) => c.supervisor.control,
+        None => match peregrine_supervisor::config::control_socket(config) {
+            Ok(socket) => socket,
             Err(error) => return config_error(&error),
         },
     };

@@ -31,6 +31,7 @@ use peregrine_contract::url::BindUrl;
 pub mod account;
 mod check;
 pub mod concurrency;
+mod control_path;
 mod error;
 mod files;
 mod limits;
@@ -50,6 +51,7 @@ pub use self::{
         cluster::{ENV_ETCD, MAX_FLEET_SERVICE_NAME, fleet_name, fleet_service_name},
         tls::DEFAULT_SERVER_NAME,
     },
+    control_path::control_socket,
     error::{ConfigError, Problem},
     limits::{
         MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_SOCKET_PATH, MAX_TOTAL_WORKERS,

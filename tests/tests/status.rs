@@ -208,6 +208,69 @@ fn status_without_a_supervisor_says_so_in_one_line() {
     }
 }
 
+/// `status` and `reload` need only the control socket's path from the config: beside a
+/// half-edited file they reach the running supervisor (which refuses to reload the half-edited
+/// file, naming its line). A user who may not open the socket is told whose it is and how to run
+/// the command as that user.
+#[test]
+fn status_and_reload_read_only_the_socket_and_say_who_may_ask() {
+    let mut config = PeregrineToml::local(free_port());
+    config.service("web", ServiceTable::default());
+    let supervisor = Supervisor::start(&config.toml());
+    wait_for_row(&supervisor, "the worker registered", |row| {
+        row["pid"].is_u64()
+    });
+
+    let text = std::fs::read_to_string(supervisor.config_path()).unwrap();
+    let half_edited = format!("{text}\n[service.next]\ncount = \n");
+    let broken_line = half_edited.lines().count();
+    std::fs::write(supervisor.config_path(), &half_edited).unwrap();
+    let status = supervisor
+        .status_json()
+        .expect("status beside a half-edited config");
+    assert!(web_row(&status).is_some(), "{status}");
+    let reload = supervisor
+        .control("reload", &[])
+        .expect_err("an invalid config");
+    let reload = format!("{reload:#}");
+    assert!(
+        reload.contains(&format!("line {broken_line}")),
+        "the supervisor names the line: {reload}"
+    );
+    std::fs::write(supervisor.config_path(), &text).unwrap();
+
+    if !rustix::process::geteuid().is_root() {
+        peregrine_e2e::skip(
+            "status_and_reload_read_only_the_socket_and_say_who_may_ask (as another user)",
+            "not root: no other user to run status as",
+        );
+        return;
+    }
+    // The directory is searchable by all, the socket owner-only: `nobody` may see whose it is.
+    let socket = supervisor.dir().join("peregrine.sock");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(supervisor.dir(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let output = {
+        use std::os::unix::process::CommandExt;
+        Command::new(peregrine_path())
+            .args(["status".as_ref(), "--socket".as_ref(), socket.as_os_str()])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("run peregrine as nobody")
+    };
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "error: this user may not ask the supervisor on {}: only its own user, root, may (run \
+             the command with sudo)",
+            socket.display()
+        )
+    );
+}
+
 /// A tmux session that is killed when dropped, even when the test fails.
 struct Tmux(String);
 

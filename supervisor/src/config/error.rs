@@ -56,7 +56,11 @@ fn line_of(source: &str, span: Range<usize>) -> usize {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read {path}")]
+    #[error("cannot read {path}{}", if .source.kind() == std::io::ErrorKind::PermissionDenied {
+        " as this user (run the command with sudo, or as a user who may read it)"
+    } else {
+        ""
+    })]
     Read {
         /// The file.
         path: PathBuf,

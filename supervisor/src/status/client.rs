@@ -37,6 +37,16 @@ pub enum StatusError {
         #[source]
         source: io::Error,
     },
+    /// This user may not talk to the supervisor: its socket is owner-only (the connection was not
+    /// allowed), or the supervisor refused a peer of another user.
+    #[error("this user may not ask the supervisor on {path}: {}", who_may(.owner.as_deref()))]
+    NotAllowed {
+        /// The socket path.
+        path: PathBuf,
+        /// The socket's owner, the supervisor's user (a name, or `uid N` without one), when this
+        /// user may look the socket up.
+        owner: Option<String>,
+    },
     /// Connecting, writing or reading failed otherwise.
     #[error("cannot ask the supervisor on {path}")]
     Io {
@@ -127,6 +137,10 @@ fn exchange(
             path: path.clone(),
             source,
         },
+        io::ErrorKind::PermissionDenied => StatusError::NotAllowed {
+            path: path.clone(),
+            owner: owner_of(&path),
+        },
         _ => io_error(timeout)(source),
     })?;
     stream
@@ -162,6 +176,14 @@ fn exchange(
         buf.extend_from_slice(&chunk[..n]);
     };
     match answer.message {
+        Some(supervisor_message::Message::Refused(refused))
+            if refused.code() == Code::OtherUser =>
+        {
+            Err(StatusError::NotAllowed {
+                owner: owner_of(&path),
+                path,
+            })
+        }
         Some(supervisor_message::Message::Refused(refused)) => Err(StatusError::Refused {
             path,
             code: refused.code(),
@@ -180,6 +202,36 @@ fn connect(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
     socket.set_write_timeout(Some(timeout))?;
     socket.connect(&SockAddr::unix(path)?)?;
     Ok(socket.into())
+}
+
+/// The name of the user who owns the file at `path` (`uid N` where the user database has no name
+/// for it), if this user may look it up.
+fn owner_of(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata(path).ok()?.uid();
+    Some(
+        match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+            Ok(Some(user)) => user.name,
+            _ => format!("uid {uid}"),
+        },
+    )
+}
+
+/// Who may ask a supervisor whose socket `owner` owns, and how a person runs a command as them.
+fn who_may(owner: Option<&str>) -> String {
+    match owner {
+        None => {
+            "only the supervisor's own user may (run the command with sudo, or as that user)".into()
+        }
+        Some("root") => "only its own user, root, may (run the command with sudo)".into(),
+        Some(uid) if uid.starts_with("uid ") => format!(
+            "only its own user, {uid}, may (run the command with sudo -u '#{}')",
+            &uid[4..]
+        ),
+        Some(user) => {
+            format!("only its own user, {user}, may (run the command with sudo -u {user})")
+        }
+    }
 }
 
 /// `10 s`, `0.2 s`: a timeout for a person.
@@ -226,6 +278,34 @@ mod tests {
         // A stale socket file, nobody listening.
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
         assert!(matches!(query(&path), Err(StatusError::NotRunning { .. })));
+    }
+
+    #[test]
+    fn a_socket_this_user_may_not_open_says_whose_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("theirs.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let uid = nix::unistd::geteuid();
+        let me = nix::unistd::User::from_uid(uid)
+            .unwrap()
+            .map_or_else(|| format!("uid {uid}"), |u| u.name);
+        assert_eq!(owner_of(&path), Some(me));
+        assert_eq!(owner_of(&dir.path().join("none.sock")), None);
+        let error = StatusError::NotAllowed {
+            owner: Some("root".into()),
+            path: path.clone(),
+        };
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "this user may not ask the supervisor on {}: only its own user, root, may (run \
+                 the command with sudo)",
+                path.display()
+            )
+        );
+        assert!(who_may(Some("peregrine")).ends_with("(run the command with sudo -u peregrine)"));
+        assert!(who_may(Some("uid 4242")).ends_with("(run the command with sudo -u '#4242')"));
+        assert!(who_may(None).contains("with sudo, or as that user"));
     }
 
     #[test]
