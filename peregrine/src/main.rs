@@ -5,6 +5,10 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use peregrine_supervisor::config::Config;
 
+mod exit;
+
+use exit::Exit;
+
 /// The configuration file a command reads when none is given: where the package installs it.
 const DEFAULT_CONFIG: &str = "/etc/peregrine/peregrine.toml";
 
@@ -175,12 +179,6 @@ enum TlsCommand {
     },
 }
 
-/// The exit code for a configuration or usage error (EX_USAGE in sysexits.h).
-const EXIT_USAGE: u8 = 64;
-/// The exit code of `peregrine upgrade` when the supervisor cannot upgrade in place
-/// (EX_UNAVAILABLE): the package's postinst restarts it instead.
-const EXIT_UNAVAILABLE: u8 = 69;
-
 /// `peregrine --version`: the version, the commit built from (see `build.rs`) and whether the eBPF
 /// sampler is in this binary, e.g. `0.1.0 (1f00ca1, eBPF sampler built in)`.
 fn version() -> &'static str {
@@ -212,10 +210,25 @@ fn command() -> clap::Command {
 fn main() -> ExitCode {
     // First: the program file and arguments an upgrade execs again.
     let image = peregrine_supervisor::upgrade::Image::capture(version());
-    let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|error| error.exit());
+    let cli = match command()
+        .try_get_matches()
+        .and_then(|matches| Cli::from_arg_matches(&matches))
+    {
+        Ok(cli) => cli,
+        Err(error) => {
+            // `--help` and `--version` end here too, on stdout.
+            let _ = error.print();
+            return if error.use_stderr() {
+                Exit::Usage
+            } else {
+                Exit::Success
+            }
+            .into();
+        }
+    };
     if let Err(error) = init_tracing() {
         eprintln!("peregrine: {error}");
-        return ExitCode::from(EXIT_USAGE);
+        return Exit::Usage.into();
     }
     match cli.command {
         Command::ExecPassed { program, args } => {
@@ -275,7 +288,7 @@ fn main() -> ExitCode {
                     for problem in problems {
                         eprintln!("  {problem}");
                     }
-                    return ExitCode::from(EXIT_USAGE);
+                    return Exit::Config.into();
                 }
                 let workers: u32 = c.services.values().map(|s| s.count).sum();
                 let plural =
@@ -348,7 +361,7 @@ fn main() -> ExitCode {
                             "error: --interval must be at least {} seconds, got {interval}",
                             min.as_secs_f64()
                         );
-                        ExitCode::from(EXIT_USAGE)
+                        Exit::Usage.into()
                     }
                 }
             } else {
@@ -395,13 +408,9 @@ fn main() -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(error) => {
-                    let code = if error.cannot_upgrade_in_place() {
-                        EXIT_UNAVAILABLE
-                    } else {
-                        1
-                    };
-                    fail(&anyhow::Error::new(error));
-                    ExitCode::from(code)
+                    let exit = Exit::of_upgrade(&error);
+                    report(&peregrine_contract::ErrorChain(&error).to_string());
+                    exit.into()
                 }
             }
         }
@@ -491,7 +500,7 @@ fn control(
                 ExitCode::FAILURE
             }
         }
-        Err(error) => fail(&anyhow::Error::new(error)),
+        Err(error) => not_asked(&error),
     }
 }
 
@@ -502,7 +511,7 @@ fn status(socket: &std::path::Path, json: bool) -> ExitCode {
     use peregrine_supervisor::status::{StatusView, query};
     let view = match query(socket) {
         Ok(status) => StatusView::from(status),
-        Err(error) => return fail(&anyhow::Error::new(error)),
+        Err(error) => return not_asked(&error),
     };
     let text = if json {
         match serde_json::to_string_pretty(&view) {
@@ -564,7 +573,13 @@ fn watch_status(socket: &std::path::Path, json: bool, interval: std::time::Durat
 
 fn config_error(error: &peregrine_supervisor::config::ConfigError) -> ExitCode {
     report(&peregrine_contract::ErrorChain(error).to_string());
-    ExitCode::from(EXIT_USAGE)
+    Exit::of_config(error).into()
+}
+
+/// A supervisor that could not be asked (not running, not ours to ask, silent).
+fn not_asked(error: &peregrine_supervisor::status::StatusError) -> ExitCode {
+    report(&peregrine_contract::ErrorChain(error).to_string());
+    Exit::of_status(error).into()
 }
 
 fn fail(error: &anyhow::Error) -> ExitCode {

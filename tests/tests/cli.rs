@@ -1,5 +1,5 @@
 //! The command line: configuration errors are one line per problem, naming the key and line, with exit
-//! code 64, and `run` starts nothing on a bad config or a sampler it cannot run; `--version` names
+//! code 78 (each exit code is the documented one), and `run` starts nothing on a bad config or a sampler it cannot run; `--version` names
 //! the commit and the sampler, commands read the installed config when given none, and the manual
 //! pages come from the same definitions.
 
@@ -47,7 +47,7 @@ fn a_bad_value_is_one_line_naming_the_key() {
         &["check"],
         "[service.cluster]\ncount = 2\nurl = \"http://127.0.0.1:8080\"\n",
     );
-    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(code, 78, "{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{stderr}");
     assert!(
@@ -65,7 +65,7 @@ fn a_service_envoy_could_not_reach_is_refused_at_its_line() {
         "[service.web]\nprefix = \"/\"\n\n[service.xds_cluster]\nprefix = \"/x\"\n\n\
          [service.www]\nprefix = \"/\"\n\n[service.\"\\u001b[2Jweb\"]\nprefix = \"/y\"\n",
     );
-    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(code, 78, "{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 3, "{stderr}");
     assert!(
@@ -89,14 +89,14 @@ fn a_service_envoy_could_not_reach_is_refused_at_its_line() {
 #[test]
 fn a_type_error_and_an_unknown_key_are_named() {
     let (code, _, stderr) = peregrine(&["check"], "[supervisor]\nbind = 18000\n");
-    assert_eq!(code, 64);
+    assert_eq!(code, 78);
     assert!(
         stderr.contains("line 2: supervisor.bind: expected a string, found integer `18000`"),
         "{stderr}"
     );
     let (code, _, stderr) = peregrine(&["run"], "[service.cluster]\ncuont = 2\n");
     assert_eq!(
-        code, 64,
+        code, 78,
         "run refuses a bad config before starting anything"
     );
     assert!(
@@ -214,6 +214,44 @@ fn json_logs_are_one_object_per_line_from_the_supervisor_and_its_workers() {
     );
 }
 
+/// Each row of docs/operating.md's exit codes that a command can reach here, reached: the table is
+/// held to the binary's codes by the binary's own test, and the binary to the table here.
+#[test]
+fn each_kind_of_failure_exits_with_its_documented_code() {
+    let dir = TempDir::new().unwrap();
+    let config = dir.path().join("peregrine.toml");
+    let socket = dir.path().join("peregrine.sock");
+    std::fs::write(
+        &config,
+        format!(
+            "[supervisor]\ncontrol = \"{}\"\n[service.web]\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let missing = dir.path().join("missing.toml").display().to_string();
+    for (args, code, says) in [
+        (vec!["check", "--no-such-flag"], 64, "unexpected argument"),
+        (vec!["status", "--interval"], 64, "a value is required"),
+        (vec!["check", &missing], 66, "cannot read"),
+        (vec!["status", &missing], 66, "cannot read"),
+        (vec!["status", &config], 69, "no supervisor is running"),
+        (vec!["reload", &config], 69, "no supervisor is running"),
+        (vec!["upgrade", &config], 69, "no supervisor is running"),
+        (vec!["check", "--help"], 0, "Usage: peregrine check"),
+    ] {
+        let (got, stdout, stderr) = peregrine_args(&args);
+        assert_eq!(got, code, "peregrine {args:?}: {stdout}{stderr}");
+        assert!(
+            format!("{stdout}{stderr}").contains(says),
+            "peregrine {args:?}: {stdout}{stderr}"
+        );
+    }
+    let (got, _, stderr) = peregrine(&["check"], "[service.web]\ncount = \"2\"\n");
+    assert_eq!(got, 78, "{stderr}");
+}
+
 #[test]
 fn an_unknown_log_format_is_a_usage_error() {
     let output = Command::new(peregrine_path())
@@ -295,7 +333,7 @@ fn commands_read_the_installed_config_when_given_none_and_say_so() {
         );
     }
     // Check, and status with no flags at all, read the installed config: on a machine without one,
-    // a usage error naming it.
+    // an error naming it, with the exit code of a missing input.
     for command in ["check", "status"] {
         let (code, stdout, stderr) = peregrine_args(&[command]);
         let said = format!("{stdout}{stderr}");
@@ -304,7 +342,7 @@ fn commands_read_the_installed_config_when_given_none_and_say_so() {
             "`peregrine {command}` names no config: {said}"
         );
         if !Path::new(INSTALLED_CONFIG).exists() {
-            assert_eq!(code, 64, "{said}");
+            assert_eq!(code, 66, "{said}");
         }
     }
 }

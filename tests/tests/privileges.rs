@@ -986,7 +986,7 @@ fn check(config: &str) -> (i32, String) {
 #[test]
 fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     let (code, stderr) = check("[service.web]\ncount = 1\nuser = \"no-such-user-of-peregrine\"\n");
-    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(code, 78, "{stderr}");
     assert!(
         stderr.contains("line 3")
             && stderr.contains("service.web.user")
@@ -995,7 +995,7 @@ fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     );
     let (code, stderr) =
         check("[service.web]\nuser = \"nobody\"\ngroup = \"no-such-group-of-peregrine\"\n");
-    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(code, 78, "{stderr}");
     assert!(
         stderr.contains("line 3")
             && stderr.contains("service.web.group")
@@ -1004,7 +1004,7 @@ fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     );
     // A group alone says whose group it would be.
     let (code, stderr) = check("[service.web]\ngroup = \"root\"\n");
-    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(code, 78, "{stderr}");
     assert!(
         stderr.contains("line 2") && stderr.contains("service.web.group"),
         "{stderr}"

@@ -194,7 +194,8 @@ fn status_without_a_supervisor_says_so_in_one_line() {
                 .output()
                 .expect("run peregrine");
             let stderr = String::from_utf8_lossy(&output.stderr);
-            assert_eq!(output.status.code(), Some(1), "{stderr}");
+            // EX_UNAVAILABLE.
+            assert_eq!(output.status.code(), Some(69), "{stderr}");
             assert_eq!(stderr.lines().count(), 1, "{stderr}");
             assert!(
                 stderr.starts_with(&format!(
@@ -260,7 +261,8 @@ fn status_and_reload_read_only_the_socket_and_say_who_may_ask() {
             .expect("run peregrine as nobody")
     };
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    // EX_NOPERM.
+    assert_eq!(output.status.code(), Some(77), "{stderr}");
     assert_eq!(
         stderr.trim_end(),
         format!(
