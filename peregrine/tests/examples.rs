@@ -9,6 +9,9 @@
 //! matched, as an operator's `peregrine check` does. The environment overrides are cleared, so the
 //! files alone decide.
 //!
+//! The package's system user (`peregrine`), which the packaged config's workers run as, is `nobody`
+//! on a machine the package was never installed on.
+//!
 //! `check` also finds each worker's program. The third-party servers the docs show (gunicorn,
 //! uvicorn, Node, Puma) are found in `PATH` when this machine has them; where it does not, a stand-in
 //! executable of that name takes the place of the one an application host installs. Whether those
@@ -197,6 +200,34 @@ fn directory_with_certificates() -> tempfile::TempDir {
     dir
 }
 
+/// The system user the package makes, which the packaged config's workers run as.
+const PACKAGE_USER: &str = "peregrine";
+
+/// `text`, its workers run as `nobody` instead where they run as the package's user and this
+/// machine has none (a build machine the package was never installed on).
+fn as_this_machine_has_it(text: &str) -> String {
+    let has_package_user = std::fs::read_to_string("/etc/passwd")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| line.split(':').next() == Some(PACKAGE_USER));
+    if has_package_user {
+        return text.to_owned();
+    }
+    text.lines()
+        .map(|line| {
+            let (key, value) = line.split_once('=').unwrap_or_default();
+            let value = value.split('#').next().unwrap_or_default().trim();
+            if key.trim() == "user" && value == format!("\"{PACKAGE_USER}\"") {
+                line.replacen(PACKAGE_USER, "nobody", 1)
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
 /// A file name for a case: `examples/fleet-tls/host-a.toml` is `examples-fleet-tls-host-a.toml`.
 fn file_name(origin: &str) -> String {
     let stem: String = origin
@@ -224,7 +255,7 @@ fn every_example_and_every_complete_toml_block_of_the_docs_passes_peregrine_chec
     let mut failures = Vec::new();
     for case in &cases {
         let file = dir.path().join(file_name(&case.origin));
-        std::fs::write(&file, &case.text).expect("a copy of the config");
+        std::fs::write(&file, as_this_machine_has_it(&case.text)).expect("a copy of the config");
         let output = peregrine()
             .arg("check")
             .arg(&file)
@@ -328,6 +359,43 @@ fn the_example_fleets_hosts_agree_on_what_a_fleet_must_share() {
                 service.name
             );
         }
+    }
+}
+
+/// A stop under the package's unit drains (up to `drain_timeout_ms`) and then gives each worker
+/// `stop_timeout_ms` before its SIGKILL: an example whose two add up to the unit's `TimeoutStopSec`
+/// would have systemd kill the supervisor in the middle of its stop.
+#[test]
+fn every_example_stops_inside_the_units_stop_timeout() {
+    let unit = std::fs::read_to_string(root().join("packaging/systemd/peregrine.service"))
+        .expect("the unit");
+    let unit_timeout_ms: u64 = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("TimeoutStopSec="))
+        .and_then(|value| value.strip_suffix('s'))
+        .and_then(|seconds| seconds.parse::<u64>().ok())
+        .expect("TimeoutStopSec=Ns in the unit")
+        * 1000;
+    let mut files = examples();
+    files.push(root().join("packaging/peregrine.toml"));
+    for path in files {
+        let text = std::fs::read_to_string(&path).expect("an example");
+        let config: toml::Table = text.parse().expect("TOML");
+        let supervisor = config.get("supervisor").and_then(toml::Value::as_table);
+        let ms = |key: &str| {
+            supervisor
+                .and_then(|table| table.get(key))
+                .and_then(toml::Value::as_integer)
+                .map_or(10_000, |ms| u64::try_from(ms).expect("a positive count"))
+        };
+        let stop = ms("drain_timeout_ms") + ms("stop_timeout_ms");
+        // The supervisor's own exit after its workers' takes well under a second.
+        assert!(
+            stop + 1000 < unit_timeout_ms,
+            "{}: drain_timeout_ms + stop_timeout_ms = {stop} ms, beyond the unit's \
+             TimeoutStopSec ({unit_timeout_ms} ms)",
+            path.display()
+        );
     }
 }
 
