@@ -284,9 +284,8 @@ fn main() -> ExitCode {
             Ok(c) => {
                 let problems = peregrine_supervisor::tls::check_files(&c);
                 if !problems.is_empty() {
-                    eprintln!("{}: TLS files that cannot be used:", config.display());
                     for problem in problems {
-                        eprintln!("  {problem}");
+                        report(&format!("{}: {problem}", config.display()));
                     }
                     return Exit::Config.into();
                 }
@@ -571,8 +570,11 @@ fn watch_status(socket: &std::path::Path, json: bool, interval: std::time::Durat
     }
 }
 
+/// A config that could not be loaded: one `error:` line per problem, each naming the file.
 fn config_error(error: &peregrine_supervisor::config::ConfigError) -> ExitCode {
-    report(&peregrine_contract::ErrorChain(error).to_string());
+    for problem in peregrine_contract::ErrorChain(error).to_string().lines() {
+        report(problem);
+    }
     Exit::of_config(error).into()
 }
 

@@ -104,6 +104,42 @@ pub struct Config {
     pub orca: OrcaConfig,
     /// `[cluster]`: this host's place in a fleet; `None` runs a single host.
     pub cluster: Option<ClusterConfig>,
+    /// Every file the config names for the supervisor or Envoy to read (TLS certificates, keys and
+    /// CAs), with the key and line that name it, for `peregrine check` to read each.
+    pub files: Vec<NamedFile>,
+}
+
+/// A file a config names, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedFile {
+    /// The dotted key, e.g. `supervisor.tls.cert`.
+    pub key: String,
+    /// The line of its value.
+    pub line: Line,
+    /// The path, absolute.
+    pub path: PathBuf,
+}
+
+/// A 1-based line of the config file, for messages. Where a value was written is not what the config
+/// means: any two lines are equal, so a config edited only above a key compares equal to the old.
+#[derive(Clone, Copy, Debug, Eq)]
+pub struct Line(pub usize);
+
+impl PartialEq for Line {
+    fn eq(&self, _: &Line) -> bool {
+        true
+    }
+}
+
+impl NamedFile {
+    /// A problem with the file, at its key and line.
+    pub fn problem(&self, message: impl Into<String>) -> Problem {
+        Problem {
+            line: Some(self.line.0),
+            key: self.key.clone(),
+            message: message.into(),
+        }
+    }
 }
 
 /// `[cluster]`: a fleet of hosts sharing membership through etcd.

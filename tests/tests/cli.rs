@@ -252,6 +252,94 @@ fn each_kind_of_failure_exits_with_its_documented_code() {
     assert_eq!(got, 78, "{stderr}");
 }
 
+/// `check` reads every file the config names, `[envoy.tls]`'s too: each one that cannot be read is
+/// an error line of its own at its key and line, and a key that is not its certificate's is named.
+#[test]
+fn check_reads_every_tls_file_and_names_each_one_at_its_line() {
+    let dir = TempDir::new().unwrap();
+    let (code, _, stderr) =
+        peregrine_args(&["tls", "init", &dir.path().join("tls").display().to_string()]);
+    assert_eq!(code, 0, "{stderr}");
+    let config = |files: [&str; 9]| {
+        format!(
+            "[supervisor]\nbind = \"http://127.0.0.1:18000\"\n\
+             [supervisor.tls]\ncert = \"tls/{}\"\nkey = \"tls/{}\"\nclient_ca = \"tls/{}\"\n\
+             [envoy.tls]\ncert = \"tls/{}\"\nkey = \"tls/{}\"\nca = \"tls/{}\"\n\
+             [cluster]\netcd = [\"https://127.0.0.1:2379\"]\n\
+             [cluster.tls]\nca = \"tls/{}\"\ncert = \"tls/{}\"\nkey = \"tls/{}\"\n\
+             [service.web]\n",
+            files[0],
+            files[1],
+            files[2],
+            files[3],
+            files[4],
+            files[5],
+            files[6],
+            files[7],
+            files[8]
+        )
+    };
+    let path = dir.path().join("peregrine.toml");
+    std::fs::write(&path, config(["missing.pem"; 9])).unwrap();
+    let output = Command::new(peregrine_path())
+        .arg("check")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(78), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    let keys = [
+        (4, "supervisor.tls.cert"),
+        (5, "supervisor.tls.key"),
+        (6, "supervisor.tls.client_ca"),
+        (8, "envoy.tls.cert"),
+        (9, "envoy.tls.key"),
+        (10, "envoy.tls.ca"),
+        (14, "cluster.tls.ca"),
+        (15, "cluster.tls.cert"),
+        (16, "cluster.tls.key"),
+    ];
+    assert_eq!(lines.len(), keys.len(), "{stderr}");
+    for (line, (number, key)) in lines.iter().zip(keys) {
+        assert!(
+            line.starts_with("error: ")
+                && line.contains(&format!(": line {number}: {key}: cannot read "))
+                && line.contains("missing.pem"),
+            "{line}"
+        );
+    }
+    // Every file readable, Envoy's key not its certificate's.
+    std::fs::write(
+        &path,
+        config([
+            "server.pem",
+            "server.key",
+            "ca.pem",
+            "envoy.pem",
+            "server.key",
+            "ca.pem",
+            "etcd-ca.pem",
+            "etcd-client.pem",
+            "etcd-client.key",
+        ]),
+    )
+    .unwrap();
+    let output = Command::new(peregrine_path())
+        .arg("check")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.trim_end().lines().count() == 1
+            && stderr.contains(": line 9: envoy.tls.key: ")
+            && stderr.contains("not the key of"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn an_unknown_log_format_is_a_usage_error() {
     let output = Command::new(peregrine_path())

@@ -22,7 +22,7 @@ use toml::Spanned;
 
 use super::{
     Config, DEFAULT_BIND, DEFAULT_CONTROL, DEFAULT_METRICS, DEFAULT_SAMPLE_INTERVAL, GrpcLimits,
-    Identity, Lifecycle, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig,
+    Identity, Lifecycle, NamedFile, OrcaConfig, RestartPolicy, SamplerSetting, ServiceConfig,
     SupervisorConfig,
     error::Problem,
     files::absolute_in,
@@ -54,6 +54,8 @@ pub(super) struct Checker<'a> {
     /// Who the supervisor is: what a service's `user` is held to.
     identity: Identity,
     problems: Vec<Problem>,
+    /// The files the config names, as they are checked.
+    files: Vec<NamedFile>,
 }
 
 impl Checker<'_> {
@@ -195,6 +197,7 @@ pub(super) fn config(
         search_path: env.get("PATH").map(String::as_str),
         identity,
         problems: Vec::new(),
+        files: Vec::new(),
     };
     let written = ServiceSpans::of_all(&raw);
     let server_tls = raw.supervisor.tls.take();
@@ -263,6 +266,7 @@ pub(super) fn config(
             services,
             orca,
             cluster,
+            files: check.files,
         })
     } else {
         Err(check.problems)

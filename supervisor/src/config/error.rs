@@ -47,7 +47,7 @@ impl fmt::Display for Problem {
 }
 
 /// The 1-based line of `source` on which `span` starts.
-fn line_of(source: &str, span: Range<usize>) -> usize {
+pub(super) fn line_of(source: &str, span: Range<usize>) -> usize {
     let end = span.start.min(source.len());
     source[..end].bytes().filter(|&b| b == b'\n').count() + 1
 }

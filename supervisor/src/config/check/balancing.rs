@@ -161,7 +161,7 @@ impl Checker<'_> {
         &mut self,
         service: &str,
         raw: RawBalancing,
-        count: u32,
+        count: Option<u32>,
         reach: OrcaReach,
         (pass_socket, listener): (bool, ListenerMode),
     ) -> (Balancing, Vec<u32>) {
@@ -426,12 +426,15 @@ impl Checker<'_> {
     }
 
     /// `weight` (every slot) or `weights` (one per slot), each 1..=MAX_WEIGHT; 1 by default.
+    /// `count` is `None` when it was given wrong: `weights` is then not held to it.
     fn weights(
         &mut self,
         key: &dyn Fn(&str) -> String,
         raw: &RawBalancing,
-        count: u32,
+        count: Option<u32>,
     ) -> Vec<u32> {
+        let known = count;
+        let count = count.unwrap_or(1);
         let mut weights = vec![1; count as usize];
         if let (Some(_), Some(list)) = (&raw.weight, &raw.weights) {
             self.report(
@@ -446,7 +449,7 @@ impl Checker<'_> {
             weights.fill(weight as u32);
         }
         if let Some(list) = &raw.weights {
-            if list.get_ref().len() != count as usize {
+            if known.is_some_and(|count| list.get_ref().len() != count as usize) {
                 self.report(
                     Some(list.span()),
                     key("weights"),

@@ -93,9 +93,14 @@ impl Checker<'_> {
         if !valid_name(&name) {
             self.report(name_span, table.clone(), NAME_RULE);
         }
-        let count = self
-            .number(&key, "count", &raw.count, 1..u64::from(MAX_WORKERS) + 1)
-            .map_or(1, |n| n as u32);
+        let checked = self.number(&key, "count", &raw.count, 1..u64::from(MAX_WORKERS) + 1);
+        // A `count` given wrong is reported once: what depends on it (a fixed port's room, one
+        // weight per worker) is not checked against a stand-in.
+        let known_count = match (&raw.count, checked) {
+            (Some(_), None) => None,
+            (_, checked) => Some(checked.map_or(1, |n| n as u32)),
+        };
+        let count = known_count.unwrap_or(1);
         let (url, url_span) = match raw.url {
             Some(url) => (url.get_ref().clone(), Some(url.span())),
             // One address: a passed listener is one socket, where `localhost` binds two.
@@ -167,13 +172,19 @@ impl Checker<'_> {
                             key("command"),
                             "must name a program, e.g. [\"/usr/bin/app\", \"--flag\"]",
                         );
-                        WorkerCommand::default()
+                        // A program of the user's, if not a runnable one: what depends on the
+                        // command is checked as for a server of one's own, not the built-in
+                        // worker, and adds no second error.
+                        WorkerCommand {
+                            program: Program::Path(std::path::PathBuf::new()),
+                            args: Vec::new(),
+                        }
                     }
                     Some(program) => {
                         let program = resolve_program(&program, self.base, self.search_path)
                             .unwrap_or_else(|why| {
                                 self.report(Some(span), key("command"), why.to_string());
-                                Program::Peregrine
+                                Program::Path(std::path::PathBuf::from(program))
                             });
                         WorkerCommand {
                             program,
@@ -191,7 +202,7 @@ impl Checker<'_> {
             &command,
             &env,
         );
-        if let Some(parsed) = &parsed_url {
+        if let (Some(parsed), Some(count)) = (&parsed_url, known_count) {
             self.listeners_fit(&key, (&url, parsed, url_span.clone()), count, listener);
         }
         let (ready_path, stop_signal) = self.passed_socket(
@@ -223,7 +234,7 @@ impl Checker<'_> {
         let (balancing, weights) = self.balancing(
             &key_part(&name),
             balancing,
-            count,
+            known_count,
             reach,
             (pass_socket, listener),
         );
@@ -796,6 +807,39 @@ mod tests {
             let account = config.services["a"].account.clone().unwrap();
             assert_eq!((account.uid, account.gid), (uid, 0), "{user}");
         }
+    }
+
+    #[test]
+    fn a_command_that_cannot_run_is_one_problem_not_a_cascade() {
+        for command in ["[\"no-such-server-of-peregrine\"]", "[]", "[\"\"]"] {
+            let got = problems(&format!(
+                "[service.a]\npass_socket = true\ncommand = {command}\n"
+            ));
+            assert_eq!(got.len(), 1, "command = {command}: {got:?}");
+            assert!(got[0].starts_with("line 3: service.a.command: "), "{got:?}");
+        }
+    }
+
+    #[test]
+    fn a_count_given_wrong_is_one_problem_not_a_cascade() {
+        for count in ["5000", "0", "-1"] {
+            let got = problems(&format!(
+                "[service.a]\ncount = {count}\nweights = [1, 2]\nurl = \"http://127.0.0.1:8080\"\n"
+            ));
+            assert_eq!(got.len(), 1, "count = {count}: {got:?}");
+            assert!(got[0].starts_with("line 2: service.a.count: "), "{got:?}");
+        }
+        // A weight out of range still is one, whatever the count.
+        let got = problems("[service.a]\ncount = 0\nweights = [0]\n");
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got[1].contains("each weight must be between 1 and"),
+            "{got:?}"
+        );
+        // With a good count, both are checked against it.
+        let got =
+            problems("[service.a]\ncount = 3\nweights = [1, 2]\nurl = \"http://127.0.0.1:8080\"\n");
+        assert_eq!(got.len(), 2, "{got:?}");
     }
 
     #[test]

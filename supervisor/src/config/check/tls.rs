@@ -4,7 +4,8 @@
 //! Invariant: the two sides of the gRPC port agree: `[supervisor.tls]` and `[envoy.tls]` come
 //! together (an Envoy speaking TLS to a cleartext port, or the reverse, never connects), and a
 //! supervisor that asks for client certificates has one for Envoy to present. Whether the files hold
-//! what they should is checked when the config is loaded (`tls::pem`), not here: this layer reads
+//! what they should is checked by `peregrine check` (`tls::check_files`, each file at the key and
+//! line recorded here as a [`NamedFile`]) and when the supervisor starts, not here: this layer reads
 //! only the config's text.
 
 use std::{ops::Range, path::PathBuf};
@@ -13,7 +14,8 @@ use toml::Spanned;
 
 use super::Checker;
 use crate::config::{
-    CertFiles, EnvoyTlsConfig, EtcdTlsConfig, ServerTlsConfig,
+    CertFiles, EnvoyTlsConfig, EtcdTlsConfig, Line, NamedFile, ServerTlsConfig,
+    error::line_of,
     files::absolute_in,
     raw::{RawClusterTls, RawEnvoyTls, RawServerTls},
 };
@@ -58,7 +60,15 @@ impl Checker<'_> {
                 );
                 None
             }
-            Some(path) => Some(absolute_in(self.base, path.get_ref().as_ref())),
+            Some(path) => {
+                let absolute = absolute_in(self.base, path.get_ref().as_ref());
+                self.files.push(NamedFile {
+                    key,
+                    line: Line(line_of(self.source, path.span())),
+                    path: absolute.clone(),
+                });
+                Some(absolute)
+            }
         }
     }
 
@@ -184,6 +194,30 @@ mod tests {
     const BOTH: &str = "[supervisor.tls]\ncert = \"tls/server.pem\"\nkey = \"tls/server.key\"\n\
                         client_ca = \"/etc/ca/ca.pem\"\n[envoy.tls]\ncert = \"tls/envoy.pem\"\n\
                         key = \"tls/envoy.key\"\nca = \"tls/ca.pem\"\n[service.a]\n";
+
+    #[test]
+    fn every_file_named_is_recorded_at_its_line_and_lines_change_no_meaning() {
+        let config = parse(BOTH).unwrap();
+        let named: Vec<(&str, usize)> = config
+            .files
+            .iter()
+            .map(|file| (file.key.as_str(), file.line.0))
+            .collect();
+        assert_eq!(
+            named,
+            [
+                ("supervisor.tls.cert", 2),
+                ("supervisor.tls.key", 3),
+                ("supervisor.tls.client_ca", 4),
+                ("envoy.tls.cert", 6),
+                ("envoy.tls.key", 7),
+                ("envoy.tls.ca", 8),
+            ]
+        );
+        let moved = parse(&format!("# a comment\n\n{BOTH}")).unwrap();
+        assert_eq!(moved.files[0].line.0, 4);
+        assert_eq!(moved, config, "the same config, written lower");
+    }
 
     #[test]
     fn both_sides_of_the_grpc_port_with_paths_from_the_config_directory() {
