@@ -306,6 +306,10 @@ fn main() -> ExitCode {
                         service.balanced_on()
                     );
                 }
+                // What `run` would warn of when it starts, here and now.
+                for warning in peregrine_supervisor::run::warnings::at_start(&c, &config) {
+                    warn(&format!("{}: {warning}", config.display()));
+                }
                 ExitCode::SUCCESS
             }
             Err(error) => config_error(&error),
@@ -587,6 +591,15 @@ fn not_asked(error: &peregrine_supervisor::status::StatusError) -> ExitCode {
 fn fail(error: &anyhow::Error) -> ExitCode {
     report(&format!("{error:#}"));
     ExitCode::FAILURE
+}
+
+/// A warning the command gives and goes on, on stderr: `warning: ...`, or a JSON log line.
+fn warn(warning: &str) {
+    if LOG_FORMAT.get() == Some(&LogFormat::Json) {
+        tracing::warn!("{warning}");
+    } else {
+        eprintln!("warning: {warning}");
+    }
 }
 
 /// The error that ends the command, on stderr: `error: ...` for a person, or a JSON log line when

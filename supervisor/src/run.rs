@@ -14,7 +14,6 @@
 
 use std::{io, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use peregrine_contract::url::BindUrl;
 use peregrine_proto::v1;
 use tokio::{
     net::TcpListener,
@@ -26,6 +25,7 @@ mod envoy_facing;
 mod exposure;
 pub mod grpc;
 mod operations;
+pub mod warnings;
 
 pub use self::envoy_facing::orca_listen_addresses;
 use self::{
@@ -286,9 +286,6 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         .as_ref()
         .map(ServerTls::load)
         .transpose()?;
-    if !bind.ip().is_loopback() && tls.is_none() {
-        tracing::warn!(%bound, "The gRPC port is reachable from other hosts and has no TLS: anyone who reaches it reads every endpoint, and anyone who impersonates it steers every Envoy; add [supervisor.tls] and [envoy.tls]");
-    }
     let _tls_watch = tls.as_ref().map(|tls| AbortOnDrop(tls.spawn_watch()));
     let sampling = Sampling::of(sources.sched.as_deref());
     let orca = orca_services(&config, sampling);
@@ -347,10 +344,8 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         timings.xds_convergence.clone(),
     ));
     let _metrics_task = metrics_listener.map(|listener| {
-        match listener.local_addr() {
-            Ok(addr) if !addr.ip().is_loopback() => tracing::warn!(%addr, "Prometheus metrics are served beyond this host, without TLS or authentication: anyone who reaches the port reads every worker's load"),
-            Ok(addr) => tracing::info!(%addr, "Serving Prometheus metrics at /metrics"),
-            Err(_) => {}
+        if let Ok(addr) = listener.local_addr() {
+            tracing::info!(%addr, "Serving Prometheus metrics at /metrics");
         }
         let metrics = Arc::new(metrics::registry(
             registry.clone(),
@@ -372,7 +367,6 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
     // session outlives the workers' drains (the other hosts' Envoys must see them drain), then
     // revokes its lease.
     if let Some(cluster) = &config.cluster {
-        warn_of_loopback_workers(&config);
         match fleet::preflight::check(cluster, bound.port(), !orca.is_empty()).await? {
             fleet::preflight::Checked::Fine { hosts } => {
                 tracing::debug!(hosts, "The fleet in etcd agrees with this host's config");
@@ -405,11 +399,12 @@ pub async fn run(config: Config, path: PathBuf, image: Image) -> Result<(), RunE
         records: records.clone(),
         commands: commands_tx,
     };
-    exposure::warn(&config, &path);
+    for warning in warnings::at_start(&config, &path) {
+        warning.log();
+    }
     // The sockets the workers of a service with a `user` register on, there before they start.
     let mut worker_sockets = registration::WorkerSockets::new(&control, server.clone());
     worker_sockets.open(&config)?;
-    warn_if_other_users_cannot_be_adopted(&config);
     // Workers of an earlier supervisor are adopted before registrations are read: a worker that
     // reconnects is then admitted as one of ours (registrations wait in the sockets' backlogs).
     let adopted = adopt::find(&config, lock.lineage());
@@ -610,43 +605,5 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// In a fleet, other hosts' Envoys dial each worker's address: a worker on loopback is reachable from
-/// this machine only (fine when every host of the fleet runs here, as in tests).
-fn warn_of_loopback_workers(config: &Config) {
-    for service in config.services.values() {
-        let loopback = match service.url_for(0) {
-            BindUrl::Tcp { host, .. } => {
-                host == "localhost"
-                    || host
-                        .parse::<std::net::IpAddr>()
-                        .is_ok_and(|ip| ip.is_loopback())
-            }
-            BindUrl::Unix { .. } => true,
-        };
-        if loopback {
-            tracing::warn!(service = %service.name, url = %service.url, "In a fleet, these workers are reachable from this machine only: other hosts' Envoys cannot reach them unless every host runs here");
-        }
-    }
-}
-
-/// Warns when a service runs as another user whose workers this supervisor could start but not
-/// adopt: it cannot read their environment (another user's, mode 0400) without CAP_DAC_READ_SEARCH,
-/// so after an upgrade in place or a restart it would replace them rather than keep them.
-fn warn_if_other_users_cannot_be_adopted(config: &Config) {
-    let own = rustix::process::geteuid().as_raw();
-    let others: Vec<&str> = config
-        .services
-        .values()
-        .filter(|service| service.account.as_ref().is_some_and(|a| a.uid != own))
-        .map(|service| service.name.as_str())
-        .collect();
-    if !others.is_empty() && !crate::config::can_read_other_users_files() {
-        tracing::warn!(
-            services = ?others,
-            "These services' workers run as another user, whose environment this supervisor cannot read (no CAP_DAC_READ_SEARCH): after `peregrine upgrade` or a restart of the supervisor they are replaced, not adopted; grant CAP_DAC_READ_SEARCH (the package's unit does)"
-        );
     }
 }

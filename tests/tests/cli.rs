@@ -340,6 +340,30 @@ fn check_reads_every_tls_file_and_names_each_one_at_its_line() {
     );
 }
 
+/// `check` prints what `run` would warn of at its start (the same list), and still passes.
+#[test]
+fn check_prints_the_warnings_run_would_give() {
+    let (code, stdout, stderr) = peregrine(
+        &["check"],
+        "[supervisor]\nbind = \"http://0.0.0.0:18000\"\nmetrics = \"http://0.0.0.0:9464\"\n\
+         [service.web]\nurl = \"http://127.0.0.1:80\"\n",
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains(": ok (1 service, 1 worker)"), "{stdout}");
+    for warning in [
+        "The gRPC port (0.0.0.0:18000) is reachable from other hosts and has no TLS",
+        "Prometheus metrics (0.0.0.0:9464) are served beyond this host",
+        "service.web: These workers bind a privileged port (80) themselves",
+    ] {
+        assert!(
+            stderr
+                .lines()
+                .any(|line| line.starts_with("warning: ") && line.contains(warning)),
+            "{warning}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn an_unknown_log_format_is_a_usage_error() {
     let output = Command::new(peregrine_path())

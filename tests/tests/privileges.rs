@@ -681,8 +681,8 @@ fn a_worker_asking_for_a_restart_is_refused_and_a_nobody_worker_cannot_open_the_
     let status_line = logged_line(&supervisor, "nobody asked for the status: ");
     assert_ne!(exit_code(&status_line), 0, "{status_line}");
     assert!(
-        status_line.contains("cannot ask the supervisor")
-            && status_line.contains("Permission denied"),
+        status_line.contains("this user may not ask the supervisor")
+            && status_line.contains("only its own user, root, may"),
         "{status_line}"
     );
     let restart_line = logged_line(&supervisor, "nobody asked for a restart: ");
@@ -983,6 +983,38 @@ fn check(config: &str) -> (i32, String) {
     )
 }
 
+/// A program the service's user cannot reach (a virtualenv under a folder only root may enter) is
+/// refused by `check` at its line: `run` would start workers that fail with `Permission denied`.
+#[test]
+fn check_refuses_a_command_the_services_user_cannot_run() {
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    // Only root may enter it (a temporary folder is its owner's alone).
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let server = dir.path().join("server");
+    std::fs::write(&server, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&server, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, stderr) = check(&format!(
+        "[service.web]\npass_socket = true\nuser = \"nobody\"\ncommand = [\"{}\"]\n",
+        server.display()
+    ));
+    assert_eq!(code, 78, "{stderr}");
+    assert!(
+        stderr.contains("line 4: service.web.command: user nobody cannot run")
+            && stderr.contains("(mode 0700) is not searchable by it"),
+        "{stderr}"
+    );
+    // Once it may enter, the same config checks.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, stderr) = check(&format!(
+        "[service.web]\npass_socket = true\nuser = \"nobody\"\ncommand = [\"{}\"]\n",
+        server.display()
+    ));
+    if code != 0 {
+        // The temporary folder's own parents may be closed to nobody (a checkout under /root).
+        assert!(stderr.contains("is not searchable by it"), "{stderr}");
+    }
+}
+
 #[test]
 fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     let (code, stderr) = check("[service.web]\ncount = 1\nuser = \"no-such-user-of-peregrine\"\n");
@@ -1126,7 +1158,7 @@ fn the_supervisor_warns_of_root_workers_and_of_a_config_a_worker_could_replace()
     supervisor.control("reload", &[]).expect("reload");
     let replace = logged_line(&supervisor, "can replace the config");
     assert!(
-        replace.contains("service=web") && replace.contains("user=nobody"),
+        replace.contains("service=web") && replace.contains("(user nobody)"),
         "{replace}"
     );
 }

@@ -471,7 +471,9 @@ fn a_grpc_port_off_loopback_without_tls_is_warned_about() {
     try_wait_until(Duration::from_secs(10), "the warning", || {
         supervisor
             .logs()
-            .contains("The gRPC port is reachable from other hosts and has no TLS")
+            .contains(&format!(
+                "The gRPC port (0.0.0.0:{grpc}) is reachable from other hosts and has no TLS"
+            ))
             .then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", supervisor.logs()));

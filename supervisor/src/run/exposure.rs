@@ -11,45 +11,80 @@ use std::{os::unix::fs::MetadataExt, path::Path};
 
 use peregrine_contract::url::BindUrl;
 
-use crate::config::{Account, Config};
+use super::warnings::Warning;
+use crate::config::{Account, Config, Program};
 
-/// Logs a warning for each service whose workers run as root, for each private key in `config` that
-/// the workers of a service with a `user` could read, for each file the supervisor trusts (the config
-/// at `config_path`, and every TLS file) that they could replace, and for each service whose workers
+/// A warning for each service whose workers run as root, for each private key in `config` that the
+/// workers of a service with a `user` could read, for each file the supervisor trusts (the config at
+/// `config_path`, and every TLS file) that they could replace, and for each service whose workers
 /// would bind a privileged port themselves.
-pub(super) fn warn(config: &Config, config_path: &Path) {
+pub(super) fn warnings(config: &Config, config_path: &Path) -> Vec<Warning> {
+    let mut warnings = Vec::new();
     let root = rustix::process::geteuid().is_root();
     let unprivileged_from = unprivileged_port_start();
     for service in config.services.values() {
+        let mut warn = |message: String| {
+            warnings.push(Warning {
+                service: Some(service.name.clone()),
+                message,
+            })
+        };
         if let BindUrl::Tcp { port, .. } = service.url_for(0)
             && !service.pass_socket
             && port != 0
             && port < unprivileged_from
         {
-            tracing::warn!(service = %service.name, port, "These workers bind a privileged port themselves, and hold no capability to: set pass_socket = true (the supervisor binds it and passes it), or use a port from {unprivileged_from}");
+            let instead = if service.command.program == Program::Peregrine {
+                // The built-in worker binds its own listener: pass_socket is not for it.
+                format!("use a port from {unprivileged_from}, and put Envoy on port {port}")
+            } else {
+                format!(
+                    "set pass_socket = true (the supervisor binds it and passes it), or use a port \
+                     from {unprivileged_from}"
+                )
+            };
+            warn(format!(
+                "These workers bind a privileged port ({port}) themselves, and hold no capability to: they will fail to start; {instead}"
+            ));
         }
         match &service.account {
             None if root => {
-                tracing::warn!(service = %service.name, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys; set `user` in [service.{}]", service.name);
+                warn(format!(
+                    "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys; set `user` in [service.{}]",
+                    service.name
+                ));
             }
             None => {}
             Some(account) if account.uid == 0 => {
-                tracing::warn!(service = %service.name, user = %account.user, "These workers run as root (without capabilities): they can read and write every file root owns, including this supervisor's keys and config; set `user` in [service.{}] to an unprivileged user", service.name);
+                warn(format!(
+                    "These workers run as root ({}, without capabilities): they can read and write every file root owns, including this supervisor's keys and config; set `user` in [service.{}] to an unprivileged user",
+                    account.user, service.name
+                ));
             }
             Some(account) => {
                 for (what, key) in private_keys(config) {
                     if let Some(mode) = readable_by(key, account) {
-                        tracing::warn!(service = %service.name, user = %account.user, key = %key.display(), mode = format!("{mode:04o}"), "The workers of this service can read the {what}: make it owner-only (chmod 600), owned by the supervisor's user");
+                        warn(format!(
+                            "The workers of this service (user {}) can read the {what}, {} (mode {mode:04o}): make it owner-only (chmod 600), owned by the supervisor's user",
+                            account.user,
+                            key.display()
+                        ));
                     }
                 }
                 for (what, file) in trusted_files(config, config_path) {
                     if let Some(through) = replaceable_by(file, account) {
-                        tracing::warn!(service = %service.name, user = %account.user, file = %file.display(), writable = %through.display(), "The workers of this service can replace the {what}: make it, and every folder on its way, writable by the supervisor's user alone");
+                        warn(format!(
+                            "The workers of this service (user {}) can replace the {what}, {} (through {}, which they may write): make it, and every folder on its way, writable by the supervisor's user alone",
+                            account.user,
+                            file.display(),
+                            through.display()
+                        ));
                     }
                 }
             }
         }
     }
+    warnings
 }
 
 /// The lowest port a process without CAP_NET_BIND_SERVICE may bind in this network namespace

@@ -219,7 +219,9 @@ async fn apply(
     if reloaded.is_ok() {
         worker_sockets.retain(&config);
         services.set(&config);
-        super::exposure::warn(&config, path);
+        for warning in super::exposure::warnings(&config, path) {
+            warning.log();
+        }
     }
     let mut report = match reloaded {
         Ok(report) => report,

@@ -250,6 +250,20 @@ impl Checker<'_> {
             })
             .unwrap_or(1);
         let account = self.account(&key, &name, (raw.user, raw.group), control);
+        if let (Some(account), Program::Path(program)) = (&account, &command.program)
+            && account.uid != 0
+            && let Some(why) = not_runnable_by(program, account)
+        {
+            self.report(
+                command_span.clone(),
+                key("command"),
+                format!(
+                    "user {} cannot run {}: {why}; the workers would fail to start",
+                    account.user,
+                    program.display()
+                ),
+            );
+        }
         ServiceConfig {
             name,
             count,
@@ -566,6 +580,62 @@ fn is_request_path(path: &str) -> bool {
     path.starts_with('/') && path.bytes().all(|b| b.is_ascii_graphic() && b != b'#')
 }
 
+/// Why `account` (holding no capability, as every worker) cannot run the program at `path`, if it
+/// cannot: a folder on the way it may not search, or a file it may not execute; for a script, the
+/// same of its interpreter. Read from the mode bits, as the kernel judges them without ACLs.
+fn not_runnable_by(path: &Path, account: &Account) -> Option<String> {
+    // The kernel follows at most 4 interpreters (BINPRM_MAX_RECURSION): so does this.
+    not_runnable_within(path, account, 4)
+}
+
+fn not_runnable_within(path: &Path, account: &Account, interpreters: u8) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
+    let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
+    for file in [path, real.as_path()] {
+        for dir in file.ancestors().skip(1) {
+            let meta = std::fs::metadata(dir).ok()?;
+            if !account.may(0o1, ids(&meta)) {
+                return Some(format!(
+                    "{} (mode {:04o}) is not searchable by it",
+                    dir.display(),
+                    meta.mode() & 0o7777
+                ));
+            }
+        }
+    }
+    let meta = std::fs::metadata(&real).ok()?;
+    if !account.may(0o1, ids(&meta)) {
+        return Some(format!(
+            "{} (mode {:04o}) is not executable by it",
+            real.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    // A script runs its interpreter, which must be runnable too (and readable, the script).
+    let mut head = [0u8; 256];
+    let read = std::fs::File::open(&real)
+        .and_then(|mut file| std::io::Read::read(&mut file, &mut head))
+        .ok()?;
+    let interpreter = head[..read]
+        .strip_prefix(b"#!")
+        .and_then(|line| line.split(|b| *b == b'\n').next())
+        .and_then(|line| std::str::from_utf8(line).ok())
+        .and_then(|line| line.split_whitespace().next())?;
+    if !account.may(0o4, ids(&meta)) {
+        return Some(format!(
+            "the script {} (mode {:04o}) is not readable by it",
+            real.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    let interpreter = Path::new(interpreter);
+    interpreters
+        .checked_sub(1)
+        .and_then(|left| not_runnable_within(interpreter, account, left))
+        .map(|why| format!("its interpreter {}: {why}", interpreter.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use std::{collections::HashMap, path::Path};
@@ -807,6 +877,60 @@ mod tests {
             let account = config.services["a"].account.clone().unwrap();
             assert_eq!((account.uid, account.gid), (uid, 0), "{user}");
         }
+    }
+
+    #[test]
+    fn a_program_its_user_cannot_reach_or_run_is_found_and_a_script_by_its_interpreter() {
+        use std::os::unix::fs::PermissionsExt;
+        let ours = rustix::process::geteuid().as_raw();
+        let uid = if ours == 4242 { 4243 } else { 4242 };
+        let stranger = Account {
+            user: "stranger".into(),
+            uid,
+            gid: uid,
+            groups: vec![uid],
+            login: None,
+        };
+        let mode = |path: &Path, mode| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        let dir = tempfile::tempdir().unwrap();
+        mode(dir.path(), 0o755);
+        let bin = dir.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        mode(&bin, 0o755);
+        let python = bin.join("python");
+        std::fs::write(&python, "").unwrap();
+        mode(&python, 0o755);
+        let app = bin.join("app");
+        std::fs::write(&app, format!("#!{} -u\nprint()\n", python.display())).unwrap();
+        mode(&app, 0o755);
+        assert_eq!(not_runnable_by(&app, &stranger), None);
+        // A folder on the way it may not search (a virtualenv under /root).
+        mode(&bin, 0o700);
+        let why = not_runnable_by(&app, &stranger).expect("bin/ is the owner's alone");
+        assert!(
+            why.contains("bin (mode 0700) is not searchable by it"),
+            "{why}"
+        );
+        mode(&bin, 0o755);
+        // Not executable, then its interpreter not executable.
+        mode(&app, 0o644);
+        let why = not_runnable_by(&app, &stranger).expect("not executable");
+        assert!(
+            why.contains("app (mode 0644) is not executable by it"),
+            "{why}"
+        );
+        mode(&app, 0o755);
+        mode(&python, 0o700);
+        let why = not_runnable_by(&app, &stranger).expect("its interpreter is the owner's");
+        assert!(
+            why.starts_with(&format!("its interpreter {}", python.display())),
+            "{why}"
+        );
+        // A script that names itself as its interpreter ends.
+        std::fs::write(&app, format!("#!{}\n", app.display())).unwrap();
+        assert_eq!(not_runnable_by(&app, &stranger), None);
     }
 
     #[test]
