@@ -297,6 +297,33 @@ fn payload() -> anyhow::Result<PathBuf> {
         std::fs::copy(&package.deb, folder.join(name))
             .with_context(|| format!("copying {}", package.deb.display()))?;
     }
+    // The README's install from source: its commands, and what they install from the tree (the
+    // release binary the package holds, the config and the unit).
+    std::fs::write(
+        folder.join("from-source.sh"),
+        from_source_commands(
+            &std::fs::read_to_string(root.join("README.md")).context("reading README.md")?,
+        )?,
+    )?;
+    let tree = folder.join("tree");
+    for (from, to) in [
+        (
+            peregrine_testenv::target_dir().join("release/peregrine"),
+            "target/release/peregrine",
+        ),
+        (
+            root.join("packaging/peregrine.toml"),
+            "packaging/peregrine.toml",
+        ),
+        (
+            root.join("packaging/systemd/peregrine.service"),
+            "packaging/systemd/peregrine.service",
+        ),
+    ] {
+        let to = tree.join(to);
+        std::fs::create_dir_all(to.parent().expect("a folder"))?;
+        copy_executable(&from, &to)?;
+    }
     // The tests' load, as a program: HTTP/1.1 and HTTP/2 clients that count every failed request.
     xtask::run_checked(cargo().args(["build", "-p", "peregrine-e2e", "--bin", "http-load"]))?;
     copy_executable(
@@ -316,6 +343,19 @@ fn payload() -> anyhow::Result<PathBuf> {
         set_executable(&path)?;
     }
     Ok(folder)
+}
+
+/// The commands of the README's install from source: its shell block that installs the release
+/// binary (`install ... target/release/peregrine`), run as they stand in the VM.
+fn from_source_commands(readme: &str) -> anyhow::Result<String> {
+    let mut blocks = readme
+        .split("```sh\n")
+        .skip(1)
+        .filter_map(|rest| rest.split_once("```"));
+    blocks
+        .find(|(block, _)| block.contains("install -m 0755 target/release/peregrine"))
+        .map(|(block, _)| block.to_owned())
+        .context("README.md has no ```sh block that installs target/release/peregrine")
 }
 
 /// The Envoy binary itself behind `envoy`, which in the pinned virtualenv is a Python launcher
@@ -376,6 +416,20 @@ mod tests {
 
     fn args(text: &str) -> Vec<String> {
         text.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn the_readmes_install_from_source_creates_its_user_and_installs_the_release_binary() {
+        let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+        let commands = from_source_commands(&readme).unwrap();
+        let lines: Vec<&str> = commands.lines().collect();
+        assert!(
+            lines[0].starts_with("sudo adduser --system --group")
+                && lines[0].ends_with(" peregrine"),
+            "the user first: {commands}"
+        );
+        assert!(commands.contains("enable --now peregrine"), "{commands}");
+        assert!(from_source_commands("```sh\nls\n```\n").is_err());
     }
 
     #[test]

@@ -258,4 +258,28 @@ else
     cat /tmp/purge.log
     say purge "FAILED: left:$leftovers"
 fi
+# The README's install from source, its own commands (taken from README.md when the payload was
+# made; `sudo` is root's here), on the host the purge left: the binary, the config and the unit put
+# in place as the package would, with the system user the config's workers run as, and the unit
+# started by those commands.
+if (cd "$payload/tree" && sh -ec 'sudo() { "$@"; }; . "$1"' from-source "$payload/from-source.sh") > /tmp/from-source.log 2>&1; then
+    if [ "$(systemctl is-active peregrine)" = active ]; then
+        python3 "$payload/host.py" direct from_source 2 120 || {
+            failed=1
+            journal_summary
+        }
+    else
+        failed=1
+        journal_summary
+        say from_source "FAILED: the README's commands left the unit $(systemctl is-active peregrine)"
+    fi
+else
+    failed=1
+    cat /tmp/from-source.log
+    journal_summary
+    say from_source "FAILED: the README's install commands failed"
+fi
+systemctl disable --now peregrine > /dev/null 2>&1
+rm -f /usr/bin/peregrine /etc/systemd/system/peregrine.service
+rm -rf /etc/peregrine
 exit $failed

@@ -217,10 +217,37 @@ def upgrade(name, deb, load, deadline):
     return say(name, True, detail)
 
 
+def direct(name, count, deadline):
+    """`count` ready workers of the peregrine user, each answering 200 on its own address."""
+    pids, failed = workers_of_peregrine(name, count, deadline)
+    if failed:
+        return failed
+    wrong = []
+    for row in [w for w in status()["workers"] if w.get("service") == SERVICE]:
+        address = row["addresses"][0].split("://")[-1]
+        host, port = address.rsplit(":", 1)
+        try:
+            code, body = get((host.strip("[]"), int(port)), "/")
+        except OSError as error:
+            wrong.append(f"{address}: {error}")
+            continue
+        if code != 200 or f"worker {row['pid']}!" not in body:
+            wrong.append(f"{address}: {code} {body.strip()!r}")
+    return say(
+        name,
+        not wrong,
+        f"{count} workers of the peregrine user, each answered 200 on its own address"
+        if not wrong
+        else f"answers: {wrong}",
+    )
+
+
 def main(argv):
     command, name = argv[1], argv[2]
     if command == "every":
         return every(name, int(argv[3]), time.monotonic() + float(argv[4]))
+    if command == "direct":
+        return direct(name, int(argv[3]), time.monotonic() + float(argv[4]))
     if command == "hosts":
         return hosts(name, int(argv[3]), time.monotonic() + float(argv[4]))
     if command == "upgrade":
