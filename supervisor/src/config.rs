@@ -38,6 +38,7 @@ mod limits;
 mod raw;
 #[cfg(test)]
 mod reference;
+mod warning;
 mod wording;
 
 use self::raw::RawConfig;
@@ -57,6 +58,7 @@ pub use self::{
         MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_SOCKET_PATH, MAX_TOTAL_WORKERS,
         MIN_SAMPLE_INTERVAL,
     },
+    warning::Warning,
 };
 
 /// The default gRPC (xDS) address: loopback only.

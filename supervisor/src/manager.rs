@@ -58,8 +58,32 @@ pub use self::{
 };
 use crate::{
     children::{Slot, slot_count},
-    config::{Config, ServiceConfig, SupervisorConfig, concurrency::ListenerMode},
+    config::{Config, ServiceConfig, SupervisorConfig, Warning, concurrency::ListenerMode},
 };
+
+/// This host's plan for the locked memory of `services`' workers (under the supervisor's own limit,
+/// and whether it may raise it), and a warning for each user whose workers' rings cannot fit.
+fn locked_memory_plan(
+    services: &std::collections::BTreeMap<String, ServiceConfig>,
+) -> (locked_memory::Plan, Vec<Warning>) {
+    let own_uid = rustix::process::getuid().as_raw();
+    let plan = locked_memory::plan(
+        services.values(),
+        own_uid,
+        locked_memory::Limit::own(),
+        locked_memory::may_raise(),
+        rustix::param::page_size(),
+    );
+    let warnings = locked_memory::shortfalls(&plan, services, own_uid);
+    (plan, warnings)
+}
+
+/// The warnings [`locked_memory_plan`] gives for `services` on this host: what a start would say.
+pub fn locked_memory_warnings(
+    services: &std::collections::BTreeMap<String, ServiceConfig>,
+) -> Vec<Warning> {
+    locked_memory_plan(services).1
+}
 
 /// A running slot task, as the manager sees it.
 #[derive(Debug)]
@@ -193,7 +217,8 @@ impl Manager {
             locked_memory: locked_memory::Plan::default(),
             shared: Default::default(),
         };
-        manager.plan_locked_memory(&config.services);
+        // At start, `run` logs what the plan lacks with the other start-up warnings.
+        let _ = manager.plan_locked_memory(&config.services);
         manager.take_back_shared(config, &adopted);
         for service in config.services.values() {
             for index in 0..service.count {
@@ -242,18 +267,15 @@ impl Manager {
         }
     }
 
-    /// Plans the locked memory of `services`' workers, and warns about users whose workers' rings
-    /// cannot fit.
-    fn plan_locked_memory(&mut self, services: &std::collections::BTreeMap<String, ServiceConfig>) {
-        let own_uid = rustix::process::getuid().as_raw();
-        self.locked_memory = locked_memory::plan(
-            services.values(),
-            own_uid,
-            locked_memory::Limit::own(),
-            locked_memory::may_raise(),
-            rustix::param::page_size(),
-        );
-        locked_memory::warn_short(&self.locked_memory, services, own_uid);
+    /// Plans the locked memory of `services`' workers; returns a warning for each user whose
+    /// workers' rings cannot fit.
+    fn plan_locked_memory(
+        &mut self,
+        services: &std::collections::BTreeMap<String, ServiceConfig>,
+    ) -> Vec<Warning> {
+        let (plan, warnings) = locked_memory_plan(services);
+        self.locked_memory = plan;
+        warnings
     }
 
     /// Before this process execs a new image of itself ([`crate::upgrade`]): stops the orphan
@@ -510,7 +532,9 @@ impl Manager {
     /// settings other than the restart and lifecycle ones apply at the next start (logged).
     pub async fn reload(&mut self, config: &Config) -> Result<Report, ReloadError> {
         self.check(config)?;
-        self.plan_locked_memory(&config.services);
+        for warning in self.plan_locked_memory(&config.services) {
+            warning.log();
+        }
         for (key, old, new) in [
             (
                 "bind",

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use peregrine_contract::rings;
 
-use crate::config::ServiceConfig;
+use crate::config::{ServiceConfig, Warning};
 
 /// A resource limit's soft and hard values (`None`: unlimited).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,22 +158,31 @@ pub(super) fn plan<'a>(
     plan
 }
 
-/// Logs a warning for each uid whose workers may not all start for want of locked memory.
-pub(super) fn warn_short(plan: &Plan, services: &BTreeMap<String, ServiceConfig>, own_uid: u32) {
-    for (uid, (need, given)) in &plan.short {
-        let names: Vec<&str> = services
-            .values()
-            .filter(|s| !s.pass_socket && s.account.as_ref().map_or(own_uid, |a| a.uid) == *uid)
-            .map(|s| s.name.as_str())
-            .collect();
-        tracing::warn!(
-            uid,
-            services = ?names,
-            needed_kib = need / 1024,
-            limit_kib = given / 1024,
-            "The workers of this user may not all start: their io_uring rings need more locked memory than RLIMIT_MEMLOCK allows, and this supervisor cannot raise it (no CAP_SYS_RESOURCE). Raise LimitMEMLOCK= in the unit (or `ulimit -l`), lower `count`, or give the services users of their own"
-        );
-    }
+/// A warning for each uid whose workers may not all start for want of locked memory.
+pub(super) fn shortfalls(
+    plan: &Plan,
+    services: &BTreeMap<String, ServiceConfig>,
+    own_uid: u32,
+) -> Vec<Warning> {
+    plan.short
+        .iter()
+        .map(|(uid, (need, given))| {
+            let names: Vec<&str> = services
+                .values()
+                .filter(|s| !s.pass_socket && s.account.as_ref().map_or(own_uid, |a| a.uid) == *uid)
+                .map(|s| s.name.as_str())
+                .collect();
+            Warning::about_the_host(format!(
+                "The workers of uid {uid} ({}) may not all start: their io_uring rings need {} KiB \
+                 of locked memory, and RLIMIT_MEMLOCK allows {} KiB, which this supervisor cannot \
+                 raise (no CAP_SYS_RESOURCE). Raise LimitMEMLOCK= in the unit (or `ulimit -l`), \
+                 lower `count`, or give the services users of their own",
+                names.join(", "),
+                need / 1024,
+                given / 1024
+            ))
+        })
+        .collect()
 }
 
 #[cfg(test)]

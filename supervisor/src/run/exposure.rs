@@ -11,8 +11,7 @@ use std::{os::unix::fs::MetadataExt, path::Path};
 
 use peregrine_contract::url::BindUrl;
 
-use super::warnings::Warning;
-use crate::config::{Account, Config, Program};
+use crate::config::{Account, Config, Program, Warning};
 
 /// A warning for each service whose workers run as root, for each private key in `config` that the
 /// workers of a service with a `user` could read, for each file the supervisor trusts (the config at

@@ -7,47 +7,12 @@
 //! open-file limit after raising it, the subreaper, the fleet in etcd) are listed as such in
 //! `run.rs` and checked by `every_startup_warning_of_run_comes_from_here`.
 
-use std::{fmt, net::SocketAddr, path::Path};
+use std::{net::SocketAddr, path::Path};
 
 use peregrine_contract::url::BindUrl;
 
 use super::exposure;
-use crate::config::Config;
-
-/// One warning: what it is about, and what to do.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Warning {
-    /// The service it is about, if one.
-    pub service: Option<String>,
-    /// What is wrong and what to do, in a sentence or two.
-    pub message: String,
-}
-
-impl fmt::Display for Warning {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.service {
-            Some(service) => write!(f, "service.{service}: {}", self.message),
-            None => f.write_str(&self.message),
-        }
-    }
-}
-
-impl Warning {
-    fn about_the_host(message: impl Into<String>) -> Warning {
-        Warning {
-            service: None,
-            message: message.into(),
-        }
-    }
-
-    /// Logs it as a warning.
-    pub fn log(&self) {
-        match &self.service {
-            Some(service) => tracing::warn!(%service, "{}", self.message),
-            None => tracing::warn!("{}", self.message),
-        }
-    }
-}
+use crate::config::{Config, Warning};
 
 /// Every warning a start of `config` (read from `config_path`) gives on this host.
 pub fn at_start(config: &Config, config_path: &Path) -> Vec<Warning> {
@@ -69,6 +34,7 @@ pub fn at_start(config: &Config, config_path: &Path) -> Vec<Warning> {
         warnings.extend(loopback_workers_in_a_fleet(config));
     }
     warnings.extend(exposure::warnings(config, config_path));
+    warnings.extend(crate::manager::locked_memory_warnings(&config.services));
     warnings.extend(other_users_not_adoptable(config));
     warnings
 }
