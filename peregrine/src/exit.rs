@@ -70,6 +70,29 @@ impl Exit {
         }
     }
 
+    /// What it means, in a sentence (the manual's EXIT STATUS).
+    pub fn meaning(self) -> &'static str {
+        match self {
+            Exit::Success => "The command did what it was asked.",
+            Exit::Failure => {
+                "The command ran and failed: run stopped on an error after its checks, a restart \
+                 or reload with a failure, an upgrade the supervisor refused."
+            }
+            Exit::Usage => "The command line is wrong, or PEREGRINE_LOG_FORMAT names no format.",
+            Exit::NoInput => "The config file does not exist or cannot be read.",
+            Exit::Unavailable => {
+                "No supervisor answers on the control socket; for upgrade, also one that cannot \
+                 upgrade in place."
+            }
+            Exit::TempFail => "The supervisor did not answer in time.",
+            Exit::NoPermission => {
+                "This user may not read the config file or talk to the supervisor: run the \
+                 command with sudo."
+            }
+            Exit::Config => "The config has a problem, or a TLS file it names cannot be used.",
+        }
+    }
+
     /// How a config that could not be loaded ends the command.
     pub fn of_config(error: &ConfigError) -> Exit {
         match error {

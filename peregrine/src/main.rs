@@ -6,6 +6,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use peregrine_supervisor::config::Config;
 
 mod exit;
+mod man;
 
 use exit::Exit;
 
@@ -154,8 +155,9 @@ enum Command {
         /// `stop_timeout_ms`.
         stop_timeout_ms: u64,
     },
-    /// Write the manual pages (`peregrine.1`, and `peregrine-COMMAND.1` for each command) into DIR,
-    /// from these very definitions (used to build the package).
+    /// Write the manual pages (`peregrine.1`, `peregrine-COMMAND.1` for each command, and
+    /// `peregrine.toml.5` from the configuration reference) into DIR, from these very definitions
+    /// (used to build the package).
     #[command(hide = true)]
     Man {
         /// Where to write them (made if missing).
@@ -260,7 +262,7 @@ fn main() -> ExitCode {
                 Err(error) => fail(&anyhow::Error::new(error)),
             }
         }
-        Command::Man { dir } => match write_man_pages(&dir) {
+        Command::Man { dir } => match man::write_pages(command(), &dir) {
             Ok(written) => {
                 for path in &written {
                     println!("wrote {}", path.display());
@@ -443,36 +445,6 @@ fn restart_target(config: Option<PathBuf>, service: Option<String>) -> (PathBuf,
             service,
         ),
     }
-}
-
-/// `peregrine man DIR`: the manual pages of the command and of each visible subcommand, as
-/// `clap_mangen` renders them; returns the files written.
-fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
-    use anyhow::Context;
-    fn write(
-        command: clap::Command,
-        dir: &std::path::Path,
-        written: &mut Vec<PathBuf>,
-    ) -> std::io::Result<()> {
-        for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
-            write(sub.clone(), dir, written)?;
-        }
-        let page = clap_mangen::Man::new(command)
-            .source(format!("peregrine {}", env!("CARGO_PKG_VERSION")))
-            .manual("Peregrine");
-        written.push(page.generate_to(dir)?);
-        Ok(())
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // Built as clap_mangen::generate_to builds it: no `help` subcommand, and each subcommand named
-    // `peregrine-NAME` so that its page is `peregrine-NAME.1`.
-    let mut command = command().disable_help_subcommand(true);
-    command.build();
-    let mut written = Vec::new();
-    write(command, dir, &mut written)
-        .with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
-    written.sort();
-    Ok(written)
 }
 
 /// `peregrine restart` and `peregrine reload`: sends the command, waits for it to be carried out and

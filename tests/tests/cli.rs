@@ -501,4 +501,35 @@ fn the_manual_pages_are_written_from_the_command_line() {
         page("peregrine-check.1").contains(INSTALLED_CONFIG),
         "the default config is in the page"
     );
+    // The sections a manual page has and clap does not write.
+    for section in ["EXIT STATUS", "SIGNALS", "ENVIRONMENT", "FILES", "SEE ALSO"] {
+        assert!(
+            main.contains(&format!(".SH \"{section}\""))
+                || main.contains(&format!(".SH {section}")),
+            "peregrine.1 has no {section}:\n{main}"
+        );
+    }
+    for code in ["64", "66", "69", "75", "77", "78"] {
+        assert!(
+            main.contains(&format!("\\fB{code}\\fR")),
+            "exit {code}:\n{main}"
+        );
+    }
+    let status = page("peregrine-status.1");
+    assert!(
+        status.contains("EXIT STATUS") && status.contains("peregrine.toml(5)"),
+        "{status}"
+    );
+    // peregrine.toml(5), from the configuration reference: every key of it.
+    let toml = std::fs::read_to_string(out.join("peregrine.toml.5")).expect("peregrine.toml.5");
+    assert!(toml.contains(".TH peregrine.toml 5"), "{toml}");
+    let reference =
+        std::fs::read_to_string(workspace_root().join("docs/configuration.md")).unwrap();
+    for line in reference.lines().filter(|l| l.starts_with("| `")) {
+        let key = line[3..].split('`').next().unwrap();
+        assert!(
+            toml.contains(&format!("\\fB{}\\fR", key.replace('-', "\\-"))),
+            "peregrine.toml(5) lacks {key}"
+        );
+    }
 }

@@ -183,6 +183,14 @@ fn check_installed(root: &fresh::Root, package: &Package) -> anyhow::Result<priv
         privileges::Account::parse(USER, &user, &in_root(root, &format!("id -G {USER}"))?)?;
     let page = in_root(root, "zcat /usr/share/man/man1/peregrine.1.gz | head -n 3")?;
     ensure!(page.contains(".TH peregrine 1"), "no manual page: {page:?}");
+    let page = in_root(
+        root,
+        "zcat /usr/share/man/man5/peregrine.toml.5.gz | grep -c '^.TP'",
+    )?;
+    ensure!(
+        page.trim().parse::<u32>().is_ok_and(|keys| keys > 50),
+        "no peregrine.toml(5) with the configuration's keys: {page:?}"
+    );
 
     println!("\n$ peregrine check");
     let checked = in_root(root, "peregrine check")?;

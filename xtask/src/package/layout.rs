@@ -148,7 +148,8 @@ pub(super) fn lay_out(s: &Sources<'_>) -> anyhow::Result<()> {
         gzip_text(&read(&upstream)?, &doc.join("changelog.gz"))?;
     }
 
-    // The manual pages, written by the binary from its own command line, compressed.
+    // The manual pages, written by the binary from its own command line and configuration
+    // reference, compressed, each in its section's folder (`peregrine.toml.5` in man5).
     let man = at("/usr/share/man/man1");
     fs::create_dir_all(&man)?;
     let pages = s
@@ -165,11 +166,18 @@ pub(super) fn lay_out(s: &Sources<'_>) -> anyhow::Result<()> {
     for entry in fs::read_dir(&pages)? {
         let page = entry?.path();
         let name = page.file_name().context("a page's name")?.to_string_lossy();
-        gzip_text(&read(&page)?, &man.join(format!("{name}.gz")))?;
+        let section = page
+            .extension()
+            .and_then(|e| e.to_str())
+            .context("a page's section")?;
+        let folder = at(&format!("/usr/share/man/man{section}"));
+        fs::create_dir_all(&folder)?;
+        gzip_text(&read(&page)?, &folder.join(format!("{name}.gz")))?;
     }
     ensure!(
-        man.join(format!("{NAME}.1.gz")).is_file(),
-        "`peregrine man` wrote no {NAME}.1"
+        man.join(format!("{NAME}.1.gz")).is_file()
+            && at(&format!("/usr/share/man/man5/{NAME}.toml.5.gz")).is_file(),
+        "`peregrine man` wrote no {NAME}.1 or {NAME}.toml.5"
     );
     set_modes(s.tree)
 }
