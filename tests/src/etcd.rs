@@ -11,8 +11,9 @@
 //!
 //! With [`EtcdTls`] the members serve clients over TLS and require client certificates
 //! (`--client-cert-auth`), as a fleet's etcd should; `/health` and `/metrics`, which the harness
-//! reads, are then served in cleartext on a port of their own (`--listen-metrics-urls`). Peers
-//! speak cleartext among themselves (one address: nothing leaves it).
+//! reads, are then served in cleartext on a port of their own (`--listen-metrics-urls`). Members
+//! speak TLS among themselves too, each presenting `etcd-peer.pem` and requiring the other's
+//! (`--peer-client-cert-auth`), as docs/fleet.md sets a fleet's etcd up.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -25,8 +26,8 @@ use anyhow::{Context, bail};
 use crate::{ChildGuard, TempDir, free_port, try_wait_until};
 
 /// The certificates of an etcd over TLS, as `peregrine tls init` writes them into one directory:
-/// `etcd-ca.pem`, `etcd-server.pem`/`.key` (which must name the members' address) and
-/// `etcd-client.pem`/`.key` (the supervisors').
+/// `etcd-ca.pem`, `etcd-server.pem`/`.key` and `etcd-peer.pem`/`.key` (which must name the members'
+/// address) and `etcd-client.pem`/`.key` (the supervisors').
 #[derive(Clone, Debug)]
 pub struct EtcdTls {
     /// The directory.
@@ -214,7 +215,7 @@ impl EtcdCluster {
             .collect();
         let initial_cluster = members
             .iter()
-            .map(|m| format!("{}={}", m.name, url(ip, m.peer_port)))
+            .map(|m| format!("{}={}", m.name, peer_url(ip, m.peer_port, tls.is_some())))
             .collect::<Vec<_>>()
             .join(",");
         Ok(EtcdCluster {
@@ -388,7 +389,7 @@ impl EtcdCluster {
             Some(_) => url(ip, member.client_port).replacen("http://", "https://", 1),
             None => url(ip, member.client_port),
         };
-        let peer = url(ip, member.peer_port);
+        let peer = peer_url(ip, member.peer_port, self.tls.is_some());
         let mut command = crate::process::wrapped(&self.wrapper, binary);
         command
             .arg("--name")
@@ -414,6 +415,13 @@ impl EtcdCluster {
                 .arg("--trusted-ca-file")
                 .arg(tls.file("etcd-ca.pem"))
                 .arg("--client-cert-auth")
+                .arg("--peer-cert-file")
+                .arg(tls.file("etcd-peer.pem"))
+                .arg("--peer-key-file")
+                .arg(tls.file("etcd-peer.key"))
+                .arg("--peer-trusted-ca-file")
+                .arg(tls.file("etcd-ca.pem"))
+                .arg("--peer-client-cert-auth")
                 .args(["--listen-metrics-urls", &url(ip, member.metrics_port)]);
         }
         let starts = member.previous.len() + 1;
@@ -423,6 +431,16 @@ impl EtcdCluster {
         };
         member.process = Some(ChildGuard::spawn(&name, &mut command, self.dir.path())?);
         Ok(())
+    }
+}
+
+/// A member's peer URL: `https://` when the members speak TLS among themselves.
+fn peer_url(ip: IpAddr, port: u16, tls: bool) -> String {
+    let url = url(ip, port);
+    if tls {
+        url.replacen("http://", "https://", 1)
+    } else {
+        url
     }
 }
 

@@ -62,6 +62,10 @@ fn the_test_certificates_are_taken_by_openssl_and_by_etcd_with_client_certificat
         ("ca.pem", "sslclient", "envoy.pem"),
         ("etcd-ca.pem", "sslserver", "etcd-server.pem"),
         ("etcd-ca.pem", "sslclient", "etcd-client.pem"),
+        // A member presents its peer certificate as the server of a peer connection and as its
+        // client.
+        ("etcd-ca.pem", "sslserver", "etcd-peer.pem"),
+        ("etcd-ca.pem", "sslclient", "etcd-peer.pem"),
     ] {
         assert!(openssl_verify(&tls, ca, purpose, cert), "{cert} by {ca}");
     }

@@ -4,10 +4,12 @@
 //! Two trust domains, as a real deployment keeps them: the control plane's CA (`ca.pem`) signs the
 //! supervisors' server certificate (`server.pem`, for the gRPC port: xDS and ORCA) and Envoy's client
 //! certificate (`envoy.pem`); etcd's CA (`etcd-ca.pem`) signs etcd's server certificate
-//! (`etcd-server.pem`) and the supervisors' client certificate for etcd (`etcd-client.pem`). Every
+//! (`etcd-server.pem`), the certificate etcd's members present to one another (`etcd-peer.pem`,
+//! for both ends of a peer connection) and the supervisors' client certificate for etcd
+//! (`etcd-client.pem`). Every
 //! key is ECDSA P-256 in PKCS#8 PEM beside its certificate (`*.key`), readable by its owner only.
-//! Server certificates name `peregrine` (the SNI Envoy sends by default), `localhost`, the loopback
-//! addresses and every name or address asked for.
+//! Server and peer certificates name `peregrine` (the SNI Envoy sends by default), `localhost`, the
+//! loopback addresses and every name or address asked for.
 //!
 //! These are test certificates: the CAs' keys sit beside them and they never expire. Real ones come
 //! from the operator's own CA (docs/tls.md, "Real certificates").
@@ -54,44 +56,60 @@ pub enum TlsInitError {
     },
 }
 
+/// What a certificate is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// A server: it names the hosts (`--san`), for server authentication.
+    Server,
+    /// A client: it names itself, for client authentication.
+    Client,
+    /// An etcd member to the others: it names the hosts, for both ends of a connection.
+    Peer,
+}
+
 /// One certificate to make: its file stem, who it is, what it is for.
 struct Leaf {
     stem: &'static str,
     common_name: &'static str,
-    server: bool,
+    role: Role,
 }
 
 /// The leaves under each CA (its file stem first).
-const DOMAINS: [(&str, &str, [Leaf; 2]); 2] = [
+const DOMAINS: [(&str, &str, &[Leaf]); 2] = [
     (
         "ca",
         "Peregrine test CA (control plane)",
-        [
+        &[
             Leaf {
                 stem: "server",
                 common_name: SERVER_NAME,
-                server: true,
+                role: Role::Server,
             },
             Leaf {
                 stem: "envoy",
                 common_name: "envoy",
-                server: false,
+                role: Role::Client,
             },
         ],
     ),
     (
         "etcd-ca",
         "Peregrine test CA (etcd)",
-        [
+        &[
             Leaf {
                 stem: "etcd-server",
                 common_name: "etcd",
-                server: true,
+                role: Role::Server,
+            },
+            Leaf {
+                stem: "etcd-peer",
+                common_name: "etcd-peer",
+                role: Role::Peer,
             },
             Leaf {
                 stem: "etcd-client",
                 common_name: "peregrine",
-                server: false,
+                role: Role::Client,
             },
         ],
     ),
@@ -140,20 +158,32 @@ pub fn init(dir: &Path, sans: &[String]) -> Result<Vec<PathBuf>, TlsInitError> {
         let ca_key_pem = ca_key.serialize_pem();
         let ca = CertifiedIssuer::self_signed(params, ca_key)?;
         contents.push((*ca_stem, ca.pem(), ca_key_pem));
-        for leaf in leaves {
+        for leaf in leaves.iter() {
             let key = KeyPair::generate()?;
             let mut params = CertificateParams::new(Vec::<String>::new())?;
             params
                 .distinguished_name
                 .push(DnType::CommonName, leaf.common_name);
             params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-            if leaf.server {
-                params.subject_alt_names = server_names.clone();
-                params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-            } else {
-                params.subject_alt_names = vec![SanType::DnsName(leaf.common_name.try_into()?)];
-                params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-            }
+            let (names, usages) = match leaf.role {
+                Role::Server => (
+                    server_names.clone(),
+                    vec![ExtendedKeyUsagePurpose::ServerAuth],
+                ),
+                Role::Client => (
+                    vec![SanType::DnsName(leaf.common_name.try_into()?)],
+                    vec![ExtendedKeyUsagePurpose::ClientAuth],
+                ),
+                Role::Peer => (
+                    server_names.clone(),
+                    vec![
+                        ExtendedKeyUsagePurpose::ServerAuth,
+                        ExtendedKeyUsagePurpose::ClientAuth,
+                    ],
+                ),
+            };
+            params.subject_alt_names = names;
+            params.extended_key_usages = usages;
             let cert = params.signed_by(&key, &ca)?;
             contents.push((leaf.stem, cert.pem(), key.serialize_pem()));
         }
@@ -200,7 +230,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let tls = dir.path().join("tls");
         let written = init(&tls, &["10.0.0.1".into(), "host-a".into()]).unwrap();
-        assert_eq!(written.len(), 12, "{written:?}");
+        assert_eq!(written.len(), 14, "{written:?}");
         for path in &written {
             let text = std::fs::read_to_string(path).unwrap();
             let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
