@@ -316,13 +316,17 @@ fn main() -> ExitCode {
             }
             Err(error) => config_error(&error),
         },
-        Command::EnvoyBootstrap { config } => match Config::load(&config) {
-            Ok(c) => {
-                print!("{}", peregrine_supervisor::envoy_bootstrap_for(&c));
-                ExitCode::SUCCESS
+        // Envoy's bootstrap depends on what the config says, not on who reads it: its users are
+        // held to what a supervisor run as root may switch to.
+        Command::EnvoyBootstrap { config } => {
+            match Config::load_as(&config, peregrine_supervisor::config::Identity::root()) {
+                Ok(c) => {
+                    print!("{}", peregrine_supervisor::envoy_bootstrap_for(&c));
+                    ExitCode::SUCCESS
+                }
+                Err(error) => config_error(&error),
             }
-            Err(error) => config_error(&error),
-        },
+        }
         Command::Run { config: path } => {
             let config = match Config::load(&path) {
                 Ok(c) => c,

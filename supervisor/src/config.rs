@@ -612,6 +612,13 @@ impl Config {
     /// socket). The file may be at most [`MAX_CONFIG_BYTES`] long; the total of workers is also held
     /// to this user's process limit (`RLIMIT_NPROC`).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_as(path, Identity::of_this_process())
+    }
+
+    /// [`Config::load`], its users held to what a supervisor that is `identity` may switch to
+    /// ([`Identity::root`] for a command that only reads the config, such as `envoy-bootstrap` run
+    /// by a user who could not start the supervisor).
+    pub fn load_as(path: &Path, identity: Identity) -> Result<Config, ConfigError> {
         let read_error = |source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -623,7 +630,7 @@ impl Config {
             path: path.to_owned(),
             problems,
         };
-        let config = Config::parse(&source, &base, &env).map_err(invalid)?;
+        let config = Config::parse_as(&source, &base, &env, identity).map_err(invalid)?;
         let workers = workers_in_all(&config.services);
         let limit = rustix::process::getrlimit(rustix::process::Resource::Nproc).current;
         match limit {
@@ -649,8 +656,18 @@ impl Config {
         base: &Path,
         env: &HashMap<String, String>,
     ) -> Result<Config, Vec<Problem>> {
+        Config::parse_as(source, base, env, Identity::of_this_process())
+    }
+
+    /// [`Config::parse`] for a supervisor that is `identity`.
+    fn parse_as(
+        source: &str,
+        base: &Path,
+        env: &HashMap<String, String>,
+        identity: Identity,
+    ) -> Result<Config, Vec<Problem>> {
         let raw = RawConfig::from_toml(source).map_err(|problem| vec![problem])?;
-        check::config(raw, source, base, env, Identity::of_this_process())
+        check::config(raw, source, base, env, identity)
     }
 }
 

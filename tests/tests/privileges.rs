@@ -1015,6 +1015,45 @@ fn check_refuses_a_command_the_services_user_cannot_run() {
     }
 }
 
+/// `envoy-bootstrap` depends on what the config says, not on who reads it: a user who could not start
+/// the supervisor (it could not switch to the service's user) still gets the bootstrap, where
+/// `check`, which predicts a start by this very user, refuses.
+#[test]
+fn envoy_bootstrap_is_written_for_any_user_who_may_read_the_config() {
+    let dir = peregrine_e2e::TempDir::new().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = dir.path().join("peregrine.toml");
+    std::fs::write(
+        &config,
+        "[envoy]\nlisten = \"127.0.0.1:10000\"\n[service.web]\nuser = \"www-data\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // Wherever the checkout is, a copy nobody may run.
+    let stage = Stage::new(&nobody());
+    let peregrine = stage.program(&peregrine_path());
+    let as_nobody = |command: &str| {
+        std::process::Command::new(&peregrine)
+            .arg(command)
+            .arg(&config)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("peregrine runs as nobody")
+    };
+    let bootstrap = as_nobody("envoy-bootstrap");
+    let stdout = String::from_utf8_lossy(&bootstrap.stdout);
+    assert!(
+        bootstrap.status.success() && stdout.contains("static_resources"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&bootstrap.stderr)
+    );
+    let check = as_nobody("check");
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("cannot switch users"), "{stderr}");
+}
+
 #[test]
 fn check_names_the_key_and_line_of_an_unknown_user_or_group() {
     let (code, stderr) = check("[service.web]\ncount = 1\nuser = \"no-such-user-of-peregrine\"\n");

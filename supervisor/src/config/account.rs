@@ -78,6 +78,16 @@ impl Identity {
             can_switch: can_switch_users(),
         }
     }
+
+    /// A supervisor that runs as root, as the package's unit runs it: what a command that only
+    /// reads the config (`envoy-bootstrap`) checks it as, whoever runs that command.
+    pub fn root() -> Identity {
+        Identity {
+            uid: 0,
+            gid: 0,
+            can_switch: true,
+        }
+    }
 }
 
 /// Whether this process may start workers as another user: its effective capabilities hold
