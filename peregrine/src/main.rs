@@ -65,6 +65,10 @@ enum Command {
         /// The interval of --watch, in seconds (at least 0.1).
         #[arg(long, value_name = "SECS", default_value_t = 2.0, requires = "watch")]
         interval: f64,
+        /// Print the JSON Schema of --json's object, each field described, and exit (no supervisor
+        /// is asked).
+        #[arg(long, conflicts_with_all = ["json", "watch", "socket"])]
+        schema: bool,
     },
     /// Replace the running supervisor's workers without dropping a request.
     ///
@@ -353,7 +357,16 @@ fn main() -> ExitCode {
             json,
             watch,
             interval,
+            schema,
         } => {
+            if schema {
+                let text = serde_json::to_string_pretty(
+                    &peregrine_supervisor::status::StatusView::schema(),
+                )
+                .unwrap_or_default();
+                println!("{text}");
+                return ExitCode::SUCCESS;
+            }
             let socket = match socket {
                 Some(socket) => socket,
                 None => match peregrine_supervisor::config::control_socket(&config) {

@@ -125,6 +125,11 @@ fn counts_every_request_and_follows_a_restart(sampler: Sampler) {
         row["sampled_at_unix_ms"].as_u64() > Some(sampled_at)
     });
     assert_eq!(later["requests_total"], expected, "{later}");
+    // The whole answer is what `status --schema` says it is.
+    let schema = schema();
+    let answer = supervisor.status_json().unwrap();
+    let mismatches = conforms(&answer, &schema, &schema, "$");
+    assert!(mismatches.is_empty(), "{mismatches:#?}\n{answer:#}");
 
     let table = supervisor.status_table().unwrap();
     let mut lines = table.lines();
@@ -170,6 +175,122 @@ fn counts_every_request_and_follows_a_restart(sampler: Sampler) {
         replacement["requests_total"], 0,
         "a new worker counts from zero: {replacement}"
     );
+}
+
+/// `peregrine status --schema`: the JSON Schema of `--json`'s object.
+fn schema() -> Value {
+    let output = Command::new(peregrine_path())
+        .args(["status", "--schema"])
+        .output()
+        .expect("peregrine status --schema");
+    assert!(output.status.success(), "{output:?}");
+    serde_json::from_slice(&output.stdout).expect("a JSON schema")
+}
+
+/// Where `value` (at `path`) departs from `schema`: a type it is not, a required property it
+/// lacks, a property the schema does not know (every object of the answer is described whole).
+/// The keywords `schemars` writes: `$ref` into `$defs`, `type` (one or a list), `anyOf`, `properties`
+/// with `required`, `additionalProperties` (a map's values), `items`, `minimum`.
+fn conforms(value: &Value, schema: &Value, root: &Value, path: &str) -> Vec<String> {
+    if let Some(reference) = schema["$ref"].as_str() {
+        let name = reference.trim_start_matches("#/$defs/");
+        return conforms(value, &root["$defs"][name], root, path);
+    }
+    if let Some(branches) = schema["anyOf"].as_array() {
+        return if branches
+            .iter()
+            .any(|branch| conforms(value, branch, root, path).is_empty())
+        {
+            Vec::new()
+        } else {
+            vec![format!("{path}: {value} is none of {schema}")]
+        };
+    }
+    let kind = match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_f64() => "number",
+        Value::Number(_) => "integer",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    let allowed: Vec<&str> = match &schema["type"] {
+        Value::String(one) => vec![one.as_str()],
+        Value::Array(many) => many.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let fits = |allowed: &str| allowed == kind || (allowed == "number" && kind == "integer");
+    if !allowed.is_empty() && !allowed.iter().any(|a| fits(a)) {
+        return vec![format!("{path}: {kind} where the schema says {allowed:?}")];
+    }
+    if let (Some(minimum), Some(number)) = (schema["minimum"].as_f64(), value.as_f64())
+        && number < minimum
+    {
+        return vec![format!("{path}: {number} below {minimum}")];
+    }
+    let mut found = Vec::new();
+    match value {
+        Value::Object(object) => {
+            if let Some(properties) = schema["properties"].as_object() {
+                for required in schema["required"].as_array().into_iter().flatten() {
+                    let name = required.as_str().unwrap_or_default();
+                    if !object.contains_key(name) {
+                        found.push(format!("{path}: no {name}"));
+                    }
+                }
+                for (name, field) in object {
+                    match properties.get(name) {
+                        Some(property) => {
+                            found.extend(conforms(field, property, root, &format!("{path}.{name}")))
+                        }
+                        None => found.push(format!("{path}.{name}: not in the schema")),
+                    }
+                }
+            } else if schema["additionalProperties"].is_object() {
+                for (name, field) in object {
+                    found.extend(conforms(
+                        field,
+                        &schema["additionalProperties"],
+                        root,
+                        &format!("{path}.{name}"),
+                    ));
+                }
+            }
+        }
+        Value::Array(items) if schema["items"].is_object() => {
+            for (index, item) in items.iter().enumerate() {
+                found.extend(conforms(
+                    item,
+                    &schema["items"],
+                    root,
+                    &format!("{path}[{index}]"),
+                ));
+            }
+        }
+        _ => {}
+    }
+    found
+}
+
+#[test]
+fn the_schema_catches_what_it_should() {
+    let schema = schema();
+    assert_eq!(schema["title"], "StatusView", "{schema}");
+    let empty = serde_json::json!({
+        "sampler": null, "sample_interval_ms": null, "workers": [], "revision": 0,
+        "xds_streams": [], "fleet": null, "supervisor": null, "services": {}, "listeners": {}
+    });
+    assert_eq!(
+        conforms(&empty, &schema, &schema, "$"),
+        Vec::<String>::new()
+    );
+    let mut wrong = empty.clone();
+    wrong["revision"] = Value::from("two");
+    wrong["extra"] = Value::from(1);
+    wrong["listeners"] = serde_json::json!({"web": {"queued": 1}});
+    let found = conforms(&wrong, &schema, &schema, "$");
+    assert_eq!(found.len(), 3, "{found:#?}");
 }
 
 #[test]

@@ -9,12 +9,13 @@
 use std::borrow::Cow;
 
 use peregrine_proto::v1;
+use schemars::JsonSchema;
 use serde::Serialize;
 
 use crate::printable::printable;
 
 /// A status answer for people and scripts: `--json` prints it with serde.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, JsonSchema)]
 pub struct StatusView {
     /// The sampler's scheduler source, `null` when none runs.
     pub sampler: Option<String>,
@@ -39,7 +40,7 @@ pub struct StatusView {
 }
 
 /// A shared listener's load at the last sample.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 pub struct ListenerView {
     /// Connections waiting in its accept queue.
     pub queued: u64,
@@ -48,7 +49,7 @@ pub struct ListenerView {
 }
 
 /// The supervisor process and its program image.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 pub struct SupervisorView {
     /// Its process id (an upgrade in place keeps it).
     pub pid: u32,
@@ -59,7 +60,7 @@ pub struct SupervisorView {
 }
 
 /// A fleet's membership as the supervisor sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 pub struct FleetView {
     /// This host's name.
     pub host: String,
@@ -78,7 +79,7 @@ pub struct FleetView {
 }
 
 /// One of Envoy's xDS streams that serve endpoints.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 pub struct XdsStreamView {
     /// The stream's id, as in the logs.
     pub id: u64,
@@ -94,7 +95,7 @@ pub struct XdsStreamView {
 }
 
 /// One worker slot in a [`StatusView`]; the load fields are `null` until sampled.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, JsonSchema)]
 pub struct WorkerRow {
     /// The host it runs on, `null` on a single host.
     pub host: Option<String>,
@@ -154,7 +155,7 @@ pub struct WorkerRow {
 }
 
 /// An ORCA report as sent to Envoy.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, JsonSchema)]
 pub struct OrcaReportView {
     /// `cpu_utilization`.
     pub cpu_utilization: f64,
@@ -167,6 +168,12 @@ pub struct OrcaReportView {
 }
 
 impl StatusView {
+    /// The JSON Schema of what `--json` prints (`peregrine status --schema`), from these very types:
+    /// each field with its description.
+    pub fn schema() -> serde_json::Value {
+        schemars::schema_for!(StatusView).to_value()
+    }
+
     /// `xds: revision 12; envoy-a (eds) synced 12, envoy-b (ads) synced 11`, or no Envoy connected.
     fn xds_line(&self) -> String {
         if self.xds_streams.is_empty() {
