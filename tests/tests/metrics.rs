@@ -29,6 +29,50 @@ fn query(prometheus: SocketAddr, expr: &str) -> Option<Vec<(Value, f64)>> {
         .collect()
 }
 
+/// examples/prometheus-alerts.yml is valid for Prometheus (`promtool check rules`), and every metric it
+/// reads is one docs/operating.md lists as served (a renamed metric would leave an alert that never
+/// fires).
+#[test]
+fn the_example_alerts_are_valid_rules_on_served_metrics() {
+    if !tool_or_skip(
+        "Prometheus's promtool",
+        "promtool",
+        "--version",
+        "PEREGRINE_REQUIRE_PROMETHEUS",
+        "apt install prometheus",
+    ) {
+        return;
+    }
+    let rules = peregrine_e2e::workspace_root().join("examples/prometheus-alerts.yml");
+    let output = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .output()
+        .expect("promtool");
+    assert!(
+        output.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = std::fs::read_to_string(&rules).unwrap();
+    let documented =
+        std::fs::read_to_string(peregrine_e2e::workspace_root().join("docs/operating.md")).unwrap();
+    let metrics: std::collections::BTreeSet<&str> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("peregrine_"))
+        .collect();
+    assert!(metrics.len() >= 6, "{metrics:?}");
+    for metric in metrics {
+        // A histogram's series are its name with `_bucket`, `_sum` and `_count`.
+        let name = metric.trim_end_matches("_bucket");
+        assert!(
+            documented.contains(&format!("| `{name}` |")),
+            "{metric} is no metric docs/operating.md lists"
+        );
+    }
+}
+
 #[test]
 fn prometheus_scrapes_the_workers_and_sees_a_restart() {
     if !tool_or_skip(
