@@ -281,13 +281,9 @@ fn check_reads_every_tls_file_and_names_each_one_at_its_line() {
     };
     let path = dir.path().join("peregrine.toml");
     std::fs::write(&path, config(["missing.pem"; 9])).unwrap();
-    let output = Command::new(peregrine_path())
-        .arg("check")
-        .arg(&path)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(78), "{stderr}");
+    let check = || peregrine_args(&["check", &path.display().to_string()]);
+    let (code, _, stderr) = check();
+    assert_eq!(code, 78, "{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     let keys = [
         (4, "supervisor.tls.cert"),
@@ -325,13 +321,8 @@ fn check_reads_every_tls_file_and_names_each_one_at_its_line() {
         ]),
     )
     .unwrap();
-    let output = Command::new(peregrine_path())
-        .arg("check")
-        .arg(&path)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(78), "{stderr}");
+    let (code, _, stderr) = check();
+    assert_eq!(code, 78, "{stderr}");
     assert!(
         stderr.trim_end().lines().count() == 1
             && stderr.contains(": line 9: envoy.tls.key: ")

@@ -56,6 +56,18 @@ impl Account {
         };
         (mode >> shift) & access & 0o7 == access & 0o7
     }
+
+    /// The nearest folder on the way to `path` that this account may not search, with its
+    /// permission bits; `None` when it may search every one (or one cannot be looked at: nothing
+    /// is then known to stop it).
+    pub fn unsearchable_folder(&self, path: &Path) -> Option<(PathBuf, u32)> {
+        use std::os::unix::fs::MetadataExt;
+        path.ancestors().skip(1).find_map(|dir| {
+            let meta = std::fs::metadata(dir).ok()?;
+            (!self.may(0o1, (meta.uid(), meta.gid(), meta.mode())))
+                .then(|| (dir.to_path_buf(), meta.mode() & 0o7777))
+        })
+    }
 }
 
 /// Who the supervisor runs as, and whether it may start workers as someone else.

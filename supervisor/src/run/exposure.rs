@@ -166,11 +166,8 @@ fn replaceable_by(file: &Path, account: &Account) -> Option<std::path::PathBuf> 
 /// The mode of `file` if `account` may read it (and search every directory on the way to it).
 fn readable_by(file: &Path, account: &Account) -> Option<u32> {
     let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
-    for dir in file.ancestors().skip(1) {
-        let meta = std::fs::metadata(dir).ok()?;
-        if !account.may(0o1, ids(&meta)) {
-            return None;
-        }
+    if account.unsearchable_folder(file).is_some() {
+        return None;
     }
     let meta = std::fs::metadata(file).ok()?;
     account.may(0o4, ids(&meta)).then_some(meta.mode() & 0o7777)

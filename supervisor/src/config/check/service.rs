@@ -592,17 +592,14 @@ fn not_runnable_within(path: &Path, account: &Account, interpreters: u8) -> Opti
     use std::os::unix::fs::MetadataExt;
     let ids = |meta: &std::fs::Metadata| (meta.uid(), meta.gid(), meta.mode());
     let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
-    for file in [path, real.as_path()] {
-        for dir in file.ancestors().skip(1) {
-            let meta = std::fs::metadata(dir).ok()?;
-            if !account.may(0o1, ids(&meta)) {
-                return Some(format!(
-                    "{} (mode {:04o}) is not searchable by it",
-                    dir.display(),
-                    meta.mode() & 0o7777
-                ));
-            }
-        }
+    if let Some((dir, mode)) = [path, real.as_path()]
+        .into_iter()
+        .find_map(|file| account.unsearchable_folder(file))
+    {
+        return Some(format!(
+            "{} (mode {mode:04o}) is not searchable by it",
+            dir.display()
+        ));
     }
     let meta = std::fs::metadata(&real).ok()?;
     if !account.may(0o1, ids(&meta)) {
