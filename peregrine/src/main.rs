@@ -37,6 +37,10 @@ enum Command {
         /// The configuration file.
         #[arg(default_value = DEFAULT_CONFIG)]
         config: PathBuf,
+        /// Check as the package's unit will run it: with only the capabilities it leaves the
+        /// supervisor, and refusing paths it hides (/home, /root: ProtectHome=yes).
+        #[arg(long)]
+        unit: bool,
     },
     /// Print an Envoy bootstrap (YAML) that routes to the configured services through this supervisor.
     EnvoyBootstrap {
@@ -286,40 +290,19 @@ fn main() -> ExitCode {
             }
             Err(error) => fail(&anyhow::Error::new(error)),
         },
-        Command::Check { config } => match Config::load(&config) {
-            Ok(c) => {
-                let problems = peregrine_supervisor::tls::check_files(&c);
-                if !problems.is_empty() {
-                    for problem in problems {
-                        report(&format!("{}: {problem}", config.display()));
-                    }
-                    return Exit::Config.into();
+        Command::Check { config, unit } => {
+            let sandbox = if unit {
+                match peregrine_supervisor::config::UnitSandbox::packaged()
+                    .and_then(|sandbox| sandbox.enter().map(|()| sandbox))
+                {
+                    Ok(sandbox) => Some(sandbox),
+                    Err(error) => return fail(&anyhow::Error::new(error)),
                 }
-                let workers: u32 = c.services.values().map(|s| s.count).sum();
-                let plural =
-                    |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
-                println!(
-                    "{}: ok ({}, {})",
-                    config.display(),
-                    plural(c.services.len(), "service"),
-                    plural(workers as usize, "worker")
-                );
-                for service in c.services.values() {
-                    println!(
-                        "  {}: {}, {}",
-                        service.name,
-                        plural(service.count as usize, "worker"),
-                        service.balanced_on()
-                    );
-                }
-                // What `run` would warn of when it starts, here and now.
-                for warning in peregrine_supervisor::run::warnings::at_start(&c, &config) {
-                    warn(&format!("{}: {warning}", config.display()));
-                }
-                ExitCode::SUCCESS
-            }
-            Err(error) => config_error(&error),
-        },
+            } else {
+                None
+            };
+            check(&config, sandbox.as_ref())
+        }
         // Envoy's bootstrap depends on what the config says, not on who reads it: its users are
         // held to what a supervisor run as root may switch to.
         Command::EnvoyBootstrap { config } => {
@@ -441,6 +424,49 @@ fn main() -> ExitCode {
             Err(error) => fail(&anyhow::Error::new(error)),
         },
     }
+}
+
+/// `peregrine check`: the config, every file it names and, with the unit's `sandbox`, the paths
+/// the unit hides; then what a start would warn of.
+fn check(
+    config: &std::path::Path,
+    sandbox: Option<&peregrine_supervisor::config::UnitSandbox>,
+) -> ExitCode {
+    let c = match Config::load(config) {
+        Ok(c) => c,
+        Err(error) => return config_error(&error),
+    };
+    let mut problems = peregrine_supervisor::tls::check_files(&c);
+    if let Some(sandbox) = sandbox {
+        problems.extend(sandbox.hidden_paths(&c, config));
+    }
+    if !problems.is_empty() {
+        for problem in problems {
+            report(&format!("{}: {problem}", config.display()));
+        }
+        return Exit::Config.into();
+    }
+    let workers: u32 = c.services.values().map(|s| s.count).sum();
+    let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+    println!(
+        "{}: ok ({}, {})",
+        config.display(),
+        plural(c.services.len(), "service"),
+        plural(workers as usize, "worker")
+    );
+    for service in c.services.values() {
+        println!(
+            "  {}: {}, {}",
+            service.name,
+            plural(service.count as usize, "worker"),
+            service.balanced_on()
+        );
+    }
+    // What `run` would warn of when it starts, here and now.
+    for warning in peregrine_supervisor::run::warnings::at_start(&c, config) {
+        warn(&format!("{}: {warning}", config.display()));
+    }
+    ExitCode::SUCCESS
 }
 
 /// The config file and service of `peregrine restart [CONFIG] [SERVICE]`: one argument is the file
@@ -745,7 +771,7 @@ mod tests {
             let cli = Cli::try_parse_from(["peregrine", name]).unwrap();
             let config = match cli.command {
                 Command::Run { config }
-                | Command::Check { config }
+                | Command::Check { config, .. }
                 | Command::EnvoyBootstrap { config }
                 | Command::Status { config, .. }
                 | Command::Reload { config, .. }

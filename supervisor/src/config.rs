@@ -38,6 +38,7 @@ mod limits;
 mod raw;
 #[cfg(test)]
 mod reference;
+mod unit;
 mod warning;
 mod wording;
 
@@ -58,6 +59,7 @@ pub use self::{
         MAX_CONFIG_BYTES, MAX_REPORT_INTERVAL, MAX_SOCKET_PATH, MAX_TOTAL_WORKERS,
         MIN_SAMPLE_INTERVAL,
     },
+    unit::{SandboxError, UnitSandbox},
     warning::Warning,
 };
 

@@ -331,6 +331,32 @@ fn check_reads_every_tls_file_and_names_each_one_at_its_line() {
     );
 }
 
+/// `check --unit` checks as the package's unit will run the supervisor: a file the config names
+/// under a folder the unit hides (`ProtectHome=yes`) is an error there, and not without `--unit`.
+#[test]
+fn check_as_the_unit_refuses_what_the_unit_hides() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("peregrine.toml");
+    std::fs::write(
+        &path,
+        "[cluster]\netcd = [\"https://127.0.0.1:2379\"]\nhost = \"a\"\n[cluster.tls]\n\
+         ca = \"/root/etcd-ca.pem\"\n[service.web]\n",
+    )
+    .unwrap();
+    let path = path.display().to_string();
+    let (code, _, stderr) = peregrine_args(&["check", "--unit", &path]);
+    assert_eq!(code, 78, "{stderr}");
+    assert!(
+        stderr.contains(
+            ": line 5: cluster.tls.ca: /root/etcd-ca.pem is under /root, which the \
+                         package's unit hides"
+        ),
+        "{stderr}"
+    );
+    let (_, _, stderr) = peregrine_args(&["check", &path]);
+    assert!(!stderr.contains("hides"), "{stderr}");
+}
+
 /// `check` prints what `run` would warn of at its start (the same list), and still passes.
 #[test]
 fn check_prints_the_warnings_run_would_give() {
