@@ -462,9 +462,13 @@ fn check(
             service.balanced_on()
         );
     }
-    // What `run` would warn of when it starts, here and now.
+    // What `run` would warn of when it starts, here and now; and a port another program holds,
+    // where the start would stop (a warning: it is this moment's, not the config's).
     for warning in peregrine_supervisor::run::warnings::at_start(&c, config) {
         warn(&format!("{}: {warning}", config.display()));
+    }
+    for port in peregrine_supervisor::run::ports::unbindable(&c) {
+        warn(&format!("{}: {port}", config.display()));
     }
     ExitCode::SUCCESS
 }

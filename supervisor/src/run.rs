@@ -25,6 +25,7 @@ mod envoy_facing;
 mod exposure;
 pub mod grpc;
 mod operations;
+pub mod ports;
 pub mod warnings;
 
 pub use self::envoy_facing::orca_listen_addresses;

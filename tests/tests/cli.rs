@@ -357,28 +357,40 @@ fn check_as_the_unit_refuses_what_the_unit_hides() {
     assert!(!stderr.contains("hides"), "{stderr}");
 }
 
-/// `check` prints what `run` would warn of at its start (the same list), and still passes.
+/// `check` prints what `run` would warn of at its start (the same list), and a port another program
+/// holds, where the start would stop; and still passes.
 #[test]
 fn check_prints_the_warnings_run_would_give() {
+    // Held for the check, as by another program.
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let grpc = taken.local_addr().unwrap().port();
+    let metrics = peregrine_e2e::free_port();
     let (code, stdout, stderr) = peregrine(
         &["check"],
-        "[supervisor]\nbind = \"http://0.0.0.0:18000\"\nmetrics = \"http://0.0.0.0:9464\"\n\
-         [service.web]\nurl = \"http://127.0.0.1:80\"\n",
+        &format!(
+            "[supervisor]\nbind = \"http://0.0.0.0:{grpc}\"\nmetrics = \"http://0.0.0.0:{metrics}\"\n\
+             [service.web]\nurl = \"http://127.0.0.1:80\"\n"
+        ),
     );
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains(": ok (1 service, 1 worker)"), "{stdout}");
     for warning in [
-        "The gRPC port (0.0.0.0:18000) is reachable from other hosts and has no TLS",
-        "Prometheus metrics (0.0.0.0:9464) are served beyond this host",
-        "service.web: These workers bind a privileged port (80) themselves",
+        format!("The gRPC port (0.0.0.0:{grpc}) is reachable from other hosts and has no TLS"),
+        format!("supervisor.bind: 0.0.0.0:{grpc} is taken by another program"),
+        format!("Prometheus metrics (0.0.0.0:{metrics}) are served beyond this host"),
+        "service.web: These workers bind a privileged port (80) themselves".to_owned(),
     ] {
         assert!(
             stderr
                 .lines()
-                .any(|line| line.starts_with("warning: ") && line.contains(warning)),
+                .any(|line| line.starts_with("warning: ") && line.contains(&warning)),
             "{warning}: {stderr}"
         );
     }
+    assert!(
+        !stderr.contains("supervisor.metrics"),
+        "a free port: {stderr}"
+    );
 }
 
 #[test]
