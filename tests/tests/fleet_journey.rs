@@ -266,6 +266,19 @@ fn the_fleet_page_followed_with_its_own_commands_serves_and_survives_a_host() {
                 .collect()
         })
     };
+    for (supervisor, name) in supervisors.iter().zip(HOSTS) {
+        try_wait_until(STEP, "the host's workers registered", || {
+            let status = supervisor.status_json().ok()?;
+            let ready = status["workers"]
+                .as_array()?
+                .iter()
+                // The example configs name their hosts `host-a`, `host-b`, `host-c`.
+                .filter(|w| w["host"] == format!("host-{name}").as_str() && w["state"] == "ready")
+                .count();
+            (ready == WORKERS && supervisor.worker_pids().len() == WORKERS).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("{e}: host {name}\n{}", supervisor.all_logs()));
+    }
     let all = everyone(&supervisors);
     assert_eq!(all.len(), HOSTS.len() * WORKERS, "{all:?}");
     for (index, name) in HOSTS.iter().enumerate() {
