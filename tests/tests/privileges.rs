@@ -1020,8 +1020,9 @@ fn check_refuses_a_command_the_services_user_cannot_run() {
 /// `check`, which predicts a start by this very user, refuses.
 #[test]
 fn envoy_bootstrap_is_written_for_any_user_who_may_read_the_config() {
-    let dir = peregrine_e2e::TempDir::new().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Wherever the checkout and the temporary folders are: a folder and a copy nobody may reach.
+    let stage = Stage::new(&nobody());
+    let dir = stage.open_temp_dir("bootstrap-");
     let config = dir.path().join("peregrine.toml");
     std::fs::write(
         &config,
@@ -1029,8 +1030,6 @@ fn envoy_bootstrap_is_written_for_any_user_who_may_read_the_config() {
     )
     .unwrap();
     std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
-    // Wherever the checkout is, a copy nobody may run.
-    let stage = Stage::new(&nobody());
     let peregrine = stage.program(&peregrine_path());
     let as_nobody = |command: &str| {
         std::process::Command::new(&peregrine)

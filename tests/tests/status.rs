@@ -372,9 +372,11 @@ fn status_and_reload_read_only_the_socket_and_say_who_may_ask() {
     let socket = supervisor.dir().join("peregrine.sock");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(supervisor.dir(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    // Wherever the checkout is, a copy of the binary nobody may run.
+    let stage = peregrine_e2e::Stage::new(&peregrine_e2e::Account::lookup("nobody"));
     let output = {
         use std::os::unix::process::CommandExt;
-        Command::new(peregrine_path())
+        Command::new(stage.program(&peregrine_path()))
             .args(["status".as_ref(), "--socket".as_ref(), socket.as_os_str()])
             .uid(65534)
             .gid(65534)
