@@ -74,14 +74,10 @@ fn envoy_side(tls: &crate::config::EnvoyTlsConfig) -> Result<(), (&'static str, 
     pem::roots(&tls.ca).map_err(|error| ("envoy.tls.ca", error))?;
     if let Some(identity) = &tls.identity {
         pem::certified_key(&identity.cert, &identity.key, &provider()).map_err(|error| {
-            let key = match &error {
-                pem::PemError::NoKey(_) | pem::PemError::KeyMismatch { .. } => "envoy.tls.key",
-                pem::PemError::Read { path, .. } | pem::PemError::Malformed { path, .. }
-                    if *path == identity.key =>
-                {
-                    "envoy.tls.key"
-                }
-                _ => "envoy.tls.cert",
+            let key = if error.is_the_keys(&identity.key) {
+                "envoy.tls.key"
+            } else {
+                "envoy.tls.cert"
             };
             (key, error)
         })?;

@@ -33,14 +33,10 @@ pub fn options(tls: &EtcdTlsConfig) -> Result<TlsOptions, EtcdTlsError> {
     if let Some(identity) = &tls.identity {
         let pair = pem::certified_key(&identity.cert, &identity.key, &super::provider()).map_err(
             |source| EtcdTlsError {
-                key: match source {
-                    PemError::NoKey(_) | PemError::KeyMismatch { .. } => "cluster.tls.key",
-                    PemError::Read { ref path, .. } | PemError::Malformed { ref path, .. }
-                        if *path == identity.key =>
-                    {
-                        "cluster.tls.key"
-                    }
-                    _ => "cluster.tls.cert",
+                key: if source.is_the_keys(&identity.key) {
+                    "cluster.tls.key"
+                } else {
+                    "cluster.tls.cert"
                 },
                 source,
             },

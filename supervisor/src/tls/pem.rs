@@ -74,6 +74,19 @@ pub enum PemError {
     },
 }
 
+impl PemError {
+    /// Whether this error of reading a certificate with its key (the file `key`) is the key's
+    /// fault: no key, a key that is not the certificate's, or the key's file unreadable or
+    /// malformed. Otherwise it is the certificate's.
+    pub fn is_the_keys(&self, key: &Path) -> bool {
+        match self {
+            PemError::NoKey(_) | PemError::KeyMismatch { .. } => true,
+            PemError::Read { path, .. } | PemError::Malformed { path, .. } => path == key,
+            _ => false,
+        }
+    }
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, PemError> {
     std::fs::read(path).map_err(|source| PemError::Read {
         path: path.to_owned(),

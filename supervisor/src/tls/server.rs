@@ -122,14 +122,10 @@ fn build(files: &ServerTlsConfig) -> Result<Built, LoadError> {
         pem::certified_key(&files.identity.cert, &files.identity.key, &provider)
             .map(|pair| pair.key)
             .map_err(|error| LoadError {
-                key: match error {
-                    PemError::NoKey(_) | PemError::KeyMismatch { .. } => "supervisor.tls.key",
-                    PemError::Read { ref path, .. } | PemError::Malformed { ref path, .. }
-                        if *path == files.identity.key =>
-                    {
-                        "supervisor.tls.key"
-                    }
-                    _ => "supervisor.tls.cert",
+                key: if error.is_the_keys(&files.identity.key) {
+                    "supervisor.tls.key"
+                } else {
+                    "supervisor.tls.cert"
                 },
                 source: error.into(),
             })?;
