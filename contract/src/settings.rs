@@ -34,6 +34,24 @@ pub const ENV_ORPHAN_TIMEOUT: &str = "PEREGRINE_ORPHAN_TIMEOUT_MS";
 /// stops them.
 pub const ENV_LINEAGE: &str = "PEREGRINE_LINEAGE";
 
+/// The version of the agreement under which the supervisor started the worker ([`CONTRACT`]). The
+/// worker never reads it; it only carries it, so that a later supervisor (after a crash, or an
+/// upgrade in place) can tell whether it reads the worker as the one that started it did before it
+/// adopts it. A worker without it was started before the agreement had a version (Peregrine 0.1.0).
+pub const ENV_CONTRACT: &str = "PEREGRINE_CONTRACT";
+
+/// The version of what a supervisor and the workers it starts agree on: these variables and what
+/// they mean, the request counter region's layout ([`crate::counters`]), the registration messages
+/// and the lineage. It goes up when a change would make a supervisor of one version misread, or
+/// stop, a worker of another; a supervisor adopts the workers of the versions its adoption accepts
+/// and asks for a restart (which drains) across the others.
+pub const CONTRACT: u32 = 1;
+
+/// The versions of the agreement whose workers a supervisor of this build adopts: its own, and
+/// those of the releases before it that speak one it still reads (docs/upgrading.md). The start
+/// only ever rises.
+pub const ADOPTED: std::ops::RangeInclusive<u32> = 1..=CONTRACT;
+
 /// The orphan timeout when [`ENV_ORPHAN_TIMEOUT`] is not set: one minute.
 pub const DEFAULT_ORPHAN_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -130,9 +148,11 @@ impl Settings {
         })
     }
 
-    /// The variables that make up these settings, for the supervisor to pass to a worker.
+    /// The variables that make up these settings, for the supervisor to pass to a worker, with the
+    /// version of the agreement ([`ENV_CONTRACT`]).
     pub fn to_env(&self) -> Vec<(&'static str, String)> {
         let mut env = vec![
+            (ENV_CONTRACT, CONTRACT.to_string()),
             (ENV_SERVICE, self.service.clone()),
             (ENV_INDEX, self.index.to_string()),
             (ENV_URL, self.url.to_string()),
@@ -170,6 +190,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v))
             .collect();
         assert_eq!(Settings::from_map(&map).unwrap(), settings);
+        assert_eq!(map.get(ENV_CONTRACT), Some(&CONTRACT.to_string()));
     }
 
     /// The variables every worker needs, and nothing optional.

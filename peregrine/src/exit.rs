@@ -82,7 +82,7 @@ impl Exit {
             Exit::NoInput => "The config file does not exist or cannot be read.",
             Exit::Unavailable => {
                 "No supervisor answers on the control socket; for upgrade, also one that cannot \
-                 upgrade in place."
+                 upgrade in place (and for check, one whose workers this version cannot adopt)."
             }
             Exit::TempFail => "The supervisor did not answer in time.",
             Exit::NoPermission => {

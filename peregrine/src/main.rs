@@ -446,6 +446,18 @@ fn check(
         }
         return Exit::Config.into();
     }
+    // Workers this version would not adopt: while their supervisor runs, an upgrade in place
+    // (which runs this check first) must not replace them without a drain.
+    let foreign = peregrine_supervisor::adopt::foreign(&c.supervisor.control);
+    let supervised = peregrine_supervisor::instance::holder(&c.supervisor.control).is_some();
+    if supervised && !foreign.is_empty() {
+        report(&format!(
+            "{}: {foreign}: {}",
+            config.display(),
+            peregrine_supervisor::adopt::RESTART_INSTEAD
+        ));
+        return Exit::Unavailable.into();
+    }
     let workers: u32 = c.services.values().map(|s| s.count).sum();
     let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
     println!(
@@ -462,13 +474,20 @@ fn check(
             service.balanced_on()
         );
     }
-    // What `run` would warn of when it starts, here and now; and a port another program holds,
-    // where the start would stop (a warning: it is this moment's, not the config's).
+    // What `run` would warn of when it starts, here and now; and what the start would stop at on
+    // this host now (a warning: it is this moment's, not the config's).
     for warning in peregrine_supervisor::run::warnings::at_start(&c, config) {
         warn(&format!("{}: {warning}", config.display()));
     }
-    for port in peregrine_supervisor::run::ports::unbindable(&c) {
-        warn(&format!("{}: {port}", config.display()));
+    for problem in peregrine_supervisor::run::host_state::problems(&c) {
+        warn(&format!("{}: {problem}", config.display()));
+    }
+    if !foreign.is_empty() {
+        warn(&format!(
+            "{}: {foreign}: {}",
+            config.display(),
+            peregrine_supervisor::adopt::STOPPED_AT_START
+        ));
     }
     ExitCode::SUCCESS
 }

@@ -27,6 +27,8 @@ const QUOTED: &[&str] = &[
     "Not every Envoy ACKed the drain in time; stopping the worker anyway",
     "Worker did not stop in time; killing it",
     "Worker stalled: Envoy sends it no new request until it moves again",
+    "which this version of Peregrine cannot adopt",
+    "drain them with a restart instead of upgrading in place",
 ];
 
 fn root() -> PathBuf {

@@ -18,6 +18,11 @@
 //! that its requests are still counted.
 //! Workers with no slot in the config, and the older of two in one slot, are stopped.
 //!
+//! A worker is adopted only when the version of the agreement it was started under
+//! ([`ENV_CONTRACT`], absent before Peregrine 0.2.0) is one this supervisor reads ([`ADOPTED`]).
+//! One of another version is stopped, with an error that says why: `check` and `peregrine upgrade`
+//! find such workers first ([`foreign`]) and ask for a restart, which drains them, instead.
+//!
 //! Each candidate's pidfd is opened *before* its `/proc` files are read, and the process is checked to
 //! be still alive after: the pid then named the same process throughout, so a process that exited and
 //! whose pid was reused is never taken for a worker, nor signalled.
@@ -29,6 +34,7 @@
 use std::{
     collections::{HashMap, HashSet},
     ffi::OsStr,
+    fmt,
     os::{
         fd::{AsFd, OwnedFd},
         unix::ffi::OsStrExt,
@@ -44,8 +50,8 @@ use peregrine_contract::{
     counters::CounterRegion,
     procfs::Stat,
     settings::{
-        ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX, ENV_LINEAGE, ENV_SERVICE,
-        ENV_URL,
+        ADOPTED, ENV_CONTRACT, ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX,
+        ENV_LINEAGE, ENV_SERVICE, ENV_URL,
     },
     shm::ShmError,
     url::BindUrl,
@@ -65,6 +71,9 @@ use crate::{
 pub struct Described {
     /// Its slot.
     pub slot: Slot,
+    /// The version of the agreement it was started under; `None` before it had one (0.1.0), or
+    /// when its value is not a number.
+    pub contract: Option<u32>,
     /// Its counter descriptor number and slot, if it has a counter.
     pub counter: Option<(i32, usize)>,
     /// When it started, in clock ticks after boot (`/proc/PID/stat` field 22): the newest wins a slot.
@@ -104,16 +113,16 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
         .filter_map(|name| uid_of(name))
         .chain([own])
         .collect();
-    let found = scan(&config.supervisor.control, &uids, lineage);
-    // A worker's own children carry its environment: they go with it, adopted or stopped.
-    let pids: std::collections::HashSet<u32> = found.iter().map(|w| w.pid).collect();
-    let found = found
-        .into_iter()
-        .filter(|w| !pids.contains(&w.described.ppid));
+    let found = roots(scan(&config.supervisor.control, &uids, lineage));
     let mut by_slot: HashMap<Slot, Found> = HashMap::new();
     let mut unwanted = Vec::new();
+    let mut foreign = Vec::new();
     for worker in found {
         let slot = &worker.described.slot;
+        if !worker.described.adoptable() {
+            foreign.push(worker);
+            continue;
+        }
         if uid_of(&slot.service).is_some_and(|uid| uid != worker.uid) {
             // Its lineage says ours, its user says not this service's (the config changed its
             // `user`, or a worker of another service's user is posing as one): left alone. A worker
@@ -146,6 +155,13 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
     for worker in unwanted {
         tracing::warn!(pid = worker.pid, slot = %worker.described.slot, "A worker of an earlier supervisor of this socket has no slot here (or a newer one took it): stopping it");
         let _ = rustix::process::pidfd_send_signal(&worker.pidfd, Signal::TERM);
+    }
+    if !foreign.is_empty() {
+        let list = Foreign(foreign.iter().map(Found::foreign).collect());
+        tracing::error!("{list}: {STOPPED_AT_START}");
+        for worker in foreign {
+            let _ = rustix::process::pidfd_send_signal(&worker.pidfd, Signal::TERM);
+        }
     }
     let mut adopted = HashMap::new();
     for (slot, worker) in by_slot {
@@ -181,6 +197,20 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
 /// Every live process of one of `uids` whose environment names `control` (or its service's worker
 /// socket beside it) as its control socket and carries `lineage`.
 pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found> {
+    scan_where(control, |uid| uids.contains(&uid), lineage)
+}
+
+/// The workers among `found`: a worker's own children carry its environment, and go with it,
+/// adopted or stopped.
+fn roots(found: Vec<Found>) -> impl Iterator<Item = Found> {
+    let pids: HashSet<u32> = found.iter().map(|w| w.pid).collect();
+    found
+        .into_iter()
+        .filter(move |w| !pids.contains(&w.described.ppid))
+}
+
+/// [`scan`], for the processes whose owner passes `of_user`.
+fn scan_where(control: &Path, of_user: impl Fn(u32) -> bool, lineage: &Lineage) -> Vec<Found> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -196,7 +226,7 @@ pub fn scan(control: &Path, uids: &HashSet<u32>, lineage: &Lineage) -> Vec<Found
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
             // Other users' processes are passed over without a pidfd.
             let uid = entry.metadata().ok()?.uid();
-            if pid == own || !uids.contains(&uid) {
+            if pid == own || !of_user(uid) {
                 return None;
             }
             // The pidfd first: whatever is read below is then known to be of this very process if
@@ -264,11 +294,125 @@ fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Optio
     let url = text(ENV_URL).and_then(|url| url.parse().ok());
     Some(Described {
         slot: Slot { service, index },
+        contract: text(ENV_CONTRACT).and_then(|text| text.parse().ok()),
         counter,
         started: stat.starttime,
         ppid: stat.ppid,
         url,
     })
+}
+
+impl Described {
+    /// Whether this supervisor reads the worker as the one that started it did.
+    pub fn adoptable(&self) -> bool {
+        self.contract
+            .is_some_and(|contract| ADOPTED.contains(&contract))
+    }
+}
+
+impl Found {
+    fn foreign(&self) -> ForeignWorker {
+        ForeignWorker {
+            pid: self.pid,
+            slot: self.described.slot.clone(),
+            contract: self.described.contract,
+        }
+    }
+}
+
+/// A worker of an earlier supervisor of this socket that this one would not adopt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForeignWorker {
+    /// Its process id.
+    pub pid: u32,
+    /// Its slot.
+    pub slot: Slot,
+    /// The version of the agreement it was started under (`None`: before it had one).
+    pub contract: Option<u32>,
+}
+
+/// What to do about [`Foreign`] workers while their supervisor runs.
+pub const RESTART_INSTEAD: &str = "drain them with a restart instead of upgrading in place \
+     (`systemctl restart peregrine` drains every worker, then starts them under this version)";
+
+/// What a start does with [`Foreign`] workers whose supervisor is gone.
+pub const STOPPED_AT_START: &str = "a start stops them without a drain (requests they hold may \
+     be cut), and starts this version's in their place";
+
+/// Workers of an earlier supervisor of this socket that this one would not adopt; its `Display`
+/// says so.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Foreign(pub Vec<ForeignWorker>);
+
+impl Foreign {
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Those of them started under a version older than any this supervisor adopts, or under none:
+    /// what a newer program, whose adoption starts no lower, would not adopt either.
+    pub fn older(&self) -> Foreign {
+        Foreign(
+            self.0
+                .iter()
+                .filter(|w| w.contract.is_none_or(|c| c < *ADOPTED.start()))
+                .cloned()
+                .collect(),
+        )
+    }
+}
+
+impl fmt::Display for Foreign {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut versions: Vec<Option<u32>> = self.0.iter().map(|w| w.contract).collect();
+        versions.sort_unstable();
+        versions.dedup();
+        let versions = versions
+            .iter()
+            .map(|v| match v {
+                None => "none (started by Peregrine 0.1.0)".to_owned(),
+                Some(v) => v.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let workers = self
+            .0
+            .iter()
+            .map(|w| format!("{} ({})", w.pid, w.slot))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let (start, end) = (ADOPTED.start(), ADOPTED.end());
+        let adopted = if start == end {
+            format!("{start}")
+        } else {
+            format!("{start} to {end}")
+        };
+        write!(
+            f,
+            "workers {workers} of this control socket run under version {versions} of the \
+             agreement between supervisor and workers, which this version of Peregrine cannot \
+             adopt (it adopts {adopted})"
+        )
+    }
+}
+
+/// The workers of an earlier supervisor of `control`, of any user, that this supervisor would not
+/// adopt. Empty when the socket's lock file (the lineage) cannot be read: this user is then not
+/// the one to adopt them either.
+pub fn foreign(control: &Path) -> Foreign {
+    let Some(lineage) = crate::instance::peek_lineage(control) else {
+        return Foreign::default();
+    };
+    // Other users' environments are read only with CAP_DAC_READ_SEARCH; without it, this user's.
+    let everyone = crate::config::can_read_other_users_files();
+    let own = rustix::process::geteuid().as_raw();
+    Foreign(
+        roots(scan_where(control, |uid| everyone || uid == own, &lineage))
+            .filter(|worker| !worker.described.adoptable())
+            .map(|worker| worker.foreign())
+            .collect(),
+    )
 }
 
 /// The address of a listener the supervisor bound: an IP and a port, or a Unix path.
@@ -357,6 +501,7 @@ fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> Result<CounterRef, ShmE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use peregrine_contract::settings::CONTRACT;
 
     const STAT: &str =
         "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";
@@ -390,6 +535,7 @@ mod tests {
                     service: "web".into(),
                     index: 3
                 },
+                contract: None,
                 counter: Some((5, 17)),
                 started: 987654,
                 ppid: 1,
@@ -420,6 +566,55 @@ mod tests {
             (ENV_SERVICE, "web"),
         ]);
         assert_eq!(parse(&no_index, STAT, control, &lineage), None);
+    }
+
+    #[test]
+    fn only_workers_of_an_adopted_version_of_the_agreement_are_adoptable() {
+        let lineage = Lineage::random().unwrap();
+        let control = Path::new("/run/peregrine.sock");
+        let described = |contract: Option<&str>| {
+            let mut vars = vec![
+                (ENV_CONTROL, "/run/peregrine.sock"),
+                (ENV_LINEAGE, lineage.as_str()),
+                (ENV_SERVICE, "web"),
+                (ENV_INDEX, "0"),
+            ];
+            vars.extend(contract.map(|c| (ENV_CONTRACT, c)));
+            parse(&environ(&vars), STAT, control, &lineage).unwrap()
+        };
+        let current = described(Some(&CONTRACT.to_string()));
+        assert_eq!(current.contract, Some(CONTRACT));
+        assert!(current.adoptable());
+        for (contract, why) in [
+            (None, "before the agreement had a version"),
+            (Some("0"), "a version before any adopted"),
+            (Some("x"), "not a version"),
+        ] {
+            assert!(!described(contract).adoptable(), "{why}");
+        }
+        let newer = (CONTRACT + 1).to_string();
+        assert!(
+            !described(Some(&newer)).adoptable(),
+            "a newer version (a downgrade)"
+        );
+
+        // The words for them, and which a newer program would refuse too.
+        let worker = |pid, contract| ForeignWorker {
+            pid,
+            slot: Slot {
+                service: "web".into(),
+                index: 0,
+            },
+            contract,
+        };
+        let foreign = Foreign(vec![worker(7, None), worker(8, Some(CONTRACT + 1))]);
+        let said = foreign.to_string();
+        assert!(
+            said.starts_with("workers 7 (web[0]), 8 (web[0]) of this control socket run under version none (started by Peregrine 0.1.0), "),
+            "{said}"
+        );
+        assert!(said.ends_with("cannot adopt (it adopts 1)"), "{said}");
+        assert_eq!(foreign.older(), Foreign(vec![worker(7, None)]));
     }
 
     /// Starts `sleep 30` with `vars`, and scans until it is found (its environment is in place only

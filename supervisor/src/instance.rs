@@ -172,6 +172,52 @@ impl InstanceLock {
     }
 }
 
+/// The lineage of control socket `control`, read without taking its lock, when its lock file is
+/// there, this user's, owner-only and readable: what `check` and `peregrine upgrade` look for
+/// workers by. `None` otherwise (the same trust rule as [`InstanceLock::acquire`]'s).
+pub fn peek_lineage(control: &Path) -> Option<Lineage> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(lock_path(control))
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+        return None;
+    }
+    let mut text = String::new();
+    (&file).read_to_string(&mut text).ok()?;
+    parse(&text).0
+}
+
+/// The pid of the process that holds the lock of control socket `control` (a running supervisor),
+/// found in `/proc/locks` without touching the lock: `None` when nobody holds it, or the file is
+/// not there.
+pub fn holder(control: &Path) -> Option<u32> {
+    let meta = std::fs::symlink_metadata(lock_path(control)).ok()?;
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    holder_in(&locks, meta.dev(), meta.ino())
+}
+
+/// The pid of the `flock` holder of the file `dev`:`ino` in `/proc/locks`' text `locks`.
+fn holder_in(locks: &str, dev: u64, ino: u64) -> Option<u32> {
+    // `1: FLOCK  ADVISORY  WRITE 8278 fe:00:10141778 0 EOF`: major and minor in hex, the inode in
+    // decimal. A waiter's line begins `1: -> FLOCK`, and is not the holder.
+    let file = format!(
+        "{:02x}:{:02x}:{ino}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev)
+    );
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        match fields.as_slice() {
+            [_, "FLOCK", _, _, pid, at, ..] if *at == file => pid.parse().ok(),
+            _ => None,
+        }
+    })
+}
+
 /// The lineage and the holder's pid in a lock file's text (either may be missing or invalid).
 fn parse(text: &str) -> (Option<Lineage>, Option<u32>) {
     let mut lines = text.lines();
@@ -245,7 +291,14 @@ mod tests {
             other => panic!("expected InUse, got {other:?}"),
         }
         let lineage = first.lineage().clone();
+        assert_eq!(
+            peek_lineage(&socket).as_ref(),
+            Some(&lineage),
+            "read while held"
+        );
+        assert_eq!(holder(&socket), Some(std::process::id()));
         drop(first);
+        assert_eq!(holder(&socket), None, "released");
         let second = InstanceLock::acquire(&socket).unwrap();
         assert_eq!(
             second.lineage(),
@@ -255,6 +308,10 @@ mod tests {
         // Another socket in another directory has another lineage.
         let other = InstanceLock::acquire(&dir.path().join("p.sock")).unwrap();
         assert_ne!(other.lineage(), &lineage);
+        // A lock file others may read is not trusted for its lineage.
+        std::fs::set_permissions(other.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(peek_lineage(&dir.path().join("p.sock")), None);
+        assert_eq!(peek_lineage(&dir.path().join("none.sock")), None);
     }
 
     #[test]
@@ -303,6 +360,21 @@ mod tests {
         std::os::unix::fs::symlink(dir.path().join("elsewhere"), lock_path(&socket)).unwrap();
         assert!(InstanceLock::acquire(&socket).is_err());
         assert!(!dir.path().join("elsewhere").exists());
+    }
+
+    #[test]
+    fn the_holder_is_the_flock_on_that_very_file() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 8278 fe:00:10141778 0 EOF\n\
+                     1: -> FLOCK  ADVISORY  WRITE 9000 fe:00:10141778 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 77 08:01:42 0 EOF\n";
+        let dev = rustix::fs::makedev(0xfe, 0);
+        assert_eq!(holder_in(locks, dev, 10141778), Some(8278));
+        assert_eq!(holder_in(locks, dev, 1014177), None, "another inode");
+        assert_eq!(
+            holder_in(locks, rustix::fs::makedev(8, 1), 42),
+            None,
+            "a POSIX lock is not a supervisor's"
+        );
     }
 
     #[test]

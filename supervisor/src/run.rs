@@ -24,8 +24,8 @@ use tokio::{
 mod envoy_facing;
 mod exposure;
 pub mod grpc;
+pub mod host_state;
 mod operations;
-pub mod ports;
 pub mod warnings;
 
 pub use self::envoy_facing::orca_listen_addresses;

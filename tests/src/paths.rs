@@ -211,6 +211,48 @@ pub fn app_servers_or_skip(test: &str) -> Option<AppServers> {
     None
 }
 
+/// The previous release's `peregrine` (`PEREGRINE_PREVIOUS`, which `cargo xtask test` builds from
+/// the release's commit, else `target/previous/*/peregrine`), checked to run. `None` prints why the
+/// caller skips, unless `PEREGRINE_REQUIRE_ENVOY` is set (`cargo xtask test`), where it panics.
+pub fn previous_release_or_skip(test: &str) -> Option<PathBuf> {
+    let binary = env::var_os("PEREGRINE_PREVIOUS")
+        .filter(|path| !path.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::fs::read_dir(target_dir().join("previous"))
+                .ok()?
+                .flatten()
+                .map(|entry| entry.path().join("peregrine"))
+                .find(|path| path.exists())
+        });
+    let runs = |program: &Path| {
+        Command::new(program)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    match binary {
+        Some(binary) if runs(&binary) => return Some(binary),
+        Some(binary) => {
+            let why = format!("{} does not run (run `cargo xtask test`)", binary.display());
+            assert!(
+                env::var_os("PEREGRINE_REQUIRE_ENVOY").is_none(),
+                "{test}: {why}"
+            );
+            crate::skip(test, why);
+        }
+        None => {
+            let why = "no previous release built (`cargo xtask test` builds it)";
+            assert!(
+                env::var_os("PEREGRINE_REQUIRE_ENVOY").is_none(),
+                "{test}: {why}"
+            );
+            crate::skip(test, why);
+        }
+    }
+    None
+}
+
 /// The command that runs `gunicorn` on the WSGI test application, one process on the listener the
 /// supervisor passes (gunicorn takes it from `LISTEN_FDS` itself: no `--bind`).
 pub fn gunicorn_command(gunicorn: &Path) -> Vec<String> {

@@ -391,7 +391,11 @@ fn an_adopted_process_that_never_registers_is_replaced_and_a_stranger_is_left_al
             .arg("120")
             .env("PEREGRINE_CONTROL_SOCKET", &control)
             .env("PEREGRINE_SERVICE", "cluster")
-            .env("PEREGRINE_WORKER_INDEX", "0");
+            .env("PEREGRINE_WORKER_INDEX", "0")
+            .env(
+                peregrine_contract::settings::ENV_CONTRACT,
+                peregrine_contract::settings::CONTRACT.to_string(),
+            );
         if let Some(lineage) = lineage {
             command.env("PEREGRINE_LINEAGE", lineage);
         }

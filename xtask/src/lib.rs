@@ -20,6 +20,7 @@ pub mod envoy;
 pub mod interrupt;
 pub mod logs;
 pub mod packages;
+pub mod previous;
 pub mod pyapps;
 pub mod pyclients;
 

@@ -1,8 +1,9 @@
 //! `cargo xtask test`: install what the tests use (as root, every system package of the project's
 //! list that they need and that is missing: protoc and its include files, clang and libbpf's headers,
 //! python3-venv, etcd, Node, tmux, Prometheus, systemd-analyze, vagrant, ...; see
-//! [`packages::TEST`]), Envoy, the strict Python clients and the third-party app servers (gunicorn,
-//! uvicorn), build the workspace, run the whole test suite against them.
+//! [`packages::TEST`]), Envoy, the strict Python clients, the third-party app servers (gunicorn,
+//! uvicorn) and the previous release's binary, build the workspace, run the whole test suite against
+//! them.
 //!
 //! Plain `cargo test --workspace` rather than `--all-targets` (which skips doc tests) or nextest (not
 //! installed by the project, and CI reads cargo test's closing lines). Extra arguments go to cargo test.
@@ -10,7 +11,7 @@
 use std::process::ExitCode;
 
 use peregrine_testenv::{SKIPS_VAR, target_dir};
-use xtask::{cargo, ebpf, envoy, packages, pyapps, pyclients, run_checked};
+use xtask::{cargo, ebpf, envoy, packages, previous, pyapps, pyclients, run_checked};
 
 pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     packages::ensure(packages::TEST)?;
@@ -19,6 +20,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     eprintln!("Envoy: {}", envoy.display());
     let python = pyclients::install()?;
     let pyapps = pyapps::install()?;
+    let previous = previous::install()?;
     run_checked(cargo().args(["build", "--workspace", "--bins", "--examples"]))?;
     let peregrine = target_dir().join("debug/peregrine");
     // Every test that skips appends why to this file; listed once the run ends.
@@ -34,6 +36,8 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .env("PEREGRINE_PYTHON", &python)
         // gunicorn and uvicorn, the third-party servers the tests run as workers (Node is on PATH).
         .env("PEREGRINE_PYAPPS", &pyapps)
+        // The previous release's binary, whose workers this version adopts or refuses with a drain.
+        .env("PEREGRINE_PREVIOUS", &previous)
         // Tests that need Envoy or etcd fail instead of skipping if one goes missing.
         .env("PEREGRINE_REQUIRE_ENVOY", "1")
         .env("PEREGRINE_REQUIRE_ETCD", "1")

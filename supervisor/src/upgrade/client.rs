@@ -35,6 +35,16 @@ pub enum UpgradeError {
         /// The control socket.
         path: PathBuf,
     },
+    /// Its workers run under a version of the agreement between supervisor and workers older than
+    /// any this program adopts: an upgrade in place would replace them without a drain.
+    #[error(
+        "cannot upgrade in place: {foreign}: {}",
+        crate::adopt::RESTART_INSTEAD
+    )]
+    Foreign {
+        /// Those workers.
+        foreign: crate::adopt::Foreign,
+    },
     /// The supervisor refused the upgrade; it runs on as it was.
     #[error("{summary}{}", failures.iter().map(|f| format!("\n  {f}")).collect::<String>())]
     Refused {
@@ -67,7 +77,9 @@ impl UpgradeError {
     pub fn cannot_upgrade_in_place(&self) -> bool {
         matches!(
             self,
-            UpgradeError::Unsupported { .. } | UpgradeError::Ask(StatusError::NotRunning { .. })
+            UpgradeError::Unsupported { .. }
+                | UpgradeError::Foreign { .. }
+                | UpgradeError::Ask(StatusError::NotRunning { .. })
         )
     }
 }
@@ -187,6 +199,13 @@ fn local_pids(status: &v1::Status) -> BTreeSet<u32> {
 pub fn upgrade(socket: &Path, timeout: Duration) -> Result<Outcome, UpgradeError> {
     let begun = Instant::now();
     let before = status::query(socket)?;
+    // Workers older than any version this program adopts, no newer program adopts either: asked
+    // here, where the program is (as a package's upgrade runs it) the one the supervisor would
+    // exec. Workers of a newer version are the new program's own check to refuse.
+    let foreign = crate::adopt::foreign(socket).older();
+    if !foreign.is_empty() {
+        return Err(UpgradeError::Foreign { foreign });
+    }
     let Some(image) = before.supervisor.clone() else {
         return Err(UpgradeError::Unsupported {
             path: socket.to_owned(),
