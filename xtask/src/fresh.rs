@@ -7,6 +7,10 @@
 //! (`sampler: ebpf` in `peregrine status`) and no failed request (its load reports say `0 failed`,
 //! and none says more); see [`judge`]. Each phase is timed.
 //!
+//! Once the demo passed, the README's build from source runs on a root of its own
+//! ([`from_source`]): its package line alone must be enough for `cargo build --release` with the
+//! eBPF sampler required.
+//!
 //! Whatever the demo needs beyond those four packages (protoc and its include files, clang and
 //! libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
 //! the check that a hole in that list cannot pass.
@@ -27,6 +31,7 @@
 //! [`Root`] is the reusable part: the package test installs the `.deb` into the same kind of root.
 
 mod base;
+pub(crate) mod from_source;
 pub(crate) mod mirror;
 pub(crate) mod mounts;
 mod root;
@@ -143,6 +148,22 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let verdict = match check {
         Check::Demo => judge(transcript.status.success(), &transcript.text),
         Check::Test => judge_test(transcript.status.success(), &transcript.text),
+    };
+    // The README's build from source, on a root of its own: after the demo passed.
+    let verdict = match verdict {
+        Ok(lines) if check == Check::Demo => {
+            let building = Instant::now();
+            let built = from_source::check()?;
+            phases.push((
+                "the README's build from source (a root of its own)".to_owned(),
+                building.elapsed(),
+            ));
+            match built {
+                Ok(version) => Ok(lines.into_iter().chain([version]).collect()),
+                Err(why) => Err(Problems::one(why)),
+            }
+        }
+        other => other,
     };
     println!("\n{}", times(&phases, started.elapsed()));
     match verdict {

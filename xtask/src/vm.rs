@@ -348,14 +348,7 @@ fn payload() -> anyhow::Result<PathBuf> {
 /// The commands of the README's install from source: its shell block that installs the release
 /// binary (`install ... target/release/peregrine`), run as they stand in the VM.
 fn from_source_commands(readme: &str) -> anyhow::Result<String> {
-    let mut blocks = readme
-        .split("```sh\n")
-        .skip(1)
-        .filter_map(|rest| rest.split_once("```"));
-    blocks
-        .find(|(block, _)| block.contains("install -m 0755 target/release/peregrine"))
-        .map(|(block, _)| block.to_owned())
-        .context("README.md has no ```sh block that installs target/release/peregrine")
+    crate::fresh::from_source::sh_block(readme, "install -m 0755 target/release/peregrine")
 }
 
 /// The Envoy binary itself behind `envoy`, which in the pinned virtualenv is a Python launcher
