@@ -108,7 +108,7 @@ fn release_peregrine() -> anyhow::Result<PathBuf> {
 /// [`release_peregrine`], with more packages and binaries in the same `cargo build` (`extra`, as
 /// `-p PACKAGE --bin NAME` arguments).
 fn release_peregrine_and(extra: &[&str]) -> anyhow::Result<PathBuf> {
-    // The supervisor's build needs protoc (the etcd client's protos).
+    // The release build needs the eBPF sampler's tools; the fleet benchmarks need etcd.
     xtask::packages::ensure(xtask::packages::FLEET)?;
     run_checked(
         cargo()

@@ -402,7 +402,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if !rustix::process::geteuid().is_root() {
         eprintln!(
             "error: `cargo xtask demo fleet` needs root: each host is a network namespace \
-             (`ip netns`), and it installs etcd, protoc and iproute2 when they are missing. Run it \
+             (`ip netns`), and it installs etcd and iproute2 when they are missing. Run it \
              as root (e.g. `sudo -E env \"PATH=$PATH\" cargo xtask demo fleet`)."
         );
         return Ok(ExitCode::FAILURE);

@@ -146,8 +146,7 @@ fn python_service(config: &mut PeregrineToml) -> anyhow::Result<()> {
 
 /// The `peregrine` to demonstrate: `PEREGRINE` (another build, or a stand-in, as in the harness),
 /// else the debug build, built now, after the system packages the demo needs
-/// ([`xtask::packages::DEMO`]: protoc and its include files, clang and libbpf's headers for the eBPF
-/// sampler, python3-venv for Envoy's virtualenv) are installed, or named in the one `apt-get` line
+/// ([`xtask::packages::DEMO`]: clang and libbpf's headers for the eBPF sampler, python3-venv for Envoy's virtualenv) are installed, or named in the one `apt-get` line
 /// to run.
 fn peregrine_binary() -> anyhow::Result<PathBuf> {
     if let Some(path) = std::env::var_os("PEREGRINE").filter(|path| !path.is_empty()) {

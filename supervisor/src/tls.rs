@@ -2,8 +2,8 @@
 //! files every side reads ([`pem`]), the etcd client's ([`etcd`]), and test certificates for a demo
 //! fleet ([`init`]).
 //!
-//! One crypto provider for every side: rustls with *ring* ([`provider`]), the one tonic's and
-//! etcd-client's TLS are built with too.
+//! One crypto provider for every side: rustls with *ring* ([`provider`]), the one tonic's TLS (the
+//! etcd client's) is built with too.
 
 use std::sync::Arc;
 

@@ -11,15 +11,14 @@
 //! ([`from_source`]): its package line alone must be enough for `cargo build --release` with the
 //! eBPF sampler required.
 //!
-//! Whatever the demo needs beyond those four packages (protoc and its include files, clang and
-//! libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
+//! Whatever the demo needs beyond those four packages (clang and libbpf's headers, python3-venv) the xtask must install itself, through the package list: this is
 //! the check that a hole in that list cannot pass.
 //!
 //! Before that, the same command runs in the same root as an unprivileged user ([`USER`], made
 //! there, with its own clone, `CARGO_HOME` and target folder in its home), to prove the other path
 //! of the package list: it must stop, exiting non-zero, with one `sudo apt-get install` line that
-//! names just the packages the demo needs and the root lacks (protoc and its include files, clang
-//! and libbpf's headers, python3-venv), and have installed none of them (`dpkg -s`); see
+//! names just the packages the demo needs and the root lacks (clang and libbpf's headers,
+//! python3-venv), and have installed none of them (`dpkg -s`); see
 //! [`judge_as_user`].
 //!
 //! `cargo xtask fresh --test` runs the README's other command, `cargo xtask test`, there instead,
@@ -577,7 +576,7 @@ supervisor exited: exit status: 0
     fn a_demo_that_never_got_to_its_load_fails() {
         let error = judge(
             false,
-            "error: protoc failed: google/protobuf/descriptor.proto: File not found.\n",
+            "error: failed to run custom build command for `peregrine-ebpf`\n",
         )
         .unwrap_err()
         .to_string();
@@ -591,30 +590,20 @@ supervisor exited: exit status: 0
     /// What `cargo xtask demo` says as a user that is not root, in the fresh root.
     const STOPPED: &str = "\
 error: missing packages:
-  protobuf-compiler: no protoc in PATH (the etcd client's build script compiles etcd's protos with protoc)
+  clang-19: no clang >= 14 in PATH (compiles the eBPF sampler)
   python3-venv: no `import ensurepip, venv` in python3 (`python3 -m venv`)
-to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev python3-venv`
+to install them, run `sudo apt-get install clang-19 libbpf-dev python3-venv`
 ";
-    const LACKING: &[&str] = &["protobuf-compiler", "libprotobuf-dev", "python3-venv"];
+    const LACKING: &[&str] = &["clang-19", "libbpf-dev", "python3-venv"];
 
     #[test]
     fn the_demo_as_a_user_stops_at_one_apt_get_line_naming_what_the_root_lacks() {
         assert_eq!(
             judge_as_user(false, STOPPED, LACKING, &[]).unwrap(),
-            "to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev \
-             python3-venv`"
+            "to install them, run `sudo apt-get install clang-19 libbpf-dev python3-venv`"
         );
         // The root's packages are not named; the demo's are, in the list's order.
-        assert_eq!(
-            lacking(),
-            [
-                "protobuf-compiler",
-                "libprotobuf-dev",
-                "clang-19",
-                "libbpf-dev",
-                "python3-venv"
-            ]
-        );
+        assert_eq!(lacking(), ["clang-19", "libbpf-dev", "python3-venv"]);
     }
 
     #[test]
@@ -626,22 +615,20 @@ to install them, run `sudo apt-get install protobuf-compiler libprotobuf-dev pyt
             "the demo exited 0 without its packages"
         );
         assert_eq!(
-            judge_as_user(false, STOPPED, LACKING, &["protobuf-compiler"])
+            judge_as_user(false, STOPPED, LACKING, &["clang-19"])
                 .unwrap_err()
                 .to_string(),
-            "installed all the same: [\"protobuf-compiler\"]"
+            "installed all the same: [\"clang-19\"]"
         );
-        let error = judge_as_user(false, STOPPED, &["protobuf-compiler", "clang-19"], &[])
+        let error = judge_as_user(false, STOPPED, &["clang-19", "etcd-server"], &[])
             .unwrap_err()
             .to_string();
         assert!(
-            error.starts_with("the line does not name [\"clang-19\"]: "),
+            error.starts_with("the line does not name [\"etcd-server\"]: "),
             "{error}"
         );
         assert!(
-            error.contains(
-                "the line names [\"libprotobuf-dev\", \"python3-venv\"], which the root has"
-            ),
+            error.contains("the line names [\"libbpf-dev\", \"python3-venv\"], which the root has"),
             "{error}"
         );
         // The root's path (apt-get without sudo), no line at all, or the line twice.

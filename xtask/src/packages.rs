@@ -2,7 +2,7 @@
 //! commands call first so that a fresh machine's README commands do all their own set-up.
 //!
 //! Each package is looked for by what the build or the tests actually use ([`Probe`]): a file
-//! (`google/protobuf/descriptor.proto`, which protoc needs besides itself), a program on `PATH`, a
+//! (`bpf/bpf_helpers.h`, which the eBPF sampler includes), a program on `PATH`, a
 //! Python module. As root, [`ensure`] installs what is missing with one `apt-get install`; otherwise
 //! it prints the one `apt-get install` line that would, and stops, unless all that is missing is
 //! the eBPF sampler's build tools, without which the build goes on with the procfs fallback (an
@@ -79,18 +79,6 @@ pub const PACKAGES: &[Package] = &[
         probe: Probe::Program("cc"),
         uses: &[Use::Build],
         why: "a C toolchain: rustc links with cc, and build scripts compile C",
-    },
-    Package {
-        name: "protobuf-compiler",
-        probe: Probe::Program("protoc"),
-        uses: &[Use::Build],
-        why: "the etcd client's build script compiles etcd's protos with protoc",
-    },
-    Package {
-        name: "libprotobuf-dev",
-        probe: Probe::File("/usr/include/google/protobuf/descriptor.proto"),
-        uses: &[Use::Build],
-        why: "protoc's own include files, which etcd's protos import",
     },
     Package {
         name: "clang-19",
@@ -519,21 +507,17 @@ mod tests {
 
     #[test]
     fn root_with_apt_get_installs_everything_missing_at_once() {
-        let missing = [
-            package("libprotobuf-dev"),
-            package("clang-19"),
-            package("tmux"),
-        ];
+        let missing = [package("etcd-server"), package("clang-19"), package("tmux")];
         assert_eq!(
             plan(&missing, host(true, true, false)),
-            Plan::Install(vec!["libprotobuf-dev", "clang-19", "tmux"])
+            Plan::Install(vec!["etcd-server", "clang-19", "tmux"])
         );
     }
 
     #[test]
     fn otherwise_one_line_says_what_to_install_and_the_command_stops() {
         let missing = [
-            package("libprotobuf-dev"),
+            package("etcd-server"),
             package("python3-venv"),
             package("libbpf-dev"),
         ];
@@ -543,13 +527,13 @@ mod tests {
         assert_eq!(
             error,
             "missing packages:\n  \
-             libprotobuf-dev: no /usr/include/google/protobuf/descriptor.proto (protoc's own \
-             include files, which etcd's protos import)\n  \
+             etcd-server: no etcd in PATH (the fleet's membership store: its tests and demo \
+             start real etcd members)\n  \
              python3-venv: no `import ensurepip, venv` in python3 (`python3 -m venv`, for the \
              virtualenvs of the pinned Envoy, gunicorn, uvicorn and the strict Python clients)\n  \
              libbpf-dev: no bpf/bpf_helpers.h in /usr/include or /usr/local/include (libbpf's \
              headers, which the eBPF sampler includes)\n\
-             to install them, run `sudo apt-get install libprotobuf-dev python3-venv libbpf-dev`"
+             to install them, run `sudo apt-get install etcd-server python3-venv libbpf-dev`"
         );
         assert_eq!(
             error.matches("apt-get install").count(),
@@ -563,7 +547,7 @@ mod tests {
         assert!(
             error.ends_with(
                 "to install them, install the same as Debian's `apt-get install \
-                 libprotobuf-dev` would"
+                 etcd-server` would"
             ),
             "{error}"
         );
@@ -622,14 +606,7 @@ mod tests {
         let names_for = |uses: &[Use]| needed(uses).map(|p| p.name).collect::<Vec<_>>();
         assert_eq!(
             names_for(DEMO),
-            [
-                "build-essential",
-                "protobuf-compiler",
-                "libprotobuf-dev",
-                "clang-19",
-                "libbpf-dev",
-                "python3-venv"
-            ]
+            ["build-essential", "clang-19", "libbpf-dev", "python3-venv"]
         );
         // The tests need all the demo needs, and the fleet's.
         for package in needed(FLEET) {

@@ -1,5 +1,5 @@
 //! `cargo xtask test`: install what the tests use (as root, every system package of the project's
-//! list that they need and that is missing: protoc and its include files, clang and libbpf's headers,
+//! list that they need and that is missing: clang and libbpf's headers,
 //! python3-venv, etcd, Node, tmux, Prometheus, systemd-analyze, vagrant, ...; see
 //! [`packages::TEST`]), Envoy, the strict Python clients, the third-party app servers (gunicorn,
 //! uvicorn) and the previous release's binary, build the workspace, run the whole test suite against

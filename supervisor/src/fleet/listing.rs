@@ -12,7 +12,8 @@
 //! Invariant: what one page holds in memory is bounded by [`DECODE_LIMIT`], whatever the fleet holds
 //! and whoever wrote it.
 
-use etcd_client::{Client, GetOptions, KeyValue, KvClient};
+use peregrine_etcd::{Client, KeyValue, KvClient, pb::etcdserverpb::RangeRequest, prefix_end};
+use tonic::transport::Channel;
 
 /// Keys per page: with ordinary records (a worker's is about 200 bytes) a page is about 200 KB.
 pub const PAGE_KEYS: i64 = 1000;
@@ -38,45 +39,48 @@ pub async fn list_prefix(
     client: &Client,
     prefix: &str,
     mut each: impl FnMut(Listed<'_>),
-) -> Result<i64, etcd_client::Error> {
-    let mut kv = client.kv_client().max_decoding_message_size(DECODE_LIMIT);
+) -> Result<i64, peregrine_etcd::Error> {
+    let mut kv = client.kv().max_decoding_message_size(DECODE_LIMIT);
     let end = prefix_end(prefix.as_bytes());
     let mut from = prefix.as_bytes().to_vec();
     // Known from the first answer on: every later page is read at it.
     let mut revision = 0;
     let mut limit = PAGE_KEYS;
     loop {
-        let options = at(
-            GetOptions::new().with_range(end.clone()).with_limit(limit),
+        let request = RangeRequest {
+            key: from.clone(),
+            range_end: end.clone(),
+            limit,
             revision,
-        );
-        let page = match kv.get(from.clone(), Some(options)).await {
-            Ok(page) => page,
-            Err(error) if over_decode_limit(&error) && limit > 1 => {
+            ..RangeRequest::default()
+        };
+        let page = match kv.range(request).await {
+            Ok(page) => page.into_inner(),
+            Err(status) if over_decode_limit(&status) && limit > 1 => {
                 limit = (limit / 2).max(1);
                 continue;
             }
-            Err(error) if over_decode_limit(&error) => {
+            Err(status) if over_decode_limit(&status) => {
                 let key = unreadable(&mut kv, &from, &end, revision).await?;
                 if revision == 0 {
                     revision = key.0;
                 }
                 let Some(key) = key.1 else { break };
                 each(Listed::Unreadable(&key));
-                from = after(key.key());
+                from = after(&key.key);
                 limit = PAGE_KEYS;
                 continue;
             }
-            Err(error) => return Err(error),
+            Err(status) => return Err(status.into()),
         };
         if revision == 0 {
-            revision = page.header().map_or(0, |h| h.revision());
+            revision = page.header.as_ref().map_or(0, |h| h.revision);
         }
-        for kv in page.kvs() {
+        for kv in &page.kvs {
             each(Listed::Record(kv));
         }
-        match page.kvs().last() {
-            Some(last) if page.more() => from = after(last.key()),
+        match page.kvs.last() {
+            Some(last) if page.more => from = after(&last.key),
             _ => break,
         }
         // Back towards full pages after a page of large values.
@@ -88,42 +92,30 @@ pub async fn list_prefix(
 /// The first key from `from` without its value: the one whose value could not be read. Returns the
 /// revision etcd answered at and the key, if there is one.
 async fn unreadable(
-    kv: &mut KvClient,
+    kv: &mut KvClient<Channel>,
     from: &[u8],
     end: &[u8],
     revision: i64,
-) -> Result<(i64, Option<KeyValue>), etcd_client::Error> {
-    let options = at(
-        GetOptions::new()
-            .with_range(end.to_vec())
-            .with_limit(1)
-            .with_keys_only(),
+) -> Result<(i64, Option<KeyValue>), peregrine_etcd::Error> {
+    let request = RangeRequest {
+        key: from.to_vec(),
+        range_end: end.to_vec(),
+        limit: 1,
         revision,
-    );
-    let mut page = kv.get(from.to_vec(), Some(options)).await?;
-    let answered = page.header().map_or(0, |h| h.revision());
-    Ok((answered, page.take_kvs().into_iter().next()))
+        keys_only: true,
+        ..RangeRequest::default()
+    };
+    let page = kv.range(request).await?.into_inner();
+    let answered = page.header.as_ref().map_or(0, |h| h.revision);
+    Ok((answered, page.kvs.into_iter().next()))
 }
 
-/// `options` at `revision`, unless it is not known yet (0).
-fn at(options: GetOptions, revision: i64) -> GetOptions {
-    if revision == 0 {
-        options
-    } else {
-        options.with_revision(revision)
-    }
-}
-
-/// Whether `error` is the client refusing a message over its decoding limit. tonic says so only in
-/// its status (`OUT_OF_RANGE`, which etcd also uses for a compacted or future revision), so its
+/// Whether `status` is the client refusing a message over its decoding limit. tonic says so only
+/// in its status (`OUT_OF_RANGE`, which etcd also uses for a compacted or future revision), so its
 /// message is the one way to tell.
-fn over_decode_limit(error: &etcd_client::Error) -> bool {
-    matches!(
-        error,
-        etcd_client::Error::GRpcStatus(status)
-            if status.code() == tonic::Code::OutOfRange
-                && status.message().contains("message length too large")
-    )
+fn over_decode_limit(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange
+        && status.message().contains("message length too large")
 }
 
 /// The key right after `key`: `key` and a NUL byte.
@@ -133,29 +125,12 @@ fn after(key: &[u8]) -> Vec<u8> {
     next
 }
 
-/// The end of the range of every key starting with `prefix` (etcd's `--prefix`): `prefix` with its
-/// last byte below 0xff incremented, and what follows it dropped.
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    // Every byte 0xff (or no prefix): to the end of the keyspace.
-    vec![0]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_prefix_ends_where_its_last_byte_is_passed() {
-        assert_eq!(prefix_end(b"/p/v1/"), b"/p/v10");
-        assert_eq!(prefix_end(b"a\xff"), b"b");
-        assert_eq!(prefix_end(b"\xff\xff"), b"\0");
+    fn the_next_page_starts_right_after_the_last_key() {
         assert_eq!(after(b"/p/v1/hosts/a"), b"/p/v1/hosts/a\0");
     }
 
@@ -165,11 +140,9 @@ mod tests {
             "Error, decoded message length too large: found 5000000 bytes, the limit is: 4194304 \
              bytes",
         );
-        assert!(over_decode_limit(&etcd_client::Error::GRpcStatus(over)));
+        assert!(over_decode_limit(&over));
         let compacted =
             tonic::Status::out_of_range("etcdserver: mvcc: required revision has been compacted");
-        assert!(!over_decode_limit(&etcd_client::Error::GRpcStatus(
-            compacted
-        )));
+        assert!(!over_decode_limit(&compacted));
     }
 }

@@ -22,12 +22,12 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use etcd_client::{
-    Client, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
-    WatchOptions,
-};
 use futures::FutureExt;
+use peregrine_etcd::{
+    Client, ConnectOptions, EventType, LeaseKeepAliveResponse, LeaseKeeper, delete_op, put_op,
+};
 use tokio::{sync::watch, time::Instant};
+use tonic::Streaming;
 
 use super::{
     backoff::Backoff,
@@ -63,7 +63,7 @@ const WATCH_DECODE_LIMIT: usize = 64 * 1024 * 1024;
 pub enum SessionError {
     /// etcd refused or could not be reached.
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(#[from] peregrine_etcd::Error),
     /// The `[cluster.tls]` files cannot be used (read again for the next session).
     #[error(transparent)]
     Tls(#[from] crate::tls::etcd::EtcdTlsError),
@@ -289,23 +289,23 @@ impl Membership {
         // the next one moves on; a client balancing over every member would go on sending some
         // requests to a dead one.
         let endpoint = &self.cluster.etcd[self.endpoint % self.cluster.etcd.len()];
-        let mut client = Client::connect([endpoint], Some(options)).await?;
+        let client = Client::connect([endpoint], Some(options)).await?;
         // Subscribed before the first publish, so that a worker registering meanwhile is published
         // by the loop below rather than missed.
         let mut snapshots = self.registry.subscribe();
-        let (lease, mut keeper, mut alive) = self.take_lease(&mut client, ttl).await?;
+        let (lease, mut keeper, mut alive) = self.take_lease(&client, ttl).await?;
         let mut last_alive = Instant::now();
         let mut published = Published::default();
-        self.publish(&mut client, keys, me, lease, &mut published)
+        self.publish(&client, keys, me, lease, &mut published)
             .await?;
         let mut range: BTreeMap<String, Stored> = BTreeMap::new();
         let revision = listing::list_prefix(&client, keys.root(), |listed| {
             let (kv, stored) = match listed {
-                Listed::Record(kv) => (kv, Stored::new(kv.value(), kv.lease(), kv.mod_revision())),
-                Listed::Unreadable(kv) => (kv, Stored::unreadable(kv.lease(), kv.mod_revision())),
+                Listed::Record(kv) => (kv, Stored::new(&kv.value, kv.lease, kv.mod_revision)),
+                Listed::Unreadable(kv) => (kv, Stored::unreadable(kv.lease, kv.mod_revision)),
             };
             // Only the layout's keys are kept: nothing else is read.
-            if let Ok(key) = kv.key_str()
+            if let Ok(key) = std::str::from_utf8(&kv.key)
                 && keys.kind(key).is_some()
             {
                 range.insert(key.to_owned(), stored);
@@ -321,17 +321,8 @@ impl Membership {
         // One revision's events come in one message (a host whose lease expires: one delete per
         // key); the limit is far above any of ordinary size. A message over it ends the session, and
         // the next one lists the range again, in pages.
-        let mut watch = client
-            .watch_client()
-            .max_decoding_message_size(WATCH_DECODE_LIMIT)
-            .watch(
-                keys.root(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(revision + 1),
-                ),
-            )
+        let (_watcher, mut watch) = client
+            .watch_prefix(keys.root().as_bytes(), revision + 1, WATCH_DECODE_LIMIT)
             .await?;
         self.status.set(FleetStatus {
             host: me.host.clone(),
@@ -358,16 +349,15 @@ impl Membership {
                     if synced.is_synced() {
                         let value = serde_json::to_string(&AcksRecord { revision: due_etcd })
                             .expect("an acks record serializes");
-                        let put = PutOptions::new().with_lease(lease);
-                        client.put(keys.acks(&me.host), value, Some(put)).await?;
+                        client.put(keys.acks(&me.host), value, lease).await?;
                         tracing::debug!(revision = due_etcd, streams = synced.synced, "Acked the fleet's view");
                         ack_due = None;
                     }
                 },
-                answer = alive.message() => match answer? {
-                    Some(answer) if answer.ttl() > 0 => {
+                answer = alive.message() => match answer.map_err(peregrine_etcd::Error::from)? {
+                    Some(answer) if answer.ttl > 0 => {
                         last_alive = Instant::now();
-                        self.held(lease, answer.ttl());
+                        self.held(lease, answer.ttl);
                     }
                     _ => {
                         self.lease = None;
@@ -378,7 +368,7 @@ impl Membership {
                     if changed.is_err() {
                         return Ok(());
                     }
-                    self.publish(&mut client, keys, me, lease, &mut published).await?;
+                    self.publish(&client, keys, me, lease, &mut published).await?;
                 }
                 changed = self.options.changed(), if options_open => {
                     if changed.is_err() {
@@ -387,7 +377,7 @@ impl Membership {
                         options_open = false;
                         continue;
                     }
-                    self.publish(&mut client, keys, me, lease, &mut published).await?;
+                    self.publish(&client, keys, me, lease, &mut published).await?;
                 }
                 () = stopped(stop) => {
                     self.lease = None;
@@ -396,7 +386,7 @@ impl Membership {
                     return Ok(());
                 }
                 message = watch.message() => {
-                    let mut message = message?;
+                    let mut message = message.map_err(peregrine_etcd::Error::from)?;
                     let mut ours_gone = false;
                     // The hosts whose records (not only acks) the batch touched, and the newest
                     // revision of another host's drain in it.
@@ -408,12 +398,12 @@ impl Membership {
                     let Some(response) = message else {
                         return Err(SessionError::WatchClosed);
                     };
-                    if response.canceled() {
-                        return Err(SessionError::WatchCanceled(response.cancel_reason().to_owned()));
+                    if response.canceled {
+                        return Err(SessionError::WatchCanceled(response.cancel_reason));
                     }
-                    for event in response.events() {
-                        let Some(kv) = event.kv() else { continue };
-                        let Ok(key) = kv.key_str() else { continue };
+                    for event in &response.events {
+                        let Some(kv) = &event.kv else { continue };
+                        let Ok(key) = std::str::from_utf8(&kv.key) else { continue };
                         let kind = keys.kind(key);
                         if kind.is_none() {
                             continue;
@@ -428,13 +418,13 @@ impl Membership {
                             }
                             _ => {}
                         }
-                        match event.event_type() {
+                        match event.r#type() {
                             EventType::Put => {
-                                let stored = Stored::new(kv.value(), kv.lease(), kv.mod_revision());
+                                let stored = Stored::new(&kv.value, kv.lease, kv.mod_revision);
                                 if let Ok(value) = stored.text()
                                     && records::is_remote_drain(keys, &me.host, key, value)
                                 {
-                                    drain_at = drain_at.max(Some(kv.mod_revision()));
+                                    drain_at = drain_at.max(Some(kv.mod_revision));
                                 }
                                 range.insert(key.to_owned(), stored);
                             }
@@ -445,7 +435,9 @@ impl Membership {
                         }
                     }
                     match watch.message().now_or_never() {
-                        Some(next) if batched < MAX_BATCHED_MESSAGES => message = next?,
+                        Some(next) if batched < MAX_BATCHED_MESSAGES => {
+                            message = next.map_err(peregrine_etcd::Error::from)?;
+                        }
                         _ => break,
                     }
                     }
@@ -471,9 +463,9 @@ impl Membership {
     /// still there), else a new one. Returns it with its keep-alive stream.
     async fn take_lease(
         &mut self,
-        client: &mut Client,
+        client: &Client,
         ttl: Duration,
-    ) -> Result<(i64, LeaseKeeper, LeaseKeepAliveStream), SessionError> {
+    ) -> Result<(i64, LeaseKeeper, Streaming<LeaseKeepAliveResponse>), SessionError> {
         if let Some(held) = self.lease {
             // Past its expiry as reckoned here, etcd may still hold it (a quorum came back): ask,
             // and wait as long as a keep-alive may take.
@@ -482,18 +474,18 @@ impl Membership {
                 .saturating_duration_since(Instant::now())
                 .max(ttl / 3);
             let asked = async {
-                let (mut keeper, mut alive) = client.lease_keep_alive(held.id).await?;
-                keeper.keep_alive().await?;
+                // Opening the stream renews the lease once; its answer says whether it lives.
+                let (keeper, mut alive) = client.lease_keep_alive(held.id).await?;
                 let answer = alive.message().await?;
-                Ok::<_, etcd_client::Error>((keeper, alive, answer))
+                Ok::<_, peregrine_etcd::Error>((keeper, alive, answer))
             };
             match tokio::time::timeout(left, asked).await {
-                Ok(Ok((keeper, alive, Some(answer)))) if answer.ttl() > 0 => {
+                Ok(Ok((keeper, alive, Some(answer)))) if answer.ttl > 0 => {
                     tracing::info!(
                         lease = held.id,
                         "Kept the fleet lease across a new session with etcd"
                     );
-                    self.held(held.id, answer.ttl());
+                    self.held(held.id, answer.ttl);
                     return Ok((held.id, keeper, alive));
                 }
                 // etcd says it is gone, and with it this host's keys: an answer of no TTL, or
@@ -505,7 +497,7 @@ impl Membership {
                 Ok(Ok((_, _, None))) | Ok(Err(_)) | Err(_) => {}
             }
         }
-        let id = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
+        let id = client.lease_grant(ttl.as_secs() as i64).await?;
         let (keeper, alive) = client.lease_keep_alive(id).await?;
         self.lease = Some(HeldLease {
             id,
@@ -526,7 +518,7 @@ impl Membership {
     /// Puts what changed of this host's records and deletes what went, in one transaction.
     async fn publish(
         &self,
-        client: &mut Client,
+        client: &Client,
         keys: &Keys,
         me: &Identity,
         lease: i64,
@@ -544,11 +536,7 @@ impl Membership {
         let mut ops = Vec::new();
         for (key, value) in &wanted {
             if published.records.get(key) != Some(value) {
-                ops.push(TxnOp::put(
-                    key.as_str(),
-                    value.as_str(),
-                    Some(PutOptions::new().with_lease(lease)),
-                ));
+                ops.push(put_op(key.as_str(), value.as_str(), lease));
             }
         }
         let gone: Vec<String> = published
@@ -558,7 +546,7 @@ impl Membership {
             .cloned()
             .collect();
         for key in &gone {
-            ops.push(TxnOp::delete(key.as_str(), None));
+            ops.push(delete_op(key.as_str()));
         }
         if !ops.is_empty() {
             // Forgotten before the delete is sent, so that its watch event is not taken for the
@@ -566,9 +554,9 @@ impl Membership {
             for key in &gone {
                 published.records.remove(key);
             }
-            let done = client.txn(Txn::new().and_then(ops)).await?;
+            let done = client.txn(ops).await?;
             published.records = wanted;
-            published.revision = done.header().map_or(published.revision, |h| h.revision());
+            published.revision = done.header.map_or(published.revision, |h| h.revision);
         }
         self.drains
             .set_published(snapshot.revision, published.revision);
@@ -759,10 +747,6 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 /// Whether `error` is etcd saying a lease does not exist (any more).
-fn lease_not_found(error: &etcd_client::Error) -> bool {
-    match error {
-        etcd_client::Error::LeaseKeepAliveError(message) => message.contains("lease not found"),
-        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::NotFound,
-        _ => false,
-    }
+fn lease_not_found(error: &peregrine_etcd::Error) -> bool {
+    matches!(error, peregrine_etcd::Error::Status(status) if status.code() == tonic::Code::NotFound)
 }

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use peregrine_etcd::{Client, ConnectOptions};
 
 use super::{
     listing::{self, Listed},
@@ -85,13 +85,15 @@ pub async fn check(
             let Listed::Record(kv) = listed else { return };
             // A host record under no lease is no host (the session skips it too): whoever wrote
             // it by hand cannot stop the start.
-            if kv.lease() == 0 {
+            if kv.lease == 0 {
                 return;
             }
-            let Some(KeyKind::Host(host)) = kv.key_str().ok().and_then(|k| keys.kind(k)) else {
+            let Some(KeyKind::Host(host)) =
+                std::str::from_utf8(&kv.key).ok().and_then(|k| keys.kind(k))
+            else {
                 return;
             };
-            let stored = Stored::new(kv.value(), kv.lease(), kv.mod_revision());
+            let stored = Stored::new(&kv.value, kv.lease, kv.mod_revision);
             let Ok(value) = stored.text() else { return };
             if let Ok(record) = serde_json::from_str::<HostRecord>(value)
                 && host != cluster.host
@@ -100,7 +102,7 @@ pub async fn check(
             }
         })
         .await?;
-        Ok::<_, etcd_client::Error>(hosts)
+        Ok::<_, peregrine_etcd::Error>(hosts)
     })
     .await;
     let hosts = match listed {

@@ -7,7 +7,7 @@
 //! Invariant: the files are checked here (a pair whose keys match, valid now) before tonic sees
 //! them, so a mistake is reported with its config key instead of as a handshake failure.
 
-use etcd_client::{Certificate, Identity, TlsOptions};
+use peregrine_etcd::{Certificate, ClientTlsConfig, Identity};
 
 use super::pem::{self, PemError};
 use crate::config::EtcdTlsConfig;
@@ -24,12 +24,12 @@ pub struct EtcdTlsError {
 }
 
 /// The TLS options of an etcd connection, read from `tls`'s files now.
-pub fn options(tls: &EtcdTlsConfig) -> Result<TlsOptions, EtcdTlsError> {
+pub fn options(tls: &EtcdTlsConfig) -> Result<ClientTlsConfig, EtcdTlsError> {
     let ca = pem::roots(&tls.ca).map_err(|source| EtcdTlsError {
         key: "cluster.tls.ca",
         source,
     })?;
-    let mut options = TlsOptions::new().ca_certificate(Certificate::from_pem(ca.pem));
+    let mut options = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca.pem));
     if let Some(identity) = &tls.identity {
         let pair = pem::certified_key(&identity.cert, &identity.key, &super::provider()).map_err(
             |source| EtcdTlsError {

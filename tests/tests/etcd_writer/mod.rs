@@ -1,6 +1,5 @@
-//! A client of an etcd for the tests that write a fleet's keys themselves. It lives with the tests,
-//! not in the harness: the harness is also linked by the demo, which `cargo xtask demo` builds on a
-//! fresh machine before it installs protoc, and etcd-client's build needs protoc.
+//! A client of an etcd for the tests that write a fleet's keys themselves, as a host or an intruder
+//! would, through the supervisor's own etcd calls (`peregrine-etcd`).
 
 use std::time::Duration;
 
@@ -8,7 +7,7 @@ use std::time::Duration;
 /// would: blocking calls, on a runtime of its own.
 pub(crate) struct EtcdClient {
     runtime: tokio::runtime::Runtime,
-    client: etcd_client::Client,
+    client: peregrine_etcd::Client,
 }
 
 impl std::fmt::Debug for EtcdClient {
@@ -26,27 +25,24 @@ impl EtcdClient {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let options = etcd_client::ConnectOptions::new()
+        let options = peregrine_etcd::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(30));
-        let client = runtime.block_on(etcd_client::Client::connect([endpoint], Some(options)))?;
+        let client =
+            runtime.block_on(peregrine_etcd::Client::connect([endpoint], Some(options)))?;
         Ok(EtcdClient { runtime, client })
     }
 
     /// A lease of `ttl` (whole seconds), not kept alive: choose it longer than the test.
     pub(crate) fn grant(&self, ttl: Duration) -> anyhow::Result<i64> {
-        let mut client = self.client.clone();
-        let granted = self
+        Ok(self
             .runtime
-            .block_on(client.lease_grant(ttl.as_secs() as i64, None))?;
-        Ok(granted.id())
+            .block_on(self.client.lease_grant(ttl.as_secs() as i64))?)
     }
 
     /// Revokes `lease`: every key under it is deleted, at one revision.
     pub(crate) fn revoke(&self, lease: i64) -> anyhow::Result<()> {
-        let mut client = self.client.clone();
-        self.runtime.block_on(client.lease_revoke(lease))?;
-        Ok(())
+        Ok(self.runtime.block_on(self.client.lease_revoke(lease))?)
     }
 
     /// Puts `value` at `key`, attached to `lease` (0: none).
@@ -56,27 +52,20 @@ impl EtcdClient {
         value: impl Into<Vec<u8>>,
         lease: i64,
     ) -> anyhow::Result<()> {
-        let mut client = self.client.clone();
-        let options = (lease != 0).then(|| etcd_client::PutOptions::new().with_lease(lease));
-        self.runtime.block_on(client.put(key, value, options))?;
+        self.runtime.block_on(self.client.put(key, value, lease))?;
         Ok(())
     }
 
     /// Puts every key and value, attached to `lease` (0: none), as many to a transaction as etcd
     /// takes.
     pub(crate) fn put_all(&self, kvs: &[(String, String)], lease: i64) -> anyhow::Result<()> {
-        let mut client = self.client.clone();
         self.runtime.block_on(async {
             for chunk in kvs.chunks(TXN_OPS) {
                 let ops = chunk
                     .iter()
-                    .map(|(key, value)| {
-                        let options =
-                            (lease != 0).then(|| etcd_client::PutOptions::new().with_lease(lease));
-                        etcd_client::TxnOp::put(key.as_str(), value.as_str(), options)
-                    })
-                    .collect::<Vec<_>>();
-                client.txn(etcd_client::Txn::new().and_then(ops)).await?;
+                    .map(|(key, value)| peregrine_etcd::put_op(key.as_str(), value.as_str(), lease))
+                    .collect();
+                self.client.txn(ops).await?;
             }
             anyhow::Ok(())
         })
@@ -84,21 +73,15 @@ impl EtcdClient {
 
     /// Deletes every key under `prefix`; returns how many there were.
     pub(crate) fn delete_prefix(&self, prefix: &str) -> anyhow::Result<i64> {
-        let mut client = self.client.clone();
-        let options = etcd_client::DeleteOptions::new().with_prefix();
-        let deleted = self
+        Ok(self
             .runtime
-            .block_on(client.delete(prefix, Some(options)))?;
-        Ok(deleted.deleted())
+            .block_on(self.client.delete_prefix(prefix.as_bytes()))?)
     }
 
     /// How many keys there are under `prefix`.
     pub(crate) fn count_prefix(&self, prefix: &str) -> anyhow::Result<i64> {
-        let mut client = self.client.clone();
-        let options = etcd_client::GetOptions::new()
-            .with_prefix()
-            .with_count_only();
-        let counted = self.runtime.block_on(client.get(prefix, Some(options)))?;
-        Ok(counted.count())
+        Ok(self
+            .runtime
+            .block_on(self.client.count_prefix(prefix.as_bytes()))?)
     }
 }
