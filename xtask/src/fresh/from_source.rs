@@ -5,7 +5,8 @@
 //! alone.
 //!
 //! The block runs as root, so each `sudo ` is dropped (a minimal root has no sudo), and apt is told
-//! to answer yes (`APT::Get::Assume-Yes`), as the person at the keyboard would.
+//! to answer yes (`APT::Get::Assume-Yes`), as the person at the keyboard would. `PROTOC=/bin/false`
+//! is set as well: the root has no protoc nor its include files, and no build script may need them.
 
 use std::time::Duration;
 
@@ -69,7 +70,9 @@ pub(super) fn check() -> anyhow::Result<Result<String, String>> {
             .arg(workspace_root())
             .arg(&clone),
     )?;
-    let script = format!("cd {CLONE}\n{script}");
+    // No protoc in the root, and any that a build script would look for fails: no part of the
+    // build may need one.
+    let script = format!("cd {CLONE}\nexport PROTOC=/bin/false\n{script}");
     println!(
         "\n$ (the README's build block, in the root {})\n{script}",
         root.path().display()
