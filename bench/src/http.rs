@@ -43,14 +43,9 @@ const NOISY: f64 = 0.1;
 /// How many times a noisy run is repeated (the quietest is kept).
 const NOISY_RETRIES: usize = 2;
 
-const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--with SERVER]... [--ops] [--idle N] [--behind-envoy] [--orca-in-band]";
+const USAGE: &str = "cargo xtask bench http [--duration SECS] [--rounds N] [--ops] [--idle N] [--behind-envoy] [--orca-in-band]";
 
-/// The servers `--with` adds beside the worker and hyper: the data-path floor of `docs/runtime.md`, a
-/// binary that takes `ADDR` as hyper's baseline does, by name and the manifest of its own workspace
-/// (outside the product's, so only this benchmark builds it).
-const CANDIDATES: [(&str, &str); 1] = [("spike-uring", "spike/uring/Cargo.toml")];
-
-/// A server under test, in table order: the worker, hyper, then the candidates asked for.
+/// A server under test, in table order: the worker, then hyper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Server {
     Worker,
@@ -58,8 +53,6 @@ enum Server {
     /// (`--orca-in-band`).
     WorkerInBand,
     Hyper,
-    /// One of [`CANDIDATES`], by binary name.
-    Candidate(&'static str),
 }
 
 impl Server {
@@ -68,7 +61,6 @@ impl Server {
             Server::Worker => "worker",
             Server::WorkerInBand => "worker+orca",
             Server::Hyper => "hyper",
-            Server::Candidate(name) => name,
         }
     }
 }
@@ -155,8 +147,6 @@ pub(super) enum Outcome {
 struct Options {
     duration: u64,
     rounds: usize,
-    /// The candidates to measure beside the worker and hyper.
-    with: Vec<Server>,
     /// Also count each server's system calls and io_uring submissions per request, in runs of
     /// their own.
     ops: bool,
@@ -172,7 +162,6 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
     let mut options = Options {
         duration: 5,
         rounds: 3,
-        with: Vec::new(),
         ops: false,
         idle: None,
         behind_envoy: false,
@@ -204,19 +193,6 @@ fn parse_args(args: &[String]) -> anyhow::Result<Options> {
                 ensure!(n >= 1, "--idle must be at least 1 connection");
                 options.idle = Some(n);
             }
-            "--with" => {
-                let name = args.value(flag)?;
-                let (binary, _) = CANDIDATES
-                    .iter()
-                    .find(|(binary, _)| *binary == name)
-                    .with_context(|| {
-                        let names: Vec<&str> = CANDIDATES.iter().map(|(b, _)| *b).collect();
-                        format!("--with {name:?}: one of {}", names.join(", "))
-                    })?;
-                if !options.with.contains(&Server::Candidate(binary)) {
-                    options.with.push(Server::Candidate(binary));
-                }
-            }
             other => return Err(args.unknown(other)),
         }
     }
@@ -233,32 +209,11 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     preflight()?;
     let peregrine =
         super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
-    for server in &options.with {
-        let (binary, manifest) = CANDIDATES
-            .iter()
-            .find(|(binary, _)| *binary == server.name())
-            .expect("a candidate");
-        // Into the product's target directory, beside the binaries it is compared with.
-        xtask::run_checked(
-            xtask::cargo()
-                .args([
-                    "build",
-                    "--release",
-                    "--manifest-path",
-                    manifest,
-                    "--bin",
-                    binary,
-                ])
-                .env("CARGO_TARGET_DIR", peregrine_e2e::target_dir()),
-        )?;
-    }
-
     let dir = TempDir::new().context("a temporary directory")?;
     let servers: Vec<Server> = [Server::Worker]
         .into_iter()
         .chain(options.orca_in_band.then_some(Server::WorkerInBand))
         .chain([Server::Hyper])
-        .chain(options.with.iter().copied())
         .collect();
     let start = |server: Server| match server {
         Server::Worker => Running::worker(&peregrine, dir.path()),
@@ -268,9 +223,6 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             &peregrine.with_file_name("hyper-baseline"),
             dir.path(),
         ),
-        Server::Candidate(name) => {
-            Running::binary(name, &peregrine.with_file_name(name), dir.path())
-        }
     };
     if let Some(n) = options.idle {
         let report = idle_report(&servers, start, n, options.rounds)?;
@@ -788,7 +740,6 @@ mod tests {
             Options {
                 duration: 5,
                 rounds: 3,
-                with: Vec::new(),
                 ops: false,
                 idle: None,
                 behind_envoy: false,
@@ -796,21 +747,17 @@ mod tests {
             }
         );
         assert_eq!(
-            parse_args(&args(
-                "--rounds 1 --duration 2 --with spike-uring --with spike-uring --ops --orca-in-band"
-            ))
-            .unwrap(),
+            parse_args(&args("--rounds 1 --duration 2 --ops --orca-in-band")).unwrap(),
             Options {
                 duration: 2,
                 rounds: 1,
-                with: vec![Server::Candidate("spike-uring")],
                 ops: true,
                 idle: None,
                 behind_envoy: false,
                 orca_in_band: true,
             }
         );
-        assert!(parse_args(&args("--with nginx")).is_err());
+        assert!(parse_args(&args("--with spike-uring")).is_err());
         assert!(parse_args(&args("--duration")).is_err());
         assert!(parse_args(&args("--duration 0")).is_err());
         assert!(parse_args(&args("--rounds x")).is_err());
@@ -892,18 +839,14 @@ mod tests {
                 others_on_server_core: 0.0,
             })
         };
-        let servers = [
-            Server::Worker,
-            Server::Hyper,
-            Server::Candidate("spike-uring"),
-        ];
+        let servers = [Server::Worker, Server::WorkerInBand, Server::Hyper];
         let results: Vec<Vec<Vec<Outcome>>> = [2, 1, 1]
             .iter()
             .map(|&latencies| {
                 vec![
                     vec![sample(6, latencies)],
-                    vec![sample(4, latencies)],
                     vec![sample(3, latencies)],
+                    vec![sample(4, latencies)],
                 ]
             })
             .collect();
@@ -921,10 +864,10 @@ mod tests {
                 "load",
                 "metric",
                 "worker",
+                "worker+orca",
                 "hyper",
-                "spike-uring",
                 "worker/hyper",
-                "spike-uring/hyper"
+                "worker+orca/hyper"
             ]
         );
         let cpu = table.lines().nth(5).unwrap();

@@ -45,14 +45,7 @@
     reason = "submissions name memory the kernel uses until they complete"
 )]
 
-#[cfg_attr(
-    not(feature = "lab"),
-    allow(
-        unreachable_pub,
-        reason = "public for the measurement server of `spike/uring` (feature `lab`), crate-wide otherwise"
-    )
-)]
-pub mod buf_ring;
+pub(crate) mod buf_ring;
 pub(crate) mod net;
 
 use std::{

@@ -27,10 +27,6 @@ mod encode;
 mod parse;
 
 pub(crate) use self::connection::serve_connection;
-/// The response head writer, for the `spike/uring` measurement server (feature `lab`; not a stable
-/// API).
-#[cfg(feature = "lab")]
-pub use self::encode::head_of_known_size;
 
 /// The limits a connection enforces on requests.
 ///

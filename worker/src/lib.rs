@@ -34,11 +34,6 @@ pub mod service;
 mod stream;
 mod uring_io;
 
-/// The driver's provided buffer ring, for the `spike/uring` measurement server (feature `lab`; not a
-/// stable API).
-#[cfg(feature = "lab")]
-pub use driver::buf_ring;
-
 /// The supervisor–worker contract, re-exported: a worker is started with these settings.
 pub use peregrine_contract::{settings, url};
 

@@ -19,7 +19,7 @@ use io_uring::{IoUring, types::BufRingEntry};
 
 /// The provided buffer ring: `count` buffers of `buf_size` bytes.
 #[derive(Debug)]
-pub struct BufRing {
+pub(crate) struct BufRing {
     entries: NonNull<BufRingEntry>,
     bufs: NonNull<u8>,
     buf_size: usize,
@@ -55,7 +55,12 @@ fn map(len: usize) -> io::Result<NonNull<u8>> {
 impl BufRing {
     /// Maps `count` buffers of `buf_size` bytes, registers them as buffer group `group` of `uring`
     /// and hands them all to the kernel.
-    pub fn new(uring: &IoUring, group: u16, count: u16, buf_size: usize) -> io::Result<Self> {
+    pub(crate) fn new(
+        uring: &IoUring,
+        group: u16,
+        count: u16,
+        buf_size: usize,
+    ) -> io::Result<Self> {
         assert!(count.is_power_of_two() && buf_size <= u32::MAX as usize);
         let entries = map(usize::from(count) * size_of::<BufRingEntry>())?.cast::<BufRingEntry>();
         let bufs = map(usize::from(count) * buf_size)?;
@@ -86,18 +91,18 @@ impl BufRing {
     }
 
     /// Counts buffer `bid` out: a completion handed it over. It must be recycled once.
-    pub fn take(&mut self, bid: u16) {
+    pub(crate) fn take(&mut self, bid: u16) {
         assert!(bid < self.count && self.out < self.count);
         self.out += 1;
     }
 
     /// How many buffers the kernel may still fill (after the next publish).
-    pub fn free(&self) -> u16 {
+    pub(crate) fn free(&self) -> u16 {
         self.count - self.out
     }
 
     /// The first `len` bytes of buffer `bid`, which a completion handed out.
-    pub fn get(&self, bid: u16, len: usize) -> &[u8] {
+    pub(crate) fn get(&self, bid: u16, len: usize) -> &[u8] {
         assert!(bid < self.count && len <= self.buf_size);
         // SAFETY: the buffer lies inside the mapping (checked above); the kernel filled its first `len`
         // bytes before posting the CQE and writes it again only after `recycle` (which needs `&mut
@@ -111,7 +116,7 @@ impl BufRing {
     }
 
     /// Returns buffer `bid` to the ring; the kernel sees it after the next [`BufRing::publish`].
-    pub fn recycle(&mut self, bid: u16) {
+    pub(crate) fn recycle(&mut self, bid: u16) {
         assert!(bid < self.count && self.out > 0);
         self.out -= 1;
         let index = usize::from(self.tail & (self.count - 1));
@@ -127,7 +132,7 @@ impl BufRing {
     }
 
     /// Makes the recycled buffers visible to the kernel.
-    pub fn publish(&mut self) {
+    pub(crate) fn publish(&mut self) {
         if self.published == self.tail {
             return;
         }

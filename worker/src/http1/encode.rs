@@ -35,31 +35,6 @@ enum Framing {
     UntilClose,
 }
 
-/// Appends the head of a response whose body is `len` bytes (status line, fields, `content-length`
-/// unless the status has no body, `connection` when it differs from the version's default); returns
-/// whether the body follows (not for `head_only`, nor for a status without a body). The worker's own
-/// head, for the measurement server of `spike/uring` (feature `lab`).
-#[cfg(feature = "lab")]
-pub fn head_of_known_size(
-    out: &mut Vec<u8>,
-    res: &http::response::Parts,
-    len: u64,
-    request_version: Version,
-    head_only: bool,
-    keep_alive: bool,
-) -> bool {
-    let (framing, _) = encode_head(
-        out,
-        res,
-        Some(len),
-        request_version,
-        head_only,
-        keep_alive,
-        None,
-    );
-    framing != Framing::Empty
-}
-
 /// Appends the status line and header fields of a response to `out`; returns how its body follows and
 /// whether the connection stays open afterwards.
 ///
