@@ -1,4 +1,4 @@
-//! Builds the kernel program with clang (see `build/compile.rs`) and writes `object.rs`, which embeds
+//! Builds the kernel program with clang (`peregrine-ebpf-build`, in `build/`) and writes `object.rs`, which embeds
 //! it, or records why it could not be built. Without clang the crate still builds and the supervisor
 //! falls back to procfs with a warning naming the missing tool; with `PEREGRINE_REQUIRE_EBPF=1` a
 //! missing tool fails the build.
@@ -8,12 +8,7 @@
 //! rebuilt with the eBPF sampler once clang or libbpf's headers appear, and one built with them is not
 //! rebuilt until they change.
 
-#[path = "build/compile.rs"]
-#[allow(
-    dead_code,
-    reason = "shared with the crate's unit tests, which use helpers the build does not"
-)]
-mod compile;
+use peregrine_ebpf_build as compile;
 
 use std::path::{Path, PathBuf};
 
@@ -26,7 +21,6 @@ fn main() {
     for source in compile::SOURCES {
         println!("cargo::rerun-if-changed={source}");
     }
-    println!("cargo::rerun-if-changed=build/compile.rs");
     println!("cargo::rerun-if-env-changed=CLANG");
     println!("cargo::rerun-if-env-changed=PEREGRINE_REQUIRE_EBPF");
     println!("cargo::rerun-if-env-changed=PATH");

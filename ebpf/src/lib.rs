@@ -23,11 +23,3 @@ mod object {
 pub fn object() -> Result<&'static [u8], &'static str> {
     object::OBJECT
 }
-
-#[cfg(test)]
-#[path = "../build/compile.rs"]
-#[allow(
-    dead_code,
-    reason = "shared with build.rs; the unit tests use only its parsing helpers"
-)]
-mod compile;

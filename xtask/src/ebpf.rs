@@ -10,13 +10,9 @@ use peregrine_testenv::target_dir;
 
 use crate::workspace_root;
 
-#[path = "../../ebpf/build/compile.rs"]
-#[allow(
-    dead_code,
-    reason = "the eBPF build script's own module: this command calls only part of it"
-)]
-mod compile;
 pub mod tools;
+
+use peregrine_ebpf_build as compile;
 
 /// Builds the object, then lists it through the eBPF crate's `describe` example (which links
 /// `aya-obj`; the xtask does not).

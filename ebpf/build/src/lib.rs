@@ -10,20 +10,20 @@ use std::{
 };
 
 /// The oldest clang whose BPF back end emits what the program needs (CO-RE relocations, BTF maps).
-pub(crate) const MIN_CLANG: u32 = 14;
+pub const MIN_CLANG: u32 = 14;
 
 /// The C sources, relative to the `ebpf` crate; a change to any of them rebuilds the object.
-pub(crate) const SOURCES: [&str; 2] = ["src/bpf/sampler.bpf.c", "src/bpf/sampler.h"];
+pub const SOURCES: [&str; 2] = ["src/bpf/sampler.bpf.c", "src/bpf/sampler.h"];
 
 /// The include directories searched for libbpf's headers, in order.
-pub(crate) const INCLUDE_DIRS: [&str; 2] = ["/usr/include", "/usr/local/include"];
+pub const INCLUDE_DIRS: [&str; 2] = ["/usr/include", "/usr/local/include"];
 
 /// The libbpf header whose presence, under an include directory, means libbpf's headers are there.
-pub(crate) const LIBBPF_HEADER: &str = "bpf/bpf_helpers.h";
+pub const LIBBPF_HEADER: &str = "bpf/bpf_helpers.h";
 
 /// Why the object could not be built.
 #[derive(Debug)]
-pub(crate) enum BuildError {
+pub enum BuildError {
     /// No usable clang on PATH (or in `CLANG`).
     NoClang(String),
     /// libbpf's headers are missing.
@@ -52,7 +52,7 @@ impl fmt::Display for BuildError {
 
 /// The clang to use: `CLANG` if set, else the newest `clang-N` (N >= 14) or `clang` on PATH; its
 /// command (as `CLANG` or PATH names it) and major version.
-pub(crate) fn find_clang() -> Result<(PathBuf, u32), BuildError> {
+pub fn find_clang() -> Result<(PathBuf, u32), BuildError> {
     let mut candidates: Vec<String> = Vec::new();
     if let Some(clang) = std::env::var_os("CLANG") {
         candidates.push(clang.to_string_lossy().into_owned());
@@ -89,7 +89,7 @@ fn major_version(text: &str) -> Option<u32> {
 }
 
 /// The first of [`INCLUDE_DIRS`] that holds libbpf's headers.
-pub(crate) fn find_libbpf() -> Result<&'static Path, BuildError> {
+pub fn find_libbpf() -> Result<&'static Path, BuildError> {
     INCLUDE_DIRS
         .iter()
         .map(Path::new)
@@ -109,7 +109,7 @@ pub(crate) fn find_libbpf() -> Result<&'static Path, BuildError> {
 /// added to, since adding a file to a directory makes the directory new: those on `PATH` (`CLANG`'s
 /// own when it is a path), and each include directory's `bpf/` or, while there is none, the include
 /// directory. Relative `PATH` entries and `/` itself are left out.
-pub(crate) fn rerun_paths(
+pub fn rerun_paths(
     clang: Option<&Path>,
     include: Option<&Path>,
     clang_var: Option<&OsStr>,
@@ -158,14 +158,14 @@ pub(crate) fn rerun_paths(
 }
 
 /// Builds `crate_dir/src/bpf/sampler.bpf.c` into `out`; returns the clang command line used.
-pub(crate) fn build(crate_dir: &Path, out: &Path) -> Result<String, BuildError> {
+pub fn build(crate_dir: &Path, out: &Path) -> Result<String, BuildError> {
     let (clang, _) = find_clang()?;
     compile(&clang, find_libbpf()?, crate_dir, out)
 }
 
 /// Builds `crate_dir/src/bpf/sampler.bpf.c` into `out` with the clang command `clang` and libbpf's
 /// headers in `include`; returns the clang command line used.
-pub(crate) fn compile(
+pub fn compile(
     clang: &Path,
     include: &Path,
     crate_dir: &Path,
