@@ -788,8 +788,9 @@ mod tests {
     async fn refuses_status_and_control_to_another_user() {
         use rustix::process::Uid;
         if !rustix::process::geteuid().is_root() {
-            eprintln!(
-                "skipping refuses_status_and_control_to_another_user: making a socket of another user needs root"
+            peregrine_testenv::skip(
+                "refuses_status_and_control_to_another_user",
+                "making a socket of another user needs root",
             );
             return;
         }

@@ -11,7 +11,9 @@ use std::{
     time::Duration,
 };
 
-use peregrine_e2e::{CLUSTER, Stack, envoy_or_skip, http_get, wait_until, worker_pid};
+use peregrine_e2e::{
+    CLUSTER, Envoy, Stack, deploy::STEP, envoy_or_skip, http_get, wait_until, worker_pid,
+};
 
 /// Busy periods, and the cancelled and the ordinary requests sent during each.
 const ROUNDS: usize = 2;
@@ -23,14 +25,17 @@ fn cpu_ticks(pid: u32) -> u64 {
     peregrine_contract::procfs::stat(pid).unwrap().cpu_ticks()
 }
 
-/// Sends a request through Envoy and goes away before the answer: Envoy resets the upstream stream.
-fn cancelled_request(listen: SocketAddr, i: usize) {
+/// Sends a request through Envoy and goes away before the answer, once Envoy has sent it upstream
+/// (its `upstream_rq_total` at `upstream`): Envoy resets the upstream stream.
+fn cancelled_request(listen: SocketAddr, envoy: &Envoy, i: usize, upstream: u64) {
     let mut stream = TcpStream::connect(listen).unwrap();
     stream
         .write_all(format!("GET /?cancelled={i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
         .unwrap();
-    // Long enough for Envoy to have sent the request upstream, far shorter than the busy call.
-    thread::sleep(Duration::from_millis(10));
+    let sent = format!("cluster.{CLUSTER}.upstream_rq_total");
+    wait_until(STEP, "Envoy to send the request upstream", || {
+        (envoy.stat(&sent).unwrap_or(0) >= upstream).then_some(())
+    });
     drop(stream);
 }
 
@@ -62,11 +67,23 @@ fn cancellations_through_envoy_while_the_worker_is_busy_fail_no_other_request() 
         wait_until(Duration::from_secs(10), "the worker busy", || {
             (cpu_ticks(pid) >= before + 5).then_some(())
         });
+        // Envoy's requests upstream so far: the busy one's and every one before it.
+        let upstream = stack
+            .envoy
+            .stat(&format!("cluster.{CLUSTER}.upstream_rq_total"))
+            .unwrap_or(0);
         let ordinary: Vec<_> = (0..ORDINARY)
             .map(|_| thread::spawn(move || http_get(listen, "/")))
             .collect();
+        // Each cancelled request is dropped once it, every ordinary one and the cancelled ones
+        // before it are upstream (HTTP/2: Envoy sends each at once, busy worker or not).
         for i in 0..CANCELLED {
-            cancelled_request(listen, i);
+            cancelled_request(
+                listen,
+                &stack.envoy,
+                i,
+                upstream + (ORDINARY + i + 1) as u64,
+            );
         }
         for (i, request) in std::iter::once(busy).chain(ordinary).enumerate() {
             match request.join().unwrap() {

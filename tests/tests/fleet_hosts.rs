@@ -801,12 +801,16 @@ fn losing_an_etcd_member_changes_nothing() {
         .etcd
         .wait_healthy()
         .expect("two members of three keep a quorum");
+    // A whole lease with the leader gone, the watches recording: had a session given up its
+    // lease, a host's workers would leave the other's Envoy in it. (This checks that something
+    // does not happen, so it waits a fixed time; the reconnection below is waited for.)
     std::thread::sleep(TTL);
     fleet.wait_connected();
     eprintln!(
         "every supervisor was connected again {:.2?} after etcd's leader was killed",
         killed.elapsed()
     );
+    // Longer than the lease after: nothing changes. (A fixed window, as above.)
     std::thread::sleep(TTL * 2);
     went_through(&fleet, Fleet::expecting(watches, &[&every]));
     fleet.no_failures(loads);

@@ -479,7 +479,10 @@ mod tests {
     #[test]
     fn counts_queued_connections_and_unanswered_requests_on_a_real_listener() {
         let Ok(mut diag) = SockDiag::open() else {
-            eprintln!("skipped: no sock_diag netlink socket here");
+            peregrine_testenv::skip(
+                "counts_queued_connections_and_unanswered_requests_on_a_real_listener",
+                "no sock_diag netlink socket here",
+            );
             return;
         };
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -22,9 +22,30 @@ fn census() -> (u16, usize) {
     })
 }
 
-/// Lets the driver run a few turns (submissions, completions, cancellations).
-async fn settle() {
-    for _ in 0..20 {
+/// Lets the driver turn (submissions, completions, cancellations) until `census` passes `done`, at
+/// most 10 s; returns how long it took.
+async fn until(what: &str, done: impl Fn((u16, usize)) -> bool) -> Duration {
+    let begun = std::time::Instant::now();
+    loop {
+        let now = census();
+        if done(now) {
+            return begun.elapsed();
+        }
+        assert!(
+            begun.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}: (free buffers, slots in use) = {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Lets the driver turn for `window`, `census` holding `holds` all along: for what must not happen
+/// (a slot freed too early), which no condition can be waited on for.
+async fn holds_for(window: Duration, what: &str, holds: impl Fn((u16, usize)) -> bool) {
+    let begun = std::time::Instant::now();
+    while begun.elapsed() < window {
+        let now = census();
+        assert!(holds(now), "{what}: (free buffers, slots in use) = {now:?}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -96,8 +117,7 @@ fn a_dry_ring_holds_the_peers_back_and_loses_or_reorders_nothing() {
             for writer in writers {
                 writer.join().unwrap();
             }
-            settle().await;
-            assert_eq!(census(), (8, 0), "every buffer back, every slot free");
+            until("every buffer back, every slot free", |c| c == (8, 0)).await;
         })
         .unwrap();
 }
@@ -111,13 +131,13 @@ fn closing_with_buffers_outstanding_returns_them() {
             let (stream, mut client) = pair(&listener);
             // Bytes arrive and are never read: the stream holds ring buffers (and pauses its receive).
             client.write_all(&pattern(64 * 1024, 1)).unwrap();
-            settle().await;
-            let (free, in_use) = census();
-            assert!(free < 16, "the unread bytes hold buffers ({free} free)");
-            assert_eq!(in_use, 1);
+            until(
+                "the unread bytes to hold buffers, on the one slot",
+                |(free, in_use)| free < 16 && in_use == 1,
+            )
+            .await;
             drop(stream);
-            settle().await;
-            assert_eq!(census(), (16, 0), "every buffer back, every slot free");
+            until("every buffer back, every slot free", |c| c == (16, 0)).await;
             // Closed with the peer's bytes unread: the peer sees a reset, or the end.
             client
                 .set_read_timeout(Some(Duration::from_secs(10)))
@@ -151,8 +171,10 @@ fn a_dropped_stream_still_sends_what_it_queued_then_closes() {
             }
             assert!(queued.len() < 256 * 64 * 1024, "the queue filled up");
             drop(stream);
-            settle().await;
-            assert_eq!(census().1, 1, "lingering until sent");
+            holds_for(Duration::from_millis(100), "lingering until sent", |c| {
+                c.1 == 1
+            })
+            .await;
             let reader = std::thread::spawn(move || {
                 let mut client = client;
                 client
@@ -168,8 +190,7 @@ fn a_dropped_stream_still_sends_what_it_queued_then_closes() {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             };
             assert!(got == queued, "{} of {} bytes", got.len(), queued.len());
-            settle().await;
-            assert_eq!(census().1, 0, "the slot is free once everything is sent");
+            until("the slot free once everything is sent", |c| c.1 == 0).await;
         })
         .unwrap();
 }
@@ -194,11 +215,14 @@ fn a_dropped_stream_whose_peer_reads_nothing_is_cut_off_after_the_linger_time() 
                 }
             }
             drop(stream);
-            settle().await;
-            assert_eq!(census().1, 1, "lingering");
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            settle().await;
-            assert_eq!(census().1, 0, "cut off and freed");
+            let dropped = std::time::Instant::now();
+            holds_for(Duration::from_millis(150), "lingering", |c| c.1 == 1).await;
+            until("cut off and freed", |c| c.1 == 0).await;
+            let lingered = dropped.elapsed();
+            assert!(
+                lingered >= Duration::from_millis(200),
+                "freed after {lingered:?}, before the linger time"
+            );
             // The peer sees the end (or a reset) once it reads.
             client
                 .set_read_timeout(Some(Duration::from_secs(10)))
@@ -224,8 +248,7 @@ fn dropping_a_listener_cancels_its_accept_and_closes_it() {
             drop(accepted);
             drop(client);
             drop(listener);
-            settle().await;
-            assert_eq!(census().1, 0, "the accept's slot is free");
+            until("the accept's slot free", |c| c.1 == 0).await;
             let refused = TcpStream::connect(addr).expect_err("the listener is closed");
             assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
         })

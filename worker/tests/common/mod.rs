@@ -124,13 +124,9 @@ impl tower::Service<http::Request<peregrine_worker::RequestBody>> for Ok200 {
 
 /// This process's resident memory, in bytes (`VmRSS` of `/proc/self/status`).
 pub(crate) fn rss() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: usize = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .expect("VmRSS in /proc/self/status");
-    kib * 1024
+    let status = peregrine_contract::procfs::StatusText::read_self().unwrap();
+    let kib = status.kib("VmRSS").expect("VmRSS in /proc/self/status");
+    usize::try_from(kib).unwrap() * 1024
 }
 
 /// A global `tracing` subscriber that hands every event's metadata to `on_event` (which counts what

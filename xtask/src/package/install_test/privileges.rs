@@ -78,11 +78,9 @@ pub(super) struct Credentials {
 impl Credentials {
     /// Reads the lines of a `status` file that say who the task is and what it may do.
     pub(super) fn parse(status: &str) -> anyhow::Result<Credentials> {
+        let text = peregrine_contract::procfs::StatusText::new(status);
         let field = |key: &str| -> anyhow::Result<&str> {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix(key)?.strip_prefix(':'))
-                .map(str::trim)
+            text.field(key)
                 .with_context(|| format!("no {key}: line in {status:?}"))
         };
         let ids = |key: &str| -> anyhow::Result<[u32; 4]> {
