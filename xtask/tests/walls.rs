@@ -125,6 +125,7 @@ const RULES: &[Rule] = &[
         ours: &[
             "peregrine-contract",
             "peregrine-proto",
+            "peregrine-etcd",
             "peregrine-e2e",
             "xtask",
         ],

@@ -1,8 +1,7 @@
 //! The fleet the supervisor serves: remote hosts' records in a real etcd, written as other hosts'
 //! supervisors would write them (`supervisor/src/fleet/records.rs`: a host record and each host's
-//! services and workers under the host's lease), through etcd's JSON gateway (`/v3/lease/grant`,
-//! `/v3/kv/txn`, `/v3/kv/put`, `/v3/lease/revoke`) so the benchmarks need no etcd client (and so no
-//! protoc).
+//! services and workers under the host's lease), through the supervisor's own etcd calls
+//! (`peregrine-etcd`).
 //!
 //! `M` endpoints in `S` services: hosts of [`PER_HOST`] workers each; worker `g` (counting over all
 //! hosts) is in service `g % S`, on `127.0.0.1`. A *change* puts one worker's record again with a new
@@ -10,9 +9,8 @@
 
 use std::{collections::HashMap, net::SocketAddr, time::Instant};
 
-use anyhow::{Context, ensure};
-use peregrine_e2e::http_post_json;
-use serde_json::{Value, json};
+use anyhow::ensure;
+use serde_json::json;
 
 /// Workers per remote host.
 const PER_HOST: usize = 100;
@@ -36,7 +34,9 @@ struct Worker {
 /// The fleet's records, as last written.
 #[derive(Debug)]
 pub(super) struct Fleet {
-    etcd: SocketAddr,
+    /// The etcd calls run on a runtime of their own: the benchmark's are blocking.
+    runtime: tokio::runtime::Runtime,
+    client: peregrine_etcd::Client,
     prefix: String,
     /// Each host's lease.
     leases: Vec<i64>,
@@ -63,28 +63,6 @@ fn host_name(h: usize) -> String {
     format!("h{h:04}")
 }
 
-/// base64 (standard, padded), as the gateway takes keys and values.
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 impl Fleet {
     /// Writes `endpoints` workers in `services` services under `prefix` (hosts, their leases,
     /// services and workers).
@@ -96,8 +74,16 @@ impl Fleet {
     ) -> anyhow::Result<Fleet> {
         ensure!(services >= 1 && endpoints >= services, "M >= S >= 1");
         let hosts = endpoints.div_ceil(PER_HOST);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let client = runtime.block_on(peregrine_etcd::Client::connect(
+            [format!("http://{etcd}")],
+            None,
+        ))?;
         let mut fleet = Fleet {
-            etcd,
+            runtime,
+            client,
             prefix: prefix.to_owned(),
             leases: Vec::with_capacity(hosts),
             workers: (0..endpoints)
@@ -161,14 +147,11 @@ impl Fleet {
         worker.generation = generation;
         let worker = worker.clone();
         let lease = self.leases[worker.host];
-        self.post(
-            "/v3/kv/put",
-            &json!({
-                "key": base64(self.worker_key(&worker).as_bytes()),
-                "value": base64(worker_value(&worker).as_bytes()),
-                "lease": lease.to_string(),
-            }),
-        )?;
+        self.runtime.block_on(self.client.put(
+            self.worker_key(&worker),
+            worker_value(&worker),
+            lease,
+        ))?;
         Ok(Written {
             cluster: service_name(worker.service),
             marker: hostname(&worker).into_bytes(),
@@ -200,7 +183,7 @@ impl Fleet {
     /// Revokes every lease: etcd deletes the records.
     pub(super) fn remove(&self) -> anyhow::Result<()> {
         for lease in &self.leases {
-            self.post("/v3/lease/revoke", &json!({"ID": lease.to_string()}))?;
+            self.runtime.block_on(self.client.lease_revoke(*lease))?;
         }
         Ok(())
     }
@@ -221,32 +204,18 @@ impl Fleet {
     }
 
     fn grant(&self) -> anyhow::Result<i64> {
-        let answer = self.post("/v3/lease/grant", &json!({"TTL": LEASE_TTL_S.to_string()}))?;
-        answer["ID"]
-            .as_str()
-            .and_then(|id| id.parse().ok())
-            .with_context(|| format!("no lease ID in {answer}"))
+        Ok(self
+            .runtime
+            .block_on(self.client.lease_grant(LEASE_TTL_S as i64))?)
     }
 
     fn txn(&self, puts: &[(String, String)], lease: i64) -> anyhow::Result<()> {
-        let success: Vec<Value> = puts
+        let operations = puts
             .iter()
-            .map(|(k, v)| {
-                json!({"request_put": {
-                    "key": base64(k.as_bytes()),
-                    "value": base64(v.as_bytes()),
-                    "lease": lease.to_string(),
-                }})
-            })
+            .map(|(key, value)| peregrine_etcd::put_op(key.as_str(), value.as_str(), lease))
             .collect();
-        self.post("/v3/kv/txn", &json!({"success": success}))?;
+        self.runtime.block_on(self.client.txn(operations))?;
         Ok(())
-    }
-
-    fn post(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
-        let (status, answer) = http_post_json(self.etcd, path, &body.to_string())?;
-        ensure!(status == 200, "etcd {path}: {status} {answer}");
-        serde_json::from_str(&answer).with_context(|| format!("etcd {path}: {answer}"))
     }
 }
 
@@ -279,15 +248,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn base64_as_etcd_reads_it() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foo"), "Zm9v");
-        assert_eq!(base64(b"/peregrine/v1/"), "L3BlcmVncmluZS92MS8=");
-    }
-
-    #[test]
     fn markers_are_unique_per_change() {
         let w = Worker {
             host: 1,
@@ -297,7 +257,7 @@ mod tests {
             generation: 42,
         };
         assert_eq!(hostname(&w), "h0001-svc-0002-3-g00000042");
-        let value: Value = serde_json::from_str(&worker_value(&w)).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&worker_value(&w)).unwrap();
         assert_eq!(value["addresses"][0], "127.0.0.1:1");
     }
 }

@@ -156,24 +156,8 @@ fn map_slot(children: &Children, pid: u32) -> Option<Slot> {
 
 /// `bytes` in standard base64 with padding (RFC 4648), as Envoy decodes a `-bin` header.
 pub fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 #[cfg(test)]
@@ -226,21 +210,10 @@ mod tests {
     }
 
     fn unbase64(text: &str) -> Vec<u8> {
-        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let sextets: Vec<u32> = text
-            .bytes()
-            .filter(|&b| b != b'=')
-            .map(|b| ALPHABET.iter().position(|&a| a == b).unwrap() as u32)
-            .collect();
-        let mut out = Vec::new();
-        for chunk in sextets.chunks(4) {
-            let n = chunk
-                .iter()
-                .enumerate()
-                .fold(0, |n, (i, s)| n | (s << (18 - 6 * i)));
-            out.extend(&n.to_be_bytes()[1..chunk.len()]);
-        }
-        out
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .unwrap()
     }
 
     #[test]
