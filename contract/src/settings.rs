@@ -170,9 +170,86 @@ impl Settings {
     }
 }
 
+/// Another process's environment as `/proc/PID/environ` holds it (`NAME=value`, NUL-separated),
+/// read for what a supervisor started it with: the one reading of it, for adoption and for the
+/// processes a worker leaves behind. Every value is the process's own to write, so it is evidence
+/// of nothing but itself (see the lineage).
+#[derive(Debug)]
+pub struct Environ<'a> {
+    vars: HashMap<&'a [u8], &'a [u8]>,
+}
+
+impl<'a> Environ<'a> {
+    /// Reads `environ`; a pair without `=` is skipped, and a later name wins over an earlier one.
+    pub fn parse(environ: &'a [u8]) -> Environ<'a> {
+        let vars = environ
+            .split(|b| *b == 0)
+            .filter_map(|pair| {
+                let eq = pair.iter().position(|b| *b == b'=')?;
+                Some((&pair[..eq], &pair[eq + 1..]))
+            })
+            .collect();
+        Environ { vars }
+    }
+
+    /// The value of `name`, as bytes.
+    pub fn bytes(&self, name: &str) -> Option<&'a [u8]> {
+        self.vars.get(name.as_bytes()).copied()
+    }
+
+    /// The value of `name`, if it is UTF-8.
+    pub fn text(&self, name: &str) -> Option<&'a str> {
+        std::str::from_utf8(self.bytes(name)?).ok()
+    }
+
+    /// The slot it names: its service ([`ENV_SERVICE`]) and index ([`ENV_INDEX`]), when both are
+    /// there and the index is a number.
+    pub fn slot(&self) -> Option<(&'a str, u32)> {
+        Some((self.text(ENV_SERVICE)?, self.text(ENV_INDEX)?.parse().ok()?))
+    }
+
+    /// Its counter descriptor and lane ([`ENV_COUNTERS_FD`], [`ENV_COUNTERS_LANE`]): `None` unless
+    /// it has both, `Some(None)` when they are not both numbers.
+    pub fn counter(&self) -> Option<Option<(i32, u32)>> {
+        let (fd, lane) = (self.text(ENV_COUNTERS_FD)?, self.text(ENV_COUNTERS_LANE)?);
+        Some(fd.parse().ok().zip(lane.parse().ok()))
+    }
+
+    /// The version of the agreement it was started under ([`ENV_CONTRACT`]); `None` without one
+    /// (or with one that is not a number).
+    pub fn contract(&self) -> Option<u32> {
+        self.text(ENV_CONTRACT)?.parse().ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_what_a_worker_was_started_with_from_its_environ() {
+        let environ = b"PATH=/bin\0PEREGRINE_SERVICE=web\0PEREGRINE_WORKER_INDEX=3\0\
+                        PEREGRINE_COUNTERS_FD=5\0PEREGRINE_COUNTERS_LANE=17\0PEREGRINE_CONTRACT=1\0\
+                        broken\0EMPTY=\0";
+        let env = Environ::parse(environ);
+        assert_eq!(env.slot(), Some(("web", 3)));
+        assert_eq!(env.counter(), Some(Some((5, 17))));
+        assert_eq!(env.contract(), Some(1));
+        assert_eq!(env.text("EMPTY"), Some(""));
+        assert_eq!(env.bytes("broken"), None);
+        let bare = Environ::parse(
+            b"PEREGRINE_SERVICE=web\0PEREGRINE_WORKER_INDEX=x\0PEREGRINE_COUNTERS_FD=5\0",
+        );
+        assert_eq!(bare.slot(), None, "an index that is not a number");
+        assert_eq!(
+            bare.counter(),
+            None,
+            "a descriptor without its lane: no counter"
+        );
+        assert_eq!(bare.contract(), None);
+        let bad = Environ::parse(b"PEREGRINE_COUNTERS_FD=five\0PEREGRINE_COUNTERS_LANE=1\0");
+        assert_eq!(bad.counter(), Some(None), "both, not both numbers");
+    }
 
     #[test]
     fn round_trips_through_the_environment() {

@@ -49,10 +49,7 @@ use peregrine_contract::{
     ErrorChain,
     counters::CounterRegion,
     procfs::Stat,
-    settings::{
-        ADOPTED, ENV_CONTRACT, ENV_CONTROL, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX,
-        ENV_LINEAGE, ENV_SERVICE, ENV_URL,
-    },
+    settings::{ADOPTED, ENV_CONTROL, ENV_LINEAGE, ENV_URL, Environ},
     shm::ShmError,
     url::BindUrl,
 };
@@ -268,37 +265,30 @@ fn scan_where(control: &Path, of_user: impl Fn(u32) -> bool, lineage: &Lineage) 
 /// A worker of `control` and `lineage` from its environment (`environ`, NUL-separated) and
 /// `/proc/PID/stat`.
 fn parse(environ: &[u8], stat: &str, control: &Path, lineage: &Lineage) -> Option<Described> {
-    let vars: HashMap<&[u8], &[u8]> = environ
-        .split(|b| *b == 0)
-        .filter_map(|pair| {
-            let eq = pair.iter().position(|b| *b == b'=')?;
-            Some((&pair[..eq], &pair[eq + 1..]))
-        })
-        .collect();
-    let get = |name: &str| vars.get(name.as_bytes()).copied();
-    if !lineage.matches(get(ENV_LINEAGE)?) {
+    let env = Environ::parse(environ);
+    if !lineage.matches(env.bytes(ENV_LINEAGE)?) {
         return None;
     }
-    let text = |name: &str| std::str::from_utf8(get(name)?).ok();
-    let service = text(ENV_SERVICE)?.to_owned();
-    let named = Path::new(OsStr::from_bytes(get(ENV_CONTROL)?));
-    if named != control && named != worker_socket(control, &service) {
+    let (service, index) = env.slot()?;
+    let named = Path::new(OsStr::from_bytes(env.bytes(ENV_CONTROL)?));
+    if named != control && named != worker_socket(control, service) {
         return None;
     }
-    let index = text(ENV_INDEX)?.parse().ok()?;
-    let counter = match (text(ENV_COUNTERS_FD), text(ENV_COUNTERS_LANE)) {
-        (Some(fd), Some(lane)) => Some((fd.parse().ok()?, lane.parse().ok()?)),
-        _ => None,
+    let counter = match env.counter() {
+        None => None,
+        Some(lane) => Some(lane.map(|(fd, lane)| (fd, lane as usize))?),
     };
     let stat = Stat::parse(stat)?;
-    let url = text(ENV_URL).and_then(|url| url.parse().ok());
     Some(Described {
-        slot: Slot { service, index },
-        contract: text(ENV_CONTRACT).and_then(|text| text.parse().ok()),
+        slot: Slot {
+            service: service.to_owned(),
+            index,
+        },
+        contract: env.contract(),
         counter,
         started: stat.starttime,
         ppid: stat.ppid,
-        url,
+        url: env.text(ENV_URL).and_then(|url| url.parse().ok()),
     })
 }
 
@@ -501,7 +491,9 @@ fn counter_of(pidfd: &OwnedFd, fd: i32, index: usize) -> Result<CounterRef, ShmE
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_contract::settings::CONTRACT;
+    use peregrine_contract::settings::{
+        CONTRACT, ENV_CONTRACT, ENV_COUNTERS_FD, ENV_COUNTERS_LANE, ENV_INDEX, ENV_SERVICE,
+    };
 
     const STAT: &str =
         "4242 (peregrine worker) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 1 2 3";

@@ -41,7 +41,7 @@ use std::{
 
 use peregrine_contract::{
     procfs::Stat,
-    settings::{ENV_INDEX, ENV_LINEAGE, ENV_SERVICE},
+    settings::{ENV_LINEAGE, Environ},
 };
 use rustix::process::{Pid, PidfdFlags, Signal};
 
@@ -357,26 +357,19 @@ fn claim_of(pid: u32, lineage: &Lineage) -> Claim {
 
 /// Whose `environ` (NUL-separated `NAME=value`) says a process is.
 fn claim_in(environ: &[u8], lineage: &Lineage) -> Claim {
-    let mut vars: HashMap<&[u8], &[u8]> = HashMap::new();
-    for pair in environ.split(|b| *b == 0) {
-        if let Some(eq) = pair.iter().position(|b| *b == b'=') {
-            vars.insert(&pair[..eq], &pair[eq + 1..]);
-        }
-    }
-    let get = |name: &str| vars.get(name.as_bytes()).copied();
-    if !get(ENV_LINEAGE).is_some_and(|value| lineage.matches(value)) {
+    let env = Environ::parse(environ);
+    if !env
+        .bytes(ENV_LINEAGE)
+        .is_some_and(|value| lineage.matches(value))
+    {
         return Claim::None;
     }
-    let text = |name: &str| get(name).and_then(|v| std::str::from_utf8(v).ok());
-    match (
-        text(ENV_SERVICE),
-        text(ENV_INDEX).and_then(|i| i.parse().ok()),
-    ) {
-        (Some(service), Some(index)) => Claim::Slot(Slot {
+    match env.slot() {
+        Some((service, index)) => Claim::Slot(Slot {
             service: service.to_owned(),
             index,
         }),
-        _ => Claim::LineageOnly,
+        None => Claim::LineageOnly,
     }
 }
 
@@ -513,6 +506,7 @@ impl Proc {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use peregrine_contract::settings::{ENV_INDEX, ENV_SERVICE};
 
     fn environ(vars: &[(&str, &str)]) -> Vec<u8> {
         let mut out = Vec::new();
