@@ -13,7 +13,7 @@
 //! at a time; the idle ones cost nothing.
 //!
 //! **The baseline people run today** (scenario A only): two `hyper-baseline --reuseport` processes
-//! (`tests/src/bin/hyper-baseline.rs`: the same answer and `?cpu=MS` work as the hello app) on one
+//! (`bench/src/bin/hyper-baseline.rs`: the same answer and `?cpu=MS` work as the hello app) on one
 //! `SO_REUSEPORT` port, pinned like the workers (CPU 0 and CPU 1), loaded directly by the same
 //! generator: the kernel hashes each of the generator's connections, made afresh every run, to one
 //! of them, and the split stays for the run, whatever each process's core is doing. Each round is

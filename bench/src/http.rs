@@ -2,7 +2,7 @@
 //!
 //! Both servers run at the same time on the same core (CPU 0, through `taskset -c 0`), each one thread:
 //! the real `peregrine run` (release) with one hello worker on a fixed loopback port, and
-//! `tests/src/bin/hyper-baseline.rs` (hyper 1.x on a tokio current-thread runtime, the same response
+//! `bench/src/bin/hyper-baseline.rs` (hyper 1.x on a tokio current-thread runtime, the same response
 //! bytes). The supervisor is pinned to CPU 1 with the load generator: it is idle during the runs, and
 //! this keeps it off the servers' core. Only one server is loaded at a time; the idle one waits in
 //! `epoll_wait`/`io_uring_enter` and costs nothing.
@@ -208,7 +208,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let options = parse_args(args)?;
     preflight()?;
     let peregrine =
-        super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
+        super::release_peregrine_and(&["-p", "peregrine-bench", "--bin", "hyper-baseline"])?;
     let dir = TempDir::new().context("a temporary directory")?;
     let servers: Vec<Server> = [Server::Worker]
         .into_iter()

@@ -3,7 +3,7 @@
 //! install, Ctrl-C and `cargo()` with the xtask through the `xtask` library.
 //!
 //! - `restart [--kills N] [--user NAME]`: from a worker's SIGKILL to Envoy holding its replacement endpoint, split into
-//!   exit detection, restart and xDS delivery (`tests/src/bin/restart-latency.rs`).
+//!   exit detection, restart and xDS delivery (`bench/src/bin/restart-latency.rs`).
 //! - `http [--duration SECS] [--rounds N]`: the worker's HTTP server against a hyper baseline on the same
 //!   core, under `wrk` and `h2load` ([`http`]).
 //! - `hashing [--keys N]`: keys moved by consistent hashing through Envoy on a worker restart and on
@@ -177,7 +177,7 @@ fn restart(args: &[String]) -> anyhow::Result<ExitCode> {
                 "run",
                 "--release",
                 "-p",
-                "peregrine-e2e",
+                "peregrine-bench",
                 "--bin",
                 "restart-latency",
                 "--",

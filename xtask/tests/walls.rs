@@ -98,10 +98,10 @@ const RULES: &[Rule] = &[
             "peregrine-proto",
             "peregrine-ebpf",
             "peregrine-testenv",
-            "peregrine-worker",
         ],
-        // The harness runs the supervisor's binary; it does not link its library.
-        never: &["peregrine-supervisor"],
+        // The harness runs the `peregrine` binary: it links neither the supervisor's library nor
+        // the worker (every supervisor test build would compile the worker through it).
+        never: &["peregrine-supervisor", "peregrine-worker"],
         only_outside: None,
     },
     Rule {
@@ -127,6 +127,7 @@ const RULES: &[Rule] = &[
             "peregrine-proto",
             "peregrine-etcd",
             "peregrine-e2e",
+            "peregrine-worker",
             "xtask",
         ],
         never: &["peregrine-supervisor"],

@@ -33,7 +33,7 @@ pub(crate) fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         "the benchmark pins worker 0 to CPU {SHARED_CPU} and worker 1 to CPU {OTHER_CPU}: it needs 2 CPUs, this machine has {cpus}"
     );
     let peregrine =
-        super::super::release_peregrine_and(&["-p", "peregrine-e2e", "--bin", "hyper-baseline"])?;
+        super::super::release_peregrine_and(&["-p", "peregrine-bench", "--bin", "hyper-baseline"])?;
     let envoy_binary = envoy::install()?;
     if options.first_weights {
         super::first_weights::run(
