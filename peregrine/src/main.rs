@@ -242,14 +242,7 @@ fn main() -> ExitCode {
     }
     match cli.command {
         Command::ExecPassed { program, args } => {
-            use std::os::unix::process::CommandExt;
-            let mut command = std::process::Command::new(&program);
-            command.args(&args);
-            // Without LISTEN_FDS (a command that names the descriptor itself), no LISTEN_PID.
-            if std::env::var_os("LISTEN_FDS").is_some() {
-                command.env("LISTEN_PID", std::process::id().to_string());
-            }
-            let error = command.exec();
+            let error = peregrine_supervisor::manager::exec_passed(&program, &args);
             eprintln!("peregrine: cannot run {}: {error}", program.display());
             ExitCode::from(127)
         }

@@ -50,7 +50,7 @@ use self::{
 pub use self::{
     context::{Context, Replaced, starting_gate},
     error::{Fallback, ReplaceError, StartError},
-    launch::EXEC_PASSED,
+    launch::{EXEC_PASSED, exec_passed},
     leftovers::{become_subreaper, reap_orphans},
     orphan_watch::{ORPHAN_WATCH, WatchOrders, watch_orphans},
     process::{Ending, Exit},

@@ -39,6 +39,18 @@ use crate::{
 /// keeps it.
 pub const EXEC_PASSED: &str = "exec-passed";
 
+/// What [`EXEC_PASSED`] does, in the process it starts: sets `LISTEN_PID` to this process's pid
+/// when `LISTEN_FDS` is set (a command that names the descriptor itself gets neither), and execs
+/// `program` with `args` in its place. Returns only if the exec failed, with why.
+pub fn exec_passed(program: &std::path::Path, args: &[std::ffi::OsString]) -> io::Error {
+    let mut command = Command::new(program);
+    command.args(args);
+    if std::env::var_os("LISTEN_FDS").is_some() {
+        command.env("LISTEN_PID", std::process::id().to_string());
+    }
+    command.exec()
+}
+
 /// What a slot task needs to start its worker.
 #[derive(Clone, Debug)]
 pub(super) struct Launch {
