@@ -81,6 +81,19 @@ pub const PACKAGES: &[Package] = &[
         why: "a C toolchain: rustc links with cc, and build scripts compile C",
     },
     Package {
+        name: "protobuf-compiler",
+        probe: Probe::Program("protoc"),
+        uses: &[Use::Test],
+        why: "builds the previous release (0.1.0) for the compatibility test: its etcd client's \
+              build script ran protoc (no build of this version needs it)",
+    },
+    Package {
+        name: "libprotobuf-dev",
+        probe: Probe::File("/usr/include/google/protobuf/descriptor.proto"),
+        uses: &[Use::Test],
+        why: "protoc's own include files, which the previous release's etcd protos import",
+    },
+    Package {
         name: "clang-19",
         probe: Probe::Clang,
         uses: &[Use::Ebpf],

@@ -65,6 +65,10 @@ pub fn install() -> anyhow::Result<PathBuf> {
     let built = home.join("target/debug/peregrine");
     std::fs::copy(&built, &binary)
         .with_context(|| format!("copying {} to {}", built.display(), binary.display()))?;
+    // The binary is all the tests run: the source and the build (1.5 GB) go.
+    for dir in [source, home.join("target")] {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
     if !runs(&binary) {
         bail!("{} was built but does not run", binary.display());
     }
