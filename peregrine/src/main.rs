@@ -441,7 +441,7 @@ fn check(
     }
     // Workers this version would not adopt: while their supervisor runs, an upgrade in place
     // (which runs this check first) must not replace them without a drain.
-    let foreign = peregrine_supervisor::adopt::foreign(&c.supervisor.control);
+    let foreign = peregrine_supervisor::adopt::foreign(&c);
     let supervised = peregrine_supervisor::instance::holder(&c.supervisor.control).is_some();
     if supervised && !foreign.is_empty() {
         report(&format!(

@@ -99,32 +99,22 @@ pub struct Found {
 /// Finds the workers of an earlier supervisor of `config`'s control socket (those carrying `lineage`)
 /// and takes over those with a slot in `config`; stops the others.
 pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
-    let own = rustix::process::geteuid().as_raw();
-    let uid_of = |service: &str| {
-        let service = config.services.get(service)?;
-        Some(service.account.as_ref().map_or(own, |account| account.uid))
-    };
-    let uids: HashSet<u32> = config
-        .services
-        .keys()
-        .filter_map(|name| uid_of(name))
-        .chain([own])
-        .collect();
-    let found = roots(scan(&config.supervisor.control, &uids, lineage));
+    let users = Users::of(config);
+    let found = roots(scan(&config.supervisor.control, &users.uids, lineage));
     let mut by_slot: HashMap<Slot, Found> = HashMap::new();
     let mut unwanted = Vec::new();
     let mut foreign = Vec::new();
     for worker in found {
         let slot = &worker.described.slot;
-        if !worker.described.adoptable() {
-            foreign.push(worker);
-            continue;
-        }
-        if uid_of(&slot.service).is_some_and(|uid| uid != worker.uid) {
+        if !users.may_be(&worker) {
             // Its lineage says ours, its user says not this service's (the config changed its
             // `user`, or a worker of another service's user is posing as one): left alone. A worker
             // of ours stops once no supervisor takes its registration.
             tracing::warn!(pid = worker.pid, uid = worker.uid, %slot, "A process carrying this socket's lineage runs as another user than its service names: not adopted");
+            continue;
+        }
+        if !worker.described.adoptable() {
+            foreign.push(worker);
             continue;
         }
         let wanted = config
@@ -189,6 +179,38 @@ pub fn find(config: &Config, lineage: &Lineage) -> HashMap<Slot, Adopted> {
         );
     }
     adopted
+}
+
+/// The users whose processes may be workers of a config: this process's and each service's.
+struct Users {
+    /// Every one of them.
+    uids: HashSet<u32>,
+    /// Each service's.
+    of_service: HashMap<String, u32>,
+}
+
+impl Users {
+    fn of(config: &Config) -> Users {
+        let own = rustix::process::geteuid().as_raw();
+        let of_service: HashMap<String, u32> = config
+            .services
+            .values()
+            .map(|service| {
+                let uid = service.account.as_ref().map_or(own, |account| account.uid);
+                (service.name.clone(), uid)
+            })
+            .collect();
+        let uids = of_service.values().copied().chain([own]).collect();
+        Users { uids, of_service }
+    }
+
+    /// Whether `worker` runs as the user its slot's service names (a slot of no service: any of
+    /// the users).
+    fn may_be(&self, worker: &Found) -> bool {
+        self.of_service
+            .get(&worker.described.slot.service)
+            .is_none_or(|uid| *uid == worker.uid)
+    }
 }
 
 /// Every live process of one of `uids` whose environment names `control` (or its service's worker
@@ -387,20 +409,48 @@ impl fmt::Display for Foreign {
     }
 }
 
-/// The workers of an earlier supervisor of `control`, of any user, that this supervisor would not
-/// adopt. Empty when the socket's lock file (the lineage) cannot be read: this user is then not
-/// the one to adopt them either.
-pub fn foreign(control: &Path) -> Foreign {
+/// The workers of an earlier supervisor of `config`'s control socket that this supervisor would
+/// not adopt for their agreement's version, found as a start would find them (the same users, the
+/// same lineage). Empty when the socket's lock file (the lineage) cannot be read: this user is
+/// then not the one to adopt them either. Only the users whose environment this process may read
+/// are looked at.
+pub fn foreign(config: &Config) -> Foreign {
+    let control = &config.supervisor.control;
     let Some(lineage) = crate::instance::peek_lineage(control) else {
         return Foreign::default();
     };
-    // Other users' environments are read only with CAP_DAC_READ_SEARCH; without it, this user's.
+    let users = Users::of(config);
     let everyone = crate::config::can_read_other_users_files();
     let own = rustix::process::geteuid().as_raw();
     Foreign(
-        roots(scan_where(control, |uid| everyone || uid == own, &lineage))
-            .filter(|worker| !worker.described.adoptable())
-            .map(|worker| worker.foreign())
+        roots(scan_where(
+            control,
+            |uid| users.uids.contains(&uid) && (everyone || uid == own),
+            &lineage,
+        ))
+        .filter(|worker| users.may_be(worker) && !worker.described.adoptable())
+        .map(|worker| worker.foreign())
+        .collect(),
+    )
+}
+
+/// Of the workers a running supervisor reports (`slot` and `pid` each), those started under a
+/// version of the agreement this one does not adopt, from their environment; a worker whose
+/// environment this user may not read is passed over.
+pub fn foreign_among(workers: impl IntoIterator<Item = (Slot, u32)>) -> Foreign {
+    Foreign(
+        workers
+            .into_iter()
+            .filter_map(|(slot, pid)| {
+                let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+                let contract = Environ::parse(&environ).contract();
+                let adoptable = contract.is_some_and(|contract| ADOPTED.contains(&contract));
+                (!adoptable).then_some(ForeignWorker {
+                    pid,
+                    slot,
+                    contract,
+                })
+            })
             .collect(),
     )
 }

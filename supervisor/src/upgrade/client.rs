@@ -199,10 +199,17 @@ fn local_pids(status: &v1::Status) -> BTreeSet<u32> {
 pub fn upgrade(socket: &Path, timeout: Duration) -> Result<Outcome, UpgradeError> {
     let begun = Instant::now();
     let before = status::query(socket)?;
-    // Workers older than any version this program adopts, no newer program adopts either: asked
-    // here, where the program is (as a package's upgrade runs it) the one the supervisor would
-    // exec. Workers of a newer version are the new program's own check to refuse.
-    let foreign = crate::adopt::foreign(socket).older();
+    // The supervisor's workers older than any version this program adopts, which no newer program
+    // adopts either: asked here, where the program is (as a package's upgrade runs it) the one the
+    // supervisor would exec. Workers of a newer version are the new program's own check to refuse.
+    let foreign = crate::adopt::foreign_among(local_rows(&before).filter_map(|row| {
+        let slot = crate::children::Slot {
+            service: row.service.clone(),
+            index: row.index,
+        };
+        Some((slot, row.pid?))
+    }))
+    .older();
     if !foreign.is_empty() {
         return Err(UpgradeError::Foreign { foreign });
     }
