@@ -823,6 +823,59 @@ mod tests {
     }
 
     #[test]
+    fn a_hosts_records_hold_its_membership_and_no_load() {
+        // The records are made from the registry's snapshot (membership), which no load sample
+        // changes: a busy worker writes nothing to etcd.
+        let registry = Registry::new(["web".to_string()]);
+        registry
+            .register(Worker::ready(
+                "web",
+                0,
+                42,
+                vec![Protocol::Http1],
+                vec![Address::Tcp("10.0.0.1:8001".parse().unwrap())],
+            ))
+            .unwrap();
+        let keys = Keys::new("/peregrine");
+        let (weights, balancers) = (BTreeMap::new(), BTreeMap::new());
+        let specs = || Specs {
+            balancers: &balancers,
+            weights: &weights,
+        };
+        let before = registry.snapshot();
+        let records = own_records(&keys, &me(), &before, specs());
+        registry.publish_loads(crate::registry::Loads::new(
+            None,
+            [crate::registry::WorkerLoad {
+                service: "web".into(),
+                index: 0,
+                pid: 42,
+                cpu_cores: Some(1.9),
+                runq_wait_cores: Some(0.7),
+                requests_per_second: Some(12_000.0),
+                cpu_seconds_total: 300.0,
+                runq_wait_seconds_total: 40.0,
+                requests_total: 1_000_000,
+                in_flight: Some(64.0),
+                in_flight_now: Some(64),
+                in_flight_utilization: Some(1.0),
+                smoothed: None,
+                sampled_at: std::time::SystemTime::now(),
+            }],
+        ));
+        let after = registry.snapshot();
+        assert_eq!(
+            after.revision, before.revision,
+            "a load sample is no membership change"
+        );
+        assert_eq!(own_records(&keys, &me(), &after, specs()), records);
+        let text: String = records.values().cloned().collect();
+        for load in ["cpu", "runq", "request", "in_flight", "utilization"] {
+            assert!(!text.contains(load), "{load} in {records:#?}");
+        }
+    }
+
+    #[test]
     fn own_records_round_trip_into_another_hosts_view() {
         let registry = Registry::new(["web".to_string()]);
         registry
