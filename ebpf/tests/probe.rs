@@ -253,40 +253,45 @@ fn sharing_a_core_with_a_hog_shows_run_queue_wait() {
 fn a_departed_workers_time_never_reaches_its_successor() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(mut probe) = probe(1) else { return };
-    // A worker that burns CPU in lane 0, read there until it has a good 50 ms.
+    // A worker that burns CPU in lane 0, read there until it has 200 ms.
     let departed = Proc::spinner(None);
     let gone = departed.pid();
     probe.track(0, gone).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while probe.read(0, gone).on_cpu_ns < 50_000_000 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let burned = loop {
+        let burned = probe.read(0, gone).on_cpu_ns;
+        if burned >= 200_000_000 {
+            break burned;
+        }
         assert!(
             std::time::Instant::now() < deadline,
             "the spinner never ran"
         );
         std::thread::sleep(Duration::from_millis(5));
-    }
+    };
     // It exits and leaves the lane; an idle successor takes the same lane.
     drop(departed);
     probe.untrack(gone).unwrap();
     let successor = Proc::sleeper();
     probe.track(0, successor.pid()).unwrap();
     // A CPU's cell is tagged with the process whose time it holds, and reset when the successor
-    // first runs there: what the successor reads is its own (an idle `sleep`: next to nothing),
-    // never the departed worker's 50 ms, which stay tagged with the departed pid.
-    let read = probe.read(0, successor.pid());
-    assert!(
-        read.on_cpu_ns < 10_000_000,
-        "the successor starts with {:.1} ms on CPU",
-        ms(read.on_cpu_ns)
-    );
-    // Its later reads stay its own: 200 ms of sleeping add next to nothing.
-    std::thread::sleep(Duration::from_millis(200));
-    let later = probe.read(0, successor.pid());
-    assert!(
-        later.on_cpu_ns < 10_000_000,
-        "the successor has {:.1} ms on CPU",
-        ms(later.on_cpu_ns)
-    );
+    // first runs there: what the successor reads is its own, at most the CPU time the kernel gives
+    // the whole process (its start included, which on a slow machine is tens of ms), never the
+    // departed worker's 200 ms, which stay tagged with the departed pid.
+    for _ in 0..2 {
+        let read = probe.read(0, successor.pid()).on_cpu_ns;
+        let own = procfs::process_schedstat(successor.pid())
+            .unwrap()
+            .on_cpu_ns;
+        assert!(
+            read <= own + 5_000_000 && read < burned / 2,
+            "the successor reads {:.1} ms on CPU; it used {:.1} ms, the departed worker {:.1} ms",
+            ms(read),
+            ms(own),
+            ms(burned)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
