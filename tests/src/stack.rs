@@ -52,6 +52,14 @@ impl Stack {
         let mut config = PeregrineToml::one_service(grpc, listen, admin, workers);
         configure(&mut config);
         let supervisor = Supervisor::start(&config.toml());
+        Stack::around(supervisor, config, listen)
+    }
+
+    /// A stack of `supervisor`, started however the test needed (another binary, another user's
+    /// directory) with `config`, and an Envoy bootstrapped from it, listening on loopback at
+    /// `listen`.
+    #[track_caller]
+    pub fn around(supervisor: Supervisor, config: PeregrineToml, listen: u16) -> Stack {
         let bootstrap = supervisor.envoy_bootstrap().expect("envoy-bootstrap");
         let envoy = Envoy::start(&bootstrap);
         Stack {

@@ -8,15 +8,14 @@
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
     path::Path,
     process::{Command, Output},
 };
 
 use peregrine_contract::settings::{ADOPTED, CONTRACT};
 use peregrine_e2e::{
-    Envoy, PeregrineToml, Stack, Supervisor, TempDir, deploy::STEP, envoy_or_skip, gone,
-    peregrine_path, previous_release_or_skip, wait_until,
+    PeregrineToml, Stack, Supervisor, TempDir, deploy::STEP, envoy_or_skip, gone, peregrine_path,
+    previous_release_or_skip, wait_until,
 };
 
 /// `install -m 0755 from to`: a new file in `to`'s place, as a package upgrade leaves it.
@@ -78,13 +77,7 @@ fn the_previous_releases_workers_are_adopted_or_refused_with_a_drain() {
     );
     let config = PeregrineToml::one_service(grpc, listen, admin, 2);
     let supervisor = Supervisor::start_in(&program, dir.path(), &config.toml()).unwrap();
-    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
-    let mut stack = Stack {
-        envoy,
-        supervisor,
-        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        config,
-    };
+    let mut stack = Stack::around(supervisor, config, listen);
     let workers = stack.deployed().wait_for_workers(2, &BTreeSet::new());
     let old_version = version(&stack);
     // A supervisor that reports its image can upgrade in place (`peregrine upgrade`, SIGUSR2).

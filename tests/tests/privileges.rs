@@ -225,13 +225,7 @@ fn built_in_workers_as_nobody_hold_no_privilege_through_kills_restarts_adoption_
     let mut config = PeregrineToml::one_service(grpc, listen, admin, 2);
     config.service_mut(CLUSTER).user = Some(AccountId::Name("nobody".into()));
     let supervisor = Supervisor::start_open_to_workers(&stage, &[], &config.toml());
-    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
-    let mut stack = Stack {
-        envoy,
-        supervisor,
-        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        config,
-    };
+    let mut stack = Stack::around(supervisor, config, listen);
     let first = stack.deployed().wait_for_workers(2, &BTreeSet::new());
     assert_workers_unprivileged(&stack.supervisor, CLUSTER, &first, &nobody);
     // Their registration socket: the service's group may open it, nobody else.

@@ -5,15 +5,14 @@
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     process::{Command, Output},
 };
 
 use peregrine_e2e::{
-    Envoy, PeregrineToml, ServiceTable, Stack, Supervisor, TempDir, app_servers_or_skip,
-    deploy::STEP, envoy_or_skip, free_port, gone, gunicorn_command, peregrine_path, wait_until,
+    PeregrineToml, ServiceTable, Stack, Supervisor, TempDir, app_servers_or_skip, deploy::STEP,
+    envoy_or_skip, free_port, gone, gunicorn_command, peregrine_path, wait_until,
 };
 
 /// A stack whose supervisor runs from a copy of `peregrine` in a directory of its own (returned
@@ -34,13 +33,7 @@ fn started_from_a_copy_with(
     let mut config = PeregrineToml::one_service(grpc, listen, admin, workers);
     configure(&mut config);
     let supervisor = Supervisor::start_in(&program, dir.path(), &config.toml()).unwrap();
-    let envoy = Envoy::start(&supervisor.envoy_bootstrap().expect("envoy-bootstrap"));
-    let stack = Stack {
-        envoy,
-        supervisor,
-        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        config,
-    };
+    let stack = Stack::around(supervisor, config, listen);
     stack
         .deployed()
         .wait_for_workers(workers as usize, &BTreeSet::new());
