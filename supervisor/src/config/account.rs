@@ -458,4 +458,48 @@ mod tests {
             Path::new("/run/peregrine/peregrine.sock.web.workers")
         );
     }
+
+    fn nobody_with_a_group() -> Account {
+        Account {
+            user: "nobody".into(),
+            uid: 65534,
+            gid: 65534,
+            groups: vec![65534, 100],
+            login: None,
+        }
+    }
+
+    #[test]
+    fn a_directory_is_searched_by_owner_group_or_others_bits_alone() {
+        let account = nobody_with_a_group();
+        // Owned by the account: the owner's bit alone counts.
+        assert!(account.may(0o1, (65534, 0, 0o700)));
+        assert!(!account.may(0o1, (65534, 65534, 0o077)));
+        // Its primary or a supplementary group: the group's bit.
+        assert!(account.may(0o1, (0, 65534, 0o710)));
+        assert!(account.may(0o1, (0, 100, 0o750)));
+        assert!(!account.may(0o1, (0, 100, 0o701)));
+        // Anyone else's: the others' bit.
+        assert!(account.may(0o1, (0, 0, 0o711)));
+        assert!(!account.may(0o1, (0, 0, 0o770)));
+    }
+
+    #[test]
+    fn an_owner_only_directory_on_the_way_is_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let inner = dir.path().join("run");
+        std::fs::create_dir(&inner).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let socket = inner.join("control.sock.web.workers");
+        // Unless the test runs as that very user, the temporary directory is not its to search.
+        if rustix::process::geteuid().as_raw() != nobody_with_a_group().uid {
+            assert_eq!(
+                nobody_with_a_group().unsearchable_folder(&socket),
+                Some((dir.path().to_owned(), 0o700))
+            );
+        }
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        assert_eq!(nobody_with_a_group().unsearchable_folder(&socket), None);
+    }
 }

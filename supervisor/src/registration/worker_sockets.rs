@@ -14,12 +14,11 @@
 
 use std::{
     collections::HashMap,
-    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
 };
 
 use super::{BindError, Server, Socket, bind_replacing, serve_on};
-use crate::config::{Account, Config, worker_socket};
+use crate::config::{Config, worker_socket};
 
 /// The open worker sockets, by service.
 #[derive(Debug)]
@@ -112,13 +111,16 @@ impl WorkerSockets {
                 tracing::info!(service = %service.name, path = %path.display(), user = %account.user, gid = account.gid, "Worker socket open");
                 self.open.insert(service.name.clone(), open);
             }
-            reachable(&path, account).map_err(|(dir, mode)| BindError::Unreachable {
-                service: service.name.clone(),
-                user: account.user.clone(),
-                path: path.clone(),
-                dir,
-                mode,
-            })?;
+            // The rule `peregrine check` judges the same socket by.
+            if let Some((dir, mode)) = account.unsearchable_folder(&path) {
+                return Err(BindError::Unreachable {
+                    service: service.name.clone(),
+                    user: account.user.clone(),
+                    path: path.clone(),
+                    dir,
+                    mode,
+                });
+            }
         }
         Ok(())
     }
@@ -145,78 +147,4 @@ fn give_group(path: &Path, gid: u32) -> Result<(), BindError> {
         path: path.to_owned(),
         source,
     })
-}
-
-/// Whether `account` may search every directory on the way to `path`; if not, the first that it
-/// may not, and that directory's mode. Judged from the modes as the kernel would for a process with
-/// the account's uid, gid and groups (no ACLs, no capabilities: a worker holds none).
-fn reachable(path: &Path, account: &Account) -> Result<(), (PathBuf, u32)> {
-    let mut dir = PathBuf::new();
-    let Some(parent) = path.parent() else {
-        return Ok(());
-    };
-    for part in parent.components() {
-        dir.push(part);
-        let Ok(meta) = std::fs::metadata(&dir) else {
-            continue;
-        };
-        if !searchable(meta.uid(), meta.gid(), meta.mode(), account) {
-            return Err((dir, meta.mode() & 0o7777));
-        }
-    }
-    Ok(())
-}
-
-/// Whether a directory of owner `uid`, group `gid` and mode `mode` may be searched by `account`.
-fn searchable(uid: u32, gid: u32, mode: u32, account: &Account) -> bool {
-    account.may(0o1, (uid, gid, mode))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn nobody() -> Account {
-        Account {
-            user: "nobody".into(),
-            uid: 65534,
-            gid: 65534,
-            groups: vec![65534, 100],
-            login: None,
-        }
-    }
-
-    #[test]
-    fn a_directory_is_searched_by_owner_group_or_others_bits_alone() {
-        let account = nobody();
-        // Owned by the account: the owner's bit alone counts.
-        assert!(searchable(65534, 0, 0o700, &account));
-        assert!(!searchable(65534, 65534, 0o077, &account));
-        // Its primary or a supplementary group: the group's bit.
-        assert!(searchable(0, 65534, 0o710, &account));
-        assert!(searchable(0, 100, 0o750, &account));
-        assert!(!searchable(0, 100, 0o701, &account));
-        // Anyone else's: the others' bit.
-        assert!(searchable(0, 0, 0o711, &account));
-        assert!(!searchable(0, 0, 0o770, &account));
-    }
-
-    #[test]
-    fn an_owner_only_directory_on_the_way_is_named() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let inner = dir.path().join("run");
-        std::fs::create_dir(&inner).unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        let socket = inner.join("control.sock.web.workers");
-        // Unless the test runs as that very user, the temporary directory is not its to search.
-        if rustix::process::geteuid().as_raw() != nobody().uid {
-            assert_eq!(
-                reachable(&socket, &nobody()),
-                Err((dir.path().to_owned(), 0o700))
-            );
-        }
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
-        assert_eq!(reachable(&socket, &nobody()), Ok(()));
-    }
 }
