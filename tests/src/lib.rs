@@ -64,8 +64,8 @@ pub use load::{FailedRequest, Load, LoadOptions, LoadReport, requesting_while};
 pub use netns::{NetHost, Network, netns_or_skip};
 pub use paths::{
     AppServers, app_servers_or_skip, ebpf_or_skip, envoy_or_skip, envoy_path, example_path,
-    free_port, gunicorn_command, peregrine_path, previous_release_or_skip, python_clients_or_skip,
-    test_app, tool_or_skip,
+    free_port, gunicorn_command, install_program, peregrine_path, previous_release_or_skip,
+    python_clients_or_skip, test_app, tool_or_skip,
 };
 /// Whether process `pid` has exited. A worker adopted from a killed supervisor is reaped by init, not
 /// by the test: a zombie counts as gone too.

@@ -253,6 +253,28 @@ pub fn previous_release_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// `install -m 0755 from to`: a new file (a new inode) in `to`'s place, as a package installs one
+/// over a running program.
+///
+/// # Panics
+///
+/// When `install` fails.
+#[track_caller]
+pub fn install_program(from: &Path, to: &Path) {
+    let status = Command::new("install")
+        .args(["-m", "0755"])
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("install runs");
+    assert!(
+        status.success(),
+        "install {} {}",
+        from.display(),
+        to.display()
+    );
+}
+
 /// The command that runs `gunicorn` on the WSGI test application, one process on the listener the
 /// supervisor passes (gunicorn takes it from `LISTEN_FDS` itself: no `--bind`).
 pub fn gunicorn_command(gunicorn: &Path) -> Vec<String> {

@@ -8,26 +8,14 @@
 
 use std::{
     collections::BTreeSet,
-    path::Path,
     process::{Command, Output},
 };
 
 use peregrine_contract::settings::{ADOPTED, CONTRACT};
 use peregrine_e2e::{
-    PeregrineToml, Stack, Supervisor, TempDir, deploy::STEP, envoy_or_skip, gone, peregrine_path,
-    previous_release_or_skip, wait_until,
+    PeregrineToml, Stack, Supervisor, TempDir, deploy::STEP, envoy_or_skip, gone, install_program,
+    peregrine_path, previous_release_or_skip, wait_until,
 };
-
-/// `install -m 0755 from to`: a new file in `to`'s place, as a package upgrade leaves it.
-fn install(from: &Path, to: &Path) {
-    let status = Command::new("install")
-        .args(["-m", "0755"])
-        .arg(from)
-        .arg(to)
-        .status()
-        .unwrap();
-    assert!(status.success(), "install {}", to.display());
-}
 
 /// This version's `peregrine ARGS...`, and what it printed.
 fn peregrine(args: &[&std::ffi::OsStr]) -> (Output, String) {
@@ -69,7 +57,7 @@ fn the_previous_releases_workers_are_adopted_or_refused_with_a_drain() {
     };
     let dir = TempDir::new().unwrap();
     let program = dir.path().join("peregrine");
-    install(&previous, &program);
+    install_program(&previous, &program);
     let (grpc, listen, admin) = (
         peregrine_e2e::free_port(),
         peregrine_e2e::free_port(),
@@ -92,7 +80,7 @@ fn the_previous_releases_workers_are_adopted_or_refused_with_a_drain() {
     if adopted {
         // An upgrade in place keeps them, under load, losing nothing.
         let load = stack.deployed().load();
-        install(&peregrine_path(), &program);
+        install_program(&peregrine_path(), &program);
         let (out, said) = peregrine(&["upgrade".as_ref(), config_path.as_os_str()]);
         assert!(
             out.status.success(),
@@ -127,7 +115,7 @@ fn the_previous_releases_workers_are_adopted_or_refused_with_a_drain() {
     // The previous supervisor's own upgrade (SIGUSR2), to this version's program in its file's
     // place, where it has one (it reports its image): it runs this version's check, which refuses;
     // it runs on as it was.
-    install(&peregrine_path(), &program);
+    install_program(&peregrine_path(), &program);
     if upgrades_in_place {
         stack
             .supervisor

@@ -12,7 +12,7 @@ use std::{
 
 use peregrine_e2e::{
     PeregrineToml, ServiceTable, Stack, Supervisor, TempDir, app_servers_or_skip, deploy::STEP,
-    envoy_or_skip, free_port, gone, gunicorn_command, peregrine_path, wait_until,
+    envoy_or_skip, free_port, gone, gunicorn_command, install_program, peregrine_path, wait_until,
 };
 
 /// A stack whose supervisor runs from a copy of `peregrine` in a directory of its own (returned
@@ -28,7 +28,7 @@ fn started_from_a_copy_with(
 ) -> (TempDir, PathBuf, Stack) {
     let dir = TempDir::new().unwrap();
     let program = dir.path().join("peregrine");
-    install(&peregrine_path(), &program);
+    install_program(&peregrine_path(), &program);
     let (grpc, listen, admin) = (free_port(), free_port(), free_port());
     let mut config = PeregrineToml::one_service(grpc, listen, admin, workers);
     configure(&mut config);
@@ -38,23 +38,6 @@ fn started_from_a_copy_with(
         .deployed()
         .wait_for_workers(workers as usize, &BTreeSet::new());
     (dir, program, stack)
-}
-
-/// `install -m 0755 from to`: a new file (a new inode) in `to`'s place, as a package installs one.
-fn install(from: &Path, to: &Path) {
-    let status = Command::new("install")
-        .arg("-m")
-        .arg("0755")
-        .arg(from)
-        .arg(to)
-        .status()
-        .unwrap();
-    assert!(
-        status.success(),
-        "install {} {}",
-        from.display(),
-        to.display()
-    );
 }
 
 /// `peregrine upgrade` on the stack's config, through the build under test; what it printed, or a
@@ -153,7 +136,7 @@ fn an_upgrade_in_place_keeps_the_pid_and_the_workers_and_loses_no_request() {
     // A new file in the program's place, as a package upgrade leaves it: the running image is now
     // a deleted file.
     let (_, old_inode) = executing(pid);
-    install(&peregrine_path(), &program);
+    install_program(&peregrine_path(), &program);
     let new_inode = std::fs::metadata(&program).unwrap().ino();
     assert_ne!(new_inode, old_inode, "install makes a new file");
     let (link, _) = executing(pid);
@@ -218,7 +201,7 @@ fn an_upgrade_to_a_program_that_does_not_run_is_refused_and_changes_nothing() {
 
     let broken = dir.path().join("broken");
     std::fs::write(&broken, "#!/bin/sh\necho 'not a peregrine' >&2\nexit 1\n").unwrap();
-    install(&broken, &program);
+    install_program(&broken, &program);
     let config = stack.supervisor.config_path().to_owned();
     let out = peregrine(&["upgrade".as_ref(), config.as_os_str()]);
     let said = format!(
@@ -284,7 +267,7 @@ fn an_upgrade_keeps_a_passed_socket_server_and_replaces_its_orphan_watcher() {
     assert_eq!(watchers[0].1, pid, "a child of the supervisor");
     let load = stack.deployed().load();
 
-    install(&peregrine_path(), &program);
+    install_program(&peregrine_path(), &program);
     let stdout = upgrade(&stack);
     assert!(stdout.contains("2 workers kept"), "{stdout}");
     assert_eq!(server(&stack), before, "the server is adopted");
